@@ -1,0 +1,730 @@
+//! Inference backends: frames of one model in, one outcome per frame out.
+//!
+//! [`Backend`] is synchronous and blocking; it runs on the executor's own
+//! thread ([`crate::executor`]), never on a tokio worker. [`OrtBackend`] is
+//! the ONNX Runtime implementation: one CPU session per model, checked against
+//! its model.toml when opened, warmed up, and then fed preprocessed batches
+//! whose outputs the model's decoder turns into detections.
+//!
+//! A bad frame fails alone, with a [`Status::Failed`] that says what was
+//! wrong; the frames around it, and every later call, are served as usual.
+
+use std::borrow::Cow;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ort::session::{Session, SessionInputValue};
+use ort::value::{Outlet, TensorElementType, TensorRef};
+use tidegate_protocol::{
+    DType, Detection, Geometry, Layout, Status, Tensor, Timings, shape_string,
+};
+
+use crate::decode::{Decoder, DecoderError, OutputView};
+use crate::model::{DimsDisplay, ModelSpec, Repository};
+use crate::preprocess::Preprocessor;
+use crate::runtime::{Runtime, RuntimeError, RuntimeOptions};
+
+/// One frame for inference: u8 RGB pixels shaped `[1,H,W,C]` (NHWC) or
+/// `[1,C,H,W]` (NCHW) at the model's input size, and how they were fitted
+/// from the source frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrameInput {
+    /// The pixels.
+    pub tensor: Tensor,
+    /// Maps model-input coordinates back to source pixels.
+    pub geometry: Geometry,
+}
+
+/// What became of one frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrameOutcome {
+    /// `Ok`, or `Failed` with the reason.
+    pub status: Status,
+    /// Detections in source pixels (empty unless `Ok`).
+    pub detections: Vec<Detection>,
+    /// Time spent in each stage on the worker (`queue_us` is left 0 for the
+    /// gateway to fill).
+    pub timings: Timings,
+}
+
+impl FrameOutcome {
+    /// A failed frame with the reason, no detections and no timings.
+    pub fn failed(reason: impl Into<String>) -> Self {
+        FrameOutcome {
+            status: Status::Failed(reason.into()),
+            detections: Vec::new(),
+            timings: Timings::default(),
+        }
+    }
+}
+
+/// Runs inference for a set of models.
+pub trait Backend {
+    /// The models served, sorted by name.
+    fn models(&self) -> &[ModelSpec];
+
+    /// Runs `frames` through `model`. Returns exactly one outcome per frame,
+    /// in order; frames that cannot be run get [`Status::Failed`].
+    fn run(&mut self, model: &str, frames: &[FrameInput]) -> Vec<FrameOutcome>;
+
+    /// Measures the latency of a whole batch (preprocess, inference and
+    /// decode) for each batch size the model accepts, after warming up, as
+    /// `(batch, microseconds)`. Sizes of 0 or above the model's `max_batch`
+    /// are left out.
+    fn profile(
+        &mut self,
+        model: &str,
+        batch_sizes: &[u16],
+    ) -> Result<Vec<(u16, u32)>, BackendError>;
+}
+
+/// Why a frame cannot be run by `spec`, as the text of its failed status.
+pub fn check_frame(spec: &ModelSpec, tensor: &Tensor) -> Result<(), String> {
+    let want = spec.input.frame_shape(tensor.layout);
+    let layout_note = match tensor.layout {
+        Layout::Nhwc => "",
+        Layout::Nchw => " (nchw)",
+    };
+    if tensor.dtype != DType::U8 || tensor.shape != want {
+        return Err(format!(
+            "model '{}' expects u8 {}{layout_note}, frame has {}{}",
+            spec.name,
+            shape_string(&want),
+            if tensor.dtype == DType::U8 {
+                ""
+            } else {
+                "f32 "
+            },
+            shape_string(&tensor.shape),
+        ));
+    }
+    let need = spec.input.frame_len();
+    if tensor.data.len() != need {
+        return Err(format!(
+            "model '{}': frame {} of u8 needs {need} bytes, payload has {}",
+            spec.name,
+            shape_string(&tensor.shape),
+            tensor.data.len()
+        ));
+    }
+    Ok(())
+}
+
+/// `n` mid-grey frames for `spec`, for warm-up and profiling.
+fn grey_frames(spec: &ModelSpec, n: usize) -> Vec<FrameInput> {
+    let (w, h) = (spec.input.width, spec.input.height);
+    let tensor = Tensor {
+        dtype: DType::U8,
+        layout: Layout::Nhwc,
+        shape: spec.input.frame_shape(Layout::Nhwc).to_vec(),
+        data: Bytes::from(vec![128u8; spec.input.frame_len()]),
+    };
+    let frame = FrameInput {
+        tensor,
+        geometry: Geometry::stretch(w, h, w, h),
+    };
+    vec![frame; n]
+}
+
+/// The placeholder every outcome starts as; a frame left with it is a bug.
+const UNPROCESSED: &str = "worker bug: the backend did not process this frame";
+
+fn micros(d: Duration) -> u32 {
+    u32::try_from(d.as_micros()).unwrap_or(u32::MAX)
+}
+
+/// The model input buffer of one session, sized for `max_batch` frames.
+#[derive(Debug)]
+enum InputBuffer {
+    F32(Vec<f32>),
+    U8(Vec<u8>),
+}
+
+/// One model's session and everything needed to feed and read it.
+struct ModelSession {
+    spec: ModelSpec,
+    session: Session,
+    preprocessor: Preprocessor,
+    decoder: Decoder,
+    input: InputBuffer,
+}
+
+impl std::fmt::Debug for ModelSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelSession")
+            .field("model", &self.spec.name)
+            .field("decoder", &self.decoder)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelSession {
+    /// Runs frames `which` of `frames` (all valid, at most `max_batch`) as
+    /// one batch, writing their outcomes.
+    fn run_batch(&mut self, frames: &[FrameInput], which: &[usize], outcomes: &mut [FrameOutcome]) {
+        let ModelSession {
+            spec,
+            session,
+            preprocessor,
+            decoder,
+            input,
+        } = self;
+        let n = which.len();
+        let len = spec.input.frame_len();
+        let mut preprocess_us = Vec::with_capacity(n);
+        let shape: Vec<i64> = spec
+            .input
+            .model_shape(n as u32)
+            .iter()
+            .map(|&d| i64::from(d))
+            .collect();
+        let prepared = which.iter().enumerate().try_for_each(|(slot, &i)| {
+            let start = Instant::now();
+            let src = &frames[i].tensor;
+            let range = slot * len..(slot + 1) * len;
+            let r = match input {
+                InputBuffer::F32(buf) => {
+                    preprocessor.to_f32(&src.data, src.layout, &mut buf[range])
+                }
+                InputBuffer::U8(buf) => preprocessor.to_u8(&src.data, src.layout, &mut buf[range]),
+            };
+            preprocess_us.push(micros(start.elapsed()));
+            r
+        });
+        let value: Result<SessionInputValue<'_>, String> = match prepared {
+            Err(e) => Err(e.to_string()),
+            Ok(()) => match input {
+                InputBuffer::F32(buf) => TensorRef::from_array_view((shape, &buf[..n * len]))
+                    .map(SessionInputValue::from)
+                    .map_err(|e| e.to_string()),
+                InputBuffer::U8(buf) => TensorRef::from_array_view((shape, &buf[..n * len]))
+                    .map(SessionInputValue::from)
+                    .map_err(|e| e.to_string()),
+            },
+        };
+        let fail_all = |outcomes: &mut [FrameOutcome], reason: String| {
+            tracing::warn!(model = %spec.name, frames = n, %reason, "batch failed");
+            for &i in which {
+                outcomes[i] = FrameOutcome::failed(reason.clone());
+            }
+        };
+        let value = match value {
+            Ok(v) => v,
+            Err(e) => {
+                return fail_all(
+                    outcomes,
+                    format!("model '{}': cannot build the input tensor: {e}", spec.name),
+                );
+            }
+        };
+        let start = Instant::now();
+        let run = session.run(vec![(Cow::Borrowed(spec.input.name.as_str()), value)]);
+        let inference_us = micros(start.elapsed());
+        let results = match run {
+            Ok(r) => r,
+            Err(e) => {
+                return fail_all(
+                    outcomes,
+                    format!("model '{}': ONNX Runtime run failed: {e}", spec.name),
+                );
+            }
+        };
+        let mut views = Vec::with_capacity(spec.outputs.len());
+        if decoder.reads_outputs() {
+            for out in &spec.outputs {
+                let extracted = results
+                    .get(out.name.as_str())
+                    .ok_or_else(|| "is missing from the run's results".to_string())
+                    .and_then(|v| v.try_extract_tensor::<f32>().map_err(|e| e.to_string()));
+                match extracted {
+                    Ok((shape, data)) => views.push(OutputView {
+                        name: &out.name,
+                        shape,
+                        data,
+                    }),
+                    Err(e) => {
+                        return fail_all(
+                            outcomes,
+                            format!("model '{}': output {:?} {e}", spec.name, out.name),
+                        );
+                    }
+                }
+            }
+        }
+        for (slot, &i) in which.iter().enumerate() {
+            let start = Instant::now();
+            let decoded = decoder.decode(&views, slot, &frames[i].geometry);
+            let postprocess_us = micros(start.elapsed());
+            let timings = Timings {
+                queue_us: 0,
+                preprocess_us: preprocess_us[slot],
+                inference_us,
+                postprocess_us,
+            };
+            outcomes[i] = match decoded {
+                Ok(detections) => FrameOutcome {
+                    status: Status::Ok,
+                    detections,
+                    timings,
+                },
+                Err(e) => FrameOutcome {
+                    timings,
+                    ..FrameOutcome::failed(format!("model '{}': {e}", spec.name))
+                },
+            };
+        }
+    }
+}
+
+/// ONNX Runtime on the CPU: one session per model of a [`Repository`].
+#[derive(Debug)]
+pub struct OrtBackend {
+    specs: Vec<ModelSpec>,
+    sessions: Vec<ModelSession>,
+    options: RuntimeOptions,
+}
+
+impl OrtBackend {
+    /// Loads ONNX Runtime (see [`Runtime::init`]), opens a session for every
+    /// model in `repo`, checks each against its model.toml (input and output
+    /// names, element types, fixed dimensions, batch) and warms it up.
+    pub fn open(repo: &Repository, options: &RuntimeOptions) -> Result<Self, BackendError> {
+        let runtime = Runtime::init(options.library.as_deref())?;
+        let mut sessions = Vec::with_capacity(repo.models().len());
+        for model in repo.models() {
+            let spec = &model.spec;
+            let session_error = |e: &dyn std::fmt::Display| BackendError::Session {
+                model: spec.name.clone(),
+                path: model.path.clone(),
+                message: e.to_string(),
+            };
+            let mut builder =
+                Session::builder(runtime.environment()).map_err(|e| session_error(&e))?;
+            if options.intra_threads > 0 {
+                builder = builder
+                    .with_intra_threads(options.intra_threads)
+                    .map_err(|e| session_error(&e))?;
+            }
+            let session = builder
+                .commit_from_file(&model.path)
+                .map_err(|e| session_error(&e))?;
+            let decoder = Decoder::new(spec)?;
+            check_session(
+                spec,
+                session.inputs(),
+                session.outputs(),
+                decoder.reads_outputs(),
+            )?;
+            let capacity = spec.input.frame_len() * spec.max_batch as usize;
+            let input = match spec.input.model_dtype {
+                DType::F32 => InputBuffer::F32(vec![0.0; capacity]),
+                DType::U8 => InputBuffer::U8(vec![0; capacity]),
+            };
+            let mut ms = ModelSession {
+                preprocessor: Preprocessor::new(&spec.input),
+                spec: spec.clone(),
+                session,
+                decoder,
+                input,
+            };
+            let mut sizes = vec![1usize];
+            if spec.max_batch > 1 {
+                sizes.push(spec.max_batch as usize);
+            }
+            for size in sizes {
+                let frames = grey_frames(spec, size);
+                let which: Vec<usize> = (0..size).collect();
+                for _ in 0..options.warmup_runs.max(1) {
+                    let mut outcomes = vec![FrameOutcome::failed(UNPROCESSED); size];
+                    ms.run_batch(&frames, &which, &mut outcomes);
+                    if let Some(Status::Failed(reason)) = outcomes
+                        .into_iter()
+                        .map(|o| o.status)
+                        .find(|s| *s != Status::Ok)
+                    {
+                        return Err(BackendError::WarmUp {
+                            model: spec.name.clone(),
+                            batch: size,
+                            reason,
+                        });
+                    }
+                }
+            }
+            tracing::info!(model = %spec.name, path = %model.path.display(), "session ready");
+            sessions.push(ms);
+        }
+        Ok(OrtBackend {
+            specs: sessions.iter().map(|s| s.spec.clone()).collect(),
+            sessions,
+            options: options.clone(),
+        })
+    }
+
+    fn session_index(&self, model: &str) -> Result<usize, BackendError> {
+        self.sessions
+            .iter()
+            .position(|s| s.spec.name == model)
+            .ok_or_else(|| BackendError::UnknownModel {
+                model: model.to_string(),
+                served: self.specs.iter().map(|s| s.name.clone()).collect(),
+            })
+    }
+}
+
+impl Backend for OrtBackend {
+    fn models(&self) -> &[ModelSpec] {
+        &self.specs
+    }
+
+    fn run(&mut self, model: &str, frames: &[FrameInput]) -> Vec<FrameOutcome> {
+        let index = match self.session_index(model) {
+            Ok(i) => i,
+            Err(e) => return vec![FrameOutcome::failed(e.to_string()); frames.len()],
+        };
+        let ms = &mut self.sessions[index];
+        let mut outcomes = vec![FrameOutcome::failed(UNPROCESSED); frames.len()];
+        let mut valid = Vec::with_capacity(frames.len());
+        for (i, frame) in frames.iter().enumerate() {
+            match check_frame(&ms.spec, &frame.tensor) {
+                Ok(()) => valid.push(i),
+                Err(reason) => {
+                    tracing::debug!(model, frame = i, %reason, "frame rejected");
+                    outcomes[i] = FrameOutcome::failed(reason);
+                }
+            }
+        }
+        for chunk in valid.chunks(ms.spec.max_batch as usize) {
+            ms.run_batch(frames, chunk, &mut outcomes);
+        }
+        outcomes
+    }
+
+    fn profile(
+        &mut self,
+        model: &str,
+        batch_sizes: &[u16],
+    ) -> Result<Vec<(u16, u32)>, BackendError> {
+        let index = self.session_index(model)?;
+        let max_batch = self.sessions[index].spec.max_batch;
+        let (warmup, runs) = (self.options.warmup_runs, self.options.profile_runs.max(1));
+        let mut points = Vec::new();
+        for &batch in batch_sizes {
+            if batch == 0 || batch > max_batch {
+                tracing::debug!(model, batch, max_batch, "batch size not profiled");
+                continue;
+            }
+            let frames = grey_frames(&self.sessions[index].spec, batch as usize);
+            let mut samples = Vec::with_capacity(runs as usize);
+            for round in 0..warmup + runs {
+                let start = Instant::now();
+                let outcomes = self.run(model, &frames);
+                let elapsed = micros(start.elapsed());
+                if let Some(Status::Failed(reason)) = outcomes
+                    .into_iter()
+                    .map(|o| o.status)
+                    .find(|s| *s != Status::Ok)
+                {
+                    return Err(BackendError::Profile {
+                        model: model.to_string(),
+                        batch,
+                        reason,
+                    });
+                }
+                if round >= warmup {
+                    samples.push(elapsed);
+                }
+            }
+            samples.sort_unstable();
+            points.push((batch, samples[samples.len() / 2]));
+        }
+        Ok(points)
+    }
+}
+
+/// The graph's element type that a model.toml dtype means.
+fn element_type(dtype: DType) -> TensorElementType {
+    match dtype {
+        DType::F32 => TensorElementType::Float32,
+        DType::U8 => TensorElementType::Uint8,
+    }
+}
+
+/// Checks a session's inputs and outputs against the spec. Dimensions the
+/// graph leaves dynamic (-1) match anything; so does -1 in model.toml.
+fn check_session(
+    spec: &ModelSpec,
+    inputs: &[Outlet],
+    outputs: &[Outlet],
+    check_outputs: bool,
+) -> Result<(), BackendError> {
+    let mismatch = |field: String, expected: String, actual: String| BackendError::Mismatch {
+        model: spec.name.clone(),
+        field,
+        expected,
+        actual,
+    };
+    let names = |outlets: &[Outlet]| {
+        let n: Vec<&str> = outlets.iter().map(Outlet::name).collect();
+        format!("{n:?}")
+    };
+    let input = inputs
+        .iter()
+        .find(|i| i.name() == spec.input.name)
+        .ok_or_else(|| {
+            mismatch(
+                "input.name".into(),
+                format!("{:?}", spec.input.name),
+                format!("inputs {}", names(inputs)),
+            )
+        })?;
+    if inputs.len() != 1 {
+        return Err(mismatch(
+            "input.name".into(),
+            format!("{:?} as the only input", spec.input.name),
+            format!("inputs {}", names(inputs)),
+        ));
+    }
+    let want_type = element_type(spec.input.model_dtype);
+    if input.dtype().tensor_type() != Some(want_type) {
+        return Err(mismatch(
+            "input.model_dtype".into(),
+            spec.input.model_dtype.to_string(),
+            input
+                .dtype()
+                .tensor_type()
+                .map_or_else(|| input.dtype().to_string(), |t| t.to_string()),
+        ));
+    }
+    let want: Vec<i64> = spec
+        .input
+        .model_shape(1)
+        .iter()
+        .map(|&d| i64::from(d))
+        .collect();
+    let actual: Vec<i64> = input
+        .dtype()
+        .tensor_shape()
+        .map(|s| s.to_vec())
+        .unwrap_or_default();
+    let dims_match = actual.len() == 4
+        && want[1..]
+            .iter()
+            .zip(&actual[1..])
+            .all(|(&w, &a)| a == -1 || w == a);
+    if !dims_match {
+        return Err(mismatch(
+            "input (layout, width, height, channels)".into(),
+            format!("{} [batch{}]", spec.input.layout, {
+                let rest: Vec<String> = want[1..].iter().map(i64::to_string).collect();
+                format!(",{}", rest.join(","))
+            }),
+            format!("{}", DimsDisplay(&actual)),
+        ));
+    }
+    match (actual[0], spec.max_batch) {
+        (-1, _) | (1, 1) => {}
+        (b, m) => {
+            return Err(mismatch(
+                "max_batch".into(),
+                format!("{m}"),
+                if b == 1 {
+                    "a batch dimension fixed at 1".into()
+                } else {
+                    format!("a batch dimension fixed at {b} (only 1 or dynamic is supported)")
+                },
+            ));
+        }
+    }
+    if !check_outputs {
+        return Ok(());
+    }
+    for (i, out) in spec.outputs.iter().enumerate() {
+        let Some(actual) = outputs.iter().find(|o| o.name() == out.name) else {
+            return Err(mismatch(
+                format!("outputs[{i}].name"),
+                format!("{:?}", out.name),
+                format!("outputs {}", names(outputs)),
+            ));
+        };
+        if actual.dtype().tensor_type() != Some(TensorElementType::Float32) {
+            return Err(mismatch(
+                format!("outputs[{i}] ({:?}) element type", out.name),
+                "f32 (the decoder reads f32)".into(),
+                actual
+                    .dtype()
+                    .tensor_type()
+                    .map_or_else(|| actual.dtype().to_string(), |t| t.to_string()),
+            ));
+        }
+        let shape: Vec<i64> = actual
+            .dtype()
+            .tensor_shape()
+            .map(|s| s.to_vec())
+            .unwrap_or_default();
+        let fits = shape.len() == out.shape.len()
+            && shape
+                .iter()
+                .zip(&out.shape)
+                .all(|(&a, &w)| a == -1 || w == -1 || a == w);
+        if !fits {
+            return Err(mismatch(
+                format!("outputs[{i}].shape ({:?})", out.name),
+                format!("{}", DimsDisplay(&out.shape)),
+                format!("{}", DimsDisplay(&shape)),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Why a backend could not be opened or profiled.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// ONNX Runtime itself could not be loaded.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// ONNX Runtime could not open the model file.
+    #[error(
+        "model '{model}': ONNX Runtime cannot open {}: {message}; check that the file is a valid ONNX model (re-run `make setup` to fetch it again)",
+        path.display()
+    )]
+    Session {
+        /// The model's name.
+        model: String,
+        /// The model file.
+        path: std::path::PathBuf,
+        /// ONNX Runtime's account.
+        message: String,
+    },
+    /// model.toml and the ONNX graph disagree.
+    #[error(
+        "model '{model}': {field} in model.toml is {expected}, but the ONNX file has {actual}; fix model.toml so they agree"
+    )]
+    Mismatch {
+        /// The model's name.
+        model: String,
+        /// The model.toml field.
+        field: String,
+        /// What model.toml says.
+        expected: String,
+        /// What the graph has.
+        actual: String,
+    },
+    /// The decoder could not be built from the spec.
+    #[error(transparent)]
+    Decoder(#[from] DecoderError),
+    /// The warm-up run failed.
+    #[error("model '{model}': warm-up with a batch of {batch} failed: {reason}")]
+    WarmUp {
+        /// The model's name.
+        model: String,
+        /// The batch size tried.
+        batch: usize,
+        /// Why the run failed.
+        reason: String,
+    },
+    /// A model was asked for that this backend does not serve.
+    #[error("model '{model}' is not served by this worker (it serves: {}); add it to the worker's models", served.join(", "))]
+    UnknownModel {
+        /// The requested model.
+        model: String,
+        /// The models served.
+        served: Vec<String>,
+    },
+    /// A profiling run failed.
+    #[error("model '{model}': profiling a batch of {batch} failed: {reason}")]
+    Profile {
+        /// The model's name.
+        model: String,
+        /// The batch size.
+        batch: u16,
+        /// Why the run failed.
+        reason: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelSpec;
+
+    fn blazeface() -> ModelSpec {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/blazeface/model.toml");
+        ModelSpec::from_toml(&std::fs::read_to_string(&path).unwrap(), &path).unwrap()
+    }
+
+    fn tensor(dtype: DType, layout: Layout, shape: &[u32], len: usize) -> Tensor {
+        Tensor {
+            dtype,
+            layout,
+            shape: shape.to_vec(),
+            data: Bytes::from(vec![0u8; len]),
+        }
+    }
+
+    #[test]
+    fn wrong_shape_names_both_shapes() {
+        let t = tensor(DType::U8, Layout::Nhwc, &[1, 64, 64, 3], 64 * 64 * 3);
+        assert_eq!(
+            check_frame(&blazeface(), &t).unwrap_err(),
+            "model 'blazeface' expects u8 [1,128,128,3], frame has [1,64,64,3]"
+        );
+    }
+
+    #[test]
+    fn f32_frame_names_its_type() {
+        let t = tensor(DType::F32, Layout::Nhwc, &[1, 128, 128, 3], 128 * 128 * 12);
+        assert_eq!(
+            check_frame(&blazeface(), &t).unwrap_err(),
+            "model 'blazeface' expects u8 [1,128,128,3], frame has f32 [1,128,128,3]"
+        );
+    }
+
+    #[test]
+    fn empty_batch_is_rejected_naming_its_shape() {
+        let t = tensor(DType::U8, Layout::Nhwc, &[0, 128, 128, 3], 0);
+        assert_eq!(
+            check_frame(&blazeface(), &t).unwrap_err(),
+            "model 'blazeface' expects u8 [1,128,128,3], frame has [0,128,128,3]"
+        );
+    }
+
+    #[test]
+    fn planar_frame_is_checked_against_the_planar_shape() {
+        let len = 128 * 128 * 3;
+        assert!(
+            check_frame(
+                &blazeface(),
+                &tensor(DType::U8, Layout::Nchw, &[1, 3, 128, 128], len)
+            )
+            .is_ok()
+        );
+        let err = check_frame(
+            &blazeface(),
+            &tensor(DType::U8, Layout::Nchw, &[1, 128, 128, 3], len),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err,
+            "model 'blazeface' expects u8 [1,3,128,128] (nchw), frame has [1,128,128,3]"
+        );
+    }
+
+    #[test]
+    fn payload_shorter_than_shape_is_rejected() {
+        let t = tensor(DType::U8, Layout::Nhwc, &[1, 128, 128, 3], 10);
+        let err = check_frame(&blazeface(), &t).unwrap_err();
+        assert!(
+            err.contains("49152 bytes") && err.contains("has 10"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn matching_frame_is_accepted() {
+        let t = tensor(DType::U8, Layout::Nhwc, &[1, 128, 128, 3], 128 * 128 * 3);
+        assert!(check_frame(&blazeface(), &t).is_ok());
+    }
+}

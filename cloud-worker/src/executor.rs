@@ -1,0 +1,383 @@
+//! The executor: a [`Backend`] on its own thread, fed by a bounded queue.
+//!
+//! Inference blocks for milliseconds, so it never runs on a tokio worker
+//! thread. [`Executor::spawn`] moves the backend onto a dedicated
+//! `std::thread`; async code hands it [`Job`]s with [`Executor::try_submit`],
+//! which never blocks: a full queue is an immediate
+//! [`SubmitError::Overloaded`] (to be answered with `Shed(Overloaded)`), not
+//! back-pressure. Each job is answered through a `oneshot`, and runs inside
+//! its caller's tracing span. Dropping the executor (or
+//! [`Executor::shutdown`]) finishes the queued jobs and joins the thread.
+
+use std::any::Any;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::thread::{self, JoinHandle};
+
+use tokio::sync::oneshot;
+
+use crate::backend::{Backend, FrameInput, FrameOutcome};
+use crate::model::ModelSpec;
+
+/// A batch of frames for one model.
+#[derive(Debug)]
+pub struct Job {
+    /// The model to run.
+    pub model: String,
+    /// The frames, answered in this order.
+    pub frames: Vec<FrameInput>,
+    /// The caller's span; the backend runs inside it.
+    pub span: tracing::Span,
+}
+
+/// A job and where its answer goes.
+#[derive(Debug)]
+struct Envelope {
+    job: Job,
+    reply: oneshot::Sender<Vec<FrameOutcome>>,
+}
+
+/// A backend running on its own thread.
+#[derive(Debug)]
+pub struct Executor {
+    queue: Option<SyncSender<Envelope>>,
+    thread: Option<JoinHandle<()>>,
+    models: Vec<ModelSpec>,
+    capacity: usize,
+}
+
+impl Executor {
+    /// Moves `backend` onto a new thread named `tidegate-backend`, with a
+    /// queue of `capacity` jobs (at least 1) in front of it.
+    pub fn spawn(backend: Box<dyn Backend + Send>, capacity: usize) -> Executor {
+        let capacity = capacity.max(1);
+        let models = backend.models().to_vec();
+        let (tx, rx) = mpsc::sync_channel::<Envelope>(capacity);
+        let thread = thread::Builder::new()
+            .name("tidegate-backend".into())
+            .spawn(move || serve(backend, rx))
+            .expect("the OS refused to start the backend thread");
+        Executor {
+            queue: Some(tx),
+            thread: Some(thread),
+            models,
+            capacity,
+        }
+    }
+
+    /// The models the backend serves.
+    pub fn models(&self) -> &[ModelSpec] {
+        &self.models
+    }
+
+    /// The queue's capacity in jobs.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Queues `job` without blocking. The receiver yields one outcome per
+    /// frame, in order. A full queue gives the job back as
+    /// [`SubmitError::Overloaded`].
+    pub fn try_submit(
+        &self,
+        job: Job,
+    ) -> Result<oneshot::Receiver<Vec<FrameOutcome>>, SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        let Some(queue) = &self.queue else {
+            return Err(SubmitError::Stopped { job });
+        };
+        match queue.try_send(Envelope { job, reply }) {
+            Ok(()) => Ok(rx),
+            Err(TrySendError::Full(e)) => Err(SubmitError::Overloaded {
+                job: e.job,
+                capacity: self.capacity,
+            }),
+            Err(TrySendError::Disconnected(e)) => Err(SubmitError::Stopped { job: e.job }),
+        }
+    }
+
+    /// Stops taking jobs, finishes the queued ones, and joins the thread.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        // Closing the queue ends the thread's loop once it is drained.
+        self.queue.take();
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::error!("backend thread ended by a panic");
+        }
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The backend thread: answer jobs until the queue closes and is empty.
+fn serve(mut backend: Box<dyn Backend + Send>, rx: mpsc::Receiver<Envelope>) {
+    while let Ok(Envelope { job, reply }) = rx.recv() {
+        if reply.is_closed() {
+            // The caller gave up (deadline passed, connection gone): skip it.
+            continue;
+        }
+        let _entered = job.span.enter();
+        let outcomes = catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, &job.frames)))
+            .unwrap_or_else(|panic| {
+                let reason = format!(
+                    "model '{}': the backend panicked: {}",
+                    job.model,
+                    panic_message(&*panic)
+                );
+                tracing::error!(%reason, "backend panic; serving on");
+                vec![FrameOutcome::failed(reason); job.frames.len()]
+            });
+        // The caller may have gone meanwhile; nothing to do then.
+        let _ = reply.send(outcomes);
+    }
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+/// Why a job was not queued. Each variant gives the job back.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The queue is full; answer the frames as shed (overloaded).
+    #[error(
+        "executor queue is full ({capacity} jobs); shed the frames or raise the queue capacity"
+    )]
+    Overloaded {
+        /// The job, unrun.
+        job: Job,
+        /// The queue's capacity.
+        capacity: usize,
+    },
+    /// The backend thread has stopped.
+    #[error("the backend thread has stopped; restart the worker")]
+    Stopped {
+        /// The job, unrun.
+        job: Job,
+    },
+}
+
+impl SubmitError {
+    /// The job that was not queued.
+    pub fn into_job(self) -> Job {
+        match self {
+            SubmitError::Overloaded { job, .. } | SubmitError::Stopped { job } => job,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::{Receiver, Sender};
+    use std::sync::{Arc, Mutex};
+
+    use tidegate_protocol::{DType, Geometry, Layout, Status, Tensor, Timings};
+
+    use super::*;
+    use crate::backend::BackendError;
+
+    /// Records the models it ran and the thread it ran on; blocks each run
+    /// until the test sends a token on `gate` (when one is given).
+    struct FakeBackend {
+        ran: Arc<Mutex<Vec<(String, usize, String)>>>,
+        gate: Option<Receiver<()>>,
+        started: Option<Sender<()>>,
+    }
+
+    impl Backend for FakeBackend {
+        fn models(&self) -> &[ModelSpec] {
+            &[]
+        }
+
+        fn run(&mut self, model: &str, frames: &[FrameInput]) -> Vec<FrameOutcome> {
+            if let Some(s) = &self.started {
+                let _ = s.send(());
+            }
+            if let Some(g) = &self.gate {
+                g.recv().unwrap();
+            }
+            if model == "boom" {
+                panic!("fake backend exploded");
+            }
+            let thread = thread::current().name().unwrap_or("").to_string();
+            self.ran
+                .lock()
+                .unwrap()
+                .push((model.to_string(), frames.len(), thread));
+            frames
+                .iter()
+                .map(|f| FrameOutcome {
+                    status: Status::Ok,
+                    detections: Vec::new(),
+                    timings: Timings {
+                        inference_us: f.tensor.data.len() as u32,
+                        ..Timings::default()
+                    },
+                })
+                .collect()
+        }
+
+        fn profile(&mut self, _: &str, _: &[u16]) -> Result<Vec<(u16, u32)>, BackendError> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn frame(len: usize) -> FrameInput {
+        FrameInput {
+            tensor: Tensor {
+                dtype: DType::U8,
+                layout: Layout::Nhwc,
+                shape: vec![1, 1, len as u32, 1],
+                data: vec![0u8; len].into(),
+            },
+            geometry: Geometry::stretch(1, 1, 1, 1),
+        }
+    }
+
+    fn job(model: &str, lens: &[usize]) -> Job {
+        Job {
+            model: model.into(),
+            frames: lens.iter().map(|&l| frame(l)).collect(),
+            span: tracing::Span::none(),
+        }
+    }
+
+    type Ran = Arc<Mutex<Vec<(String, usize, String)>>>;
+
+    fn free_backend() -> (Box<dyn Backend + Send>, Ran) {
+        let ran = Ran::default();
+        let b = FakeBackend {
+            ran: ran.clone(),
+            gate: None,
+            started: None,
+        };
+        (Box::new(b), ran)
+    }
+
+    #[tokio::test]
+    async fn job_is_answered_in_order_on_the_backend_thread() {
+        let (backend, ran) = free_backend();
+        let exec = Executor::spawn(backend, 4);
+        let rx = exec.try_submit(job("m", &[3, 1, 2])).unwrap();
+        let out = rx.await.unwrap();
+        let lens: Vec<u32> = out.iter().map(|o| o.timings.inference_us).collect();
+        assert_eq!(lens, vec![3, 1, 2]);
+        let ran = ran.lock().unwrap().clone();
+        assert_eq!(
+            ran,
+            vec![("m".to_string(), 3, "tidegate-backend".to_string())]
+        );
+    }
+
+    #[test]
+    fn full_queue_is_overloaded_immediately_and_gives_the_job_back() {
+        let (gate_tx, gate_rx) = mpsc::channel();
+        let (started_tx, started_rx) = mpsc::channel();
+        let backend = FakeBackend {
+            ran: Ran::default(),
+            gate: Some(gate_rx),
+            started: Some(started_tx),
+        };
+        let exec = Executor::spawn(Box::new(backend), 1);
+        // The first job occupies the backend, the second fills the queue.
+        let first = exec.try_submit(job("a", &[1])).unwrap();
+        started_rx.recv().unwrap();
+        let second = exec.try_submit(job("b", &[1])).unwrap();
+        let err = exec.try_submit(job("c", &[5, 6])).unwrap_err();
+        assert!(err.to_string().contains("queue is full (1 jobs)"), "{err}");
+        let back = err.into_job();
+        assert_eq!((back.model.as_str(), back.frames.len()), ("c", 2));
+        gate_tx.send(()).unwrap();
+        gate_tx.send(()).unwrap();
+        assert_eq!(first.blocking_recv().unwrap().len(), 1);
+        assert_eq!(second.blocking_recv().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn shutdown_finishes_queued_jobs_before_joining() {
+        let (gate_tx, gate_rx) = mpsc::channel();
+        let (started_tx, started_rx) = mpsc::channel();
+        let ran = Ran::default();
+        let backend = FakeBackend {
+            ran: ran.clone(),
+            gate: Some(gate_rx),
+            started: Some(started_tx),
+        };
+        let exec = Executor::spawn(Box::new(backend), 4);
+        let receivers: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|m| exec.try_submit(job(m, &[1])).unwrap())
+            .collect();
+        started_rx.recv().unwrap();
+        for _ in 0..3 {
+            gate_tx.send(()).unwrap();
+        }
+        exec.shutdown();
+        let models: Vec<String> = ran.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+        assert_eq!(models, vec!["a", "b", "c"]);
+        for rx in receivers {
+            assert_eq!(rx.blocking_recv().unwrap()[0].status, Status::Ok);
+        }
+    }
+
+    #[test]
+    fn abandoned_job_is_skipped() {
+        let (gate_tx, gate_rx) = mpsc::channel();
+        let (started_tx, started_rx) = mpsc::channel();
+        let ran = Ran::default();
+        let backend = FakeBackend {
+            ran: ran.clone(),
+            gate: Some(gate_rx),
+            started: Some(started_tx),
+        };
+        let exec = Executor::spawn(Box::new(backend), 4);
+        let first = exec.try_submit(job("kept", &[1])).unwrap();
+        started_rx.recv().unwrap();
+        drop(exec.try_submit(job("abandoned", &[1])).unwrap());
+        let last = exec.try_submit(job("last", &[1])).unwrap();
+        gate_tx.send(()).unwrap();
+        gate_tx.send(()).unwrap();
+        assert!(first.blocking_recv().is_ok() && last.blocking_recv().is_ok());
+        let models: Vec<String> = ran.lock().unwrap().iter().map(|r| r.0.clone()).collect();
+        assert_eq!(models, vec!["kept", "last"]);
+    }
+
+    #[test]
+    fn backend_panic_fails_that_job_and_serving_continues() {
+        let (backend, _) = free_backend();
+        let exec = Executor::spawn(backend, 2);
+        let out = exec
+            .try_submit(job("boom", &[1, 1]))
+            .unwrap()
+            .blocking_recv()
+            .unwrap();
+        assert_eq!(out.len(), 2);
+        let Status::Failed(reason) = &out[0].status else {
+            panic!("expected a failure, got {:?}", out[0].status);
+        };
+        assert!(
+            reason.contains("model 'boom'") && reason.contains("fake backend exploded"),
+            "{reason}"
+        );
+        let out = exec
+            .try_submit(job("m", &[1]))
+            .unwrap()
+            .blocking_recv()
+            .unwrap();
+        assert_eq!(out[0].status, Status::Ok);
+    }
+}

@@ -1,0 +1,22 @@
+//! tidegate's cloud worker: runs ONNX models on frames the gateway dispatches.
+//!
+//! The data path through this crate, one hop per module:
+//! 1. [`model`] loads the model repository: every `models/<name>/model.toml`
+//!    and its checked `.onnx` file.
+//! 2. [`runtime`] finds and loads the ONNX Runtime library, once per process.
+//! 3. [`backend`] opens one session per model ([`backend::OrtBackend`]),
+//!    validates each frame, and runs batches:
+//!    [`preprocess`] turns u8 RGB frames into the model's input, ONNX Runtime
+//!    runs it, and [`decode`] turns the outputs into detections in source
+//!    pixels.
+//! 4. [`executor`] runs the backend on its own thread behind a bounded queue,
+//!    so that async code (the QUIC link) submits jobs without blocking.
+
+pub mod backend;
+pub mod config;
+pub mod decode;
+pub mod executor;
+pub mod link;
+pub mod model;
+pub mod preprocess;
+pub mod runtime;

@@ -1,0 +1,222 @@
+//! `tidegate-worker`: serves ONNX models to a tidegate gateway.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tidegate_protocol::{ColorOrder, DType, Layout, ModelInfo, ProfilePoint, Register};
+use tidegate_worker::backend::{Backend, OrtBackend};
+use tidegate_worker::config::WorkerConfig;
+use tidegate_worker::executor::Executor;
+use tidegate_worker::link::{self, LinkConfig};
+use tidegate_worker::model::Repository;
+use tidegate_worker::runtime::{Runtime, RuntimeOptions};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+/// tidegate cloud worker.
+///
+/// Loads the model repository, opens an ONNX Runtime session per model,
+/// measures each model's latency per batch size, then dials the gateway,
+/// registers, and runs the batches it is sent. SIGTERM drains: batches
+/// already taken are finished and answered, then the worker exits 0.
+///
+/// Example: TIDEGATE_WORKER_TOKEN=... tidegate-worker --config worker.toml
+#[derive(Debug, Parser)]
+#[command(version, about, long_about)]
+struct Cli {
+    /// Config file (TOML): name, [gateway], [models], [runtime].
+    #[arg(long, short, env = "TIDEGATE_WORKER_CONFIG")]
+    config: PathBuf,
+    /// Gateway address (overrides `gateway.addr`).
+    #[arg(long, env = "TIDEGATE_GATEWAY_ADDR", global = true)]
+    gateway: Option<SocketAddr>,
+    /// CA certificate to trust (overrides `gateway.ca`).
+    #[arg(long, env = "TIDEGATE_CA", global = true)]
+    ca: Option<PathBuf>,
+    /// The worker's token (overrides `token`; prefer the environment variable).
+    #[arg(
+        long,
+        env = "TIDEGATE_WORKER_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
+    token: Option<String>,
+    /// Model repository folder (overrides `models.dir`).
+    #[arg(long, env = "TIDEGATE_MODELS", global = true)]
+    models: Option<PathBuf>,
+    /// libonnxruntime.so to load (overrides `runtime.library`).
+    #[arg(long, env = "TIDEGATE_ORT_LIB", global = true)]
+    ort_lib: Option<PathBuf>,
+    /// Log filter.
+    #[arg(long, env = "TIDEGATE_LOG", default_value = "info", global = true)]
+    log: String,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the worker (the default).
+    Run,
+    /// Validate the config, the ONNX Runtime library and every model, exit.
+    CheckConfig,
+}
+
+fn load_config(cli: &Cli) -> anyhow::Result<WorkerConfig> {
+    let mut cfg = WorkerConfig::load(&cli.config)?;
+    if let Some(a) = cli.gateway {
+        cfg.gateway.addr = a;
+    }
+    if let Some(ca) = &cli.ca {
+        cfg.gateway.ca = ca.clone();
+    }
+    if let Some(t) = &cli.token {
+        cfg.token = t.clone();
+    }
+    if let Some(m) = &cli.models {
+        cfg.models.dir = m.clone();
+    }
+    if let Some(l) = &cli.ort_lib {
+        cfg.runtime.library = Some(l.clone());
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
+        .with_writer(std::io::stderr)
+        .init();
+    // Errors are one line that says what to do, not a backtrace.
+    if let Err(e) = real_main(cli) {
+        eprintln!("tidegate-worker: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main(cli: Cli) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let cfg = load_config(&cli)?;
+    let options = RuntimeOptions {
+        library: cfg.runtime.library.clone(),
+        intra_threads: cfg.runtime.intra_threads,
+        ..RuntimeOptions::default()
+    };
+    let only = (!cfg.models.only.is_empty()).then_some(cfg.models.only.as_slice());
+    let repo = Repository::load(&cfg.models.dir, only)?;
+    Runtime::init(options.library.as_deref())?;
+    let mut backend = OrtBackend::open(&repo, &options)?;
+    let mut models = Vec::new();
+    let mut profile = Vec::new();
+    for spec in backend.models().to_vec() {
+        let sizes: Vec<u16> = [1u16, 2, 4, 8, 16, 32]
+            .into_iter()
+            .filter(|&b| b <= spec.max_batch)
+            .collect();
+        for (batch, latency_us) in backend
+            .profile(&spec.name, &sizes)
+            .with_context(|| format!("profiling model '{}'", spec.name))?
+        {
+            info!(model = %spec.name, batch, latency_us, "profiled");
+            profile.push(ProfilePoint {
+                model: spec.name.clone(),
+                batch,
+                latency_us,
+            });
+        }
+        models.push(ModelInfo {
+            name: spec.name.clone(),
+            version: spec.version,
+            // What edges send: u8 RGB NHWC at the model's size. The worker
+            // converts to the graph's layout, colour order and type.
+            input: tidegate_protocol::InputSpec {
+                width: spec.input.width,
+                height: spec.input.height,
+                channels: 3,
+                dtype: DType::U8,
+                layout: Layout::Nhwc,
+                color: ColorOrder::Rgb,
+                resize: match spec.input.resize {
+                    tidegate_worker::model::Resize::Stretch => tidegate_protocol::Resize::Stretch,
+                    tidegate_worker::model::Resize::Letterbox => {
+                        tidegate_protocol::Resize::Letterbox
+                    }
+                },
+            },
+            max_batch: spec.max_batch,
+        });
+    }
+    if cli_is_check(&cli) {
+        println!("config ok: {} model(s) load and run", models.len());
+        return Ok(());
+    }
+    let register = Register {
+        worker: cfg.name.clone(),
+        device: format!(
+            "cpu ({} threads)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+        models,
+        profile,
+    };
+    let executor = Arc::new(Executor::spawn(Box::new(backend), 4));
+    let link = LinkConfig {
+        gateway: cfg.gateway.addr,
+        server_name: cfg.gateway.server_name.clone(),
+        ca: cfg.gateway.ca.clone(),
+        name: cfg.name.clone(),
+        token: cfg.token.clone(),
+    };
+    info!(
+        ready_ms = started.elapsed().as_millis() as u64,
+        "models warmed; dialling the gateway"
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let end = rt.block_on(async {
+        let cancel = CancellationToken::new();
+        let on_signal = cancel.clone();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            info!("SIGTERM/Ctrl-C: draining");
+            on_signal.cancel();
+        });
+        link::run(&link, executor.clone(), register, cancel).await
+    })?;
+    info!(?end, "exiting");
+    if let Ok(executor) = Arc::try_unwrap(executor) {
+        executor.shutdown();
+    }
+    Ok(())
+}
+
+fn cli_is_check(cli: &Cli) -> bool {
+    matches!(cli.command, Some(Command::CheckConfig))
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term.recv() => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

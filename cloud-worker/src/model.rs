@@ -1,0 +1,859 @@
+//! The model repository: a folder of models, one subfolder each, every one
+//! described by a `model.toml` next to its `.onnx` file.
+//!
+//! [`Repository::load`] parses and checks what can be checked without ONNX
+//! Runtime: the TOML against [`ModelSpec`] (unknown fields are errors), the
+//! internal consistency of the spec, that the model file exists, and its
+//! sha256 when one is pinned. Checking the spec against the ONNX graph itself
+//! (input and output names, fixed dimensions) happens when the backend opens
+//! the session ([`crate::backend::OrtBackend::open`]).
+
+use std::collections::HashSet;
+use std::fmt;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use tidegate_protocol::{DType, Layout};
+
+/// The file name that marks a folder as a model.
+pub const SPEC_FILE: &str = "model.toml";
+
+/// One model as described by its `model.toml`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// The model's name; equal to its folder's name. Frames address it by this.
+    pub name: String,
+    /// Version of the model, bumped when the file changes.
+    pub version: u32,
+    /// The ONNX file, relative to the model's folder.
+    pub file: PathBuf,
+    /// Lower-case hex sha256 of `file`; checked at load when present.
+    #[serde(default)]
+    pub sha256: Option<String>,
+    /// Most frames one inference run may carry (1 when the graph's batch
+    /// dimension is fixed at 1).
+    pub max_batch: u16,
+    /// The image input.
+    pub input: InputSpec,
+    /// The outputs the decoder reads, in the order it reads them.
+    pub outputs: Vec<OutputSpec>,
+    /// How outputs become detections.
+    pub decoder: DecoderSpec,
+}
+
+/// The model's image input. Frames always arrive as u8 RGB; this says what the
+/// graph wants and how the edge fits the source frame into it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputSpec {
+    /// Name of the graph input.
+    pub name: String,
+    /// Memory layout of the graph input.
+    pub layout: Layout,
+    /// Input width in pixels.
+    pub width: u32,
+    /// Input height in pixels.
+    pub height: u32,
+    /// Channels per pixel; only 3 is supported.
+    pub channels: u32,
+    /// Channel order the graph wants.
+    pub color: ColorOrder,
+    /// How the edge fits the source frame into `width`×`height`.
+    pub resize: Resize,
+    /// Element type of the graph input.
+    pub model_dtype: DType,
+    /// Per-channel transform from pixel to model value (f32 models only).
+    #[serde(default)]
+    pub normalize: Normalize,
+}
+
+impl InputSpec {
+    /// Shape of a batch of `batch` inputs in the model's layout.
+    pub fn model_shape(&self, batch: u32) -> [u32; 4] {
+        match self.layout {
+            Layout::Nhwc => [batch, self.height, self.width, self.channels],
+            Layout::Nchw => [batch, self.channels, self.height, self.width],
+        }
+    }
+
+    /// Shape a single frame of the given layout must have.
+    pub fn frame_shape(&self, layout: Layout) -> [u32; 4] {
+        match layout {
+            Layout::Nhwc => [1, self.height, self.width, self.channels],
+            Layout::Nchw => [1, self.channels, self.height, self.width],
+        }
+    }
+
+    /// Elements in one frame (`width * height * channels`).
+    pub fn frame_len(&self) -> usize {
+        self.width as usize * self.height as usize * self.channels as usize
+    }
+}
+
+/// Channel order of the model input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ColorOrder {
+    /// Red, green, blue (as frames arrive).
+    Rgb,
+    /// Blue, green, red (OpenCV-trained models).
+    Bgr,
+}
+
+/// How the edge fits a source frame into the model input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Resize {
+    /// Scale each axis independently to fill the input.
+    Stretch,
+    /// Keep the aspect ratio, centre, and pad the short side.
+    Letterbox,
+}
+
+/// `model value = (pixel * scale - mean[c]) / std[c]`, with `c` the channel of
+/// the model input (so in BGR models `mean[0]` applies to blue).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Normalize {
+    /// Multiplies the raw 0..=255 pixel first.
+    pub scale: f32,
+    /// Subtracted per channel after scaling.
+    pub mean: [f32; 3],
+    /// Divides per channel last; must be non-zero.
+    pub std: [f32; 3],
+}
+
+impl Default for Normalize {
+    /// The identity: model value = pixel.
+    fn default() -> Self {
+        Normalize {
+            scale: 1.0,
+            mean: [0.0; 3],
+            std: [1.0; 3],
+        }
+    }
+}
+
+/// One graph output the decoder reads.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSpec {
+    /// Name of the graph output.
+    pub name: String,
+    /// Its shape for a batch of one; -1 marks a dimension the graph leaves
+    /// dynamic. The first dimension is the batch.
+    pub shape: Vec<i64>,
+}
+
+/// How a model's outputs become detections, chosen by `kind`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum DecoderSpec {
+    /// MediaPipe BlazeFace: SSD anchors, sigmoid scores, weighted NMS.
+    Blazeface(BlazefaceSpec),
+    /// No decoding: the run's outputs are not turned into detections (for
+    /// benchmarking a graph, or models whose results travel another way).
+    Raw(RawSpec),
+}
+
+impl DecoderSpec {
+    /// The `kind` string, as written in model.toml.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DecoderSpec::Blazeface(_) => "blazeface",
+            DecoderSpec::Raw(_) => "raw",
+        }
+    }
+}
+
+/// Parameters of the BlazeFace decoder.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlazefaceSpec {
+    /// Keep anchors whose sigmoid score is above this.
+    pub score_threshold: f32,
+    /// Anchors overlapping the best one by at least this IoU merge into it.
+    pub iou_threshold: f32,
+    /// Most detections returned per frame (best first).
+    pub max_detections: usize,
+    /// Class names; BlazeFace has one, `face`.
+    pub labels: Vec<String>,
+    /// One anchor layer per pair of outputs.
+    pub layers: Vec<AnchorLayer>,
+}
+
+/// One SSD anchor layer: a `grid`×`grid` lattice over the input with
+/// `anchors_per_cell` anchors at each cell centre.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnchorLayer {
+    /// Output holding one logit per anchor, shape `[batch, anchors, 1]`.
+    pub scores: String,
+    /// Output holding the regressors per anchor, shape `[batch, anchors, 4 + 2k]`.
+    pub boxes: String,
+    /// Cells per side.
+    pub grid: u32,
+    /// Anchors in each cell.
+    pub anchors_per_cell: u32,
+}
+
+impl AnchorLayer {
+    /// Anchors in this layer (`grid² × anchors_per_cell`).
+    pub fn anchors(&self) -> usize {
+        self.grid as usize * self.grid as usize * self.anchors_per_cell as usize
+    }
+}
+
+/// Parameters of the raw decoder (none yet).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSpec {}
+
+impl ModelSpec {
+    /// Parses a model.toml. `origin` names the file in errors.
+    pub fn from_toml(text: &str, origin: &Path) -> Result<Self, RepositoryError> {
+        let spec: ModelSpec = toml::from_str(text).map_err(|e| RepositoryError::Parse {
+            path: origin.to_path_buf(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        spec.check()?;
+        Ok(spec)
+    }
+
+    /// The index of the output named `name` in `outputs`.
+    pub fn output_index(&self, name: &str) -> Option<usize> {
+        self.outputs.iter().position(|o| o.name == name)
+    }
+
+    /// Checks what the TOML grammar cannot: values in range, and names that
+    /// refer to each other.
+    fn check(&self) -> Result<(), RepositoryError> {
+        let invalid = |field: &str, problem: String| RepositoryError::Invalid {
+            model: self.name.clone(),
+            field: field.to_string(),
+            problem,
+        };
+        if self.name.is_empty() {
+            return Err(invalid("name", "is empty; give the model a name".into()));
+        }
+        if self.max_batch == 0 {
+            return Err(invalid("max_batch", "is 0; it must be at least 1".into()));
+        }
+        let input = &self.input;
+        if input.width == 0 || input.height == 0 {
+            return Err(invalid(
+                "input.width/height",
+                format!(
+                    "is {}x{}; both must be at least 1",
+                    input.width, input.height
+                ),
+            ));
+        }
+        if input.channels != 3 {
+            return Err(invalid(
+                "input.channels",
+                format!("is {}; only 3 (RGB or BGR) is supported", input.channels),
+            ));
+        }
+        let n = &input.normalize;
+        if !n.scale.is_finite() || n.mean.iter().chain(&n.std).any(|v| !v.is_finite()) {
+            return Err(invalid(
+                "input.normalize",
+                "has a non-finite value; use plain numbers".into(),
+            ));
+        }
+        if let Some(c) = n.std.iter().position(|&s| s == 0.0) {
+            return Err(invalid(
+                "input.normalize.std",
+                format!("has 0 for channel {c}; a divisor must be non-zero"),
+            ));
+        }
+        if let Some(sha) = &self.sha256
+            && (sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(invalid(
+                "sha256",
+                format!("is {sha:?}; it must be 64 hex digits (the output of sha256sum)"),
+            ));
+        }
+        let mut seen = HashSet::new();
+        for (i, out) in self.outputs.iter().enumerate() {
+            if !seen.insert(out.name.as_str()) {
+                return Err(invalid(
+                    &format!("outputs[{i}].name"),
+                    format!("{:?} is listed twice", out.name),
+                ));
+            }
+            if out.shape.is_empty() || out.shape.iter().any(|&d| d == 0 || d < -1) {
+                return Err(invalid(
+                    &format!("outputs[{i}].shape"),
+                    format!(
+                        "is {:?}; give one dimension per axis, each positive or -1 (dynamic)",
+                        out.shape
+                    ),
+                ));
+            }
+        }
+        match &self.decoder {
+            DecoderSpec::Blazeface(b) => self.check_blazeface(b),
+            DecoderSpec::Raw(_) => Ok(()),
+        }
+    }
+
+    fn check_blazeface(&self, b: &BlazefaceSpec) -> Result<(), RepositoryError> {
+        let invalid = |field: String, problem: String| RepositoryError::Invalid {
+            model: self.name.clone(),
+            field,
+            problem,
+        };
+        if !(0.0..1.0).contains(&b.score_threshold) {
+            return Err(invalid(
+                "decoder.score_threshold".into(),
+                format!("is {}; it must be in 0..1", b.score_threshold),
+            ));
+        }
+        if !(b.iou_threshold > 0.0 && b.iou_threshold <= 1.0) {
+            return Err(invalid(
+                "decoder.iou_threshold".into(),
+                format!("is {}; it must be in (0, 1]", b.iou_threshold),
+            ));
+        }
+        if b.max_detections == 0 {
+            return Err(invalid(
+                "decoder.max_detections".into(),
+                "is 0; it must be at least 1".into(),
+            ));
+        }
+        if b.labels.is_empty() {
+            return Err(invalid(
+                "decoder.labels".into(),
+                "is empty; BlazeFace needs one label, e.g. [\"face\"]".into(),
+            ));
+        }
+        if b.layers.is_empty() {
+            return Err(invalid(
+                "decoder.layers".into(),
+                "is empty; add one [[decoder.layers]] per score/box output pair".into(),
+            ));
+        }
+        for (i, layer) in b.layers.iter().enumerate() {
+            if layer.grid == 0 || layer.anchors_per_cell == 0 {
+                return Err(invalid(
+                    format!("decoder.layers[{i}]"),
+                    format!(
+                        "has grid = {} and anchors_per_cell = {}; both must be at least 1",
+                        layer.grid, layer.anchors_per_cell
+                    ),
+                ));
+            }
+        }
+        // Output names and shapes: the decoder checks what it reads.
+        crate::decode::Decoder::new(self)?;
+        Ok(())
+    }
+}
+
+/// A model found in the repository: its spec and where its file is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    /// The parsed model.toml.
+    pub spec: ModelSpec,
+    /// The model's folder.
+    pub dir: PathBuf,
+    /// The ONNX file (`dir` joined with `spec.file`).
+    pub path: PathBuf,
+}
+
+/// The models a worker serves, sorted by name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Repository {
+    root: PathBuf,
+    models: Vec<Model>,
+}
+
+impl Repository {
+    /// Loads every subfolder of `dir` that holds a model.toml, or, with
+    /// `only`, exactly the named ones (each must exist).
+    pub fn load(dir: &Path, only: Option<&[String]>) -> Result<Self, RepositoryError> {
+        let mut folders = Vec::new();
+        match only {
+            Some(names) => {
+                let mut seen = HashSet::new();
+                for name in names {
+                    if !seen.insert(name.as_str()) {
+                        continue;
+                    }
+                    let folder = dir.join(name);
+                    if !folder.join(SPEC_FILE).is_file() {
+                        return Err(RepositoryError::NotFound {
+                            name: name.clone(),
+                            dir: dir.to_path_buf(),
+                            available: Self::available(dir),
+                        });
+                    }
+                    folders.push((name.clone(), folder));
+                }
+            }
+            None => {
+                let entries = fs::read_dir(dir).map_err(|source| RepositoryError::ReadDir {
+                    dir: dir.to_path_buf(),
+                    source,
+                })?;
+                for entry in entries {
+                    let entry = entry.map_err(|source| RepositoryError::ReadDir {
+                        dir: dir.to_path_buf(),
+                        source,
+                    })?;
+                    let folder = entry.path();
+                    if folder.join(SPEC_FILE).is_file() {
+                        let name = entry.file_name().to_string_lossy().into_owned();
+                        folders.push((name, folder));
+                    }
+                }
+            }
+        }
+        if folders.is_empty() {
+            return Err(RepositoryError::Empty {
+                dir: dir.to_path_buf(),
+            });
+        }
+        let mut models = Vec::with_capacity(folders.len());
+        for (folder_name, folder) in folders {
+            models.push(Self::load_model(&folder_name, &folder)?);
+        }
+        models.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        Ok(Repository {
+            root: dir.to_path_buf(),
+            models,
+        })
+    }
+
+    fn load_model(folder_name: &str, folder: &Path) -> Result<Model, RepositoryError> {
+        let spec_path = folder.join(SPEC_FILE);
+        let text = fs::read_to_string(&spec_path).map_err(|source| RepositoryError::Read {
+            path: spec_path.clone(),
+            source,
+        })?;
+        let spec = ModelSpec::from_toml(&text, &spec_path)?;
+        if spec.name != folder_name {
+            return Err(RepositoryError::Invalid {
+                model: spec.name.clone(),
+                field: "name".into(),
+                problem: format!(
+                    "does not match its folder {}; rename one so they agree",
+                    folder.display()
+                ),
+            });
+        }
+        let path = folder.join(&spec.file);
+        if !path.is_file() {
+            return Err(RepositoryError::MissingFile {
+                model: spec.name.clone(),
+                path,
+            });
+        }
+        if let Some(expected) = &spec.sha256 {
+            let actual = sha256_file(&path).map_err(|source| RepositoryError::Read {
+                path: path.clone(),
+                source,
+            })?;
+            if !actual.eq_ignore_ascii_case(expected) {
+                return Err(RepositoryError::Checksum {
+                    model: spec.name.clone(),
+                    path,
+                    expected: expected.clone(),
+                    actual,
+                });
+            }
+        }
+        Ok(Model {
+            spec,
+            dir: folder.to_path_buf(),
+            path,
+        })
+    }
+
+    /// Names of the folders in `dir` that hold a model.toml, for error messages.
+    fn available(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().join(SPEC_FILE).is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The folder the models were loaded from.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The models, sorted by name.
+    pub fn models(&self) -> &[Model] {
+        &self.models
+    }
+
+    /// The model called `name`.
+    pub fn get(&self, name: &str) -> Option<&Model> {
+        self.models.iter().find(|m| m.spec.name == name)
+    }
+}
+
+/// Lower-case hex sha256 of a file, streamed.
+fn sha256_file(path: &Path) -> io::Result<String> {
+    let mut hasher = Sha256::new();
+    let mut file = fs::File::open(path)?;
+    io::copy(&mut file, &mut hasher)?;
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// Why the model repository could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RepositoryError {
+    /// The repository folder could not be listed.
+    #[error("cannot list the model folder {}: {source}; check the models path in the worker config", dir.display())]
+    ReadDir {
+        /// The folder.
+        dir: PathBuf,
+        /// What the OS said.
+        source: io::Error,
+    },
+    /// No subfolder holds a model.toml.
+    #[error("no models in {}: no subfolder holds a model.toml; point the worker at the repository's models/ folder", dir.display())]
+    Empty {
+        /// The folder searched.
+        dir: PathBuf,
+    },
+    /// A model asked for by name has no folder with a model.toml.
+    #[error("model '{name}' not found: {}/{name}/model.toml does not exist (models there: {})", dir.display(), list(available))]
+    NotFound {
+        /// The requested name.
+        name: String,
+        /// The repository folder.
+        dir: PathBuf,
+        /// Models that do exist.
+        available: Vec<String>,
+    },
+    /// A file could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: io::Error,
+    },
+    /// A model.toml is not valid TOML or does not match the spec's fields.
+    #[error("{}: {message}", path.display())]
+    Parse {
+        /// The model.toml.
+        path: PathBuf,
+        /// The parser's account, with line and column.
+        message: String,
+    },
+    /// A model.toml parses but a value is out of range or inconsistent.
+    #[error("model '{model}': {field} {problem}")]
+    Invalid {
+        /// The model's name.
+        model: String,
+        /// The offending field, as a TOML path.
+        field: String,
+        /// What is wrong and what to do.
+        problem: String,
+    },
+    /// The decoder section does not fit the outputs.
+    #[error(transparent)]
+    Decoder(#[from] crate::decode::DecoderError),
+    /// The model's ONNX file does not exist.
+    #[error("model '{model}': file {} is missing; run `make setup` (models/fetch.sh) to fetch it", path.display())]
+    MissingFile {
+        /// The model's name.
+        model: String,
+        /// Where the file was expected.
+        path: PathBuf,
+    },
+    /// The model file's sha256 differs from the pinned one.
+    #[error("model '{model}': {} has sha256 {actual}, model.toml pins {expected}; the file is corrupt or a different version: delete it and run `make setup`", path.display())]
+    Checksum {
+        /// The model's name.
+        model: String,
+        /// The model file.
+        path: PathBuf,
+        /// The sha256 in model.toml.
+        expected: String,
+        /// The file's sha256.
+        actual: String,
+    },
+}
+
+fn list(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Shapes as in model.toml and error messages: `[1,512,-1]`.
+pub(crate) struct DimsDisplay<'a>(pub &'a [i64]);
+
+impl fmt::Display for DimsDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{d}")?;
+        }
+        f.write_str("]")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blazeface_toml() -> String {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/blazeface/model.toml");
+        fs::read_to_string(path).unwrap()
+    }
+
+    fn parse(text: &str) -> Result<ModelSpec, RepositoryError> {
+        ModelSpec::from_toml(text, Path::new("model.toml"))
+    }
+
+    #[test]
+    fn shipped_blazeface_spec_parses_into_the_expected_fields() {
+        let spec = parse(&blazeface_toml()).unwrap();
+        assert_eq!(spec.name, "blazeface");
+        assert_eq!(spec.max_batch, 1);
+        assert_eq!(spec.input.name, "input:0");
+        assert_eq!(spec.input.layout, Layout::Nhwc);
+        assert_eq!(spec.input.model_dtype, DType::F32);
+        assert_eq!(spec.input.resize, Resize::Letterbox);
+        assert_eq!(spec.input.normalize.mean, [127.5; 3]);
+        assert_eq!(spec.outputs.len(), 4);
+        assert_eq!(spec.outputs[2].shape, vec![1, 512, 16]);
+        let DecoderSpec::Blazeface(b) = &spec.decoder else {
+            panic!("expected the blazeface decoder, got {:?}", spec.decoder);
+        };
+        assert_eq!(b.layers.len(), 2);
+        assert_eq!(b.layers[1].anchors(), 384);
+        assert_eq!(b.labels, vec!["face".to_string()]);
+    }
+
+    #[test]
+    fn unknown_field_is_rejected_with_its_name() {
+        let text = blazeface_toml().replace("max_batch = 1", "max_batch = 1\nmax_bacth = 2");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("max_bacth"), "{err}");
+    }
+
+    #[test]
+    fn unknown_field_inside_decoder_is_rejected() {
+        let text =
+            blazeface_toml().replace("max_detections = 64", "max_detections = 64\nnms = true");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("nms"), "{err}");
+    }
+
+    #[test]
+    fn unknown_decoder_kind_is_rejected_naming_it() {
+        let text = blazeface_toml().replace("kind = \"blazeface\"", "kind = \"yolo\"");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("yolo"), "{err}");
+    }
+
+    #[test]
+    fn raw_decoder_needs_no_parameters() {
+        let text = r#"
+            name = "probe"
+            version = 1
+            file = "probe.onnx"
+            max_batch = 8
+            [input]
+            name = "images"
+            layout = "nchw"
+            width = 64
+            height = 32
+            channels = 3
+            color = "bgr"
+            resize = "stretch"
+            model_dtype = "u8"
+            [[outputs]]
+            name = "out"
+            shape = [-1, 10]
+            [decoder]
+            kind = "raw"
+        "#;
+        let spec = parse(text).unwrap();
+        assert_eq!(spec.decoder, DecoderSpec::Raw(RawSpec {}));
+        assert_eq!(spec.input.normalize, Normalize::default());
+        assert_eq!(spec.input.model_shape(8), [8, 3, 32, 64]);
+        assert_eq!(spec.input.frame_shape(Layout::Nhwc), [1, 32, 64, 3]);
+        assert!(spec.sha256.is_none());
+    }
+
+    #[test]
+    fn layer_naming_a_missing_output_is_an_error_naming_the_layer() {
+        let text = blazeface_toml().replace("boxes = \"Identity_3:0\"", "boxes = \"Identity_9:0\"");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("model 'blazeface'"), "{err}");
+        assert!(err.contains("decoder.layers[1].boxes"), "{err}");
+        assert!(err.contains("Identity_9:0"), "{err}");
+    }
+
+    #[test]
+    fn layer_whose_anchor_count_disagrees_with_its_output_is_an_error() {
+        let text = blazeface_toml().replace("grid = 8", "grid = 9");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("decoder.layers[1].scores"), "{err}");
+        assert!(err.contains("[batch,486,1]"), "{err}");
+    }
+
+    #[test]
+    fn zero_std_is_rejected() {
+        let text =
+            blazeface_toml().replace("std = [127.5, 127.5, 127.5]", "std = [127.5, 0.0, 127.5]");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(
+            err.contains("input.normalize.std") && err.contains("channel 1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn malformed_sha256_is_rejected() {
+        let text = blazeface_toml().replace("sha256 = \"d388", "sha256 = \"zz88");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(
+            err.contains("sha256") && err.contains("64 hex digits"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn single_channel_input_is_rejected() {
+        let text = blazeface_toml().replace("channels = 3", "channels = 1");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("input.channels"), "{err}");
+    }
+
+    /// A repository folder with one model `name` whose file holds `bytes`.
+    fn repo_with(name: &str, bytes: &[u8], sha: Option<String>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join(name);
+        fs::create_dir(&folder).unwrap();
+        let mut text =
+            blazeface_toml().replace("name = \"blazeface\"", &format!("name = \"{name}\""));
+        let sha_line = text
+            .lines()
+            .find(|l| l.starts_with("sha256"))
+            .unwrap()
+            .to_string();
+        text = match sha {
+            Some(s) => text.replace(&sha_line, &format!("sha256 = \"{s}\"")),
+            None => text.replace(&sha_line, ""),
+        };
+        fs::write(folder.join(SPEC_FILE), text).unwrap();
+        fs::write(folder.join("model.onnx"), bytes).unwrap();
+        dir
+    }
+
+    #[test]
+    fn repository_loads_every_model_folder_and_skips_others() {
+        let dir = repo_with("face", b"onnx", None);
+        fs::create_dir(dir.path().join("notes")).unwrap();
+        let repo = Repository::load(dir.path(), None).unwrap();
+        assert_eq!(repo.models().len(), 1);
+        let model = repo.get("face").unwrap();
+        assert_eq!(model.path, dir.path().join("face/model.onnx"));
+        assert!(repo.get("blazeface").is_none());
+    }
+
+    #[test]
+    fn matching_sha256_is_accepted() {
+        // `printf onnx | sha256sum`
+        let sha = "87e93f89f2be0db364e8be052f79f389e6c2da239831922e24513288af522a43";
+        let dir = repo_with("face", b"onnx", Some(sha.to_string()));
+        assert_eq!(
+            sha256_file(&dir.path().join("face/model.onnx")).unwrap(),
+            sha
+        );
+        assert!(Repository::load(dir.path(), None).is_ok());
+    }
+
+    #[test]
+    fn wrong_sha256_names_model_and_both_digests() {
+        let pinned = "0".repeat(64);
+        let dir = repo_with("face", b"onnx", Some(pinned.clone()));
+        let err = Repository::load(dir.path(), None).unwrap_err().to_string();
+        assert!(err.contains("model 'face'"), "{err}");
+        assert!(err.contains(&pinned), "{err}");
+        assert!(err.contains("make setup"), "{err}");
+    }
+
+    #[test]
+    fn missing_model_file_says_how_to_fetch_it() {
+        let dir = repo_with("face", b"onnx", None);
+        fs::remove_file(dir.path().join("face/model.onnx")).unwrap();
+        let err = Repository::load(dir.path(), None).unwrap_err().to_string();
+        let want = format!(
+            "model 'face': file {} is missing; run `make setup` (models/fetch.sh) to fetch it",
+            dir.path().join("face/model.onnx").display()
+        );
+        assert_eq!(err, want);
+    }
+
+    #[test]
+    fn only_loads_the_named_models_and_rejects_unknown_names() {
+        let dir = repo_with("face", b"onnx", None);
+        let only = vec!["face".to_string()];
+        assert_eq!(
+            Repository::load(dir.path(), Some(&only))
+                .unwrap()
+                .models()
+                .len(),
+            1
+        );
+        let only = vec!["yolo".to_string()];
+        let err = Repository::load(dir.path(), Some(&only))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model 'yolo' not found") && err.contains("face"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn folder_and_name_must_agree() {
+        let dir = repo_with("face", b"onnx", None);
+        fs::rename(dir.path().join("face"), dir.path().join("faces")).unwrap();
+        let err = Repository::load(dir.path(), None).unwrap_err().to_string();
+        assert!(
+            err.contains("model 'face': name") && err.contains("faces"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn empty_repository_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Repository::load(dir.path(), None).unwrap_err().to_string();
+        assert!(err.contains("no models in"), "{err}");
+    }
+}

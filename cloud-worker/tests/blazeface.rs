@@ -1,0 +1,337 @@
+//! BlazeFace end to end: the real model file on the real ONNX Runtime
+//! (found the way the worker finds it: ORT_DYLIB_PATH, else the tidegate
+//! cache that `make setup` fills).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use image::imageops::{self, FilterType};
+use tidegate_protocol::{DType, Detection, Geometry, Layout, Status, Tensor};
+use tidegate_worker::backend::{Backend, BackendError, FrameInput, OrtBackend};
+use tidegate_worker::model::Repository;
+use tidegate_worker::runtime::{Runtime, RuntimeError, RuntimeOptions};
+
+fn models_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models")
+}
+
+fn options() -> RuntimeOptions {
+    RuntimeOptions {
+        intra_threads: 1,
+        warmup_runs: 1,
+        profile_runs: 3,
+        ..RuntimeOptions::default()
+    }
+}
+
+fn backend() -> OrtBackend {
+    let repo = Repository::load(&models_dir(), Some(&["blazeface".to_string()])).unwrap();
+    OrtBackend::open(&repo, &options()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// astronaut.png (512×512) resized to 128×128 with a triangle filter; square,
+/// so letterbox and stretch agree.
+fn astronaut() -> FrameInput {
+    let img = image::open(models_dir().join("testdata/astronaut.png"))
+        .unwrap()
+        .to_rgb8();
+    assert_eq!(img.dimensions(), (512, 512));
+    let small = imageops::resize(&img, 128, 128, FilterType::Triangle);
+    FrameInput {
+        tensor: Tensor {
+            dtype: DType::U8,
+            layout: Layout::Nhwc,
+            shape: vec![1, 128, 128, 3],
+            data: small.into_raw().into(),
+        },
+        geometry: Geometry::letterbox(512, 512, 128, 128),
+    }
+}
+
+fn frame(shape: &[u32]) -> FrameInput {
+    let len: u32 = shape.iter().product();
+    FrameInput {
+        tensor: Tensor {
+            dtype: DType::U8,
+            layout: Layout::Nhwc,
+            shape: shape.to_vec(),
+            data: vec![0u8; len as usize].into(),
+        },
+        geometry: Geometry::letterbox(128, 128, 128, 128),
+    }
+}
+
+fn faces(outcome: &tidegate_worker::backend::FrameOutcome) -> &[Detection] {
+    assert_eq!(outcome.status, Status::Ok, "{outcome:?}");
+    &outcome.detections
+}
+
+/// Measured once with this test's own pipeline (triangle resize to 128×128,
+/// [-1,1] normalisation, ONNX Runtime 1.31.1 on the CPU): score 0.921, box
+/// (177.3, 80.6)-(271.8, 175.1) in the 512×512 image, i.e. centre
+/// (224.6, 127.9), 94.5 px square. The Python reference gave score ≈ 0.92,
+/// centre ≈ (225, 128), size ≈ 95 px.
+const ASTRONAUT_FACE: [f32; 4] = [177.3, 80.6, 271.8, 175.1];
+
+#[test]
+fn astronaut_has_one_face_where_measured() {
+    let mut backend = backend();
+    let out = backend.run("blazeface", &[astronaut()]);
+    assert_eq!(out.len(), 1);
+    let faces = faces(&out[0]);
+    for f in faces {
+        println!(
+            "face: score {:.3} box ({:.1}, {:.1})-({:.1}, {:.1}), {} keypoints",
+            f.score,
+            f.x1,
+            f.y1,
+            f.x2,
+            f.y2,
+            f.keypoints.len()
+        );
+    }
+    assert_eq!(faces.len(), 1, "{faces:?}");
+    let f = &faces[0];
+    assert!(f.score > 0.8, "{f:?}");
+    assert_eq!(f.class, 0);
+    for (got, want) in [f.x1, f.y1, f.x2, f.y2].into_iter().zip(ASTRONAUT_FACE) {
+        assert!(
+            (got - want).abs() <= 10.0,
+            "box {f:?} is off the measured {ASTRONAUT_FACE:?}"
+        );
+    }
+    // Six landmarks (eyes, nose, mouth, ears), all near the face.
+    assert_eq!(f.keypoints.len(), 6);
+    for [x, y] in &f.keypoints {
+        assert!(
+            *x > f.x1 - 20.0 && *x < f.x2 + 20.0 && *y > f.y1 - 20.0 && *y < f.y2 + 20.0,
+            "{f:?}"
+        );
+    }
+    let t = out[0].timings;
+    assert!(t.inference_us > 0 && t.queue_us == 0, "{t:?}");
+}
+
+#[test]
+fn wrong_shape_fails_naming_both_shapes_and_later_frames_still_succeed() {
+    let mut backend = backend();
+    let out = backend.run("blazeface", &[frame(&[1, 64, 64, 3]), astronaut()]);
+    assert_eq!(out.len(), 2);
+    assert_eq!(
+        out[0].status,
+        Status::Failed("model 'blazeface' expects u8 [1,128,128,3], frame has [1,64,64,3]".into())
+    );
+    assert_eq!(faces(&out[1]).len(), 1);
+    let out = backend.run("blazeface", &[astronaut()]);
+    assert_eq!(faces(&out[0]).len(), 1);
+}
+
+#[test]
+fn f32_frame_and_empty_batch_fail_alone() {
+    let mut backend = backend();
+    let mut f32_frame = frame(&[1, 128, 128, 12]);
+    f32_frame.tensor.dtype = DType::F32;
+    f32_frame.tensor.shape = vec![1, 128, 128, 3];
+    let out = backend.run(
+        "blazeface",
+        &[f32_frame, frame(&[0, 128, 128, 3]), astronaut()],
+    );
+    assert_eq!(
+        out[0].status,
+        Status::Failed(
+            "model 'blazeface' expects u8 [1,128,128,3], frame has f32 [1,128,128,3]".into()
+        )
+    );
+    assert_eq!(
+        out[1].status,
+        Status::Failed(
+            "model 'blazeface' expects u8 [1,128,128,3], frame has [0,128,128,3]".into()
+        )
+    );
+    assert_eq!(faces(&out[2]).len(), 1);
+    assert!(backend.run("blazeface", &[]).is_empty());
+}
+
+#[test]
+fn planar_frame_gives_the_same_face() {
+    let mut backend = backend();
+    let nhwc = astronaut();
+    let mut planar = vec![0u8; nhwc.tensor.data.len()];
+    for (i, px) in nhwc.tensor.data.chunks_exact(3).enumerate() {
+        for c in 0..3 {
+            planar[c * 128 * 128 + i] = px[c];
+        }
+    }
+    let nchw = FrameInput {
+        tensor: Tensor {
+            layout: Layout::Nchw,
+            shape: vec![1, 3, 128, 128],
+            data: planar.into(),
+            ..nhwc.tensor.clone()
+        },
+        geometry: nhwc.geometry,
+    };
+    let out = backend.run("blazeface", &[nhwc, nchw]);
+    assert_eq!(faces(&out[0]), faces(&out[1]));
+}
+
+#[test]
+fn unknown_model_fails_every_frame_naming_what_is_served() {
+    let mut backend = backend();
+    let out = backend.run("yolo", &[astronaut(), astronaut()]);
+    assert_eq!(out.len(), 2);
+    let Status::Failed(reason) = &out[1].status else {
+        panic!("{:?}", out[1]);
+    };
+    assert!(
+        reason.contains("model 'yolo' is not served") && reason.contains("blazeface"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn profile_measures_the_batch_sizes_the_model_accepts() {
+    let mut backend = backend();
+    assert_eq!(backend.models().len(), 1);
+    assert_eq!(backend.models()[0].max_batch, 1);
+    let points = backend.profile("blazeface", &[1, 4]).unwrap();
+    assert_eq!(points.len(), 1, "{points:?}");
+    assert_eq!(points[0].0, 1);
+    assert!(points[0].1 > 0);
+    let err = backend.profile("yolo", &[1]).unwrap_err();
+    assert!(matches!(err, BackendError::UnknownModel { .. }), "{err}");
+}
+
+#[test]
+fn second_runtime_path_in_one_process_is_refused() {
+    let _ = backend();
+    let loaded = Runtime::get().unwrap().path().to_path_buf();
+    assert!(Runtime::init(Some(&loaded)).is_ok());
+    let other = Path::new("/opt/elsewhere/libonnxruntime.so");
+    let err = Runtime::init(Some(other)).unwrap_err();
+    assert!(matches!(err, RuntimeError::AlreadyLoaded { .. }), "{err}");
+    assert!(
+        err.to_string().contains("/opt/elsewhere/libonnxruntime.so"),
+        "{err}"
+    );
+}
+
+/// A copy of models/blazeface in a temp dir, with `edit` applied to model.toml.
+fn edited_repo(edit: impl Fn(String) -> String) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = models_dir().join("blazeface");
+    let dst = dir.path().join("blazeface");
+    fs::create_dir(&dst).unwrap();
+    fs::copy(src.join("model.onnx"), dst.join("model.onnx")).unwrap();
+    let text = fs::read_to_string(src.join("model.toml")).unwrap();
+    fs::write(dst.join("model.toml"), edit(text)).unwrap();
+    dir
+}
+
+fn open_error(edit: impl Fn(String) -> String) -> String {
+    let dir = edited_repo(edit);
+    let repo = Repository::load(dir.path(), None).unwrap();
+    let err = OrtBackend::open(&repo, &options()).unwrap_err().to_string();
+    println!("{err}");
+    err
+}
+
+#[test]
+fn wrong_input_name_names_model_field_and_both_names() {
+    let err = open_error(|t| t.replace("name = \"input:0\"", "name = \"image\""));
+    assert!(err.starts_with("model 'blazeface': input.name"), "{err}");
+    assert!(
+        err.contains("\"image\"") && err.contains("\"input:0\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn wrong_input_size_names_both_shapes() {
+    let err = open_error(|t| t.replace("width = 128", "width = 160"));
+    assert!(err.starts_with("model 'blazeface': input"), "{err}");
+    assert!(
+        err.contains("[batch,128,160,3]") && err.contains("[1,128,128,3]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn wrong_output_name_names_the_output_field() {
+    let err = open_error(|t| t.replace("Identity_3:0", "Identity_4:0"));
+    assert!(
+        err.starts_with("model 'blazeface': outputs[3].name"),
+        "{err}"
+    );
+    assert!(
+        err.contains("\"Identity_4:0\"") && err.contains("\"Identity_3:0\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn batch_above_the_graphs_fixed_batch_is_refused() {
+    let err = open_error(|t| t.replace("max_batch = 1", "max_batch = 4"));
+    assert!(err.starts_with("model 'blazeface': max_batch"), "{err}");
+    assert!(
+        err.contains("is 4, but the ONNX file has a batch dimension fixed at 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn u8_model_dtype_against_an_f32_graph_is_refused() {
+    let err = open_error(|t| t.replace("model_dtype = \"f32\"", "model_dtype = \"u8\""));
+    assert!(
+        err.starts_with("model 'blazeface': input.model_dtype"),
+        "{err}"
+    );
+    assert!(err.contains("is u8, but the ONNX file has f32"), "{err}");
+}
+
+#[test]
+fn missing_model_file_says_how_to_fetch_it() {
+    let dir = edited_repo(|t| t);
+    let file = dir.path().join("blazeface/model.onnx");
+    fs::remove_file(&file).unwrap();
+    let err = Repository::load(dir.path(), None).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        format!(
+            "model 'blazeface': file {} is missing; run `make setup` (models/fetch.sh) to fetch it",
+            file.display()
+        )
+    );
+}
+
+#[test]
+fn corrupted_model_file_fails_its_checksum() {
+    let dir = edited_repo(|t| t);
+    fs::write(dir.path().join("blazeface/model.onnx"), b"not a model").unwrap();
+    let err = Repository::load(dir.path(), None).unwrap_err().to_string();
+    assert!(
+        err.starts_with("model 'blazeface':") && err.contains("sha256"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unpinned_garbage_model_file_fails_to_open_naming_the_model_and_file() {
+    let dir = edited_repo(|t| {
+        t.lines()
+            .filter(|l| !l.starts_with("sha256"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+    let file = dir.path().join("blazeface/model.onnx");
+    fs::write(&file, b"not a model").unwrap();
+    let repo = Repository::load(dir.path(), None).unwrap();
+    let err = OrtBackend::open(&repo, &options()).unwrap_err();
+    assert!(matches!(err, BackendError::Session { .. }), "{err}");
+    let text = err.to_string();
+    let want = format!(
+        "model 'blazeface': ONNX Runtime cannot open {}: ",
+        file.display()
+    );
+    assert!(text.starts_with(&want), "{text}");
+}

@@ -1,0 +1,521 @@
+//! Builds the GStreamer pipeline of one camera and its callbacks.
+//!
+//! Layout (element names in brackets):
+//!
+//! ```text
+//! test://   videotestsrc[source] ! capsfilter[source-caps: W×H @ fps] !
+//! image://  filesrc[source] ! decodebin[decoder] ~> imagefreeze[freeze] ! capsfilter[rate: fps] !
+//! file://   uridecodebin[decoder] ~> videorate[rate] ! capsfilter[rate-caps: ≤ fps] !
+//!   videoscale[scale] ! capsfilter[content] ! videoconvert[convert] !
+//!   (letterbox only) videobox[letterbox] ! appsink[sink: RGB width×height]
+//! ```
+//!
+//! A probe on `scale`'s sink pad sees the source caps before any buffer; it
+//! computes the [`Geometry`] and, for letterboxing, sets `content` to the
+//! content size and `letterbox`'s negative borders to pad it out to the
+//! model input, so the content lands exactly where [`Geometry::letterbox`]
+//! says.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use gstreamer as gst;
+use gstreamer::glib;
+use gstreamer::prelude::*;
+use gstreamer_app as gst_app;
+use gstreamer_video as gst_video;
+use gstreamer_video::prelude::*;
+use tidegate_protocol::Geometry;
+
+use super::{CaptureError, CaptureSpec, CapturedFrame, Resize, Shared, SourceUri, StreamError};
+
+/// Debian package that ships each element we use.
+fn package_of(factory: &str) -> &'static str {
+    match factory {
+        "imagefreeze" | "videobox" => "gstreamer1.0-plugins-good",
+        _ => "gstreamer1.0-plugins-base",
+    }
+}
+
+fn make(spec: &CaptureSpec, factory: &str, name: &str) -> Result<gst::Element, CaptureError> {
+    gst::ElementFactory::make(factory)
+        .name(name)
+        .build()
+        .map_err(|_| CaptureError::MissingElement {
+            camera: spec.camera.clone(),
+            element: factory.to_owned(),
+            package: package_of(factory).to_owned(),
+        })
+}
+
+fn build_error(spec: &CaptureSpec, reason: impl Into<String>) -> CaptureError {
+    CaptureError::Build {
+        camera: spec.camera.clone(),
+        uri: spec.uri.clone(),
+        reason: reason.into(),
+    }
+}
+
+/// `max_fps` as a GStreamer fraction.
+fn fps_fraction(max_fps: f64) -> gst::Fraction {
+    gst::Fraction::approximate_f64(max_fps).unwrap_or_else(|| gst::Fraction::new(1, 1))
+}
+
+/// Builds the pipeline; it is left in the NULL state.
+pub(super) fn build(
+    spec: &CaptureSpec,
+    source: &SourceUri,
+    shared: &Arc<Shared>,
+) -> Result<gst::Pipeline, CaptureError> {
+    let pipeline = gst::Pipeline::with_name(&format!("capture-{}", spec.camera));
+    let fps = fps_fraction(spec.max_fps);
+
+    // The common tail: scale → content size → RGB → (borders) → appsink.
+    let scale = make(spec, "videoscale", "scale")?;
+    // Black borders are ours (videobox), placed exactly; never videoscale's.
+    scale.set_property("add-borders", false);
+    let content = make(spec, "capsfilter", "content")?;
+    content.set_property(
+        "caps",
+        gst::Caps::builder("video/x-raw")
+            .field("width", spec.width as i32)
+            .field("height", spec.height as i32)
+            .build(),
+    );
+    let convert = make(spec, "videoconvert", "convert")?;
+    let letterbox = match spec.resize {
+        Resize::Letterbox => Some(make(spec, "videobox", "letterbox")?),
+        Resize::Stretch => None,
+    };
+    let live = !matches!(source, SourceUri::File { .. });
+    let sink = gst_app::AppSink::builder()
+        .name("sink")
+        .caps(
+            &gst_video::VideoCapsBuilder::new()
+                .format(gst_video::VideoFormat::Rgb)
+                .width(spec.width as i32)
+                .height(spec.height as i32)
+                .build(),
+        )
+        .max_buffers(1)
+        .drop(true)
+        // Live sources already run at max_fps; a file is paced by the clock.
+        .sync(!live)
+        .enable_last_sample(false)
+        .build();
+
+    let mut tail: Vec<&gst::Element> = vec![&scale, &content, &convert];
+    if let Some(letterbox) = &letterbox {
+        tail.push(letterbox);
+    }
+    tail.push(sink.upcast_ref());
+    pipeline
+        .add_many(tail.iter().copied())
+        .map_err(|e| build_error(spec, e.to_string()))?;
+    gst::Element::link_many(tail.iter().copied())
+        .map_err(|e| build_error(spec, format!("linking scale → sink: {e}")))?;
+
+    build_source(spec, source, &pipeline, &scale, fps, shared)?;
+    watch_source_caps(spec, &scale, &content, letterbox.as_ref(), shared)?;
+    sink.set_callbacks(
+        gst_app::AppSinkCallbacks::builder()
+            .new_sample({
+                let shared = Arc::clone(shared);
+                let (width, height) = (spec.width, spec.height);
+                move |sink| on_sample(sink, &shared, width, height)
+            })
+            .build(),
+    );
+    Ok(pipeline)
+}
+
+/// Adds the source elements and links them (now or when decoded pads appear)
+/// to `scale`.
+fn build_source(
+    spec: &CaptureSpec,
+    source: &SourceUri,
+    pipeline: &gst::Pipeline,
+    scale: &gst::Element,
+    fps: gst::Fraction,
+    shared: &Arc<Shared>,
+) -> Result<(), CaptureError> {
+    let add_and_link = |chain: &[&gst::Element]| -> Result<(), CaptureError> {
+        pipeline
+            .add_many(chain.iter().copied())
+            .map_err(|e| build_error(spec, e.to_string()))?;
+        gst::Element::link_many(chain.iter().copied().chain([scale]))
+            .map_err(|e| build_error(spec, format!("linking the source to the scaler: {e}")))
+    };
+    match source {
+        SourceUri::Test {
+            pattern,
+            width,
+            height,
+        } => {
+            let src = make(spec, "videotestsrc", "source")?;
+            src.set_property("is-live", true);
+            set_pattern(spec, &src, pattern)?;
+            let caps = make(spec, "capsfilter", "source-caps")?;
+            caps.set_property(
+                "caps",
+                gst::Caps::builder("video/x-raw")
+                    .field("width", *width as i32)
+                    .field("height", *height as i32)
+                    .field("framerate", fps)
+                    .build(),
+            );
+            add_and_link(&[&src, &caps])
+        }
+        SourceUri::Image { path } => {
+            let src = make(spec, "filesrc", "source")?;
+            src.set_property("location", path.to_string_lossy().as_ref());
+            let decoder = make(spec, "decodebin", "decoder")?;
+            let freeze = make(spec, "imagefreeze", "freeze")?;
+            freeze.set_property("is-live", true);
+            let rate = make(spec, "capsfilter", "rate")?;
+            rate.set_property(
+                "caps",
+                gst::Caps::builder("video/x-raw")
+                    .field("framerate", fps)
+                    .build(),
+            );
+            pipeline
+                .add_many([&src, &decoder])
+                .map_err(|e| build_error(spec, e.to_string()))?;
+            src.link(&decoder)
+                .map_err(|e| build_error(spec, format!("linking filesrc → decodebin: {e}")))?;
+            add_and_link(&[&freeze, &rate])?;
+            link_decoded_video(&decoder, &freeze, shared);
+            Ok(())
+        }
+        SourceUri::File { uri, .. } => {
+            let decoder = make(spec, "uridecodebin", "decoder")?;
+            decoder.set_property("uri", uri.as_str());
+            let rate = make(spec, "videorate", "rate")?;
+            // Only ever drop frames to honour max_fps; never duplicate them.
+            rate.set_property("drop-only", true);
+            let caps = make(spec, "capsfilter", "rate-caps")?;
+            caps.set_property(
+                "caps",
+                gst::Caps::builder("video/x-raw")
+                    .field(
+                        "framerate",
+                        gst::FractionRange::new(gst::Fraction::new(0, 1), fps),
+                    )
+                    .build(),
+            );
+            pipeline
+                .add(&decoder)
+                .map_err(|e| build_error(spec, e.to_string()))?;
+            add_and_link(&[&rate, &caps])?;
+            link_decoded_video(&decoder, &rate, shared);
+            Ok(())
+        }
+    }
+}
+
+/// Sets `videotestsrc`'s pattern by nick, rejecting unknown names with the
+/// list of valid ones (GStreamer's string setter would panic instead).
+fn set_pattern(spec: &CaptureSpec, src: &gst::Element, pattern: &str) -> Result<(), CaptureError> {
+    let class = src
+        .property_type("pattern")
+        .and_then(glib::EnumClass::with_type)
+        .ok_or_else(|| build_error(spec, "videotestsrc has no enumerated 'pattern' property"))?;
+    match class.to_value_by_nick(pattern) {
+        Some(value) => {
+            src.set_property_from_value("pattern", &value);
+            Ok(())
+        }
+        None => Err(CaptureError::UnknownPattern {
+            camera: spec.camera.clone(),
+            uri: spec.uri.clone(),
+            pattern: pattern.to_owned(),
+            valid: class
+                .values()
+                .iter()
+                .map(|v| v.nick())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }),
+    }
+}
+
+/// Links the first decoded video pad of `decoder` to `target`'s sink pad.
+/// Other streams (audio, extra video tracks) stay unlinked; decodebin keeps
+/// running as long as one stream is linked.
+fn link_decoded_video(decoder: &gst::Element, target: &gst::Element, shared: &Arc<Shared>) {
+    let target = target.downgrade();
+    let shared = Arc::clone(shared);
+    decoder.connect_pad_added(move |decoder, pad| {
+        let caps = pad.current_caps().unwrap_or_else(|| pad.query_caps(None));
+        let is_video = caps
+            .structure(0)
+            .is_some_and(|s| s.name().starts_with("video/"));
+        let Some(sink_pad) = target.upgrade().and_then(|t| t.static_pad("sink")) else {
+            return;
+        };
+        if !is_video || sink_pad.is_linked() {
+            tracing::debug!(camera = %shared.camera, %caps, "ignoring decoded stream");
+            return;
+        }
+        if let Err(e) = pad.link(&sink_pad) {
+            shared.end(StreamError::Pipeline {
+                camera: shared.camera.to_string(),
+                uri: shared.uri.clone(),
+                element: decoder.path_string().to_string(),
+                message: format!("decoded video ({caps}) cannot be linked to the scaler: {e:?}"),
+                debug: None,
+            });
+        }
+    });
+}
+
+/// Installs the probe that learns the source size from the caps entering the
+/// scaler, records the geometry and sizes the letterbox.
+fn watch_source_caps(
+    spec: &CaptureSpec,
+    scale: &gst::Element,
+    content: &gst::Element,
+    letterbox: Option<&gst::Element>,
+    shared: &Arc<Shared>,
+) -> Result<(), CaptureError> {
+    let pad = scale
+        .static_pad("sink")
+        .ok_or_else(|| build_error(spec, "videoscale has no sink pad"))?;
+    let content = content.downgrade();
+    let letterbox = letterbox.map(|l| l.downgrade());
+    let shared = Arc::clone(shared);
+    let (width, height, resize) = (spec.width, spec.height, spec.resize);
+    pad.add_probe(gst::PadProbeType::EVENT_DOWNSTREAM, move |_pad, info| {
+        let Some(gst::PadProbeData::Event(event)) = &info.data else {
+            return gst::PadProbeReturn::Ok;
+        };
+        let gst::EventView::Caps(caps) = event.view() else {
+            return gst::PadProbeReturn::Ok;
+        };
+        let size = caps.caps().structure(0).and_then(|s| {
+            let w = s.get::<i32>("width").ok()?;
+            let h = s.get::<i32>("height").ok()?;
+            Some((u32::try_from(w).ok()?, u32::try_from(h).ok()?))
+        });
+        let Some((source_width, source_height)) = size else {
+            return gst::PadProbeReturn::Ok;
+        };
+        let geometry = match resize {
+            Resize::Stretch => Geometry::stretch(source_width, source_height, width, height),
+            Resize::Letterbox => Geometry::letterbox(source_width, source_height, width, height),
+        };
+        // Only property writes here: the scaler negotiates its output after
+        // this probe returns, against the updated content caps.
+        if let (Some(content), Some(letterbox)) = (
+            content.upgrade(),
+            letterbox.as_ref().and_then(|l| l.upgrade()),
+        ) {
+            apply_letterbox(&content, &letterbox, &geometry, width, height);
+        }
+        shared.set_geometry(geometry);
+        tracing::debug!(camera = %shared.camera, ?geometry, "source caps: {}", caps.caps());
+        gst::PadProbeReturn::Ok
+    });
+    Ok(())
+}
+
+/// Borders `videobox` adds around the content: (left, right, top, bottom),
+/// negative as videobox expects for padding.
+fn letterbox_borders(geometry: &Geometry, width: u32, height: u32) -> (i32, i32, i32, i32) {
+    let pad = |v: u32| -(v as i32);
+    (
+        pad(geometry.content_x),
+        pad(width - geometry.content_x - geometry.content_width),
+        pad(geometry.content_y),
+        pad(height - geometry.content_y - geometry.content_height),
+    )
+}
+
+fn apply_letterbox(
+    content: &gst::Element,
+    letterbox: &gst::Element,
+    geometry: &Geometry,
+    width: u32,
+    height: u32,
+) {
+    content.set_property(
+        "caps",
+        gst::Caps::builder("video/x-raw")
+            .field("width", geometry.content_width as i32)
+            .field("height", geometry.content_height as i32)
+            .build(),
+    );
+    let (left, right, top, bottom) = letterbox_borders(geometry, width, height);
+    letterbox.set_property("left", left);
+    letterbox.set_property("right", right);
+    letterbox.set_property("top", top);
+    letterbox.set_property("bottom", bottom);
+}
+
+/// The appsink's new-sample callback: copy once, stamp, push, never wait.
+fn on_sample(
+    sink: &gst_app::AppSink,
+    shared: &Shared,
+    width: u32,
+    height: u32,
+) -> Result<gst::FlowSuccess, gst::FlowError> {
+    let sample = sink.pull_sample().map_err(|_| gst::FlowError::Flushing)?;
+    let captured_at_us = super::edge_clock_us();
+    let frame_error = |reason: String| {
+        shared.end(StreamError::Frame {
+            camera: shared.camera.to_string(),
+            uri: shared.uri.clone(),
+            reason,
+        });
+        gst::FlowError::Error
+    };
+    let data = pack_rgb(&sample, width, height).map_err(frame_error)?;
+    let geometry = shared
+        .geometry()
+        .ok_or_else(|| frame_error("a frame arrived before the source caps".into()))?;
+    let seq = shared.next_seq.fetch_add(1, Ordering::Relaxed);
+    shared.mailbox.push(CapturedFrame {
+        camera: Arc::clone(&shared.camera),
+        seq,
+        captured_at_us,
+        data,
+        width,
+        height,
+        geometry,
+    });
+    Ok(gst::FlowSuccess::Ok)
+}
+
+/// Copies an RGB sample into tightly packed rows (GStreamer pads each RGB row
+/// to a multiple of 4 bytes).
+fn pack_rgb(sample: &gst::Sample, width: u32, height: u32) -> Result<Bytes, String> {
+    let buffer = sample.buffer().ok_or("the sample has no buffer")?;
+    let caps = sample.caps().ok_or("the sample has no caps")?;
+    let info = gst_video::VideoInfo::from_caps(caps)
+        .map_err(|e| format!("caps {caps} are not raw video: {e}"))?;
+    if info.format() != gst_video::VideoFormat::Rgb
+        || info.width() != width
+        || info.height() != height
+    {
+        return Err(format!(
+            "negotiated {}x{} {}, expected {width}x{height} RGB",
+            info.width(),
+            info.height(),
+            info.format()
+        ));
+    }
+    let frame = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer, &info)
+        .map_err(|e| format!("cannot map the frame buffer: {e}"))?;
+    let stride =
+        usize::try_from(frame.plane_stride()[0]).map_err(|_| "negative row stride".to_string())?;
+    let plane = frame
+        .plane_data(0)
+        .map_err(|e| format!("cannot read the RGB plane: {e}"))?;
+    let row = width as usize * 3;
+    let rows = height as usize;
+    pack_rows(plane, stride, row, rows).ok_or_else(|| {
+        format!(
+            "the RGB plane holds {} bytes, {rows} rows of {row} bytes at stride {stride} need more",
+            plane.len()
+        )
+    })
+}
+
+/// Packs `rows` rows of `row` bytes, `stride` apart, into one `Bytes`.
+fn pack_rows(plane: &[u8], stride: usize, row: usize, rows: usize) -> Option<Bytes> {
+    if rows == 0 {
+        return Some(Bytes::new());
+    }
+    if stride < row || plane.len() < (rows - 1) * stride + row {
+        return None;
+    }
+    if stride == row {
+        return Some(Bytes::copy_from_slice(&plane[..row * rows]));
+    }
+    let mut out = Vec::with_capacity(row * rows);
+    for chunk in plane.chunks(stride).take(rows) {
+        out.extend_from_slice(&chunk[..row]);
+    }
+    Some(Bytes::from(out))
+}
+
+/// Routes bus messages to the mailbox from the posting thread, without
+/// queueing them on the bus.
+pub(super) fn watch_bus(pipeline: &gst::Pipeline, shared: &Arc<Shared>) {
+    let Some(bus) = pipeline.bus() else {
+        return;
+    };
+    let shared = Arc::clone(shared);
+    bus.set_sync_handler(move |_bus, msg| {
+        let element = || {
+            msg.src()
+                .map(|s| s.path_string().to_string())
+                .unwrap_or_else(|| "pipeline".into())
+        };
+        match msg.view() {
+            gst::MessageView::Eos(_) => shared.end(StreamError::EndOfStream {
+                camera: shared.camera.to_string(),
+                uri: shared.uri.clone(),
+            }),
+            gst::MessageView::Error(err) => shared.end(StreamError::Pipeline {
+                camera: shared.camera.to_string(),
+                uri: shared.uri.clone(),
+                element: element(),
+                message: err.error().to_string(),
+                debug: err.debug().map(|d| d.to_string()),
+            }),
+            gst::MessageView::Warning(w) => {
+                tracing::warn!(camera = %shared.camera, element = %element(), "GStreamer warning: {}", w.error());
+            }
+            _ => {}
+        }
+        gst::BusSyncReply::Drop
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn padded_rows_are_packed_tightly() {
+        // 2 rows of 3 RGB pixels (9 bytes) at a stride of 12, padding = 0xEE.
+        let mut plane = vec![0xEE; 24];
+        for (i, b) in plane[0..9].iter_mut().enumerate() {
+            *b = i as u8;
+        }
+        for (i, b) in plane[12..21].iter_mut().enumerate() {
+            *b = 100 + i as u8;
+        }
+        let packed = pack_rows(&plane, 12, 9, 2).unwrap();
+        let want: Vec<u8> = (0..9).chain(100..109).collect();
+        assert_eq!(packed.as_ref(), want.as_slice());
+    }
+
+    #[test]
+    fn short_plane_is_rejected_instead_of_read_past_its_end() {
+        assert_eq!(pack_rows(&[0; 20], 12, 9, 2), None);
+        assert_eq!(pack_rows(&[0; 24], 8, 9, 2), None);
+        // The last row needs no padding after it.
+        assert!(pack_rows(&[0; 21], 12, 9, 2).is_some());
+    }
+
+    #[test]
+    fn letterbox_borders_pad_content_out_to_the_input() {
+        let g = Geometry::letterbox(1920, 1080, 128, 128);
+        assert_eq!(letterbox_borders(&g, 128, 128), (0, 0, -28, -28));
+        let g = Geometry::letterbox(480, 640, 128, 128);
+        let (l, r, t, b) = letterbox_borders(&g, 128, 128);
+        assert_eq!((t, b), (0, 0));
+        assert_eq!(-(l + r) as u32 + g.content_width, 128);
+        assert_eq!(-l as u32, g.content_x);
+    }
+
+    #[test]
+    fn fractional_frame_rates_become_exact_fractions() {
+        assert_eq!(fps_fraction(10.0), gst::Fraction::new(10, 1));
+        assert_eq!(fps_fraction(0.5), gst::Fraction::new(1, 2));
+    }
+}

@@ -1,0 +1,12 @@
+//! tidegate-edge: runs beside the cameras. GStreamer pipelines decode and
+//! scale each camera to the model's input ([`capture`], feature `capture`);
+//! the [`uplink`] sends each frame over QUIC to the gateway and receives
+//! results, which go to a [`sink`] with their end-to-end latency measured on
+//! the edge's own [`clock`].
+
+#[cfg(feature = "capture")]
+pub mod capture;
+pub mod clock;
+pub mod config;
+pub mod sink;
+pub mod uplink;

@@ -1,0 +1,109 @@
+//! Where results go: JSON lines on stdout or appended to a file.
+
+use std::io::Write;
+use std::path::Path;
+
+use serde::Serialize;
+use tidegate_protocol::{Detection, FrameResult, Status, Timings};
+
+/// One result as a JSON line.
+#[derive(Debug, Serialize)]
+pub struct ResultLine<'a> {
+    /// Camera name.
+    pub camera: &'a str,
+    /// Frame sequence number.
+    pub seq: u64,
+    /// Capture time (edge clock, µs since the UNIX epoch).
+    pub captured_at_us: u64,
+    /// Capture to result on the edge's clock (ms).
+    pub e2e_ms: f64,
+    /// ok | shed | expired | failed.
+    pub status: &'static str,
+    /// Why it was shed or failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Detections in source pixels.
+    pub detections: &'a [Detection],
+    /// Stage timings (µs).
+    pub timings: Timings,
+}
+
+impl<'a> ResultLine<'a> {
+    /// The line for `r`, received at `now_us` on the edge clock.
+    pub fn new(r: &'a FrameResult, now_us: u64) -> Self {
+        let reason = match &r.status {
+            Status::Ok | Status::Expired => None,
+            Status::Shed(reason) => Some(reason.name().to_string()),
+            Status::Failed(reason) => Some(reason.clone()),
+        };
+        ResultLine {
+            camera: &r.camera,
+            seq: r.seq,
+            captured_at_us: r.captured_at_us,
+            e2e_ms: now_us.saturating_sub(r.captured_at_us) as f64 / 1000.0,
+            status: r.status.label(),
+            reason,
+            detections: &r.detections,
+            timings: r.timings,
+        }
+    }
+}
+
+/// A result sink.
+#[derive(Debug)]
+pub enum Sink {
+    /// JSON lines on standard output.
+    Stdout,
+    /// JSON lines appended to a file.
+    File(std::fs::File),
+}
+
+impl Sink {
+    /// An append-only file sink.
+    pub fn file(path: &Path) -> std::io::Result<Sink> {
+        Ok(Sink::File(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+        ))
+    }
+
+    /// Writes one line.
+    pub fn write(&mut self, line: &ResultLine<'_>) -> std::io::Result<()> {
+        let mut text = serde_json::to_string(line).map_err(std::io::Error::other)?;
+        text.push('\n');
+        match self {
+            Sink::Stdout => {
+                let mut out = std::io::stdout().lock();
+                out.write_all(text.as_bytes())?;
+                out.flush()
+            }
+            Sink::File(f) => f.write_all(text.as_bytes()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidegate_protocol::ShedReason;
+
+    #[test]
+    fn shed_result_line_names_status_reason_and_latency() {
+        let r = FrameResult {
+            camera: "door".into(),
+            seq: 7,
+            captured_at_us: 1_000,
+            status: Status::Shed(ShedReason::WouldMissDeadline),
+            detections: vec![],
+            timings: Timings::default(),
+        };
+        let v: serde_json::Value =
+            serde_json::to_value(ResultLine::new(&r, 13_500)).unwrap();
+        assert_eq!(v["status"], "shed");
+        assert_eq!(v["reason"], "would_miss_deadline");
+        assert_eq!(v["e2e_ms"], 12.5);
+        assert_eq!(v["seq"], 7);
+    }
+}

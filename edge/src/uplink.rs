@@ -1,0 +1,329 @@
+//! The QUIC uplink to the gateway: authenticates, opens cameras, sends each
+//! frame on its own unidirectional stream (newer frames at higher priority),
+//! and delivers results and control hints.
+//!
+//! This module has no GStreamer dependency, so `tidegate-loadtest`'s
+//! simulated cameras use it too.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tidegate_protocol::quic::{ReadError, read_message, write_message};
+use tidegate_protocol::{
+    CameraOpen, ControlHint, ErrorCode, Frame, FrameResult, Hello, InputSpec, LatencyReport,
+    Limits, Message, Role,
+};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{Instrument, debug, info_span, warn};
+
+/// Results buffered for the consumer before the oldest is dropped.
+const RESULT_QUEUE: usize = 4096;
+
+/// Why the uplink failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UplinkError {
+    /// TLS material could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] tidegate_protocol::quic::TlsError),
+    /// The local UDP socket could not be bound.
+    #[error("binding a UDP socket: {0}")]
+    Bind(std::io::Error),
+    /// The QUIC connection could not be set up.
+    #[error("connecting to gateway {addr}: {reason}")]
+    Connect {
+        /// Gateway address.
+        addr: SocketAddr,
+        /// What failed.
+        reason: String,
+    },
+    /// The gateway refused us (bad token, unknown model...).
+    #[error("gateway refused: {message} ({code:?})")]
+    Refused {
+        /// Its code.
+        code: ErrorCode,
+        /// Its explanation.
+        message: String,
+    },
+    /// The gateway broke the protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The connection is gone.
+    #[error("connection to the gateway lost: {0}")]
+    Lost(String),
+}
+
+impl UplinkError {
+    /// Whether trying again later may succeed.
+    pub fn retryable(&self) -> bool {
+        match self {
+            UplinkError::Refused { code, .. } => code.retryable(),
+            UplinkError::Connect { .. } | UplinkError::Lost(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// What the uplink delivers to the edge.
+#[derive(Debug)]
+pub enum Incoming {
+    /// A frame's result.
+    Result(FrameResult),
+    /// A control hint from the gateway.
+    Hint(ControlHint),
+}
+
+enum Command {
+    Open(CameraOpen, oneshot::Sender<Result<InputSpec, UplinkError>>),
+    Latency(LatencyReport),
+}
+
+/// A connected, authenticated uplink.
+#[derive(Debug, Clone)]
+pub struct Uplink {
+    conn: quinn::Connection,
+    commands: mpsc::Sender<Command>,
+    sent: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Open(o, _) => write!(f, "Open({})", o.camera),
+            Command::Latency(r) => write!(f, "Latency({}#{})", r.camera, r.seq),
+        }
+    }
+}
+
+impl Uplink {
+    /// Connects to the gateway at `addr`, trusting `ca`, and authenticates
+    /// as `name`. Returns the uplink and the stream of results and hints.
+    pub async fn connect(
+        addr: SocketAddr,
+        server_name: &str,
+        ca: &Path,
+        name: &str,
+        token: &str,
+    ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
+        let client = tidegate_protocol::quic::client_config(ca)?;
+        let connect_err = |reason: String| UplinkError::Connect { addr, reason };
+        let conn = tidegate_protocol::quic::dial(addr, server_name, client)
+            .await
+            .map_err(|e| match e {
+                tidegate_protocol::quic::DialError::Bind(e) => UplinkError::Bind(e),
+                other => connect_err(other.to_string()),
+            })?;
+        let (mut send, mut recv) = conn
+            .open_bi()
+            .await
+            .map_err(|e| connect_err(e.to_string()))?;
+        let hello = Message::Hello(Hello {
+            role: Role::Edge,
+            name: name.to_string(),
+            token: token.to_string(),
+        });
+        write_message(&mut send, &hello)
+            .await
+            .map_err(|e| connect_err(e.to_string()))?;
+        let limits = Limits::default();
+        match read_message(&mut recv, &limits).await {
+            Ok(Some(Message::Welcome(_))) => {}
+            Ok(Some(Message::Error(e))) => {
+                return Err(UplinkError::Refused {
+                    code: e.code,
+                    message: e.message,
+                });
+            }
+            Ok(other) => {
+                return Err(UplinkError::Protocol(format!(
+                    "expected Welcome, got {:?}",
+                    other.map(|m| m.kind())
+                )));
+            }
+            Err(e) => return Err(refusal_from_close(&conn).unwrap_or(UplinkError::Lost(e.to_string()))),
+        }
+
+        let (in_tx, in_rx) = mpsc::channel(RESULT_QUEUE);
+        let (cmd_tx, cmd_rx) = mpsc::channel(256);
+        let span = info_span!("uplink", gateway = %addr, edge = name);
+        tokio::spawn(control(send, recv, cmd_rx, in_tx.clone()).instrument(span.clone()));
+        tokio::spawn(results(conn.clone(), in_tx).instrument(span));
+        Ok((
+            Uplink {
+                conn,
+                commands: cmd_tx,
+                sent: Arc::new(AtomicU64::new(0)),
+            },
+            in_rx,
+        ))
+    }
+
+    /// Opens a camera and returns the input the model expects.
+    pub async fn open_camera(
+        &self,
+        camera: &str,
+        model: &str,
+        budget_ms: u32,
+    ) -> Result<InputSpec, UplinkError> {
+        let (tx, rx) = oneshot::channel();
+        let open = CameraOpen {
+            camera: camera.to_string(),
+            model: model.to_string(),
+            budget_ms,
+        };
+        self.commands
+            .send(Command::Open(open, tx))
+            .await
+            .map_err(|_| UplinkError::Lost("control stream closed".into()))?;
+        rx.await
+            .map_err(|_| UplinkError::Lost("control stream closed".into()))?
+    }
+
+    /// Sends a frame on its own stream. Newer frames (higher `seq`) get a
+    /// higher stream priority. Returns once the frame is handed to QUIC.
+    pub async fn send_frame(&self, frame: Frame) -> Result<(), UplinkError> {
+        let mut s = self
+            .conn
+            .open_uni()
+            .await
+            .map_err(|e| UplinkError::Lost(e.to_string()))?;
+        let _ = s.set_priority((frame.seq % i32::MAX as u64) as i32);
+        write_message(&mut s, &Message::Frame(frame))
+            .await
+            .map_err(|e| UplinkError::Lost(e.to_string()))?;
+        let _ = s.finish();
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sends raw bytes on a new unidirectional stream (for tests of the
+    /// gateway's handling of malformed input).
+    pub async fn send_raw(&self, bytes: &[u8]) -> Result<(), UplinkError> {
+        let mut s = self
+            .conn
+            .open_uni()
+            .await
+            .map_err(|e| UplinkError::Lost(e.to_string()))?;
+        s.write_all(bytes)
+            .await
+            .map_err(|e| UplinkError::Lost(e.to_string()))?;
+        let _ = s.finish();
+        Ok(())
+    }
+
+    /// Reports the end-to-end latency of a result to the gateway.
+    pub fn report_latency(&self, camera: &str, seq: u64, e2e_us: u64) {
+        let _ = self.commands.try_send(Command::Latency(LatencyReport {
+            camera: camera.to_string(),
+            seq,
+            e2e_us: e2e_us.min(u32::MAX as u64) as u32,
+        }));
+    }
+
+    /// Frames handed to QUIC so far.
+    pub fn frames_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+
+    /// The connection's current round-trip estimate.
+    pub fn rtt(&self) -> std::time::Duration {
+        self.conn.rtt()
+    }
+
+    /// Closes the connection.
+    pub fn close(&self) {
+        self.conn.close(0u32.into(), b"edge closing");
+    }
+}
+
+fn refusal_from_close(conn: &quinn::Connection) -> Option<UplinkError> {
+    match conn.close_reason()? {
+        quinn::ConnectionError::ApplicationClosed(c) => Some(UplinkError::Refused {
+            code: ErrorCode::from_code(u64::from(c.error_code).saturating_sub(0x100) as u16),
+            message: String::from_utf8_lossy(&c.reason).into_owned(),
+        }),
+        other => Some(UplinkError::Lost(other.to_string())),
+    }
+}
+
+/// Owns the control stream: writes commands, reads replies and hints.
+async fn control(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    mut commands: mpsc::Receiver<Command>,
+    incoming: mpsc::Sender<Incoming>,
+) {
+    let limits = Limits::default();
+    // Camera opens are answered in order on this stream.
+    let mut pending: VecDeque<oneshot::Sender<Result<InputSpec, UplinkError>>> = VecDeque::new();
+    loop {
+        tokio::select! {
+            cmd = commands.recv() => {
+                let Some(cmd) = cmd else { break };
+                let msg = match cmd {
+                    Command::Open(open, reply) => {
+                        pending.push_back(reply);
+                        Message::CameraOpen(open)
+                    }
+                    Command::Latency(r) => Message::LatencyReport(r),
+                };
+                if let Err(e) = write_message(&mut send, &msg).await {
+                    warn!("control stream write failed: {e}");
+                    break;
+                }
+            }
+            msg = read_message(&mut recv, &limits) => {
+                match msg {
+                    Ok(Some(Message::CameraAccepted(a))) => {
+                        if let Some(reply) = pending.pop_front() {
+                            let _ = reply.send(Ok(a.input));
+                        }
+                    }
+                    Ok(Some(Message::Error(e))) => {
+                        if let Some(reply) = pending.pop_front() {
+                            let _ = reply.send(Err(UplinkError::Refused { code: e.code, message: e.message }));
+                        } else {
+                            warn!(code = ?e.code, "gateway error: {}", e.message);
+                        }
+                    }
+                    Ok(Some(Message::ControlHint(h))) => {
+                        let _ = incoming.try_send(Incoming::Hint(h));
+                    }
+                    Ok(Some(other)) => warn!(kind = ?other.kind(), "unexpected message on the control stream"),
+                    Ok(None) => break,
+                    Err(e) => {
+                        debug!("control stream ended: {e}");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    for reply in pending {
+        let _ = reply.send(Err(UplinkError::Lost("control stream closed".into())));
+    }
+}
+
+/// Accepts result streams and forwards their results.
+async fn results(conn: quinn::Connection, incoming: mpsc::Sender<Incoming>) {
+    let limits = Limits::default();
+    while let Ok(mut recv) = conn.accept_uni().await {
+        let incoming = incoming.clone();
+        tokio::spawn(async move {
+            match read_message(&mut recv, &limits).await {
+                Ok(Some(Message::Result(r))) => {
+                    if incoming.send(Incoming::Result(r)).await.is_err() {
+                        debug!("result consumer gone");
+                    }
+                }
+                Ok(Some(other)) => warn!(kind = ?other.kind(), "unexpected message on a result stream"),
+                Ok(None) => {}
+                Err(ReadError::Stream(e)) => debug!("result stream failed: {e}"),
+                Err(e) => warn!("bad result stream: {e}"),
+            }
+        });
+    }
+}

@@ -1,0 +1,597 @@
+//! The async shell around the [`Scheduler`]: one task that owns the
+//! scheduler, the frame payloads and the routes to edges and workers. It
+//! turns messages from connection tasks into scheduler events (stamped with
+//! the gateway clock) and carries out the actions.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tidegate_protocol::{
+    BatchResult, Detection, Dispatch, DispatchItem, Frame, FrameResult, InputSpec, ModelInfo,
+    Register, Status, Timings,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::scheduler::{
+    Action, Arrival, BatchId, Counters, EdgeId, Event, FrameId, Limits, Micros, Scheduler,
+    WorkerId, WorkerModel,
+};
+
+/// Messages from connection tasks to the hub.
+#[derive(Debug)]
+pub enum HubMsg {
+    /// An edge authenticated.
+    EdgeConnected {
+        /// Its id.
+        edge: EdgeId,
+        /// Its configured name.
+        name: String,
+        /// Where its results go (the connection's result writer).
+        results: mpsc::Sender<FrameResult>,
+    },
+    /// An edge's camera was opened.
+    CameraOpened {
+        /// The edge.
+        edge: EdgeId,
+        /// Camera name.
+        camera: String,
+        /// Model name.
+        model: String,
+    },
+    /// An edge disconnected.
+    EdgeGone {
+        /// The edge.
+        edge: EdgeId,
+    },
+    /// A frame arrived from an edge.
+    Frame {
+        /// The edge.
+        edge: EdgeId,
+        /// The frame.
+        frame: Frame,
+        /// Local deadline (arrival + budget − network time − return margin).
+        deadline: Instant,
+    },
+    /// An edge reported the end-to-end latency of a result.
+    Latency {
+        /// Model of the camera, if known.
+        model: String,
+        /// Capture to result, on the edge's clock.
+        e2e: Duration,
+    },
+    /// A worker registered.
+    WorkerConnected {
+        /// Its id.
+        worker: WorkerId,
+        /// Its registration.
+        register: Register,
+        /// Where its batches go (the connection's dispatch writer).
+        dispatch: mpsc::Sender<Dispatch>,
+    },
+    /// A worker returned a batch.
+    BatchDone {
+        /// The worker.
+        worker: WorkerId,
+        /// The results.
+        result: BatchResult,
+    },
+    /// A worker disconnected.
+    WorkerGone {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// Asks for the input spec of a model (for `CameraAccepted`).
+    ModelInput {
+        /// Model name.
+        model: String,
+        /// Answer: the spec, if some worker serves the model.
+        reply: oneshot::Sender<Option<InputSpec>>,
+    },
+    /// Asks for a snapshot (for the HTTP API).
+    Snapshot {
+        /// Answer.
+        reply: oneshot::Sender<Snapshot>,
+    },
+}
+
+/// A point-in-time view of the gateway, served as JSON by the API.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Snapshot {
+    /// Frame accounting.
+    pub frames: Counters,
+    /// Connected edges.
+    pub edges: Vec<EdgeView>,
+    /// Open cameras.
+    pub cameras: Vec<CameraView>,
+    /// Registered workers.
+    pub workers: Vec<WorkerView>,
+    /// Models served by at least one worker.
+    pub models: Vec<ModelView>,
+}
+
+/// An edge in a [`Snapshot`].
+#[derive(Debug, Clone, Serialize)]
+pub struct EdgeView {
+    /// Session id.
+    pub id: u64,
+    /// Configured name.
+    pub name: String,
+}
+
+/// A camera in a [`Snapshot`].
+#[derive(Debug, Clone, Serialize)]
+pub struct CameraView {
+    /// Edge session id.
+    pub edge: u64,
+    /// Camera name.
+    pub camera: String,
+    /// Model.
+    pub model: String,
+}
+
+/// A worker in a [`Snapshot`].
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerView {
+    /// Session id.
+    pub id: u64,
+    /// Its name.
+    pub name: String,
+    /// Its device.
+    pub device: String,
+    /// Models it serves.
+    pub models: Vec<String>,
+    /// Measured latency per model and batch size (µs).
+    pub profile: Vec<(String, u16, u32)>,
+}
+
+/// A model in a [`Snapshot`].
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelView {
+    /// Name.
+    pub name: String,
+    /// Version.
+    pub version: u32,
+    /// Input the edges send.
+    pub input: InputSpec,
+    /// Largest batch across workers.
+    pub max_batch: u16,
+    /// Frames queued now.
+    pub queued: usize,
+    /// Workers serving it.
+    pub workers: usize,
+}
+
+/// A handle to the hub task.
+#[derive(Debug, Clone)]
+pub struct Hub {
+    tx: mpsc::Sender<HubMsg>,
+}
+
+impl Hub {
+    /// Sends a message to the hub; false when the hub has stopped.
+    pub async fn send(&self, msg: HubMsg) -> bool {
+        self.tx.send(msg).await.is_ok()
+    }
+
+    /// The input spec of `model`, if a worker serves it.
+    pub async fn model_input(&self, model: &str) -> Option<InputSpec> {
+        let (reply, rx) = oneshot::channel();
+        self.send(HubMsg::ModelInput {
+            model: model.to_string(),
+            reply,
+        })
+        .await;
+        rx.await.ok().flatten()
+    }
+
+    /// A snapshot for the API.
+    pub async fn snapshot(&self) -> Option<Snapshot> {
+        let (reply, rx) = oneshot::channel();
+        if !self.send(HubMsg::Snapshot { reply }).await {
+            return None;
+        }
+        rx.await.ok()
+    }
+}
+
+struct Pending {
+    edge: EdgeId,
+    frame: Frame,
+}
+
+struct EdgeEntry {
+    name: String,
+    results: mpsc::Sender<FrameResult>,
+    cameras: HashMap<String, String>,
+}
+
+struct WorkerEntry {
+    register: Register,
+    dispatch: mpsc::Sender<Dispatch>,
+}
+
+/// The hub's state, driven by [`run`].
+struct State {
+    origin: Instant,
+    scheduler: Scheduler,
+    metrics: Metrics,
+    pending: HashMap<FrameId, Pending>,
+    /// Worker results waiting for the scheduler's `Complete`.
+    outputs: HashMap<FrameId, (Vec<Detection>, Timings)>,
+    /// When each batch was dispatched, and its size.
+    started: HashMap<BatchId, (Instant, usize)>,
+    edges: HashMap<EdgeId, EdgeEntry>,
+    workers: HashMap<WorkerId, WorkerEntry>,
+    next_frame: u64,
+}
+
+/// Capacity of the hub's inbox.
+pub const INBOX: usize = 4096;
+
+/// Starts the hub task; it runs until `cancel` fires.
+pub fn spawn(
+    limits: Limits,
+    metrics: Metrics,
+    cancel: CancellationToken,
+    tracker: &tokio_util::task::TaskTracker,
+) -> Hub {
+    let (tx, rx) = mpsc::channel(INBOX);
+    let state = State {
+        origin: Instant::now(),
+        scheduler: Scheduler::new(limits),
+        metrics,
+        pending: HashMap::new(),
+        outputs: HashMap::new(),
+        started: HashMap::new(),
+        edges: HashMap::new(),
+        workers: HashMap::new(),
+        next_frame: 1,
+    };
+    tracker.spawn(run(state, rx, cancel));
+    Hub { tx }
+}
+
+async fn run(mut st: State, mut rx: mpsc::Receiver<HubMsg>, cancel: CancellationToken) {
+    loop {
+        let wake = st
+            .scheduler
+            .next_wakeup()
+            .map(|t| st.origin + Duration::from_micros(t));
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => break,
+            msg = rx.recv() => match msg {
+                Some(m) => Some(m),
+                None => break,
+            },
+            _ = async {
+                match wake {
+                    Some(t) => tokio::time::sleep_until(t.into()).await,
+                    None => std::future::pending().await,
+                }
+            } => None,
+        };
+        match msg {
+            Some(m) => st.handle(m),
+            None => st.step(Event::Tick),
+        }
+    }
+    tracing::debug!(counters = ?st.scheduler.counters(), "hub stopped");
+}
+
+impl State {
+    fn now(&self) -> Micros {
+        self.origin.elapsed().as_micros() as Micros
+    }
+
+    fn at(&self, t: Instant) -> Micros {
+        t.saturating_duration_since(self.origin).as_micros() as Micros
+    }
+
+    fn step(&mut self, event: Event) {
+        let now = self.now();
+        let actions = self.scheduler.on_event(now, event);
+        for a in actions {
+            self.act(a);
+        }
+        self.update_worker_gauges();
+        debug_assert!(self.scheduler.counters().balanced());
+    }
+
+    fn update_worker_gauges(&self) {
+        let (total, busy) = self.scheduler.worker_counts();
+        self.metrics
+            .workers
+            .with_label_values(&["busy"])
+            .set(busy as i64);
+        self.metrics
+            .workers
+            .with_label_values(&["idle"])
+            .set((total - busy) as i64);
+    }
+
+    fn handle(&mut self, msg: HubMsg) {
+        match msg {
+            HubMsg::EdgeConnected {
+                edge,
+                name,
+                results,
+            } => {
+                self.edges.insert(
+                    edge,
+                    EdgeEntry {
+                        name,
+                        results,
+                        cameras: HashMap::new(),
+                    },
+                );
+                self.metrics.edges_connected.set(self.edges.len() as i64);
+            }
+            HubMsg::CameraOpened {
+                edge,
+                camera,
+                model,
+            } => {
+                if let Some(e) = self.edges.get_mut(&edge) {
+                    e.cameras.insert(camera, model);
+                }
+            }
+            HubMsg::EdgeGone { edge } => {
+                // Its frames still finish and are accounted; results for it
+                // are dropped (and counted) when they complete.
+                self.edges.remove(&edge);
+                self.metrics.edges_connected.set(self.edges.len() as i64);
+            }
+            HubMsg::Frame {
+                edge,
+                frame,
+                deadline,
+            } => {
+                let id = FrameId(self.next_frame);
+                self.next_frame += 1;
+                let arrival = Arrival {
+                    id,
+                    edge,
+                    camera: frame.camera.clone(),
+                    model: frame.model.clone(),
+                    deadline: self.at(deadline),
+                };
+                self.pending.insert(id, Pending { edge, frame });
+                self.step(Event::FrameArrived(arrival));
+            }
+            HubMsg::Latency { model, e2e } => {
+                self.metrics
+                    .e2e_latency
+                    .with_label_values(&[model.as_str()])
+                    .observe(e2e.as_secs_f64());
+            }
+            HubMsg::WorkerConnected {
+                worker,
+                register,
+                dispatch,
+            } => {
+                let models = register
+                    .models
+                    .iter()
+                    .map(|m| WorkerModel {
+                        model: m.name.clone(),
+                        max_batch: m.max_batch,
+                        profile: register
+                            .profile
+                            .iter()
+                            .filter(|p| p.model == m.name)
+                            .map(|p| (p.batch, p.latency_us))
+                            .collect(),
+                    })
+                    .collect();
+                self.workers
+                    .insert(worker, WorkerEntry { register, dispatch });
+                self.step(Event::WorkerJoined { worker, models });
+            }
+            HubMsg::BatchDone { worker, result } => {
+                let (latency_us, size) = match self.started.remove(&BatchId(result.batch)) {
+                    Some((t, n)) => (t.elapsed().as_micros().min(u32::MAX as u128) as u32, n),
+                    None => (0, 0),
+                };
+                let mut outcomes = Vec::with_capacity(result.items.len());
+                let mut inference_us = 0;
+                for item in result.items {
+                    inference_us = inference_us.max(item.timings.inference_us);
+                    let id = FrameId(item.id);
+                    if self.pending.contains_key(&id) {
+                        self.outputs.insert(id, (item.detections, item.timings));
+                        outcomes.push((id, item.status));
+                    }
+                }
+                if size > 0 {
+                    if let Some(model) = outcomes
+                        .first()
+                        .and_then(|(id, _)| self.pending.get(id))
+                        .map(|p| p.frame.model.clone())
+                    {
+                        self.metrics
+                            .inference
+                            .with_label_values(&[model.as_str()])
+                            .observe(inference_us as f64 / 1e6);
+                    }
+                }
+                self.step(Event::BatchFinished {
+                    worker,
+                    batch: BatchId(result.batch),
+                    outcomes,
+                    latency_us,
+                });
+            }
+            HubMsg::WorkerGone { worker } => {
+                self.workers.remove(&worker);
+                self.step(Event::WorkerLost { worker });
+            }
+            HubMsg::ModelInput { model, reply } => {
+                let spec = self.model_info(&model).map(|m| m.input);
+                let _ = reply.send(spec);
+            }
+            HubMsg::Snapshot { reply } => {
+                let _ = reply.send(self.snapshot());
+            }
+        }
+    }
+
+    fn model_info(&self, model: &str) -> Option<&ModelInfo> {
+        self.workers
+            .values()
+            .flat_map(|w| &w.register.models)
+            .find(|m| m.name == model)
+    }
+
+    fn act(&mut self, action: Action) {
+        match action {
+            Action::Dispatch {
+                worker,
+                batch,
+                model,
+                frames,
+            } => {
+                let items: Vec<DispatchItem> = frames
+                    .iter()
+                    .filter_map(|id| {
+                        let p = self.pending.get(id)?;
+                        Some(DispatchItem {
+                            id: id.0,
+                            camera: p.frame.camera.clone(),
+                            seq: p.frame.seq,
+                            geometry: p.frame.geometry,
+                            tensor: p.frame.tensor.clone(),
+                        })
+                    })
+                    .collect();
+                self.metrics
+                    .batch_size
+                    .with_label_values(&[model.as_str()])
+                    .observe(items.len() as f64);
+                self.started.insert(batch, (Instant::now(), items.len()));
+                let msg = Dispatch {
+                    batch: batch.0,
+                    model,
+                    items,
+                };
+                let sent = self
+                    .workers
+                    .get(&worker)
+                    .is_some_and(|w| w.dispatch.try_send(msg).is_ok());
+                if !sent {
+                    // The worker's connection is gone or wedged: treat it as
+                    // lost so its frames are re-homed or failed.
+                    tracing::warn!(worker = worker.0, "dispatch channel closed; worker lost");
+                    self.workers.remove(&worker);
+                    self.step(Event::WorkerLost { worker });
+                }
+            }
+            Action::Complete {
+                frame,
+                status,
+                queue_us,
+            } => {
+                let Some(p) = self.pending.remove(&frame) else {
+                    return;
+                };
+                let (detections, mut timings) = self.outputs.remove(&frame).unwrap_or_default();
+                timings.queue_us = queue_us;
+                let model = p.frame.model.as_str();
+                self.metrics
+                    .frames
+                    .with_label_values(&[model, status.label()])
+                    .inc();
+                if matches!(status, Status::Ok | Status::Failed(_)) {
+                    self.metrics
+                        .queue_wait
+                        .with_label_values(&[model])
+                        .observe(queue_us as f64 / 1e6);
+                }
+                let result = FrameResult {
+                    camera: p.frame.camera,
+                    seq: p.frame.seq,
+                    captured_at_us: p.frame.captured_at_us,
+                    detections: if status == Status::Ok {
+                        detections
+                    } else {
+                        Vec::new()
+                    },
+                    status,
+                    timings,
+                };
+                let delivered = self
+                    .edges
+                    .get(&p.edge)
+                    .is_some_and(|e| e.results.try_send(result).is_ok());
+                if !delivered {
+                    self.metrics.undeliverable.inc();
+                }
+            }
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let mut models: HashMap<&str, ModelView> = HashMap::new();
+        for w in self.workers.values() {
+            for m in &w.register.models {
+                let v = models.entry(m.name.as_str()).or_insert_with(|| ModelView {
+                    name: m.name.clone(),
+                    version: m.version,
+                    input: m.input,
+                    max_batch: 0,
+                    queued: self.scheduler.queue_len(&m.name),
+                    workers: 0,
+                });
+                v.max_batch = v.max_batch.max(m.max_batch);
+                v.workers += 1;
+            }
+        }
+        let mut snap = Snapshot {
+            frames: self.scheduler.counters(),
+            edges: self
+                .edges
+                .iter()
+                .map(|(id, e)| EdgeView {
+                    id: id.0,
+                    name: e.name.clone(),
+                })
+                .collect(),
+            cameras: self
+                .edges
+                .iter()
+                .flat_map(|(id, e)| {
+                    e.cameras.iter().map(|(c, m)| CameraView {
+                        edge: id.0,
+                        camera: c.clone(),
+                        model: m.clone(),
+                    })
+                })
+                .collect(),
+            workers: self
+                .workers
+                .iter()
+                .map(|(id, w)| WorkerView {
+                    id: id.0,
+                    name: w.register.worker.clone(),
+                    device: w.register.device.clone(),
+                    models: w.register.models.iter().map(|m| m.name.clone()).collect(),
+                    profile: w
+                        .register
+                        .profile
+                        .iter()
+                        .map(|p| (p.model.clone(), p.batch, p.latency_us))
+                        .collect(),
+                })
+                .collect(),
+            models: models.into_values().collect(),
+        };
+        snap.edges.sort_by_key(|e| e.id);
+        snap.workers.sort_by_key(|w| w.id);
+        snap.cameras
+            .sort_by(|a, b| (a.edge, &a.camera).cmp(&(b.edge, &b.camera)));
+        snap.models.sort_by(|a, b| a.name.cmp(&b.name));
+        snap
+    }
+}

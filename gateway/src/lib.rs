@@ -1,0 +1,21 @@
+//! tidegate-gateway: accepts edges and workers over QUIC, schedules every
+//! frame against its deadline, and serves the operator API.
+//!
+//! - [`scheduler`]: the pure, clock-injected scheduling state machine.
+//! - [`hub`]: the async shell that owns the scheduler, frame payloads and the
+//!   routes back to edges and workers.
+//! - [`server`]: the QUIC listener; one task and span per connection.
+//! - [`auth`]: token hashing and checking.
+//! - [`api`]: HTTP (`/metrics`, `/healthz`, `/readyz`, `/api/v1/...`).
+//! - [`metrics`]: Prometheus metrics, registered in one place.
+//! - [`config`]: the `Config` file and flags.
+//! - [`certs`]: dev CA and certificates (`tidegate-gateway dev-certs`).
+
+pub mod api;
+pub mod auth;
+pub mod certs;
+pub mod config;
+pub mod hub;
+pub mod metrics;
+pub mod scheduler;
+pub mod server;

@@ -1,0 +1,188 @@
+//! `tidegate-gateway`: the QUIC gateway between edges and GPU workers.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tidegate_gateway::config::Config;
+use tidegate_gateway::{api, certs, hub, metrics, scheduler, server};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// tidegate gateway: admits frames from edges over QUIC, schedules each
+/// against its deadline on registered workers, and routes results back.
+///
+/// Quick start:
+///   tidegate-gateway dev-certs --out certs
+///   tidegate-gateway hash-token my-edge-secret      # put the digest in the config
+///   tidegate-gateway --config gateway.toml run
+#[derive(Debug, Parser)]
+#[command(version, about, long_about)]
+struct Cli {
+    /// Config file (TOML). Without it, defaults apply and nobody may connect.
+    #[arg(long, short, env = "TIDEGATE_GATEWAY_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    /// QUIC listen address (overrides `quic.listen`).
+    #[arg(long, env = "TIDEGATE_QUIC_LISTEN", global = true)]
+    quic_listen: Option<SocketAddr>,
+    /// HTTP listen address for /metrics and the API (overrides `http.listen`).
+    #[arg(long, env = "TIDEGATE_HTTP_LISTEN", global = true)]
+    http_listen: Option<SocketAddr>,
+    /// Log filter, e.g. `info` or `tidegate_gateway=debug`.
+    #[arg(long, env = "TIDEGATE_LOG", default_value = "info", global = true)]
+    log: String,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the gateway (the default).
+    Run,
+    /// Load and validate the config, print the effective settings, exit.
+    CheckConfig,
+    /// Generate a development CA and gateway certificate (never commit them).
+    DevCerts {
+        /// Output directory.
+        #[arg(long, default_value = "certs")]
+        out: PathBuf,
+        /// DNS names / IP addresses the certificate is valid for.
+        #[arg(long, default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+        name: Vec<String>,
+    },
+    /// Print the SHA-256 digest of a token, for the config's `token_sha256`.
+    HashToken {
+        /// The token.
+        token: String,
+    },
+}
+
+fn load_config(cli: &Cli) -> anyhow::Result<Config> {
+    let mut cfg = match &cli.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default_config(),
+    };
+    if let Some(a) = cli.quic_listen {
+        cfg.quic.listen = a;
+    }
+    if let Some(a) = cli.http_listen {
+        cfg.http.listen = a;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
+        .with_writer(std::io::stderr)
+        .init();
+    match &cli.command {
+        Some(Command::DevCerts { out, name }) => {
+            let c = certs::generate(out, name).context("generating dev certificates")?;
+            println!(
+                "wrote {}, {}, {}",
+                c.ca_cert.display(),
+                c.server_cert.display(),
+                c.server_key.display()
+            );
+            Ok(())
+        }
+        Some(Command::HashToken { token }) => {
+            println!("{}", tidegate_gateway::auth::hash_token(token));
+            Ok(())
+        }
+        Some(Command::CheckConfig) => {
+            let cfg = load_config(&cli)?;
+            println!("{cfg:#?}");
+            println!("config ok");
+            Ok(())
+        }
+        Some(Command::Run) | None => {
+            let cfg = load_config(&cli)?;
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?
+                .block_on(run(cfg))
+        }
+    }
+}
+
+async fn run(cfg: Config) -> anyhow::Result<()> {
+    let server_config = tidegate_protocol::quic::server_config(&cfg.quic.cert, &cfg.quic.key)
+        .context("loading the gateway's TLS certificate")?;
+    let endpoint = quinn::Endpoint::server(server_config, cfg.quic.listen)
+        .with_context(|| format!("binding QUIC on {}", cfg.quic.listen))?;
+    let http = tokio::net::TcpListener::bind(cfg.http.listen)
+        .await
+        .with_context(|| format!("binding HTTP on {}", cfg.http.listen))?;
+    // Printed for scripts and tests that bind port 0.
+    println!(
+        "listening quic={} http={}",
+        endpoint.local_addr()?,
+        http.local_addr()?
+    );
+
+    let cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let metrics = metrics::Metrics::new();
+    let limits = scheduler::Limits {
+        max_queued: cfg.scheduler.max_queued,
+        max_queued_per_edge: cfg.scheduler.max_queued_per_edge,
+        ..scheduler::Limits::default()
+    };
+    let hub = hub::spawn(limits, metrics.clone(), cancel.clone(), &tracker);
+    let api = api::router(api::ApiState {
+        hub: hub.clone(),
+        metrics: metrics.clone(),
+    });
+    {
+        let cancel = cancel.clone();
+        tracker.spawn(async move {
+            let shutdown = cancel.clone();
+            if let Err(e) = axum::serve(http, api)
+                .with_graceful_shutdown(async move { shutdown.cancelled().await })
+                .await
+            {
+                tracing::error!("HTTP server failed: {e}");
+                cancel.cancel();
+            }
+        });
+    }
+    let srv = server::Server::new(cfg, hub, metrics);
+    tracker.spawn(srv.serve(endpoint, cancel.clone(), tracker.clone()));
+
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    cancel.cancel();
+    tracker.close();
+    tracker.wait().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,131 @@
+//! Prometheus metrics of the gateway, registered in one place. Histogram
+//! buckets are sized for an 80 ms end-to-end budget.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Latency buckets (seconds): fine below the 80 ms budget, coarse above.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.010, 0.015, 0.020, 0.030, 0.040, 0.050, 0.060, 0.070, 0.080, 0.100,
+    0.150, 0.250, 0.500, 1.0,
+];
+
+/// Batch-size buckets.
+pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
+
+/// Every gateway metric.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `tidegate_frames_total{model,status}`: frames by final status.
+    pub frames: IntCounterVec,
+    /// `tidegate_e2e_latency_seconds{model}`: edge-reported capture-to-result.
+    pub e2e_latency: HistogramVec,
+    /// `tidegate_queue_wait_seconds{model}`: time queued in the gateway.
+    pub queue_wait: HistogramVec,
+    /// `tidegate_batch_size{model}`: frames per dispatched batch.
+    pub batch_size: HistogramVec,
+    /// `tidegate_inference_seconds{model}`: worker-reported inference time per batch.
+    pub inference: HistogramVec,
+    /// `tidegate_workers{state}`: workers by state (idle, busy).
+    pub workers: IntGaugeVec,
+    /// `tidegate_edges_connected`: connected edges.
+    pub edges_connected: IntGauge,
+    /// `tidegate_frames_rejected_total{reason}`: frames refused before admission.
+    pub rejected: IntCounterVec,
+    /// `tidegate_results_undeliverable_total`: results whose edge had gone.
+    pub undeliverable: IntCounter,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let hist = |name: &str, help: &str, buckets: &[f64]| {
+            HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                &["model"],
+            )
+            .expect("valid histogram")
+        };
+        let m = Metrics {
+            frames: IntCounterVec::new(
+                Opts::new("tidegate_frames_total", "Admitted frames by final status."),
+                &["model", "status"],
+            )
+            .expect("valid counter"),
+            e2e_latency: hist(
+                "tidegate_e2e_latency_seconds",
+                "Capture-to-result latency measured by edges on their own clock.",
+                LATENCY_BUCKETS,
+            ),
+            queue_wait: hist(
+                "tidegate_queue_wait_seconds",
+                "Time frames waited in the gateway's queue.",
+                LATENCY_BUCKETS,
+            ),
+            batch_size: hist(
+                "tidegate_batch_size",
+                "Frames per dispatched batch.",
+                BATCH_BUCKETS,
+            ),
+            inference: hist(
+                "tidegate_inference_seconds",
+                "Inference time per batch, reported by workers.",
+                LATENCY_BUCKETS,
+            ),
+            workers: IntGaugeVec::new(
+                Opts::new("tidegate_workers", "Registered workers by state."),
+                &["state"],
+            )
+            .expect("valid gauge"),
+            edges_connected: IntGauge::new("tidegate_edges_connected", "Connected edges.")
+                .expect("valid gauge"),
+            rejected: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_frames_rejected_total",
+                    "Frames refused before admission (malformed, unknown camera).",
+                ),
+                &["reason"],
+            )
+            .expect("valid counter"),
+            undeliverable: IntCounter::new(
+                "tidegate_results_undeliverable_total",
+                "Results that could not be sent because their edge had disconnected.",
+            )
+            .expect("valid counter"),
+            registry,
+        };
+        for c in [
+            Box::new(m.frames.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.e2e_latency.clone()),
+            Box::new(m.queue_wait.clone()),
+            Box::new(m.batch_size.clone()),
+            Box::new(m.inference.clone()),
+            Box::new(m.workers.clone()),
+            Box::new(m.edges_connected.clone()),
+            Box::new(m.rejected.clone()),
+            Box::new(m.undeliverable.clone()),
+        ] {
+            m.registry.register(c).expect("metric names are unique");
+        }
+        m
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

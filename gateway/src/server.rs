@@ -1,0 +1,446 @@
+//! The QUIC listener. Each connection gets its own task and tracing span.
+//! The first bidirectional stream is the control stream and must start with
+//! `Hello`; the token decides whether the peer is an edge or a worker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tidegate_protocol::quic::{read_message, write_message};
+use tidegate_protocol::{
+    CameraAccepted, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Limits, Message, Role, Welcome,
+};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::auth::token_matches;
+use crate::config::Config;
+use crate::hub::{Hub, HubMsg};
+use crate::metrics::Metrics;
+use crate::scheduler::{EdgeId, WorkerId};
+
+/// Results buffered per edge connection before they are dropped (counted).
+const RESULT_QUEUE: usize = 1024;
+/// Batches buffered per worker connection.
+const DISPATCH_QUEUE: usize = 8;
+/// Heartbeat interval asked of workers.
+const HEARTBEAT_MS: u32 = 1000;
+/// How long a client has to send `Hello`.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Shared state of the listener.
+#[derive(Debug)]
+pub struct Server {
+    config: Config,
+    hub: Hub,
+    metrics: Metrics,
+    limits: Limits,
+    sessions: AtomicU64,
+}
+
+impl Server {
+    /// A server over `hub`.
+    pub fn new(config: Config, hub: Hub, metrics: Metrics) -> Arc<Self> {
+        Arc::new(Server {
+            config,
+            hub,
+            metrics,
+            limits: Limits::default(),
+            sessions: AtomicU64::new(1),
+        })
+    }
+
+    /// Accepts connections until `cancel` fires; every connection task is
+    /// tracked by `tracker`.
+    pub async fn serve(
+        self: Arc<Self>,
+        endpoint: quinn::Endpoint,
+        cancel: CancellationToken,
+        tracker: TaskTracker,
+    ) {
+        loop {
+            let incoming = tokio::select! {
+                _ = cancel.cancelled() => break,
+                i = endpoint.accept() => match i {
+                    Some(i) => i,
+                    None => break,
+                },
+            };
+            let this = self.clone();
+            let cancel = cancel.clone();
+            let session = self.sessions.fetch_add(1, Ordering::Relaxed);
+            let span = info_span!("conn", session, peer = %incoming.remote_address());
+            tracker.spawn(
+                async move {
+                    match incoming.await {
+                        Ok(conn) => this.connection(session, conn, cancel).await,
+                        Err(e) => debug!("handshake failed: {e}"),
+                    }
+                }
+                .instrument(span),
+            );
+        }
+        endpoint.close(0u32.into(), b"gateway shutting down");
+    }
+
+    async fn connection(&self, session: u64, conn: quinn::Connection, cancel: CancellationToken) {
+        let hello = tokio::time::timeout(HELLO_TIMEOUT, async {
+            let (mut send, mut recv) = conn.accept_bi().await.ok()?;
+            match read_message(&mut recv, &self.limits).await {
+                Ok(Some(Message::Hello(h))) => Some((send, recv, h)),
+                Ok(other) => {
+                    let msg = format!(
+                        "expected Hello as the first message, got {:?}",
+                        other.map(|m| m.kind())
+                    );
+                    refuse(&conn, &mut send, ErrorCode::Malformed, msg).await;
+                    None
+                }
+                Err(e) => {
+                    refuse(&conn, &mut send, ErrorCode::Malformed, e.to_string()).await;
+                    None
+                }
+            }
+        })
+        .await;
+        let Ok(Some((mut send, recv, hello))) = hello else {
+            debug!("no Hello; closing");
+            conn.close(ErrorCode::Malformed.quic_code().into(), b"no Hello");
+            return;
+        };
+        let Hello { role, name, token } = &hello;
+        let allowed = match role {
+            Role::Edge => &self.config.edges,
+            Role::Worker => &self.config.workers,
+        };
+        let authorised = allowed
+            .iter()
+            .any(|p| &p.name == name && token_matches(token, &p.token_sha256));
+        if !authorised {
+            let role = match role {
+                Role::Edge => "edge",
+                Role::Worker => "worker",
+            };
+            warn!(name, role, "refused: unknown name or wrong token");
+            let msg = format!(
+                "{role} '{name}' refused: unknown name or wrong token (check its token and the gateway's [[{role}s]] entry)"
+            );
+            refuse(&conn, &mut send, ErrorCode::Unauthorized, msg).await;
+            return;
+        }
+        let welcome = Message::Welcome(Welcome {
+            session,
+            heartbeat_ms: HEARTBEAT_MS,
+        });
+        if write_message(&mut send, &welcome).await.is_err() {
+            return;
+        }
+        info!(name = %hello.name, role = ?hello.role, "authenticated");
+        match hello.role {
+            Role::Edge => self.edge(EdgeId(session), hello.name, conn, send, recv, cancel).await,
+            Role::Worker => {
+                self.worker(WorkerId(session), hello.name, conn, send, recv, cancel)
+                    .await
+            }
+        }
+    }
+
+    async fn edge(
+        &self,
+        id: EdgeId,
+        name: String,
+        conn: quinn::Connection,
+        mut ctl_send: quinn::SendStream,
+        mut ctl_recv: quinn::RecvStream,
+        cancel: CancellationToken,
+    ) {
+        let (results_tx, mut results_rx) = mpsc::channel::<FrameResult>(RESULT_QUEUE);
+        if !self
+            .hub
+            .send(HubMsg::EdgeConnected {
+                edge: id,
+                name,
+                results: results_tx,
+            })
+            .await
+        {
+            return;
+        }
+        // Cameras opened on this connection: name -> model.
+        let cameras = Arc::new(std::sync::Mutex::new(
+            std::collections::HashMap::<String, String>::new(),
+        ));
+        let margin = Duration::from_millis(self.config.scheduler.return_margin_ms as u64);
+
+        // Results: one unidirectional stream each.
+        let writer = {
+            let conn = conn.clone();
+            async move {
+                while let Some(r) = results_rx.recv().await {
+                    let conn = conn.clone();
+                    tokio::spawn(async move {
+                        let Ok(mut s) = conn.open_uni().await else {
+                            return;
+                        };
+                        if write_message(&mut s, &Message::Result(r)).await.is_ok() {
+                            let _ = s.finish();
+                        }
+                    });
+                }
+            }
+        };
+
+        // Frames: one unidirectional stream each.
+        let frames = {
+            let conn = conn.clone();
+            let cameras = cameras.clone();
+            async move {
+                while let Ok(mut recv) = conn.accept_uni().await {
+                    let arrived = Instant::now();
+                    let rtt = conn.rtt();
+                    let cameras = cameras.clone();
+                    let hub = self.hub.clone();
+                    let limits = self.limits;
+                    let metrics = self.metrics.clone();
+                    tokio::spawn(async move {
+                        let frame: Frame = match read_message(&mut recv, &limits).await {
+                            Ok(Some(Message::Frame(f))) => f,
+                            Ok(Some(other)) => {
+                                warn!(kind = ?other.kind(), "frame stream carried a non-Frame message; stream closed");
+                                metrics.rejected.with_label_values(&["malformed"]).inc();
+                                let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
+                                return;
+                            }
+                            Ok(None) => return,
+                            Err(e) => {
+                                warn!("bad frame stream closed: {e}");
+                                metrics.rejected.with_label_values(&["malformed"]).inc();
+                                let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
+                                return;
+                            }
+                        };
+                        let opened = cameras
+                            .lock()
+                            .expect("camera map lock")
+                            .get(&frame.camera)
+                            .cloned();
+                        if opened.as_deref() != Some(frame.model.as_str()) {
+                            warn!(camera = %frame.camera, model = %frame.model, "frame for a camera not opened with that model; dropped");
+                            metrics.rejected.with_label_values(&["camera_not_open"]).inc();
+                            let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
+                            return;
+                        }
+                        // Budget left at send − time since (≈ half the RTT,
+                        // already spent in transit) − return trip − margin.
+                        let budget = Duration::from_micros(frame.budget_us as u64);
+                        let deadline = (arrived + budget)
+                            .checked_sub(rtt + margin)
+                            .unwrap_or(arrived);
+                        hub.send(HubMsg::Frame {
+                            edge: id,
+                            frame,
+                            deadline,
+                        })
+                        .await;
+                    });
+                }
+            }
+        };
+
+        // Control: camera opens and latency reports.
+        let control = async {
+            loop {
+                let msg = match read_message(&mut ctl_recv, &self.limits).await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => break,
+                    Err(e) => {
+                        warn!("control stream: {e}");
+                        break;
+                    }
+                };
+                match msg {
+                    Message::CameraOpen(open) => {
+                        let reply = match self.hub.model_input(&open.model).await {
+                            Some(input) => {
+                                cameras
+                                    .lock()
+                                    .expect("camera map lock")
+                                    .insert(open.camera.clone(), open.model.clone());
+                                self.hub
+                                    .send(HubMsg::CameraOpened {
+                                        edge: id,
+                                        camera: open.camera.clone(),
+                                        model: open.model.clone(),
+                                    })
+                                    .await;
+                                info!(camera = %open.camera, model = %open.model, "camera opened");
+                                Message::CameraAccepted(CameraAccepted {
+                                    camera: open.camera,
+                                    model: open.model,
+                                    input,
+                                })
+                            }
+                            None => Message::Error(ErrorMsg {
+                                code: ErrorCode::Unavailable,
+                                message: format!(
+                                    "camera '{}': no worker serves model '{}' yet; retry later",
+                                    open.camera, open.model
+                                ),
+                            }),
+                        };
+                        if write_message(&mut ctl_send, &reply).await.is_err() {
+                            break;
+                        }
+                    }
+                    Message::LatencyReport(r) => {
+                        let model = cameras
+                            .lock()
+                            .expect("camera map lock")
+                            .get(&r.camera)
+                            .cloned()
+                            .unwrap_or_default();
+                        self.hub
+                            .send(HubMsg::Latency {
+                                model,
+                                e2e: Duration::from_micros(r.e2e_us as u64),
+                            })
+                            .await;
+                    }
+                    other => {
+                        warn!(kind = ?other.kind(), "unexpected message on an edge control stream");
+                    }
+                }
+            }
+        };
+
+        tokio::select! {
+            _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
+            _ = control => {},
+            _ = frames => {},
+            _ = writer => {},
+            _ = conn.closed() => {},
+        }
+        info!("edge disconnected");
+        self.hub.send(HubMsg::EdgeGone { edge: id }).await;
+    }
+
+    async fn worker(
+        &self,
+        id: WorkerId,
+        name: String,
+        conn: quinn::Connection,
+        mut ctl_send: quinn::SendStream,
+        mut ctl_recv: quinn::RecvStream,
+        cancel: CancellationToken,
+    ) {
+        let register = match read_message(&mut ctl_recv, &self.limits).await {
+            Ok(Some(Message::Register(r))) => r,
+            other => {
+                let msg = format!("worker '{name}': expected Register after Welcome, got {other:?}");
+                warn!("{msg}");
+                refuse(&conn, &mut ctl_send, ErrorCode::Malformed, msg).await;
+                return;
+            }
+        };
+        info!(
+            worker = %register.worker,
+            device = %register.device,
+            models = ?register.models.iter().map(|m| &m.name).collect::<Vec<_>>(),
+            "worker registered"
+        );
+        let (dispatch_tx, mut dispatch_rx) = mpsc::channel(DISPATCH_QUEUE);
+        if !self
+            .hub
+            .send(HubMsg::WorkerConnected {
+                worker: id,
+                register,
+                dispatch: dispatch_tx,
+            })
+            .await
+        {
+            return;
+        }
+
+        let writer = {
+            let conn = conn.clone();
+            async move {
+                while let Some(d) = dispatch_rx.recv().await {
+                    let mut s = conn.open_uni().await?;
+                    write_message(&mut s, &Message::Dispatch(d)).await?;
+                    s.finish()?;
+                }
+                Ok::<(), anyhow::Error>(())
+            }
+        };
+        let results = {
+            let conn = conn.clone();
+            async move {
+                loop {
+                    let mut recv = conn.accept_uni().await?;
+                    match read_message(&mut recv, &self.limits).await {
+                        Ok(Some(Message::BatchResult(result))) => {
+                            self.hub
+                                .send(HubMsg::BatchDone { worker: id, result })
+                                .await;
+                        }
+                        Ok(Some(other)) => {
+                            warn!(kind = ?other.kind(), "unexpected message on a worker result stream")
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            // A batch result we cannot read: the worker is
+                            // broken. Treat it as lost so its frames are
+                            // re-homed or failed, never forgotten.
+                            warn!("unreadable batch result: {e}; dropping worker");
+                            anyhow::bail!("unreadable batch result");
+                        }
+                    }
+                }
+                #[allow(unreachable_code)]
+                Ok::<(), anyhow::Error>(())
+            }
+        };
+        let control = async {
+            loop {
+                match read_message(&mut ctl_recv, &self.limits).await {
+                    Ok(Some(Message::Heartbeat(h))) => {
+                        debug!(queue = h.queue_depth, util = h.utilization, "heartbeat")
+                    }
+                    Ok(Some(other)) => {
+                        warn!(kind = ?other.kind(), "unexpected message on a worker control stream")
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
+            r = writer => if let Err(e) = r { warn!("dispatch to worker failed: {e}") },
+            r = results => if let Err(e) = r { debug!("worker result streams ended: {e}") },
+            _ = control => {},
+            _ = conn.closed() => {},
+        }
+        info!("worker disconnected");
+        conn.close(0u32.into(), b"bye");
+        self.hub.send(HubMsg::WorkerGone { worker: id }).await;
+    }
+}
+
+/// Sends an error on the control stream, then closes the connection with the
+/// error's QUIC code.
+async fn refuse(conn: &quinn::Connection, send: &mut quinn::SendStream, code: ErrorCode, message: String) {
+    let _ = write_message(
+        send,
+        &Message::Error(ErrorMsg {
+            code,
+            message: message.clone(),
+        }),
+    )
+    .await;
+    let _ = send.finish();
+    // Give the peer a moment to read the reason before the close.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    conn.close(code.quic_code().into(), message.as_bytes());
+}

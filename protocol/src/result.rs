@@ -1,0 +1,126 @@
+//! What becomes of a frame: its status, detections and timings.
+
+use serde::{Deserialize, Serialize};
+
+/// A detected object, in source-image pixels.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Detection {
+    /// Left edge.
+    pub x1: f32,
+    /// Top edge.
+    pub y1: f32,
+    /// Right edge.
+    pub x2: f32,
+    /// Bottom edge.
+    pub y2: f32,
+    /// Confidence in 0..=1.
+    pub score: f32,
+    /// Class index into the model's labels (0 for single-class models).
+    pub class: u32,
+    /// Named landmarks (for BlazeFace: eyes, nose, mouth, ears), source pixels.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keypoints: Vec<[f32; 2]>,
+}
+
+/// Why a frame was shed before reaching a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShedReason {
+    /// A newer frame of the same camera replaced it in the queue.
+    Superseded,
+    /// No worker could finish it before its deadline.
+    WouldMissDeadline,
+    /// A queue bound (per edge or global) was full.
+    Overloaded,
+    /// No worker serves the frame's model.
+    NoWorker,
+}
+
+impl ShedReason {
+    /// Wire code.
+    pub fn code(self) -> u8 {
+        match self {
+            ShedReason::Superseded => 0,
+            ShedReason::WouldMissDeadline => 1,
+            ShedReason::Overloaded => 2,
+            ShedReason::NoWorker => 3,
+        }
+    }
+
+    /// The reason for a wire code, if known.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            0 => ShedReason::Superseded,
+            1 => ShedReason::WouldMissDeadline,
+            2 => ShedReason::Overloaded,
+            3 => ShedReason::NoWorker,
+            _ => return None,
+        })
+    }
+
+    /// snake_case name, as used in JSON and metric labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShedReason::Superseded => "superseded",
+            ShedReason::WouldMissDeadline => "would_miss_deadline",
+            ShedReason::Overloaded => "overloaded",
+            ShedReason::NoWorker => "no_worker",
+        }
+    }
+}
+
+/// The one outcome every admitted frame ends in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", content = "reason", rename_all = "snake_case")]
+pub enum Status {
+    /// Inference ran; detections are valid.
+    Ok,
+    /// Dropped before dispatch.
+    Shed(ShedReason),
+    /// Its deadline passed while it waited.
+    Expired,
+    /// It could not be processed; the text says why.
+    Failed(String),
+}
+
+impl Status {
+    /// Label used for `tidegate_frames_total{status}`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Shed(_) => "shed",
+            Status::Expired => "expired",
+            Status::Failed(_) => "failed",
+        }
+    }
+}
+
+/// Where a frame's time went, in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Timings {
+    /// Waiting in the gateway's queue.
+    pub queue_us: u32,
+    /// u8 → model input transform.
+    pub preprocess_us: u32,
+    /// ONNX Runtime run (the batch's, shared by its frames).
+    pub inference_us: u32,
+    /// Decoding outputs into detections.
+    pub postprocess_us: u32,
+}
+
+/// The result for one frame, addressed by camera and sequence number.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameResult {
+    /// Camera name, as opened by the edge.
+    pub camera: String,
+    /// The frame's sequence number within its camera.
+    pub seq: u64,
+    /// Capture time echoed from the frame (edge clock, µs).
+    pub captured_at_us: u64,
+    /// Outcome.
+    pub status: Status,
+    /// Detections (empty unless `status` is `Ok`).
+    pub detections: Vec<Detection>,
+    /// Time spent in each stage.
+    pub timings: Timings,
+}

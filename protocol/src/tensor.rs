@@ -1,0 +1,290 @@
+//! Tensor payloads: element type, memory layout, shape, and the frame geometry
+//! that maps model-input pixels back to source pixels.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::limits::Limits;
+
+/// Element type of a tensor on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// Unsigned 8-bit integers (camera pixels).
+    U8,
+    /// IEEE-754 32-bit floats, little-endian.
+    F32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 => 1,
+            DType::F32 => 4,
+        }
+    }
+
+    /// The wire code of this type.
+    pub fn code(self) -> u8 {
+        match self {
+            DType::U8 => 0,
+            DType::F32 => 1,
+        }
+    }
+
+    /// The type for a wire code, if known.
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(DType::U8),
+            1 => Some(DType::F32),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name, as in model.toml.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "u8",
+            DType::F32 => "f32",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Memory layout of an image tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// Batch, height, width, channels (interleaved pixels, as cameras produce).
+    Nhwc,
+    /// Batch, channels, height, width (planar).
+    Nchw,
+}
+
+impl Layout {
+    /// The wire code of this layout.
+    pub fn code(self) -> u8 {
+        match self {
+            Layout::Nhwc => 0,
+            Layout::Nchw => 1,
+        }
+    }
+
+    /// The layout for a wire code, if known.
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Layout::Nhwc),
+            1 => Some(Layout::Nchw),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name, as in model.toml.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Nhwc => "nhwc",
+            Layout::Nchw => "nchw",
+        }
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Renders a shape as `[1,128,128,3]`, the form every error message uses.
+pub fn shape_string(shape: &[u32]) -> String {
+    let dims: Vec<String> = shape.iter().map(u32::to_string).collect();
+    format!("[{}]", dims.join(","))
+}
+
+/// A tensor: type, layout, shape and its bytes (zero-copy `Bytes`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    /// Element type.
+    pub dtype: DType,
+    /// Memory layout.
+    pub layout: Layout,
+    /// Dimensions, outermost first.
+    pub shape: Vec<u32>,
+    /// Row-major element bytes; `len == product(shape) * dtype.size()`.
+    pub data: Bytes,
+}
+
+impl Tensor {
+    /// Number of bytes the shape and type imply, or `None` on overflow.
+    pub fn expected_len(dtype: DType, shape: &[u32]) -> Option<usize> {
+        shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d as usize))
+    }
+
+    /// Checks the shape against `limits` and the data length against the shape.
+    pub fn validate(&self, limits: &Limits) -> Result<(), TensorError> {
+        if self.shape.is_empty() || self.shape.len() > limits.max_dims {
+            return Err(TensorError::Dims {
+                dims: self.shape.len(),
+                max: limits.max_dims,
+            });
+        }
+        let want = Self::expected_len(self.dtype, &self.shape)
+            .filter(|&n| n <= limits.max_tensor_bytes)
+            .ok_or(TensorError::TooLarge {
+                shape: shape_string(&self.shape),
+                max: limits.max_tensor_bytes,
+            })?;
+        if want != self.data.len() {
+            return Err(TensorError::Length {
+                shape: shape_string(&self.shape),
+                dtype: self.dtype,
+                expected: want,
+                actual: self.data.len(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why a tensor is not well formed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorError {
+    /// The number of dimensions is zero or above the limit.
+    #[error("tensor has {dims} dimensions; 1 to {max} are allowed")]
+    Dims {
+        /// Dimensions found.
+        dims: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The shape implies more bytes than allowed (or overflows).
+    #[error("tensor shape {shape} exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// The offending shape.
+        shape: String,
+        /// The limit in bytes.
+        max: usize,
+    },
+    /// The payload length does not match the shape.
+    #[error("tensor shape {shape} of {dtype} needs {expected} bytes, payload has {actual}")]
+    Length {
+        /// The declared shape.
+        shape: String,
+        /// The declared type.
+        dtype: DType,
+        /// Bytes the shape implies.
+        expected: usize,
+        /// Bytes present.
+        actual: usize,
+    },
+}
+
+/// Where the model-input image came from: the source frame size and the
+/// rectangle of the model input that the (scaled) source occupies. With
+/// stretching the content rectangle is the whole input; with letterboxing it is
+/// centred with padding on two sides. Results are mapped back through it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Geometry {
+    /// Source frame width in pixels.
+    pub source_width: u32,
+    /// Source frame height in pixels.
+    pub source_height: u32,
+    /// Left edge of the content inside the model input, in input pixels.
+    pub content_x: u32,
+    /// Top edge of the content inside the model input, in input pixels.
+    pub content_y: u32,
+    /// Width of the content inside the model input, in input pixels.
+    pub content_width: u32,
+    /// Height of the content inside the model input, in input pixels.
+    pub content_height: u32,
+}
+
+impl Geometry {
+    /// Geometry of a source stretched over the whole `width`×`height` input.
+    pub fn stretch(source_width: u32, source_height: u32, width: u32, height: u32) -> Self {
+        Geometry {
+            source_width,
+            source_height,
+            content_x: 0,
+            content_y: 0,
+            content_width: width,
+            content_height: height,
+        }
+    }
+
+    /// Geometry of a source scaled to fit `width`×`height` with its aspect
+    /// ratio kept, centred, padded on the short side.
+    pub fn letterbox(source_width: u32, source_height: u32, width: u32, height: u32) -> Self {
+        let (sw, sh) = (source_width.max(1) as u64, source_height.max(1) as u64);
+        let (w, h) = (width as u64, height as u64);
+        // Scale = min(w/sw, h/sh), computed in integers to stay exact.
+        let (cw, ch) = if w * sh <= h * sw {
+            (w, (sh * w + sw / 2) / sw)
+        } else {
+            ((sw * h + sh / 2) / sh, h)
+        };
+        let (cw, ch) = (cw.clamp(1, w) as u32, ch.clamp(1, h) as u32);
+        Geometry {
+            source_width,
+            source_height,
+            content_x: (width - cw) / 2,
+            content_y: (height - ch) / 2,
+            content_width: cw,
+            content_height: ch,
+        }
+    }
+
+    /// Maps a point given in normalised model-input coordinates (0..1 over the
+    /// whole input of `width`×`height`) to source pixels.
+    pub fn to_source(&self, width: u32, height: u32, nx: f32, ny: f32) -> (f32, f32) {
+        let ix = nx * width as f32;
+        let iy = ny * height as f32;
+        let sx = (ix - self.content_x as f32) * self.source_width as f32
+            / self.content_width.max(1) as f32;
+        let sy = (iy - self.content_y as f32) * self.source_height as f32
+            / self.content_height.max(1) as f32;
+        (sx, sy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn letterbox_of_wide_source_pads_top_and_bottom() {
+        let g = Geometry::letterbox(1920, 1080, 128, 128);
+        assert_eq!((g.content_width, g.content_height), (128, 72));
+        assert_eq!((g.content_x, g.content_y), (0, 28));
+        let (x, y) = g.to_source(128, 128, 0.5, 0.5);
+        assert!((x - 960.0).abs() < 1e-3 && (y - 540.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn square_source_letterbox_equals_stretch() {
+        assert_eq!(
+            Geometry::letterbox(512, 512, 128, 128),
+            Geometry::stretch(512, 512, 128, 128)
+        );
+    }
+
+    #[test]
+    fn length_mismatch_names_shape_and_sizes() {
+        let t = Tensor {
+            dtype: DType::U8,
+            layout: Layout::Nhwc,
+            shape: vec![1, 64, 64, 3],
+            data: Bytes::from_static(&[0; 10]),
+        };
+        let err = t.validate(&Limits::default()).unwrap_err().to_string();
+        assert!(err.contains("[1,64,64,3]") && err.contains("12288") && err.contains("10"));
+    }
+}

@@ -1,0 +1,688 @@
+//! Property tests over random messages of every kind: the codec round-trips,
+//! `to_chunks` is the same bytes as `encode`, every strict prefix is
+//! `Incomplete` (consuming nothing, naming exactly the missing bytes),
+//! messages decode back-to-back, and tensor payloads are not copied.
+//! Then targeted tests of the limits and of each named error.
+
+mod common;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use proptest::prelude::*;
+use tidegate_protocol::codec::Writer;
+use tidegate_protocol::fuzzing::{assert_zero_copy, tensors};
+use tidegate_protocol::*;
+
+// ---------------------------------------------------------------- strategies
+
+/// Short strings, ASCII or any printable Unicode (well under the limit).
+fn text() -> impl Strategy<Value = String> {
+    prop_oneof!["[a-z0-9_-]{0,12}", "\\PC{0,16}"]
+}
+
+/// Finite f32s only: the decoder rejects NaN and infinities.
+fn finite() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        -2000.0f32..2000.0,
+        Just(0.0f32),
+        Just(-0.0f32),
+        Just(f32::MAX),
+        Just(f32::MIN),
+        Just(f32::MIN_POSITIVE / 2.0),
+        any::<f32>().prop_filter("finite", |v| v.is_finite()),
+    ]
+}
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop_oneof![Just(DType::U8), Just(DType::F32)]
+}
+
+fn layout() -> impl Strategy<Value = Layout> {
+    prop_oneof![Just(Layout::Nhwc), Just(Layout::Nchw)]
+}
+
+/// A tensor with 1..=4 small dimensions (0 allowed) and exactly the bytes
+/// its shape implies, random.
+fn tensor() -> impl Strategy<Value = Tensor> {
+    (dtype(), layout(), prop::collection::vec(0u32..6, 1..=4)).prop_flat_map(
+        |(dtype, layout, shape)| {
+            let len = Tensor::expected_len(dtype, &shape).unwrap();
+            prop::collection::vec(any::<u8>(), len).prop_map(move |data| Tensor {
+                dtype,
+                layout,
+                shape: shape.clone(),
+                data: Bytes::from(data),
+            })
+        },
+    )
+}
+
+fn geometry() -> impl Strategy<Value = Geometry> {
+    any::<[u32; 6]>().prop_map(|g| Geometry {
+        source_width: g[0],
+        source_height: g[1],
+        content_x: g[2],
+        content_y: g[3],
+        content_width: g[4],
+        content_height: g[5],
+    })
+}
+
+fn input_spec() -> impl Strategy<Value = InputSpec> {
+    (
+        any::<u32>(),
+        any::<u32>(),
+        any::<u8>(),
+        dtype(),
+        layout(),
+        prop_oneof![Just(ColorOrder::Rgb), Just(ColorOrder::Bgr)],
+        prop_oneof![Just(Resize::Stretch), Just(Resize::Letterbox)],
+    )
+        .prop_map(
+            |(width, height, channels, dtype, layout, color, resize)| InputSpec {
+                width,
+                height,
+                channels,
+                dtype,
+                layout,
+                color,
+                resize,
+            },
+        )
+}
+
+fn shed_reason() -> impl Strategy<Value = ShedReason> {
+    prop_oneof![
+        Just(ShedReason::Superseded),
+        Just(ShedReason::WouldMissDeadline),
+        Just(ShedReason::Overloaded),
+        Just(ShedReason::NoWorker),
+    ]
+}
+
+fn status() -> impl Strategy<Value = Status> {
+    prop_oneof![
+        Just(Status::Ok),
+        shed_reason().prop_map(Status::Shed),
+        Just(Status::Expired),
+        text().prop_map(Status::Failed),
+    ]
+}
+
+/// Every known error code (wire values beyond the last read as `Internal`).
+fn error_code() -> impl Strategy<Value = ErrorCode> {
+    (0u16..16).prop_map(ErrorCode::from_code)
+}
+
+fn detection() -> impl Strategy<Value = Detection> {
+    (
+        [finite(), finite(), finite(), finite(), finite()],
+        any::<u32>(),
+        prop::collection::vec([finite(), finite()], 0..8),
+    )
+        .prop_map(|([x1, y1, x2, y2, score], class, keypoints)| Detection {
+            x1,
+            y1,
+            x2,
+            y2,
+            score,
+            class,
+            keypoints,
+        })
+}
+
+fn timings() -> impl Strategy<Value = Timings> {
+    any::<[u32; 4]>().prop_map(|t| Timings {
+        queue_us: t[0],
+        preprocess_us: t[1],
+        inference_us: t[2],
+        postprocess_us: t[3],
+    })
+}
+
+fn outcome() -> impl Strategy<Value = (Status, Vec<Detection>, Timings)> {
+    (
+        status(),
+        prop::collection::vec(detection(), 0..4),
+        timings(),
+    )
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        (
+            prop_oneof![Just(Role::Edge), Just(Role::Worker)],
+            text(),
+            text()
+        )
+            .prop_map(|(role, name, token)| Message::Hello(Hello { role, name, token })),
+        (any::<u64>(), any::<u32>()).prop_map(|(session, heartbeat_ms)| {
+            Message::Welcome(Welcome {
+                session,
+                heartbeat_ms,
+            })
+        }),
+        (error_code(), text())
+            .prop_map(|(code, message)| Message::Error(ErrorMsg { code, message })),
+        (text(), text(), any::<u32>()).prop_map(|(camera, model, budget_ms)| {
+            Message::CameraOpen(CameraOpen {
+                camera,
+                model,
+                budget_ms,
+            })
+        }),
+        (text(), text(), input_spec()).prop_map(|(camera, model, input)| {
+            Message::CameraAccepted(CameraAccepted {
+                camera,
+                model,
+                input,
+            })
+        }),
+        (
+            text(),
+            any::<[u64; 2]>(),
+            any::<u32>(),
+            text(),
+            geometry(),
+            tensor()
+        )
+            .prop_map(|(camera, [seq, captured_at_us], budget_us, model, geometry, tensor)| {
+                Message::Frame(Frame {
+                    camera,
+                    seq,
+                    captured_at_us,
+                    budget_us,
+                    model,
+                    geometry,
+                    tensor,
+                })
+            }),
+        (text(), any::<[u64; 2]>(), outcome()).prop_map(
+            |(camera, [seq, captured_at_us], (status, detections, timings))| {
+                Message::Result(FrameResult {
+                    camera,
+                    seq,
+                    captured_at_us,
+                    status,
+                    detections,
+                    timings,
+                })
+            }
+        ),
+        (text(), finite(), finite()).prop_map(|(camera, max_fps, motion_threshold)| {
+            Message::ControlHint(ControlHint {
+                camera,
+                max_fps,
+                motion_threshold,
+            })
+        }),
+        (text(), any::<u64>(), any::<u32>()).prop_map(|(camera, seq, e2e_us)| {
+            Message::LatencyReport(LatencyReport {
+                camera,
+                seq,
+                e2e_us,
+            })
+        }),
+        (
+            text(),
+            text(),
+            prop::collection::vec(
+                (text(), any::<u32>(), input_spec(), any::<u16>()).prop_map(
+                    |(name, version, input, max_batch)| ModelInfo {
+                        name,
+                        version,
+                        input,
+                        max_batch,
+                    }
+                ),
+                0..4
+            ),
+            prop::collection::vec(
+                (text(), any::<u16>(), any::<u32>()).prop_map(|(model, batch, latency_us)| {
+                    ProfilePoint {
+                        model,
+                        batch,
+                        latency_us,
+                    }
+                }),
+                0..6
+            ),
+        )
+            .prop_map(|(worker, device, models, profile)| {
+                Message::Register(Register {
+                    worker,
+                    device,
+                    models,
+                    profile,
+                })
+            }),
+        (any::<u32>(), finite()).prop_map(|(queue_depth, utilization)| {
+            Message::Heartbeat(Heartbeat {
+                queue_depth,
+                utilization,
+            })
+        }),
+        (
+            any::<u64>(),
+            text(),
+            prop::collection::vec(
+                (any::<u64>(), text(), any::<u64>(), geometry(), tensor()).prop_map(
+                    |(id, camera, seq, geometry, tensor)| DispatchItem {
+                        id,
+                        camera,
+                        seq,
+                        geometry,
+                        tensor,
+                    }
+                ),
+                0..4
+            ),
+        )
+            .prop_map(|(batch, model, items)| Message::Dispatch(Dispatch {
+                batch,
+                model,
+                items
+            })),
+        (
+            any::<u64>(),
+            prop::collection::vec(
+                (any::<u64>(), outcome()).prop_map(|(id, (status, detections, timings))| {
+                    ItemResult {
+                        id,
+                        status,
+                        detections,
+                        timings,
+                    }
+                }),
+                0..4
+            ),
+        )
+            .prop_map(|(batch, items)| Message::BatchResult(BatchResult { batch, items })),
+        any::<u32>().prop_map(|deadline_ms| Message::Drain(Drain { deadline_ms })),
+    ]
+}
+
+// ---------------------------------------------------------------- properties
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn decode_of_encode_is_identity(msg in message()) {
+        let bytes = common::encode(&msg);
+        let mut buf = bytes.clone();
+        let back = Message::decode(&mut buf, &Limits::default()).unwrap();
+        prop_assert_eq!(&back, &msg);
+        prop_assert_eq!(buf.remaining(), 0);
+        // The shared fuzz check holds too: canonical encoding, decode_body.
+        tidegate_protocol::fuzzing::check_roundtrip(&msg, Some(&bytes), &Limits::default());
+    }
+
+    #[test]
+    fn chunks_concatenated_equal_encode(msg in message()) {
+        let chunks = msg.to_chunks();
+        prop_assert_eq!(chunks.concat(), common::encode(&msg).to_vec());
+        // The first chunk holds the whole header and the payloads are the
+        // message's own buffers, not copies.
+        prop_assert!(chunks[0].len() >= Header::LEN);
+        let payloads: Vec<&Tensor> = tensors(&msg).into_iter().filter(|t| !t.data.is_empty()).collect();
+        prop_assert_eq!(chunks.len(), 1 + payloads.len());
+        for (chunk, t) in chunks[1..].iter().zip(payloads) {
+            prop_assert_eq!(chunk.as_ptr(), t.data.as_ptr());
+        }
+    }
+
+    #[test]
+    fn every_strict_prefix_is_incomplete_and_consumes_nothing(msg in message()) {
+        let bytes = common::encode(&msg);
+        for n in 0..bytes.len() {
+            let mut prefix = bytes.slice(..n);
+            let err = Message::decode(&mut prefix, &Limits::default()).unwrap_err();
+            let needed = if n < Header::LEN { Header::LEN - n } else { bytes.len() - n };
+            prop_assert_eq!(err, DecodeError::Incomplete { needed }, "prefix of {} bytes", n);
+            prop_assert_eq!(prefix.len(), n, "Incomplete consumed bytes");
+        }
+    }
+
+    #[test]
+    fn messages_back_to_back_decode_in_order(a in message(), b in message()) {
+        let mut buf = BytesMut::new();
+        a.encode(&mut buf);
+        b.encode(&mut buf);
+        let limits = Limits::default();
+        prop_assert_eq!(Message::decode(&mut buf, &limits).unwrap(), a);
+        prop_assert_eq!(Message::decode(&mut buf, &limits).unwrap(), b);
+        prop_assert!(buf.is_empty());
+        prop_assert!(Message::decode(&mut buf, &limits).unwrap_err().is_incomplete());
+    }
+
+    #[test]
+    fn decoded_tensor_payloads_are_slices_of_the_source(msg in message()) {
+        let src = common::encode(&msg);
+        let back = Message::decode(&mut src.clone(), &Limits::default()).unwrap();
+        assert_zero_copy(&back, &src);
+        // Also from a BytesMut, the form a stream reader accumulates into.
+        let mut acc = BytesMut::from(&src[..]);
+        let start = acc.as_ptr_range();
+        let back = Message::decode(&mut acc, &Limits::default()).unwrap();
+        for t in tensors(&back).into_iter().filter(|t| !t.data.is_empty()) {
+            prop_assert!(start.contains(&t.data.as_ptr()));
+        }
+    }
+
+    #[test]
+    fn shared_fuzz_check_holds_for_valid_and_damaged_encodings(
+        msg in message(),
+        cut in any::<prop::sample::Index>(),
+        flip in any::<(prop::sample::Index, u8)>(),
+    ) {
+        let bytes = common::encode(&msg).to_vec();
+        tidegate_protocol::fuzzing::check(&bytes);
+        tidegate_protocol::fuzzing::check(&bytes[..cut.index(bytes.len())]);
+        let mut damaged = bytes.clone();
+        let i = flip.0.index(damaged.len());
+        damaged[i] ^= flip.1 | 1;
+        tidegate_protocol::fuzzing::check(&damaged);
+    }
+}
+
+// ---------------------------------------------------------------- targeted
+
+fn header(kind: u8, len: u32) -> Vec<u8> {
+    let mut v = b"TG\x01".to_vec();
+    v.push(kind);
+    v.extend_from_slice(&len.to_be_bytes());
+    v
+}
+
+fn decode(bytes: &[u8]) -> Result<Message, DecodeError> {
+    Message::decode(&mut Bytes::copy_from_slice(bytes), &Limits::default())
+}
+
+#[test]
+fn nan_and_infinity_are_rejected_as_malformed() {
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let msg = Message::ControlHint(ControlHint {
+            camera: "door".into(),
+            max_fps: bad,
+            motion_threshold: 0.1,
+        });
+        let err = decode(&common::encode(&msg)).unwrap_err();
+        assert!(
+            matches!(err, DecodeError::Invalid { what: "max_fps", .. }),
+            "{err:?}"
+        );
+        assert!(!err.is_incomplete());
+    }
+    let mut d = common::face(0.5);
+    d.keypoints[1][0] = f32::NAN;
+    let msg = Message::Result(FrameResult {
+        camera: "door".into(),
+        seq: 1,
+        captured_at_us: 1,
+        status: Status::Ok,
+        detections: vec![d],
+        timings: Timings::default(),
+    });
+    let err = decode(&common::encode(&msg)).unwrap_err();
+    assert!(matches!(err, DecodeError::Invalid { what: "keypoint", .. }), "{err:?}");
+    assert!(err.to_string().contains("not a finite number"), "{err}");
+}
+
+#[test]
+fn body_over_the_limit_is_rejected_from_the_header_alone() {
+    let limits = Limits::default();
+    for kind in tidegate_protocol::fuzzing::all_kinds() {
+        let max = kind.max_body(&limits);
+        // Only the 8 header bytes exist; the body is never waited for.
+        let head = header(kind as u8, (max + 1) as u32);
+        let err = decode(&head).unwrap_err();
+        assert_eq!(
+            err,
+            DecodeError::TooLarge {
+                what: "message body",
+                len: max + 1,
+                max
+            },
+            "{kind:?}"
+        );
+        assert_eq!(Header::peek(&head, &limits).unwrap_err(), err);
+        // At the limit it is merely incomplete.
+        let head = header(kind as u8, max as u32);
+        assert_eq!(decode(&head).unwrap_err(), DecodeError::Incomplete { needed: max });
+    }
+    // Frames may carry a tensor; control messages may not.
+    assert_eq!(
+        Kind::Frame.max_body(&limits),
+        limits.max_header_bytes + limits.max_tensor_bytes
+    );
+    assert_eq!(Kind::Hello.max_body(&limits), limits.max_header_bytes);
+}
+
+/// A Frame body up to and including tensor metadata, with no payload.
+fn frame_with_tensor_meta(dtype: u8, shape: &[u32], len: u32) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.string("door");
+    w.u64(1);
+    w.u64(2);
+    w.u32(80_000);
+    w.string("blazeface");
+    w.geometry(&Geometry::stretch(640, 480, 128, 128));
+    w.u8(dtype);
+    w.u8(0);
+    w.u8(shape.len() as u8);
+    for &d in shape {
+        w.u32(d);
+    }
+    w.u32(len);
+    w.finish(Kind::Frame).concat()
+}
+
+#[test]
+fn tensor_shape_over_max_tensor_bytes_is_rejected_before_its_payload() {
+    // 8192 x 8192 x 3 u8 = 192 MiB > 64 MiB, declared but never sent.
+    let bytes = frame_with_tensor_meta(0, &[1, 8192, 8192, 3], 201_326_592);
+    let err = decode(&bytes).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::Tensor(TensorError::TooLarge {
+            shape: "[1,8192,8192,3]".into(),
+            max: 64 * 1024 * 1024
+        })
+    );
+    assert!(err.to_string().contains("[1,8192,8192,3]"), "{err}");
+
+    // A shape whose product overflows usize is too large, not a panic.
+    let huge = [u32::MAX; 8];
+    let err = decode(&frame_with_tensor_meta(1, &huge, 0)).unwrap_err();
+    assert!(matches!(err, DecodeError::Tensor(TensorError::TooLarge { .. })), "{err:?}");
+
+    // Too many dimensions, and none.
+    let err = decode(&frame_with_tensor_meta(0, &[1; 9], 1)).unwrap_err();
+    assert_eq!(err, DecodeError::Tensor(TensorError::Dims { dims: 9, max: 8 }));
+    let err = decode(&frame_with_tensor_meta(0, &[], 1)).unwrap_err();
+    assert_eq!(err, DecodeError::Tensor(TensorError::Dims { dims: 0, max: 8 }));
+}
+
+#[test]
+fn shape_and_length_mismatch_names_the_shape() {
+    let mut bytes = frame_with_tensor_meta(0, &[1, 64, 64, 3], 10);
+    bytes.extend_from_slice(&[0; 10]);
+    // Fix up the body length for the 10 payload bytes.
+    let len = (bytes.len() - Header::LEN) as u32;
+    bytes[4..8].copy_from_slice(&len.to_be_bytes());
+    let err = decode(&bytes).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::Tensor(TensorError::Length {
+            shape: "[1,64,64,3]".into(),
+            dtype: DType::U8,
+            expected: 12288,
+            actual: 10
+        })
+    );
+    let text = err.to_string();
+    assert!(text.contains("[1,64,64,3]") && text.contains("12288") && text.contains("10"), "{text}");
+}
+
+#[test]
+fn hostile_list_count_is_rejected_without_allocating() {
+    // Register: worker "", device "", then u16::MAX models in a 2-byte rest.
+    let mut body = vec![0, 0, 0, 0, 0xff, 0xff, 0, 0];
+    let mut bytes = header(Kind::Register as u8, body.len() as u32);
+    bytes.append(&mut body);
+    assert_eq!(
+        decode(&bytes).unwrap_err(),
+        DecodeError::TooLarge {
+            what: "models",
+            len: 65535,
+            max: 1024
+        }
+    );
+    // Even where the limit allows the count, the bytes left cannot hold
+    // that many items, so nothing is reserved for them.
+    let roomy = Limits {
+        max_list: usize::from(u16::MAX),
+        ..Limits::default()
+    };
+    let err = Message::decode(&mut bytes.as_slice(), &roomy).unwrap_err();
+    assert_eq!(err, DecodeError::Truncated { what: "models" });
+    // The counting allocator in tests/alloc_bounds.rs measures the bytes.
+}
+
+#[test]
+fn trailing_bytes_are_rejected() {
+    for msg in [
+        Message::Drain(Drain { deadline_ms: 1 }),
+        common::samples()
+            .into_iter()
+            .find(|(n, _)| *n == "frame-u8")
+            .unwrap()
+            .1,
+        common::samples()
+            .into_iter()
+            .find(|(n, _)| *n == "register")
+            .unwrap()
+            .1,
+    ] {
+        let mut bytes = common::encode(&msg).to_vec();
+        bytes.extend_from_slice(&[0xAA, 0xBB]);
+        let len = (bytes.len() - Header::LEN) as u32;
+        bytes[4..8].copy_from_slice(&len.to_be_bytes());
+        assert_eq!(decode(&bytes).unwrap_err(), DecodeError::TrailingBytes(2), "{:?}", msg.kind());
+    }
+}
+
+#[test]
+fn bad_magic_version_and_kind_are_named() {
+    let good = common::encode(&Message::Drain(Drain { deadline_ms: 5 })).to_vec();
+    assert!(decode(&good).is_ok());
+
+    let mut bad = good.clone();
+    bad[0] = b'X';
+    let err = decode(&bad).unwrap_err();
+    assert_eq!(err, DecodeError::BadMagic([b'X', b'G']));
+    assert!(err.to_string().contains("not a tidegate message"), "{err}");
+
+    let mut bad = good.clone();
+    bad[2] = 2;
+    let err = decode(&bad).unwrap_err();
+    assert_eq!(err, DecodeError::UnsupportedVersion(2));
+    assert!(err.to_string().contains("version 2"), "{err}");
+
+    for kind in [0u8, 15, 255] {
+        let mut bad = good.clone();
+        bad[3] = kind;
+        assert_eq!(decode(&bad).unwrap_err(), DecodeError::UnknownKind(kind));
+    }
+}
+
+#[test]
+fn unknown_enum_codes_are_invalid_not_guessed() {
+    // Hello with role 2.
+    let mut bytes = header(Kind::Hello as u8, 5);
+    bytes.extend_from_slice(&[2, 0, 0, 0, 0]);
+    assert!(matches!(decode(&bytes).unwrap_err(), DecodeError::Invalid { what: "role", .. }));
+    // Result with status 4.
+    let mut w = Writer::default();
+    w.string("c");
+    w.u64(1);
+    w.u64(1);
+    w.u8(4);
+    let bytes = w.finish(Kind::Result).concat();
+    assert!(matches!(decode(&bytes).unwrap_err(), DecodeError::Invalid { what: "status", .. }));
+    // Unknown error codes are the one exception: they read as Internal.
+    let mut w = Writer::default();
+    w.u16(999);
+    w.string("from the future");
+    let bytes = w.finish(Kind::Error).concat();
+    assert_eq!(
+        decode(&bytes).unwrap(),
+        Message::Error(ErrorMsg {
+            code: ErrorCode::Internal,
+            message: "from the future".into()
+        })
+    );
+}
+
+#[test]
+fn invalid_utf8_and_long_strings_are_rejected() {
+    let mut bytes = header(Kind::Hello as u8, 7);
+    bytes.extend_from_slice(&[0, 0, 2, 0xC3, 0x28, 0, 0]);
+    assert!(matches!(decode(&bytes).unwrap_err(), DecodeError::Invalid { what: "name", .. }));
+
+    let mut w = Writer::default();
+    w.u8(0);
+    w.string(&"x".repeat(1025));
+    w.string("");
+    let bytes = w.finish(Kind::Hello).concat();
+    assert_eq!(
+        decode(&bytes).unwrap_err(),
+        DecodeError::TooLarge {
+            what: "name",
+            len: 1025,
+            max: 1024
+        }
+    );
+}
+
+#[test]
+fn header_split_across_buffer_chunks_is_refused_not_misread() {
+    let bytes = common::encode(&Message::Drain(Drain { deadline_ms: 5 }));
+    let mut chained = bytes.slice(..3).chain(bytes.slice(3..));
+    let err = Message::decode(&mut chained, &Limits::default()).unwrap_err();
+    assert!(matches!(err, DecodeError::Invalid { what: "buffer", .. }), "{err:?}");
+    // A contiguous header with the body in later chunks is fine.
+    let mut chained = bytes.slice(..9).chain(bytes.slice(9..));
+    assert!(Message::decode(&mut chained, &Limits::default()).is_ok());
+}
+
+#[test]
+fn every_sample_round_trips_and_passes_the_fuzz_check() {
+    let mut kinds = std::collections::HashSet::new();
+    for (name, msg) in common::samples() {
+        let bytes = common::encode(&msg);
+        assert_eq!(decode(&bytes).unwrap(), msg, "{name}");
+        tidegate_protocol::fuzzing::check(&bytes);
+        kinds.insert(msg.kind());
+    }
+    assert_eq!(kinds.len(), tidegate_protocol::fuzzing::all_kinds().len());
+}
+
+#[test]
+fn incomplete_then_complete_as_bytes_arrive() {
+    // A stream reader accumulating into a BytesMut: Incomplete until the
+    // last byte, then the message.
+    let msg = common::samples().into_iter().find(|(n, _)| *n == "dispatch").unwrap().1;
+    let bytes = common::encode(&msg);
+    let mut acc = BytesMut::new();
+    for (i, b) in bytes.iter().enumerate() {
+        acc.put_u8(*b);
+        let res = Message::decode(&mut acc, &Limits::default());
+        if i + 1 < bytes.len() {
+            assert!(res.unwrap_err().is_incomplete(), "at byte {i}");
+        } else {
+            assert_eq!(res.unwrap(), msg);
+            assert!(acc.is_empty());
+        }
+    }
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One-time (and idempotent) setup for a fresh Debian/Ubuntu machine.
+# Installs only what is missing:
+#   1. Debian packages: GStreamer 1.22 (dev headers, plugins, tools), pkg-config,
+#      and the python3/pip and npm clients the fetch steps use.
+#   2. The ONNX Runtime shared library, extracted from a pinned PyPI wheel
+#      (sha256 checked) into the tidegate cache, where tidegate-worker finds it.
+#   3. The models and test imagery (models/fetch.sh, pinned and checksummed).
+# Re-running it is cheap: every step checks before it acts.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+# shellcheck source=scripts/cache.sh
+source "$here/cache.sh"
+
+say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+# --- 1. Debian packages -----------------------------------------------------
+apt_packages=(
+  pkg-config
+  libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev
+  gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad
+  gstreamer1.0-plugins-ugly gstreamer1.0-libav gstreamer1.0-tools
+  libgstrtspserver-1.0-dev
+  python3 python3-pip npm unzip ca-certificates
+)
+missing=()
+for p in "${apt_packages[@]}"; do
+  # A tool that is already on PATH (python3, pip, npm installed another way) counts.
+  case "$p" in
+    python3) command -v python3 >/dev/null && continue ;;
+    python3-pip) python3 -m pip --version >/dev/null 2>&1 && continue ;;
+    npm) command -v npm >/dev/null && continue ;;
+    unzip) command -v unzip >/dev/null && continue ;;
+  esac
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  say "installing Debian packages: ${missing[*]}"
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq || die "apt-get update failed; check your network or apt sources, then re-run 'make setup'"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+    || die "apt-get install of ${missing[*]} failed; re-run 'make setup' (it resumes where it stopped)"
+else
+  say "Debian packages: all present"
+fi
+
+# --- 2. ONNX Runtime shared library -----------------------------------------
+ORT_VERSION=1.31.1
+ORT_WHEEL="onnxruntime-${ORT_VERSION}-cp311-cp311-manylinux_2_28_x86_64.whl"
+ORT_WHEEL_SHA256=5752bd508126ae7c49894d3b9d2e83f0c3d487319246d04c444b393308d7ad7f
+ort_dir="$TIDEGATE_CACHE/onnxruntime/$ORT_VERSION"
+if [ "$(uname -m)" != "x86_64" ]; then
+  die "the pinned ONNX Runtime wheel is for x86_64; on $(uname -m) set ORT_DYLIB_PATH to your own libonnxruntime.so"
+fi
+if [ -f "$ort_dir/libonnxruntime.so" ]; then
+  say "ONNX Runtime $ORT_VERSION: present in $ort_dir"
+else
+  dl="$TIDEGATE_CACHE/downloads"
+  mkdir -p "$dl" "$ort_dir"
+  if [ ! -f "$dl/$ORT_WHEEL" ]; then
+    say "downloading onnxruntime==$ORT_VERSION from PyPI"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+      --python-version 3.11 --platform manylinux_2_28_x86_64 \
+      -d "$dl" "onnxruntime==$ORT_VERSION" \
+      || die "pip download onnxruntime==$ORT_VERSION failed; check access to PyPI and re-run 'make setup'"
+  fi
+  verify_sha256 "$dl/$ORT_WHEEL" "$ORT_WHEEL_SHA256"
+  tmp="$(mktemp -d)"
+  unzip -q -o -j "$dl/$ORT_WHEEL" "onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" \
+    "onnxruntime/capi/libonnxruntime_providers_shared.so" -d "$tmp"
+  mv "$tmp/libonnxruntime.so.$ORT_VERSION" "$ort_dir/"
+  mv "$tmp/libonnxruntime_providers_shared.so" "$ort_dir/"
+  ln -sf "libonnxruntime.so.$ORT_VERSION" "$ort_dir/libonnxruntime.so"
+  rmdir "$tmp"
+  say "ONNX Runtime $ORT_VERSION: installed in $ort_dir"
+fi
+
+# --- 3. Models and imagery --------------------------------------------------
+"$root/models/fetch.sh"
+
+say "done. Try 'make demo' or 'make test'."
