@@ -94,25 +94,7 @@ impl InputSpec {
     }
 }
 
-/// Channel order of the model input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ColorOrder {
-    /// Red, green, blue (as frames arrive).
-    Rgb,
-    /// Blue, green, red (OpenCV-trained models).
-    Bgr,
-}
-
-/// How the edge fits a source frame into the model input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Resize {
-    /// Scale each axis independently to fill the input.
-    Stretch,
-    /// Keep the aspect ratio, centre, and pad the short side.
-    Letterbox,
-}
+pub use tidegate_protocol::{ColorOrder, Resize};
 
 /// `model value = (pixel * scale - mean[c]) / std[c]`, with `c` the channel of
 /// the model input (so in BGR models `mean[0]` applies to blue).

@@ -116,7 +116,10 @@ impl EdgeConfig {
             message: e.to_string(),
         })?;
         if cfg.gateway.ca.is_relative() {
-            cfg.gateway.ca = path.parent().unwrap_or(Path::new(".")).join(&cfg.gateway.ca);
+            cfg.gateway.ca = path
+                .parent()
+                .unwrap_or(Path::new("."))
+                .join(&cfg.gateway.ca);
         }
         Ok(cfg)
     }
@@ -132,7 +135,10 @@ impl EdgeConfig {
         let mut seen = std::collections::HashSet::new();
         for c in &self.cameras {
             if !seen.insert(&c.name) {
-                return Err(ConfigError::Invalid(format!("camera '{}' is listed twice", c.name)));
+                return Err(ConfigError::Invalid(format!(
+                    "camera '{}' is listed twice",
+                    c.name
+                )));
             }
             if c.model.trim().is_empty() {
                 return Err(ConfigError::Invalid(format!(
@@ -165,7 +171,8 @@ mod tests {
         toml::from_str(text).unwrap()
     }
 
-    const BASE: &str = "name = \"e\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:4433\"\nca = \"ca.pem\"\n";
+    const BASE: &str =
+        "name = \"e\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:4433\"\nca = \"ca.pem\"\n";
 
     #[test]
     fn camera_without_model_is_named_in_the_error() {

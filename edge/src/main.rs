@@ -12,10 +12,10 @@ use anyhow::Context;
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use tidegate_edge::capture::{Capture, CaptureSpec};
+use tidegate_edge::clock;
 use tidegate_edge::config::{CameraConfig, EdgeConfig, Secret};
 use tidegate_edge::sink::{ResultLine, Sink};
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
-use tidegate_edge::clock;
 use tidegate_protocol::{DType, Frame, InputSpec, Layout, Status, Tensor};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -41,7 +41,12 @@ struct Cli {
     #[arg(long, env = "TIDEGATE_CA", global = true)]
     ca: Option<PathBuf>,
     /// The edge's token (overrides `token`; prefer the environment variable).
-    #[arg(long, env = "TIDEGATE_EDGE_TOKEN", hide_env_values = true, global = true)]
+    #[arg(
+        long,
+        env = "TIDEGATE_EDGE_TOKEN",
+        hide_env_values = true,
+        global = true
+    )]
     token: Option<String>,
     /// Stop each camera after this many frames, wait for their results, exit.
     #[arg(long, global = true)]
@@ -106,10 +111,16 @@ struct Tally {
     ok: AtomicU64,
 }
 
-async fn run(cfg: EdgeConfig, max_frames: Option<u64>, results: Option<PathBuf>) -> anyhow::Result<()> {
+async fn run(
+    cfg: EdgeConfig,
+    max_frames: Option<u64>,
+    results: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let (uplink, mut incoming) = connect_with_retry(&cfg).await?;
     let mut sink = match &results {
-        Some(p) => Sink::file(p).with_context(|| format!("opening results file {}", p.display()))?,
+        Some(p) => {
+            Sink::file(p).with_context(|| format!("opening results file {}", p.display()))?
+        }
         None => Sink::Stdout,
     };
     let cancel = CancellationToken::new();
@@ -119,7 +130,14 @@ async fn run(cfg: EdgeConfig, max_frames: Option<u64>, results: Option<PathBuf>)
     for cam in cfg.cameras.clone() {
         let span = info_span!("camera", camera = %cam.name, model = %cam.model);
         tracker.spawn(
-            camera(cam, uplink.clone(), cancel.clone(), tally.clone(), max_frames).instrument(span),
+            camera(
+                cam,
+                uplink.clone(),
+                cancel.clone(),
+                tally.clone(),
+                max_frames,
+            )
+            .instrument(span),
         );
     }
     tracker.close();
@@ -215,7 +233,10 @@ async fn camera(
     max_frames: Option<u64>,
 ) {
     let input = loop {
-        match uplink.open_camera(&cam.name, &cam.model, cam.budget_ms).await {
+        match uplink
+            .open_camera(&cam.name, &cam.model, cam.budget_ms)
+            .await
+        {
             Ok(spec) => break spec,
             Err(e @ UplinkError::Refused { .. }) if e.retryable() => {
                 warn!("{e}; retrying in 1 s");
@@ -266,7 +287,15 @@ async fn camera(
         };
         let budget_us = (cam.budget_ms as u64 * 1000)
             .saturating_sub(clock::now_us().saturating_sub(frame.captured_at_us));
-        let msg = to_frame(&cam, &input, frame.seq, frame.captured_at_us, budget_us, frame.geometry, frame.data);
+        let msg = to_frame(
+            &cam,
+            &input,
+            frame.seq,
+            frame.captured_at_us,
+            budget_us,
+            frame.geometry,
+            frame.data,
+        );
         match uplink.send_frame(msg).await {
             Ok(()) => {
                 sent += 1;

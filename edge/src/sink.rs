@@ -99,8 +99,7 @@ mod tests {
             detections: vec![],
             timings: Timings::default(),
         };
-        let v: serde_json::Value =
-            serde_json::to_value(ResultLine::new(&r, 13_500)).unwrap();
+        let v: serde_json::Value = serde_json::to_value(ResultLine::new(&r, 13_500)).unwrap();
         assert_eq!(v["status"], "shed");
         assert_eq!(v["reason"], "would_miss_deadline");
         assert_eq!(v["e2e_ms"], 12.5);

@@ -143,7 +143,9 @@ impl Uplink {
                     other.map(|m| m.kind())
                 )));
             }
-            Err(e) => return Err(refusal_from_close(&conn).unwrap_or(UplinkError::Lost(e.to_string()))),
+            Err(e) => {
+                return Err(refusal_from_close(&conn).unwrap_or(UplinkError::Lost(e.to_string())));
+            }
         }
 
         let (in_tx, in_rx) = mpsc::channel(RESULT_QUEUE);
@@ -319,7 +321,9 @@ async fn results(conn: quinn::Connection, incoming: mpsc::Sender<Incoming>) {
                         debug!("result consumer gone");
                     }
                 }
-                Ok(Some(other)) => warn!(kind = ?other.kind(), "unexpected message on a result stream"),
+                Ok(Some(other)) => {
+                    warn!(kind = ?other.kind(), "unexpected message on a result stream")
+                }
                 Ok(None) => {}
                 Err(ReadError::Stream(e)) => debug!("result stream failed: {e}"),
                 Err(e) => warn!("bad result stream: {e}"),

@@ -12,7 +12,10 @@ pub fn hash_token(token: &str) -> String {
 /// Whether `token` hashes to `stored` (a hex digest), in constant time.
 pub fn token_matches(token: &str, stored: &str) -> bool {
     let got = hash_token(token);
-    let (a, b) = (got.as_bytes(), stored.trim().to_ascii_lowercase().into_bytes());
+    let (a, b) = (
+        got.as_bytes(),
+        stored.trim().to_ascii_lowercase().into_bytes(),
+    );
     a.len() == b.len() && a.iter().zip(&b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

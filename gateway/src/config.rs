@@ -192,8 +192,8 @@ impl Config {
     /// Checks values that serde cannot.
     pub fn validate(&self) -> Result<(), ConfigError> {
         for p in self.edges.iter().chain(&self.workers) {
-            let ok = p.token_sha256.len() == 64
-                && p.token_sha256.bytes().all(|b| b.is_ascii_hexdigit());
+            let ok =
+                p.token_sha256.len() == 64 && p.token_sha256.bytes().all(|b| b.is_ascii_hexdigit());
             if !ok {
                 return Err(ConfigError::Invalid(format!(
                     "token_sha256 of '{}' is not a 64-digit hex SHA-256; make one with `tidegate-gateway hash-token <TOKEN>`",
@@ -204,7 +204,10 @@ impl Config {
         let mut names: Vec<&str> = self.edges.iter().map(|p| p.name.as_str()).collect();
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
-            return Err(ConfigError::Invalid(format!("edge '{}' is listed twice", w[0])));
+            return Err(ConfigError::Invalid(format!(
+                "edge '{}' is listed twice",
+                w[0]
+            )));
         }
         if self.scheduler.max_queued == 0 || self.scheduler.max_queued_per_edge == 0 {
             return Err(ConfigError::Invalid(
@@ -239,10 +242,8 @@ mod tests {
 
     #[test]
     fn bad_token_digest_is_reported_with_the_fix() {
-        let cfg: Config = toml::from_str(
-            "[[edges]]\nname = \"e\"\ntoken_sha256 = \"abc\"\n",
-        )
-        .unwrap();
+        let cfg: Config =
+            toml::from_str("[[edges]]\nname = \"e\"\ntoken_sha256 = \"abc\"\n").unwrap();
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("hash-token") && err.contains("'e'"), "{err}");
     }

@@ -405,17 +405,15 @@ impl State {
                         outcomes.push((id, item.status));
                     }
                 }
-                if size > 0 {
-                    if let Some(model) = outcomes
-                        .first()
-                        .and_then(|(id, _)| self.pending.get(id))
-                        .map(|p| p.frame.model.clone())
-                    {
-                        self.metrics
-                            .inference
-                            .with_label_values(&[model.as_str()])
-                            .observe(inference_us as f64 / 1e6);
-                    }
+                let model = outcomes
+                    .first()
+                    .and_then(|(id, _)| self.pending.get(id))
+                    .map(|p| p.frame.model.clone());
+                if let Some(model) = model.filter(|_| size > 0) {
+                    self.metrics
+                        .inference
+                        .with_label_values(&[model.as_str()])
+                        .observe(inference_us as f64 / 1e6);
                 }
                 self.step(Event::BatchFinished {
                     worker,

@@ -406,10 +406,13 @@ impl Scheduler {
         }
         // The newest frame of a camera supersedes the one still waiting.
         let key = (q.arrival.edge, q.arrival.camera.clone());
-        if let Some(&old) = self.by_camera.get(&key) {
-            if let Some(old) = self.unqueue(old) {
-                self.complete(now, &old, Status::Shed(ShedReason::Superseded), out);
-            }
+        if let Some(old) = self
+            .by_camera
+            .get(&key)
+            .copied()
+            .and_then(|id| self.unqueue(id))
+        {
+            self.complete(now, &old, Status::Shed(ShedReason::Superseded), out);
         }
         let edge_queued = self.per_edge.get(&q.arrival.edge).copied().unwrap_or(0);
         if self.queued.len() >= self.limits.max_queued
@@ -455,10 +458,7 @@ impl Scheduler {
             };
             let profile = self.workers[&wid].models[&model].clone();
             let mut frames = Vec::new();
-            loop {
-                let Some(&(deadline, id)) = self.queues.get(&model).and_then(|q| q.first()) else {
-                    break;
-                };
+            while let Some(&(deadline, id)) = self.queues.get(&model).and_then(|q| q.first()) {
                 if now + profile.latency(1) > deadline {
                     // Cannot make it even alone on this worker: shed it if
                     // no other worker could either, else leave it for them.
@@ -480,8 +480,7 @@ impl Scheduler {
                     .first()
                     .map(|q: &Queued| q.arrival.deadline)
                     .unwrap_or(deadline);
-                if !frames.is_empty() && now + profile.latency(frames.len() + 1) > first_deadline
-                {
+                if !frames.is_empty() && now + profile.latency(frames.len() + 1) > first_deadline {
                     break;
                 }
                 frames.push(self.unqueue(id).expect("queued frame is indexed"));
@@ -661,7 +660,10 @@ mod tests {
         s.on_event(0, frame(1, "c", 80_000)); // dispatched, worker busy
         s.on_event(10, frame(2, "c", 80_010)); // queued
         let a = s.on_event(20, frame(3, "c", 80_020));
-        assert_eq!(completes(&a), vec![(2, Status::Shed(ShedReason::Superseded))]);
+        assert_eq!(
+            completes(&a),
+            vec![(2, Status::Shed(ShedReason::Superseded))]
+        );
         assert_eq!(s.queue_len("m"), 1);
     }
 
@@ -716,13 +718,26 @@ mod tests {
         s.on_event(0, frame(2, "b", 80_000));
         // Both workers busy with one frame each. Lose worker 1 at t=10 ms:
         // its frame can still make it on worker 2 and is queued again.
-        let a = s.on_event(10_000, Event::WorkerLost { worker: WorkerId(1) });
+        let a = s.on_event(
+            10_000,
+            Event::WorkerLost {
+                worker: WorkerId(1),
+            },
+        );
         assert!(completes(&a).is_empty());
         assert_eq!(s.counters().in_flight(), 2);
         // Lose worker 2 too: its frame cannot be re-homed and fails; the
         // re-queued one waits for a new worker until its deadline.
-        let a = s.on_event(20_000, Event::WorkerLost { worker: WorkerId(2) });
-        assert_eq!(completes(&a), vec![(2, Status::Failed("worker lost".into()))]);
+        let a = s.on_event(
+            20_000,
+            Event::WorkerLost {
+                worker: WorkerId(2),
+            },
+        );
+        assert_eq!(
+            completes(&a),
+            vec![(2, Status::Failed("worker lost".into()))]
+        );
         assert_eq!(s.counters().in_flight(), 1);
         let a = s.on_event(80_000, Event::Tick);
         assert_eq!(completes(&a), vec![(1, Status::Expired)]);

@@ -139,7 +139,10 @@ impl Server {
         }
         info!(name = %hello.name, role = ?hello.role, "authenticated");
         match hello.role {
-            Role::Edge => self.edge(EdgeId(session), hello.name, conn, send, recv, cancel).await,
+            Role::Edge => {
+                self.edge(EdgeId(session), hello.name, conn, send, recv, cancel)
+                    .await
+            }
             Role::Worker => {
                 self.worker(WorkerId(session), hello.name, conn, send, recv, cancel)
                     .await
@@ -169,9 +172,10 @@ impl Server {
             return;
         }
         // Cameras opened on this connection: name -> model.
-        let cameras = Arc::new(std::sync::Mutex::new(
-            std::collections::HashMap::<String, String>::new(),
-        ));
+        let cameras = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
+            String,
+            String,
+        >::new()));
         let margin = Duration::from_millis(self.config.scheduler.return_margin_ms as u64);
 
         // Results: one unidirectional stream each.
@@ -228,7 +232,10 @@ impl Server {
                             .cloned();
                         if opened.as_deref() != Some(frame.model.as_str()) {
                             warn!(camera = %frame.camera, model = %frame.model, "frame for a camera not opened with that model; dropped");
-                            metrics.rejected.with_label_values(&["camera_not_open"]).inc();
+                            metrics
+                                .rejected
+                                .with_label_values(&["camera_not_open"])
+                                .inc();
                             let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
                             return;
                         }
@@ -338,7 +345,8 @@ impl Server {
         let register = match read_message(&mut ctl_recv, &self.limits).await {
             Ok(Some(Message::Register(r))) => r,
             other => {
-                let msg = format!("worker '{name}': expected Register after Welcome, got {other:?}");
+                let msg =
+                    format!("worker '{name}': expected Register after Welcome, got {other:?}");
                 warn!("{msg}");
                 refuse(&conn, &mut ctl_send, ErrorCode::Malformed, msg).await;
                 return;
@@ -430,7 +438,12 @@ impl Server {
 
 /// Sends an error on the control stream, then closes the connection with the
 /// error's QUIC code.
-async fn refuse(conn: &quinn::Connection, send: &mut quinn::SendStream, code: ErrorCode, message: String) {
+async fn refuse(
+    conn: &quinn::Connection,
+    send: &mut quinn::SendStream,
+    code: ErrorCode,
+    message: String,
+) {
     let _ = write_message(
         send,
         &Message::Error(ErrorMsg {

@@ -1,1 +1,7 @@
+//! tidegate-loadtest: simulated cameras against a gateway, latency
+//! histograms, a JSON report and an SLO gate; and [`cluster`], which starts
+//! a local cluster of real processes for tests and local runs.
 
+pub mod cluster;
+pub mod report;
+pub mod sim;

@@ -87,7 +87,9 @@ impl Kind {
     /// Largest body this kind may have under `limits`.
     pub fn max_body(self, limits: &Limits) -> usize {
         if self.carries_tensors() {
-            limits.max_header_bytes.saturating_add(limits.max_tensor_bytes)
+            limits
+                .max_header_bytes
+                .saturating_add(limits.max_tensor_bytes)
         } else {
             limits.max_header_bytes
         }

@@ -76,7 +76,10 @@ pub fn check_peek(data: &[u8], limits: &Limits) {
         Ok(h) => {
             assert!(data.len() >= Header::LEN);
             assert_eq!(h.kind as u8, data[3]);
-            assert_eq!(h.len as u64, u32::from_be_bytes([data[4], data[5], data[6], data[7]]) as u64);
+            assert_eq!(
+                h.len as u64,
+                u32::from_be_bytes([data[4], data[5], data[6], data[7]]) as u64
+            );
             assert!(h.len <= h.kind.max_body(limits), "{h:?} over the limit");
             let mut again = Vec::new();
             h.encode(&mut again);
@@ -87,7 +90,10 @@ pub fn check_peek(data: &[u8], limits: &Limits) {
             assert_eq!(needed, Header::LEN - data.len());
         }
         Err(e) => {
-            assert!(data.len() >= Header::LEN, "{e} before the header was complete");
+            assert!(
+                data.len() >= Header::LEN,
+                "{e} before the header was complete"
+            );
             let _ = e.to_string();
         }
     }
@@ -105,13 +111,21 @@ pub fn check_decode(data: &[u8], limits: &Limits) {
     let mut slice = data;
     let res_slice = Message::decode(&mut slice, limits);
     assert_eq!(res, res_slice, "decoding from Bytes and from &[u8] differ");
-    assert_eq!(buf.remaining(), slice.len(), "Bytes and &[u8] consumed differently");
+    assert_eq!(
+        buf.remaining(),
+        slice.len(),
+        "Bytes and &[u8] consumed differently"
+    );
 
     match res {
         Ok(msg) => {
             let header = Header::peek(data, limits).expect("a decoded message has a good header");
             let used = Header::LEN + header.len;
-            assert_eq!(data.len() - buf.remaining(), used, "consumed more or less than one message");
+            assert_eq!(
+                data.len() - buf.remaining(),
+                used,
+                "consumed more or less than one message"
+            );
             assert_eq!(msg.kind(), header.kind);
             assert_zero_copy(&msg, &src);
             check_roundtrip(&msg, Some(&data[..used]), limits);
@@ -187,7 +201,11 @@ pub fn check_roundtrip(msg: &Message, original: Option<&[u8]>, limits: &Limits) 
     assert_eq!(encoded[2], VERSION);
     assert_eq!(encoded[3], msg.kind() as u8);
     let len = u32::from_be_bytes([encoded[4], encoded[5], encoded[6], encoded[7]]) as usize;
-    assert_eq!(len, encoded.len() - Header::LEN, "header length is not the body length");
+    assert_eq!(
+        len,
+        encoded.len() - Header::LEN,
+        "header length is not the body length"
+    );
 
     let encoded = Bytes::from(encoded);
     let body = encoded.slice(Header::LEN..);

@@ -707,7 +707,12 @@ fn write_outcome(w: &mut Writer, status: &Status, detections: &[Detection], t: &
             w.f32(*y);
         }
     }
-    for v in [t.queue_us, t.preprocess_us, t.inference_us, t.postprocess_us] {
+    for v in [
+        t.queue_us,
+        t.preprocess_us,
+        t.inference_us,
+        t.postprocess_us,
+    ] {
         w.u32(v);
     }
 }
@@ -730,7 +735,13 @@ fn read_outcome(r: &mut Reader<'_>) -> Result<Outcome, DecodeError> {
     let mut detections = Vec::with_capacity(n);
     for _ in 0..n {
         let what = "detection";
-        let (x1, y1, x2, y2, score) = (r.f32(what)?, r.f32(what)?, r.f32(what)?, r.f32(what)?, r.f32(what)?);
+        let (x1, y1, x2, y2, score) = (
+            r.f32(what)?,
+            r.f32(what)?,
+            r.f32(what)?,
+            r.f32(what)?,
+            r.f32(what)?,
+        );
         let class = r.u32(what)?;
         let k = r.u8("keypoint count")? as usize;
         let max_k = r.limits().max_keypoints;

@@ -20,7 +20,9 @@ pub const ALPN: &[u8] = b"tidegate/1";
 #[non_exhaustive]
 pub enum TlsError {
     /// A PEM file could not be read.
-    #[error("cannot read {path}: {source}; create dev certificates with `tidegate-gateway dev-certs`")]
+    #[error(
+        "cannot read {path}: {source}; create dev certificates with `tidegate-gateway dev-certs`"
+    )]
     Read {
         /// The file.
         path: String,

@@ -68,7 +68,10 @@ fn roomy() -> Limits {
 
 fn assert_small(name: &str, bytes: Bytes, limits: &Limits) -> DecodeError {
     let (n, err) = allocated_by_decode(&bytes, limits);
-    assert!(n < SMALL, "{name}: decoding allocated {n} bytes before failing with {err}");
+    assert!(
+        n < SMALL,
+        "{name}: decoding allocated {n} bytes before failing with {err}"
+    );
     err
 }
 
@@ -79,7 +82,11 @@ fn hostile_counts_allocate_nothing_for_their_items() {
     w.string("w");
     w.string("d");
     w.u16(u16::MAX);
-    let err = assert_small("models", Bytes::from(w.finish(Kind::Register).concat()), &roomy());
+    let err = assert_small(
+        "models",
+        Bytes::from(w.finish(Kind::Register).concat()),
+        &roomy(),
+    );
     assert_eq!(err, DecodeError::Truncated { what: "models" });
 
     // Dispatch with u16::MAX items.
@@ -88,15 +95,33 @@ fn hostile_counts_allocate_nothing_for_their_items() {
     w.string("m");
     w.u16(u16::MAX);
     w.u64(0);
-    let err = assert_small("dispatch", Bytes::from(w.finish(Kind::Dispatch).concat()), &roomy());
-    assert_eq!(err, DecodeError::Truncated { what: "dispatch items" });
+    let err = assert_small(
+        "dispatch",
+        Bytes::from(w.finish(Kind::Dispatch).concat()),
+        &roomy(),
+    );
+    assert_eq!(
+        err,
+        DecodeError::Truncated {
+            what: "dispatch items"
+        }
+    );
 
     // BatchResult with u16::MAX items.
     let mut w = Writer::default();
     w.u64(1);
     w.u16(u16::MAX);
-    let err = assert_small("batch", Bytes::from(w.finish(Kind::BatchResult).concat()), &roomy());
-    assert_eq!(err, DecodeError::Truncated { what: "batch result items" });
+    let err = assert_small(
+        "batch",
+        Bytes::from(w.finish(Kind::BatchResult).concat()),
+        &roomy(),
+    );
+    assert_eq!(
+        err,
+        DecodeError::Truncated {
+            what: "batch result items"
+        }
+    );
 
     // A result with u16::MAX detections.
     let mut w = Writer::default();
@@ -105,7 +130,11 @@ fn hostile_counts_allocate_nothing_for_their_items() {
     w.u64(1);
     w.u8(0);
     w.u16(u16::MAX);
-    let err = assert_small("detections", Bytes::from(w.finish(Kind::Result).concat()), &roomy());
+    let err = assert_small(
+        "detections",
+        Bytes::from(w.finish(Kind::Result).concat()),
+        &roomy(),
+    );
     assert_eq!(err, DecodeError::Truncated { what: "detections" });
 
     // Under the default limits the counts are over the limit outright.
@@ -118,7 +147,10 @@ fn hostile_counts_allocate_nothing_for_their_items() {
         Bytes::from(w.finish(Kind::Register).concat()),
         &Limits::default(),
     );
-    assert!(matches!(err, DecodeError::TooLarge { what: "models", .. }), "{err:?}");
+    assert!(
+        matches!(err, DecodeError::TooLarge { what: "models", .. }),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -142,10 +174,14 @@ fn hostile_lengths_allocate_nothing_for_their_bytes() {
 
     // A string declaring 65535 bytes in a short body.
     let head = b"TG\x01\x01\x00\x00\x00\x03\x00\xff\xff".to_vec();
-    let err = assert_small("string", Bytes::from(head), &Limits {
-        max_string_bytes: u16::MAX.into(),
-        ..Limits::default()
-    });
+    let err = assert_small(
+        "string",
+        Bytes::from(head),
+        &Limits {
+            max_string_bytes: u16::MAX.into(),
+            ..Limits::default()
+        },
+    );
     assert_eq!(err, DecodeError::Truncated { what: "name" });
 
     // A tensor declaring 64 MiB that is not there.
@@ -161,14 +197,27 @@ fn hostile_lengths_allocate_nothing_for_their_bytes() {
     w.u8(1);
     w.u32(64 * 1024 * 1024);
     w.u32(64 * 1024 * 1024);
-    let err = assert_small("tensor", Bytes::from(w.finish(Kind::Frame).concat()), &limits);
-    assert_eq!(err, DecodeError::Truncated { what: "tensor payload" });
+    let err = assert_small(
+        "tensor",
+        Bytes::from(w.finish(Kind::Frame).concat()),
+        &limits,
+    );
+    assert_eq!(
+        err,
+        DecodeError::Truncated {
+            what: "tensor payload"
+        }
+    );
 }
 
 #[test]
 fn counting_allocator_sees_a_real_decode() {
     // Guards the guard: a successful decode of a Register does allocate.
-    let msg = common::samples().into_iter().find(|(n, _)| *n == "register").unwrap().1;
+    let msg = common::samples()
+        .into_iter()
+        .find(|(n, _)| *n == "register")
+        .unwrap()
+        .1;
     let bytes = common::encode(&msg);
     let before = ALLOCATED.with(Cell::get);
     let back = Message::decode(&mut bytes.clone(), &Limits::default()).unwrap();

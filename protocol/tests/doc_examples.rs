@@ -12,7 +12,12 @@ use tidegate_protocol::*;
 /// hex per line, the meaning on the field's first line.
 fn listing(bytes: &[u8], fields: &[(usize, &str)]) -> String {
     let total: usize = fields.iter().map(|f| f.0).sum();
-    assert_eq!(total, bytes.len(), "fields cover {total} of {} bytes", bytes.len());
+    assert_eq!(
+        total,
+        bytes.len(),
+        "fields cover {total} of {} bytes",
+        bytes.len()
+    );
     let mut out = String::new();
     let mut at = 0;
     for &(len, meaning) in fields {
@@ -31,7 +36,10 @@ fn listing(bytes: &[u8], fields: &[(usize, &str)]) -> String {
 fn check_example(msg: &Message, fields: &[(usize, &str)]) {
     let mut bytes = Vec::new();
     msg.encode(&mut bytes);
-    assert_eq!(fields[3].1, format!("body length {}", bytes.len() - Header::LEN));
+    assert_eq!(
+        fields[3].1,
+        format!("body length {}", bytes.len() - Header::LEN)
+    );
     let text = listing(&bytes, fields);
     let back = Message::decode(&mut Bytes::from(bytes.clone()), &Limits::default()).unwrap();
     assert_eq!(&back, msg);

@@ -17,7 +17,10 @@ use tidegate_protocol::fuzzing::{all_kinds, check};
 use tidegate_protocol::{Header, Kind, Limits, Message};
 
 fn fuzz_dir(sub: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz").join(sub).join("decode")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz")
+        .join(sub)
+        .join("decode")
 }
 
 /// Every file directly in `dir`, sorted; none when the folder is absent.
@@ -90,7 +93,10 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
         ("bad-magic", patched("drain", 0, b"XG")),
         ("bad-version", patched("drain", 2, &[2])),
         ("bad-kind", patched("drain", 3, &[15])),
-        ("over-limit", patched("hello-edge", 4, &[0xff, 0xff, 0xff, 0xff])),
+        (
+            "over-limit",
+            patched("hello-edge", 4, &[0xff, 0xff, 0xff, 0xff]),
+        ),
         ("trailing", {
             let mut b = patched("welcome", 7, &[13]);
             b.push(0);
@@ -98,17 +104,43 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
         }),
         // Role 7, dtype 9 and status 9: unknown enum codes.
         ("bad-role", patched("hello-edge", 8, &[7])),
-        ("bad-dtype", patched("frame-u8", 8 + 6 + 8 + 8 + 4 + 11 + 24, &[9])),
+        (
+            "bad-dtype",
+            patched("frame-u8", 8 + 6 + 8 + 8 + 4 + 11 + 24, &[9]),
+        ),
         ("bad-status", patched("result-shed", 8 + 6 + 8 + 8, &[9])),
-        ("nan-hint", patched("control-hint", 8 + 2, &f32::NAN.to_be_bytes())),
+        (
+            "nan-hint",
+            patched("control-hint", 8 + 2, &f32::NAN.to_be_bytes()),
+        ),
         ("bad-utf8", patched("hello-edge", 8 + 1 + 2, &[0xc3, 0x28])),
         // Shape [1,4,4,3] declared as [1,4,4,4]: length mismatch.
-        ("shape-mismatch", patched("frame-u8", 8 + 6 + 8 + 8 + 4 + 11 + 24 + 3 + 12, &[0, 0, 0, 4])),
-        ("hostile-count", patched("register-empty", 8 + 4 + 17, &[0xff, 0xff])),
-        ("unknown-error-code", patched("error-overloaded", 8, &[0x03, 0xe7])),
-        ("back-to-back", [enc("camera-open"), enc("frame-u8")].concat()),
+        (
+            "shape-mismatch",
+            patched(
+                "frame-u8",
+                8 + 6 + 8 + 8 + 4 + 11 + 24 + 3 + 12,
+                &[0, 0, 0, 4],
+            ),
+        ),
+        (
+            "hostile-count",
+            patched("register-empty", 8 + 4 + 17, &[0xff, 0xff]),
+        ),
+        (
+            "unknown-error-code",
+            patched("error-overloaded", 8, &[0x03, 0xe7]),
+        ),
+        (
+            "back-to-back",
+            [enc("camera-open"), enc("frame-u8")].concat(),
+        ),
     ];
-    out.extend(corrupt.into_iter().map(|(n, b)| (format!("corrupt-{n}"), b)));
+    out.extend(
+        corrupt
+            .into_iter()
+            .map(|(n, b)| (format!("corrupt-{n}"), b)),
+    );
     out
 }
 

@@ -185,17 +185,19 @@ fn message() -> impl Strategy<Value = Message> {
             geometry(),
             tensor()
         )
-            .prop_map(|(camera, [seq, captured_at_us], budget_us, model, geometry, tensor)| {
-                Message::Frame(Frame {
-                    camera,
-                    seq,
-                    captured_at_us,
-                    budget_us,
-                    model,
-                    geometry,
-                    tensor,
-                })
-            }),
+            .prop_map(
+                |(camera, [seq, captured_at_us], budget_us, model, geometry, tensor)| {
+                    Message::Frame(Frame {
+                        camera,
+                        seq,
+                        captured_at_us,
+                        budget_us,
+                        model,
+                        geometry,
+                        tensor,
+                    })
+                }
+            ),
         (text(), any::<[u64; 2]>(), outcome()).prop_map(
             |(camera, [seq, captured_at_us], (status, detections, timings))| {
                 Message::Result(FrameResult {
@@ -408,7 +410,13 @@ fn nan_and_infinity_are_rejected_as_malformed() {
         });
         let err = decode(&common::encode(&msg)).unwrap_err();
         assert!(
-            matches!(err, DecodeError::Invalid { what: "max_fps", .. }),
+            matches!(
+                err,
+                DecodeError::Invalid {
+                    what: "max_fps",
+                    ..
+                }
+            ),
             "{err:?}"
         );
         assert!(!err.is_incomplete());
@@ -424,7 +432,16 @@ fn nan_and_infinity_are_rejected_as_malformed() {
         timings: Timings::default(),
     });
     let err = decode(&common::encode(&msg)).unwrap_err();
-    assert!(matches!(err, DecodeError::Invalid { what: "keypoint", .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            DecodeError::Invalid {
+                what: "keypoint",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("not a finite number"), "{err}");
 }
 
@@ -448,7 +465,10 @@ fn body_over_the_limit_is_rejected_from_the_header_alone() {
         assert_eq!(Header::peek(&head, &limits).unwrap_err(), err);
         // At the limit it is merely incomplete.
         let head = header(kind as u8, max as u32);
-        assert_eq!(decode(&head).unwrap_err(), DecodeError::Incomplete { needed: max });
+        assert_eq!(
+            decode(&head).unwrap_err(),
+            DecodeError::Incomplete { needed: max }
+        );
     }
     // Frames may carry a tensor; control messages may not.
     assert_eq!(
@@ -494,13 +514,22 @@ fn tensor_shape_over_max_tensor_bytes_is_rejected_before_its_payload() {
     // A shape whose product overflows usize is too large, not a panic.
     let huge = [u32::MAX; 8];
     let err = decode(&frame_with_tensor_meta(1, &huge, 0)).unwrap_err();
-    assert!(matches!(err, DecodeError::Tensor(TensorError::TooLarge { .. })), "{err:?}");
+    assert!(
+        matches!(err, DecodeError::Tensor(TensorError::TooLarge { .. })),
+        "{err:?}"
+    );
 
     // Too many dimensions, and none.
     let err = decode(&frame_with_tensor_meta(0, &[1; 9], 1)).unwrap_err();
-    assert_eq!(err, DecodeError::Tensor(TensorError::Dims { dims: 9, max: 8 }));
+    assert_eq!(
+        err,
+        DecodeError::Tensor(TensorError::Dims { dims: 9, max: 8 })
+    );
     let err = decode(&frame_with_tensor_meta(0, &[], 1)).unwrap_err();
-    assert_eq!(err, DecodeError::Tensor(TensorError::Dims { dims: 0, max: 8 }));
+    assert_eq!(
+        err,
+        DecodeError::Tensor(TensorError::Dims { dims: 0, max: 8 })
+    );
 }
 
 #[test]
@@ -521,7 +550,10 @@ fn shape_and_length_mismatch_names_the_shape() {
         })
     );
     let text = err.to_string();
-    assert!(text.contains("[1,64,64,3]") && text.contains("12288") && text.contains("10"), "{text}");
+    assert!(
+        text.contains("[1,64,64,3]") && text.contains("12288") && text.contains("10"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -568,7 +600,12 @@ fn trailing_bytes_are_rejected() {
         bytes.extend_from_slice(&[0xAA, 0xBB]);
         let len = (bytes.len() - Header::LEN) as u32;
         bytes[4..8].copy_from_slice(&len.to_be_bytes());
-        assert_eq!(decode(&bytes).unwrap_err(), DecodeError::TrailingBytes(2), "{:?}", msg.kind());
+        assert_eq!(
+            decode(&bytes).unwrap_err(),
+            DecodeError::TrailingBytes(2),
+            "{:?}",
+            msg.kind()
+        );
     }
 }
 
@@ -601,7 +638,10 @@ fn unknown_enum_codes_are_invalid_not_guessed() {
     // Hello with role 2.
     let mut bytes = header(Kind::Hello as u8, 5);
     bytes.extend_from_slice(&[2, 0, 0, 0, 0]);
-    assert!(matches!(decode(&bytes).unwrap_err(), DecodeError::Invalid { what: "role", .. }));
+    assert!(matches!(
+        decode(&bytes).unwrap_err(),
+        DecodeError::Invalid { what: "role", .. }
+    ));
     // Result with status 4.
     let mut w = Writer::default();
     w.string("c");
@@ -609,7 +649,10 @@ fn unknown_enum_codes_are_invalid_not_guessed() {
     w.u64(1);
     w.u8(4);
     let bytes = w.finish(Kind::Result).concat();
-    assert!(matches!(decode(&bytes).unwrap_err(), DecodeError::Invalid { what: "status", .. }));
+    assert!(matches!(
+        decode(&bytes).unwrap_err(),
+        DecodeError::Invalid { what: "status", .. }
+    ));
     // Unknown error codes are the one exception: they read as Internal.
     let mut w = Writer::default();
     w.u16(999);
@@ -628,7 +671,10 @@ fn unknown_enum_codes_are_invalid_not_guessed() {
 fn invalid_utf8_and_long_strings_are_rejected() {
     let mut bytes = header(Kind::Hello as u8, 7);
     bytes.extend_from_slice(&[0, 0, 2, 0xC3, 0x28, 0, 0]);
-    assert!(matches!(decode(&bytes).unwrap_err(), DecodeError::Invalid { what: "name", .. }));
+    assert!(matches!(
+        decode(&bytes).unwrap_err(),
+        DecodeError::Invalid { what: "name", .. }
+    ));
 
     let mut w = Writer::default();
     w.u8(0);
@@ -650,7 +696,10 @@ fn header_split_across_buffer_chunks_is_refused_not_misread() {
     let bytes = common::encode(&Message::Drain(Drain { deadline_ms: 5 }));
     let mut chained = bytes.slice(..3).chain(bytes.slice(3..));
     let err = Message::decode(&mut chained, &Limits::default()).unwrap_err();
-    assert!(matches!(err, DecodeError::Invalid { what: "buffer", .. }), "{err:?}");
+    assert!(
+        matches!(err, DecodeError::Invalid { what: "buffer", .. }),
+        "{err:?}"
+    );
     // A contiguous header with the body in later chunks is fine.
     let mut chained = bytes.slice(..9).chain(bytes.slice(9..));
     assert!(Message::decode(&mut chained, &Limits::default()).is_ok());
@@ -672,7 +721,11 @@ fn every_sample_round_trips_and_passes_the_fuzz_check() {
 fn incomplete_then_complete_as_bytes_arrive() {
     // A stream reader accumulating into a BytesMut: Incomplete until the
     // last byte, then the message.
-    let msg = common::samples().into_iter().find(|(n, _)| *n == "dispatch").unwrap().1;
+    let msg = common::samples()
+        .into_iter()
+        .find(|(n, _)| *n == "dispatch")
+        .unwrap()
+        .1;
     let bytes = common::encode(&msg);
     let mut acc = BytesMut::new();
     for (i, b) in bytes.iter().enumerate() {

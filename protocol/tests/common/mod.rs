@@ -21,7 +21,9 @@ pub fn tensor_u8(shape: &[u32], first: u8) -> Tensor {
 /// A small f32 NCHW tensor (payload little-endian, as on the wire).
 pub fn tensor_f32(shape: &[u32]) -> Tensor {
     let n = Tensor::expected_len(DType::U8, shape).unwrap();
-    let data: Vec<u8> = (0..n).flat_map(|i| (i as f32 * 0.5).to_le_bytes()).collect();
+    let data: Vec<u8> = (0..n)
+        .flat_map(|i| (i as f32 * 0.5).to_le_bytes())
+        .collect();
     Tensor {
         dtype: DType::F32,
         layout: Layout::Nchw,
@@ -325,7 +327,12 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 ],
             }),
         ),
-        ("drain", Message::Drain(Drain { deadline_ms: 30_000 })),
+        (
+            "drain",
+            Message::Drain(Drain {
+                deadline_ms: 30_000,
+            }),
+        ),
     ]
 }
 

@@ -1,0 +1,41 @@
+# tidegate: every entry point a newcomer needs.
+#   make demo   set up, build, and run gateway + worker + edge locally
+#   make test   set up, then run every test (what CI runs)
+SHELL := /bin/bash
+CARGO ?= cargo
+
+.PHONY: setup build release demo test lint fmt loadtest bench fuzz clean-cache
+
+## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, imagery.
+setup:
+	@bash scripts/setup.sh
+
+build: setup
+	$(CARGO) build --workspace --bins
+
+release: setup
+	$(CARGO) build --workspace --release --bins
+
+## Gateway, one worker and one edge on astronaut.png; prints results until Ctrl-C.
+demo: release
+	@bash scripts/demo.sh
+
+## Every test: unit, property, fuzz-corpus replay, and the multi-process integration tests.
+test: build
+	$(CARGO) test --workspace --all-features --no-fail-fast
+
+lint: setup
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+## A bounded load test against a local cluster; JSON report in target/loadtest.json.
+loadtest: release
+	./target/release/tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10 \
+	  --report target/loadtest.json
+
+## Run the protocol fuzzer for 60 s (needs cargo-fuzz and a nightly toolchain).
+fuzz:
+	cd protocol && $(CARGO) +nightly fuzz run decode -- -max_total_time=60

@@ -1,0 +1,350 @@
+//! A local tidegate cluster of real processes on 127.0.0.1: a gateway on
+//! ephemeral ports, workers and edges, with throw-away certificates and
+//! tokens in a temporary directory. Used by the integration tests and by
+//! `tidegate-loadtest --local`. Every child is killed on drop.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// Where the tidegate binaries are: `TIDEGATE_BIN_DIR`, else next to the
+/// running executable (`target/<profile>/`, also from `deps/`).
+pub fn bin_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("TIDEGATE_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    let exe = std::env::current_exe().expect("current executable path");
+    let mut dir = exe.parent().expect("executable has a folder").to_path_buf();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// The path of binary `name`, or an error that says how to build it.
+pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
+    let p = bin_dir().join(name);
+    if !p.exists() {
+        bail!(
+            "{} not found; build the binaries first: cargo build --workspace --bins",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// The workspace root (for models/ and test imagery).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("loadtest sits in the workspace")
+        .to_path_buf()
+}
+
+fn random_token() -> String {
+    let mut b = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = f.read_exact(&mut b);
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!(
+        "{}{nanos:x}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    )
+}
+
+/// A running gateway with its workers.
+#[derive(Debug)]
+pub struct Cluster {
+    dir: tempfile::TempDir,
+    /// Gateway QUIC address.
+    pub quic: SocketAddr,
+    /// Gateway HTTP address.
+    pub http: SocketAddr,
+    gateway: Child,
+    workers: Vec<(String, Child)>,
+    /// Token of the edge named `edge-1` (and of every edge in `edges`).
+    pub edge_token: String,
+    /// Token of the workers.
+    worker_token: String,
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// Edge names the gateway accepts (all share one token).
+    pub edges: Vec<String>,
+    /// Worker names the gateway accepts.
+    pub workers: Vec<String>,
+    /// Extra `[scheduler]` lines for the gateway config.
+    pub scheduler: String,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            edges: vec!["edge-1".into()],
+            workers: vec!["worker-1".into()],
+            scheduler: String::new(),
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts a gateway (not yet any worker).
+    pub fn start(opts: &ClusterOptions) -> anyhow::Result<Cluster> {
+        let dir = tempfile::tempdir().context("creating a temp dir")?;
+        let gw = bin("tidegate-gateway")?;
+        let status = Command::new(&gw)
+            .args(["dev-certs", "--out"])
+            .arg(dir.path().join("certs"))
+            .stdout(Stdio::null())
+            .status()
+            .context("running tidegate-gateway dev-certs")?;
+        if !status.success() {
+            bail!("tidegate-gateway dev-certs failed");
+        }
+        let edge_token = random_token();
+        let worker_token = random_token();
+        let hash = |t: &str| {
+            use sha2::Digest;
+            sha2::Sha256::digest(t.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        };
+        let mut toml = format!(
+            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\n[scheduler]\n{}\n",
+            opts.scheduler
+        );
+        for e in &opts.edges {
+            toml += &format!(
+                "[[edges]]\nname = \"{e}\"\ntoken_sha256 = \"{}\"\n",
+                hash(&edge_token)
+            );
+        }
+        for w in &opts.workers {
+            toml += &format!(
+                "[[workers]]\nname = \"{w}\"\ntoken_sha256 = \"{}\"\n",
+                hash(&worker_token)
+            );
+        }
+        let cfg = dir.path().join("gateway.toml");
+        std::fs::write(&cfg, toml)?;
+        let log = std::fs::File::create(dir.path().join("gateway.log"))?;
+        let mut gateway = Command::new(&gw)
+            .arg("--config")
+            .arg(&cfg)
+            .arg("run")
+            .env("TIDEGATE_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .context("starting tidegate-gateway")?;
+        let stdout = gateway.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .context("reading the gateway's listening line")?;
+        // "listening quic=127.0.0.1:PORT http=127.0.0.1:PORT"
+        let addr = |key: &str| -> anyhow::Result<SocketAddr> {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .with_context(|| format!("gateway printed {line:?}, expected {key}ADDR"))?
+                .parse()
+                .context("parsing the gateway address")
+        };
+        let (quic, http) = match (addr("quic="), addr("http=")) {
+            (Ok(q), Ok(h)) => (q, h),
+            (Err(e), _) | (_, Err(e)) => {
+                let _ = gateway.kill();
+                let log =
+                    std::fs::read_to_string(dir.path().join("gateway.log")).unwrap_or_default();
+                bail!("{e}; gateway log:\n{log}");
+            }
+        };
+        Ok(Cluster {
+            dir,
+            quic,
+            http,
+            gateway,
+            workers: Vec::new(),
+            edge_token,
+            worker_token,
+        })
+    }
+
+    /// The temporary directory holding certs, configs and logs.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The CA certificate clients trust.
+    pub fn ca(&self) -> PathBuf {
+        self.dir.path().join("certs/ca.pem")
+    }
+
+    /// The gateway's log so far.
+    pub fn gateway_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("gateway.log")).unwrap_or_default()
+    }
+
+    /// Writes a worker config serving `models` from `models_dir`.
+    pub fn worker_config(
+        &self,
+        name: &str,
+        models_dir: &Path,
+        models: &[&str],
+    ) -> anyhow::Result<PathBuf> {
+        let only: Vec<String> = models.iter().map(|m| format!("\"{m}\"")).collect();
+        let path = self.dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [{}]\n[runtime]\nintra_threads = 1\n",
+                self.quic,
+                models_dir.display(),
+                only.join(", ")
+            ),
+        )?;
+        Ok(path)
+    }
+
+    /// Starts a worker serving BlazeFace from the repository's models/.
+    pub fn spawn_worker(&mut self, name: &str) -> anyhow::Result<()> {
+        let cfg = self.worker_config(name, &workspace_root().join("models"), &["blazeface"])?;
+        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log")))?;
+        let child = Command::new(bin("tidegate-worker")?)
+            .arg("--config")
+            .arg(cfg)
+            .env("TIDEGATE_WORKER_TOKEN", &self.worker_token)
+            .env("TIDEGATE_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting tidegate-worker")?;
+        self.workers.push((name.to_string(), child));
+        Ok(())
+    }
+
+    /// The worker token (for tests that start workers by hand).
+    pub fn worker_token(&self) -> &str {
+        &self.worker_token
+    }
+
+    /// A worker's log so far.
+    pub fn worker_log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// Kills a worker abruptly (SIGKILL).
+    pub fn kill_worker(&mut self, name: &str) {
+        if let Some((_, c)) = self.workers.iter_mut().find(|(n, _)| n == name) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits until `n` workers are registered, or fails with their logs.
+    pub fn wait_for_workers(&mut self, n: usize, timeout: Duration) -> anyhow::Result<()> {
+        let until = Instant::now() + timeout;
+        loop {
+            if let Ok((200, body)) = self.get("/api/v1/workers") {
+                let v: serde_json::Value = serde_json::from_str(&body)?;
+                if v.as_array().map_or(0, Vec::len) >= n {
+                    return Ok(());
+                }
+            }
+            for (name, c) in &mut self.workers {
+                if let Ok(Some(status)) = c.try_wait() {
+                    bail!(
+                        "worker {name} exited with {status}; its log:\n{}",
+                        std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
+                            .unwrap_or_default()
+                    );
+                }
+            }
+            if Instant::now() > until {
+                bail!(
+                    "fewer than {n} workers registered after {timeout:?}; gateway log:\n{}",
+                    self.gateway_log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// HTTP GET on the gateway's API: (status, body).
+    pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        http_get(self.http, path)
+    }
+
+    /// Writes an edge config with `cameras` as (name, uri, model, max_fps).
+    pub fn edge_config(
+        &self,
+        name: &str,
+        cameras: &[(&str, &str, &str, f64)],
+    ) -> anyhow::Result<PathBuf> {
+        let mut toml = format!(
+            "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"certs/ca.pem\"\n",
+            self.quic
+        );
+        for (cam, uri, model, fps) in cameras {
+            toml += &format!(
+                "[[cameras]]\nname = \"{cam}\"\nuri = \"{uri}\"\nmodel = \"{model}\"\nmax_fps = {fps}\n"
+            );
+        }
+        let path = self.dir.path().join(format!("{name}.toml"));
+        std::fs::write(&path, toml)?;
+        Ok(path)
+    }
+
+    /// Runs an edge to completion with `args` and returns its output.
+    pub fn run_edge(&self, config: &Path, args: &[&str]) -> anyhow::Result<Output> {
+        Command::new(bin("tidegate-edge")?)
+            .arg("--config")
+            .arg(config)
+            .args(args)
+            .env("TIDEGATE_EDGE_TOKEN", &self.edge_token)
+            .env("TIDEGATE_LOG", "warn")
+            .output()
+            .context("running tidegate-edge")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.workers {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = self.gateway.kill();
+        let _ = self.gateway.wait();
+    }
+}
+
+/// A minimal HTTP/1.0 GET (no chunking) against `addr`.
+pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("bad HTTP response: {text:?}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}

@@ -1,0 +1,131 @@
+//! The load-test report: counts by status, latency percentiles, and the
+//! SLO verdict, serialisable as JSON.
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use tidegate_protocol::Status;
+
+use crate::sim::SimOptions;
+
+/// Latency percentiles in milliseconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 95th percentile.
+    pub p95: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Maximum.
+    pub max: f64,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    /// Simulated cameras.
+    pub cameras: usize,
+    /// Frames per second per camera.
+    pub fps: f64,
+    /// Sending time (s).
+    pub duration_s: f64,
+    /// Budget per frame (ms).
+    pub budget_ms: u32,
+    /// Frames handed to QUIC.
+    pub sent: u64,
+    /// Frames that could not be sent.
+    pub send_errors: u64,
+    /// Results by status.
+    pub ok: u64,
+    /// Shed before dispatch.
+    pub shed: u64,
+    /// Expired in the queue.
+    pub expired: u64,
+    /// Failed.
+    pub failed: u64,
+    /// Sent frames with no result by the end of the run.
+    pub missing: u64,
+    /// Ok results within the budget.
+    pub ok_within_budget: u64,
+    /// Fraction of sent frames answered ok within budget.
+    pub slo_attainment: f64,
+    /// End-to-end latency of ok results (edge clock).
+    pub e2e_ms: Percentiles,
+    /// Control hints received.
+    pub hints: u64,
+}
+
+impl Report {
+    /// An empty report for `opts`.
+    pub fn new(opts: &SimOptions) -> Self {
+        Report {
+            cameras: opts.cameras,
+            fps: opts.fps,
+            duration_s: opts.duration.as_secs_f64(),
+            budget_ms: opts.budget_ms,
+            ..Report::default()
+        }
+    }
+
+    /// Counts one result.
+    pub fn count(&mut self, status: &Status) {
+        match status {
+            Status::Ok => self.ok += 1,
+            Status::Shed(_) => self.shed += 1,
+            Status::Expired => self.expired += 1,
+            Status::Failed(_) => self.failed += 1,
+        }
+    }
+
+    /// Results received.
+    pub fn results(&self) -> u64 {
+        self.ok + self.shed + self.expired + self.failed
+    }
+
+    /// Fills the derived fields.
+    pub fn finish(&mut self, hist: &Histogram<u64>) {
+        self.missing = self.sent.saturating_sub(self.results());
+        self.slo_attainment = if self.sent == 0 {
+            0.0
+        } else {
+            self.ok_within_budget as f64 / self.sent as f64
+        };
+        let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+        if !hist.is_empty() {
+            self.e2e_ms = Percentiles {
+                p50: ms(0.50),
+                p90: ms(0.90),
+                p95: ms(0.95),
+                p99: ms(0.99),
+                max: hist.max() as f64 / 1000.0,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidegate_protocol::ShedReason;
+
+    #[test]
+    fn missing_and_attainment_derive_from_counts() {
+        let mut r = Report {
+            sent: 10,
+            ok_within_budget: 6,
+            ..Report::default()
+        };
+        for _ in 0..7 {
+            r.count(&Status::Ok);
+        }
+        r.count(&Status::Shed(ShedReason::Overloaded));
+        let mut h = Histogram::<u64>::new(3).unwrap();
+        h.record(20_000).unwrap();
+        r.finish(&h);
+        assert_eq!(r.missing, 2);
+        assert!((r.slo_attainment - 0.6).abs() < 1e-9);
+        assert!((r.e2e_ms.p50 - 20.0).abs() < 0.1);
+    }
+}

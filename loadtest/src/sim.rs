@@ -1,0 +1,202 @@
+//! Simulated cameras: each sends frames at a fixed rate over the real QUIC
+//! uplink for a bounded time, and every result's end-to-end latency is
+//! recorded on the edge clock.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use tidegate_edge::clock;
+use tidegate_edge::uplink::{Incoming, Uplink};
+use tidegate_protocol::{DType, Frame, Geometry, InputSpec, Layout, Status, Tensor};
+
+use crate::report::Report;
+
+/// What to simulate.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// Gateway QUIC address.
+    pub gateway: SocketAddr,
+    /// Name in the gateway's certificate.
+    pub server_name: String,
+    /// CA certificate.
+    pub ca: PathBuf,
+    /// Edge name.
+    pub edge: String,
+    /// Edge token.
+    pub token: String,
+    /// Number of cameras.
+    pub cameras: usize,
+    /// Frames per second per camera.
+    pub fps: f64,
+    /// How long to send.
+    pub duration: Duration,
+    /// Model name.
+    pub model: String,
+    /// Budget per frame (ms).
+    pub budget_ms: u32,
+    /// Image to send (resized to the model input); grey frames if absent.
+    pub image: Option<PathBuf>,
+}
+
+/// The frame every camera sends: the image resized to the model's input.
+pub fn frame_pixels(
+    input: &InputSpec,
+    image: Option<&std::path::Path>,
+) -> anyhow::Result<(Bytes, Geometry)> {
+    let (w, h) = (input.width, input.height);
+    match image {
+        Some(path) => {
+            let img = image::open(path)
+                .with_context(|| format!("opening {}", path.display()))?
+                .to_rgb8();
+            let (sw, sh) = img.dimensions();
+            let g = match input.resize {
+                tidegate_protocol::Resize::Stretch => Geometry::stretch(sw, sh, w, h),
+                tidegate_protocol::Resize::Letterbox => Geometry::letterbox(sw, sh, w, h),
+            };
+            let scaled = image::imageops::resize(
+                &img,
+                g.content_width,
+                g.content_height,
+                image::imageops::FilterType::Triangle,
+            );
+            let mut canvas = image::RgbImage::new(w, h);
+            image::imageops::replace(&mut canvas, &scaled, g.content_x as i64, g.content_y as i64);
+            Ok((Bytes::from(canvas.into_raw()), g))
+        }
+        None => Ok((
+            Bytes::from(vec![128u8; (w * h * 3) as usize]),
+            Geometry::stretch(w, h, w, h),
+        )),
+    }
+}
+
+/// Runs the simulation and returns its report.
+pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
+    let (uplink, mut incoming) = Uplink::connect(
+        opts.gateway,
+        &opts.server_name,
+        &opts.ca,
+        &opts.edge,
+        &opts.token,
+    )
+    .await
+    .context("connecting to the gateway")?;
+    let mut input = None;
+    for i in 0..opts.cameras {
+        let spec = uplink
+            .open_camera(&format!("sim-{i}"), &opts.model, opts.budget_ms)
+            .await
+            .with_context(|| format!("opening camera sim-{i}"))?;
+        input = Some(spec);
+    }
+    let input = input.context("at least one camera is needed")?;
+    if input.dtype != DType::U8 || input.layout != Layout::Nhwc {
+        anyhow::bail!("model '{}' does not take u8 NHWC frames", opts.model);
+    }
+    let (pixels, geometry) = frame_pixels(&input, opts.image.as_deref())?;
+    let per_camera = (opts.fps * opts.duration.as_secs_f64()).round().max(1.0) as u64;
+
+    let hist = Arc::new(Mutex::new(
+        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds"),
+    ));
+    let report = Arc::new(Mutex::new(Report::new(opts)));
+    let collector = {
+        let hist = hist.clone();
+        let report = report.clone();
+        let uplink = uplink.clone();
+        let budget_us = opts.budget_ms as u64 * 1000;
+        tokio::spawn(async move {
+            while let Some(msg) = incoming.recv().await {
+                match msg {
+                    Incoming::Result(r) => {
+                        let e2e = clock::now_us().saturating_sub(r.captured_at_us);
+                        uplink.report_latency(&r.camera, r.seq, e2e);
+                        let mut rep = report.lock().expect("report lock");
+                        rep.count(&r.status);
+                        if r.status == Status::Ok {
+                            let _ = hist.lock().expect("histogram lock").record(e2e.max(1));
+                            if e2e <= budget_us {
+                                rep.ok_within_budget += 1;
+                            }
+                        }
+                    }
+                    Incoming::Hint(h) => {
+                        report.lock().expect("report lock").hints += 1;
+                        tracing::info!(max_fps = h.max_fps, "control hint");
+                    }
+                }
+            }
+        })
+    };
+
+    let mut senders = Vec::new();
+    for i in 0..opts.cameras {
+        let uplink = uplink.clone();
+        let pixels = pixels.clone();
+        let model = opts.model.clone();
+        let shape = input.frame_shape();
+        let budget_us = opts.budget_ms * 1000;
+        let period = Duration::from_secs_f64(1.0 / opts.fps);
+        let report = report.clone();
+        senders.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            for seq in 0..per_camera {
+                tick.tick().await;
+                let frame = Frame {
+                    camera: format!("sim-{i}"),
+                    seq,
+                    captured_at_us: clock::now_us(),
+                    budget_us,
+                    model: model.clone(),
+                    geometry,
+                    tensor: Tensor {
+                        dtype: DType::U8,
+                        layout: Layout::Nhwc,
+                        shape: shape.clone(),
+                        data: pixels.clone(),
+                    },
+                };
+                let uplink = uplink.clone();
+                let report = report.clone();
+                tokio::spawn(async move {
+                    let ok = uplink.send_frame(frame).await.is_ok();
+                    let mut rep = report.lock().expect("report lock");
+                    if ok {
+                        rep.sent += 1;
+                    } else {
+                        rep.send_errors += 1;
+                    }
+                });
+            }
+        }));
+    }
+    for s in senders {
+        s.await.context("camera task")?;
+    }
+    // Wait for outstanding results: at most the budget plus 2 s.
+    let until = tokio::time::Instant::now()
+        + Duration::from_millis(opts.budget_ms as u64)
+        + Duration::from_secs(2);
+    loop {
+        let done = {
+            let r = report.lock().expect("report lock");
+            r.sent + r.send_errors >= per_camera * opts.cameras as u64 && r.results() >= r.sent
+        };
+        if done || tokio::time::Instant::now() > until {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    uplink.close();
+    collector.abort();
+    let mut rep = report.lock().expect("report lock").clone();
+    rep.finish(&hist.lock().expect("histogram lock"));
+    Ok(rep)
+}

@@ -1,0 +1,262 @@
+//! The walking skeleton, end to end: real gateway, worker and edge processes
+//! on 127.0.0.1, BlazeFace on astronaut.png, and bad input at each hop.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
+use tidegate_loadtest::sim::frame_pixels;
+use tidegate_protocol::{DType, ErrorCode, Frame, FrameResult, Layout, Status, Tensor};
+
+/// The face in astronaut.png, measured once with BlazeFace through the edge's
+/// GStreamer pipeline (512x512 -> 128x128) and the worker's decoder:
+/// (179.3, 81.6) - (271.5, 173.8), score 0.92. The worker's own test, which
+/// resizes with the `image` crate, measured (177.3, 80.6) - (271.8, 175.1).
+const FACE: [f32; 4] = [179.3, 81.6, 271.5, 173.8];
+
+fn astronaut() -> String {
+    workspace_root()
+        .join("models/testdata/astronaut.png")
+        .display()
+        .to_string()
+}
+
+fn started_cluster() -> Cluster {
+    let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    c.spawn_worker("worker-1").expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(60))
+        .expect("worker registers");
+    c
+}
+
+#[test]
+fn astronaut_face_round_trips_through_edge_gateway_and_worker() {
+    let c = started_cluster();
+    let uri = format!("image://{}", astronaut());
+    let cfg = c
+        .edge_config("edge-1", &[("astronaut", &uri, "blazeface", 10.0)])
+        .unwrap();
+    let out = c.run_edge(&cfg, &["--max-frames", "12"]).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "edge failed: {stderr}");
+    assert!(
+        stderr.contains("summary: sent=12 results=12 ok=12"),
+        "every frame sent must get a result: {stderr}"
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each stdout line is JSON"))
+        .collect();
+    assert_eq!(lines.len(), 12);
+    let mut seqs: Vec<u64> = lines.iter().map(|l| l["seq"].as_u64().unwrap()).collect();
+    seqs.sort_unstable();
+    seqs.dedup();
+    assert_eq!(seqs.len(), 12, "one result per frame");
+    for l in &lines {
+        assert_eq!(l["status"], "ok", "{l}");
+        assert_eq!(l["camera"], "astronaut");
+        let e2e = l["e2e_ms"].as_f64().expect("e2e latency reported");
+        assert!(e2e > 0.0, "{l}");
+        let dets = l["detections"].as_array().unwrap();
+        assert_eq!(dets.len(), 1, "exactly one face: {l}");
+        let d = &dets[0];
+        assert!(d["score"].as_f64().unwrap() > 0.8, "{d}");
+        for (k, want) in ["x1", "y1", "x2", "y2"].iter().zip(FACE) {
+            let got = d[*k].as_f64().unwrap() as f32;
+            assert!((got - want).abs() <= 10.0, "{k}: {got} vs {want}");
+        }
+        assert_eq!(d["keypoints"].as_array().unwrap().len(), 6);
+    }
+    // The gateway counted them, and got the edge's latency reports.
+    let (status, metrics) = c.get("/metrics").unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("tidegate_frames_total{model=\"blazeface\",status=\"ok\"} 12"),
+        "{metrics}"
+    );
+    let (_, frames) = c.get("/api/v1/frames").unwrap();
+    let f: serde_json::Value = serde_json::from_str(&frames).unwrap();
+    assert_eq!(f["admitted"], 12);
+    assert_eq!(f["ok"], 12);
+}
+
+async fn connect(c: &Cluster) -> (Uplink, tokio::sync::mpsc::Receiver<Incoming>) {
+    Uplink::connect(c.quic, "localhost", &c.ca(), "edge-1", &c.edge_token)
+        .await
+        .expect("edge connects")
+}
+
+async fn next_result(rx: &mut tokio::sync::mpsc::Receiver<Incoming>) -> FrameResult {
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("a result within 10 s")
+            .expect("uplink open");
+        if let Incoming::Result(r) = msg {
+            return r;
+        }
+    }
+}
+
+fn frame(seq: u64, shape: Vec<u32>, data: Bytes, geometry: tidegate_protocol::Geometry) -> Frame {
+    Frame {
+        camera: "cam".into(),
+        seq,
+        captured_at_us: tidegate_edge::clock::now_us(),
+        budget_us: 5_000_000,
+        model: "blazeface".into(),
+        geometry,
+        tensor: Tensor {
+            dtype: DType::U8,
+            layout: Layout::Nhwc,
+            shape,
+            data,
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_shape_frame_fails_naming_both_shapes_and_worker_keeps_serving() {
+    let c = started_cluster();
+    let (up, mut rx) = connect(&c).await;
+    let input = up.open_camera("cam", "blazeface", 80).await.unwrap();
+    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
+
+    up.send_frame(frame(
+        1,
+        vec![1, 64, 64, 3],
+        Bytes::from(vec![0u8; 64 * 64 * 3]),
+        geometry,
+    ))
+    .await
+    .unwrap();
+    let r = next_result(&mut rx).await;
+    let Status::Failed(reason) = &r.status else {
+        panic!("expected failed, got {r:?}");
+    };
+    assert!(
+        reason.contains("[1,128,128,3]") && reason.contains("[1,64,64,3]"),
+        "{reason}"
+    );
+
+    up.send_frame(frame(2, input.frame_shape(), pixels, geometry))
+        .await
+        .unwrap();
+    let r = next_result(&mut rx).await;
+    assert_eq!((r.seq, &r.status), (2, &Status::Ok));
+    assert_eq!(r.detections.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_and_oversized_streams_close_only_that_stream() {
+    let c = started_cluster();
+    let (up, mut rx) = connect(&c).await;
+    let input = up.open_camera("cam", "blazeface", 80).await.unwrap();
+    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
+
+    // A Frame whose header promises 1000 body bytes, then only 10.
+    let mut truncated = b"TG\x01\x06".to_vec();
+    truncated.extend_from_slice(&1000u32.to_be_bytes());
+    truncated.extend_from_slice(&[0u8; 10]);
+    up.send_raw(&truncated).await.unwrap();
+    // A Frame whose header claims a 4 GB body: refused from the header alone.
+    let mut oversized = b"TG\x01\x06".to_vec();
+    oversized.extend_from_slice(&u32::MAX.to_be_bytes());
+    up.send_raw(&oversized).await.unwrap();
+
+    // The same connection keeps working.
+    up.send_frame(frame(3, input.frame_shape(), pixels, geometry))
+        .await
+        .unwrap();
+    let r = next_result(&mut rx).await;
+    assert_eq!((r.seq, &r.status), (3, &Status::Ok));
+
+    let log = c.gateway_log();
+    assert!(
+        log.contains("bad frame stream closed: stream ended after 18 of 1008 bytes"),
+        "truncation is logged clearly: {log}"
+    );
+    assert!(
+        log.contains("exceeds the limit"),
+        "oversize is logged clearly: {log}"
+    );
+    let (_, metrics) = c.get("/metrics").unwrap();
+    assert!(
+        metrics.contains("tidegate_frames_rejected_total{reason=\"malformed\"} 2"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_with_wrong_token_is_refused_with_a_reason() {
+    let c = started_cluster();
+    let err = Uplink::connect(c.quic, "localhost", &c.ca(), "edge-1", "not-the-token")
+        .await
+        .expect_err("a wrong token is refused");
+    let UplinkError::Refused { code, message } = &err else {
+        panic!("expected a refusal, got {err}");
+    };
+    assert_eq!(*code, ErrorCode::Unauthorized);
+    assert!(message.contains("wrong token"), "{message}");
+    // The right token still works.
+    let (up, _rx) = connect(&c).await;
+    up.open_camera("cam", "blazeface", 80).await.unwrap();
+}
+
+/// Runs the worker with `args` against a config in `dir`; returns stderr.
+fn worker_failure(dir: &std::path::Path, models: &std::path::Path, extra: &[&str]) -> String {
+    let cfg = dir.join("w.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "name = \"w\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:9\"\nca = \"ca.pem\"\n[models]\ndir = \"{}\"\n",
+            models.display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(bin("tidegate-worker").unwrap())
+        .arg("--config")
+        .arg(&cfg)
+        .args(extra)
+        .env("TIDEGATE_LOG", "off")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(1));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn missing_onnx_runtime_or_model_file_is_a_one_line_error_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = workspace_root().join("models");
+
+    let err = worker_failure(
+        dir.path(),
+        &models,
+        &["--ort-lib", "/nonexistent/libonnxruntime.so"],
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("make setup") || err.contains("ORT_DYLIB_PATH"),
+        "{err}"
+    );
+
+    // A repository whose model.toml points at a file that is not there.
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(repo.join("blazeface")).unwrap();
+    std::fs::copy(
+        models.join("blazeface/model.toml"),
+        repo.join("blazeface/model.toml"),
+    )
+    .unwrap();
+    let err = worker_failure(dir.path(), &repo, &[]);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("blazeface") && err.contains("make setup"),
+        "{err}"
+    );
+}
