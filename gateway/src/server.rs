@@ -221,7 +221,7 @@ impl Server {
                             Err(e) => {
                                 warn!("bad frame stream closed: {e}");
                                 metrics.rejected.with_label_values(&["malformed"]).inc();
-                                let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
+                                let _ = recv.stop(e.code().quic_code().into());
                                 return;
                             }
                         };
@@ -263,7 +263,9 @@ impl Server {
                     Ok(Some(m)) => m,
                     Ok(None) => break,
                     Err(e) => {
-                        warn!("control stream: {e}");
+                        warn!("malformed control stream: {e}; closing the connection");
+                        let reason = format!("malformed control stream: {e}");
+                        refuse(&conn, &mut ctl_send, e.code(), reason).await;
                         break;
                     }
                 };

@@ -203,6 +203,18 @@ impl DecodeError {
     pub fn is_incomplete(&self) -> bool {
         matches!(self, DecodeError::Incomplete { .. })
     }
+
+    /// The protocol error code this error is answered with (one table, used
+    /// by every component; see docs/protocol.md).
+    pub fn code(&self) -> crate::ErrorCode {
+        use crate::ErrorCode;
+        match self {
+            DecodeError::UnsupportedVersion(_) => ErrorCode::UnsupportedVersion,
+            DecodeError::TooLarge { .. } => ErrorCode::TooLarge,
+            DecodeError::Tensor(TensorError::TooLarge { .. }) => ErrorCode::TooLarge,
+            _ => ErrorCode::Malformed,
+        }
+    }
 }
 
 /// Reads primitive fields from a message body. Strings and lists are bounded

@@ -49,7 +49,9 @@ pub struct Welcome {
     pub heartbeat_ms: u32,
 }
 
-/// An error; the sender closes the stream (or connection) after it.
+/// An error. Answering `Hello` (or on a malformed control stream), the
+/// sender then closes the connection with QUIC code `0x100 + code`;
+/// answering `CameraOpen`, the control stream stays open.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ErrorMsg {
     /// Classified code.

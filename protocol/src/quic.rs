@@ -157,6 +157,17 @@ pub enum ReadError {
     Stream(#[from] quinn::ReadError),
 }
 
+impl ReadError {
+    /// The error code to stop the stream (or close the connection) with.
+    pub fn code(&self) -> crate::ErrorCode {
+        match self {
+            ReadError::Decode(e) => e.code(),
+            ReadError::Truncated { .. } => crate::ErrorCode::Malformed,
+            ReadError::Stream(_) => crate::ErrorCode::Internal,
+        }
+    }
+}
+
 async fn read_exact_or_eof(
     recv: &mut quinn::RecvStream,
     buf: &mut [u8],
@@ -185,16 +196,21 @@ pub async fn read_message(
     }
     // Checked before the body is allocated.
     let header = Header::peek(&head, limits)?;
-    let mut body = BytesMut::zeroed(header.len);
-    read_exact_or_eof(recv, &mut body, false)
-        .await
-        .map_err(|e| match e {
-            ReadError::Truncated { got, .. } => ReadError::Truncated {
-                got: Header::LEN + got,
-                expected: Header::LEN + header.len,
-            },
-            other => other,
-        })?;
+    // The buffer grows with the bytes that actually arrive, so a header that
+    // merely declares a large body costs nothing (QUIC flow control bounds
+    // what a peer can send).
+    let mut body = BytesMut::with_capacity(header.len.min(64 * 1024));
+    while body.len() < header.len {
+        match recv.read_chunk(header.len - body.len(), true).await? {
+            Some(chunk) => body.extend_from_slice(&chunk.bytes),
+            None => {
+                return Err(ReadError::Truncated {
+                    got: Header::LEN + body.len(),
+                    expected: Header::LEN + header.len,
+                });
+            }
+        }
+    }
     Ok(Some(Message::decode_body(
         header.kind,
         body.freeze(),

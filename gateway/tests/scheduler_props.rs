@@ -1,0 +1,207 @@
+//! Property tests of the pure scheduler over random event sequences on the
+//! injected clock: arrivals, worker joins and losses, batch completions,
+//! ticks and clock jumps.
+
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+use tidegate_gateway::scheduler::{
+    Action, Arrival, BatchId, EdgeId, Event, FrameId, Limits, Micros, Scheduler, WorkerId,
+    WorkerModel,
+};
+use tidegate_protocol::Status;
+
+#[derive(Debug, Clone)]
+enum Step {
+    Arrive {
+        edge: u8,
+        camera: u8,
+        model: u8,
+        budget_us: u32,
+    },
+    Join {
+        max_batch: u16,
+        latency_us: u32,
+        models: u8,
+    },
+    Lose {
+        pick: u8,
+    },
+    Finish {
+        pick: u8,
+        fail_one: bool,
+    },
+    Advance {
+        us: u32,
+    },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => (0u8..3, 0u8..4, 0u8..2, 1_000u32..200_000).prop_map(
+            |(edge, camera, model, budget_us)| Step::Arrive { edge, camera, model, budget_us }
+        ),
+        1 => (1u16..9, 500u32..40_000, 1u8..4).prop_map(
+            |(max_batch, latency_us, models)| Step::Join { max_batch, latency_us, models }
+        ),
+        1 => any::<u8>().prop_map(|pick| Step::Lose { pick }),
+        4 => (any::<u8>(), any::<bool>()).prop_map(|(pick, fail_one)| Step::Finish { pick, fail_one }),
+        3 => (0u32..20_000).prop_map(|us| Step::Advance { us }),
+        // Clock jumps: far past every deadline in the queue.
+        1 => (100_000u32..2_000_000).prop_map(|us| Step::Advance { us }),
+    ]
+}
+
+/// What the test remembers to check the scheduler's answers.
+#[derive(Default)]
+struct World {
+    now: Micros,
+    next_frame: u64,
+    next_worker: u64,
+    deadlines: HashMap<FrameId, Micros>,
+    completed: HashSet<FrameId>,
+    workers: Vec<WorkerId>,
+    /// Outstanding batches: (worker, batch, frames).
+    batches: Vec<(WorkerId, BatchId, Vec<FrameId>)>,
+}
+
+impl World {
+    fn apply(&mut self, s: &mut Scheduler, event: Event) -> Result<(), TestCaseError> {
+        for a in s.on_event(self.now, event) {
+            match a {
+                Action::Dispatch {
+                    worker,
+                    batch,
+                    frames,
+                    ..
+                } => {
+                    prop_assert!(!frames.is_empty());
+                    let ds: Vec<Micros> = frames.iter().map(|f| self.deadlines[f]).collect();
+                    prop_assert!(
+                        ds.windows(2).all(|w| w[0] <= w[1]),
+                        "batch not in EDF order: {:?}",
+                        ds
+                    );
+                    for f in &frames {
+                        prop_assert!(!self.completed.contains(f), "dispatched a finished frame");
+                        prop_assert!(
+                            self.now <= self.deadlines[f],
+                            "dispatched after its deadline"
+                        );
+                    }
+                    self.batches.push((worker, batch, frames));
+                }
+                Action::Complete { frame, status, .. } => {
+                    prop_assert!(self.completed.insert(frame), "{:?} completed twice", frame);
+                    if status == Status::Expired {
+                        prop_assert!(self.now >= self.deadlines[&frame]);
+                    }
+                }
+            }
+        }
+        let c = s.counters();
+        prop_assert!(c.balanced(), "counters out of balance: {:?}", c);
+        prop_assert_eq!(c.admitted, self.deadlines.len() as u64);
+        prop_assert_eq!(
+            c.ok + c.shed + c.expired + c.failed,
+            self.completed.len() as u64
+        );
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_frame_ends_exactly_once_in_edf_order_and_never_late(
+        steps in prop::collection::vec(step(), 1..200)
+    ) {
+        let mut s = Scheduler::new(Limits {
+            max_queued: 64,
+            max_queued_per_edge: 16,
+            default_latency_us: 10_000,
+        });
+        let mut w = World::default();
+        let models = ["a", "b", "c"];
+        for st in steps {
+            match st {
+                Step::Arrive { edge, camera, model, budget_us } => {
+                    let id = FrameId(w.next_frame);
+                    w.next_frame += 1;
+                    let deadline = w.now + budget_us as u64;
+                    w.deadlines.insert(id, deadline);
+                    w.apply(&mut s, Event::FrameArrived(Arrival {
+                        id,
+                        edge: EdgeId(edge as u64),
+                        camera: format!("c{camera}"),
+                        model: models[model as usize].into(),
+                        deadline,
+                    }))?;
+                }
+                Step::Join { max_batch, latency_us, models: n } => {
+                    let id = WorkerId(w.next_worker);
+                    w.next_worker += 1;
+                    w.workers.push(id);
+                    let served = models
+                        .iter()
+                        .take(n as usize)
+                        .map(|m| WorkerModel {
+                            model: (*m).into(),
+                            max_batch,
+                            profile: vec![
+                                (1, latency_us),
+                                (max_batch, latency_us * max_batch as u32 / 2 + latency_us),
+                            ],
+                        })
+                        .collect();
+                    w.apply(&mut s, Event::WorkerJoined { worker: id, models: served })?;
+                }
+                Step::Lose { pick } => {
+                    if w.workers.is_empty() {
+                        continue;
+                    }
+                    let id = w.workers.remove(pick as usize % w.workers.len());
+                    w.batches.retain(|(wk, _, _)| *wk != id);
+                    w.apply(&mut s, Event::WorkerLost { worker: id })?;
+                }
+                Step::Finish { pick, fail_one } => {
+                    if w.batches.is_empty() {
+                        continue;
+                    }
+                    let (worker, batch, frames) = w.batches.remove(pick as usize % w.batches.len());
+                    let outcomes = frames
+                        .iter()
+                        .enumerate()
+                        .map(|(i, f)| {
+                            let st = if fail_one && i == 0 {
+                                Status::Failed("boom".into())
+                            } else {
+                                Status::Ok
+                            };
+                            (*f, st)
+                        })
+                        .collect();
+                    w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 5_000 })?;
+                }
+                Step::Advance { us } => {
+                    w.now += us as u64;
+                    w.apply(&mut s, Event::Tick)?;
+                }
+            }
+        }
+        // Drain: finish every batch, lose every worker, let every deadline pass.
+        while let Some((worker, batch, frames)) = w.batches.pop() {
+            let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+            w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 5_000 })?;
+        }
+        for id in std::mem::take(&mut w.workers) {
+            w.apply(&mut s, Event::WorkerLost { worker: id })?;
+        }
+        w.batches.clear();
+        w.now += 10_000_000;
+        w.apply(&mut s, Event::Tick)?;
+        prop_assert_eq!(s.counters().in_flight(), 0);
+        prop_assert_eq!(w.completed.len(), w.deadlines.len(), "a frame was lost");
+    }
+}
