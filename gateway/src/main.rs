@@ -152,8 +152,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             }
         });
     }
-    let srv = server::Server::new(cfg, hub, metrics);
-    tracker.spawn(srv.serve(endpoint, cancel.clone(), tracker.clone()));
+    let srv = server::Server::new(cfg, hub, metrics, tracker.clone());
+    tracker.spawn(srv.serve(endpoint, cancel.clone()));
 
     shutdown_signal().await;
     tracing::info!("shutting down");

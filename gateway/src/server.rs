@@ -38,28 +38,27 @@ pub struct Server {
     metrics: Metrics,
     limits: Limits,
     sessions: AtomicU64,
+    /// Owns every per-stream task, so shutdown drains them.
+    tracker: TaskTracker,
 }
 
 impl Server {
     /// A server over `hub`.
-    pub fn new(config: Config, hub: Hub, metrics: Metrics) -> Arc<Self> {
+    pub fn new(config: Config, hub: Hub, metrics: Metrics, tracker: TaskTracker) -> Arc<Self> {
         Arc::new(Server {
             config,
             hub,
             metrics,
             limits: Limits::default(),
             sessions: AtomicU64::new(1),
+            tracker,
         })
     }
 
     /// Accepts connections until `cancel` fires; every connection task is
     /// tracked by `tracker`.
-    pub async fn serve(
-        self: Arc<Self>,
-        endpoint: quinn::Endpoint,
-        cancel: CancellationToken,
-        tracker: TaskTracker,
-    ) {
+    pub async fn serve(self: Arc<Self>, endpoint: quinn::Endpoint, cancel: CancellationToken) {
+        let tracker = self.tracker.clone();
         loop {
             let incoming = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -181,10 +180,11 @@ impl Server {
         // Results: one unidirectional stream each.
         let writer = {
             let conn = conn.clone();
+            let tracker = self.tracker.clone();
             async move {
                 while let Some(r) = results_rx.recv().await {
                     let conn = conn.clone();
-                    tokio::spawn(async move {
+                    tracker.spawn(async move {
                         let Ok(mut s) = conn.open_uni().await else {
                             return;
                         };
@@ -208,7 +208,7 @@ impl Server {
                     let hub = self.hub.clone();
                     let limits = self.limits;
                     let metrics = self.metrics.clone();
-                    tokio::spawn(async move {
+                    self.tracker.spawn(async move {
                         let frame: Frame = match read_message(&mut recv, &limits).await {
                             Ok(Some(Message::Frame(f))) => f,
                             Ok(Some(other)) => {
