@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tidegate_protocol::quic::{read_message, write_message};
+use tidegate_protocol::quic::{HandshakeError, handshake, read_message, write_message};
 use tidegate_protocol::{
     BatchResult, Dispatch, ErrorCode, Heartbeat, Hello, ItemResult, Limits, Message, Register, Role,
 };
@@ -102,34 +102,20 @@ pub async fn run(
     let client = tidegate_protocol::quic::client_config(&cfg.ca)?;
     let conn = tidegate_protocol::quic::dial(cfg.gateway, &cfg.server_name, client).await?;
     let broken = |e: &dyn std::fmt::Display| LinkError::Broken(e.to_string());
-    let (mut ctl_send, mut ctl_recv) = conn.open_bi().await.map_err(|e| broken(&e))?;
     let limits = Limits::default();
-    write_message(
-        &mut ctl_send,
-        &Message::Hello(Hello {
-            role: Role::Worker,
-            name: cfg.name.clone(),
-            token: cfg.token.clone(),
-        }),
-    )
-    .await
-    .map_err(|e| broken(&e))?;
-    let heartbeat_ms = match read_message(&mut ctl_recv, &limits).await {
-        Ok(Some(Message::Welcome(w))) => w.heartbeat_ms.max(100),
-        Ok(Some(Message::Error(e))) => {
-            return Err(LinkError::Refused {
-                code: e.code,
-                message: e.message,
-            });
-        }
-        Ok(other) => {
-            return Err(LinkError::Broken(format!(
-                "expected Welcome, got {:?}",
-                other.map(|m| m.kind())
-            )));
-        }
-        Err(e) => return Err(broken(&e)),
+    let hello = Hello {
+        role: Role::Worker,
+        name: cfg.name.clone(),
+        token: cfg.token.clone(),
     };
+    let (mut ctl_send, mut ctl_recv, welcome) =
+        handshake(&conn, hello, &limits)
+            .await
+            .map_err(|e| match e {
+                HandshakeError::Refused { code, message } => LinkError::Refused { code, message },
+                other => broken(&other),
+            })?;
+    let heartbeat_ms = welcome.heartbeat_ms.max(100);
     write_message(&mut ctl_send, &Message::Register(register))
         .await
         .map_err(|e| broken(&e))?;

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tidegate_protocol::quic::{ReadError, read_message, write_message};
+use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
     CameraOpen, ControlHint, ErrorCode, Frame, FrameResult, Hello, InputSpec, LatencyReport,
     Limits, Message, Role,
@@ -116,37 +116,21 @@ impl Uplink {
                 tidegate_protocol::quic::DialError::Bind(e) => UplinkError::Bind(e),
                 other => connect_err(other.to_string()),
             })?;
-        let (mut send, mut recv) = conn
-            .open_bi()
-            .await
-            .map_err(|e| connect_err(e.to_string()))?;
-        let hello = Message::Hello(Hello {
+        let hello = Hello {
             role: Role::Edge,
             name: name.to_string(),
             token: token.to_string(),
-        });
-        write_message(&mut send, &hello)
-            .await
-            .map_err(|e| connect_err(e.to_string()))?;
-        let limits = Limits::default();
-        match read_message(&mut recv, &limits).await {
-            Ok(Some(Message::Welcome(_))) => {}
-            Ok(Some(Message::Error(e))) => {
-                return Err(UplinkError::Refused {
-                    code: e.code,
-                    message: e.message,
-                });
-            }
-            Ok(other) => {
-                return Err(UplinkError::Protocol(format!(
-                    "expected Welcome, got {:?}",
-                    other.map(|m| m.kind())
-                )));
-            }
-            Err(e) => {
-                return Err(refusal_from_close(&conn).unwrap_or(UplinkError::Lost(e.to_string())));
-            }
-        }
+        };
+        let (send, recv, _welcome) =
+            handshake(&conn, hello, &Limits::default())
+                .await
+                .map_err(|e| match e {
+                    HandshakeError::Refused { code, message } => {
+                        UplinkError::Refused { code, message }
+                    }
+                    HandshakeError::Protocol(m) => UplinkError::Protocol(m),
+                    other => UplinkError::Lost(other.to_string()),
+                })?;
 
         let (in_tx, in_rx) = mpsc::channel(RESULT_QUEUE);
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
@@ -238,16 +222,6 @@ impl Uplink {
     /// Closes the connection.
     pub fn close(&self) {
         self.conn.close(0u32.into(), b"edge closing");
-    }
-}
-
-fn refusal_from_close(conn: &quinn::Connection) -> Option<UplinkError> {
-    match conn.close_reason()? {
-        quinn::ConnectionError::ApplicationClosed(c) => Some(UplinkError::Refused {
-            code: ErrorCode::from_code(u64::from(c.error_code).saturating_sub(0x100) as u16),
-            message: String::from_utf8_lossy(&c.reason).into_owned(),
-        }),
-        other => Some(UplinkError::Lost(other.to_string())),
     }
 }
 

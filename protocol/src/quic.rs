@@ -265,3 +265,59 @@ pub async fn dial(
         .await
         .map_err(|e| connect(e.to_string()))
 }
+
+/// Why the `Hello` handshake failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// The gateway answered with an error (bad token, unknown name...).
+    #[error("gateway refused: {message} ({code:?})")]
+    Refused {
+        /// Its code.
+        code: crate::ErrorCode,
+        /// Its explanation.
+        message: String,
+    },
+    /// The gateway answered with something other than `Welcome` or `Error`.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The connection failed during the handshake.
+    #[error("connection lost during the handshake: {0}")]
+    Lost(String),
+}
+
+/// Opens the control stream, sends `hello` and waits for `Welcome`.
+/// Returns the control stream's two halves and the welcome.
+pub async fn handshake(
+    conn: &quinn::Connection,
+    hello: crate::Hello,
+    limits: &Limits,
+) -> Result<(quinn::SendStream, quinn::RecvStream, crate::Welcome), HandshakeError> {
+    let lost = |e: &dyn std::fmt::Display| HandshakeError::Lost(e.to_string());
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
+    write_message(&mut send, &Message::Hello(hello))
+        .await
+        .map_err(|e| lost(&e))?;
+    match read_message(&mut recv, limits).await {
+        Ok(Some(Message::Welcome(w))) => Ok((send, recv, w)),
+        Ok(Some(Message::Error(e))) => Err(HandshakeError::Refused {
+            code: e.code,
+            message: e.message,
+        }),
+        Ok(other) => Err(HandshakeError::Protocol(format!(
+            "expected Welcome, got {:?}",
+            other.map(|m| m.kind())
+        ))),
+        // The gateway may close before we read its Error: take the reason
+        // from the close frame (`0x100 + code`).
+        Err(e) => Err(match conn.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => HandshakeError::Refused {
+                code: crate::ErrorCode::from_code(
+                    u64::from(c.error_code).saturating_sub(0x100) as u16
+                ),
+                message: String::from_utf8_lossy(&c.reason).into_owned(),
+            },
+            _ => lost(&e),
+        }),
+    }
+}
