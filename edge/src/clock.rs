@@ -31,5 +31,7 @@ mod tests {
             assert!(t >= last);
             last = t;
         }
+        // Anchored to the UNIX epoch: later than 2020-01-01.
+        assert!(last > 1_577_836_800_000_000);
     }
 }

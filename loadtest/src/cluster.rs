@@ -113,13 +113,7 @@ impl Cluster {
         }
         let edge_token = random_token();
         let worker_token = random_token();
-        let hash = |t: &str| {
-            use sha2::Digest;
-            sha2::Sha256::digest(t.as_bytes())
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        };
+        let hash = tidegate_gateway::auth::hash_token;
         let mut toml = format!(
             "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\n[scheduler]\n{}\n",
             opts.scheduler

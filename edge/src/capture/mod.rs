@@ -84,7 +84,7 @@ pub struct CapturedFrame {
     pub camera: Arc<str>,
     /// Sequence number, increasing per camera.
     pub seq: u64,
-    /// When the frame reached the edge, on [`edge_clock_us`].
+    /// When the frame reached the edge, on [`crate::clock::now_us`].
     pub captured_at_us: u64,
     /// Tightly packed RGB rows: `height * width * 3` bytes, no row padding.
     pub data: Bytes,
@@ -229,8 +229,6 @@ pub enum StreamError {
         reason: String,
     },
 }
-
-pub use crate::clock::now_us as edge_clock_us;
 
 /// Initialises GStreamer once per process.
 fn init_gstreamer() -> Result<(), CaptureError> {
@@ -471,18 +469,6 @@ mod tests {
             resize: Resize::Letterbox,
             max_fps: 10.0,
         }
-    }
-
-    #[test]
-    fn edge_clock_never_goes_backwards() {
-        let mut last = edge_clock_us();
-        for _ in 0..1000 {
-            let now = edge_clock_us();
-            assert!(now >= last);
-            last = now;
-        }
-        // Anchored to the UNIX epoch: later than 2020-01-01.
-        assert!(last > 1_577_836_800_000_000);
     }
 
     #[test]

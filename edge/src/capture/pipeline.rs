@@ -362,7 +362,7 @@ fn on_sample(
     height: u32,
 ) -> Result<gst::FlowSuccess, gst::FlowError> {
     let sample = sink.pull_sample().map_err(|_| gst::FlowError::Flushing)?;
-    let captured_at_us = super::edge_clock_us();
+    let captured_at_us = crate::clock::now_us();
     let frame_error = |reason: String| {
         shared.end(StreamError::Frame {
             camera: shared.camera.to_string(),
