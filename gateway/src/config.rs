@@ -97,6 +97,15 @@ pub struct SchedulerConfig {
     /// Most frames queued per edge.
     #[serde(default = "default_max_queued_per_edge")]
     pub max_queued_per_edge: usize,
+    /// Send cameras frame-rate hints when their frames are being shed.
+    #[serde(default = "default_true")]
+    pub hints: bool,
+    /// Hint measurement window (ms).
+    #[serde(default = "default_hint_window_ms")]
+    pub hint_window_ms: u32,
+    /// Fraction of a window's frames lost to overload that lowers the rate.
+    #[serde(default = "default_hint_shed_ratio")]
+    pub hint_shed_ratio: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -105,8 +114,21 @@ impl Default for SchedulerConfig {
             return_margin_ms: default_return_margin_ms(),
             max_queued: default_max_queued(),
             max_queued_per_edge: default_max_queued_per_edge(),
+            hints: true,
+            hint_window_ms: default_hint_window_ms(),
+            hint_shed_ratio: default_hint_shed_ratio(),
         }
     }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_hint_window_ms() -> u32 {
+    1000
+}
+fn default_hint_shed_ratio() -> f64 {
+    0.1
 }
 
 fn default_return_margin_ms() -> u32 {
@@ -207,6 +229,18 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "edge '{}' is listed twice",
                 w[0]
+            )));
+        }
+        if self.scheduler.hint_window_ms < 100 {
+            return Err(ConfigError::Invalid(format!(
+                "scheduler.hint_window_ms = {} is too short to measure a rate; use at least 100",
+                self.scheduler.hint_window_ms
+            )));
+        }
+        if !(0.0..1.0).contains(&self.scheduler.hint_shed_ratio) {
+            return Err(ConfigError::Invalid(format!(
+                "scheduler.hint_shed_ratio = {} must be in [0, 1)",
+                self.scheduler.hint_shed_ratio
             )));
         }
         if self.scheduler.max_queued == 0 || self.scheduler.max_queued_per_edge == 0 {

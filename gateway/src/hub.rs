@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tidegate_protocol::{
-    BatchResult, Detection, Dispatch, DispatchItem, Frame, FrameResult, InputSpec, ModelInfo,
-    Register, Status, Timings,
+    BatchResult, ControlHint, Detection, Dispatch, DispatchItem, Frame, FrameResult, InputSpec,
+    ModelInfo, Register, Status, Timings,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use crate::backpressure::{Backpressure, BackpressureConfig, CameraLoad};
 use crate::metrics::Metrics;
 use crate::scheduler::{
     Action, Arrival, BatchId, Counters, EdgeId, Event, FrameId, Limits, Micros, Scheduler,
@@ -31,6 +32,8 @@ pub enum HubMsg {
         name: String,
         /// Where its results go (the connection's result writer).
         results: mpsc::Sender<FrameResult>,
+        /// Where control hints go (the connection's control-stream writer).
+        hints: mpsc::Sender<ControlHint>,
     },
     /// An edge's camera was opened.
     CameraOpened {
@@ -130,6 +133,10 @@ pub struct CameraView {
     pub camera: String,
     /// Model.
     pub model: String,
+    /// Measured load and the frame-rate cap in force (after its first
+    /// measurement window).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub load: Option<CameraLoad>,
 }
 
 /// A worker in a [`Snapshot`].
@@ -205,6 +212,7 @@ struct Pending {
 struct EdgeEntry {
     name: String,
     results: mpsc::Sender<FrameResult>,
+    hints: mpsc::Sender<ControlHint>,
     cameras: HashMap<String, String>,
 }
 
@@ -226,14 +234,22 @@ struct State {
     edges: HashMap<EdgeId, EdgeEntry>,
     workers: HashMap<WorkerId, WorkerEntry>,
     next_frame: u64,
+    /// Frame-rate hints for cameras whose frames are shed; `None` when
+    /// hints are turned off.
+    backpressure: Option<Backpressure>,
 }
 
 /// Capacity of the hub's inbox.
 pub const INBOX: usize = 4096;
 
-/// Starts the hub task; it runs until `cancel` fires.
+/// How often the back-pressure policy closes its windows.
+const HINT_TICK: Duration = Duration::from_millis(100);
+
+/// Starts the hub task; it runs until `cancel` fires. `hints` turns on
+/// frame-rate hints to cameras whose frames are being shed.
 pub fn spawn(
     limits: Limits,
+    hints: Option<BackpressureConfig>,
     metrics: Metrics,
     cancel: CancellationToken,
     tracker: &tokio_util::task::TaskTracker,
@@ -242,6 +258,7 @@ pub fn spawn(
     let state = State {
         origin: Instant::now(),
         scheduler: Scheduler::new(limits),
+        backpressure: hints.map(Backpressure::new),
         metrics,
         pending: HashMap::new(),
         outputs: HashMap::new(),
@@ -255,6 +272,8 @@ pub fn spawn(
 }
 
 async fn run(mut st: State, mut rx: mpsc::Receiver<HubMsg>, cancel: CancellationToken) {
+    let mut hint_tick = tokio::time::interval(HINT_TICK);
+    hint_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let wake = st
             .scheduler
@@ -266,6 +285,10 @@ async fn run(mut st: State, mut rx: mpsc::Receiver<HubMsg>, cancel: Cancellation
                 Some(m) => Some(m),
                 None => break,
             },
+            _ = hint_tick.tick(), if st.backpressure.is_some() => {
+                st.send_hints();
+                continue;
+            }
             _ = async {
                 match wake {
                     Some(t) => tokio::time::sleep_until(t.into()).await,
@@ -300,6 +323,28 @@ impl State {
         debug_assert!(self.scheduler.counters().balanced());
     }
 
+    fn send_hints(&mut self) {
+        let now = self.now();
+        let Some(bp) = self.backpressure.as_mut() else {
+            return;
+        };
+        for h in bp.tick(now) {
+            let direction = if h.max_fps == 0.0 { "lift" } else { "set" };
+            let Some(edge) = self.edges.get(&h.edge) else {
+                continue;
+            };
+            tracing::info!(edge = %edge.name, camera = %h.camera, max_fps = h.max_fps, "frame-rate hint");
+            let hint = ControlHint {
+                camera: h.camera,
+                max_fps: h.max_fps,
+                motion_threshold: 0.0,
+            };
+            if edge.hints.try_send(hint).is_ok() {
+                self.metrics.hints.with_label_values(&[direction]).inc();
+            }
+        }
+    }
+
     fn update_worker_gauges(&self) {
         let (total, busy) = self.scheduler.worker_counts();
         self.metrics
@@ -318,12 +363,14 @@ impl State {
                 edge,
                 name,
                 results,
+                hints,
             } => {
                 self.edges.insert(
                     edge,
                     EdgeEntry {
                         name,
                         results,
+                        hints,
                         cameras: HashMap::new(),
                     },
                 );
@@ -342,6 +389,9 @@ impl State {
                 // Its frames still finish and are accounted; results for it
                 // are dropped (and counted) when they complete.
                 self.edges.remove(&edge);
+                if let Some(bp) = self.backpressure.as_mut() {
+                    bp.forget_edge(edge);
+                }
                 self.metrics.edges_connected.set(self.edges.len() as i64);
             }
             HubMsg::Frame {
@@ -358,6 +408,10 @@ impl State {
                     model: frame.model.clone(),
                     deadline: self.at(deadline),
                 };
+                let now = self.now();
+                if let Some(bp) = self.backpressure.as_mut() {
+                    bp.on_arrival(now, edge, &frame.camera);
+                }
                 self.pending.insert(id, Pending { edge, frame });
                 self.step(Event::FrameArrived(arrival));
             }
@@ -497,6 +551,10 @@ impl State {
                 let (detections, mut timings) = self.outputs.remove(&frame).unwrap_or_default();
                 timings.queue_us = queue_us;
                 let model = p.frame.model.as_str();
+                if let Some(bp) = self.backpressure.as_mut() {
+                    let now = self.origin.elapsed().as_micros() as Micros;
+                    bp.on_outcome(now, p.edge, &p.frame.camera, &status);
+                }
                 self.metrics
                     .frames
                     .with_label_values(&[model, status.label()])
@@ -564,6 +622,7 @@ impl State {
                         edge: id.0,
                         camera: c.clone(),
                         model: m.clone(),
+                        load: self.backpressure.as_ref().and_then(|bp| bp.load(*id, c)),
                     })
                 })
                 .collect(),

@@ -2,6 +2,8 @@
 //! frame against its deadline, and serves the operator API.
 //!
 //! - [`scheduler`]: the pure, clock-injected scheduling state machine.
+//! - [`backpressure`]: the pure policy that turns shedding into frame-rate
+//!   hints for the cameras.
 //! - [`hub`]: the async shell that owns the scheduler, frame payloads and the
 //!   routes back to edges and workers.
 //! - [`server`]: the QUIC listener; one task and span per connection.
@@ -13,6 +15,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod backpressure;
 pub mod certs;
 pub mod config;
 pub mod hub;

@@ -134,7 +134,15 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         max_queued_per_edge: cfg.scheduler.max_queued_per_edge,
         ..scheduler::Limits::default()
     };
-    let hub = hub::spawn(limits, metrics.clone(), cancel.clone(), &tracker);
+    let hints = cfg
+        .scheduler
+        .hints
+        .then(|| tidegate_gateway::backpressure::BackpressureConfig {
+            window_us: cfg.scheduler.hint_window_ms as u64 * 1000,
+            shed_ratio: cfg.scheduler.hint_shed_ratio,
+            ..Default::default()
+        });
+    let hub = hub::spawn(limits, hints, metrics.clone(), cancel.clone(), &tracker);
     let api = api::router(api::ApiState {
         hub: hub.clone(),
         metrics: metrics.clone(),

@@ -37,6 +37,8 @@ pub struct Metrics {
     pub rejected: IntCounterVec,
     /// `tidegate_results_undeliverable_total`: results whose edge had gone.
     pub undeliverable: IntCounter,
+    /// Frame-rate hints sent to cameras, by direction (lower, raise, lift).
+    pub hints: IntCounterVec,
 }
 
 impl Metrics {
@@ -96,6 +98,14 @@ impl Metrics {
                 "Results that could not be sent because their edge had disconnected.",
             )
             .expect("valid counter"),
+            hints: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_hints_total",
+                    "Frame-rate hints sent to cameras whose frames were shed, by direction.",
+                ),
+                &["direction"],
+            )
+            .expect("valid counter"),
             registry,
         };
         for c in [
@@ -108,6 +118,7 @@ impl Metrics {
             Box::new(m.edges_connected.clone()),
             Box::new(m.rejected.clone()),
             Box::new(m.undeliverable.clone()),
+            Box::new(m.hints.clone()),
         ] {
             m.registry.register(c).expect("metric names are unique");
         }

@@ -11,12 +11,22 @@
 //! - per camera the newest frame wins: an older frame still queued is shed
 //!   (`superseded`);
 //! - per-edge and global bounds on queued frames (`overloaded`);
-//! - a frame that no worker can finish before its deadline, given its
-//!   measured latency profile, is shed before dispatch (`would_miss_deadline`);
-//!   a frame whose deadline passes while queued ends `expired`;
-//! - an idle worker takes the most urgent model it serves, up to its batch
-//!   limit, choosing the batch size from its profile so the earliest deadline
-//!   still holds;
+//! - a frame that no worker can finish before its deadline, given the
+//!   frames queued ahead of it, the workers' measured latency profiles and
+//!   when the busy ones will be free, is shed before dispatch
+//!   (`would_miss_deadline`); a frame whose deadline passes while queued ends
+//!   `expired`;
+//! - batching is driven by the deadline, not by a timer. An idle worker takes
+//!   the most urgent model it serves. From the model's measured arrival rate
+//!   it picks a *target* batch: the smallest batch whose throughput on its
+//!   profile keeps up with its share of the arrivals (with headroom), capped
+//!   by the batch limit and by the number of cameras sending (one frame per
+//!   camera can be queued). It dispatches at once when the target is met;
+//!   otherwise it holds the frames until the last moment at which a batch of
+//!   the target size would still finish before the earliest deadline, then
+//!   sends what it has. Under light load the target is 1, so frames never
+//!   wait; under heavy load batches fill up and throughput rises. The batch
+//!   is always cut so that its earliest deadline holds;
 //! - a lost worker's in-flight frames are queued again if their deadline
 //!   allows, otherwise they fail with `worker lost`.
 
@@ -144,6 +154,9 @@ pub struct Counters {
     pub queued: u64,
     /// Dispatched to a worker and not yet finished.
     pub dispatched: u64,
+    /// Times a lost worker's frame was queued again (not part of the
+    /// identity: such a frame is still in flight, then ends once).
+    pub requeued: u64,
 }
 
 impl Counters {
@@ -169,6 +182,16 @@ pub struct Limits {
     pub default_latency_us: u32,
 }
 
+/// Time constant of the arrival-rate estimate (µs).
+const RATE_TAU_US: f64 = 500_000.0;
+/// Shortest span over which a rate is believed: a first frame alone is not
+/// a burst (µs).
+const RATE_MIN_SPAN_US: Micros = 100_000;
+/// A camera counts as sending if it sent a frame within this window (µs).
+const ACTIVE_WINDOW_US: Micros = 2_000_000;
+/// Throughput headroom the target batch must give over the arrival rate.
+const BATCH_HEADROOM: f64 = 1.2;
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
@@ -190,8 +213,9 @@ struct Queued {
 #[derive(Debug)]
 struct Worker {
     models: HashMap<String, ModelProfile>,
-    /// The batch it is running, if any (one in flight per worker).
-    busy: Option<BatchId>,
+    /// The batch it is running, if any (one in flight per worker), and when
+    /// its profile says it will be done.
+    busy: Option<(BatchId, Micros)>,
 }
 
 #[derive(Debug, Clone)]
@@ -215,6 +239,21 @@ impl ModelProfile {
     fn latency(&self, batch: usize) -> u64 {
         let i = batch.clamp(1, self.latency.len()) - 1;
         self.latency[i].ceil() as u64
+    }
+
+    /// Best throughput over batch sizes, in frames per µs.
+    fn peak_throughput(&self) -> f64 {
+        (1..=self.max_batch as usize)
+            .map(|b| b as f64 / self.latency(b).max(1) as f64)
+            .fold(0.0, f64::max)
+    }
+
+    /// The smallest batch whose throughput covers `demand` frames per µs
+    /// with headroom; the largest batch when none does.
+    fn batch_for(&self, demand: f64) -> usize {
+        (1..=self.max_batch as usize)
+            .find(|&b| b as f64 / self.latency(b).max(1) as f64 >= demand * BATCH_HEADROOM)
+            .unwrap_or(self.max_batch as usize)
     }
 
     fn observe(&mut self, batch: usize, latency_us: u32) {
@@ -245,6 +284,57 @@ fn interpolate(points: &[(u16, u32)], batch: u16, default_latency_us: u32) -> f6
     }
 }
 
+/// Demand on one model: an exponentially decaying arrival count (its rate)
+/// and the cameras that sent recently.
+#[derive(Debug, Default)]
+struct Demand {
+    /// Decayed arrival count; in steady state `count = rate × RATE_TAU_US`.
+    count: f64,
+    /// First and last arrival.
+    first: Option<Micros>,
+    last: Micros,
+    /// Last arrival per camera.
+    cameras: HashMap<(EdgeId, String), Micros>,
+    /// When `cameras` was last pruned.
+    pruned: Micros,
+}
+
+impl Demand {
+    fn arrive(&mut self, now: Micros, edge: EdgeId, camera: &str) {
+        self.count = self.decayed(now) + 1.0;
+        self.first.get_or_insert(now);
+        self.last = self.last.max(now);
+        match self.cameras.get_mut(&(edge, camera.to_string())) {
+            Some(t) => *t = now,
+            None => {
+                self.cameras.insert((edge, camera.to_string()), now);
+            }
+        }
+        if now.saturating_sub(self.pruned) >= ACTIVE_WINDOW_US {
+            self.cameras
+                .retain(|_, t| now.saturating_sub(*t) < ACTIVE_WINDOW_US);
+            self.pruned = now;
+        }
+    }
+
+    fn decayed(&self, now: Micros) -> f64 {
+        let dt = now.saturating_sub(self.last) as f64;
+        self.count * (-dt / RATE_TAU_US).exp()
+    }
+
+    /// Arrivals per µs. Early on the decayed count has not filled up yet;
+    /// dividing by the weight the observed span can hold corrects that bias,
+    /// so a burst is seen at its true rate from its first frames.
+    fn rate(&self, now: Micros) -> f64 {
+        let Some(first) = self.first else {
+            return 0.0;
+        };
+        let span = now.saturating_sub(first).max(RATE_MIN_SPAN_US) as f64;
+        let weight = RATE_TAU_US * (1.0 - (-span / RATE_TAU_US).exp());
+        self.decayed(now) / weight.max(1.0)
+    }
+}
+
 /// The scheduler state machine. See the module docs.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -260,6 +350,10 @@ pub struct Scheduler {
     batches: HashMap<BatchId, (WorkerId, Vec<Queued>)>,
     next_batch: u64,
     counters: Counters,
+    /// Arrival rate and sending cameras per model.
+    demand: HashMap<String, Demand>,
+    /// When held frames must be sent at the latest (see the module docs).
+    hold_until: Option<Micros>,
 }
 
 impl Scheduler {
@@ -275,6 +369,8 @@ impl Scheduler {
             batches: HashMap::new(),
             next_batch: 1,
             counters: Counters::default(),
+            demand: HashMap::new(),
+            hold_until: None,
         }
     }
 
@@ -288,13 +384,20 @@ impl Scheduler {
         self.queues.get(model).map_or(0, BTreeSet::len)
     }
 
-    /// The earliest time at which a queued frame expires: the shell should
-    /// deliver a [`Event::Tick`] then.
+    /// The next time something is due (a queued frame expires, or held
+    /// frames must be dispatched): the shell should deliver an
+    /// [`Event::Tick`] then.
     pub fn next_wakeup(&self) -> Option<Micros> {
         self.queues
             .values()
             .filter_map(|q| q.first().map(|(d, _)| *d))
+            .chain(self.hold_until)
             .min()
+    }
+
+    /// Measured arrival rate of `model`, frames per second.
+    pub fn arrival_rate(&self, model: &str, now: Micros) -> f64 {
+        self.demand.get(model).map_or(0.0, |d| d.rate(now) * 1e6)
     }
 
     /// Number of registered workers, and how many are busy.
@@ -389,8 +492,51 @@ impl Scheduler {
             .min()
     }
 
+    /// Whether a frame of `model` with `deadline` could still finish in time
+    /// on some worker, given the frames queued ahead of it (earlier
+    /// deadlines), the models' peak throughput and when busy workers free.
+    fn can_make_it(
+        &self,
+        now: Micros,
+        model: &str,
+        deadline: Micros,
+        best: u64,
+        own_ahead: bool,
+    ) -> bool {
+        if now + best > deadline {
+            return false;
+        }
+        let serving = || {
+            self.workers
+                .values()
+                .filter(|w| w.models.contains_key(model))
+        };
+        let free_at = serving()
+            .map(|w| w.busy.map_or(now, |(_, t)| t.max(now)))
+            .min()
+            .unwrap_or(now);
+        let capacity: f64 = serving().map(|w| w.models[model].peak_throughput()).sum();
+        if capacity <= 0.0 || free_at + best > deadline {
+            return free_at + best <= deadline;
+        }
+        // Frames ahead that fit before the deadline; count only as many as
+        // matter, so a long queue costs no more than the answer needs.
+        let room =
+            ((deadline - free_at - best) as f64 * capacity).floor() as usize + own_ahead as usize;
+        let ahead = self.queues.get(model).map_or(0, |q| {
+            q.range(..=(deadline, FrameId(u64::MAX)))
+                .take(room + 1)
+                .count()
+        });
+        ahead <= room
+    }
+
     fn arrive(&mut self, now: Micros, a: Arrival, out: &mut Vec<Action>) {
         self.counters.admitted += 1;
+        self.demand
+            .entry(a.model.clone())
+            .or_default()
+            .arrive(now, a.edge, &a.camera);
         let q = Queued {
             arrival: a,
             enqueued: now,
@@ -400,12 +546,21 @@ impl Scheduler {
             self.complete(now, &q, Status::Shed(ShedReason::NoWorker), out);
             return;
         };
-        if now + best > q.arrival.deadline {
+        // The camera's own queued frame is superseded if this one is kept,
+        // so it does not count as ahead of it.
+        let key = (q.arrival.edge, q.arrival.camera.clone());
+        let own_ahead = self
+            .by_camera
+            .get(&key)
+            .and_then(|id| self.queued.get(id))
+            .is_some_and(|o| {
+                o.arrival.model == q.arrival.model && o.arrival.deadline <= q.arrival.deadline
+            });
+        if !self.can_make_it(now, &q.arrival.model, q.arrival.deadline, best, own_ahead) {
             self.complete(now, &q, Status::Shed(ShedReason::WouldMissDeadline), out);
             return;
         }
         // The newest frame of a camera supersedes the one still waiting.
-        let key = (q.arrival.edge, q.arrival.camera.clone());
         if let Some(old) = self
             .by_camera
             .get(&key)
@@ -438,6 +593,7 @@ impl Scheduler {
     }
 
     fn dispatch(&mut self, now: Micros, out: &mut Vec<Action>) {
+        self.hold_until = None;
         let mut idle: Vec<WorkerId> = self
             .workers
             .iter()
@@ -457,37 +613,52 @@ impl Scheduler {
                 continue;
             };
             let profile = self.workers[&wid].models[&model].clone();
-            let mut frames = Vec::new();
-            while let Some(&(deadline, id)) = self.queues.get(&model).and_then(|q| q.first()) {
-                if now + profile.latency(1) > deadline {
-                    // Cannot make it even alone on this worker: shed it if
-                    // no other worker could either, else leave it for them.
-                    if frames.is_empty()
-                        && self.best_latency(&model).is_none_or(|b| now + b > deadline)
-                    {
-                        let q = self.unqueue(id).expect("queued frame is indexed");
-                        self.complete(now, &q, Status::Shed(ShedReason::WouldMissDeadline), out);
-                        continue;
-                    }
-                    break;
+            // Heads that cannot make it even alone on this worker: shed them
+            // if no worker could, else leave them for a faster one.
+            let first_deadline = loop {
+                let Some(&(deadline, id)) = self.queues.get(&model).and_then(|q| q.first()) else {
+                    break None;
+                };
+                if now + profile.latency(1) <= deadline {
+                    break Some(deadline);
                 }
-                if frames.len() >= profile.max_batch as usize {
-                    break;
+                if self
+                    .best_latency(&model)
+                    .is_some_and(|b| now + b <= deadline)
+                {
+                    break None;
                 }
-                // The batch's earliest deadline (its first frame) must hold
-                // with one more frame in it.
-                let first_deadline = frames
-                    .first()
-                    .map(|q: &Queued| q.arrival.deadline)
-                    .unwrap_or(deadline);
-                if !frames.is_empty() && now + profile.latency(frames.len() + 1) > first_deadline {
-                    break;
-                }
-                frames.push(self.unqueue(id).expect("queued frame is indexed"));
-            }
-            if frames.is_empty() {
+                let q = self.unqueue(id).expect("queued frame is indexed");
+                self.complete(now, &q, Status::Shed(ShedReason::WouldMissDeadline), out);
+            };
+            let Some(first_deadline) = first_deadline else {
                 continue;
+            };
+            // The largest batch whose run still meets the earliest deadline.
+            let queued = self.queue_len(&model);
+            let fit = (1..=queued.min(profile.max_batch as usize))
+                .take_while(|&b| now + profile.latency(b) <= first_deadline)
+                .last()
+                .unwrap_or(1);
+            let target = self.target_batch(now, &model, &profile);
+            if fit < target {
+                // Hold until the last moment a full target batch would still
+                // make the earliest deadline.
+                let latest = first_deadline.saturating_sub(profile.latency(target));
+                if now < latest {
+                    self.hold_until = Some(self.hold_until.map_or(latest, |h| h.min(latest)));
+                    continue;
+                }
             }
+            let ids: Vec<FrameId> = self.queues[&model]
+                .iter()
+                .take(fit)
+                .map(|(_, id)| *id)
+                .collect();
+            let mut frames: Vec<Queued> = ids
+                .into_iter()
+                .map(|id| self.unqueue(id).expect("queued frame is indexed"))
+                .collect();
             let batch = BatchId(self.next_batch);
             self.next_batch += 1;
             self.counters.dispatched += frames.len() as u64;
@@ -501,10 +672,28 @@ impl Scheduler {
                 frames: frames.iter().map(|q| q.arrival.id).collect(),
             });
             if let Some(w) = self.workers.get_mut(&wid) {
-                w.busy = Some(batch);
+                w.busy = Some((batch, now + profile.latency(frames.len())));
             }
             self.batches.insert(batch, (wid, frames));
         }
+    }
+
+    /// The batch size worth waiting for on a worker with `profile`: the
+    /// smallest that keeps up with this worker's share of the model's
+    /// arrivals, capped by how many cameras are sending.
+    fn target_batch(&self, now: Micros, model: &str, profile: &ModelProfile) -> usize {
+        let Some(demand) = self.demand.get(model) else {
+            return 1;
+        };
+        let serving = self
+            .workers
+            .values()
+            .filter(|w| w.models.contains_key(model))
+            .count()
+            .max(1);
+        profile
+            .batch_for(demand.rate(now) / serving as f64)
+            .min(demand.cameras.len().max(1))
     }
 
     fn finish(
@@ -567,6 +756,7 @@ impl Scheduler {
                     .by_camera
                     .contains_key(&(q.arrival.edge, q.arrival.camera.clone()));
                 if still_possible && !newer_queued {
+                    self.counters.requeued += 1;
                     self.enqueue(q);
                 } else {
                     self.complete(now, &q, Status::Failed("worker lost".into()), out);
@@ -743,6 +933,190 @@ mod tests {
         assert_eq!(completes(&a), vec![(1, Status::Expired)]);
         assert!(s.counters().balanced());
         assert_eq!(s.counters().in_flight(), 0);
+    }
+
+    fn dispatches(actions: &[Action]) -> Vec<Vec<u64>> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Dispatch { frames, .. } => Some(frames.iter().map(|f| f.0).collect()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn light_load_dispatches_single_frames_at_once() {
+        let mut s = Scheduler::new(Limits::default());
+        s.on_event(0, worker(1, 8, 2_000));
+        // Two cameras at 5 fps each: far below what one frame per 2 ms
+        // serves, so the target batch is 1 and nothing waits.
+        let mut t = 0;
+        let mut id = 0;
+        for _ in 0..10 {
+            for cam in ["a", "b"] {
+                id += 1;
+                let a = s.on_event(t, frame(id, cam, t + 80_000));
+                let batch = dispatches(&a);
+                assert_eq!(batch, vec![vec![id]], "frame {id} should go at once");
+                let Action::Dispatch { batch, .. } = a[0] else {
+                    unreachable!()
+                };
+                s.on_event(
+                    t + 2_000,
+                    Event::BatchFinished {
+                        worker: WorkerId(1),
+                        batch,
+                        outcomes: vec![(FrameId(id), Status::Ok)],
+                        latency_us: 2_000,
+                    },
+                );
+                t += 10_000;
+            }
+            t += 80_000;
+        }
+        assert_eq!(s.next_wakeup(), None);
+    }
+
+    /// A worker whose batch of b takes 4 ms + 1 ms per frame: batching pays.
+    fn batching_worker(id: u64) -> Event {
+        Event::WorkerJoined {
+            worker: WorkerId(id),
+            models: vec![WorkerModel {
+                model: "m".into(),
+                max_batch: 8,
+                profile: (1..=8).map(|b| (b, 4_000 + 1_000 * b as u32)).collect(),
+            }],
+        }
+    }
+
+    #[test]
+    fn heavy_load_holds_frames_until_the_deadline_forces_a_batch() {
+        let mut s = Scheduler::new(Limits::default());
+        s.on_event(0, batching_worker(1));
+        // Eight cameras at 100 fps each (800 fps) for 300 ms: one worker
+        // needs batches of 8 (8 frames / 12 ms = 667 fps < 800 × 1.2, so the
+        // largest) to keep up.
+        let mut id = 0;
+        for t in (0..300_000).step_by(10_000) {
+            for cam in 0..8 {
+                id += 1;
+                let a = s.on_event(t, frame(id, &format!("c{cam}"), t + 30_000));
+                // Whatever is dispatched while warming up, it is EDF-ordered.
+                for d in dispatches(&a) {
+                    assert!(d.windows(2).all(|w| w[0] < w[1]));
+                }
+                if let Some(Action::Dispatch { batch, frames, .. }) =
+                    a.iter().find(|a| matches!(a, Action::Dispatch { .. }))
+                {
+                    let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+                    s.on_event(
+                        t,
+                        Event::BatchFinished {
+                            worker: WorkerId(1),
+                            batch: *batch,
+                            outcomes,
+                            latency_us: 4_000 + 1_000 * frames.len() as u32,
+                        },
+                    );
+                }
+            }
+        }
+        // Let the held tail go (at its deadline minus a full batch's time).
+        while let Some(w) = s.next_wakeup() {
+            let a = s.on_event(w, Event::Tick);
+            for a in a {
+                if let Action::Dispatch { batch, frames, .. } = a {
+                    let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+                    s.on_event(
+                        w,
+                        Event::BatchFinished {
+                            worker: WorkerId(1),
+                            batch,
+                            outcomes,
+                            latency_us: 4_000 + 1_000 * frames.len() as u32,
+                        },
+                    );
+                }
+            }
+        }
+        assert_eq!(s.counters().in_flight(), 0);
+        // Now a lone frame with a 30 ms deadline: it is held, not sent alone.
+        let t = 320_000;
+        let a = s.on_event(t, frame(1_000, "solo", t + 30_000));
+        assert!(dispatches(&a).is_empty(), "held for a fuller batch: {a:?}");
+        // It must leave by deadline − latency of a full batch (12 ms).
+        let latest = t + 30_000 - 12_000;
+        assert_eq!(s.next_wakeup(), Some(latest));
+        assert!(dispatches(&s.on_event(latest - 1, Event::Tick)).is_empty());
+        let a = s.on_event(latest, Event::Tick);
+        assert_eq!(dispatches(&a), vec![vec![1_000]]);
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn full_target_batch_goes_without_waiting() {
+        let mut s = Scheduler::new(Limits::default());
+        s.on_event(0, batching_worker(1));
+        // 8 cameras sending 100 fps: the 8th frame completes the batch.
+        let mut sent = Vec::new();
+        for round in 0..20u64 {
+            let t = round * 10_000;
+            for cam in 0..8u64 {
+                let id = round * 8 + cam + 1;
+                let a = s.on_event(t, frame(id, &format!("c{cam}"), t + 60_000));
+                for d in dispatches(&a) {
+                    sent.push(d.len());
+                }
+                if let Some(Action::Dispatch { batch, frames, .. }) =
+                    a.iter().find(|a| matches!(a, Action::Dispatch { .. }))
+                {
+                    let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+                    s.on_event(
+                        t,
+                        Event::BatchFinished {
+                            worker: WorkerId(1),
+                            batch: *batch,
+                            outcomes,
+                            latency_us: 12_000,
+                        },
+                    );
+                }
+            }
+        }
+        // Once the rate estimate settles, every batch is full.
+        assert!(sent.len() >= 10, "batches: {sent:?}");
+        assert!(sent[sent.len() - 5..].iter().all(|&n| n == 8), "{sent:?}");
+    }
+
+    #[test]
+    fn frame_behind_a_queue_it_cannot_outrun_is_shed_on_arrival() {
+        let mut s = Scheduler::new(Limits::default());
+        s.on_event(0, worker(1, 1, 10_000));
+        // Frame 1 runs until 10 ms; frames 2..=5 queue, due at 60 ms.
+        for i in 1..=5 {
+            s.on_event(0, frame(i, &format!("c{i}"), 60_000));
+        }
+        assert_eq!(s.queue_len("m"), 4);
+        // Due at 65 ms behind four: free at 10 ms + 4 × 10 ms + its own
+        // 10 ms = 60 ms. Kept.
+        assert!(completes(&s.on_event(0, frame(6, "x", 65_000))).is_empty());
+        // Due at 69 ms behind five: 10 + 50 + 10 = 70 ms. Shed before it
+        // ever queues, so it cannot delay anything.
+        assert_eq!(
+            completes(&s.on_event(0, frame(7, "y", 69_000))),
+            vec![(7, Status::Shed(ShedReason::WouldMissDeadline))]
+        );
+        // An earlier deadline goes ahead of the queue (EDF): kept.
+        assert!(completes(&s.on_event(0, frame(8, "z", 25_000))).is_empty());
+        // The camera's own queued frame does not count against its
+        // successor: due at 75 ms, frame 9 is behind 2..=5, 8 and its own
+        // predecessor 6, which it replaces: 10 + 50 + 10 = 70 ms. Kept.
+        assert_eq!(
+            completes(&s.on_event(0, frame(9, "x", 75_000))),
+            vec![(6, Status::Shed(ShedReason::Superseded))]
+        );
+        assert!(s.counters().balanced());
     }
 
     #[test]

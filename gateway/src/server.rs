@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use tidegate_protocol::quic::{read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Limits, Message, Role, Welcome,
+    CameraAccepted, ControlHint, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Limits, Message,
+    Role, Welcome,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -23,10 +24,15 @@ use crate::scheduler::{EdgeId, WorkerId};
 
 /// Results buffered per edge connection before they are dropped (counted).
 const RESULT_QUEUE: usize = 1024;
+/// Hints buffered per edge connection (the policy sends at most one per
+/// camera per window, so this only fills if the edge stops reading).
+const HINT_QUEUE: usize = 64;
 /// Batches buffered per worker connection.
 const DISPATCH_QUEUE: usize = 8;
 /// Heartbeat interval asked of workers.
 const HEARTBEAT_MS: u32 = 1000;
+/// Heartbeats a worker may miss before it is declared lost.
+const HEARTBEAT_LOSS: u32 = 3;
 /// How long a client has to send `Hello`.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -154,22 +160,35 @@ impl Server {
         id: EdgeId,
         name: String,
         conn: quinn::Connection,
-        mut ctl_send: quinn::SendStream,
+        ctl_send: quinn::SendStream,
         mut ctl_recv: quinn::RecvStream,
         cancel: CancellationToken,
     ) {
         let (results_tx, mut results_rx) = mpsc::channel::<FrameResult>(RESULT_QUEUE);
+        let (hints_tx, mut hints_rx) = mpsc::channel::<ControlHint>(HINT_QUEUE);
         if !self
             .hub
             .send(HubMsg::EdgeConnected {
                 edge: id,
                 name,
                 results: results_tx,
+                hints: hints_tx,
             })
             .await
         {
             return;
         }
+        // Replies (read below) and hints (from the hub) share the stream.
+        let ctl_send = tokio::sync::Mutex::new(ctl_send);
+        let hints = async {
+            while let Some(h) = hints_rx.recv().await {
+                let mut s = ctl_send.lock().await;
+                if let Err(e) = write_message(&mut s, &Message::ControlHint(h)).await {
+                    debug!("control stream closed while sending a hint: {e}");
+                    break;
+                }
+            }
+        };
         // Cameras opened on this connection: name -> model.
         let cameras = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
             String,
@@ -265,7 +284,7 @@ impl Server {
                     Err(e) => {
                         warn!("malformed control stream: {e}; closing the connection");
                         let reason = format!("malformed control stream: {e}");
-                        refuse(&conn, &mut ctl_send, e.code(), reason).await;
+                        refuse(&conn, &mut *ctl_send.lock().await, e.code(), reason).await;
                         break;
                     }
                 };
@@ -299,7 +318,10 @@ impl Server {
                                 ),
                             }),
                         };
-                        if write_message(&mut ctl_send, &reply).await.is_err() {
+                        if write_message(&mut *ctl_send.lock().await, &reply)
+                            .await
+                            .is_err()
+                        {
                             break;
                         }
                     }
@@ -329,6 +351,7 @@ impl Server {
             _ = control => {},
             _ = frames => {},
             _ = writer => {},
+            _ = hints => {},
             _ = conn.closed() => {},
         }
         info!("edge disconnected");
@@ -414,7 +437,21 @@ impl Server {
         };
         let control = async {
             loop {
-                match read_message(&mut ctl_recv, &self.limits).await {
+                // A worker that misses heartbeats is lost now, not when the
+                // QUIC idle timeout fires: a frozen worker's batch is
+                // re-homed or failed while its frames may still make it.
+                let read = tokio::time::timeout(
+                    Duration::from_millis((HEARTBEAT_LOSS * HEARTBEAT_MS) as u64),
+                    read_message(&mut ctl_recv, &self.limits),
+                );
+                let Ok(msg) = read.await else {
+                    warn!(
+                        missed = HEARTBEAT_LOSS,
+                        "worker missed its heartbeats; treating it as lost"
+                    );
+                    break;
+                };
+                match msg {
                     Ok(Some(Message::Heartbeat(h))) => {
                         debug!(queue = h.queue_depth, util = h.utilization, "heartbeat")
                     }

@@ -99,6 +99,11 @@ impl World {
                 }
             }
         }
+        // Nothing is left due: whatever waits (a queued deadline, held
+        // frames) wakes the scheduler strictly later.
+        if let Some(t) = s.next_wakeup() {
+            prop_assert!(t > self.now, "wakeup {} not after now {}", t, self.now);
+        }
         let c = s.counters();
         prop_assert!(c.balanced(), "counters out of balance: {:?}", c);
         prop_assert_eq!(c.admitted, self.deadlines.len() as u64);

@@ -238,6 +238,23 @@ impl Cluster {
         std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
     }
 
+    /// Sends `signal` (a `kill -s` name: STOP, CONT, TERM, ...) to a worker.
+    pub fn signal_worker(&self, name: &str, signal: &str) -> anyhow::Result<()> {
+        let (_, c) = self
+            .workers
+            .iter()
+            .find(|(n, _)| n == name)
+            .with_context(|| format!("no worker named {name}"))?;
+        let status = Command::new("kill")
+            .args(["-s", signal, &c.id().to_string()])
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill -s {signal} {name} failed: {status}");
+        }
+        Ok(())
+    }
+
     /// Kills a worker abruptly (SIGKILL).
     pub fn kill_worker(&mut self, name: &str) {
         if let Some((_, c)) = self.workers.iter_mut().find(|(n, _)| n == name) {

@@ -69,6 +69,9 @@ struct Cli {
     /// SLO gate: fail unless at least this fraction of frames is ok within budget.
     #[arg(long)]
     min_slo_attainment: Option<f64>,
+    /// Keep sending at --fps even when the gateway hints a lower rate.
+    #[arg(long)]
+    ignore_hints: bool,
     /// Log filter.
     #[arg(long, env = "TIDEGATE_LOG", default_value = "warn")]
     log: String,
@@ -124,6 +127,7 @@ fn main() -> anyhow::Result<()> {
                 .clone()
                 .unwrap_or_else(|| workspace_root().join("models/testdata/astronaut.png")),
         ),
+        obey_hints: !cli.ignore_hints,
     };
     let report = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

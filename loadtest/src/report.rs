@@ -55,6 +55,13 @@ pub struct Report {
     pub e2e_ms: Percentiles,
     /// Control hints received.
     pub hints: u64,
+    /// Results by status and reason (`ok`, `shed:superseded`,
+    /// `failed:worker lost`, ...).
+    pub outcomes: std::collections::BTreeMap<String, u64>,
+    /// Results for a frame that already had one (must stay 0).
+    pub duplicates: u64,
+    /// Frames not sent because a hint capped the camera's rate.
+    pub throttled: u64,
 }
 
 impl Report {
@@ -71,6 +78,12 @@ impl Report {
 
     /// Counts one result.
     pub fn count(&mut self, status: &Status) {
+        let key = match status {
+            Status::Ok | Status::Expired => status.label().to_string(),
+            Status::Shed(r) => format!("shed:{}", r.label()),
+            Status::Failed(reason) => format!("failed:{reason}"),
+        };
+        *self.outcomes.entry(key).or_default() += 1;
         match status {
             Status::Ok => self.ok += 1,
             Status::Shed(_) => self.shed += 1,

@@ -2,6 +2,7 @@
 //! uplink for a bounded time, and every result's end-to-end latency is
 //! recorded on the edge clock.
 
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -41,6 +42,8 @@ pub struct SimOptions {
     pub budget_ms: u32,
     /// Image to send (resized to the model input); grey frames if absent.
     pub image: Option<PathBuf>,
+    /// Obey the gateway's frame-rate hints, as a real edge does.
+    pub obey_hints: bool,
 }
 
 /// The frame every camera sends: the image resized to the model's input.
@@ -106,18 +109,26 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
         Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds"),
     ));
     let report = Arc::new(Mutex::new(Report::new(opts)));
+    // Frame-rate caps from the gateway's hints, per camera ("" = all).
+    let caps: Arc<Mutex<HashMap<String, f32>>> = Arc::default();
     let collector = {
         let hist = hist.clone();
         let report = report.clone();
         let uplink = uplink.clone();
+        let caps = caps.clone();
         let budget_us = opts.budget_ms as u64 * 1000;
         tokio::spawn(async move {
+            let mut seen = HashSet::new();
             while let Some(msg) = incoming.recv().await {
                 match msg {
                     Incoming::Result(r) => {
                         let e2e = clock::now_us().saturating_sub(r.captured_at_us);
                         uplink.report_latency(&r.camera, r.seq, e2e);
                         let mut rep = report.lock().expect("report lock");
+                        if !seen.insert((r.camera.clone(), r.seq)) {
+                            rep.duplicates += 1;
+                            continue;
+                        }
                         rep.count(&r.status);
                         if r.status == Status::Ok {
                             let _ = hist.lock().expect("histogram lock").record(e2e.max(1));
@@ -128,7 +139,8 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
                     }
                     Incoming::Hint(h) => {
                         report.lock().expect("report lock").hints += 1;
-                        tracing::info!(max_fps = h.max_fps, "control hint");
+                        tracing::info!(camera = %h.camera, max_fps = h.max_fps, "control hint");
+                        caps.lock().expect("caps lock").insert(h.camera, h.max_fps);
                     }
                 }
             }
@@ -144,13 +156,34 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
         let budget_us = opts.budget_ms * 1000;
         let period = Duration::from_secs_f64(1.0 / opts.fps);
         let report = report.clone();
+        let caps = caps.clone();
+        let obey = opts.obey_hints;
         senders.push(tokio::spawn(async move {
+            let camera = format!("sim-{i}");
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let mut last_sent: Option<tokio::time::Instant> = None;
             for seq in 0..per_camera {
                 tick.tick().await;
+                if obey {
+                    let cap = {
+                        let caps = caps.lock().expect("caps lock");
+                        caps.get(&camera).or_else(|| caps.get("")).copied()
+                    };
+                    let now = tokio::time::Instant::now();
+                    if let (Some(cap), Some(last)) = (cap.filter(|c| *c > 0.0), last_sent) {
+                        // Half a period of slack so a cap equal to the send
+                        // rate does not drop every other frame.
+                        let min_gap = Duration::from_secs_f64(1.0 / cap as f64) - period / 2;
+                        if now.duration_since(last) < min_gap {
+                            report.lock().expect("report lock").throttled += 1;
+                            continue;
+                        }
+                    }
+                    last_sent = Some(now);
+                }
                 let frame = Frame {
-                    camera: format!("sim-{i}"),
+                    camera: camera.clone(),
                     seq,
                     captured_at_us: clock::now_us(),
                     budget_us,
@@ -187,7 +220,8 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
     loop {
         let done = {
             let r = report.lock().expect("report lock");
-            r.sent + r.send_errors >= per_camera * opts.cameras as u64 && r.results() >= r.sent
+            r.sent + r.send_errors + r.throttled >= per_camera * opts.cameras as u64
+                && r.results() >= r.sent
         };
         if done || tokio::time::Instant::now() > until {
             break;

@@ -37,6 +37,16 @@ pub enum ShedReason {
 }
 
 impl ShedReason {
+    /// Snake-case name, as in JSON and metric labels.
+    pub fn label(self) -> &'static str {
+        match self {
+            ShedReason::Superseded => "superseded",
+            ShedReason::WouldMissDeadline => "would_miss_deadline",
+            ShedReason::Overloaded => "overloaded",
+            ShedReason::NoWorker => "no_worker",
+        }
+    }
+
     /// Wire code.
     pub fn code(self) -> u8 {
         match self {

@@ -1,0 +1,277 @@
+//! The scheduler through real processes on 127.0.0.1: a gateway, two
+//! BlazeFace workers and simulated cameras speaking the real QUIC protocol.
+//!
+//! - (a) light load: every frame `ok`, within its budget;
+//! - (b) overload: excess frames are shed before dispatch, the cameras get
+//!   and obey frame-rate hints, and the accounting identity holds;
+//! - (c) a worker freezes and is lost mid-batch: nothing is lost, its frames
+//!   are re-dispatched or `failed(worker lost)`;
+//! - (d) an edge with a wrong token is refused while the others are served.
+//!
+//! Every run is bounded in frames and time. Nothing asserts on speed: the
+//! assertions are about accounting, statuses and deadlines the gateway
+//! itself enforces.
+
+use std::time::Duration;
+
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::report::Report;
+use tidegate_loadtest::sim::{self, SimOptions};
+
+/// The tests in this file each load the machine on purpose; run them one at
+/// a time so one test's overload is not another's light load.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn cluster(workers: usize, scheduler: &str) -> Cluster {
+    let names: Vec<String> = (1..=workers).map(|i| format!("worker-{i}")).collect();
+    let mut c = Cluster::start(&ClusterOptions {
+        edges: vec!["edge-1".into(), "edge-2".into()],
+        workers: names.clone(),
+        scheduler: scheduler.into(),
+    })
+    .expect("gateway starts");
+    for n in &names {
+        c.spawn_worker(n).expect("worker starts");
+    }
+    c.wait_for_workers(workers, Duration::from_secs(90))
+        .expect("workers register");
+    c
+}
+
+fn sim_opts(c: &Cluster, edge: &str, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
+    SimOptions {
+        gateway: c.quic,
+        server_name: "localhost".into(),
+        ca: c.ca(),
+        edge: edge.into(),
+        token: c.edge_token.clone(),
+        cameras,
+        fps,
+        duration: Duration::from_secs_f64(seconds),
+        model: "blazeface".into(),
+        budget_ms: 80,
+        image: Some(workspace_root().join("models/testdata/astronaut.png")),
+        obey_hints: true,
+    }
+}
+
+fn run_sim(opts: SimOptions) -> Report {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(sim::run(&opts))
+        .expect("simulation runs")
+}
+
+/// The gateway's frame counters, once nothing is in flight.
+fn settled_counters(c: &Cluster) -> serde_json::Value {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = c.get("/api/v1/frames").expect("GET /api/v1/frames");
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        if v["queued"] == 0 && v["dispatched"] == 0 {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "frames still in flight: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn assert_balanced(v: &serde_json::Value) {
+    let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
+    assert_eq!(
+        n("admitted"),
+        n("ok") + n("shed") + n("expired") + n("failed") + n("queued") + n("dispatched"),
+        "accounting identity broken: {v}"
+    );
+}
+
+/// Every frame sent got exactly one result.
+fn assert_nothing_lost(r: &Report) {
+    assert!(r.sent > 0, "nothing was sent: {r:?}");
+    assert_eq!(r.missing, 0, "frames without a result: {r:?}");
+    assert_eq!(r.duplicates, 0, "frames with two results: {r:?}");
+    assert_eq!(r.results(), r.sent, "{r:?}");
+}
+
+#[test]
+fn a_light_load_is_served_ok_within_budget() {
+    let _serial = serial();
+    let c = cluster(2, "");
+    // 4 cameras × 5 fps for 3 s: 60 frames, far below two workers' capacity.
+    let r = run_sim(sim_opts(&c, "edge-1", 4, 5.0, 3.0));
+    assert_nothing_lost(&r);
+    assert_eq!(r.ok, r.sent, "not every frame was ok: {:?}", r.outcomes);
+    assert_eq!(
+        r.ok_within_budget, r.sent,
+        "ok but late (e2e {:?} ms, budget {} ms)",
+        r.e2e_ms, r.budget_ms
+    );
+    assert_eq!(r.hints, 0, "no hint is due under light load");
+    let v = settled_counters(&c);
+    assert_balanced(&v);
+    assert_eq!(v["admitted"].as_u64(), Some(r.sent));
+    assert_eq!(v["ok"].as_u64(), Some(r.sent));
+}
+
+#[test]
+fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
+    let _serial = serial();
+    let c = cluster(2, "hint_window_ms = 500");
+    // 16 cameras × 60 fps (960 frames/s of 128×128) for 6 s against two
+    // single-threaded CPU workers on two cores: several times what they
+    // serve.
+    let opts = sim_opts(&c, "edge-1", 16, 60.0, 6.0);
+    let load = std::thread::spawn(move || run_sim(opts));
+    // While the cameras still send, the gateway's view of them.
+    std::thread::sleep(Duration::from_millis(4_500));
+    let (_, cams) = c.get("/api/v1/cameras").expect("GET /api/v1/cameras");
+    let r = load.join().expect("load thread");
+    eprintln!("report: {}", serde_json::to_string(&r).unwrap_or_default());
+    eprintln!("cameras at 4.5 s: {cams}");
+    assert_nothing_lost(&r);
+    let shed: u64 = r
+        .outcomes
+        .iter()
+        .filter(|(k, _)| k.starts_with("shed:"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(shed > 0, "overload shed nothing: {:?}", r.outcomes);
+    assert_eq!(shed, r.shed);
+    // Shedding happens before dispatch: shed frames never reach a worker,
+    // so the workers ran at most ok + failed frames (checked on the gateway
+    // below), and nothing is dispatched after its deadline (`expired` only
+    // ever comes from the queue).
+    assert!(r.hints > 0, "no frame-rate hint arrived: {r:?}");
+    assert!(
+        r.throttled > 0,
+        "hints arrived but no frame was held back: {r:?}"
+    );
+    let v = settled_counters(&c);
+    assert_balanced(&v);
+    assert_eq!(v["admitted"].as_u64(), Some(r.sent), "{v}");
+    assert_eq!(v["shed"].as_u64(), Some(r.shed), "{v}");
+    let (_, metrics) = c.get("/metrics").expect("GET /metrics");
+    let dispatched_frames: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("tidegate_batch_size_sum"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(
+        dispatched_frames as u64,
+        r.ok + r.failed + v["requeued"].as_u64().unwrap_or(0),
+        "workers ran frames that were shed; metrics:\n{metrics}"
+    );
+    assert!(
+        metrics.contains("tidegate_hints_total{direction=\"set\"}"),
+        "hint metric missing"
+    );
+    // The cameras obeyed: 4.5 s in, the gateway measured them sending well
+    // under the 60 fps each they would send unchecked.
+    let cams: serde_json::Value = serde_json::from_str(&cams).expect("JSON");
+    let capped: Vec<&serde_json::Value> = cams
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter(|cam| cam["load"]["cap_fps"].is_number())
+        .collect();
+    assert!(!capped.is_empty(), "no camera is capped: {cams}");
+    let total_rate: f64 = cams
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|cam| cam["load"]["arrival_fps"].as_f64().unwrap_or(0.0))
+        .sum();
+    assert!(
+        total_rate < 16.0 * 60.0 * 0.75,
+        "cameras still send {total_rate:.0} fps in total: {cams}"
+    );
+}
+
+#[test]
+fn a_worker_lost_mid_batch_loses_no_frame() {
+    let _serial = serial();
+    let c = cluster(2, "");
+    let opts = sim_opts(&c, "edge-1", 6, 15.0, 8.0);
+    let load = std::thread::spawn(move || run_sim(opts));
+    // Freeze worker-2 mid-run: the gateway keeps dispatching to it until
+    // its heartbeats stop, so it is caught holding a batch. It is declared
+    // lost after three missed heartbeats; then it is killed outright.
+    std::thread::sleep(Duration::from_secs(2));
+    c.signal_worker("worker-2", "STOP").expect("SIGSTOP");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = c.get("/api/v1/workers").expect("GET /api/v1/workers");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        if v.as_array().map_or(0, Vec::len) == 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "frozen worker never declared lost: {}",
+            c.gateway_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    c.signal_worker("worker-2", "KILL").expect("SIGKILL");
+    let r = load.join().expect("load thread");
+    assert_nothing_lost(&r);
+    let v = settled_counters(&c);
+    assert_balanced(&v);
+    assert_eq!(v["admitted"].as_u64(), Some(r.sent), "{v}");
+    // The frozen worker held a batch: its frames were re-dispatched (if
+    // their deadline still allowed) or failed naming the reason.
+    let lost = r.outcomes.get("failed:worker lost").copied().unwrap_or(0);
+    let requeued = v["requeued"].as_u64().unwrap_or(0);
+    assert!(
+        lost + requeued > 0,
+        "the frozen worker's batch vanished: {:?} {v}",
+        r.outcomes
+    );
+    for k in r.outcomes.keys() {
+        assert!(
+            k == "ok" || k == "expired" || k.starts_with("shed:") || k == "failed:worker lost",
+            "unexpected outcome {k}: {:?}",
+            r.outcomes
+        );
+    }
+    // The survivor kept serving after the loss.
+    assert!(r.ok > r.sent / 2, "{:?}", r.outcomes);
+}
+
+#[test]
+fn an_edge_with_a_wrong_token_is_refused_while_others_are_served() {
+    let _serial = serial();
+    let c = cluster(2, "");
+    let opts = sim_opts(&c, "edge-1", 2, 10.0, 3.0);
+    let load = std::thread::spawn(move || run_sim(opts));
+    std::thread::sleep(Duration::from_millis(500));
+    let mut bad = sim_opts(&c, "edge-2", 1, 10.0, 1.0);
+    bad.token = "not-the-token".into();
+    let err = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(sim::run(&bad))
+        .expect_err("a wrong token must be refused");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("refused") && msg.contains("wrong token"),
+        "refusal without a reason: {msg}"
+    );
+    let r = load.join().expect("load thread");
+    assert_nothing_lost(&r);
+    assert_eq!(r.ok, r.sent, "{:?}", r.outcomes);
+    let (_, edges) = c.get("/api/v1/edges").expect("GET /api/v1/edges");
+    assert!(!edges.contains("edge-2"), "refused edge is listed: {edges}");
+}
