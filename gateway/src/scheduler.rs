@@ -189,6 +189,9 @@ const RATE_TAU_US: f64 = 500_000.0;
 const RATE_MIN_SPAN_US: Micros = 100_000;
 /// A camera counts as sending if it sent a frame within this window (µs).
 const ACTIVE_WINDOW_US: Micros = 2_000_000;
+/// Held frames leave this long before the last safe moment: timers fire
+/// late (tokio's resolution is 1 ms) and the dispatch itself takes time.
+const HOLD_GUARD_US: Micros = 2_000;
 /// Throughput headroom the target batch must give over the arrival rate.
 const BATCH_HEADROOM: f64 = 1.2;
 
@@ -236,9 +239,15 @@ impl ModelProfile {
         ModelProfile { max_batch, latency }
     }
 
+    /// Expected run time of a batch. A larger batch never runs faster than
+    /// a smaller one: observations only refine the sizes actually run, so
+    /// the estimate is the largest over sizes up to `batch`.
     fn latency(&self, batch: usize) -> u64 {
-        let i = batch.clamp(1, self.latency.len()) - 1;
-        self.latency[i].ceil() as u64
+        let i = batch.clamp(1, self.latency.len());
+        self.latency[..i]
+            .iter()
+            .fold(0.0f64, |m, l| m.max(*l))
+            .ceil() as u64
     }
 
     /// Best throughput over batch sizes, in frames per µs.
@@ -297,6 +306,8 @@ struct Demand {
     cameras: HashMap<(EdgeId, String), Micros>,
     /// When `cameras` was last pruned.
     pruned: Micros,
+    /// Frames of this model running on workers now.
+    in_flight: usize,
 }
 
 impl Demand {
@@ -523,7 +534,11 @@ impl Scheduler {
         // matter, so a long queue costs no more than the answer needs.
         let room =
             ((deadline - free_at - best) as f64 * capacity).floor() as usize + own_ahead as usize;
-        let ahead = self.queues.get(model).map_or(0, |q| {
+        let queue = self.queues.get(model);
+        if queue.map_or(0, BTreeSet::len) <= room {
+            return true; // Even the whole queue ahead fits.
+        }
+        let ahead = queue.map_or(0, |q| {
             q.range(..=(deadline, FrameId(u64::MAX)))
                 .take(room + 1)
                 .count()
@@ -644,7 +659,9 @@ impl Scheduler {
             if fit < target {
                 // Hold until the last moment a full target batch would still
                 // make the earliest deadline.
-                let latest = first_deadline.saturating_sub(profile.latency(target));
+                let latest = first_deadline
+                    .saturating_sub(profile.latency(target))
+                    .saturating_sub(HOLD_GUARD_US);
                 if now < latest {
                     self.hold_until = Some(self.hold_until.map_or(latest, |h| h.min(latest)));
                     continue;
@@ -662,6 +679,9 @@ impl Scheduler {
             let batch = BatchId(self.next_batch);
             self.next_batch += 1;
             self.counters.dispatched += frames.len() as u64;
+            if let Some(d) = self.demand.get_mut(&model) {
+                d.in_flight += frames.len();
+            }
             for q in &mut frames {
                 q.dispatched = Some(now);
             }
@@ -680,7 +700,8 @@ impl Scheduler {
 
     /// The batch size worth waiting for on a worker with `profile`: the
     /// smallest that keeps up with this worker's share of the model's
-    /// arrivals, capped by how many cameras are sending.
+    /// arrivals, capped by how many sending cameras have no frame running
+    /// (a camera that waits for its result cannot fill a batch).
     fn target_batch(&self, now: Micros, model: &str, profile: &ModelProfile) -> usize {
         let Some(demand) = self.demand.get(model) else {
             return 1;
@@ -691,9 +712,11 @@ impl Scheduler {
             .filter(|w| w.models.contains_key(model))
             .count()
             .max(1);
+        // Only cameras without a frame running can still add to the batch.
+        let can_arrive = demand.cameras.len().saturating_sub(demand.in_flight);
         profile
             .batch_for(demand.rate(now) / serving as f64)
-            .min(demand.cameras.len().max(1))
+            .min(can_arrive.max(1))
     }
 
     fn finish(
@@ -721,6 +744,7 @@ impl Scheduler {
                 p.observe(frames.len(), latency_us);
             }
         }
+        self.release(&frames);
         let mut by_id: HashMap<FrameId, Status> = outcomes.into_iter().collect();
         for q in frames {
             self.counters.dispatched -= 1;
@@ -737,6 +761,16 @@ impl Scheduler {
         }
     }
 
+    /// A batch's frames stopped running (finished or lost).
+    fn release(&mut self, frames: &[Queued]) {
+        if let Some(d) = frames
+            .first()
+            .and_then(|q| self.demand.get_mut(&q.arrival.model))
+        {
+            d.in_flight = d.in_flight.saturating_sub(frames.len());
+        }
+    }
+
     fn lose(&mut self, now: Micros, worker: WorkerId, out: &mut Vec<Action>) {
         self.workers.remove(&worker);
         let lost: Vec<BatchId> = self
@@ -747,6 +781,7 @@ impl Scheduler {
             .collect();
         for b in lost {
             let (_, frames) = self.batches.remove(&b).expect("listed above");
+            self.release(&frames);
             for q in frames {
                 self.counters.dispatched -= 1;
                 let still_possible = self
@@ -1045,8 +1080,9 @@ mod tests {
         let t = 320_000;
         let a = s.on_event(t, frame(1_000, "solo", t + 30_000));
         assert!(dispatches(&a).is_empty(), "held for a fuller batch: {a:?}");
-        // It must leave by deadline − latency of a full batch (12 ms).
-        let latest = t + 30_000 - 12_000;
+        // It must leave by deadline − latency of a full batch (12 ms) − the
+        // timer guard.
+        let latest = t + 30_000 - 12_000 - HOLD_GUARD_US;
         assert_eq!(s.next_wakeup(), Some(latest));
         assert!(dispatches(&s.on_event(latest - 1, Event::Tick)).is_empty());
         let a = s.on_event(latest, Event::Tick);
@@ -1117,6 +1153,27 @@ mod tests {
             vec![(6, Status::Shed(ShedReason::Superseded))]
         );
         assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn observed_latency_never_makes_a_bigger_batch_look_faster() {
+        let mut p = ModelProfile::new(
+            &WorkerModel {
+                model: "m".into(),
+                max_batch: 8,
+                profile: vec![(1, 50), (8, 100)],
+            },
+            1_000,
+        );
+        // Only single frames ever run, and they take 500 µs on the wire.
+        for _ in 0..30 {
+            p.observe(1, 500);
+        }
+        assert!(p.latency(1) > 400);
+        // A batch of 8 was never observed; it cannot be assumed faster than
+        // one frame, or frames held for it would miss their deadline.
+        assert!(p.latency(8) >= p.latency(1));
+        assert!((1..8).all(|b| p.latency(b) <= p.latency(b + 1)));
     }
 
     #[test]

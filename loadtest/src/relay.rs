@@ -1,0 +1,440 @@
+//! Relay overhead: what the gateway adds on top of the network.
+//!
+//! In one run, for each payload size (49,152 B = 128×128×3 and
+//! 150,528 B = 224×224×3):
+//! - **relay**: a real `tidegate-gateway` process on 127.0.0.1 with a no-op
+//!   worker (it speaks the worker protocol and answers every item `ok` at
+//!   once) and an edge client that sends `Frame`s on their own streams and
+//!   waits for each `Result`: edge → gateway → worker → gateway → edge;
+//! - **raw**: quinn alone, same TLS and transport settings, one hop: the
+//!   client sends the payload on a unidirectional stream and the server
+//!   answers on another with a 64-byte reply.
+//!
+//! Both run closed-loop with the same number of frames in flight and report
+//! frames per second and round-trip latency; the ratios relay / raw are the
+//! gateway's overhead (two extra hops, a scheduler decision, and the
+//! encoding of every message).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use tidegate_protocol::quic::{client_config, dial, handshake, read_message, server_config};
+use tidegate_protocol::{
+    BatchResult, CameraOpen, ColorOrder, DType, Frame, Geometry, Heartbeat, Hello, InputSpec,
+    ItemResult, Layout, Limits, Message, ModelInfo, ProfilePoint, Register, Resize, Role, Status,
+    Tensor, Timings, quic::write_message,
+};
+
+use crate::cluster::{Cluster, ClusterOptions};
+
+/// Frames per second and latency of one path at one payload size.
+#[derive(Debug, Clone, Serialize)]
+pub struct PathResult {
+    /// Frames completed.
+    pub frames: usize,
+    /// Frames per second.
+    pub fps: f64,
+    /// Median round trip (ms).
+    pub p50_ms: f64,
+    /// 99th percentile round trip (ms).
+    pub p99_ms: f64,
+}
+
+/// One payload size: both paths and their ratios.
+#[derive(Debug, Clone, Serialize)]
+pub struct SizeResult {
+    /// Payload bytes (the tensor).
+    pub payload_bytes: usize,
+    /// Through the gateway and a no-op worker.
+    pub relay: PathResult,
+    /// Raw quinn, one hop.
+    pub raw: PathResult,
+    /// relay fps / raw fps.
+    pub fps_ratio: f64,
+    /// relay p50 / raw p50.
+    pub p50_ratio: f64,
+}
+
+/// The whole benchmark.
+#[derive(Debug, Clone, Serialize)]
+pub struct RelayReport {
+    /// Which benchmark.
+    pub bench: &'static str,
+    /// Frames in flight at once.
+    pub concurrency: usize,
+    /// Per payload size.
+    pub sizes: Vec<SizeResult>,
+}
+
+const SIZES: [(u32, u32); 2] = [(128, 128), (224, 224)];
+
+fn model_name(w: u32) -> String {
+    format!("noop{w}")
+}
+
+fn input(w: u32, h: u32) -> InputSpec {
+    InputSpec {
+        width: w,
+        height: h,
+        channels: 3,
+        dtype: DType::U8,
+        layout: Layout::Nhwc,
+        color: ColorOrder::Rgb,
+        resize: Resize::Stretch,
+    }
+}
+
+/// Runs both paths for both sizes with `frames` frames each.
+pub async fn run(frames: usize, concurrency: usize) -> anyhow::Result<RelayReport> {
+    let cluster = Cluster::start(&ClusterOptions {
+        edges: vec!["bench-edge".into()],
+        workers: vec!["noop-worker".into()],
+        scheduler: String::new(),
+    })?;
+    let worker = tokio::spawn(noop_worker(
+        cluster.quic,
+        cluster.ca(),
+        cluster.worker_token().to_string(),
+    ));
+    // Wait for the registration to show up.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok((200, body)) = cluster.get("/api/v1/workers")
+            && body.contains("noop-worker")
+        {
+            break;
+        }
+        if worker.is_finished() || Instant::now() > until {
+            bail!("the no-op worker did not register");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let raw_server = RawServer::start(&cluster)?;
+    let mut sizes = Vec::new();
+    for (w, h) in SIZES {
+        let payload = Bytes::from(vec![7u8; (w * h * 3) as usize]);
+        let relay = relay_path(&cluster, w, h, payload.clone(), frames, concurrency)
+            .await
+            .map_err(|e| {
+                let log = cluster.gateway_log();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                e.context(format!(
+                    "relay path failed; gateway log (last lines, newest first):\n{}",
+                    tail.join("\n")
+                ))
+            })?;
+        let raw = raw_server.run(payload.clone(), frames, concurrency).await?;
+        sizes.push(SizeResult {
+            payload_bytes: payload.len(),
+            fps_ratio: relay.fps / raw.fps,
+            p50_ratio: relay.p50_ms / raw.p50_ms,
+            relay,
+            raw,
+        });
+    }
+    worker.abort();
+    Ok(RelayReport {
+        bench: "relay",
+        concurrency,
+        sizes,
+    })
+}
+
+/// A worker that answers every item `ok` at once.
+async fn noop_worker(
+    gateway: std::net::SocketAddr,
+    ca: std::path::PathBuf,
+    token: String,
+) -> anyhow::Result<()> {
+    let conn = dial(gateway, "localhost", client_config(&ca)?).await?;
+    let hello = Hello {
+        role: Role::Worker,
+        name: "noop-worker".into(),
+        token,
+    };
+    let limits = Limits::default();
+    let (mut send, _recv, welcome) = handshake(&conn, hello, &limits).await?;
+    let models = SIZES
+        .iter()
+        .map(|(w, h)| ModelInfo {
+            name: model_name(*w),
+            version: 1,
+            input: input(*w, *h),
+            max_batch: 8,
+        })
+        .collect();
+    let profile = SIZES
+        .iter()
+        .flat_map(|(w, _)| {
+            [(1, 50), (8, 100)].map(|(batch, latency_us)| ProfilePoint {
+                model: model_name(*w),
+                batch,
+                latency_us,
+            })
+        })
+        .collect();
+    let register = Register {
+        worker: "noop-worker".into(),
+        device: "none (no-op)".into(),
+        models,
+        profile,
+    };
+    write_message(&mut send, &Message::Register(register)).await?;
+    let beat = Duration::from_millis(welcome.heartbeat_ms.max(100) as u64);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(beat);
+        loop {
+            tick.tick().await;
+            let hb = Message::Heartbeat(Heartbeat {
+                queue_depth: 0,
+                utilization: 0.0,
+            });
+            if write_message(&mut send, &hb).await.is_err() {
+                break;
+            }
+        }
+    });
+    loop {
+        let mut recv = conn.accept_uni().await?;
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            let Ok(Some(Message::Dispatch(d))) = read_message(&mut recv, &limits).await else {
+                return;
+            };
+            let result = BatchResult {
+                batch: d.batch,
+                items: d
+                    .items
+                    .iter()
+                    .map(|i| ItemResult {
+                        id: i.id,
+                        status: Status::Ok,
+                        detections: Vec::new(),
+                        timings: Timings::default(),
+                    })
+                    .collect(),
+            };
+            if let Ok(mut s) = conn.open_uni().await
+                && write_message(&mut s, &Message::BatchResult(result))
+                    .await
+                    .is_ok()
+            {
+                let _ = s.finish();
+            }
+        });
+    }
+}
+
+fn path_result(frames: usize, elapsed: Duration, hist: &Histogram<u64>) -> PathResult {
+    PathResult {
+        frames,
+        fps: frames as f64 / elapsed.as_secs_f64(),
+        p50_ms: hist.value_at_quantile(0.5) as f64 / 1000.0,
+        p99_ms: hist.value_at_quantile(0.99) as f64 / 1000.0,
+    }
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds")
+}
+
+/// Closed loop through the gateway: `concurrency` cameras, each with one
+/// frame in flight.
+async fn relay_path(
+    cluster: &Cluster,
+    w: u32,
+    h: u32,
+    payload: Bytes,
+    frames: usize,
+    concurrency: usize,
+) -> anyhow::Result<PathResult> {
+    let conn = dial(cluster.quic, "localhost", client_config(&cluster.ca())?).await?;
+    let hello = Hello {
+        role: Role::Edge,
+        name: "bench-edge".into(),
+        token: cluster.edge_token.clone(),
+    };
+    let limits = Limits::default();
+    let (mut send, mut recv, _) = handshake(&conn, hello, &limits).await?;
+    for cam in 0..concurrency {
+        let open = CameraOpen {
+            camera: format!("cam{cam}"),
+            model: model_name(w),
+            budget_ms: 5_000,
+        };
+        write_message(&mut send, &Message::CameraOpen(open)).await?;
+        match read_message(&mut recv, &limits).await? {
+            Some(Message::CameraAccepted(_)) => {}
+            other => bail!("camera not accepted: {other:?}"),
+        }
+    }
+    // Results arrive on their own streams; route them to the camera's task.
+    let waiters: Arc<Vec<tokio::sync::Mutex<Option<tokio::sync::oneshot::Sender<Status>>>>> =
+        Arc::new((0..concurrency).map(|_| Default::default()).collect());
+    let reader = {
+        let conn = conn.clone();
+        let waiters = waiters.clone();
+        tokio::spawn(async move {
+            while let Ok(mut s) = conn.accept_uni().await {
+                let waiters = waiters.clone();
+                tokio::spawn(async move {
+                    if let Ok(Some(Message::Result(r))) = read_message(&mut s, &limits).await {
+                        let cam: usize = r.camera.trim_start_matches("cam").parse().unwrap_or(0);
+                        if let Some(tx) = waiters[cam].lock().await.take() {
+                            let _ = tx.send(r.status);
+                        }
+                    }
+                });
+            }
+        })
+    };
+    let per_camera = frames.div_ceil(concurrency);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for cam in 0..concurrency {
+        let conn = conn.clone();
+        let payload = payload.clone();
+        let waiters = waiters.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut hist = histogram();
+            for seq in 0..per_camera as u64 {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                *waiters[cam].lock().await = Some(tx);
+                let frame = Frame {
+                    camera: format!("cam{cam}"),
+                    seq,
+                    captured_at_us: 0,
+                    budget_us: 5_000_000,
+                    model: model_name(w),
+                    geometry: Geometry::stretch(w, h, w, h),
+                    tensor: Tensor {
+                        dtype: DType::U8,
+                        layout: Layout::Nhwc,
+                        shape: vec![1, h, w, 3],
+                        data: payload.clone(),
+                    },
+                };
+                let t = Instant::now();
+                let mut s = conn.open_uni().await?;
+                write_message(&mut s, &Message::Frame(frame)).await?;
+                s.finish()?;
+                let status = tokio::time::timeout(Duration::from_secs(10), rx)
+                    .await
+                    .context("no result within 10 s")??;
+                anyhow::ensure!(status == Status::Ok, "frame {seq} ended {status:?}");
+                hist.record(t.elapsed().as_micros().max(1) as u64)?;
+            }
+            Ok::<_, anyhow::Error>(hist)
+        }));
+    }
+    let mut hist = histogram();
+    for t in tasks {
+        hist.add(t.await??)?;
+    }
+    let elapsed = start.elapsed();
+    reader.abort();
+    conn.close(0u32.into(), b"done");
+    Ok(path_result(per_camera * concurrency, elapsed, &hist))
+}
+
+/// The raw-quinn baseline server: reads a whole stream, answers 64 bytes.
+struct RawServer {
+    endpoint: quinn::Endpoint,
+    ca: std::path::PathBuf,
+}
+
+impl RawServer {
+    fn start(cluster: &Cluster) -> anyhow::Result<RawServer> {
+        let certs = cluster.dir().join("certs");
+        let cfg = server_config(&certs.join("gateway.pem"), &certs.join("gateway.key"))?;
+        let endpoint = quinn::Endpoint::server(cfg, "127.0.0.1:0".parse()?)?;
+        let ep = endpoint.clone();
+        tokio::spawn(async move {
+            while let Some(incoming) = ep.accept().await {
+                tokio::spawn(async move {
+                    let Ok(conn) = incoming.await else { return };
+                    while let Ok(mut s) = conn.accept_uni().await {
+                        let conn = conn.clone();
+                        tokio::spawn(async move {
+                            if s.read_to_end(1 << 20).await.is_ok()
+                                && let Ok(mut out) = conn.open_uni().await
+                            {
+                                let _ = out.write_all(&[0u8; 64]).await;
+                                let _ = out.finish();
+                            }
+                        });
+                    }
+                });
+            }
+        });
+        Ok(RawServer {
+            endpoint,
+            ca: cluster.ca(),
+        })
+    }
+
+    async fn run(
+        &self,
+        payload: Bytes,
+        frames: usize,
+        concurrency: usize,
+    ) -> anyhow::Result<PathResult> {
+        let addr = self.endpoint.local_addr()?;
+        let conn = dial(addr, "localhost", client_config(&self.ca)?).await?;
+        // Replies are matched to senders in order of arrival: with one
+        // stream in flight per sender, any reply frees any waiting sender,
+        // which is all a closed loop needs.
+        let (reply_tx, reply_rx) = tokio::sync::mpsc::channel::<()>(concurrency);
+        let reply_rx = Arc::new(tokio::sync::Mutex::new(reply_rx));
+        let reader = {
+            let conn = conn.clone();
+            tokio::spawn(async move {
+                while let Ok(mut s) = conn.accept_uni().await {
+                    let tx = reply_tx.clone();
+                    tokio::spawn(async move {
+                        if s.read_to_end(1024).await.is_ok() {
+                            let _ = tx.send(()).await;
+                        }
+                    });
+                }
+            })
+        };
+        let per_sender = frames.div_ceil(concurrency);
+        let start = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..concurrency {
+            let conn = conn.clone();
+            let payload = payload.clone();
+            let reply_rx = reply_rx.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut hist = histogram();
+                for _ in 0..per_sender {
+                    let t = Instant::now();
+                    let mut s = conn.open_uni().await?;
+                    s.write_all(&payload).await?;
+                    s.finish()?;
+                    tokio::time::timeout(Duration::from_secs(10), async {
+                        reply_rx.lock().await.recv().await
+                    })
+                    .await
+                    .context("no reply within 10 s")?
+                    .context("reply channel closed")?;
+                    hist.record(t.elapsed().as_micros().max(1) as u64)?;
+                }
+                Ok::<_, anyhow::Error>(hist)
+            }));
+        }
+        let mut hist = histogram();
+        for t in tasks {
+            hist.add(t.await??)?;
+        }
+        let elapsed = start.elapsed();
+        reader.abort();
+        conn.close(0u32.into(), b"done");
+        Ok(path_result(per_sender * concurrency, elapsed, &hist))
+    }
+}
