@@ -97,6 +97,9 @@ pub struct SchedulerConfig {
     /// Most frames queued per edge.
     #[serde(default = "default_max_queued_per_edge")]
     pub max_queued_per_edge: usize,
+    /// Batches sent to a worker before the previous ones return (1..=4).
+    #[serde(default = "default_pipeline_depth")]
+    pub pipeline_depth: usize,
     /// Send cameras frame-rate hints when their frames are being shed.
     #[serde(default = "default_true")]
     pub hints: bool,
@@ -114,6 +117,7 @@ impl Default for SchedulerConfig {
             return_margin_ms: default_return_margin_ms(),
             max_queued: default_max_queued(),
             max_queued_per_edge: default_max_queued_per_edge(),
+            pipeline_depth: default_pipeline_depth(),
             hints: true,
             hint_window_ms: default_hint_window_ms(),
             hint_shed_ratio: default_hint_shed_ratio(),
@@ -121,6 +125,9 @@ impl Default for SchedulerConfig {
     }
 }
 
+fn default_pipeline_depth() -> usize {
+    2
+}
 fn default_true() -> bool {
     true
 }
@@ -229,6 +236,12 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "edge '{}' is listed twice",
                 w[0]
+            )));
+        }
+        if !(1..=4).contains(&self.scheduler.pipeline_depth) {
+            return Err(ConfigError::Invalid(format!(
+                "scheduler.pipeline_depth = {} must be 1..=4",
+                self.scheduler.pipeline_depth
             )));
         }
         if self.scheduler.hint_window_ms < 100 {

@@ -231,6 +231,8 @@ struct State {
     outputs: HashMap<FrameId, (Vec<Detection>, Timings)>,
     /// When each batch was dispatched, and its size.
     started: HashMap<BatchId, (Instant, usize)>,
+    /// When each worker last returned a batch.
+    last_done: HashMap<WorkerId, Instant>,
     edges: HashMap<EdgeId, EdgeEntry>,
     workers: HashMap<WorkerId, WorkerEntry>,
     next_frame: u64,
@@ -263,6 +265,7 @@ pub fn spawn(
         pending: HashMap::new(),
         outputs: HashMap::new(),
         started: HashMap::new(),
+        last_done: HashMap::new(),
         edges: HashMap::new(),
         workers: HashMap::new(),
         next_frame: 1,
@@ -445,8 +448,16 @@ impl State {
                 self.step(Event::WorkerJoined { worker, models });
             }
             HubMsg::BatchDone { worker, result } => {
+                // Run time, not time since dispatch: a pipelined batch waits
+                // on the worker for the one before it to finish.
+                let done = Instant::now();
+                let previous = self.last_done.insert(worker, done);
                 let (latency_us, size) = match self.started.remove(&BatchId(result.batch)) {
-                    Some((t, n)) => (t.elapsed().as_micros().min(u32::MAX as u128) as u32, n),
+                    Some((t, n)) => {
+                        let began = previous.map_or(t, |p| p.max(t));
+                        let us = done.saturating_duration_since(began).as_micros();
+                        (us.min(u32::MAX as u128) as u32, n)
+                    }
                     None => (0, 0),
                 };
                 let mut outcomes = Vec::with_capacity(result.items.len());
@@ -478,6 +489,7 @@ impl State {
             }
             HubMsg::WorkerGone { worker } => {
                 self.workers.remove(&worker);
+                self.last_done.remove(&worker);
                 self.step(Event::WorkerLost { worker });
             }
             HubMsg::ModelInput { model, reply } => {

@@ -132,6 +132,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let limits = scheduler::Limits {
         max_queued: cfg.scheduler.max_queued,
         max_queued_per_edge: cfg.scheduler.max_queued_per_edge,
+        pipeline_depth: cfg.scheduler.pipeline_depth,
         ..scheduler::Limits::default()
     };
     let hints = cfg

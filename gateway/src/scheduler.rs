@@ -180,6 +180,9 @@ pub struct Limits {
     pub max_queued_per_edge: usize,
     /// Latency assumed for a worker with no profile point (µs).
     pub default_latency_us: u32,
+    /// Batches sent to a worker before the previous ones return: 2 hides the
+    /// gateway ↔ worker round trip behind the batch that is running.
+    pub pipeline_depth: usize,
 }
 
 /// Time constant of the arrival-rate estimate (µs).
@@ -192,6 +195,9 @@ const ACTIVE_WINDOW_US: Micros = 2_000_000;
 /// Held frames leave this long before the last safe moment: timers fire
 /// late (tokio's resolution is 1 ms) and the dispatch itself takes time.
 const HOLD_GUARD_US: Micros = 2_000;
+/// A batch for a busy worker is sent this long before the worker frees, so
+/// it is there when the running batch ends (µs).
+const PIPELINE_LEAD_US: Micros = 1_000;
 /// Throughput headroom the target batch must give over the arrival rate.
 const BATCH_HEADROOM: f64 = 1.2;
 
@@ -201,6 +207,7 @@ impl Default for Limits {
             max_queued: 4096,
             max_queued_per_edge: 256,
             default_latency_us: 20_000,
+            pipeline_depth: 2,
         }
     }
 }
@@ -216,9 +223,23 @@ struct Queued {
 #[derive(Debug)]
 struct Worker {
     models: HashMap<String, ModelProfile>,
-    /// The batch it is running, if any (one in flight per worker), and when
-    /// its profile says it will be done.
-    busy: Option<(BatchId, Micros)>,
+    /// Batches sent to it, oldest first (at most `Limits::pipeline_depth`),
+    /// with their size and when its profile says each will be done.
+    running: Vec<Running>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Running {
+    batch: BatchId,
+    size: usize,
+    done_at: Micros,
+}
+
+impl Worker {
+    /// When a batch sent now would start: batches run one after another.
+    fn start_at(&self, now: Micros) -> Micros {
+        self.running.last().map_or(now, |r| r.done_at.max(now))
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -413,7 +434,11 @@ impl Scheduler {
 
     /// Number of registered workers, and how many are busy.
     pub fn worker_counts(&self) -> (usize, usize) {
-        let busy = self.workers.values().filter(|w| w.busy.is_some()).count();
+        let busy = self
+            .workers
+            .values()
+            .filter(|w| !w.running.is_empty())
+            .count();
         (self.workers.len(), busy)
     }
 
@@ -432,7 +457,13 @@ impl Scheduler {
                         )
                     })
                     .collect();
-                self.workers.insert(worker, Worker { models, busy: None });
+                self.workers.insert(
+                    worker,
+                    Worker {
+                        models,
+                        running: Vec::new(),
+                    },
+                );
             }
             Event::BatchFinished {
                 worker,
@@ -522,10 +553,7 @@ impl Scheduler {
                 .values()
                 .filter(|w| w.models.contains_key(model))
         };
-        let free_at = serving()
-            .map(|w| w.busy.map_or(now, |(_, t)| t.max(now)))
-            .min()
-            .unwrap_or(now);
+        let free_at = serving().map(|w| w.start_at(now)).min().unwrap_or(now);
         let capacity: f64 = serving().map(|w| w.models[model].peak_throughput()).sum();
         if capacity <= 0.0 || free_at + best > deadline {
             return free_at + best <= deadline;
@@ -607,16 +635,28 @@ impl Scheduler {
         }
     }
 
+    /// Earliest finish of one frame of `model` on any worker, counting the
+    /// batches each worker already has.
+    fn best_finish(&self, model: &str, now: Micros) -> Option<Micros> {
+        self.workers
+            .values()
+            .filter_map(|w| Some(w.start_at(now) + w.models.get(model)?.latency(1)))
+            .min()
+    }
+
     fn dispatch(&mut self, now: Micros, out: &mut Vec<Action>) {
         self.hold_until = None;
-        let mut idle: Vec<WorkerId> = self
+        let depth = self.limits.pipeline_depth.max(1);
+        // Workers with room, the soonest free first: an idle worker is
+        // always offered work before a busy one's next slot.
+        let mut open: Vec<(Micros, WorkerId)> = self
             .workers
             .iter()
-            .filter(|(_, w)| w.busy.is_none())
-            .map(|(id, _)| *id)
+            .filter(|(_, w)| w.running.len() < depth)
+            .map(|(id, w)| (w.start_at(now), *id))
             .collect();
-        idle.sort_unstable();
-        for wid in idle {
+        open.sort_unstable();
+        for (start, wid) in open {
             // The most urgent model this worker serves.
             let Some(model) = self.workers[&wid]
                 .models
@@ -629,18 +669,15 @@ impl Scheduler {
             };
             let profile = self.workers[&wid].models[&model].clone();
             // Heads that cannot make it even alone on this worker: shed them
-            // if no worker could, else leave them for a faster one.
+            // if no worker could, else leave them for a sooner one.
             let first_deadline = loop {
                 let Some(&(deadline, id)) = self.queues.get(&model).and_then(|q| q.first()) else {
                     break None;
                 };
-                if now + profile.latency(1) <= deadline {
+                if start + profile.latency(1) <= deadline {
                     break Some(deadline);
                 }
-                if self
-                    .best_latency(&model)
-                    .is_some_and(|b| now + b <= deadline)
-                {
+                if self.best_finish(&model, now).is_some_and(|f| f <= deadline) {
                     break None;
                 }
                 let q = self.unqueue(id).expect("queued frame is indexed");
@@ -652,16 +689,20 @@ impl Scheduler {
             // The largest batch whose run still meets the earliest deadline.
             let queued = self.queue_len(&model);
             let fit = (1..=queued.min(profile.max_batch as usize))
-                .take_while(|&b| now + profile.latency(b) <= first_deadline)
+                .take_while(|&b| start + profile.latency(b) <= first_deadline)
                 .last()
                 .unwrap_or(1);
             let target = self.target_batch(now, &model, &profile);
             if fit < target {
                 // Hold until the last moment a full target batch would still
-                // make the earliest deadline.
-                let latest = first_deadline
+                // make the earliest deadline, and for a busy worker no later
+                // than just before it frees.
+                let mut latest = first_deadline
                     .saturating_sub(profile.latency(target))
                     .saturating_sub(HOLD_GUARD_US);
+                if start > now {
+                    latest = latest.min(start.saturating_sub(PIPELINE_LEAD_US));
+                }
                 if now < latest {
                     self.hold_until = Some(self.hold_until.map_or(latest, |h| h.min(latest)));
                     continue;
@@ -692,7 +733,11 @@ impl Scheduler {
                 frames: frames.iter().map(|q| q.arrival.id).collect(),
             });
             if let Some(w) = self.workers.get_mut(&wid) {
-                w.busy = Some((batch, now + profile.latency(frames.len())));
+                w.running.push(Running {
+                    batch,
+                    size: frames.len(),
+                    done_at: start + profile.latency(frames.len()),
+                });
             }
             self.batches.insert(batch, (wid, frames));
         }
@@ -736,12 +781,26 @@ impl Scheduler {
             return;
         }
         if let Some(w) = self.workers.get_mut(&worker) {
-            w.busy = None;
+            w.running.retain(|r| r.batch != batch);
             if let Some(p) = frames
                 .first()
                 .and_then(|q| w.models.get_mut(&q.arrival.model))
             {
                 p.observe(frames.len(), latency_us);
+            }
+            // The next batch starts now: re-estimate when each will be done.
+            let mut t = now;
+            for r in &mut w.running {
+                let model = self
+                    .batches
+                    .get(&r.batch)
+                    .and_then(|(_, f)| f.first())
+                    .map(|q| q.arrival.model.as_str());
+                let lat = model
+                    .and_then(|m| w.models.get(m))
+                    .map_or(self.limits.default_latency_us as u64, |p| p.latency(r.size));
+                t += lat;
+                r.done_at = t;
             }
         }
         self.release(&frames);
@@ -805,6 +864,14 @@ impl Scheduler {
 mod tests {
     use super::*;
 
+    /// One batch per worker at a time, as most of these tests assume.
+    fn one_deep() -> Limits {
+        Limits {
+            pipeline_depth: 1,
+            ..Limits::default()
+        }
+    }
+
     fn worker(id: u64, max_batch: u16, lat: u32) -> Event {
         Event::WorkerJoined {
             worker: WorkerId(id),
@@ -838,7 +905,7 @@ mod tests {
 
     #[test]
     fn frame_without_worker_is_shed_no_worker() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         let a = s.on_event(0, frame(1, "c", 80_000));
         assert_eq!(completes(&a), vec![(1, Status::Shed(ShedReason::NoWorker))]);
         assert!(s.counters().balanced());
@@ -846,7 +913,7 @@ mod tests {
 
     #[test]
     fn idle_worker_gets_frame_and_result_completes_ok() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(1, 1, 5_000));
         let a = s.on_event(0, frame(1, "c", 80_000));
         let Action::Dispatch { batch, frames, .. } = &a[0] else {
@@ -869,7 +936,7 @@ mod tests {
 
     #[test]
     fn frame_past_deadline_is_shed_before_dispatch() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(1, 1, 50_000));
         let a = s.on_event(0, frame(1, "c", 40_000));
         assert_eq!(
@@ -880,7 +947,7 @@ mod tests {
 
     #[test]
     fn newer_frame_of_camera_supersedes_queued_one() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(1, 1, 1_000));
         s.on_event(0, frame(1, "c", 80_000)); // dispatched, worker busy
         s.on_event(10, frame(2, "c", 80_010)); // queued
@@ -894,7 +961,7 @@ mod tests {
 
     #[test]
     fn queued_frame_expires_at_its_deadline() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(1, 1, 1_000));
         s.on_event(0, frame(1, "a", 80_000));
         s.on_event(0, frame(2, "b", 10_000));
@@ -906,7 +973,7 @@ mod tests {
 
     #[test]
     fn batch_is_edf_ordered_and_bounded_by_earliest_deadline() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(9, 8, 10_000));
         let first = s.on_event(0, frame(100, "z", 900_000));
         assert!(matches!(first[0], Action::Dispatch { .. }));
@@ -936,7 +1003,7 @@ mod tests {
 
     #[test]
     fn lost_worker_frames_are_redispatched_or_failed() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(1, 2, 1_000));
         s.on_event(0, worker(2, 2, 1_000));
         s.on_event(0, frame(1, "a", 80_000));
@@ -982,7 +1049,7 @@ mod tests {
 
     #[test]
     fn light_load_dispatches_single_frames_at_once() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(1, 8, 2_000));
         // Two cameras at 5 fps each: far below what one frame per 2 ms
         // serves, so the target batch is 1 and nothing waits.
@@ -1027,7 +1094,7 @@ mod tests {
 
     #[test]
     fn heavy_load_holds_frames_until_the_deadline_forces_a_batch() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, batching_worker(1));
         // Eight cameras at 100 fps each (800 fps) for 300 ms: one worker
         // needs batches of 8 (8 frames / 12 ms = 667 fps < 800 × 1.2, so the
@@ -1092,7 +1159,7 @@ mod tests {
 
     #[test]
     fn full_target_batch_goes_without_waiting() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, batching_worker(1));
         // 8 cameras sending 100 fps: the 8th frame completes the batch.
         let mut sent = Vec::new();
@@ -1127,7 +1194,7 @@ mod tests {
 
     #[test]
     fn frame_behind_a_queue_it_cannot_outrun_is_shed_on_arrival() {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(one_deep());
         s.on_event(0, worker(1, 1, 10_000));
         // Frame 1 runs until 10 ms; frames 2..=5 queue, due at 60 ms.
         for i in 1..=5 {
@@ -1174,6 +1241,44 @@ mod tests {
         // one frame, or frames held for it would miss their deadline.
         assert!(p.latency(8) >= p.latency(1));
         assert!((1..8).all(|b| p.latency(b) <= p.latency(b + 1)));
+    }
+
+    #[test]
+    fn a_busy_worker_gets_its_next_batch_just_before_it_frees() {
+        let mut s = Scheduler::new(Limits::default()); // pipeline depth 2
+        s.on_event(0, worker(1, 1, 10_000));
+        // Frame 1 runs 0..10 ms; frame 2 goes as the second batch at once
+        // (light load: the target batch is 1) and will start at 10 ms.
+        assert_eq!(
+            dispatches(&s.on_event(0, frame(1, "a", 80_000))),
+            vec![vec![1]]
+        );
+        assert_eq!(
+            dispatches(&s.on_event(0, frame(2, "b", 80_000))),
+            vec![vec![2]]
+        );
+        // The pipeline is full: frame 3 waits in the gateway queue.
+        assert!(dispatches(&s.on_event(0, frame(3, "c", 80_000))).is_empty());
+        assert_eq!(s.queue_len("m"), 1);
+        // A frame due at 25 ms cannot make it: the worker only frees at
+        // 20 ms (both batches), + 10 ms = 30 ms. Shed on arrival.
+        assert_eq!(
+            completes(&s.on_event(0, frame(4, "d", 25_000))),
+            vec![(4, Status::Shed(ShedReason::WouldMissDeadline))]
+        );
+        // Batch 1 returns at 10 ms: frame 3 is sent as the next batch.
+        let a = s.on_event(
+            10_000,
+            Event::BatchFinished {
+                worker: WorkerId(1),
+                batch: BatchId(1),
+                outcomes: vec![(FrameId(1), Status::Ok)],
+                latency_us: 10_000,
+            },
+        );
+        assert_eq!(dispatches(&a), vec![vec![3]]);
+        assert!(s.counters().balanced());
+        assert_eq!(s.counters().dispatched, 2);
     }
 
     #[test]

@@ -120,12 +120,14 @@ proptest! {
 
     #[test]
     fn every_frame_ends_exactly_once_in_edf_order_and_never_late(
-        steps in prop::collection::vec(step(), 1..200)
+        steps in prop::collection::vec(step(), 1..200),
+        pipeline_depth in 1usize..4,
     ) {
         let mut s = Scheduler::new(Limits {
             max_queued: 64,
             max_queued_per_edge: 16,
             default_latency_us: 10_000,
+            pipeline_depth,
         });
         let mut w = World::default();
         let models = ["a", "b", "c"];

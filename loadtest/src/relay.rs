@@ -264,7 +264,7 @@ async fn relay_path(
         let open = CameraOpen {
             camera: format!("cam{cam}"),
             model: model_name(w),
-            budget_ms: 5_000,
+            budget_ms: 80,
         };
         write_message(&mut send, &Message::CameraOpen(open)).await?;
         match read_message(&mut recv, &limits).await? {
@@ -308,7 +308,7 @@ async fn relay_path(
                     camera: format!("cam{cam}"),
                     seq,
                     captured_at_us: 0,
-                    budget_us: 5_000_000,
+                    budget_us: 80_000,
                     model: model_name(w),
                     geometry: Geometry::stretch(w, h, w, h),
                     tensor: Tensor {
