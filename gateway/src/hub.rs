@@ -81,6 +81,11 @@ pub enum HubMsg {
         /// The results.
         result: BatchResult,
     },
+    /// A worker said it is draining: send it nothing new.
+    WorkerDraining {
+        /// The worker.
+        worker: WorkerId,
+    },
     /// A worker disconnected.
     WorkerGone {
         /// The worker.
@@ -152,6 +157,8 @@ pub struct WorkerView {
     pub models: Vec<String>,
     /// Measured latency per model and batch size (µs).
     pub profile: Vec<(String, u16, u32)>,
+    /// Takes no new batch (it is draining).
+    pub draining: bool,
 }
 
 /// A model in a [`Snapshot`].
@@ -219,6 +226,7 @@ struct EdgeEntry {
 struct WorkerEntry {
     register: Register,
     dispatch: mpsc::Sender<Dispatch>,
+    draining: bool,
 }
 
 /// The hub's state, driven by [`run`].
@@ -443,8 +451,14 @@ impl State {
                             .collect(),
                     })
                     .collect();
-                self.workers
-                    .insert(worker, WorkerEntry { register, dispatch });
+                self.workers.insert(
+                    worker,
+                    WorkerEntry {
+                        register,
+                        dispatch,
+                        draining: false,
+                    },
+                );
                 self.step(Event::WorkerJoined { worker, models });
             }
             HubMsg::BatchDone { worker, result } => {
@@ -486,6 +500,12 @@ impl State {
                     outcomes,
                     latency_us,
                 });
+            }
+            HubMsg::WorkerDraining { worker } => {
+                if let Some(w) = self.workers.get_mut(&worker) {
+                    w.draining = true;
+                }
+                self.step(Event::WorkerDraining { worker });
             }
             HubMsg::WorkerGone { worker } => {
                 self.workers.remove(&worker);
@@ -652,6 +672,7 @@ impl State {
                         .iter()
                         .map(|p| (p.model.clone(), p.batch, p.latency_us))
                         .collect(),
+                    draining: w.draining,
                 })
                 .collect(),
             models: models.into_values().collect(),

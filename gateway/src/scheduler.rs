@@ -102,6 +102,12 @@ pub enum Event {
         /// Measured run time of the batch (µs), to refine the profile.
         latency_us: u32,
     },
+    /// A worker is draining (it said so, or its lease got a preemption
+    /// notice): it gets no new batch; the ones it holds still finish.
+    WorkerDraining {
+        /// The worker.
+        worker: WorkerId,
+    },
     /// A worker's connection died; what it held must be re-homed.
     WorkerLost {
         /// The worker.
@@ -226,6 +232,8 @@ struct Worker {
     /// Batches sent to it, oldest first (at most `Limits::pipeline_depth`),
     /// with their size and when its profile says each will be done.
     running: Vec<Running>,
+    /// Takes no new batch.
+    draining: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -462,6 +470,7 @@ impl Scheduler {
                     Worker {
                         models,
                         running: Vec::new(),
+                        draining: false,
                     },
                 );
             }
@@ -471,6 +480,11 @@ impl Scheduler {
                 outcomes,
                 latency_us,
             } => self.finish(now, worker, batch, outcomes, latency_us, &mut out),
+            Event::WorkerDraining { worker } => {
+                if let Some(w) = self.workers.get_mut(&worker) {
+                    w.draining = true;
+                }
+            }
             Event::WorkerLost { worker } => self.lose(now, worker, &mut out),
             Event::Tick => {}
         }
@@ -530,6 +544,7 @@ impl Scheduler {
     fn best_latency(&self, model: &str) -> Option<u64> {
         self.workers
             .values()
+            .filter(|w| !w.draining)
             .filter_map(|w| w.models.get(model).map(|p| p.latency(1)))
             .min()
     }
@@ -551,7 +566,7 @@ impl Scheduler {
         let serving = || {
             self.workers
                 .values()
-                .filter(|w| w.models.contains_key(model))
+                .filter(|w| !w.draining && w.models.contains_key(model))
         };
         let free_at = serving().map(|w| w.start_at(now)).min().unwrap_or(now);
         let capacity: f64 = serving().map(|w| w.models[model].peak_throughput()).sum();
@@ -640,6 +655,7 @@ impl Scheduler {
     fn best_finish(&self, model: &str, now: Micros) -> Option<Micros> {
         self.workers
             .values()
+            .filter(|w| !w.draining)
             .filter_map(|w| Some(w.start_at(now) + w.models.get(model)?.latency(1)))
             .min()
     }
@@ -652,7 +668,7 @@ impl Scheduler {
         let mut open: Vec<(Micros, WorkerId)> = self
             .workers
             .iter()
-            .filter(|(_, w)| w.running.len() < depth)
+            .filter(|(_, w)| !w.draining && w.running.len() < depth)
             .map(|(id, w)| (w.start_at(now), *id))
             .collect();
         open.sort_unstable();
@@ -754,7 +770,7 @@ impl Scheduler {
         let serving = self
             .workers
             .values()
-            .filter(|w| w.models.contains_key(model))
+            .filter(|w| !w.draining && w.models.contains_key(model))
             .count()
             .max(1);
         // Only cameras without a frame running can still add to the batch.
@@ -1279,6 +1295,54 @@ mod tests {
         assert_eq!(dispatches(&a), vec![vec![3]]);
         assert!(s.counters().balanced());
         assert_eq!(s.counters().dispatched, 2);
+    }
+
+    #[test]
+    fn a_draining_worker_finishes_its_batch_but_gets_no_new_one() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, worker(2, 1, 5_000));
+        assert_eq!(
+            dispatches(&s.on_event(0, frame(1, "a", 80_000))),
+            vec![vec![1]]
+        );
+        s.on_event(
+            0,
+            Event::WorkerDraining {
+                worker: WorkerId(1),
+            },
+        );
+        // Worker 2 is busy with frame 2; frame 3 waits for it, not for the
+        // draining worker 1.
+        assert_eq!(
+            dispatches(&s.on_event(0, frame(2, "b", 80_000))),
+            vec![vec![2]]
+        );
+        assert!(dispatches(&s.on_event(0, frame(3, "c", 80_000))).is_empty());
+        let done = |w, b, f| Event::BatchFinished {
+            worker: WorkerId(w),
+            batch: BatchId(b),
+            outcomes: vec![(FrameId(f), Status::Ok)],
+            latency_us: 1_000,
+        };
+        // Worker 1's batch is still answered and accounted.
+        let a = s.on_event(1_000, done(1, 1, 1));
+        assert_eq!(completes(&a), vec![(1, Status::Ok)]);
+        assert!(dispatches(&a).is_empty(), "draining worker got work: {a:?}");
+        let a = s.on_event(5_000, done(2, 2, 2));
+        assert_eq!(dispatches(&a), vec![vec![3]]);
+        // With only the draining worker left, new frames have no worker.
+        s.on_event(
+            6_000,
+            Event::WorkerLost {
+                worker: WorkerId(2),
+            },
+        );
+        assert_eq!(
+            completes(&s.on_event(6_000, frame(4, "d", 80_000))),
+            vec![(4, Status::Shed(ShedReason::NoWorker))]
+        );
+        assert!(s.counters().balanced());
     }
 
     #[test]

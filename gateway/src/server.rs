@@ -452,6 +452,13 @@ impl Server {
                     break;
                 };
                 match msg {
+                    Ok(Some(Message::Drain(d))) => {
+                        info!(
+                            deadline_ms = d.deadline_ms,
+                            "worker is draining; no new batches"
+                        );
+                        self.hub.send(HubMsg::WorkerDraining { worker: id }).await;
+                    }
                     Ok(Some(Message::Heartbeat(h))) => {
                         debug!(queue = h.queue_depth, util = h.utilization, "heartbeat")
                     }

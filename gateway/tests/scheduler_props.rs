@@ -1,6 +1,6 @@
 //! Property tests of the pure scheduler over random event sequences on the
 //! injected clock: arrivals, worker joins and losses, batch completions,
-//! ticks and clock jumps.
+//! drains, ticks and clock jumps.
 
 use std::collections::{HashMap, HashSet};
 
@@ -27,6 +27,9 @@ enum Step {
     Lose {
         pick: u8,
     },
+    Drain {
+        pick: u8,
+    },
     Finish {
         pick: u8,
         fail_one: bool,
@@ -45,6 +48,7 @@ fn step() -> impl Strategy<Value = Step> {
             |(max_batch, latency_us, models)| Step::Join { max_batch, latency_us, models }
         ),
         1 => any::<u8>().prop_map(|pick| Step::Lose { pick }),
+        1 => any::<u8>().prop_map(|pick| Step::Drain { pick }),
         4 => (any::<u8>(), any::<bool>()).prop_map(|(pick, fail_one)| Step::Finish { pick, fail_one }),
         3 => (0u32..20_000).prop_map(|us| Step::Advance { us }),
         // Clock jumps: far past every deadline in the queue.
@@ -61,6 +65,8 @@ struct World {
     deadlines: HashMap<FrameId, Micros>,
     completed: HashSet<FrameId>,
     workers: Vec<WorkerId>,
+    /// Workers told to drain: they must get no new batch.
+    draining: HashSet<WorkerId>,
     /// Outstanding batches: (worker, batch, frames).
     batches: Vec<(WorkerId, BatchId, Vec<FrameId>)>,
 }
@@ -76,6 +82,10 @@ impl World {
                     ..
                 } => {
                     prop_assert!(!frames.is_empty());
+                    prop_assert!(
+                        !self.draining.contains(&worker),
+                        "dispatched to a draining worker"
+                    );
                     let ds: Vec<Micros> = frames.iter().map(|f| self.deadlines[f]).collect();
                     prop_assert!(
                         ds.windows(2).all(|w| w[0] <= w[1]),
@@ -171,6 +181,14 @@ proptest! {
                     let id = w.workers.remove(pick as usize % w.workers.len());
                     w.batches.retain(|(wk, _, _)| *wk != id);
                     w.apply(&mut s, Event::WorkerLost { worker: id })?;
+                }
+                Step::Drain { pick } => {
+                    if w.workers.is_empty() {
+                        continue;
+                    }
+                    let id = w.workers[pick as usize % w.workers.len()];
+                    w.draining.insert(id);
+                    w.apply(&mut s, Event::WorkerDraining { worker: id })?;
                 }
                 Step::Finish { pick, fail_one } => {
                     if w.batches.is_empty() {

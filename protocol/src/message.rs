@@ -267,7 +267,8 @@ pub struct BatchResult {
     pub items: Vec<ItemResult>,
 }
 
-/// Gateway → worker: stop taking batches; finish or hand back what you hold.
+/// Gateway → worker: stop taking batches; finish or hand back what you
+/// hold. Worker → gateway: I am draining; send me no new batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Drain {
     /// Time left before the worker is killed (ms).
