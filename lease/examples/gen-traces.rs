@@ -1,0 +1,20 @@
+//! Regenerates the committed traces in `lease/traces/` from
+//! `tidegate_lease::trace::generate`.
+//!
+//! `cargo run -p tidegate-lease --example gen-traces`
+
+use std::path::Path;
+
+use tidegate_lease::trace::{SHIPPED, describe, generate};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
+    std::fs::create_dir_all(&dir)?;
+    for name in SHIPPED {
+        let trace = generate(name)?;
+        let path = dir.join(format!("{name}.csv"));
+        std::fs::write(&path, trace.to_csv(&describe(name)?))?;
+        println!("wrote {} ({} rows)", path.display(), trace.rows.len());
+    }
+    Ok(())
+}

@@ -1,0 +1,1231 @@
+//! The autoscaler: a pure, clock-injected policy.
+//!
+//! `Autoscaler::on_event(now, Event) -> Vec<Action>`: no IO, no clock, no
+//! randomness. The gateway's shell (and the simulator, which is how the
+//! policy is tested on a week of load in milliseconds) feeds it an
+//! [`Observation`] every tick — arrival rate, queue depth and p95 latency
+//! per model, per-worker throughput at the SLO from the measured profiles,
+//! and the lease table — plus provider events, and carries out the
+//! [`Action`]s.
+//!
+//! Scaling up, for each model:
+//! * the target capacity is the largest of: the observed rate plus headroom
+//!   (plus what is needed to drain a queue when p95 is over budget), that
+//!   rate extrapolated over the start-up time, and the time-of-day minimum
+//!   ("tidal" schedule: configured, and learned from the previous day) at
+//!   `now + start-up`, so capacity is warm before a scheduled ramp;
+//! * the reserved floor is leased first, then spot for the rest, then
+//!   on-demand when spot was refused recently or to replace a preempted
+//!   spot lease;
+//! * the instance type is the one with the lowest expected cost per frame
+//!   at the SLO (price, over throughput, with spot's expected re-start
+//!   cost);
+//! * the hourly spend cap (sum of the hourly prices of every lease not
+//!   ended) is never exceeded: an acquire that would exceed it is not made.
+//!
+//! Scaling down (`paid-block-aware`): the surplus is released from the lease
+//! whose paid block ends soonest, and only within `release_window` of that
+//! end (a lease paid until 14:00 is free capacity until then). The
+//! down-target looks at the recent maximum rate and at the schedule over the
+//! start-up time, because releasing a lease that will be needed sooner than
+//! a replacement could start saves nothing.
+//!
+//! On a spot preemption notice: stop dispatching to the lease at once and
+//! acquire an on-demand replacement at once. Paid-block-aware then hands
+//! such on-demand leases back to spot: a start-up before an on-demand
+//! lease's block ends, its capacity stops counting for scale-up (a spot
+//! lease starts), and at the block end it is released as surplus.
+//!
+//! The baselines (`static-peak`, `reactive-idle-timeout`, `tidal`) are the
+//! same code with parts switched off, so the simulator compares policies,
+//! not implementations.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::billing::{self, Granularity, Millis};
+use crate::catalog::{Catalog, Money, Tier};
+use crate::lifecycle::LeaseState;
+use crate::table::LeaseId;
+
+/// One day in ms.
+pub const DAY_MS: Millis = 86_400_000;
+
+/// The policies the simulator compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyName {
+    /// A fixed on-demand fleet sized for the known peak; never released.
+    StaticPeak,
+    /// On-demand only; scales up on the observed rate; a lease idle for
+    /// `idle_timeout` is released (like SkyPilot's autostop).
+    ReactiveIdleTimeout,
+    /// Reserved floor + spot + on-demand, tidal schedule with pre-warm,
+    /// surplus released at once (newest first), whatever was paid.
+    Tidal,
+    /// `tidal`, but the surplus is released only just before its paid
+    /// block ends, soonest-ending first.
+    PaidBlockAware,
+}
+
+impl PolicyName {
+    /// Every policy, in table order.
+    pub const ALL: [PolicyName; 4] = [
+        PolicyName::StaticPeak,
+        PolicyName::ReactiveIdleTimeout,
+        PolicyName::Tidal,
+        PolicyName::PaidBlockAware,
+    ];
+
+    /// The CLI name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyName::StaticPeak => "static-peak",
+            PolicyName::ReactiveIdleTimeout => "reactive-idle-timeout",
+            PolicyName::Tidal => "tidal",
+            PolicyName::PaidBlockAware => "paid-block-aware",
+        }
+    }
+
+    fn uses_tiers(self) -> bool {
+        matches!(self, PolicyName::Tidal | PolicyName::PaidBlockAware)
+    }
+}
+
+impl fmt::Display for PolicyName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unknown policy name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {0:?}; use static-peak, reactive-idle-timeout, tidal or paid-block-aware")]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for PolicyName {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<PolicyName, UnknownPolicy> {
+        PolicyName::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_string()))
+    }
+}
+
+/// Per-worker throughput at the SLO (frames/s) from a measured latency
+/// profile of `(batch size, batch latency µs)` points: the best
+/// `batch / latency` among batches whose latency fits `batch_budget_us`
+/// (half the compute budget: a frame may wait for the running batch, then
+/// run in its own). 0 when no batch fits.
+pub fn throughput_from_profile(profile: &[(u16, u32)], batch_budget_us: u32) -> f64 {
+    profile
+        .iter()
+        .filter(|&&(b, lat)| b > 0 && lat > 0 && lat <= batch_budget_us)
+        .map(|&(b, lat)| f64::from(b) * 1e6 / f64::from(lat))
+        .fold(0.0, f64::max)
+}
+
+/// A configured time-of-day minimum for a model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleEntry {
+    /// Model.
+    pub model: String,
+    /// Start, minutes after midnight UTC (inclusive).
+    pub from_minute: u32,
+    /// End, minutes after midnight UTC (exclusive).
+    pub to_minute: u32,
+    /// Minimum capacity in frames per second.
+    pub min_fps: f64,
+}
+
+/// Reserved capacity bought for a model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservedFloor {
+    /// Model.
+    pub model: String,
+    /// Instance type.
+    pub instance_type: String,
+    /// Number of leases.
+    pub count: u32,
+}
+
+/// Policy configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyConfig {
+    /// Which policy.
+    pub policy: PolicyName,
+    /// Capacity kept above the observed rate (0.05 = 5%).
+    pub headroom: f64,
+    /// Never let the summed hourly price of live leases exceed this.
+    pub spend_cap_per_hour: Option<Money>,
+    /// Reserved floor, leased first and never released.
+    pub reserved: Vec<ReservedFloor>,
+    /// Configured tidal minimum schedule.
+    pub schedule: Vec<ScheduleEntry>,
+    /// Learn the tidal schedule from the previous day's observations.
+    pub learn_schedule: bool,
+    /// Paid-block-aware: release at most this long before a block ends.
+    pub release_window_ms: Millis,
+    /// Window over which the scale-down target takes the maximum rate.
+    pub down_window_ms: Millis,
+    /// Tidal: how long a surplus must persist before it is released.
+    pub surplus_hold_ms: Millis,
+    /// Reactive: release a lease idle this long.
+    pub idle_timeout_ms: Millis,
+    /// After spot is refused, use on-demand for this long.
+    pub spot_refused_cooloff_ms: Millis,
+    /// Static-peak: the peak rate per model it is sized for.
+    pub static_peak_fps: BTreeMap<String, f64>,
+    /// Time a queue should drain in when p95 is over budget (s).
+    pub queue_drain_secs: f64,
+    /// Upper bound on acquisitions in one event.
+    pub max_acquire_per_event: u32,
+}
+
+impl PolicyConfig {
+    /// Defaults for `policy`.
+    pub fn new(policy: PolicyName) -> PolicyConfig {
+        PolicyConfig {
+            policy,
+            headroom: 0.03,
+            spend_cap_per_hour: None,
+            reserved: Vec::new(),
+            schedule: Vec::new(),
+            learn_schedule: policy.uses_tiers(),
+            release_window_ms: 3 * 60_000,
+            down_window_ms: 10 * 60_000,
+            surplus_hold_ms: 2 * 60_000,
+            idle_timeout_ms: 5 * 60_000,
+            spot_refused_cooloff_ms: 15 * 60_000,
+            static_peak_fps: BTreeMap::new(),
+            queue_drain_secs: 30.0,
+            max_acquire_per_event: 2000,
+        }
+    }
+}
+
+/// Load and capability of one model, measured by the gateway.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelLoad {
+    /// Model name.
+    pub model: String,
+    /// Arrival rate over the last tick (frames/s).
+    pub arrival_fps: f64,
+    /// Frames queued now.
+    pub queue_depth: u64,
+    /// p95 end-to-end latency over the last tick (ms).
+    pub p95_ms: f64,
+    /// The latency budget (ms).
+    pub budget_ms: f64,
+    /// Per-worker throughput at the SLO, by instance type (frames/s), from
+    /// the measured latency profiles.
+    pub throughput_fps: BTreeMap<String, f64>,
+}
+
+/// One lease as the autoscaler sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseView {
+    /// Id.
+    pub id: LeaseId,
+    /// The model it serves.
+    pub model: String,
+    /// Instance type.
+    pub instance_type: String,
+    /// Tier.
+    pub tier: Tier,
+    /// Lifecycle state.
+    pub state: LeaseState,
+    /// Billing start (None while requested).
+    pub billing_start: Option<Millis>,
+    /// Billing granularity.
+    pub granularity: Granularity,
+    /// Hourly price.
+    pub price_per_hour: Money,
+}
+
+impl LeaseView {
+    fn paid_until(&self, now: Millis) -> Millis {
+        match self.billing_start {
+            Some(s) => billing::paid_until(s, now, self.granularity),
+            None => now,
+        }
+    }
+}
+
+/// What the shell observed this tick.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Observation {
+    /// Per model.
+    pub models: Vec<ModelLoad>,
+    /// Every lease not ended.
+    pub leases: Vec<LeaseView>,
+}
+
+/// Inputs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A periodic observation.
+    Tick(Observation),
+    /// A spot lease will be reclaimed at `deadline`.
+    PreemptionNotice {
+        /// The lease.
+        lease: LeaseId,
+        /// When.
+        deadline: Millis,
+    },
+    /// The provider refused an acquire.
+    AcquireRefused {
+        /// Model it was for.
+        model: String,
+        /// Type asked for.
+        instance_type: String,
+        /// Tier asked for.
+        tier: Tier,
+    },
+}
+
+/// Why an acquire is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AcquireReason {
+    /// Filling the reserved floor.
+    ReservedFloor,
+    /// The observed (or extrapolated) rate needs it.
+    Demand,
+    /// The tidal schedule needs it soon (pre-warm).
+    Schedule,
+    /// Replacing a preempted spot lease.
+    PreemptionReplacement,
+    /// Spot was refused; on-demand instead.
+    SpotRefused,
+    /// A spot lease to take over from an on-demand one at its block end.
+    Rebalance,
+}
+
+/// Outputs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Lease a worker.
+    Acquire {
+        /// For which model.
+        model: String,
+        /// Instance type.
+        instance_type: String,
+        /// Tier.
+        tier: Tier,
+        /// Why.
+        reason: AcquireReason,
+    },
+    /// End a lease (stop dispatching first).
+    Release {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// Dispatch nothing more to this lease (preemption notice).
+    StopDispatch {
+        /// The lease.
+        lease: LeaseId,
+    },
+}
+
+const SLOT_MS: Millis = 5 * 60_000;
+const SLOTS: usize = (DAY_MS / SLOT_MS) as usize;
+
+#[derive(Debug, Clone)]
+struct Learner {
+    day: Option<u64>,
+    today: Vec<Option<f64>>,
+    learned: Vec<Option<f64>>,
+}
+
+impl Learner {
+    fn new() -> Learner {
+        Learner {
+            day: None,
+            today: vec![None; SLOTS],
+            learned: vec![None; SLOTS],
+        }
+    }
+
+    fn observe(&mut self, now: Millis, fps: f64) {
+        let day = now / DAY_MS;
+        if self.day != Some(day) {
+            if self.day.is_some() {
+                // keep yesterday's value for slots not seen today
+                for (l, t) in self.learned.iter_mut().zip(self.today.iter()) {
+                    if t.is_some() {
+                        *l = *t;
+                    }
+                }
+            }
+            self.today = vec![None; SLOTS];
+            self.day = Some(day);
+        }
+        let slot = ((now % DAY_MS) / SLOT_MS) as usize;
+        let v = self.today[slot].map_or(fps, |m| m.min(fps));
+        self.today[slot] = Some(v);
+    }
+
+    fn min_at(&self, t: Millis) -> f64 {
+        self.learned[((t % DAY_MS) / SLOT_MS) as usize].unwrap_or(0.0)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct ModelState {
+    history: VecDeque<(Millis, f64)>,
+    learner: Learner,
+    surplus_since: Option<Millis>,
+}
+
+/// The autoscaler.
+#[derive(Debug)]
+pub struct Autoscaler {
+    cfg: PolicyConfig,
+    catalog: Catalog,
+    models: HashMap<String, ModelState>,
+    leases: HashMap<LeaseId, LeaseView>,
+    spot_refused_until: HashMap<String, Millis>,
+    /// Preempted leases whose on-demand replacement was already asked for.
+    replaced: BTreeSet<LeaseId>,
+    /// Leases stopped from dispatch (preemption notice).
+    stopped: BTreeSet<LeaseId>,
+    /// Reactive: when each lease became idle.
+    idle_since: HashMap<LeaseId, Millis>,
+    /// Hourly price of acquisitions made since the last observation (they
+    /// are not in its lease list yet).
+    pending_burn: Money,
+}
+
+/// How many ms of history to keep for trend and down-window.
+const HISTORY_MS: Millis = 30 * 60_000;
+/// Most the trend may add to the observed rate (fraction of it).
+const MAX_TREND_GROWTH: f64 = 0.25;
+/// Trend window.
+const TREND_MS: Millis = 10 * 60_000;
+
+impl Autoscaler {
+    /// A policy over `catalog`.
+    pub fn new(cfg: PolicyConfig, catalog: Catalog) -> Autoscaler {
+        Autoscaler {
+            cfg,
+            catalog,
+            models: HashMap::new(),
+            leases: HashMap::new(),
+            spot_refused_until: HashMap::new(),
+            replaced: BTreeSet::new(),
+            stopped: BTreeSet::new(),
+            idle_since: HashMap::new(),
+            pending_burn: Money::ZERO,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PolicyConfig {
+        &self.cfg
+    }
+
+    /// Handles one event.
+    pub fn on_event(&mut self, now: Millis, event: Event) -> Vec<Action> {
+        match event {
+            Event::Tick(obs) => self.on_tick(now, obs),
+            Event::PreemptionNotice { lease, .. } => self.on_notice(now, lease),
+            Event::AcquireRefused {
+                model,
+                instance_type,
+                tier,
+            } => self.on_refused(now, model, instance_type, tier),
+        }
+    }
+
+    /// Sum of the hourly prices of every lease not ended, as last seen, plus
+    /// what was acquired since.
+    fn burn(&self) -> Money {
+        self.leases
+            .values()
+            .filter(|l| !l.state.is_ended())
+            .map(|l| l.price_per_hour)
+            .sum::<Money>()
+            + self.pending_burn
+    }
+
+    fn within_cap(&self, burn: Money, add: Money) -> bool {
+        match self.cfg.spend_cap_per_hour {
+            Some(cap) => burn + add <= cap,
+            None => true,
+        }
+    }
+
+    /// Cheapest type per frame for `tier`, with its throughput and price.
+    fn best_type(&self, load: &ModelLoad, tier: Tier) -> Option<(String, f64, Money)> {
+        let mut best: Option<(String, f64, Money, f64)> = None;
+        for (ty, &fps) in &load.throughput_fps {
+            if fps <= 0.0 || !fps.is_finite() {
+                continue;
+            }
+            let Some(it) = self.catalog.get(ty) else {
+                continue;
+            };
+            let price = it.price_per_hour.get(tier);
+            let mut effective = price.units();
+            if tier == Tier::Spot {
+                // a preemption wastes a start-up on the replacement
+                effective *=
+                    1.0 + it.spot_interruptions_per_hour * f64::from(it.startup_secs) / 3600.0;
+            }
+            let per_frame = effective / fps;
+            if best.as_ref().is_none_or(|b| per_frame < b.3) {
+                best = Some((ty.clone(), fps, price, per_frame));
+            }
+        }
+        best.map(|(t, f, p, _)| (t, f, p))
+    }
+
+    fn startup_ms(&self, ty: &str) -> Millis {
+        self.catalog
+            .get(ty)
+            .map_or(0, |i| u64::from(i.startup_secs) * 1000)
+    }
+
+    fn lease_fps(load: &ModelLoad, l: &LeaseView) -> f64 {
+        load.throughput_fps
+            .get(&l.instance_type)
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    fn schedule_min(&self, model: &str, t: Millis) -> f64 {
+        let minute = ((t % DAY_MS) / 60_000) as u32;
+        let configured = self
+            .cfg
+            .schedule
+            .iter()
+            .filter(|e| e.model == model && e.from_minute <= minute && minute < e.to_minute)
+            .map(|e| e.min_fps)
+            .fold(0.0, f64::max);
+        let learned = if self.cfg.learn_schedule {
+            self.models.get(model).map_or(0.0, |m| m.learner.min_at(t))
+        } else {
+            0.0
+        };
+        configured.max(learned)
+    }
+
+    /// Max of the schedule over `[from, to]`, sampled per slot.
+    fn schedule_max(&self, model: &str, from: Millis, to: Millis) -> f64 {
+        let mut t = from;
+        let mut m = 0.0f64;
+        let mut n = 0;
+        while t <= to && n < SLOTS {
+            m = m.max(self.schedule_min(model, t));
+            t += SLOT_MS;
+            n += 1;
+        }
+        m.max(self.schedule_min(model, to))
+    }
+
+    fn on_tick(&mut self, now: Millis, obs: Observation) -> Vec<Action> {
+        self.leases = obs
+            .leases
+            .iter()
+            .filter(|l| !l.state.is_ended())
+            .map(|l| (l.id, l.clone()))
+            .collect();
+        self.stopped.retain(|id| self.leases.contains_key(id));
+        self.replaced.retain(|id| self.leases.contains_key(id));
+        self.idle_since.retain(|id, _| self.leases.contains_key(id));
+        self.pending_burn = Money::ZERO;
+        let mut actions = Vec::new();
+        let mut burn = self.burn();
+        let mut budget = self.cfg.max_acquire_per_event;
+        for load in &obs.models {
+            let st = self
+                .models
+                .entry(load.model.clone())
+                .or_insert_with(|| ModelState {
+                    history: VecDeque::new(),
+                    learner: Learner::new(),
+                    surplus_since: None,
+                });
+            st.history.push_back((now, load.arrival_fps));
+            while st
+                .history
+                .front()
+                .is_some_and(|(t, _)| *t + HISTORY_MS < now)
+            {
+                st.history.pop_front();
+            }
+            st.learner.observe(now, load.arrival_fps);
+            self.scale_model(now, load, &mut burn, &mut budget, &mut actions);
+        }
+        self.pending_burn = burn - self.burn();
+        actions
+    }
+
+    fn scale_model(
+        &mut self,
+        now: Millis,
+        load: &ModelLoad,
+        burn: &mut Money,
+        budget: &mut u32,
+        actions: &mut Vec<Action>,
+    ) {
+        let policy = self.cfg.policy;
+        let h = self.cfg.headroom;
+        let Some((best_od_type, _, _)) = self.best_type(load, Tier::OnDemand) else {
+            return;
+        };
+        let lead = self.startup_ms(&best_od_type) + 60_000;
+        let st = &self.models[&load.model];
+        let rate = load.arrival_fps.max(0.0);
+        let recent_max = st
+            .history
+            .iter()
+            .filter(|(t, _)| *t + self.cfg.down_window_ms >= now)
+            .map(|(_, r)| *r)
+            .fold(rate, f64::max);
+        let slope = trend(&st.history, now);
+        let queue_fps = if load.p95_ms > load.budget_ms {
+            load.queue_depth as f64 / self.cfg.queue_drain_secs.max(1.0)
+        } else {
+            0.0
+        };
+
+        // the leases of this model
+        let mine: Vec<LeaseView> = self
+            .leases
+            .values()
+            .filter(|l| l.model == load.model)
+            .cloned()
+            .collect();
+        let serving = |l: &LeaseView| {
+            !l.state.is_ended() && l.state != LeaseState::Draining && !self.stopped.contains(&l.id)
+        };
+        let capacity: f64 = mine
+            .iter()
+            .filter(|l| serving(l))
+            .map(|l| Self::lease_fps(load, l))
+            .sum();
+
+        let (up_target, down_target) = match policy {
+            PolicyName::StaticPeak => {
+                let peak = self
+                    .cfg
+                    .static_peak_fps
+                    .get(&load.model)
+                    .copied()
+                    .unwrap_or(rate);
+                (peak * (1.0 + h), f64::INFINITY)
+            }
+            PolicyName::ReactiveIdleTimeout => {
+                let t = rate * (1.0 + h) + queue_fps;
+                (t, t)
+            }
+            PolicyName::Tidal | PolicyName::PaidBlockAware => {
+                // a fitted ramp is followed for one start-up, but a spike's
+                // steep edge is not extrapolated beyond MAX_TREND_GROWTH
+                let extrapolated =
+                    rate + (slope.max(0.0) * lead as f64).min(rate * MAX_TREND_GROWTH);
+                let sched = self.schedule_max(&load.model, now, now + lead);
+                let up = (rate.max(extrapolated).max(sched)) * (1.0 + h) + queue_fps;
+                let down = recent_max.max(sched) * (1.0 + h) + queue_fps;
+                (up, down.max(up))
+            }
+        };
+
+        let spot_ok = policy.uses_tiers()
+            && self
+                .spot_refused_until
+                .get(&load.model)
+                .is_none_or(|&until| until <= now);
+        // Paid-block-aware rebalancing: an on-demand lease (a preemption
+        // replacement, or bought while spot was refused) whose block ends
+        // within a start-up is retired: its capacity is not counted for
+        // scale-up, so a spot replacement starts now and is warm when the
+        // on-demand block ends and the lease is released as surplus.
+        let retiring: f64 = if policy == PolicyName::PaidBlockAware && spot_ok {
+            mine.iter()
+                .filter(|l| serving(l) && l.tier == Tier::OnDemand)
+                .filter(|l| {
+                    l.paid_until(now).saturating_sub(now)
+                        <= self.startup_ms(&l.instance_type) + self.cfg.release_window_ms + 60_000
+                })
+                .map(|l| Self::lease_fps(load, l))
+                .sum()
+        } else {
+            0.0
+        };
+
+        // --- scale up ---
+        let mut cap = capacity - retiring;
+        // reserved floor first
+        if policy.uses_tiers() {
+            for floor in self.cfg.reserved.clone() {
+                if floor.model != load.model {
+                    continue;
+                }
+                let have = mine
+                    .iter()
+                    .filter(|l| l.tier == Tier::Reserved && l.instance_type == floor.instance_type)
+                    .count() as u32;
+                let Some(it) = self.catalog.get(&floor.instance_type) else {
+                    continue;
+                };
+                let price = it.price_per_hour.reserved;
+                let fps = load
+                    .throughput_fps
+                    .get(&floor.instance_type)
+                    .copied()
+                    .unwrap_or(0.0);
+                for _ in have..floor.count {
+                    if *budget == 0 || !self.within_cap(*burn, price) {
+                        break;
+                    }
+                    *burn += price;
+                    *budget -= 1;
+                    cap += fps;
+                    actions.push(Action::Acquire {
+                        model: load.model.clone(),
+                        instance_type: floor.instance_type.clone(),
+                        tier: Tier::Reserved,
+                        reason: AcquireReason::ReservedFloor,
+                    });
+                }
+            }
+        }
+        let tier = if spot_ok { Tier::Spot } else { Tier::OnDemand };
+        if let Some((ty, fps, price)) = self.best_type(load, tier) {
+            let reason = if capacity + 1e-9 >= up_target {
+                AcquireReason::Rebalance
+            } else if up_target > rate * (1.0 + h) + queue_fps + 1e-9 {
+                AcquireReason::Schedule
+            } else {
+                AcquireReason::Demand
+            };
+            while cap + 1e-9 < up_target && *budget > 0 {
+                if !self.within_cap(*burn, price) {
+                    tracing::debug!(model = %load.model, "spend cap reached; not scaling up");
+                    break;
+                }
+                *burn += price;
+                *budget -= 1;
+                cap += fps;
+                actions.push(Action::Acquire {
+                    model: load.model.clone(),
+                    instance_type: ty.clone(),
+                    tier,
+                    reason,
+                });
+            }
+        }
+
+        // --- scale down ---
+        let surplus = cap + retiring - down_target;
+        let releasable: Vec<&LeaseView> = mine
+            .iter()
+            .filter(|l| serving(l) && l.tier != Tier::Reserved)
+            .collect();
+        match policy {
+            PolicyName::StaticPeak => {}
+            PolicyName::PaidBlockAware => {
+                let mut surplus = surplus;
+                let mut cands = releasable;
+                cands.sort_by(|a, b| {
+                    a.paid_until(now)
+                        .cmp(&b.paid_until(now))
+                        .then(b.price_per_hour.cmp(&a.price_per_hour))
+                        .then(a.id.cmp(&b.id))
+                });
+                for l in cands {
+                    let fps = Self::lease_fps(load, l);
+                    if surplus + 1e-9 < fps {
+                        continue;
+                    }
+                    if l.paid_until(now).saturating_sub(now) > self.cfg.release_window_ms {
+                        continue;
+                    }
+                    surplus -= fps;
+                    actions.push(Action::Release { lease: l.id });
+                }
+            }
+            PolicyName::Tidal => {
+                let smallest = releasable
+                    .iter()
+                    .map(|l| Self::lease_fps(load, l))
+                    .fold(f64::INFINITY, f64::min);
+                let st = self
+                    .models
+                    .get_mut(&load.model)
+                    .expect("model state exists");
+                // a surplus is at least one whole lease that could go
+                if surplus + 1e-9 >= smallest {
+                    let since = *st.surplus_since.get_or_insert(now);
+                    if now >= since + self.cfg.surplus_hold_ms {
+                        let mut surplus = surplus;
+                        let mut cands = releasable;
+                        // newest first, whatever it has paid
+                        cands.sort_by(|a, b| {
+                            b.billing_start.cmp(&a.billing_start).then(b.id.cmp(&a.id))
+                        });
+                        for l in cands {
+                            let fps = Self::lease_fps(load, l);
+                            if surplus + 1e-9 >= fps {
+                                surplus -= fps;
+                                actions.push(Action::Release { lease: l.id });
+                            }
+                        }
+                        st.surplus_since = None;
+                    }
+                } else {
+                    st.surplus_since = None;
+                }
+            }
+            PolicyName::ReactiveIdleTimeout => {
+                // a dispatcher packs work onto the oldest workers, so the
+                // newest `surplus` worth of workers are the idle ones
+                let mut cands = releasable;
+                cands.sort_by(|a, b| b.billing_start.cmp(&a.billing_start).then(b.id.cmp(&a.id)));
+                let mut left = surplus;
+                let mut idle_now = BTreeSet::new();
+                for l in cands {
+                    let fps = Self::lease_fps(load, l);
+                    if left + 1e-9 >= fps {
+                        left -= fps;
+                        idle_now.insert(l.id);
+                    }
+                }
+                for l in mine.iter() {
+                    if !idle_now.contains(&l.id) {
+                        self.idle_since.remove(&l.id);
+                    }
+                }
+                for id in idle_now {
+                    let since = *self.idle_since.entry(id).or_insert(now);
+                    if now >= since + self.cfg.idle_timeout_ms {
+                        self.idle_since.remove(&id);
+                        actions.push(Action::Release { lease: id });
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_notice(&mut self, _now: Millis, lease: LeaseId) -> Vec<Action> {
+        let mut actions = vec![Action::StopDispatch { lease }];
+        self.stopped.insert(lease);
+        let Some(view) = self.leases.get(&lease).cloned() else {
+            return actions;
+        };
+        if !self.replaced.insert(lease) {
+            return actions;
+        }
+        // replace at once, on-demand, with the type the old lease was
+        let Some(it) = self.catalog.get(&view.instance_type) else {
+            return actions;
+        };
+        let price = it.price_per_hour.on_demand;
+        // the preempted lease stops costing at its deadline; until then both
+        // count against the cap
+        if self.within_cap(self.burn(), price) {
+            self.pending_burn += price;
+            actions.push(Action::Acquire {
+                model: view.model,
+                instance_type: view.instance_type,
+                tier: Tier::OnDemand,
+                reason: AcquireReason::PreemptionReplacement,
+            });
+        }
+        actions
+    }
+
+    fn on_refused(
+        &mut self,
+        now: Millis,
+        model: String,
+        instance_type: String,
+        tier: Tier,
+    ) -> Vec<Action> {
+        if tier != Tier::Spot {
+            return Vec::new();
+        }
+        self.spot_refused_until
+            .insert(model.clone(), now + self.cfg.spot_refused_cooloff_ms);
+        let Some(it) = self.catalog.get(&instance_type) else {
+            return Vec::new();
+        };
+        let price = it.price_per_hour.on_demand;
+        if !self.within_cap(self.burn(), price) {
+            return Vec::new();
+        }
+        self.pending_burn += price;
+        vec![Action::Acquire {
+            model,
+            instance_type,
+            tier: Tier::OnDemand,
+            reason: AcquireReason::SpotRefused,
+        }]
+    }
+}
+
+/// Least-squares slope (fps per ms) of the rate over the last
+/// [`TREND_MS`]; a fit rather than two points, so per-minute noise does
+/// not read as a ramp.
+fn trend(history: &VecDeque<(Millis, f64)>, now: Millis) -> f64 {
+    let pts: Vec<(f64, f64)> = history
+        .iter()
+        .filter(|(t, _)| *t + TREND_MS >= now)
+        .map(|(t, r)| ((now - t) as f64, *r))
+        .collect();
+    if pts.len() < 3 {
+        return 0.0;
+    }
+    let n = pts.len() as f64;
+    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if sxx <= 0.0 {
+        return 0.0;
+    }
+    // x is age (ms before now), so the slope over time is the negative
+    -sxy / sxx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(fps: f64) -> ModelLoad {
+        ModelLoad {
+            model: "m".into(),
+            arrival_fps: fps,
+            queue_depth: 0,
+            p95_ms: 10.0,
+            budget_ms: 80.0,
+            throughput_fps: [("a100".to_string(), 100.0)].into_iter().collect(),
+        }
+    }
+
+    fn view(id: u64, tier: Tier, start: Millis, state: LeaseState) -> LeaseView {
+        LeaseView {
+            id: LeaseId(id),
+            model: "m".into(),
+            instance_type: "a100".into(),
+            tier,
+            state,
+            billing_start: Some(start),
+            granularity: Granularity::Hour,
+            price_per_hour: Catalog::default_catalog()
+                .get("a100")
+                .unwrap()
+                .price_per_hour
+                .get(tier),
+        }
+    }
+
+    fn cfg(p: PolicyName) -> PolicyConfig {
+        let mut c = PolicyConfig::new(p);
+        c.headroom = 0.0;
+        c
+    }
+
+    fn acquires(a: &[Action]) -> usize {
+        a.iter()
+            .filter(|a| matches!(a, Action::Acquire { .. }))
+            .count()
+    }
+
+    #[test]
+    fn scales_up_to_the_rate_on_spot_after_the_reserved_floor() {
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.reserved.push(ReservedFloor {
+            model: "m".into(),
+            instance_type: "a100".into(),
+            count: 2,
+        });
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let acts = a.on_event(
+            0,
+            Event::Tick(Observation {
+                models: vec![load(450.0)],
+                leases: vec![],
+            }),
+        );
+        let tiers: Vec<Tier> = acts
+            .iter()
+            .filter_map(|a| match a {
+                Action::Acquire { tier, .. } => Some(*tier),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            tiers,
+            vec![
+                Tier::Reserved,
+                Tier::Reserved,
+                Tier::Spot,
+                Tier::Spot,
+                Tier::Spot
+            ]
+        );
+    }
+
+    #[test]
+    fn paid_block_aware_keeps_a_surplus_lease_until_its_block_is_nearly_over() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let leases = vec![
+            view(1, Tier::Spot, 0, LeaseState::Ready),
+            view(2, Tier::Spot, 20 * 60_000, LeaseState::Ready),
+        ];
+        let obs = |l: &Vec<LeaseView>| {
+            Event::Tick(Observation {
+                models: vec![load(50.0)],
+                leases: l.clone(),
+            })
+        };
+        // 30 minutes in: lease 1 is paid until 60 min; keep it
+        let acts = a.on_event(30 * 60_000, obs(&leases));
+        assert!(acts.is_empty(), "{acts:?}");
+        // 58 minutes in: within the release window of lease 1's block end
+        let acts = a.on_event(58 * 60_000, obs(&leases));
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(1) }]);
+    }
+
+    #[test]
+    fn tidal_releases_surplus_mid_block() {
+        let mut a = Autoscaler::new(cfg(PolicyName::Tidal), Catalog::default_catalog());
+        let leases = vec![
+            view(1, Tier::Spot, 0, LeaseState::Ready),
+            view(2, Tier::Spot, 20 * 60_000, LeaseState::Ready),
+        ];
+        let obs = || {
+            Event::Tick(Observation {
+                models: vec![load(50.0)],
+                leases: leases.clone(),
+            })
+        };
+        assert!(a.on_event(30 * 60_000, obs()).is_empty());
+        let acts = a.on_event(33 * 60_000, obs());
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(2) }]);
+    }
+
+    #[test]
+    fn reactive_releases_after_five_idle_minutes() {
+        let mut a = Autoscaler::new(
+            cfg(PolicyName::ReactiveIdleTimeout),
+            Catalog::default_catalog(),
+        );
+        let leases = vec![
+            view(1, Tier::OnDemand, 0, LeaseState::Ready),
+            view(2, Tier::OnDemand, 60_000, LeaseState::Ready),
+        ];
+        let obs = || {
+            Event::Tick(Observation {
+                models: vec![load(80.0)],
+                leases: leases.clone(),
+            })
+        };
+        assert!(a.on_event(10 * 60_000, obs()).is_empty());
+        assert!(a.on_event(14 * 60_000, obs()).is_empty());
+        assert_eq!(
+            a.on_event(15 * 60_000, obs()),
+            vec![Action::Release { lease: LeaseId(2) }]
+        );
+    }
+
+    #[test]
+    fn preemption_notice_stops_dispatch_and_replaces_on_demand_at_once() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let leases = vec![view(1, Tier::Spot, 0, LeaseState::Ready)];
+        a.on_event(
+            60_000,
+            Event::Tick(Observation {
+                models: vec![load(90.0)],
+                leases,
+            }),
+        );
+        let acts = a.on_event(
+            61_000,
+            Event::PreemptionNotice {
+                lease: LeaseId(1),
+                deadline: 181_000,
+            },
+        );
+        assert_eq!(acts[0], Action::StopDispatch { lease: LeaseId(1) });
+        assert!(matches!(
+            &acts[1],
+            Action::Acquire {
+                tier: Tier::OnDemand,
+                reason: AcquireReason::PreemptionReplacement,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn paid_block_aware_hands_an_on_demand_lease_over_to_spot_at_its_block_end() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let od = view(1, Tier::OnDemand, 0, LeaseState::Ready);
+        let tick = |l: Vec<LeaseView>| {
+            Event::Tick(Observation {
+                models: vec![load(90.0)],
+                leases: l,
+            })
+        };
+        // mid-block: nothing to do
+        assert!(a.on_event(30 * 60_000, tick(vec![od.clone()])).is_empty());
+        // a start-up (150 s) + window (3 min) + a tick before the block end:
+        // a spot replacement starts
+        let acts = a.on_event(54 * 60_000, tick(vec![od.clone()]));
+        assert!(
+            matches!(
+                &acts[..],
+                [Action::Acquire {
+                    tier: Tier::Spot,
+                    reason: AcquireReason::Rebalance,
+                    ..
+                }]
+            ),
+            "{acts:?}"
+        );
+        let spot = view(2, Tier::Spot, 54 * 60_000, LeaseState::Starting);
+        // within the release window the on-demand lease goes
+        let acts = a.on_event(57 * 60_000, tick(vec![od, spot]));
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(1) }]);
+    }
+
+    fn schedule_acquires(acts: &[Action]) -> usize {
+        acts.iter()
+            .filter(|a| {
+                matches!(
+                    a,
+                    Action::Acquire {
+                        reason: AcquireReason::Schedule,
+                        ..
+                    }
+                )
+            })
+            .count()
+    }
+
+    #[test]
+    fn configured_schedule_is_pre_warmed_one_start_up_ahead() {
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.learn_schedule = false;
+        c.schedule.push(ScheduleEntry {
+            model: "m".into(),
+            from_minute: 8 * 60,
+            to_minute: 20 * 60,
+            min_fps: 500.0,
+        });
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let at = |h: u64, m: u64| h * 3_600_000 + m * 60_000;
+        let idle = || {
+            Event::Tick(Observation {
+                models: vec![load(0.0)],
+                leases: vec![],
+            })
+        };
+        // start-up 150 s + one tick: the ramp at 08:00 is seen from 07:57
+        assert!(a.on_event(at(7, 50), idle()).is_empty());
+        assert_eq!(schedule_acquires(&a.on_event(at(7, 57), idle())), 5);
+    }
+
+    #[test]
+    fn yesterdays_ramp_is_learned_and_pre_warmed_today() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let tick = |fps: f64| {
+            Event::Tick(Observation {
+                models: vec![load(fps)],
+                leases: vec![],
+            })
+        };
+        // day 0: 0 fps at night, 400 fps from 08:00 to 20:00
+        for minute in (0..24 * 60).step_by(5) {
+            let fps = if (8 * 60..20 * 60).contains(&minute) {
+                400.0
+            } else {
+                0.0
+            };
+            a.on_event(minute * 60_000, tick(fps));
+        }
+        // day 1, still quiet at 07:57: capacity for 08:00 starts now
+        let day1 = DAY_MS;
+        assert!(
+            a.on_event(day1 + 7 * 3_600_000 + 40 * 60_000, tick(0.0))
+                .is_empty()
+        );
+        let acts = a.on_event(day1 + 7 * 3_600_000 + 57 * 60_000, tick(0.0));
+        assert_eq!(schedule_acquires(&acts), 4, "{acts:?}");
+    }
+
+    #[test]
+    fn spend_cap_stops_scale_up() {
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.spend_cap_per_hour = Some(Money::from_units(20.0)); // two a100 spot (7.70)
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let acts = a.on_event(
+            0,
+            Event::Tick(Observation {
+                models: vec![load(1000.0)],
+                leases: vec![],
+            }),
+        );
+        assert_eq!(acquires(&acts), 2);
+    }
+
+    #[test]
+    fn spot_refusal_falls_back_to_on_demand() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let acts = a.on_event(
+            0,
+            Event::AcquireRefused {
+                model: "m".into(),
+                instance_type: "a100".into(),
+                tier: Tier::Spot,
+            },
+        );
+        assert!(matches!(
+            &acts[0],
+            Action::Acquire {
+                tier: Tier::OnDemand,
+                ..
+            }
+        ));
+        // and the next scale-up uses on-demand during the cool-off
+        let acts = a.on_event(
+            60_000,
+            Event::Tick(Observation {
+                models: vec![load(150.0)],
+                leases: vec![],
+            }),
+        );
+        assert!(acts.iter().all(|a| matches!(
+            a,
+            Action::Acquire {
+                tier: Tier::OnDemand,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn throughput_comes_from_the_largest_batch_that_fits() {
+        let profile = [(1, 4_000), (8, 12_000), (16, 20_000), (32, 41_000)];
+        // 32 does not fit 30 ms; 16 / 20 ms = 800 fps is the best
+        assert_eq!(throughput_from_profile(&profile, 30_000), 800.0);
+        assert_eq!(throughput_from_profile(&profile, 3_000), 0.0);
+    }
+
+    #[test]
+    fn policy_names_parse() {
+        for p in PolicyName::ALL {
+            assert_eq!(p.as_str().parse::<PolicyName>(), Ok(p));
+        }
+        assert!("autostop".parse::<PolicyName>().is_err());
+    }
+}

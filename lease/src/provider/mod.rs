@@ -1,0 +1,167 @@
+//! Providers: where leases come from.
+//!
+//! A provider turns an acquire into a running worker and reports what
+//! happens to it afterwards. It does not own the ledger or the lease table:
+//! the gateway's async shell records the lease (`Ledger::insert_requested`),
+//! issues its one-time token, calls [`Provider::acquire`], then records the
+//! result (`Ledger::mark_starting`) and feeds [`ProviderEvent`]s to the
+//! autoscaler and the ledger. Keeping the provider free of bookkeeping means
+//! every provider gets the same accounting.
+//!
+//! * [`process::ProcessProvider`] (embedded default) spawns
+//!   `tidegate-worker` processes on this host and can simulate spot
+//!   preemption.
+//! * [`static_workers::StaticProvider`] hands out workers listed in config,
+//!   which dial in by themselves.
+
+pub mod process;
+pub mod static_workers;
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use crate::billing::Millis;
+use crate::catalog::{InstanceType, Tier};
+use crate::lifecycle::EndReason;
+use crate::table::{LeaseId, LeaseToken, TokenDigest};
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct LeaseSpec {
+    /// The lease (already in the ledger).
+    pub lease: LeaseId,
+    /// Its one-time token, handed to the worker.
+    pub token: LeaseToken,
+    /// The catalog type it stands for.
+    pub instance: InstanceType,
+    /// The tier.
+    pub tier: Tier,
+    /// Simulated spot preemption: send the notice this long after start
+    /// (process provider, spot tier only).
+    pub preempt_after: Option<Duration>,
+}
+
+/// What the provider started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acquired {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The worker's process id, when the provider runs processes.
+    pub pid: Option<u32>,
+    /// Provider data to store in the ledger for adoption (JSON).
+    pub provider_data: Option<String>,
+    /// The digest of the token the worker will present, when the provider
+    /// supplies its own credentials (static workers); `None` means the
+    /// spec's token.
+    pub token: Option<TokenDigest>,
+}
+
+/// Something that happened to a lease, reported by its provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProviderEvent {
+    /// The provider knows the worker is up (static workers dialling in).
+    /// For process workers, readiness comes from registration instead.
+    Ready {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// The lease will be reclaimed at `deadline`: stop dispatching to it and
+    /// acquire a replacement now.
+    PreemptionNotice {
+        /// The lease.
+        lease: LeaseId,
+        /// When it will be killed (ms since epoch).
+        deadline: Millis,
+    },
+    /// The lease is gone, not by our release: preempted, or lost (the
+    /// worker died, or vanished while we were down).
+    Ended {
+        /// The lease.
+        lease: LeaseId,
+        /// `Preempted` or `Lost` (or `Failed` if it died while starting).
+        reason: EndReason,
+        /// For logs: exit status, signal, etc.
+        detail: String,
+    },
+}
+
+/// Why a provider operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProviderError {
+    /// The worker process could not be started.
+    #[error(
+        "cannot spawn worker {command:?} for {lease}: {source}; check the provider's `command`"
+    )]
+    Spawn {
+        /// The lease.
+        lease: LeaseId,
+        /// The command.
+        command: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// No capacity of that kind (static pool exhausted; spot refused).
+    #[error("no {tier} capacity of type {instance_type:?} available: {detail}")]
+    NoCapacity {
+        /// Type asked for.
+        instance_type: String,
+        /// Tier asked for.
+        tier: Tier,
+        /// Why.
+        detail: String,
+    },
+    /// The lease is not held by this provider.
+    #[error("{0} is not held by this provider")]
+    UnknownLease(LeaseId),
+    /// The same lease was acquired twice.
+    #[error("{0} is already held by this provider")]
+    Duplicate(LeaseId),
+    /// Killing or inspecting a process failed.
+    #[error("{lease}: {what}: {source}")]
+    Process {
+        /// The lease.
+        lease: LeaseId,
+        /// What we were doing.
+        what: &'static str,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The ledger failed during adoption.
+    #[error("adoption: {0}")]
+    Ledger(#[from] crate::ledger::LedgerError),
+}
+
+/// A source of leases.
+pub trait Provider {
+    /// Name stored in the ledger (`process`, `static`).
+    fn name(&self) -> &'static str;
+
+    /// Starts a worker for `spec`.
+    fn acquire(
+        &mut self,
+        spec: LeaseSpec,
+    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send;
+
+    /// Stops the lease's worker and waits until it is gone.
+    fn release(&mut self, lease: LeaseId)
+    -> impl Future<Output = Result<(), ProviderError>> + Send;
+
+    /// The event stream; `None` after the first call. It is bounded
+    /// ([`EVENT_CHANNEL_CAPACITY`]): the shell must keep draining it, or
+    /// supervisors wait (back-pressure) before reporting more.
+    fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>>;
+}
+
+/// Capacity of every provider's event channel.
+pub const EVENT_CHANNEL_CAPACITY: usize = 256;
+
+/// Wall clock in [`Millis`]; only the async shells call it.
+pub fn wall_clock_ms() -> Millis {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as Millis)
+        .unwrap_or(0)
+}
