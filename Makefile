@@ -10,6 +10,11 @@ CARGO ?= cargo
 setup:
 	@bash scripts/setup.sh
 
+.PHONY: models-full
+## Opt-in heavier models and imagery: CenterNet (TF.js -> ONNX, pinned tools), vtest.avi.
+models-full: setup
+	@bash scripts/models-full.sh
+
 build: setup
 	$(CARGO) build --workspace --bins
 
@@ -35,6 +40,12 @@ fmt:
 loadtest: release
 	./target/release/tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10 \
 	  --report target/loadtest.json
+
+## Scheduler cost and relay overhead against raw quinn; JSON in target/bench-*.json.
+bench: release
+	./target/release/tidegate-bench --report target/bench-scheduler.json scheduler
+	./target/release/tidegate-bench --report target/bench-relay-1.json relay --frames 2000 --concurrency 1
+	./target/release/tidegate-bench --report target/bench-relay-8.json relay --frames 4000 --concurrency 8
 
 ## Run the protocol fuzzer for 60 s (needs cargo-fuzz and a nightly toolchain).
 fuzz:

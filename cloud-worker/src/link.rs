@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use tidegate_protocol::quic::{HandshakeError, handshake, read_message, write_message};
 use tidegate_protocol::{
-    BatchResult, Dispatch, ErrorCode, Heartbeat, Hello, ItemResult, Limits, Message, Register, Role,
+    BatchResult, Dispatch, Drain, ErrorCode, Heartbeat, Hello, ItemResult, Limits, Message,
+    Register, Role,
 };
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -88,7 +89,17 @@ pub enum LinkEnd {
 struct Load {
     in_flight: AtomicU64,
     busy_us: AtomicU64,
+    /// Batches accepted so far.
+    taken: AtomicU64,
 }
+
+/// A drain ends once no batch has arrived for this long with none in flight.
+/// Longer than the gaps between batches of a camera throttled to a few
+/// frames a second, so that a pause in the load, not a gap in it, ends it.
+const DRAIN_QUIET: Duration = Duration::from_millis(250);
+
+/// A drain ends after this long even if the gateway keeps dispatching.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Dials the gateway, registers, and serves until the gateway drains or
 /// closes us, or `cancel` fires (then it drains: batches already taken are
@@ -126,15 +137,26 @@ pub async fn run(
     let drain = CancellationToken::new();
     let started = Instant::now();
 
-    // Control stream: heartbeats out; Drain in.
+    // Control stream: heartbeats out; Drain in; our own Drain out when
+    // `cancel` fires (SIGTERM), so the gateway stops dispatching to us.
     let control = {
         let load = load.clone();
         let drain = drain.clone();
+        let cancel = cancel.clone();
         async move {
             let mut tick = tokio::time::interval(Duration::from_millis(heartbeat_ms as u64));
             let mut last = (Instant::now(), 0u64);
+            let mut told = false;
             loop {
                 tokio::select! {
+                    _ = cancel.cancelled(), if !told => {
+                        told = true;
+                        let d = Message::Drain(Drain { deadline_ms: DRAIN_TIMEOUT.as_millis() as u32 });
+                        if write_message(&mut ctl_send, &d).await.is_err() {
+                            break;
+                        }
+                        info!("told the gateway we are draining");
+                    }
                     _ = tick.tick() => {
                         let busy = load.busy_us.load(Ordering::Relaxed);
                         let elapsed = last.0.elapsed().as_micros().max(1) as f64;
@@ -150,9 +172,9 @@ pub async fn run(
                     }
                     msg = read_message(&mut ctl_recv, &limits) => match msg {
                         Ok(Some(Message::Drain(d))) => {
+                            // Heartbeats go on while the batches taken finish.
                             info!(deadline_ms = d.deadline_ms, "drain requested by the gateway");
                             drain.cancel();
-                            break;
                         }
                         Ok(Some(other)) => warn!(kind = ?other.kind(), "unexpected control message"),
                         Ok(None) | Err(_) => break,
@@ -170,6 +192,9 @@ pub async fn run(
         let load = load.clone();
         async move {
             while let Ok(mut recv) = conn.accept_uni().await {
+                // Counted on arrival, so that a drain does not end while a
+                // dispatch is still being read.
+                load.taken.fetch_add(1, Ordering::Relaxed);
                 let dispatch = match read_message(&mut recv, &limits).await {
                     Ok(Some(Message::Dispatch(d))) => d,
                     Ok(Some(other)) => {
@@ -193,14 +218,54 @@ pub async fn run(
         }
     };
 
+    tokio::pin!(control, accept);
     let end = tokio::select! {
         _ = cancel.cancelled() => LinkEnd::Drained,
         _ = drain.cancelled() => LinkEnd::Drained,
-        _ = control => LinkEnd::Closed,
-        _ = accept => LinkEnd::Closed,
+        _ = &mut control => LinkEnd::Closed,
+        _ = &mut accept => LinkEnd::Closed,
     };
-    // Finish and answer every batch already taken before leaving.
     batches.close();
+    if end == LinkEnd::Drained {
+        // The protocol has no "draining" message from worker to gateway, so
+        // the gateway goes on dispatching to us until we close, and a batch
+        // it sent just before the close would be lost on the way. So keep
+        // serving (accepting, answering, heartbeating) until every batch
+        // taken is answered and no new one has come for DRAIN_QUIET, or
+        // DRAIN_TIMEOUT has passed. A closed tracker still takes new tasks.
+        info!(
+            in_flight = batches.len(),
+            "draining: finishing the batches taken"
+        );
+        let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
+        loop {
+            let seen = load.taken.load(Ordering::Relaxed);
+            let gone = tokio::select! {
+                _ = batches.wait() => false,
+                _ = &mut accept => true,
+                _ = &mut control => true,
+                _ = tokio::time::sleep_until(deadline) => true,
+            };
+            if gone {
+                break;
+            }
+            let gone = tokio::select! {
+                _ = tokio::time::sleep(DRAIN_QUIET) => false,
+                _ = &mut accept => true,
+                _ = &mut control => true,
+            };
+            if gone || (load.taken.load(Ordering::Relaxed) == seen && batches.is_empty()) {
+                break;
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            warn!(
+                timeout_s = DRAIN_TIMEOUT.as_secs(),
+                "drain timed out while the gateway kept dispatching"
+            );
+        }
+    }
+    // Whatever is still running is answered before leaving.
     batches.wait().await;
     if end == LinkEnd::Drained {
         conn.close(0u32.into(), b"drained");

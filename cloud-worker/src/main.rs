@@ -77,6 +77,15 @@ fn load_config(cli: &Cli) -> anyhow::Result<WorkerConfig> {
     if let Some(t) = &cli.token {
         cfg.token = t.clone();
     }
+    // Started for a lease (the gateway's process provider): the worker is
+    // that lease, with its one-time token.
+    if let (Ok(id), Ok(token)) = (
+        std::env::var("TIDEGATE_LEASE_ID"),
+        std::env::var("TIDEGATE_LEASE_TOKEN"),
+    ) {
+        cfg.name = format!("lease-{id}");
+        cfg.token = token;
+    }
     if let Some(m) = &cli.models {
         cfg.models.dir = m.clone();
     }
@@ -106,6 +115,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     let options = RuntimeOptions {
         library: cfg.runtime.library.clone(),
         intra_threads: cfg.runtime.intra_threads,
+        provider: cfg.runtime.provider(),
+        fallback: cfg.runtime.fallback,
         ..RuntimeOptions::default()
     };
     let only = (!cfg.models.only.is_empty()).then_some(cfg.models.only.as_slice());
@@ -152,16 +163,17 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             max_batch: spec.max_batch,
         });
     }
+    let device = device_name(&backend);
     if cli_is_check(&cli) {
-        println!("config ok: {} model(s) load and run", models.len());
+        println!(
+            "config ok: {} model(s) load and run on {device}",
+            models.len()
+        );
         return Ok(());
     }
     let register = Register {
         worker: cfg.name.clone(),
-        device: format!(
-            "cpu ({} threads)",
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        ),
+        device,
         models,
         profile,
     };
@@ -196,6 +208,20 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         executor.shutdown();
     }
     Ok(())
+}
+
+/// The device as registered: the backend's (`cpu (N threads)`, `cuda:N`),
+/// with the GPU's name, memory and compute capability when the `cuda`
+/// feature can read them.
+fn device_name(backend: &OrtBackend) -> String {
+    #[cfg(feature = "cuda")]
+    if let tidegate_worker::runtime::Provider::Cuda(c) = backend.provider() {
+        match tidegate_worker::gpu::device(c.device_id as usize) {
+            Ok(gpu) => return gpu.to_string(),
+            Err(e) => tracing::warn!("cannot describe the GPU: {e}"),
+        }
+    }
+    backend.device()
 }
 
 fn cli_is_check(cli: &Cli) -> bool {

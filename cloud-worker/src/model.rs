@@ -34,6 +34,11 @@ pub struct ModelSpec {
     /// Lower-case hex sha256 of `file`; checked at load when present.
     #[serde(default)]
     pub sha256: Option<String>,
+    /// An opt-in model (fetched by `make models-full`): when its file is
+    /// missing, loading the whole repository skips it with a warning rather
+    /// than failing. Named in `only`, it must be there.
+    #[serde(default)]
+    pub optional: bool,
     /// Most frames one inference run may carry (1 when the graph's batch
     /// dimension is fixed at 1).
     pub max_batch: u16,
@@ -138,8 +143,13 @@ pub struct OutputSpec {
 pub enum DecoderSpec {
     /// MediaPipe BlazeFace: SSD anchors, sigmoid scores, weighted NMS.
     Blazeface(BlazefaceSpec),
-    /// No decoding: the run's outputs are not turned into detections (for
-    /// benchmarking a graph, or models whose results travel another way).
+    /// Rows of `x1,y1,x2,y2,score,class`: threshold and per-class NMS.
+    Boxes(BoxesSpec),
+    /// One score per class: softmax and top-k.
+    Classify(ClassifySpec),
+    /// No decoding: every listed output is passed on per frame as a tensor
+    /// (for benchmarking a graph, or models whose results travel another
+    /// way), with no detections.
     Raw(RawSpec),
 }
 
@@ -148,6 +158,8 @@ impl DecoderSpec {
     pub fn kind(&self) -> &'static str {
         match self {
             DecoderSpec::Blazeface(_) => "blazeface",
+            DecoderSpec::Boxes(_) => "boxes",
+            DecoderSpec::Classify(_) => "classify",
             DecoderSpec::Raw(_) => "raw",
         }
     }
@@ -189,6 +201,74 @@ impl AnchorLayer {
     pub fn anchors(&self) -> usize {
         self.grid as usize * self.grid as usize * self.anchors_per_cell as usize
     }
+}
+
+/// Parameters of the boxes decoder.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BoxesSpec {
+    /// Output of shape `[batch, rows, 6]`.
+    pub output: String,
+    /// Units of the coordinates.
+    #[serde(default)]
+    pub coords: BoxCoords,
+    /// Order of the four coordinates in a row.
+    #[serde(default)]
+    pub order: BoxOrder,
+    /// Keep rows whose score is above this.
+    pub score_threshold: f32,
+    /// Within a class, a row overlapping a better one by at least this IoU
+    /// is dropped.
+    pub iou_threshold: f32,
+    /// Most detections returned per frame (best first).
+    pub max_detections: usize,
+    /// Class names; a row's class indexes them.
+    pub labels: Vec<String>,
+}
+
+/// Units of box coordinates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BoxCoords {
+    /// Pixels of the model input.
+    #[default]
+    Pixels,
+    /// 0..1 over the model input.
+    Normalized,
+}
+
+/// Order of a row's four coordinates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BoxOrder {
+    /// `x1, y1, x2, y2`.
+    #[default]
+    Xyxy,
+    /// `y1, x1, y2, x2` (TensorFlow's detection APIs).
+    Yxyx,
+}
+
+/// Parameters of the classify decoder.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassifySpec {
+    /// Output of shape `[batch, classes]`.
+    pub output: String,
+    /// Apply softmax (the graph gives logits); false when it gives
+    /// probabilities already.
+    #[serde(default = "yes")]
+    pub softmax: bool,
+    /// Classes reported per frame, best first.
+    pub top_k: usize,
+    /// Classes below this probability are left out.
+    #[serde(default)]
+    pub min_score: f32,
+    /// Class names, one per score.
+    pub labels: Vec<String>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Parameters of the raw decoder (none yet).
@@ -283,8 +363,76 @@ impl ModelSpec {
         }
         match &self.decoder {
             DecoderSpec::Blazeface(b) => self.check_blazeface(b),
+            DecoderSpec::Boxes(b) => self.check_boxes(b),
+            DecoderSpec::Classify(c) => self.check_classify(c),
             DecoderSpec::Raw(_) => Ok(()),
         }
+    }
+
+    fn check_boxes(&self, b: &BoxesSpec) -> Result<(), RepositoryError> {
+        let invalid = |field: &str, problem: String| RepositoryError::Invalid {
+            model: self.name.clone(),
+            field: field.to_string(),
+            problem,
+        };
+        if !(0.0..1.0).contains(&b.score_threshold) {
+            return Err(invalid(
+                "decoder.score_threshold",
+                format!("is {}; it must be in 0..1", b.score_threshold),
+            ));
+        }
+        if !(b.iou_threshold > 0.0 && b.iou_threshold <= 1.0) {
+            return Err(invalid(
+                "decoder.iou_threshold",
+                format!("is {}; it must be in (0, 1]", b.iou_threshold),
+            ));
+        }
+        if b.max_detections == 0 {
+            return Err(invalid(
+                "decoder.max_detections",
+                "is 0; it must be at least 1".into(),
+            ));
+        }
+        if b.labels.is_empty() {
+            return Err(invalid(
+                "decoder.labels",
+                "is empty; list the class names, in class-index order".into(),
+            ));
+        }
+        crate::decode::Decoder::new(self)?;
+        Ok(())
+    }
+
+    fn check_classify(&self, c: &ClassifySpec) -> Result<(), RepositoryError> {
+        let invalid = |field: &str, problem: String| RepositoryError::Invalid {
+            model: self.name.clone(),
+            field: field.to_string(),
+            problem,
+        };
+        if c.labels.is_empty() {
+            return Err(invalid(
+                "decoder.labels",
+                "is empty; list the class names, one per score".into(),
+            ));
+        }
+        if c.top_k == 0 || c.top_k > c.labels.len() {
+            return Err(invalid(
+                "decoder.top_k",
+                format!(
+                    "is {}; it must be in 1..={} (the number of labels)",
+                    c.top_k,
+                    c.labels.len()
+                ),
+            ));
+        }
+        if !(0.0..=1.0).contains(&c.min_score) {
+            return Err(invalid(
+                "decoder.min_score",
+                format!("is {}; it must be in 0..=1", c.min_score),
+            ));
+        }
+        crate::decode::Decoder::new(self)?;
+        Ok(())
     }
 
     fn check_blazeface(&self, b: &BlazefaceSpec) -> Result<(), RepositoryError> {
@@ -406,7 +554,22 @@ impl Repository {
         }
         let mut models = Vec::with_capacity(folders.len());
         for (folder_name, folder) in folders {
-            models.push(Self::load_model(&folder_name, &folder)?);
+            match Self::load_model(&folder_name, &folder) {
+                Ok(m) => models.push(m),
+                Err(RepositoryError::MissingFile {
+                    model,
+                    path,
+                    optional: true,
+                }) if only.is_none() => {
+                    tracing::warn!(%model, path = %path.display(), "opt-in model not fetched; skipped (make models-full)");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if models.is_empty() {
+            return Err(RepositoryError::Empty {
+                dir: dir.to_path_buf(),
+            });
         }
         models.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
         Ok(Repository {
@@ -437,6 +600,7 @@ impl Repository {
             return Err(RepositoryError::MissingFile {
                 model: spec.name.clone(),
                 path,
+                optional: spec.optional,
             });
         }
         if let Some(expected) = &spec.sha256 {
@@ -559,12 +723,18 @@ pub enum RepositoryError {
     #[error(transparent)]
     Decoder(#[from] crate::decode::DecoderError),
     /// The model's ONNX file does not exist.
-    #[error("model '{model}': file {} is missing; run `make setup` (models/fetch.sh) to fetch it", path.display())]
+    #[error("model '{model}': file {} is missing; {}", path.display(), if *optional {
+        "it is opt-in: run `make models-full` (scripts/models-full.sh) to fetch it"
+    } else {
+        "run `make setup` (models/fetch.sh) to fetch it"
+    })]
     MissingFile {
         /// The model's name.
         model: String,
         /// Where the file was expected.
         path: PathBuf,
+        /// Whether the model is opt-in (`optional = true`).
+        optional: bool,
     },
     /// The model file's sha256 differs from the pinned one.
     #[error("model '{model}': {} has sha256 {actual}, model.toml pins {expected}; the file is corrupt or a different version: delete it and run `make setup`", path.display())]
@@ -621,14 +791,14 @@ mod tests {
     fn shipped_blazeface_spec_parses_into_the_expected_fields() {
         let spec = parse(&blazeface_toml()).unwrap();
         assert_eq!(spec.name, "blazeface");
-        assert_eq!(spec.max_batch, 1);
+        assert_eq!(spec.max_batch, 32);
         assert_eq!(spec.input.name, "input:0");
         assert_eq!(spec.input.layout, Layout::Nhwc);
         assert_eq!(spec.input.model_dtype, DType::F32);
         assert_eq!(spec.input.resize, Resize::Letterbox);
         assert_eq!(spec.input.normalize.mean, [127.5; 3]);
         assert_eq!(spec.outputs.len(), 4);
-        assert_eq!(spec.outputs[2].shape, vec![1, 512, 16]);
+        assert_eq!(spec.outputs[2].shape, vec![-1, 512, 16]);
         let DecoderSpec::Blazeface(b) = &spec.decoder else {
             panic!("expected the blazeface decoder, got {:?}", spec.decoder);
         };
@@ -639,7 +809,7 @@ mod tests {
 
     #[test]
     fn unknown_field_is_rejected_with_its_name() {
-        let text = blazeface_toml().replace("max_batch = 1", "max_batch = 1\nmax_bacth = 2");
+        let text = blazeface_toml().replace("max_batch = 32", "max_batch = 32\nmax_bacth = 2");
         let err = parse(&text).unwrap_err().to_string();
         assert!(err.contains("max_bacth"), "{err}");
     }
@@ -719,7 +889,7 @@ mod tests {
 
     #[test]
     fn malformed_sha256_is_rejected() {
-        let text = blazeface_toml().replace("sha256 = \"d388", "sha256 = \"zz88");
+        let text = blazeface_toml().replace("sha256 = \"5c71", "sha256 = \"zz71");
         let err = parse(&text).unwrap_err().to_string();
         assert!(
             err.contains("sha256") && err.contains("64 hex digits"),
@@ -829,6 +999,42 @@ mod tests {
         assert!(
             err.contains("model 'face': name") && err.contains("faces"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn missing_opt_in_model_is_skipped_unless_asked_for() {
+        let dir = repo_with("face", b"onnx", None);
+        let folder = dir.path().join("extra");
+        fs::create_dir(&folder).unwrap();
+        let text =
+            blazeface_toml().replace("name = \"blazeface\"", "name = \"extra\"\noptional = true");
+        fs::write(folder.join(SPEC_FILE), text).unwrap();
+        let repo = Repository::load(dir.path(), None).unwrap();
+        let names: Vec<&str> = repo.models().iter().map(|m| m.spec.name.as_str()).collect();
+        assert_eq!(names, vec!["face"]);
+        let only = vec!["extra".to_string()];
+        let err = Repository::load(dir.path(), Some(&only))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model 'extra'") && err.contains("make models-full"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shipped_centernet_spec_is_opt_in_with_80_coco_labels() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/centernet/model.toml");
+        let spec = ModelSpec::from_toml(&fs::read_to_string(&path).unwrap(), &path).unwrap();
+        assert!(spec.optional);
+        let DecoderSpec::Boxes(b) = &spec.decoder else {
+            panic!("{:?}", spec.decoder);
+        };
+        assert_eq!(b.labels.len(), 80);
+        assert_eq!(
+            (b.labels[0].as_str(), b.labels[79].as_str()),
+            ("person", "toothbrush")
         );
     }
 

@@ -38,6 +38,65 @@ pub struct RuntimeOptions {
     /// Timed runs per batch size in [`crate::backend::Backend::profile`]; the
     /// median is reported.
     pub profile_runs: u32,
+    /// Where sessions run.
+    pub provider: Provider,
+    /// What to do when `provider` cannot be used.
+    pub fallback: Fallback,
+}
+
+/// The execution provider sessions run on.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Provider {
+    /// ONNX Runtime's CPU provider, with `intra_threads` threads per session.
+    #[default]
+    Cpu,
+    /// NVIDIA GPUs through ONNX Runtime's CUDA execution provider.
+    Cuda(CudaOptions),
+}
+
+impl fmt::Display for Provider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Provider::Cpu => f.write_str("cpu"),
+            Provider::Cuda(c) => write!(f, "cuda:{}", c.device_id),
+        }
+    }
+}
+
+/// Settings of the CUDA execution provider.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CudaOptions {
+    /// The GPU's ordinal.
+    pub device_id: u32,
+    /// Most bytes the provider's memory arena may hold (`None`: no limit).
+    pub arena_limit_bytes: Option<u64>,
+    /// How cuDNN picks convolution algorithms.
+    pub conv_algo_search: ConvAlgoSearch,
+}
+
+/// cuDNN's convolution algorithm search (ONNX Runtime `cudnn_conv_algo_search`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConvAlgoSearch {
+    /// Benchmark every algorithm on the first run of each shape (slow first
+    /// run, fastest later; ONNX Runtime's default).
+    #[default]
+    Exhaustive,
+    /// cuDNN's heuristics, no benchmarking.
+    Heuristic,
+    /// The implicit-precomp GEMM algorithm, no search (least memory).
+    Default,
+}
+
+/// What the worker does when the configured provider cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fallback {
+    /// Refuse to start, saying why.
+    #[default]
+    None,
+    /// Warn, and run (and register) on the CPU.
+    Cpu,
 }
 
 impl Default for RuntimeOptions {
@@ -47,6 +106,8 @@ impl Default for RuntimeOptions {
             intra_threads: 0,
             warmup_runs: 2,
             profile_runs: 5,
+            provider: Provider::Cpu,
+            fallback: Fallback::None,
         }
     }
 }

@@ -1,5 +1,6 @@
-//! Batching, u8 and planar model inputs on the real ONNX Runtime, with a
-//! probe graph written here byte by byte (BlazeFace's batch is fixed at 1).
+//! Batching, u8 and planar model inputs and the generic decoders on the real
+//! ONNX Runtime, with a probe graph written here byte by byte (small enough
+//! to say exactly what each frame's outputs must be).
 //!
 //! The probe takes `pixels` `[batch,16,16,3]` (or `[batch,3,16,16]`), f32 or
 //! u8, flattens each frame and returns its first element as `scores`
@@ -324,17 +325,83 @@ fn planar_model_input_gets_planar_data() {
 }
 
 #[test]
-fn raw_decoder_runs_frames_without_detections() {
+fn raw_decoder_passes_each_frames_outputs_through_without_detections() {
     let (_dir, mut backend) =
         probe_backend(Layout::Nhwc, DType::F32, "[decoder]\nkind = \"raw\"\n");
     let out = backend.run(
         "probe",
-        &[shifted(Layout::Nhwc, 0), shifted(Layout::Nhwc, 1)],
+        &[
+            shifted(Layout::Nhwc, 0),
+            shifted(Layout::Nhwc, 1),
+            shifted(Layout::Nhwc, 3),
+        ],
     );
-    for o in &out {
+    for (o, i) in out.iter().zip([0.0f32, 1.0, 3.0]) {
         assert_eq!(o.status, Status::Ok);
         assert!(o.detections.is_empty());
+        let names: Vec<&str> = o.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, vec!["scores", "boxes"]);
+        assert_eq!(o.tensors[0].shape, vec![1, 1, 1]);
+        assert_eq!(o.tensors[0].data, vec![10.0]);
+        assert_eq!(o.tensors[1].shape, vec![1, 1, 4]);
+        assert_eq!(o.tensors[1].data, vec![2.0 * i, 0.0, 8.0, 8.0]);
     }
+}
+
+#[test]
+fn classify_decoder_reports_each_frames_top_classes() {
+    // The probe's `boxes` output, [batch,1,4], read as four class scores.
+    let decoder = "[decoder]\nkind = \"classify\"\noutput = \"boxes\"\nsoftmax = true\ntop_k = 2\nlabels = [\"a\", \"b\", \"c\", \"d\"]\n";
+    let (_dir, mut backend) = probe_backend(Layout::Nhwc, DType::F32, decoder);
+    // Scores [2i, 0, 8, 8]: frame 0 and 3 tie c/d (c first); frame 5 has a
+    // at 10.
+    let out = backend.run(
+        "probe",
+        &[shifted(Layout::Nhwc, 0), shifted(Layout::Nhwc, 5)],
+    );
+    let classes = |o: &FrameOutcome| o.detections.iter().map(|d| d.class).collect::<Vec<_>>();
+    assert_eq!(classes(&out[0]), vec![2, 3]);
+    assert_eq!(classes(&out[1]), vec![0, 2]);
+    let e = |x: f32| x.exp();
+    let p = e(10.0) / (e(10.0) + e(0.0) + 2.0 * e(8.0));
+    assert!(
+        (out[1].detections[0].score - p).abs() < 1e-5,
+        "{:?}",
+        out[1]
+    );
+    // Whole-frame boxes in source pixels.
+    let d = &out[1].detections[0];
+    assert_eq!((d.x1, d.y1, d.x2, d.y2), (0.0, 0.0, 160.0, 160.0));
+}
+
+#[test]
+fn boxes_spec_contradicting_the_graph_is_refused_naming_model_field_and_both_shapes() {
+    // model.toml says rows of 6; the graph's `boxes` output has rows of 4.
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("probe");
+    fs::create_dir(&folder).unwrap();
+    fs::write(
+        folder.join("probe.onnx"),
+        probe_onnx(Layout::Nhwc, DType::F32),
+    )
+    .unwrap();
+    let toml = probe_toml(
+        Layout::Nhwc,
+        DType::F32,
+        "[decoder]\nkind = \"boxes\"\noutput = \"boxes\"\nscore_threshold = 0.5\niou_threshold = 0.5\nmax_detections = 5\nlabels = [\"thing\"]\n",
+    )
+    .replace("shape = [-1, 1, 4]", "shape = [-1, 1, 6]");
+    fs::write(folder.join("model.toml"), toml).unwrap();
+    let repo = Repository::load(dir.path(), None).unwrap();
+    let options = RuntimeOptions {
+        intra_threads: 1,
+        ..RuntimeOptions::default()
+    };
+    let err = OrtBackend::open(&repo, &options).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "model 'probe': outputs[1].shape (\"boxes\") in model.toml is [-1,1,6], but the ONNX file has [-1,1,4]; fix model.toml so they agree"
+    );
 }
 
 #[test]

@@ -189,15 +189,87 @@ fn unknown_model_fails_every_frame_naming_what_is_served() {
     );
 }
 
+/// Eight different frames: the astronaut, mirrored, shifted, darkened, and
+/// plain fills (no face), so that a batch mixing up its slots would show.
+fn eight_frames() -> Vec<FrameInput> {
+    let base = astronaut();
+    let pixels = base.tensor.data.to_vec();
+    let variant = |f: &dyn Fn(usize, usize, usize) -> u8| {
+        let mut data = vec![0u8; pixels.len()];
+        for y in 0..128 {
+            for x in 0..128 {
+                for c in 0..3 {
+                    data[(y * 128 + x) * 3 + c] = f(x, y, c);
+                }
+            }
+        }
+        FrameInput {
+            tensor: Tensor {
+                data: data.into(),
+                ..base.tensor.clone()
+            },
+            geometry: base.geometry,
+        }
+    };
+    let px = |x: usize, y: usize, c: usize| pixels[(y * 128 + x) * 3 + c];
+    vec![
+        base.clone(),
+        variant(&|x, y, c| px(127 - x, y, c)),
+        variant(&|x, y, c| if x >= 16 { px(x - 16, y, c) } else { 0 }),
+        variant(&|x, y, c| px(x, y, c) / 2),
+        variant(&|_, _, _| 128),
+        variant(&|x, y, c| if y >= 12 { px(x, y - 12, c) } else { 255 }),
+        variant(&|x, y, _| ((x * 7 + y * 13) % 256) as u8),
+        base,
+    ]
+}
+
+#[test]
+fn batch_of_8_gives_the_same_detections_as_8_single_runs() {
+    let mut backend = backend();
+    assert_eq!(backend.models()[0].max_batch, 32);
+    let frames = eight_frames();
+    let batched = backend.run("blazeface", &frames);
+    assert_eq!(batched.len(), 8);
+    let mut faces_seen = 0;
+    for (i, frame) in frames.iter().enumerate() {
+        let single = backend.run("blazeface", std::slice::from_ref(frame));
+        let (b, s) = (faces(&batched[i]), faces(&single[0]));
+        faces_seen += s.len();
+        assert_eq!(b.len(), s.len(), "frame {i}: batch {b:?} vs single {s:?}");
+        for (bd, sd) in b.iter().zip(s) {
+            let close = |x: f32, y: f32| (x - y).abs() <= 1e-3;
+            assert!(
+                close(bd.score, sd.score)
+                    && [bd.x1, bd.y1, bd.x2, bd.y2]
+                        .iter()
+                        .zip([sd.x1, sd.y1, sd.x2, sd.y2])
+                        .all(|(a, b)| close(*a, b))
+                    && bd.keypoints.len() == sd.keypoints.len()
+                    && bd.class == sd.class,
+                "frame {i}: batch {bd:?} vs single {sd:?}"
+            );
+        }
+        // One run carried all eight: the batch shares its inference time.
+        assert_eq!(
+            batched[i].timings.inference_us,
+            batched[0].timings.inference_us
+        );
+    }
+    // The astronaut and most of its variants have a face; the fills do not.
+    assert!(faces_seen >= 4, "{faces_seen} faces in 8 frames");
+    assert!(faces(&batched[4]).is_empty() && faces(&batched[6]).is_empty());
+}
+
 #[test]
 fn profile_measures_the_batch_sizes_the_model_accepts() {
     let mut backend = backend();
     assert_eq!(backend.models().len(), 1);
-    assert_eq!(backend.models()[0].max_batch, 1);
-    let points = backend.profile("blazeface", &[1, 4]).unwrap();
-    assert_eq!(points.len(), 1, "{points:?}");
-    assert_eq!(points[0].0, 1);
-    assert!(points[0].1 > 0);
+    assert_eq!(backend.models()[0].max_batch, 32);
+    let points = backend.profile("blazeface", &[1, 4, 32, 64]).unwrap();
+    let sizes: Vec<u16> = points.iter().map(|p| p.0).collect();
+    assert_eq!(sizes, vec![1, 4, 32], "{points:?}");
+    assert!(points.iter().all(|p| p.1 > 0), "{points:?}");
     let err = backend.profile("yolo", &[1]).unwrap_err();
     assert!(matches!(err, BackendError::UnknownModel { .. }), "{err}");
 }
@@ -251,7 +323,7 @@ fn wrong_input_size_names_both_shapes() {
     let err = open_error(|t| t.replace("width = 128", "width = 160"));
     assert!(err.starts_with("model 'blazeface': input"), "{err}");
     assert!(
-        err.contains("[batch,128,160,3]") && err.contains("[1,128,128,3]"),
+        err.contains("[batch,128,160,3]") && err.contains("[-1,128,128,3]"),
         "{err}"
     );
 }
@@ -271,7 +343,21 @@ fn wrong_output_name_names_the_output_field() {
 
 #[test]
 fn batch_above_the_graphs_fixed_batch_is_refused() {
-    let err = open_error(|t| t.replace("max_batch = 1", "max_batch = 4"));
+    // The npm original, whose batch is fixed at 1, under a max_batch of 4.
+    let dir = edited_repo(|t| {
+        t.lines()
+            .filter(|l| !l.starts_with("sha256"))
+            .collect::<Vec<_>>()
+            .join("\n")
+            .replace("max_batch = 32", "max_batch = 4")
+    });
+    fs::copy(
+        models_dir().join("blazeface/fixed-batch.onnx"),
+        dir.path().join("blazeface/model.onnx"),
+    )
+    .unwrap();
+    let repo = Repository::load(dir.path(), None).unwrap();
+    let err = OrtBackend::open(&repo, &options()).unwrap_err().to_string();
     assert!(err.starts_with("model 'blazeface': max_batch"), "{err}");
     assert!(
         err.contains("is 4, but the ONNX file has a batch dimension fixed at 1"),

@@ -28,6 +28,7 @@ pub struct BlazefaceDecoder {
     max_detections: usize,
     keypoints: usize,
     layers: Vec<Layer>,
+    labels: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -151,7 +152,13 @@ impl BlazefaceDecoder {
             max_detections: params.max_detections,
             keypoints: keypoints.unwrap_or(0),
             layers,
+            labels: params.labels.clone(),
         })
+    }
+
+    /// The class names (BlazeFace has one, `face`).
+    pub fn labels(&self) -> &[String] {
+        &self.labels
     }
 
     /// Anchors above the score threshold, decoded, in normalised input
@@ -305,6 +312,7 @@ mod tests {
             version: 1,
             file: "tiny.onnx".into(),
             sha256: None,
+            optional: false,
             max_batch: 2,
             input: InputSpec {
                 name: "in".into(),

@@ -6,12 +6,44 @@
 //! and is tested on synthetic tensors.
 
 pub mod blazeface;
+pub mod boxes;
+pub mod classify;
 
 use tidegate_protocol::{Detection, Geometry};
 
 use crate::model::{DecoderSpec, ModelSpec};
 
-pub use blazeface::BlazefaceDecoder;
+pub use blazeface::{BlazefaceDecoder, iou};
+pub use boxes::BoxesDecoder;
+pub use classify::ClassifyDecoder;
+
+/// One frame's slice of one output, as the raw decoder passes it on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawTensor {
+    /// The graph output's name.
+    pub name: String,
+    /// Its shape for this frame alone (the batch dimension is 1).
+    pub shape: Vec<i64>,
+    /// Its elements, row-major.
+    pub data: Vec<f32>,
+}
+
+/// The declared shape of output `name`, or an error naming `field`.
+pub(crate) fn output_shape(
+    spec: &ModelSpec,
+    field: &str,
+    name: &str,
+) -> Result<Vec<i64>, DecoderError> {
+    spec.outputs
+        .iter()
+        .find(|o| o.name == name)
+        .map(|o| o.shape.clone())
+        .ok_or_else(|| DecoderError::UnknownOutput {
+            model: spec.name.clone(),
+            field: field.to_string(),
+            output: name.to_string(),
+        })
+}
 
 /// One output of a run: its name, its actual shape (batch first) and its f32
 /// elements, row-major.
@@ -39,6 +71,15 @@ impl<'a> OutputView<'a> {
             })
     }
 
+    /// Elements per frame: all of them divided by the batch (the first
+    /// dimension of the run's shape).
+    pub fn per_frame(&self) -> usize {
+        match self.shape.first() {
+            Some(&b) if b > 0 => self.data.len() / b as usize,
+            _ => 0,
+        }
+    }
+
     /// The slice of `per_frame` elements belonging to frame `frame` of the
     /// batch, or an error naming the output when it is too short.
     pub fn frame(&self, frame: usize, per_frame: usize) -> Result<&'a [f32], DecodeError> {
@@ -61,8 +102,13 @@ impl<'a> OutputView<'a> {
 pub enum Decoder {
     /// BlazeFace anchors, sigmoid and weighted NMS.
     Blazeface(BlazefaceDecoder),
-    /// No decoding: every frame has no detections.
-    Raw,
+    /// Rows of boxes, threshold and per-class NMS.
+    Boxes(BoxesDecoder),
+    /// Softmax and top-k classes.
+    Classify(ClassifyDecoder),
+    /// No decoding: the outputs are passed on per frame as
+    /// [`RawTensor`]s, with no detections.
+    Raw(Vec<String>),
 }
 
 impl Decoder {
@@ -70,13 +116,56 @@ impl Decoder {
     pub fn new(spec: &ModelSpec) -> Result<Self, DecoderError> {
         match &spec.decoder {
             DecoderSpec::Blazeface(b) => Ok(Decoder::Blazeface(BlazefaceDecoder::new(spec, b)?)),
-            DecoderSpec::Raw(_) => Ok(Decoder::Raw),
+            DecoderSpec::Boxes(b) => Ok(Decoder::Boxes(BoxesDecoder::new(spec, b)?)),
+            DecoderSpec::Classify(c) => Ok(Decoder::Classify(ClassifyDecoder::new(spec, c)?)),
+            DecoderSpec::Raw(_) => Ok(Decoder::Raw(
+                spec.outputs.iter().map(|o| o.name.clone()).collect(),
+            )),
         }
     }
 
-    /// Whether [`Decoder::decode`] reads any output (the raw decoder does not).
+    /// Whether the decoder reads outputs; every one does (the raw decoder
+    /// passes them on).
     pub fn reads_outputs(&self) -> bool {
-        !matches!(self, Decoder::Raw)
+        true
+    }
+
+    /// Class names, indexed by `Detection::class` (empty for raw).
+    pub fn labels(&self) -> &[String] {
+        match self {
+            Decoder::Blazeface(d) => d.labels(),
+            Decoder::Boxes(d) => d.labels(),
+            Decoder::Classify(d) => d.labels(),
+            Decoder::Raw(_) => &[],
+        }
+    }
+
+    /// Frame `frame`'s slice of every output, for the raw decoder; empty for
+    /// the others.
+    pub fn raw(
+        &self,
+        outputs: &[OutputView<'_>],
+        frame: usize,
+    ) -> Result<Vec<RawTensor>, DecodeError> {
+        let Decoder::Raw(names) = self else {
+            return Ok(Vec::new());
+        };
+        names
+            .iter()
+            .map(|name| {
+                let view = OutputView::find(outputs, name)?;
+                let data = view.frame(frame, view.per_frame())?;
+                let mut shape = view.shape.to_vec();
+                if let Some(b) = shape.first_mut() {
+                    *b = 1;
+                }
+                Ok(RawTensor {
+                    name: name.clone(),
+                    shape,
+                    data: data.to_vec(),
+                })
+            })
+            .collect()
     }
 
     /// Decodes frame `frame` of a batch. `outputs` are found by name, in any
@@ -90,7 +179,9 @@ impl Decoder {
     ) -> Result<Vec<Detection>, DecodeError> {
         match self {
             Decoder::Blazeface(d) => d.decode(outputs, frame, geometry),
-            Decoder::Raw => Ok(Vec::new()),
+            Decoder::Boxes(d) => d.decode(outputs, frame, geometry),
+            Decoder::Classify(d) => d.decode(outputs, frame, geometry),
+            Decoder::Raw(_) => Ok(Vec::new()),
         }
     }
 }
@@ -128,7 +219,7 @@ pub enum DecoderError {
 }
 
 /// Why a frame's outputs could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecodeError {
     /// An output the decoder reads was not produced by the run.
@@ -152,5 +243,29 @@ pub enum DecodeError {
         per_frame: usize,
         /// Elements present.
         len: usize,
+    },
+    /// An output's elements do not divide into what the decoder reads.
+    #[error(
+        "output {output:?} of shape {shape:?} does not hold {expected}; model.toml and the graph disagree"
+    )]
+    Layout {
+        /// The output's name.
+        output: String,
+        /// Its shape in the run.
+        shape: Vec<i64>,
+        /// What the decoder needs.
+        expected: String,
+    },
+    /// A box row names a class the model's labels do not have.
+    #[error(
+        "output {output:?} has a row of class {class}, but decoder.labels has {labels} labels; list every class the model emits"
+    )]
+    Class {
+        /// The output's name.
+        output: String,
+        /// The class value in the row.
+        class: f32,
+        /// How many labels there are.
+        labels: usize,
     },
 }

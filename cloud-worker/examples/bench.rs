@@ -1,0 +1,218 @@
+//! Worker efficiency: frames per second of the worker's backend (frame
+//! checks, preprocessing, ONNX Runtime, decoding) against raw ONNX Runtime
+//! (`Session::run` on an input prepared once, outputs dropped) on the same
+//! model, same threads, same process, per batch size. Also the start-up
+//! cost: opening and warming the backend, and profiling every batch size.
+//!
+//! cargo run --release -p tidegate-worker --example bench -- [--threads 1]
+//!     [--seconds 2] [--sizes 1,2,4,8,16,32] [--cuda]
+//!
+//! Prints a Markdown table for docs/benchmarks.md. Raw and worker runs
+//! alternate one batch at a time, and each side's median batch time is
+//! reported, so that load from other processes hits both alike. With one
+//! intra-op thread ONNX Runtime runs on the calling thread, so the table
+//! also gives frames per CPU-second of this thread (from
+//! /proc/thread-self/stat), which other processes on a shared machine
+//! disturb far less than wall-clock time; the efficiency ratio uses it.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use image::imageops::{self, FilterType};
+use ort::session::Session;
+use ort::value::TensorRef;
+use tidegate_protocol::{DType, Geometry, Layout, Tensor};
+use tidegate_worker::backend::{Backend, FrameInput, OrtBackend};
+use tidegate_worker::model::Repository;
+use tidegate_worker::preprocess::Preprocessor;
+use tidegate_worker::runtime::{CudaOptions, Provider, Runtime, RuntimeOptions};
+
+struct Args {
+    threads: usize,
+    seconds: f64,
+    sizes: Vec<usize>,
+    cuda: bool,
+    rounds: usize,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        threads: 1,
+        seconds: 2.0,
+        sizes: vec![1, 2, 4, 8, 16, 32],
+        cuda: false,
+        rounds: 3,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().expect("flag needs a value");
+        match flag.as_str() {
+            "--threads" => a.threads = value().parse().expect("--threads N"),
+            "--seconds" => a.seconds = value().parse().expect("--seconds S"),
+            "--rounds" => a.rounds = value().parse().expect("--rounds N"),
+            "--sizes" => {
+                a.sizes = value()
+                    .split(',')
+                    .map(|s| s.parse().expect("--sizes 1,2,4"))
+                    .collect()
+            }
+            "--cuda" => a.cuda = true,
+            other => panic!("unknown flag {other}; see the header of examples/bench.rs"),
+        }
+    }
+    a
+}
+
+/// CPU seconds this thread has used (user + system), Linux only.
+fn thread_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+    // Fields after the command name in parentheses; utime and stime are the
+    // 14th and 15th fields of the line, in clock ticks (100 per second).
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Runs `f` for `seconds` of wall time; (batches, CPU seconds of this thread).
+fn cpu_block(seconds: f64, mut f: impl FnMut()) -> (f64, f64) {
+    let until = Instant::now() + Duration::from_secs_f64(seconds);
+    let c = thread_cpu();
+    let mut n = 0.0;
+    while Instant::now() < until {
+        f();
+        n += 1.0;
+    }
+    (n, thread_cpu() - c)
+}
+
+/// Alternates `raw` and `worker` (one batch each) for `seconds`; the median
+/// time of each, in seconds.
+fn paired(seconds: f64, mut raw: impl FnMut(), mut worker: impl FnMut()) -> (f64, f64) {
+    let until = Instant::now() + Duration::from_secs_f64(seconds);
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    while Instant::now() < until || a.len() < 5 {
+        let t = Instant::now();
+        raw();
+        a.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        worker();
+        b.push(t.elapsed().as_secs_f64());
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    (median(&mut a), median(&mut b))
+}
+
+fn main() {
+    let a = args();
+    let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let repo = Repository::load(&models, Some(&["blazeface".to_string()])).unwrap();
+    let model = repo.get("blazeface").unwrap().clone();
+    let options = RuntimeOptions {
+        intra_threads: a.threads,
+        provider: if a.cuda {
+            Provider::Cuda(CudaOptions::default())
+        } else {
+            Provider::Cpu
+        },
+        ..RuntimeOptions::default()
+    };
+    let t = Instant::now();
+    let mut backend = OrtBackend::open(&repo, &options).unwrap_or_else(|e| panic!("{e}"));
+    let opened = t.elapsed();
+    let t = Instant::now();
+    let sizes16: Vec<u16> = [1u16, 2, 4, 8, 16, 32].to_vec();
+    backend.profile("blazeface", &sizes16).unwrap();
+    let profiled = t.elapsed();
+    eprintln!(
+        "device {}: open + warm-up {:.0} ms, profile of 1..32 {:.0} ms",
+        backend.device(),
+        opened.as_secs_f64() * 1e3,
+        profiled.as_secs_f64() * 1e3
+    );
+
+    // Raw ONNX Runtime on the same file, same threads (and provider).
+    let runtime = Runtime::get().expect("the backend loaded ONNX Runtime");
+    let mut builder = Session::builder(runtime.environment()).unwrap();
+    if a.threads > 0 {
+        builder = builder.with_intra_threads(a.threads).unwrap();
+    }
+    if a.cuda {
+        use ort::ep::ExecutionProvider;
+        ort::ep::CUDA::default().register(&mut builder).unwrap();
+    }
+    let mut raw = builder.commit_from_file(&model.path).unwrap();
+
+    let img = image::open(models.join("testdata/astronaut.png"))
+        .unwrap()
+        .to_rgb8();
+    let small = imageops::resize(&img, 128, 128, FilterType::Triangle).into_raw();
+    let frame = FrameInput {
+        tensor: Tensor {
+            dtype: DType::U8,
+            layout: Layout::Nhwc,
+            shape: vec![1, 128, 128, 3],
+            data: small.clone().into(),
+        },
+        geometry: Geometry::letterbox(512, 512, 128, 128),
+    };
+    let spec = &model.spec;
+    let mut one = vec![0.0f32; small.len()];
+    Preprocessor::new(&spec.input)
+        .to_f32(&small, Layout::Nhwc, &mut one)
+        .unwrap();
+
+    println!(
+        "| batch | raw ORT frames/s (wall) | worker frames/s (wall) | raw frames/CPU-s | worker frames/CPU-s | worker / raw (CPU) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for &b in &a.sizes {
+        let frames = vec![frame.clone(); b];
+        let input: Vec<f32> = one.iter().copied().cycle().take(one.len() * b).collect();
+        let shape = vec![b as i64, 128, 128, 3];
+        let mut runs = Vec::new();
+        let (mut raw_cpu, mut worker_cpu) = ((0.0, 0.0), (0.0, 0.0));
+        let run_raw = |raw: &mut Session| {
+            let t = TensorRef::from_array_view((shape.clone(), &input[..])).unwrap();
+            let out = raw
+                .run(ort::inputs![spec.input.name.as_str() => t])
+                .unwrap();
+            std::hint::black_box(out);
+        };
+        for _ in 0..a.rounds {
+            runs.push(paired(
+                a.seconds,
+                || run_raw(&mut raw),
+                || {
+                    let out = backend.run("blazeface", &frames);
+                    std::hint::black_box(out);
+                },
+            ));
+            // Alternating half-second blocks, CPU time per side.
+            for _ in 0..(a.seconds.ceil() as usize).max(1) {
+                let (n, c) = cpu_block(0.5, || run_raw(&mut raw));
+                raw_cpu = (raw_cpu.0 + n, raw_cpu.1 + c);
+                let (n, c) = cpu_block(0.5, || {
+                    std::hint::black_box(backend.run("blazeface", &frames));
+                });
+                worker_cpu = (worker_cpu.0 + n, worker_cpu.1 + c);
+            }
+        }
+        // The round with the fastest raw median: the least disturbed one.
+        let (raw_s, worker_s) = runs
+            .into_iter()
+            .min_by(|x, y| x.0.total_cmp(&y.0))
+            .expect("at least one round");
+        let per_cpu = |(n, c): (f64, f64)| n * b as f64 / c.max(1e-9);
+        let (raw_c, worker_c) = (per_cpu(raw_cpu), per_cpu(worker_cpu));
+        println!(
+            "| {b} | {:.0} | {:.0} | {raw_c:.0} | {worker_c:.0} | {:.2} |",
+            b as f64 / raw_s,
+            b as f64 / worker_s,
+            worker_c / raw_c
+        );
+    }
+}

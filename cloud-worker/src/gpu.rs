@@ -1,0 +1,576 @@
+//! CUDA on the worker, behind the `cuda` cargo feature: device discovery and
+//! preprocessing on the GPU.
+//!
+//! Everything goes through cudarc with dynamic loading, so the crate builds
+//! without a CUDA toolkit and the process starts without a driver. Before any
+//! CUDA call, [`driver_present`] (and for NVRTC [`nvrtc_present`]) checks that
+//! the library can be loaded at all; without it every function here returns
+//! [`GpuError::NoDriver`] / [`GpuError::NoNvrtc`] instead of panicking (cudarc
+//! panics when a symbol is first used from a library it cannot load).
+//!
+//! [`GpuPreprocessor`] compiles [`KERNEL_SOURCE`] with NVRTC once at start.
+//! Per batch, each u8 frame is copied to the device once, as u8 (a quarter of
+//! the f32 bytes), and the kernel writes the model's f32 input (layout,
+//! channel order, `(p * scale - mean) / std`) into a device buffer that ONNX
+//! Runtime reads in place through IO binding ([`crate::backend`]).
+
+// cudarc's launch API and the raw device pointer ONNX Runtime binds are
+// unsafe by nature; each use says why it holds.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use tidegate_protocol::{DType, Layout};
+
+use crate::model::{ColorOrder, InputSpec};
+
+/// The kernel's entry point in [`KERNEL_SOURCE`].
+pub const KERNEL_NAME: &str = "tidegate_preprocess";
+
+/// u8 RGB frame (NHWC or NCHW) → f32 model input (NHWC or NCHW), one thread
+/// per pixel (grid-stride), the three channels each. The arithmetic is the
+/// CPU path's, in the same order and without fused multiply-add, so both give
+/// the same floats.
+pub const KERNEL_SOURCE: &str = r#"
+extern "C" __global__ void tidegate_preprocess(
+    const unsigned char* __restrict__ src, float* __restrict__ dst,
+    long long pixels, int src_planar, int dst_planar,
+    int c0, int c1, int c2, float scale,
+    float m0, float m1, float m2, float s0, float s1, float s2)
+{
+    const int sc[3] = {c0, c1, c2};
+    const float mean[3] = {m0, m1, m2};
+    const float sd[3] = {s0, s1, s2};
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pixels;
+         i += (long long)gridDim.x * blockDim.x) {
+        for (int c = 0; c < 3; ++c) {
+            const unsigned char v = src_planar ? src[sc[c] * pixels + i] : src[i * 3 + sc[c]];
+            const float out = ((float)v * scale - mean[c]) / sd[c];
+            dst[dst_planar ? c * pixels + i : i * 3 + c] = out;
+        }
+    }
+}
+"#;
+
+/// Threads per block.
+pub const BLOCK: u32 = 256;
+
+/// Blocks and threads for `pixels` pixels: one thread each, at most 65535
+/// blocks (the kernel strides over the rest).
+pub fn launch_config(pixels: usize) -> LaunchConfig {
+    let blocks = pixels.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// What the kernel needs from a model's input spec.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KernelParams {
+    /// Pixels per frame.
+    pub pixels: usize,
+    /// Whether the model input is NCHW.
+    pub dst_planar: bool,
+    /// For each model channel, the frame channel it takes.
+    pub source_channel: [i32; 3],
+    /// Multiplies the pixel first.
+    pub scale: f32,
+    /// Subtracted per model channel.
+    pub mean: [f32; 3],
+    /// Divides per model channel.
+    pub std: [f32; 3],
+}
+
+impl KernelParams {
+    /// The parameters for `input`; only f32 model inputs are converted on the
+    /// GPU (u8 models take the frame as it is, on the CPU path).
+    pub fn new(model: &str, input: &InputSpec) -> Result<Self, GpuError> {
+        if input.model_dtype != DType::F32 {
+            return Err(GpuError::Unsupported {
+                model: model.to_string(),
+                reason: format!(
+                    "input.model_dtype is {}; GPU preprocessing writes f32",
+                    input.model_dtype
+                ),
+            });
+        }
+        let n = &input.normalize;
+        Ok(KernelParams {
+            pixels: input.width as usize * input.height as usize,
+            dst_planar: input.layout == Layout::Nchw,
+            source_channel: match input.color {
+                ColorOrder::Rgb => [0, 1, 2],
+                ColorOrder::Bgr => [2, 1, 0],
+            },
+            scale: n.scale,
+            mean: n.mean,
+            std: n.std,
+        })
+    }
+
+    /// The kernel's computation for one frame, on the CPU: the specification
+    /// [`KERNEL_SOURCE`] implements, index for index.
+    pub fn emulate(&self, src: &[u8], src_layout: Layout, dst: &mut [f32]) {
+        let p = self.pixels;
+        for i in 0..p {
+            for c in 0..3 {
+                let sc = self.source_channel[c] as usize;
+                let v = match src_layout {
+                    Layout::Nchw => src[sc * p + i],
+                    Layout::Nhwc => src[i * 3 + sc],
+                };
+                let out = (f32::from(v) * self.scale - self.mean[c]) / self.std[c];
+                dst[if self.dst_planar {
+                    c * p + i
+                } else {
+                    i * 3 + c
+                }] = out;
+            }
+        }
+    }
+}
+
+/// One CUDA device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Its ordinal.
+    pub ordinal: usize,
+    /// Its name, e.g. `NVIDIA H200`.
+    pub name: String,
+    /// Its memory in bytes.
+    pub total_memory: usize,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+}
+
+impl std::fmt::Display for GpuInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cuda:{} {} ({} MiB, sm_{}{})",
+            self.ordinal,
+            self.name,
+            self.total_memory >> 20,
+            self.compute_capability.0,
+            self.compute_capability.1
+        )
+    }
+}
+
+/// Whether the CUDA driver library (libcuda) can be loaded. Call before any
+/// other CUDA function: those panic when the library is missing.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library by its known names and
+    // drops the handle; no CUDA function is called.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether NVRTC (libnvrtc) can be loaded.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: as for `driver_present`, a dlopen probe only.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Every CUDA device, or why there are none. Never panics.
+pub fn probe() -> Result<Vec<GpuInfo>, GpuError> {
+    if !driver_present() {
+        return Err(GpuError::NoDriver);
+    }
+    let cuda = |what: &'static str| {
+        move |e: cudarc::driver::DriverError| GpuError::Cuda {
+            what,
+            message: e.to_string(),
+        }
+    };
+    let count = CudaContext::device_count().map_err(cuda("counting devices"))?;
+    let mut out = Vec::new();
+    for ordinal in 0..count.max(0) as usize {
+        let ctx = CudaContext::new(ordinal).map_err(cuda("opening a device"))?;
+        out.push(GpuInfo {
+            ordinal,
+            name: ctx.name().map_err(cuda("reading the device name"))?,
+            total_memory: ctx.total_mem().map_err(cuda("reading the device memory"))?,
+            compute_capability: ctx
+                .compute_capability()
+                .map_err(cuda("reading the compute capability"))?,
+        });
+    }
+    Ok(out)
+}
+
+/// The device `ordinal`, or an error naming what is there.
+pub fn device(ordinal: usize) -> Result<GpuInfo, GpuError> {
+    let all = probe()?;
+    let found = all.iter().find(|g| g.ordinal == ordinal).cloned();
+    found.ok_or(GpuError::NoSuchDevice {
+        ordinal,
+        count: all.len(),
+    })
+}
+
+/// Preprocessing of one model's batches on one GPU.
+pub struct GpuPreprocessor {
+    stream: Arc<CudaStream>,
+    function: CudaFunction,
+    params: KernelParams,
+    /// The frames as uploaded (u8), `max_batch` frames.
+    frames: CudaSlice<u8>,
+    /// The model input (f32), `max_batch` frames.
+    input: CudaSlice<f32>,
+    max_batch: usize,
+}
+
+impl std::fmt::Debug for GpuPreprocessor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuPreprocessor")
+            .field("params", &self.params)
+            .field("max_batch", &self.max_batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuPreprocessor {
+    /// Compiles the kernel for device `ordinal` and allocates buffers for
+    /// `max_batch` frames of `input`.
+    pub fn new(
+        model: &str,
+        ordinal: usize,
+        input: &InputSpec,
+        max_batch: usize,
+    ) -> Result<Self, GpuError> {
+        let params = KernelParams::new(model, input)?;
+        if !driver_present() {
+            return Err(GpuError::NoDriver);
+        }
+        if !nvrtc_present() {
+            return Err(GpuError::NoNvrtc);
+        }
+        let cuda = |what: &'static str| {
+            move |e: cudarc::driver::DriverError| GpuError::Cuda {
+                what,
+                message: e.to_string(),
+            }
+        };
+        let ctx = CudaContext::new(ordinal).map_err(cuda("opening the device"))?;
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+            KERNEL_SOURCE,
+            cudarc::nvrtc::CompileOptions {
+                fmad: Some(false),
+                name: Some("tidegate_preprocess.cu".into()),
+                ..Default::default()
+            },
+        )
+        .map_err(|e| GpuError::Compile(e.to_string()))?;
+        let module = ctx.load_module(ptx).map_err(cuda("loading the kernel"))?;
+        let function = module
+            .load_function(KERNEL_NAME)
+            .map_err(cuda("finding the kernel"))?;
+        let stream = ctx.default_stream();
+        let len = params.pixels * 3 * max_batch.max(1);
+        let frames = stream
+            .alloc_zeros::<u8>(len)
+            .map_err(cuda("allocating the frame buffer"))?;
+        let input = stream
+            .alloc_zeros::<f32>(len)
+            .map_err(cuda("allocating the model input"))?;
+        Ok(GpuPreprocessor {
+            stream,
+            function,
+            params,
+            frames,
+            input,
+            max_batch: max_batch.max(1),
+        })
+    }
+
+    /// The kernel parameters.
+    pub fn params(&self) -> &KernelParams {
+        &self.params
+    }
+
+    /// Uploads `frames` (u8, each `pixels * 3` bytes in its own layout) and
+    /// converts them into the model input on the device; returns once the
+    /// input is ready.
+    pub fn convert(&mut self, frames: &[(&[u8], Layout)]) -> Result<(), GpuError> {
+        let len = self.params.pixels * 3;
+        if frames.len() > self.max_batch || frames.iter().any(|(f, _)| f.len() != len) {
+            return Err(GpuError::Batch {
+                frames: frames.len(),
+                max_batch: self.max_batch,
+                frame_len: len,
+            });
+        }
+        let cuda = |what: &'static str| {
+            move |e: cudarc::driver::DriverError| GpuError::Cuda {
+                what,
+                message: e.to_string(),
+            }
+        };
+        let cfg = launch_config(self.params.pixels);
+        let p = &self.params;
+        let pixels = p.pixels as i64;
+        let dst_planar = i32::from(p.dst_planar);
+        let [c0, c1, c2] = p.source_channel;
+        let [m0, m1, m2] = p.mean;
+        let [s0, s1, s2] = p.std;
+        for (k, (data, layout)) in frames.iter().enumerate() {
+            let range = k * len..(k + 1) * len;
+            let mut dst = self.frames.slice_mut(range.clone());
+            self.stream
+                .memcpy_htod(*data, &mut dst)
+                .map_err(cuda("uploading a frame"))?;
+            let src = self.frames.slice(range.clone());
+            let mut out = self.input.slice_mut(range);
+            let src_planar = i32::from(*layout == Layout::Nchw);
+            let mut launch = self.stream.launch_builder(&self.function);
+            launch
+                .arg(&src)
+                .arg(&mut out)
+                .arg(&pixels)
+                .arg(&src_planar)
+                .arg(&dst_planar)
+                .arg(&c0)
+                .arg(&c1)
+                .arg(&c2)
+                .arg(&p.scale)
+                .arg(&m0)
+                .arg(&m1)
+                .arg(&m2)
+                .arg(&s0)
+                .arg(&s1)
+                .arg(&s2);
+            // SAFETY: the arguments match the kernel's signature in type and
+            // order; `src` and `out` hold `pixels * 3` elements each, which
+            // is every index the kernel touches.
+            unsafe { launch.launch(cfg) }.map_err(cuda("launching the kernel"))?;
+        }
+        // ONNX Runtime reads the input on its own stream: finish ours first.
+        self.stream
+            .synchronize()
+            .map_err(cuda("waiting for the kernel"))?;
+        Ok(())
+    }
+
+    /// The device address of the model input and the CUDA stream's
+    /// ordinal, for binding it to ONNX Runtime.
+    pub fn input_ptr(&self) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let (ptr, _sync) = self.input.device_ptr(&self.stream);
+        ptr
+    }
+
+    /// The model input on the device as an ONNX Runtime tensor of `shape`
+    /// (batch first, at most `max_batch` frames), for IO binding: ONNX
+    /// Runtime reads it in place.
+    pub fn input_tensor(
+        &self,
+        device_id: i32,
+        shape: &[i64],
+    ) -> Result<ort::value::TensorRefMut<'_, f32>, ort::Error> {
+        use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+        let elements: i64 = shape.iter().product();
+        if shape.is_empty()
+            || elements < 0
+            || elements as usize > self.params.pixels * 3 * self.max_batch
+        {
+            return Err(ort::Error::new(format!(
+                "shape {shape:?} does not fit the GPU input buffer of {} frames",
+                self.max_batch
+            )));
+        }
+        let info = MemoryInfo::new(
+            AllocationDevice::CUDA,
+            device_id,
+            AllocatorType::Device,
+            MemoryType::Default,
+        )?;
+        // SAFETY: the pointer is this preprocessor's device buffer on device
+        // `device_id`, holding `max_batch` frames, of which `shape` covers at
+        // most all (checked above); the returned tensor borrows `self`, so
+        // the buffer outlives it.
+        unsafe {
+            ort::value::TensorRefMut::from_raw(
+                info,
+                self.input_ptr() as usize as *mut std::ffi::c_void,
+                ort::value::Shape::new(shape.iter().copied()),
+            )
+        }
+    }
+
+    /// The first `frames` frames of model input, copied back (for tests and
+    /// checks).
+    pub fn download(&self, frames: usize) -> Result<Vec<f32>, GpuError> {
+        let len = self.params.pixels * 3 * frames.min(self.max_batch);
+        self.stream
+            .clone_dtoh(&self.input.slice(0..len))
+            .map_err(|e| GpuError::Cuda {
+                what: "downloading the model input",
+                message: e.to_string(),
+            })
+    }
+}
+
+/// Why CUDA cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuError {
+    /// libcuda.so cannot be loaded: no NVIDIA driver here.
+    #[error(
+        "no CUDA driver: libcuda.so cannot be loaded; install the NVIDIA driver, or run on the CPU"
+    )]
+    NoDriver,
+    /// libnvrtc.so cannot be loaded, so the kernel cannot be compiled.
+    #[error(
+        "NVRTC not found: libnvrtc.so cannot be loaded; install the CUDA runtime compiler (cuda-nvrtc) or put it on LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    /// No device with that ordinal.
+    #[error("no CUDA device {ordinal}: this machine has {count}")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices present.
+        count: usize,
+    },
+    /// A CUDA call failed.
+    #[error("CUDA failed {what}: {message}")]
+    Cuda {
+        /// What was being done.
+        what: &'static str,
+        /// CUDA's account.
+        message: String,
+    },
+    /// NVRTC rejected the kernel (a worker bug).
+    #[error("NVRTC could not compile the preprocessing kernel: {0}")]
+    Compile(String),
+    /// The model cannot be preprocessed on the GPU.
+    #[error("model '{model}': no GPU preprocessing: {reason}")]
+    Unsupported {
+        /// The model.
+        model: String,
+        /// Why.
+        reason: String,
+    },
+    /// A batch does not fit the buffers (a worker bug: the backend checks).
+    #[error(
+        "GPU preprocessing got {frames} frames (max {max_batch}) or a frame not of {frame_len} bytes"
+    )]
+    Batch {
+        /// Frames given.
+        frames: usize,
+        /// Buffer capacity.
+        max_batch: usize,
+        /// Bytes per frame.
+        frame_len: usize,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Normalize, Resize};
+    use crate::preprocess::Preprocessor;
+
+    fn input(layout: Layout, color: ColorOrder) -> InputSpec {
+        InputSpec {
+            name: "x".into(),
+            layout,
+            width: 9,
+            height: 7,
+            channels: 3,
+            color,
+            resize: Resize::Stretch,
+            model_dtype: DType::F32,
+            normalize: Normalize {
+                scale: 1.0 / 255.0,
+                mean: [0.485, 0.456, 0.406],
+                std: [0.229, 0.224, 0.225],
+            },
+        }
+    }
+
+    #[test]
+    fn kernel_index_math_matches_the_cpu_preprocessor() {
+        let src: Vec<u8> = (0..9 * 7 * 3).map(|i| (i * 37 % 256) as u8).collect();
+        for layout in [Layout::Nhwc, Layout::Nchw] {
+            for color in [ColorOrder::Rgb, ColorOrder::Bgr] {
+                for src_layout in [Layout::Nhwc, Layout::Nchw] {
+                    let spec = input(layout, color);
+                    let params = KernelParams::new("m", &spec).unwrap();
+                    let mut want = vec![0.0; src.len()];
+                    Preprocessor::new(&spec)
+                        .to_f32(&src, src_layout, &mut want)
+                        .unwrap();
+                    let mut got = vec![f32::NAN; src.len()];
+                    params.emulate(&src, src_layout, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 1e-6,
+                            "{layout}/{color:?}/{src_layout} element {i}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_source_declares_the_entry_point_with_every_argument() {
+        assert!(KERNEL_SOURCE.contains(&format!("__global__ void {KERNEL_NAME}(")));
+        // 15 arguments, as `convert` pushes them.
+        let signature = KERNEL_SOURCE
+            .split(&format!("{KERNEL_NAME}("))
+            .nth(1)
+            .and_then(|s| s.split(')').next())
+            .unwrap();
+        assert_eq!(signature.split(',').count(), 15, "{signature}");
+    }
+
+    #[test]
+    fn launch_covers_every_pixel_within_grid_limits() {
+        let c = launch_config(128 * 128);
+        assert_eq!(c.block_dim, (BLOCK, 1, 1));
+        assert_eq!(c.grid_dim.0 as usize * BLOCK as usize, 128 * 128);
+        assert_eq!(launch_config(1).grid_dim.0, 1);
+        assert_eq!(launch_config(0).grid_dim.0, 1);
+        assert_eq!(launch_config(usize::MAX / 2).grid_dim.0, 65_535);
+    }
+
+    #[test]
+    fn u8_model_input_is_left_to_the_cpu_path() {
+        let mut spec = input(Layout::Nhwc, ColorOrder::Rgb);
+        spec.model_dtype = DType::U8;
+        let err = KernelParams::new("probe", &spec).unwrap_err().to_string();
+        assert!(err.contains("model 'probe'") && err.contains("u8"), "{err}");
+    }
+
+    /// Without a driver, discovery answers with an error and never panics;
+    /// with one, it lists the devices.
+    #[test]
+    fn discovery_never_panics() {
+        match probe() {
+            Err(GpuError::NoDriver) => {
+                assert!(!driver_present());
+                eprintln!(
+                    "no CUDA driver on this machine: GPU checks skipped (run scripts/gpu-check.sh on a GPU machine)"
+                );
+                let err = GpuPreprocessor::new("m", 0, &input(Layout::Nhwc, ColorOrder::Rgb), 1)
+                    .unwrap_err();
+                assert_eq!(err, GpuError::NoDriver);
+                assert_eq!(device(0).unwrap_err(), GpuError::NoDriver);
+            }
+            Err(e) => panic!("driver present but probing failed: {e}"),
+            Ok(devices) => {
+                for d in &devices {
+                    assert!(!d.name.is_empty() && d.total_memory > 0, "{d}");
+                    assert!(d.compute_capability.0 >= 3, "{d}");
+                }
+            }
+        }
+    }
+}
