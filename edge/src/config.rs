@@ -20,6 +20,46 @@ pub struct EdgeConfig {
     /// The cameras.
     #[serde(default)]
     pub cameras: Vec<CameraConfig>,
+    /// Where results go.
+    #[serde(default)]
+    pub sinks: SinksConfig,
+}
+
+/// Where results go; every sink configured gets every result.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinksConfig {
+    /// JSON lines on standard output.
+    #[serde(default = "yes")]
+    pub stdout: bool,
+    /// JSON lines appended to this file (relative paths resolve against the
+    /// config file).
+    #[serde(default)]
+    pub file: Option<PathBuf>,
+    /// `http://host:port/path`: results are POSTed there as JSON arrays.
+    #[serde(default)]
+    pub webhook: Option<String>,
+    /// Results waiting for the webhook before the oldest is dropped.
+    #[serde(default = "default_webhook_queue")]
+    pub webhook_queue: usize,
+}
+
+impl Default for SinksConfig {
+    fn default() -> Self {
+        SinksConfig {
+            stdout: true,
+            file: None,
+            webhook: None,
+            webhook_queue: default_webhook_queue(),
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_webhook_queue() -> usize {
+    1024
 }
 
 /// How to reach the gateway.
@@ -45,16 +85,38 @@ fn default_server_name() -> String {
 pub struct CameraConfig {
     /// Name, unique within this edge.
     pub name: String,
-    /// Source: `image:///path.png`, `test://smpte`, `file:///path.mp4`.
+    /// Source: `rtsp://host/path`, `v4l2:///dev/video0`,
+    /// `file:///path.mp4`, `image:///path.png`, `test://smpte`.
+    #[serde(default)]
     pub uri: String,
     /// Model to run on its frames.
+    #[serde(default)]
     pub model: String,
     /// End-to-end budget per frame (ms).
     #[serde(default = "default_budget_ms")]
     pub budget_ms: u32,
-    /// Frame-rate cap.
+    /// Frame-rate cap. The gateway's hints may lower it, never raise it.
     #[serde(default = "default_max_fps")]
     pub max_fps: f64,
+    /// Motion gate: the fraction (0–1) of a 32×32 grey thumbnail that must
+    /// change, against the last frame sent, for a frame to be sent. 0 (the
+    /// default) sends every frame up to the cap. Hints may raise it.
+    #[serde(default)]
+    pub motion_threshold: f64,
+    /// Least frames per second sent while the motion gate finds the scene
+    /// static, so the gateway still sees the camera.
+    #[serde(default = "default_keepalive_fps")]
+    pub keepalive_fps: f64,
+    /// Lower transport of an `rtsp://` source: `tcp` (default) or `udp`.
+    #[serde(default)]
+    pub rtsp_transport: RtspTransport,
+    /// Play a `file://` source again from the start when it ends.
+    #[serde(default, rename = "loop")]
+    pub loop_file: bool,
+    /// Frames of this camera on the wire, unacknowledged, at most; a newer
+    /// frame abandons the oldest beyond that.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
 }
 
 fn default_budget_ms() -> u32 {
@@ -62,6 +124,70 @@ fn default_budget_ms() -> u32 {
 }
 fn default_max_fps() -> f64 {
     10.0
+}
+fn default_keepalive_fps() -> f64 {
+    0.5
+}
+fn default_max_in_flight() -> usize {
+    2
+}
+
+impl CameraConfig {
+    /// Checks this camera's entry. An error here disables this camera only.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |what: String| {
+            Err(ConfigError::Invalid(format!(
+                "camera '{}': {what}",
+                self.name
+            )))
+        };
+        if self.model.trim().is_empty() {
+            return Err(ConfigError::Invalid(format!(
+                "camera '{}' has no model: set `model = \"blazeface\"` (or another model the gateway serves)",
+                self.name
+            )));
+        }
+        if self.uri.trim().is_empty() {
+            return bad("it has no uri: set `uri = \"rtsp://host/path\"` (or file://, v4l2://, image://, test://)".into());
+        }
+        if !(self.max_fps > 0.0 && self.max_fps <= 240.0) {
+            return bad(format!("max_fps {} must be in (0, 240]", self.max_fps));
+        }
+        if self.budget_ms == 0 {
+            return bad("budget_ms must be positive".into());
+        }
+        if !(0.0..=1.0).contains(&self.motion_threshold) {
+            return bad(format!(
+                "motion_threshold {} must be a fraction from 0 (off) to 1",
+                self.motion_threshold
+            ));
+        }
+        if !(self.keepalive_fps >= 0.0 && self.keepalive_fps <= self.max_fps) {
+            return bad(format!(
+                "keepalive_fps {} must be from 0 to max_fps ({})",
+                self.keepalive_fps, self.max_fps
+            ));
+        }
+        if !(1..=64).contains(&self.max_in_flight) {
+            return bad(format!(
+                "max_in_flight {} must be from 1 to 64",
+                self.max_in_flight
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Lower transport of an `rtsp://` camera.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RtspTransport {
+    /// RTP interleaved on the RTSP TCP connection: works through NAT and
+    /// firewalls, never loses packets.
+    #[default]
+    Tcp,
+    /// RTP over UDP: lower latency on a clean LAN, packets may be lost.
+    Udp,
 }
 
 /// A secret string: redacted in `Debug`.
@@ -115,16 +241,21 @@ impl EdgeConfig {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
+        let dir = path.parent().unwrap_or(Path::new("."));
         if cfg.gateway.ca.is_relative() {
-            cfg.gateway.ca = path
-                .parent()
-                .unwrap_or(Path::new("."))
-                .join(&cfg.gateway.ca);
+            cfg.gateway.ca = dir.join(&cfg.gateway.ca);
+        }
+        if let Some(f) = &cfg.sinks.file
+            && f.is_relative()
+        {
+            cfg.sinks.file = Some(dir.join(f));
         }
         Ok(cfg)
     }
 
-    /// Checks what serde cannot. Errors name the camera.
+    /// Checks what serde cannot, for the edge as a whole. A camera's own
+    /// entry is checked by [`CameraConfig::validate`]: a bad one disables
+    /// that camera, not the edge.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.token.0.is_empty() {
             return Err(ConfigError::Invalid(format!(
@@ -140,24 +271,15 @@ impl EdgeConfig {
                     c.name
                 )));
             }
-            if c.model.trim().is_empty() {
-                return Err(ConfigError::Invalid(format!(
-                    "camera '{}' has no model: set `model = \"blazeface\"` (or another model the gateway serves)",
-                    c.name
-                )));
-            }
-            if !(c.max_fps > 0.0 && c.max_fps <= 240.0) {
-                return Err(ConfigError::Invalid(format!(
-                    "camera '{}': max_fps {} must be in (0, 240]",
-                    c.name, c.max_fps
-                )));
-            }
-            if c.budget_ms == 0 {
-                return Err(ConfigError::Invalid(format!(
-                    "camera '{}': budget_ms must be positive",
-                    c.name
-                )));
-            }
+        }
+        if self.sinks.webhook_queue == 0 {
+            return Err(ConfigError::Invalid(
+                "sinks.webhook_queue must be at least 1".into(),
+            ));
+        }
+        if let Some(url) = &self.sinks.webhook {
+            crate::sink::webhook::Endpoint::parse(url)
+                .map_err(|e| ConfigError::Invalid(format!("sinks.webhook: {e}")))?;
         }
         Ok(())
     }
@@ -179,8 +301,82 @@ mod tests {
         let cfg = parse(&format!(
             "{BASE}[[cameras]]\nname = \"door\"\nuri = \"test://smpte\"\nmodel = \"\"\n"
         ));
-        let err = cfg.validate().unwrap_err().to_string();
+        cfg.validate().unwrap();
+        let err = cfg.cameras[0].validate().unwrap_err().to_string();
         assert!(err.contains("'door'") && err.contains("model"), "{err}");
+    }
+
+    #[test]
+    fn camera_without_model_key_still_parses_so_the_others_can_run() {
+        let cfg = parse(&format!(
+            "{BASE}[[cameras]]\nname = \"a\"\nuri = \"test://smpte\"\n[[cameras]]\nname = \"b\"\nuri = \"test://ball\"\nmodel = \"m\"\n"
+        ));
+        cfg.validate().unwrap();
+        assert!(cfg.cameras[0].validate().is_err());
+        cfg.cameras[1].validate().unwrap();
+    }
+
+    #[test]
+    fn camera_options_parse_and_are_range_checked() {
+        let cfg = parse(&format!(
+            "{BASE}[[cameras]]\nname = \"gate\"\nuri = \"rtsp://cam/x\"\nmodel = \"m\"\nmax_fps = 15\nmotion_threshold = 0.02\nkeepalive_fps = 1\nrtsp_transport = \"udp\"\nloop = true\n"
+        ));
+        let c = &cfg.cameras[0];
+        c.validate().unwrap();
+        assert_eq!(c.rtsp_transport, RtspTransport::Udp);
+        assert!(c.loop_file);
+        assert_eq!((c.motion_threshold, c.keepalive_fps), (0.02, 1.0));
+        let mut bad = c.clone();
+        bad.motion_threshold = 1.5;
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("motion_threshold")
+        );
+        let mut bad = c.clone();
+        bad.keepalive_fps = 30.0;
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("keepalive_fps")
+        );
+        assert!(
+            toml::from_str::<EdgeConfig>(&format!(
+                "{BASE}[[cameras]]\nname = \"x\"\nuri = \"rtsp://c/x\"\nmodel = \"m\"\nrtsp_transport = \"http\"\n"
+            ))
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn relative_ca_and_results_file_resolve_against_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edge.toml");
+        std::fs::write(
+            &path,
+            format!("{BASE}[sinks]\nstdout = false\nfile = \"out/results.jsonl\"\n"),
+        )
+        .unwrap();
+        let cfg = EdgeConfig::load(&path).unwrap();
+        assert_eq!(cfg.gateway.ca, dir.path().join("ca.pem"));
+        assert_eq!(cfg.sinks.file, Some(dir.path().join("out/results.jsonl")));
+        assert!(!cfg.sinks.stdout);
+    }
+
+    #[test]
+    fn sinks_default_to_stdout_and_check_the_webhook_url() {
+        let cfg = parse(BASE);
+        assert!(cfg.sinks.stdout && cfg.sinks.file.is_none() && cfg.sinks.webhook.is_none());
+        let cfg = parse(&format!(
+            "{BASE}[sinks]\nstdout = false\nwebhook = \"https://x/y\"\n"
+        ));
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("sinks.webhook") && err.contains("http://"),
+            "{err}"
+        );
     }
 
     #[test]

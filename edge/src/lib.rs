@@ -4,9 +4,13 @@
 //! results, which go to a [`sink`] with their end-to-end latency measured on
 //! the edge's own [`clock`].
 
+pub mod backoff;
 #[cfg(feature = "capture")]
 pub mod capture;
 pub mod clock;
 pub mod config;
+pub mod gate;
+#[cfg(feature = "capture")]
+pub mod node;
 pub mod sink;
 pub mod uplink;

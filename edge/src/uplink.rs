@@ -2,14 +2,20 @@
 //! frame on its own unidirectional stream (newer frames at higher priority),
 //! and delivers results and control hints.
 //!
+//! A camera sends through its [`Lane`], which keeps at most a few frames
+//! unacknowledged and resets (`RESET_STREAM`, code 0) a frame that is
+//! superseded — a newer frame of the camera was acknowledged first, or the
+//! lane is full — or still unacknowledged at its deadline. Nothing is queued
+//! for later: a stale frame is abandoned, never sent late.
+//!
 //! This module has no GStreamer dependency, so `tidegate-loadtest`'s
 //! simulated cameras use it too.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
@@ -17,6 +23,7 @@ use tidegate_protocol::{
     Limits, Message, Role,
 };
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
 /// Results buffered for the consumer before the oldest is dropped.
@@ -223,6 +230,220 @@ impl Uplink {
     pub fn close(&self) {
         self.conn.close(0u32.into(), b"edge closing");
     }
+
+    /// Waits until the connection is gone and says why.
+    pub async fn closed(&self) -> String {
+        self.conn.closed().await.to_string()
+    }
+
+    /// Whether the connection is gone.
+    pub fn is_closed(&self) -> bool {
+        self.conn.close_reason().is_some()
+    }
+
+    /// A lane for `camera` on this connection, keeping at most
+    /// `max_in_flight` frames unacknowledged and counting into `stats`
+    /// (which may outlive the connection).
+    pub fn lane(&self, camera: &str, max_in_flight: usize, stats: Arc<LaneStats>) -> Lane {
+        Lane {
+            conn: self.conn.clone(),
+            sent: self.sent.clone(),
+            state: Arc::new(LaneState {
+                camera: camera.to_string(),
+                max_in_flight: max_in_flight.max(1),
+                in_flight: Mutex::new(VecDeque::new()),
+                stats,
+            }),
+            tasks: tokio_util::task::TaskTracker::new(),
+        }
+    }
+}
+
+/// What became of a camera's frames on the wire.
+#[derive(Debug, Default)]
+pub struct LaneStats {
+    /// Frames acknowledged by the gateway's QUIC stack.
+    pub delivered: AtomicU64,
+    /// Frames reset because a newer frame of the camera got there first, or
+    /// the lane was full.
+    pub superseded: AtomicU64,
+    /// Frames reset because they were still unacknowledged at their deadline.
+    pub expired: AtomicU64,
+    /// Frames refused by the gateway (`STOP_SENDING` with an error code).
+    pub refused: AtomicU64,
+    /// Frames lost with the connection.
+    pub lost: AtomicU64,
+}
+
+impl LaneStats {
+    fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Frames reset (superseded or expired).
+    pub fn reset(&self) -> u64 {
+        self.superseded.load(Ordering::Relaxed) + self.expired.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug)]
+struct LaneState {
+    camera: String,
+    max_in_flight: usize,
+    /// Unacknowledged frames, oldest first: (seq, abandon signal).
+    in_flight: Mutex<VecDeque<(u64, CancellationToken)>>,
+    stats: Arc<LaneStats>,
+}
+
+impl LaneState {
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, VecDeque<(u64, CancellationToken)>> {
+        // Each update is one VecDeque call or a scan: usable after a panic.
+        self.in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// How a frame stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Delivered,
+    Superseded,
+    Expired,
+    Refused,
+    Lost,
+}
+
+/// One camera's sender on one connection. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Lane {
+    conn: quinn::Connection,
+    sent: Arc<AtomicU64>,
+    state: Arc<LaneState>,
+    tasks: tokio_util::task::TaskTracker,
+}
+
+impl Lane {
+    /// Sends `frame` on its own stream, abandoning it (reset) if it is still
+    /// unacknowledged at `deadline` or superseded first. When the lane is
+    /// full the oldest frame in flight is abandoned to make room. Returns
+    /// once the stream is open; the rest happens in a task of its own.
+    pub async fn send(
+        &self,
+        frame: Frame,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), UplinkError> {
+        let seq = frame.seq;
+        let abandon = CancellationToken::new();
+        {
+            let mut q = self.state.in_flight();
+            while q.len() >= self.state.max_in_flight {
+                if let Some((_, oldest)) = q.pop_front() {
+                    oldest.cancel();
+                }
+            }
+            q.push_back((seq, abandon.clone()));
+        }
+        // Opening waits for stream credit from the gateway; a frame that
+        // cannot even start before its deadline is dropped as expired.
+        let stream = match tokio::time::timeout_at(deadline, self.conn.open_uni()).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                self.forget(seq);
+                LaneStats::bump(&self.state.stats.lost);
+                return Err(UplinkError::Lost(e.to_string()));
+            }
+            Err(_) => {
+                self.forget(seq);
+                LaneStats::bump(&self.state.stats.expired);
+                return Ok(());
+            }
+        };
+        let _ = stream.set_priority((seq % i32::MAX as u64) as i32);
+        let state = self.state.clone();
+        let sent = self.sent.clone();
+        let span = tracing::debug_span!("frame", camera = %state.camera, seq);
+        self.tasks.spawn(
+            async move {
+                let outcome = drive(stream, frame, deadline, abandon).await;
+                let lane = Lane::forget_in(&state, seq);
+                let stats = &state.stats;
+                match outcome {
+                    Outcome::Delivered => {
+                        LaneStats::bump(&stats.delivered);
+                        sent.fetch_add(1, Ordering::Relaxed);
+                        // Older frames still on the way are now useless.
+                        for (older, token) in lane.iter().filter(|(s, _)| *s < seq) {
+                            debug!(older, "superseded by {seq}");
+                            token.cancel();
+                        }
+                    }
+                    Outcome::Superseded => LaneStats::bump(&stats.superseded),
+                    Outcome::Expired => LaneStats::bump(&stats.expired),
+                    Outcome::Refused => LaneStats::bump(&stats.refused),
+                    Outcome::Lost => LaneStats::bump(&stats.lost),
+                }
+                debug!(?outcome, "frame stream done");
+            }
+            .instrument(span),
+        );
+        Ok(())
+    }
+
+    /// Frames of this lane not yet acknowledged, reset or lost.
+    pub fn in_flight(&self) -> usize {
+        self.state.in_flight().len()
+    }
+
+    /// Waits (at most `timeout`) until every frame sent so far is settled.
+    pub async fn settle(&self, timeout: std::time::Duration) {
+        self.tasks.close();
+        let _ = tokio::time::timeout(timeout, self.tasks.wait()).await;
+        self.tasks.reopen();
+    }
+
+    fn forget(&self, seq: u64) {
+        Lane::forget_in(&self.state, seq);
+    }
+
+    /// Removes `seq` from the lane; returns the tokens of the frames left.
+    fn forget_in(state: &LaneState, seq: u64) -> Vec<(u64, CancellationToken)> {
+        let mut q = state.in_flight();
+        q.retain(|(s, _)| *s != seq);
+        q.iter().cloned().collect()
+    }
+}
+
+/// Writes one frame, finishes the stream and waits for the acknowledgement,
+/// unless it is abandoned or its deadline passes first; then it is reset.
+async fn drive(
+    mut stream: quinn::SendStream,
+    frame: Frame,
+    deadline: tokio::time::Instant,
+    abandon: CancellationToken,
+) -> Outcome {
+    let message = Message::Frame(frame);
+    // A frame both late and superseded counts as expired.
+    let reason = tokio::select! {
+        biased;
+        _ = tokio::time::sleep_until(deadline) => Outcome::Expired,
+        _ = abandon.cancelled() => Outcome::Superseded,
+        r = async {
+            write_message(&mut stream, &message).await.map_err(|_| ())?;
+            stream.finish().map_err(|_| ())?;
+            stream.stopped().await.map_err(|_| ())
+        } => {
+            return match r {
+                Ok(None) => Outcome::Delivered,
+                Ok(Some(code)) if code.into_inner() == 0 => Outcome::Delivered,
+                Ok(Some(_)) => Outcome::Refused,
+                Err(()) => Outcome::Lost,
+            };
+        }
+    };
+    // Code 0: a deliberate abandonment (protocol §7.3).
+    let _ = stream.reset(0u32.into());
+    reason
 }
 
 /// Owns the control stream: writes commands, reads replies and hints.

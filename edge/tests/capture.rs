@@ -314,6 +314,7 @@ async fn video_file_is_paced_to_max_fps_then_reports_end_of_stream() {
         tidegate_edge::capture::CaptureOptions {
             queue_depth: 64,
             first_seq: 1000,
+            ..Default::default()
         },
     )
     .unwrap();

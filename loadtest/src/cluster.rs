@@ -328,6 +328,201 @@ impl Cluster {
             .output()
             .context("running tidegate-edge")
     }
+
+    /// Kills the gateway abruptly (SIGKILL), as a crash would; its clients
+    /// get no CONNECTION_CLOSE.
+    pub fn kill_gateway(&mut self) {
+        let _ = self.gateway.kill();
+        let _ = self.gateway.wait();
+    }
+
+    /// Starts the gateway again (killing it first if it still runs) on the
+    /// same QUIC and HTTP ports, with the same certificates, edges, workers
+    /// and tokens. Its log is appended to the same `gateway.log`.
+    pub fn restart_gateway(&mut self) -> anyhow::Result<()> {
+        self.kill_gateway();
+        let text = std::fs::read_to_string(self.dir.path().join("gateway.toml"))?;
+        let text = text
+            .replacen(
+                "listen = \"127.0.0.1:0\"",
+                &format!("listen = \"{}\"", self.quic),
+                1,
+            )
+            .replacen(
+                "listen = \"127.0.0.1:0\"",
+                &format!("listen = \"{}\"", self.http),
+                1,
+            );
+        let cfg = self.dir.path().join("gateway-restarted.toml");
+        std::fs::write(&cfg, text)?;
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.path().join("gateway.log"))?;
+        let mut gateway = Command::new(bin("tidegate-gateway")?)
+            .arg("--config")
+            .arg(&cfg)
+            .arg("run")
+            .env("TIDEGATE_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .context("restarting tidegate-gateway")?;
+        let stdout = gateway.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .context("reading the restarted gateway's listening line")?;
+        let want = format!("quic={}", self.quic);
+        if !line.contains(&want) {
+            let _ = gateway.kill();
+            let _ = gateway.wait();
+            bail!(
+                "restarted gateway printed {line:?}, expected {want}; gateway log:\n{}",
+                self.gateway_log()
+            );
+        }
+        self.gateway = gateway;
+        Ok(())
+    }
+
+    /// Replaces worker `name` with a fresh process (a worker exits when its
+    /// gateway goes away).
+    pub fn respawn_worker(&mut self, name: &str) -> anyhow::Result<()> {
+        if let Some(i) = self.workers.iter().position(|(n, _)| n == name) {
+            let (_, mut old) = self.workers.remove(i);
+            let _ = old.kill();
+            let _ = old.wait();
+        }
+        self.spawn_worker(name)
+    }
+    /// Starts a gateway that leases its own workers (`[leasing]` with the
+    /// process provider). `leasing` holds the `[leasing]` keys and the
+    /// `[[leasing.models]]` tables; `process` holds extra
+    /// `[leasing.process]` keys (such as `notice_period_secs = 1`);
+    /// `files` are (name, text) written into [`Cluster::dir`] first (a
+    /// test catalog, say), where relative `ledger` and `catalog` paths
+    /// resolve. The workers serve BlazeFace from the repository's models/
+    /// with one intra-op thread; their logs go to the gateway's log.
+    pub fn start_leasing(
+        opts: &ClusterOptions,
+        leasing: &str,
+        process: &str,
+        files: &[(&str, &str)],
+    ) -> anyhow::Result<Cluster> {
+        let dir = tempfile::tempdir().context("creating a temp dir")?;
+        let gw = bin("tidegate-gateway")?;
+        let status = Command::new(&gw)
+            .args(["dev-certs", "--out"])
+            .arg(dir.path().join("certs"))
+            .stdout(Stdio::null())
+            .status()
+            .context("running tidegate-gateway dev-certs")?;
+        if !status.success() {
+            bail!("tidegate-gateway dev-certs failed");
+        }
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text)?;
+        }
+        // The gateway hands each worker its address (TIDEGATE_GATEWAY_ADDR)
+        // and its lease (TIDEGATE_LEASE_ID / _TOKEN); the file holds the rest.
+        let worker_cfg = dir.path().join("leased-worker.toml");
+        std::fs::write(
+            &worker_cfg,
+            format!(
+                "name = \"leased\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [\"blazeface\"]\n[runtime]\nintra_threads = 1\n",
+                workspace_root().join("models").display()
+            ),
+        )?;
+        let edge_token = random_token();
+        let worker_token = random_token();
+        let hash = tidegate_gateway::auth::hash_token;
+        let mut toml = format!(
+            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\n[scheduler]\n{}\n[leasing]\n{leasing}\n[leasing.process]\ncommand = \"{}\"\nargs = [\"--config\", \"{}\"]\nenv = {{ TIDEGATE_LOG = \"info\" }}\n{process}\n",
+            opts.scheduler,
+            bin("tidegate-worker")?.display(),
+            worker_cfg.display(),
+        );
+        for e in &opts.edges {
+            toml += &format!(
+                "[[edges]]\nname = \"{e}\"\ntoken_sha256 = \"{}\"\n",
+                hash(&edge_token)
+            );
+        }
+        for w in &opts.workers {
+            toml += &format!(
+                "[[workers]]\nname = \"{w}\"\ntoken_sha256 = \"{}\"\n",
+                hash(&worker_token)
+            );
+        }
+        let cfg = dir.path().join("gateway.toml");
+        std::fs::write(&cfg, toml)?;
+        let log = std::fs::File::create(dir.path().join("gateway.log"))?;
+        let mut gateway = Command::new(&gw)
+            .arg("--config")
+            .arg(&cfg)
+            .arg("run")
+            .env("TIDEGATE_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .context("starting tidegate-gateway")?;
+        let stdout = gateway.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .context("reading the gateway's listening line")?;
+        let addr = |key: &str| -> anyhow::Result<SocketAddr> {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .with_context(|| format!("gateway printed {line:?}, expected {key}ADDR"))?
+                .parse()
+                .context("parsing the gateway address")
+        };
+        let (quic, http) = match (addr("quic="), addr("http=")) {
+            (Ok(q), Ok(h)) => (q, h),
+            (Err(e), _) | (_, Err(e)) => {
+                let _ = gateway.kill();
+                let _ = gateway.wait();
+                let log =
+                    std::fs::read_to_string(dir.path().join("gateway.log")).unwrap_or_default();
+                bail!("{e}; gateway log:\n{log}");
+            }
+        };
+        Ok(Cluster {
+            dir,
+            quic,
+            http,
+            gateway,
+            workers: Vec::new(),
+            edge_token,
+            worker_token,
+        })
+    }
+
+    /// Stops the gateway gracefully (SIGTERM) and waits up to `timeout`
+    /// for it to exit (then kills it). A leasing gateway releases every
+    /// lease, and so ends its workers, before it exits.
+    pub fn stop_gateway(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let pid = self.gateway.id().to_string();
+        let status = Command::new("kill")
+            .args(["-s", "TERM", &pid])
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill -s TERM {pid} failed: {status}");
+        }
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.gateway.try_wait()? {
+                return Ok(s);
+            }
+            if Instant::now() > until {
+                self.kill_gateway();
+                bail!("the gateway did not exit within {timeout:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Drop for Cluster {

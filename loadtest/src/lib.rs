@@ -4,6 +4,7 @@
 //! benchmarks behind `tidegate-bench` ([`schedbench`], [`relay`]).
 
 pub mod cluster;
+pub mod edge_harness;
 pub mod relay;
 pub mod report;
 pub mod schedbench;

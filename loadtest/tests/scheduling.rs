@@ -199,6 +199,75 @@ fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
 }
 
 #[test]
+fn a_real_edge_obeys_the_rate_hint() {
+    let _serial = serial();
+    let c = cluster(1, "hint_window_ms = 500");
+    // Simulated cameras that ignore hints keep one worker overloaded, so
+    // the real edge's two 30 fps test cameras are shed too and get hints.
+    let mut flood = sim_opts(&c, "edge-1", 12, 60.0, 7.0);
+    flood.obey_hints = false;
+    let load = std::thread::spawn(move || run_sim(flood));
+    let cfg = c
+        .edge_config(
+            "edge-2",
+            &[
+                ("ball", "test://ball", "blazeface", 30.0),
+                ("smpte", "test://smpte", "blazeface", 30.0),
+            ],
+        )
+        .expect("edge config");
+    let log = std::fs::File::create(c.dir().join("edge-2.log")).expect("edge log");
+    let mut edge = std::process::Command::new(
+        tidegate_loadtest::cluster::bin("tidegate-edge").expect("edge binary"),
+    )
+    .arg("--config")
+    .arg(&cfg)
+    .env("TIDEGATE_EDGE_TOKEN", &c.edge_token)
+    .env("TIDEGATE_LOG", "info")
+    .stdout(std::process::Stdio::null())
+    .stderr(log)
+    .spawn()
+    .expect("edge starts");
+    std::thread::sleep(Duration::from_secs(5));
+    let (_, cams) = c.get("/api/v1/cameras").expect("GET /api/v1/cameras");
+    let _ = edge.kill();
+    let _ = edge.wait();
+    let r = load.join().expect("load thread");
+    assert_nothing_lost(&r);
+    let log = std::fs::read_to_string(c.dir().join("edge-2.log")).unwrap_or_default();
+    let cams: serde_json::Value = serde_json::from_str(&cams).expect("JSON");
+    let (_, edges) = c.get("/api/v1/edges").expect("GET /api/v1/edges");
+    let edges: serde_json::Value = serde_json::from_str(&edges).expect("JSON");
+    let edge2 = edges
+        .as_array()
+        .and_then(|a| a.iter().find(|e| e["name"] == "edge-2"))
+        .map(|e| e["id"].clone())
+        .expect("edge-2 connected");
+    let real: Vec<&serde_json::Value> = cams
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter(|cam| cam["edge"] == edge2)
+        .collect();
+    assert_eq!(real.len(), 2, "edge-2's cameras: {cams}\nedge log:\n{log}");
+    assert!(
+        log.contains("control hint"),
+        "the edge never logged a hint:\n{log}"
+    );
+    for cam in real {
+        let cap = cam["load"]["cap_fps"].as_f64();
+        let rate = cam["load"]["arrival_fps"].as_f64().unwrap_or(f64::MAX);
+        let cap = cap.unwrap_or_else(|| panic!("camera not capped: {cam}\nedge log:\n{log}"));
+        // Obeyed: sending at about the cap (one window's rounding), well
+        // under the 30 fps it captures at.
+        assert!(
+            rate <= cap * 1.25 + 2.0 && rate < 24.0,
+            "camera sends {rate:.1} fps against a cap of {cap:.1}: {cam}"
+        );
+    }
+}
+
+#[test]
 fn a_worker_lost_mid_batch_loses_no_frame() {
     let _serial = serial();
     let c = cluster(2, "");

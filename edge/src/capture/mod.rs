@@ -3,9 +3,12 @@
 //! back to source pixels.
 //!
 //! ```text
-//! source (test:// | image:// | file://) → videoscale → [content size] → videoconvert
-//!   → [videobox: letterbox borders] → appsink (RGB W×H, newest only)
-//!   → new-sample callback: copy once into Bytes, stamp seq + edge clock
+//! source (test:// | image:// | file:// | rtsp:// | v4l2://) → videoscale
+//!   → [content size] → videoconvert → [videobox: letterbox borders]
+//!   → appsink (RGB W×H, newest only)
+//!   → new-sample callback: rate cap + motion gate ([`crate::gate`]) on a
+//!     32×32 grey thumbnail; a frame that passes is copied once into Bytes
+//!     and stamped with seq + edge clock
 //!   → latest-frames mailbox (drops the oldest) → Capture::recv().await
 //! ```
 //!
@@ -13,10 +16,12 @@
 //! callback and the bus sync handler only push into a bounded mailbox. Bus
 //! errors and end-of-stream end the mailbox; [`Capture::recv`] then returns a
 //! [`StreamError`] and the caller restarts the camera by dropping the
-//! [`Capture`] (which stops the pipeline) and starting a new one.
+//! [`Capture`] (which stops the pipeline) and starting a new one;
+//! [`SupervisedCapture`] does that by itself, with backoff.
 
 mod pipeline;
 mod queue;
+mod supervisor;
 mod uri;
 
 use std::fmt;
@@ -29,7 +34,10 @@ use gstreamer::prelude::*;
 use tidegate_protocol::Geometry;
 
 use self::queue::Mailbox;
+pub use self::supervisor::{CameraStopped, CaptureCounters, SupervisedCapture, SupervisorOptions};
 pub use self::uri::{SourceUri, UriError};
+pub use crate::config::RtspTransport;
+use crate::gate::{FrameGate, GateCounts, Limits};
 
 /// Undelivered frames a camera keeps when its consumer falls behind.
 pub const DEFAULT_QUEUE_DEPTH: usize = 2;
@@ -59,13 +67,19 @@ pub struct CaptureSpec {
 }
 
 /// Tuning that most callers leave at its default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CaptureOptions {
     /// Undelivered frames to keep; pushing into a full queue drops the oldest.
     pub queue_depth: usize,
     /// Sequence number of the first frame. Pass [`Capture::next_seq`] of the
     /// previous capture when restarting a camera to keep `seq` increasing.
     pub first_seq: u64,
+    /// Lower transport for `rtsp://` sources.
+    pub rtsp_transport: RtspTransport,
+    /// Motion gate threshold (fraction of changed thumbnail cells); 0 = off.
+    pub motion_threshold: f64,
+    /// Least frames per second sent from a static scene; 0 = none.
+    pub keepalive_fps: f64,
 }
 
 impl Default for CaptureOptions {
@@ -73,6 +87,9 @@ impl Default for CaptureOptions {
         CaptureOptions {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             first_seq: 0,
+            rtsp_transport: RtspTransport::Tcp,
+            motion_threshold: 0.0,
+            keepalive_fps: 0.0,
         }
     }
 }
@@ -132,6 +149,20 @@ pub enum CaptureError {
         /// The operating system's reason.
         reason: String,
     },
+    /// The device a `v4l2://` URI names cannot be used.
+    #[error(
+        "camera '{camera}': video device '{device}' from URI '{uri}' cannot be used: {reason}; check that the camera is plugged in and that this user may open it (group 'video')"
+    )]
+    NoDevice {
+        /// Camera name.
+        camera: String,
+        /// The URI as configured.
+        uri: String,
+        /// The device node.
+        device: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A `test://` URI names a pattern `videotestsrc` does not have.
     #[error(
         "camera '{camera}': test pattern '{pattern}' in URI '{uri}' does not exist; use one of: {valid}"
@@ -184,6 +215,33 @@ pub enum CaptureError {
         /// The element's error message, when it posted one.
         message: String,
     },
+}
+
+impl CaptureError {
+    /// Whether starting again later may succeed without a config change: a
+    /// device that may be plugged in, a source that may come back. Wrong
+    /// URIs, missing files and missing plugins are permanent.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            CaptureError::NoDevice { .. } | CaptureError::Start { .. }
+        )
+    }
+
+    /// The camera the error is about (empty for [`CaptureError::Init`]).
+    pub fn camera(&self) -> &str {
+        match self {
+            CaptureError::InvalidSpec { camera, .. }
+            | CaptureError::Uri { camera, .. }
+            | CaptureError::Unreadable { camera, .. }
+            | CaptureError::NoDevice { camera, .. }
+            | CaptureError::UnknownPattern { camera, .. }
+            | CaptureError::MissingElement { camera, .. }
+            | CaptureError::Build { camera, .. }
+            | CaptureError::Start { camera, .. } => camera,
+            CaptureError::Init { .. } => "",
+        }
+    }
 }
 
 /// Why a running capture stopped delivering frames. The camera must be
@@ -246,6 +304,10 @@ struct Shared {
     next_seq: AtomicU64,
     /// Geometry of the frames now flowing; set when the source caps arrive.
     geometry: Mutex<Option<Geometry>>,
+    /// Rate cap and motion gate, consulted by the appsink callback.
+    gate: Mutex<FrameGate>,
+    /// Frames the appsink delivered (sent or skipped by the gate).
+    seen: AtomicU64,
 }
 
 impl Shared {
@@ -255,6 +317,11 @@ impl Shared {
 
     fn set_geometry(&self, geometry: Geometry) {
         *self.geometry.lock().unwrap_or_else(PoisonError::into_inner) = Some(geometry);
+    }
+
+    fn gate(&self) -> std::sync::MutexGuard<'_, FrameGate> {
+        // Every gate update is a few field writes; a poisoned lock is usable.
+        self.gate.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Ends the stream; later reasons are only logged.
@@ -315,8 +382,14 @@ impl Capture {
             mailbox: Mailbox::new(options.queue_depth),
             next_seq: AtomicU64::new(options.first_seq),
             geometry: Mutex::new(None),
+            gate: Mutex::new(FrameGate::new(Limits {
+                max_fps: spec.max_fps,
+                motion_threshold: options.motion_threshold,
+                keepalive_fps: options.keepalive_fps,
+            })),
+            seen: AtomicU64::new(0),
         });
-        let pipeline = pipeline::build(&spec, &source, &shared)?;
+        let pipeline = pipeline::build(&spec, &source, &options, &shared)?;
         pipeline::watch_bus(&pipeline, &shared);
 
         if pipeline.set_state(gst::State::Playing).is_err() {
@@ -363,9 +436,31 @@ impl Capture {
         &self.spec.camera
     }
 
-    /// Frames taken from the pipeline so far (delivered, queued or dropped).
+    /// Frames that passed the gate so far (delivered, queued or dropped).
     pub fn frames_captured(&self) -> u64 {
         self.shared.mailbox.pushed()
+    }
+
+    /// Frames the pipeline produced, whether the gate passed them or not.
+    pub fn frames_seen(&self) -> u64 {
+        self.shared.seen.load(Ordering::Relaxed)
+    }
+
+    /// What the rate cap and motion gate decided so far.
+    pub fn gate_counts(&self) -> GateCounts {
+        self.shared.gate().counts()
+    }
+
+    /// The rate cap and motion gate in force.
+    pub fn limits(&self) -> Limits {
+        self.shared.gate().limits()
+    }
+
+    /// Changes the rate cap and motion gate from the next frame on. The
+    /// pipeline keeps producing at most `spec.max_fps`; a higher cap here has
+    /// no effect beyond it.
+    pub fn set_limits(&self, limits: Limits) {
+        self.shared.gate().set_limits(limits);
     }
 
     /// Frames dropped unread because the consumer fell behind.
@@ -440,7 +535,8 @@ fn validate(spec: &CaptureSpec) -> Result<(), CaptureError> {
 fn check_readable(spec: &CaptureSpec, source: &SourceUri) -> Result<(), CaptureError> {
     let path = match source {
         SourceUri::Image { path } | SourceUri::File { path, .. } => path,
-        SourceUri::Test { .. } => return Ok(()),
+        SourceUri::V4l2 { device } => return check_device(spec, device),
+        SourceUri::Test { .. } | SourceUri::Rtsp { .. } => return Ok(()),
     };
     let unreadable = |reason: String| CaptureError::Unreadable {
         camera: spec.camera.clone(),
@@ -452,6 +548,23 @@ fn check_readable(spec: &CaptureSpec, source: &SourceUri) -> Result<(), CaptureE
     let meta = file.metadata().map_err(|e| unreadable(e.to_string()))?;
     if !meta.is_file() {
         return Err(unreadable("it is not a regular file".into()));
+    }
+    Ok(())
+}
+
+/// A `v4l2://` device must exist and be a character device; v4l2src
+/// itself checks that it can capture when the pipeline starts.
+fn check_device(spec: &CaptureSpec, device: &std::path::Path) -> Result<(), CaptureError> {
+    use std::os::unix::fs::FileTypeExt;
+    let no_device = |reason: String| CaptureError::NoDevice {
+        camera: spec.camera.clone(),
+        uri: spec.uri.clone(),
+        device: device.display().to_string(),
+        reason,
+    };
+    let meta = std::fs::metadata(device).map_err(|e| no_device(e.to_string()))?;
+    if !meta.file_type().is_char_device() {
+        return Err(no_device("it is not a character device".into()));
     }
     Ok(())
 }
@@ -497,5 +610,25 @@ mod tests {
         let source: SourceUri = s.uri.parse().unwrap();
         let err = check_readable(&s, &source).unwrap_err();
         assert!(err.to_string().contains("not a regular file"), "{err}");
+        assert!(!err.retryable());
+    }
+
+    #[test]
+    fn missing_or_non_device_v4l2_node_is_a_retryable_device_error() {
+        let s = spec("v4l2:///dev/video-tidegate-missing");
+        let source: SourceUri = s.uri.parse().unwrap();
+        let err = check_readable(&s, &source).unwrap_err();
+        assert!(matches!(err, CaptureError::NoDevice { .. }), "{err:?}");
+        assert!(err.retryable());
+        let msg = err.to_string();
+        assert!(
+            msg.contains("'front'") && msg.contains("/dev/video-tidegate-missing"),
+            "{msg}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(&format!("v4l2://{}", dir.path().display()));
+        let source: SourceUri = s.uri.parse().unwrap();
+        let err = check_readable(&s, &source).unwrap_err();
+        assert!(err.to_string().contains("not a character device"), "{err}");
     }
 }

@@ -6,6 +6,8 @@
 //! test://   videotestsrc[source] ! capsfilter[source-caps: W×H @ fps] !
 //! image://  filesrc[source] ! decodebin[decoder] ~> imagefreeze[freeze] ! capsfilter[rate: fps] !
 //! file://   uridecodebin[decoder] ~> videorate[rate] ! capsfilter[rate-caps: ≤ fps] !
+//! rtsp://   uridecodebin[decoder] (rtspsrc: tcp|udp) ~> videorate[rate] ! capsfilter[rate-caps] !
+//! v4l2://   v4l2src[source] ! decodebin[decoder] ~> videorate[rate] ! capsfilter[rate-caps] !
 //!   videoscale[scale] ! capsfilter[content] ! videoconvert[convert] !
 //!   (letterbox only) videobox[letterbox] ! appsink[sink: RGB width×height]
 //! ```
@@ -15,6 +17,10 @@
 //! content size and `letterbox`'s negative borders to pad it out to the
 //! model input, so the content lands exactly where [`Geometry::letterbox`]
 //! says.
+//!
+//! The appsink callback asks the camera's [`crate::gate::FrameGate`] first:
+//! a frame over the rate cap is dropped untouched, a static one after a
+//! 32×32 grey thumbnail; only frames that pass are copied.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -28,12 +34,23 @@ use gstreamer_video as gst_video;
 use gstreamer_video::prelude::*;
 use tidegate_protocol::Geometry;
 
-use super::{CaptureError, CaptureSpec, CapturedFrame, Resize, Shared, SourceUri, StreamError};
+use super::{
+    CaptureError, CaptureOptions, CaptureSpec, CapturedFrame, Resize, RtspTransport, Shared,
+    SourceUri, StreamError,
+};
+use crate::gate::{Decision, thumbnail};
+
+/// Jitter buffer of `rtsp://` sources: small, since a late frame is worth
+/// less than a dropped one.
+const RTSP_LATENCY_MS: u32 = 50;
+/// An RTSP source that delivers nothing for this long posts an error (and the
+/// camera restarts).
+const RTSP_TIMEOUT_US: u64 = 5_000_000;
 
 /// Debian package that ships each element we use.
 fn package_of(factory: &str) -> &'static str {
     match factory {
-        "imagefreeze" | "videobox" => "gstreamer1.0-plugins-good",
+        "imagefreeze" | "videobox" | "v4l2src" | "rtspsrc" => "gstreamer1.0-plugins-good",
         _ => "gstreamer1.0-plugins-base",
     }
 }
@@ -66,6 +83,7 @@ fn fps_fraction(max_fps: f64) -> gst::Fraction {
 pub(super) fn build(
     spec: &CaptureSpec,
     source: &SourceUri,
+    options: &CaptureOptions,
     shared: &Arc<Shared>,
 ) -> Result<gst::Pipeline, CaptureError> {
     let pipeline = gst::Pipeline::with_name(&format!("capture-{}", spec.camera));
@@ -88,6 +106,7 @@ pub(super) fn build(
         Resize::Letterbox => Some(make(spec, "videobox", "letterbox")?),
         Resize::Stretch => None,
     };
+    // Files are paced by the pipeline clock; every other source is live.
     let live = !matches!(source, SourceUri::File { .. });
     let sink = gst_app::AppSink::builder()
         .name("sink")
@@ -116,7 +135,7 @@ pub(super) fn build(
     gst::Element::link_many(tail.iter().copied())
         .map_err(|e| build_error(spec, format!("linking scale → sink: {e}")))?;
 
-    build_source(spec, source, &pipeline, &scale, fps, shared)?;
+    build_source(spec, source, options, &pipeline, &scale, fps, shared)?;
     watch_source_caps(spec, &scale, &content, letterbox.as_ref(), shared)?;
     sink.set_callbacks(
         gst_app::AppSinkCallbacks::builder()
@@ -135,6 +154,7 @@ pub(super) fn build(
 fn build_source(
     spec: &CaptureSpec,
     source: &SourceUri,
+    options: &CaptureOptions,
     pipeline: &gst::Pipeline,
     scale: &gst::Element,
     fps: gst::Fraction,
@@ -189,22 +209,13 @@ fn build_source(
             link_decoded_video(&decoder, &freeze, shared);
             Ok(())
         }
-        SourceUri::File { uri, .. } => {
+        SourceUri::File { uri, .. } | SourceUri::Rtsp { uri } => {
             let decoder = make(spec, "uridecodebin", "decoder")?;
             decoder.set_property("uri", uri.as_str());
-            let rate = make(spec, "videorate", "rate")?;
-            // Only ever drop frames to honour max_fps; never duplicate them.
-            rate.set_property("drop-only", true);
-            let caps = make(spec, "capsfilter", "rate-caps")?;
-            caps.set_property(
-                "caps",
-                gst::Caps::builder("video/x-raw")
-                    .field(
-                        "framerate",
-                        gst::FractionRange::new(gst::Fraction::new(0, 1), fps),
-                    )
-                    .build(),
-            );
+            if matches!(source, SourceUri::Rtsp { .. }) {
+                configure_rtsp(spec, &decoder, options.rtsp_transport)?;
+            }
+            let (rate, caps) = rate_cap(spec, fps)?;
             pipeline
                 .add(&decoder)
                 .map_err(|e| build_error(spec, e.to_string()))?;
@@ -212,7 +223,78 @@ fn build_source(
             link_decoded_video(&decoder, &rate, shared);
             Ok(())
         }
+        SourceUri::V4l2 { device } => {
+            let src = make(spec, "v4l2src", "source")?;
+            src.set_property("device", device.to_string_lossy().as_ref());
+            let decoder = make(spec, "decodebin", "decoder")?;
+            let (rate, caps) = rate_cap(spec, fps)?;
+            pipeline
+                .add_many([&src, &decoder])
+                .map_err(|e| build_error(spec, e.to_string()))?;
+            src.link(&decoder)
+                .map_err(|e| build_error(spec, format!("linking v4l2src → decodebin: {e}")))?;
+            add_and_link(&[&rate, &caps])?;
+            link_decoded_video(&decoder, &rate, shared);
+            Ok(())
+        }
     }
+}
+
+/// `videorate` (dropping only, never duplicating) and a caps filter that
+/// caps the decoded rate at `fps`.
+fn rate_cap(
+    spec: &CaptureSpec,
+    fps: gst::Fraction,
+) -> Result<(gst::Element, gst::Element), CaptureError> {
+    let rate = make(spec, "videorate", "rate")?;
+    rate.set_property("drop-only", true);
+    let caps = make(spec, "capsfilter", "rate-caps")?;
+    caps.set_property(
+        "caps",
+        gst::Caps::builder("video/x-raw")
+            .field(
+                "framerate",
+                gst::FractionRange::new(gst::Fraction::new(0, 1), fps),
+            )
+            .build(),
+    );
+    Ok((rate, caps))
+}
+
+/// Sets up the `rtspsrc` that `uridecodebin` creates: lower transport, a
+/// small jitter buffer, and timeouts so a silent server ends the stream.
+fn configure_rtsp(
+    spec: &CaptureSpec,
+    decoder: &gst::Element,
+    transport: RtspTransport,
+) -> Result<(), CaptureError> {
+    if gst::ElementFactory::find("rtspsrc").is_none() {
+        return Err(CaptureError::MissingElement {
+            camera: spec.camera.clone(),
+            element: "rtspsrc".into(),
+            package: package_of("rtspsrc").into(),
+        });
+    }
+    let camera = spec.camera.clone();
+    decoder.connect("source-setup", false, move |args| {
+        let source = args.get(1).and_then(|v| v.get::<gst::Element>().ok())?;
+        if source.factory().is_some_and(|f| f.name() == "rtspsrc") {
+            source.set_property_from_str(
+                "protocols",
+                match transport {
+                    RtspTransport::Tcp => "tcp",
+                    RtspTransport::Udp => "udp",
+                },
+            );
+            source.set_property("latency", RTSP_LATENCY_MS);
+            source.set_property("drop-on-latency", true);
+            source.set_property("timeout", RTSP_TIMEOUT_US);
+            source.set_property("tcp-timeout", RTSP_TIMEOUT_US);
+            tracing::debug!(camera = %camera, ?transport, "rtspsrc configured");
+        }
+        None
+    });
+    Ok(())
 }
 
 /// Sets `videotestsrc`'s pattern by nick, rejecting unknown names with the
@@ -363,6 +445,7 @@ fn on_sample(
 ) -> Result<gst::FlowSuccess, gst::FlowError> {
     let sample = sink.pull_sample().map_err(|_| gst::FlowError::Flushing)?;
     let captured_at_us = crate::clock::now_us();
+    shared.seen.fetch_add(1, Ordering::Relaxed);
     let frame_error = |reason: String| {
         shared.end(StreamError::Frame {
             camera: shared.camera.to_string(),
@@ -371,7 +454,31 @@ fn on_sample(
         });
         gst::FlowError::Error
     };
-    let data = pack_rgb(&sample, width, height).map_err(frame_error)?;
+    let buffer = sample
+        .buffer()
+        .ok_or_else(|| frame_error("the sample has no buffer".into()))?;
+    let caps = sample
+        .caps()
+        .ok_or_else(|| frame_error("the sample has no caps".into()))?;
+    let frame = map_rgb(buffer, caps, width, height).map_err(frame_error)?;
+    let stride = usize::try_from(frame.plane_stride()[0])
+        .map_err(|_| frame_error("negative row stride".into()))?;
+    let plane = frame
+        .plane_data(0)
+        .map_err(|e| frame_error(format!("cannot read the RGB plane: {e}")))?;
+    let decision = {
+        let mut gate = shared.gate();
+        let thumb = if gate.wants_thumbnail() && gate.rate_allows(captured_at_us) {
+            thumbnail(plane, stride, width as usize, height as usize)
+        } else {
+            None
+        };
+        gate.decide(captured_at_us, thumb.as_ref())
+    };
+    if decision != Decision::Send {
+        return Ok(gst::FlowSuccess::Ok);
+    }
+    let data = pack_plane(plane, stride, width, height).map_err(frame_error)?;
     let geometry = shared
         .geometry()
         .ok_or_else(|| frame_error("a frame arrived before the source caps".into()))?;
@@ -388,11 +495,13 @@ fn on_sample(
     Ok(gst::FlowSuccess::Ok)
 }
 
-/// Copies an RGB sample into tightly packed rows (GStreamer pads each RGB row
-/// to a multiple of 4 bytes).
-fn pack_rgb(sample: &gst::Sample, width: u32, height: u32) -> Result<Bytes, String> {
-    let buffer = sample.buffer().ok_or("the sample has no buffer")?;
-    let caps = sample.caps().ok_or("the sample has no caps")?;
+/// Maps an RGB buffer for reading, checking it has the negotiated size.
+fn map_rgb<'a>(
+    buffer: &'a gst::BufferRef,
+    caps: &gst::CapsRef,
+    width: u32,
+    height: u32,
+) -> Result<gst_video::VideoFrameRef<&'a gst::BufferRef>, String> {
     let info = gst_video::VideoInfo::from_caps(caps)
         .map_err(|e| format!("caps {caps} are not raw video: {e}"))?;
     if info.format() != gst_video::VideoFormat::Rgb
@@ -406,13 +515,13 @@ fn pack_rgb(sample: &gst::Sample, width: u32, height: u32) -> Result<Bytes, Stri
             info.format()
         ));
     }
-    let frame = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer, &info)
-        .map_err(|e| format!("cannot map the frame buffer: {e}"))?;
-    let stride =
-        usize::try_from(frame.plane_stride()[0]).map_err(|_| "negative row stride".to_string())?;
-    let plane = frame
-        .plane_data(0)
-        .map_err(|e| format!("cannot read the RGB plane: {e}"))?;
+    gst_video::VideoFrameRef::from_buffer_ref_readable(buffer, &info)
+        .map_err(|e| format!("cannot map the frame buffer: {e}"))
+}
+
+/// Copies an RGB plane into tightly packed rows (GStreamer pads each RGB row
+/// to a multiple of 4 bytes).
+fn pack_plane(plane: &[u8], stride: usize, width: u32, height: u32) -> Result<Bytes, String> {
     let row = width as usize * 3;
     let rows = height as usize;
     pack_rows(plane, stride, row, rows).ok_or_else(|| {

@@ -1,8 +1,8 @@
 //! Camera source URIs: what each scheme means and how it is checked, before
 //! any GStreamer element exists.
 //!
-//! Each scheme maps to one [`SourceUri`] variant; a new source (rtsp, v4l2) is
-//! a new variant here plus a new arm in the pipeline builder.
+//! Each scheme maps to one [`SourceUri`] variant; a new source is a new
+//! variant here plus a new arm in the pipeline builder.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -15,8 +15,7 @@ pub const DEFAULT_TEST_HEIGHT: u32 = 480;
 pub const MAX_TEST_SIDE: u32 = 16_384;
 
 /// The schemes this build understands, for error messages.
-const SUPPORTED: &str =
-    "image:///abs/still.png, test://smpte?width=1920&height=1080 or file:///abs/video.mp4";
+const SUPPORTED: &str = "rtsp://host:554/path, v4l2:///dev/video0, file:///abs/video.mp4, image:///abs/still.png or test://smpte?width=1920&height=1080";
 
 /// A parsed camera source.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +44,17 @@ pub enum SourceUri {
         /// The URI as given, for `uridecodebin`.
         uri: String,
     },
+    /// `rtsp://[user:pass@]host[:port]/path` (or `rtsps://`): a network
+    /// camera, over TCP or UDP as the camera's configuration says.
+    Rtsp {
+        /// The URI as given, for `rtspsrc`.
+        uri: String,
+    },
+    /// `v4l2:///dev/videoN`: a local camera through Video4Linux2.
+    V4l2 {
+        /// The device node.
+        device: PathBuf,
+    },
 }
 
 /// Why a source URI cannot be used.
@@ -60,12 +70,12 @@ pub enum UriError {
         /// The scheme found.
         scheme: String,
     },
-    /// The scheme is planned but not implemented yet.
-    #[error("scheme '{scheme}' is not supported yet; use {SUPPORTED}")]
-    NotYetSupported {
-        /// The scheme found.
-        scheme: String,
-    },
+    /// An `rtsp://` URI names no host.
+    #[error("it names no host; write it as rtsp://host[:port]/path")]
+    MissingHost,
+    /// A `v4l2://` URI does not name an absolute device path.
+    #[error("it does not name a device; write it as v4l2:///dev/video0")]
+    BadDevice,
     /// An `image://` or `file://` URI does not name an absolute local path.
     #[error(
         "it does not name an absolute local file ({reason}); write it as {scheme}:///absolute/path"
@@ -103,9 +113,23 @@ impl FromStr for SourceUri {
                 uri: uri.to_owned(),
             }),
             "test" => parse_test(rest),
-            "rtsp" | "rtsps" | "v4l2" => Err(UriError::NotYetSupported {
-                scheme: scheme.to_owned(),
-            }),
+            "rtsp" | "rtsps" => {
+                let host = rest.split(['/', '?']).next().unwrap_or("");
+                let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+                if host.is_empty() || host.starts_with(':') {
+                    return Err(UriError::MissingHost);
+                }
+                Ok(SourceUri::Rtsp {
+                    uri: uri.to_owned(),
+                })
+            }
+            "v4l2" => {
+                let device = PathBuf::from(rest);
+                if !device.is_absolute() || rest.len() < 2 || rest.contains('?') {
+                    return Err(UriError::BadDevice);
+                }
+                Ok(SourceUri::V4l2 { device })
+            }
             "" => Err(UriError::NoScheme),
             other => Err(UriError::UnsupportedScheme {
                 scheme: other.to_owned(),
@@ -238,15 +262,51 @@ mod tests {
     }
 
     #[test]
-    fn unknown_and_planned_schemes_are_told_apart() {
+    fn rtsp_uri_is_kept_whole_and_needs_a_host() {
+        for uri in [
+            "rtsp://cam.local:8554/stream",
+            "rtsp://user:secret@10.0.0.7/h264",
+            "RTSPS://cam/x",
+        ] {
+            assert_eq!(
+                uri.parse::<SourceUri>().unwrap(),
+                SourceUri::Rtsp { uri: uri.into() }
+            );
+        }
+        for uri in ["rtsp:///path", "rtsp://:554/x", "rtsp://user@/x"] {
+            assert_eq!(
+                uri.parse::<SourceUri>().unwrap_err(),
+                UriError::MissingHost,
+                "{uri}"
+            );
+        }
+    }
+
+    #[test]
+    fn v4l2_uri_names_an_absolute_device() {
+        assert_eq!(
+            "v4l2:///dev/video2".parse::<SourceUri>().unwrap(),
+            SourceUri::V4l2 {
+                device: PathBuf::from("/dev/video2")
+            }
+        );
+        for uri in ["v4l2://video0", "v4l2://", "v4l2:///"] {
+            assert_eq!(
+                uri.parse::<SourceUri>().unwrap_err(),
+                UriError::BadDevice,
+                "{uri}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_schemes_list_the_supported_ones() {
+        let err = "ftp://host/x".parse::<SourceUri>().unwrap_err();
         assert!(matches!(
-            "ftp://host/x".parse::<SourceUri>(),
-            Err(UriError::UnsupportedScheme { scheme }) if scheme == "ftp"
+            &err,
+            UriError::UnsupportedScheme { scheme } if scheme == "ftp"
         ));
-        assert!(matches!(
-            "rtsp://cam/stream".parse::<SourceUri>(),
-            Err(UriError::NotYetSupported { scheme }) if scheme == "rtsp"
-        ));
+        assert!(err.to_string().contains("rtsp://"), "{err}");
         assert_eq!(
             "/dev/video0".parse::<SourceUri>().unwrap_err(),
             UriError::NoScheme

@@ -1,4 +1,8 @@
-//! Where results go: JSON lines on stdout or appended to a file.
+//! Where results go: JSON lines on stdout, appended to a file, or POSTed to
+//! an HTTP [`webhook`]. [`Sinks`] fans each result out to every one that is
+//! configured.
+
+pub mod webhook;
 
 use std::io::Write;
 use std::path::Path;
@@ -84,10 +88,80 @@ impl Sink {
     }
 }
 
+/// Every configured sink. A result is serialised once and handed to each.
+#[derive(Debug, Default)]
+pub struct Sinks {
+    /// JSON lines on stdout.
+    pub stdout: bool,
+    /// The append-only file, if any.
+    pub file: Option<std::fs::File>,
+    /// The webhook, if any.
+    pub webhook: Option<webhook::Webhook>,
+}
+
+impl Sinks {
+    /// Writes one result to every sink. The webhook never blocks: when its
+    /// queue is full the result is dropped for it and counted.
+    pub fn write(&mut self, line: &ResultLine<'_>) -> std::io::Result<()> {
+        let text = serde_json::to_string(line).map_err(std::io::Error::other)?;
+        if self.stdout {
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes())?;
+            out.write_all(b"\n")?;
+            out.flush()?;
+        }
+        if let Some(f) = &mut self.file {
+            let mut bytes = Vec::with_capacity(text.len() + 1);
+            bytes.extend_from_slice(text.as_bytes());
+            bytes.push(b'\n');
+            f.write_all(&bytes)?;
+        }
+        if let Some(w) = &self.webhook {
+            w.push(text);
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use tidegate_protocol::ShedReason;
+
+    #[test]
+    fn file_sink_appends_one_json_line_per_result() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.jsonl");
+        std::fs::write(&path, "{\"earlier\":true}\n").unwrap();
+        let mut sinks = Sinks {
+            file: Some(
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(&path)
+                    .unwrap(),
+            ),
+            ..Sinks::default()
+        };
+        for seq in [1, 2] {
+            let r = FrameResult {
+                camera: "door".into(),
+                seq,
+                captured_at_us: 1_000,
+                status: Status::Ok,
+                detections: vec![],
+                timings: Timings::default(),
+            };
+            sinks.write(&ResultLine::new(&r, 2_000)).unwrap();
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 3, "appended after what was there: {text}");
+        assert_eq!(lines[2]["seq"], 2);
+        assert_eq!(lines[2]["status"], "ok");
+    }
 
     #[test]
     fn shed_result_line_names_status_reason_and_latency() {

@@ -1,0 +1,268 @@
+//! A camera that restarts itself: [`SupervisedCapture`] wraps [`Capture`],
+//! and when the pipeline fails (an RTSP server goes away, a device is
+//! unplugged, a decoder errors) or stalls, it stops it and starts a new one
+//! after a jittered exponential backoff. A file source can loop. Each camera
+//! has its own supervisor, so one failing camera never holds up another.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{
+    Capture, CaptureError, CaptureOptions, CaptureSpec, CapturedFrame, SourceUri, StreamError,
+};
+use crate::backoff::Backoff;
+use crate::gate::Limits;
+
+/// How a supervised camera restarts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SupervisorOptions {
+    /// Options of each capture (its `first_seq` is managed here).
+    pub capture: CaptureOptions,
+    /// Play a `file://` source again from the start when it ends, instead of
+    /// ending the camera.
+    pub loop_file: bool,
+    /// First restart delay; it doubles per failure up to `restart_max`.
+    pub restart_base: Duration,
+    /// Longest restart delay.
+    pub restart_max: Duration,
+    /// A pipeline that produces no frame for this long is restarted.
+    pub stall_timeout: Duration,
+}
+
+impl Default for SupervisorOptions {
+    fn default() -> Self {
+        SupervisorOptions {
+            capture: CaptureOptions::default(),
+            loop_file: false,
+            restart_base: Duration::from_millis(250),
+            restart_max: Duration::from_secs(5),
+            stall_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Why a supervised camera stopped for good.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CameraStopped {
+    /// The camera cannot start, and retrying will not help (bad URI, missing
+    /// file, missing plugin).
+    #[error(transparent)]
+    Start(#[from] CaptureError),
+    /// A file source played to its end and looping is off.
+    #[error(transparent)]
+    Ended(StreamError),
+}
+
+/// A camera's counters, summed over its restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CaptureCounters {
+    /// Frames the pipelines produced.
+    pub seen: u64,
+    /// Frames that passed the rate cap and motion gate.
+    pub passed: u64,
+    /// Frames over the rate cap.
+    pub skipped_rate: u64,
+    /// Frames the motion gate found static.
+    pub skipped_static: u64,
+    /// Frames that passed the gate but were evicted unread because the
+    /// consumer fell behind.
+    pub dropped_queue: u64,
+    /// Pipeline restarts (failures, stalls and loops).
+    pub restarts: u64,
+    /// Limits in force now.
+    pub limits: Option<Limits>,
+}
+
+/// A [`Capture`] that restarts on failure. See the module docs.
+#[derive(Debug)]
+pub struct SupervisedCapture {
+    spec: CaptureSpec,
+    options: SupervisorOptions,
+    is_file: bool,
+    limits: Limits,
+    current: Option<Capture>,
+    next_seq: u64,
+    restart_at: Option<Instant>,
+    backoff: Backoff,
+    /// Frames seen by the current capture at `progress_at`.
+    progress: (u64, Instant),
+    /// Counters of captures already stopped.
+    past: CaptureCounters,
+}
+
+impl SupervisedCapture {
+    /// A supervised camera; the first [`SupervisedCapture::recv`] starts it.
+    /// A URI that cannot be parsed is refused here.
+    pub fn new(spec: CaptureSpec, options: SupervisorOptions) -> Result<Self, CaptureError> {
+        let source: SourceUri = spec.uri.parse().map_err(|source| CaptureError::Uri {
+            camera: spec.camera.clone(),
+            uri: spec.uri.clone(),
+            source,
+        })?;
+        let limits = Limits {
+            max_fps: spec.max_fps,
+            motion_threshold: options.capture.motion_threshold,
+            keepalive_fps: options.capture.keepalive_fps,
+        };
+        Ok(SupervisedCapture {
+            backoff: Backoff::seeded(options.restart_base, options.restart_max, &spec.camera),
+            is_file: matches!(source, SourceUri::File { .. }),
+            limits,
+            current: None,
+            next_seq: options.capture.first_seq,
+            restart_at: None,
+            progress: (0, Instant::now()),
+            past: CaptureCounters::default(),
+            spec,
+            options,
+        })
+    }
+
+    /// The spec it runs.
+    pub fn spec(&self) -> &CaptureSpec {
+        &self.spec
+    }
+
+    /// Whether a pipeline is running now.
+    pub fn is_running(&self) -> bool {
+        self.current.is_some()
+    }
+
+    /// Changes the rate cap and motion gate, now and after restarts.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+        if let Some(c) = &self.current {
+            c.set_limits(limits);
+        }
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Counters summed over every capture so far.
+    pub fn counters(&self) -> CaptureCounters {
+        let mut c = self.past;
+        if let Some(cap) = &self.current {
+            add(&mut c, cap);
+        }
+        c.limits = Some(self.limits);
+        c
+    }
+
+    /// The next frame, restarting the pipeline as often as needed. Returns
+    /// an error only when the camera cannot go on (see [`CameraStopped`]).
+    /// Cancel-safe: a pending restart survives a dropped `recv`.
+    pub async fn recv(&mut self) -> Result<CapturedFrame, CameraStopped> {
+        loop {
+            if self.current.is_none() {
+                if let Some(at) = self.restart_at {
+                    tokio::time::sleep_until(at).await;
+                    self.restart_at = None;
+                }
+                let options = CaptureOptions {
+                    first_seq: self.next_seq,
+                    ..self.options.capture
+                };
+                match Capture::start_with(self.spec.clone(), options) {
+                    Ok(c) => {
+                        c.set_limits(self.limits);
+                        self.progress = (0, Instant::now());
+                        self.current = Some(c);
+                    }
+                    Err(e) if e.retryable() => {
+                        self.schedule_restart(&e.to_string());
+                        continue;
+                    }
+                    Err(e) => return Err(CameraStopped::Start(e)),
+                }
+            }
+            let Some(cap) = self.current.as_ref() else {
+                continue;
+            };
+            let stall_at = self.progress.1 + self.options.stall_timeout;
+            tokio::select! {
+                r = cap.recv() => match r {
+                    Ok(frame) => {
+                        self.backoff.reset();
+                        return Ok(frame);
+                    }
+                    Err(e) => {
+                        self.retire();
+                        match e {
+                            StreamError::EndOfStream { .. } if self.is_file && self.options.loop_file => {
+                                self.past.restarts += 1;
+                                tracing::info!(camera = %self.spec.camera, "file ended; playing it again");
+                            }
+                            StreamError::EndOfStream { .. } if self.is_file => {
+                                return Err(CameraStopped::Ended(e));
+                            }
+                            e => self.schedule_restart(&e.to_string()),
+                        }
+                    }
+                },
+                _ = tokio::time::sleep_until(stall_at) => {
+                    let seen = cap.frames_seen();
+                    if seen == self.progress.0 {
+                        self.retire();
+                        let why = format!(
+                            "camera '{}': no frame from '{}' for {:?}",
+                            self.spec.camera, self.spec.uri, self.options.stall_timeout
+                        );
+                        self.schedule_restart(&why);
+                    } else {
+                        self.backoff.reset();
+                        self.progress = (seen, Instant::now());
+                    }
+                }
+            }
+        }
+    }
+
+    fn schedule_restart(&mut self, why: &str) {
+        self.past.restarts += 1;
+        let delay = self.backoff.next_delay();
+        tracing::warn!(camera = %self.spec.camera, "{why}; restarting the camera in {delay:?}");
+        self.restart_at = Some(Instant::now() + delay);
+    }
+
+    /// Stops the current capture, keeping its counters and sequence.
+    fn retire(&mut self) {
+        if let Some(cap) = self.current.take() {
+            add(&mut self.past, &cap);
+            self.next_seq = cap.next_seq();
+            stop_off_thread(cap);
+        }
+    }
+}
+
+fn add(c: &mut CaptureCounters, cap: &Capture) {
+    let g = cap.gate_counts();
+    c.seen += cap.frames_seen();
+    c.passed += g.sent;
+    c.skipped_rate += g.skipped_rate;
+    c.skipped_static += g.skipped_static;
+    c.dropped_queue += cap.frames_dropped();
+}
+
+/// Stopping a pipeline joins its streaming threads, and an RTSP source may
+/// take a moment to tear down: keep that off the async worker threads.
+fn stop_off_thread(cap: Capture) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn_blocking(move || drop(cap));
+        }
+        Err(_) => drop(cap),
+    }
+}
+
+impl Drop for SupervisedCapture {
+    fn drop(&mut self) {
+        if let Some(cap) = self.current.take() {
+            stop_off_thread(cap);
+        }
+    }
+}

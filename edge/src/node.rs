@@ -1,0 +1,804 @@
+//! The edge node: one connection supervisor and one task per camera.
+//!
+//! ```text
+//!   link task ── dial (jittered exponential backoff) ──► Uplink ──watch──► camera tasks
+//!      │  results ─► Sinks (stdout / file / webhook), latency report
+//!      └─ hints ─► HintBoard ──watch──► camera tasks ─► FrameGate limits
+//!
+//!   camera task: CameraOpen on every new connection ─► SupervisedCapture
+//!      (restarts itself) ─► Lane (bounded in flight, reset when stale)
+//!      no connection: frames are dropped and counted, never kept for later
+//! ```
+//!
+//! A camera whose entry is wrong (no model, a bad URI, a missing file) logs
+//! one clear error and stops; the others carry on.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde::Serialize;
+use tidegate_protocol::{ControlHint, DType, Frame, InputSpec, Layout, Status, Tensor};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, error, info, info_span, warn};
+
+use crate::backoff::Backoff;
+use crate::capture::{
+    CameraStopped, CaptureOptions, CaptureSpec, SourceUri, SupervisedCapture, SupervisorOptions,
+};
+use crate::config::{CameraConfig, EdgeConfig};
+use crate::gate::{Hint, Limits};
+use crate::sink::{ResultLine, Sinks};
+use crate::uplink::{Incoming, Lane, LaneStats, Uplink, UplinkError};
+
+/// How long a finished camera waits for its frames in flight to settle.
+const SETTLE: Duration = Duration::from_secs(5);
+
+/// Options of [`run`] that come from flags rather than the config file.
+#[derive(Debug, Clone, Default)]
+pub struct NodeOptions {
+    /// Stop each camera after handing this many frames to the uplink, wait
+    /// for their results, and return.
+    pub max_frames: Option<u64>,
+    /// Print every camera's counters this often (`None`: only at the end).
+    pub summary_every: Option<Duration>,
+}
+
+/// The gateway's hints in force: the latest for all cameras, and the latest
+/// per camera. A hint replaces the one before it; one for all cameras
+/// replaces every per-camera hint too. A new connection starts with none.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HintBoard {
+    all: Option<Hint>,
+    per_camera: HashMap<String, Hint>,
+}
+
+impl HintBoard {
+    /// Applies a hint from the gateway.
+    pub fn apply(&mut self, h: &ControlHint) {
+        let hint = Hint {
+            max_fps: h.max_fps as f64,
+            motion_threshold: h.motion_threshold as f64,
+        };
+        if h.camera.is_empty() {
+            self.per_camera.clear();
+            self.all = Some(hint);
+        } else {
+            self.per_camera.insert(h.camera.clone(), hint);
+        }
+    }
+
+    /// The hint that applies to `camera`.
+    pub fn for_camera(&self, camera: &str) -> Option<Hint> {
+        self.per_camera.get(camera).copied().or(self.all)
+    }
+}
+
+/// One camera's counters, shared between its task and the summaries.
+#[derive(Debug, Default)]
+pub struct CameraStats {
+    /// Wire outcomes.
+    pub lane: Arc<LaneStats>,
+    /// Frames that passed the gate while no connection (or no open camera)
+    /// could take them: dropped, never sent late.
+    pub dropped_outage: AtomicU64,
+    /// Results received.
+    pub results: AtomicU64,
+    /// Results with status ok.
+    pub ok: AtomicU64,
+    snapshot: Mutex<CameraSnapshot>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct CameraSnapshot {
+    state: &'static str,
+    capture: crate::capture::CaptureCounters,
+    limits: Option<Limits>,
+}
+
+impl CameraStats {
+    fn snapshot(&self) -> std::sync::MutexGuard<'_, CameraSnapshot> {
+        self.snapshot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn set_state(&self, state: &'static str) {
+        self.snapshot().state = state;
+    }
+}
+
+/// A camera's counters as printed in the summaries (`camera_stats {json}`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CameraSummary {
+    /// Camera name.
+    pub camera: String,
+    /// `starting`, `running`, `waiting` (for the gateway or a worker),
+    /// `stopped` or `failed`.
+    pub state: &'static str,
+    /// Frames the pipeline produced.
+    pub seen: u64,
+    /// Frames that passed the rate cap and motion gate.
+    pub passed: u64,
+    /// Frames over the rate cap.
+    pub skipped_rate: u64,
+    /// Frames the motion gate found static.
+    pub skipped_static: u64,
+    /// Frames evicted from the capture queue unread.
+    pub dropped_queue: u64,
+    /// Frames dropped while the gateway was unreachable.
+    pub dropped_outage: u64,
+    /// Frames acknowledged by the gateway.
+    pub delivered: u64,
+    /// Frames reset because a newer one superseded them.
+    pub reset_superseded: u64,
+    /// Frames reset at their deadline.
+    pub reset_expired: u64,
+    /// Frames refused by the gateway.
+    pub refused: u64,
+    /// Frames lost with a connection.
+    pub lost: u64,
+    /// Results received.
+    pub results: u64,
+    /// Results with status ok.
+    pub ok: u64,
+    /// Pipeline restarts.
+    pub restarts: u64,
+    /// Frame-rate cap in force.
+    pub max_fps: f64,
+    /// Motion threshold in force.
+    pub motion_threshold: f64,
+}
+
+impl CameraSummary {
+    fn of(name: &str, s: &CameraStats) -> Self {
+        let snap = s.snapshot().clone();
+        let l = &s.lane;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CameraSummary {
+            camera: name.to_string(),
+            state: if snap.state.is_empty() {
+                "starting"
+            } else {
+                snap.state
+            },
+            seen: snap.capture.seen,
+            passed: snap.capture.passed,
+            skipped_rate: snap.capture.skipped_rate,
+            skipped_static: snap.capture.skipped_static,
+            dropped_queue: snap.capture.dropped_queue,
+            dropped_outage: load(&s.dropped_outage),
+            delivered: load(&l.delivered),
+            reset_superseded: load(&l.superseded),
+            reset_expired: load(&l.expired),
+            refused: load(&l.refused),
+            lost: load(&l.lost),
+            results: load(&s.results),
+            ok: load(&s.ok),
+            restarts: snap.capture.restarts,
+            max_fps: snap.limits.map_or(0.0, |l| l.max_fps),
+            motion_threshold: snap.limits.map_or(0.0, |l| l.motion_threshold),
+        }
+    }
+}
+
+/// What [`run`] returns.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Frames acknowledged by the gateway, all cameras.
+    pub sent: u64,
+    /// Results received.
+    pub results: u64,
+    /// Results with status ok.
+    pub ok: u64,
+    /// Per camera.
+    pub cameras: Vec<CameraSummary>,
+}
+
+impl Summary {
+    /// Prints the summary to stderr: one `summary:` line, then one
+    /// `camera_stats {json}` line per camera.
+    pub fn print(&self) {
+        eprintln!(
+            "summary: sent={} results={} ok={}",
+            self.sent, self.results, self.ok
+        );
+        print_cameras(&self.cameras);
+    }
+}
+
+fn print_cameras(cameras: &[CameraSummary]) {
+    for c in cameras {
+        if let Ok(json) = serde_json::to_string(c) {
+            eprintln!("camera_stats {json}");
+        }
+    }
+}
+
+/// Why the node could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    /// The gateway refused us for good (bad token, unsupported version).
+    #[error("the gateway refused this edge: {0}")]
+    Refused(#[source] UplinkError),
+    /// Writing a result failed.
+    #[error("writing a result: {0}")]
+    Sink(#[source] std::io::Error),
+}
+
+/// Runs the edge until `shutdown` resolves (or, with `max_frames`, until
+/// every camera has sent that many frames and their results are in).
+pub async fn run(
+    cfg: EdgeConfig,
+    mut sinks: Sinks,
+    options: NodeOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<Summary, NodeError> {
+    let cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let (link_tx, link_rx) = watch::channel::<Option<Uplink>>(None);
+    let (hints_tx, hints_rx) = watch::channel(HintBoard::default());
+    let (results_tx, mut results_rx) = mpsc::channel::<Incoming>(4096);
+    let (fatal_tx, mut fatal_rx) = mpsc::channel::<UplinkError>(1);
+
+    let link_task = tokio::spawn(
+        link(
+            cfg.clone(),
+            link_tx,
+            hints_tx,
+            results_tx,
+            fatal_tx,
+            cancel.clone(),
+        )
+        .instrument(info_span!("link", gateway = %cfg.gateway.addr, edge = %cfg.name)),
+    );
+
+    let mut stats: Vec<(String, Arc<CameraStats>)> = Vec::new();
+    for cam in cfg.cameras.clone() {
+        let s = Arc::new(CameraStats::default());
+        stats.push((cam.name.clone(), s.clone()));
+        let span = info_span!("camera", camera = %cam.name, model = %cam.model);
+        tracker.spawn(
+            camera(
+                cam,
+                link_rx.clone(),
+                hints_rx.clone(),
+                s,
+                cancel.clone(),
+                options.max_frames,
+            )
+            .instrument(span),
+        );
+    }
+    tracker.close();
+    let by_name: HashMap<String, Arc<CameraStats>> = stats.iter().cloned().collect();
+    let summaries =
+        || -> Vec<CameraSummary> { stats.iter().map(|(n, s)| CameraSummary::of(n, s)).collect() };
+    let sent = || -> u64 {
+        stats
+            .iter()
+            .map(|(_, s)| s.lane.delivered.load(Ordering::Relaxed))
+            .sum()
+    };
+
+    tokio::pin!(shutdown);
+    let mut results = 0u64;
+    let mut ok = 0u64;
+    let mut drain_deadline = None::<Instant>;
+    let mut summary_tick = options.summary_every.map(|d| {
+        let mut i = tokio::time::interval_at(Instant::now() + d, d);
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        i
+    });
+    let mut outcome = Ok(());
+    loop {
+        if tracker.is_empty() && drain_deadline.is_none() {
+            if options.max_frames.is_some() || cfg.cameras.is_empty() {
+                drain_deadline = Some(Instant::now() + Duration::from_secs(10));
+            } else {
+                // Every camera stopped (bad entries, files that ended): the
+                // edge has nothing left to do.
+                info!("every camera has stopped");
+                break;
+            }
+        }
+        if drain_deadline.is_some() && results >= sent() {
+            break;
+        }
+        let drain = async {
+            match drain_deadline {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let tick = async {
+            match &mut summary_tick {
+                Some(t) => {
+                    t.tick().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = &mut shutdown => { info!("shutting down"); break; }
+            _ = drain => { warn!("gave up waiting for the last results"); break; }
+            _ = tracker.wait(), if drain_deadline.is_none() => {}
+            _ = tick => print_cameras(&summaries()),
+            e = fatal_rx.recv() => {
+                if let Some(e) = e {
+                    outcome = Err(NodeError::Refused(e));
+                }
+                break;
+            }
+            msg = results_rx.recv() => match msg {
+                Some(Incoming::Result(r)) => {
+                    let now = crate::clock::now_us();
+                    results += 1;
+                    let is_ok = r.status == Status::Ok;
+                    if is_ok {
+                        ok += 1;
+                    }
+                    if let Some(s) = by_name.get(&r.camera) {
+                        s.results.fetch_add(1, Ordering::Relaxed);
+                        if is_ok {
+                            s.ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    if let Err(e) = sinks.write(&ResultLine::new(&r, now)) {
+                        outcome = Err(NodeError::Sink(e));
+                        break;
+                    }
+                }
+                Some(Incoming::Hint(_)) => {}
+                None => break,
+            },
+        }
+    }
+    cancel.cancel();
+    tracker.wait().await;
+    let _ = link_task.await;
+    if let Some(w) = sinks.webhook.take() {
+        let stats = w.close(Duration::from_secs(5)).await;
+        info!(
+            posted = stats.posted.load(Ordering::Relaxed),
+            dropped_full = stats.dropped_full.load(Ordering::Relaxed),
+            dropped_failed = stats.dropped_failed.load(Ordering::Relaxed),
+            retries = stats.retries.load(Ordering::Relaxed),
+            "webhook closed"
+        );
+    }
+    outcome?;
+    Ok(Summary {
+        sent: sent(),
+        results,
+        ok,
+        cameras: summaries(),
+    })
+}
+
+/// Keeps a connection to the gateway: dials with jittered exponential
+/// backoff, publishes the uplink, forwards results, applies hints, and
+/// starts over when the connection is lost.
+async fn link(
+    cfg: EdgeConfig,
+    link_tx: watch::Sender<Option<Uplink>>,
+    hints_tx: watch::Sender<HintBoard>,
+    results: mpsc::Sender<Incoming>,
+    fatal: mpsc::Sender<UplinkError>,
+    cancel: CancellationToken,
+) {
+    let mut backoff = Backoff::seeded(
+        Duration::from_millis(200),
+        Duration::from_secs(5),
+        &cfg.name,
+    );
+    loop {
+        let dial = Uplink::connect(
+            cfg.gateway.addr,
+            &cfg.gateway.server_name,
+            &cfg.gateway.ca,
+            &cfg.name,
+            &cfg.token.0,
+        );
+        let connected = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = dial => r,
+        };
+        let (uplink, mut incoming) = match connected {
+            Ok(u) => u,
+            Err(e) if e.retryable() => {
+                let delay = backoff.next_delay();
+                warn!("{e}; retrying in {delay:?}");
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => continue,
+                }
+            }
+            Err(e) => {
+                error!("{e}");
+                let _ = fatal.send(e).await;
+                return;
+            }
+        };
+        info!("connected");
+        backoff.reset();
+        hints_tx.send_modify(|h| *h = HintBoard::default());
+        link_tx.send_replace(Some(uplink.clone()));
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    link_tx.send_replace(None);
+                    uplink.close();
+                    return;
+                }
+                msg = incoming.recv() => match msg {
+                    Some(Incoming::Result(r)) => {
+                        let e2e = crate::clock::now_us().saturating_sub(r.captured_at_us);
+                        uplink.report_latency(&r.camera, r.seq, e2e);
+                        if results.send(Incoming::Result(r)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(Incoming::Hint(h)) => {
+                        info!(camera = %h.camera, max_fps = h.max_fps, motion_threshold = h.motion_threshold, "control hint");
+                        hints_tx.send_modify(|b| b.apply(&h));
+                    }
+                    None => break,
+                },
+            }
+        }
+        let why = uplink.closed().await;
+        link_tx.send_replace(None);
+        let delay = backoff.next_delay();
+        warn!(
+            "connection to the gateway lost ({why}); frames are dropped until it is back; reconnecting in {delay:?}"
+        );
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+/// The configured limits of a camera.
+fn configured_limits(cam: &CameraConfig) -> Limits {
+    Limits {
+        max_fps: cam.max_fps,
+        motion_threshold: cam.motion_threshold,
+        keepalive_fps: cam.keepalive_fps,
+    }
+}
+
+/// Checks what can be checked before the gateway is reached: the entry, the
+/// URI, and that a local file exists.
+fn preflight(cam: &CameraConfig) -> Result<(), String> {
+    cam.validate().map_err(|e| e.to_string())?;
+    let source: SourceUri = cam.uri.parse().map_err(|e| {
+        format!(
+            "camera '{}': cannot use source URI '{}': {e}",
+            cam.name, cam.uri
+        )
+    })?;
+    match source {
+        SourceUri::File { path, .. } | SourceUri::Image { path } => {
+            match std::fs::metadata(&path) {
+                Ok(m) if m.is_file() => Ok(()),
+                Ok(_) => Err(format!(
+                    "camera '{}': '{}' from URI '{}' is not a regular file",
+                    cam.name,
+                    path.display(),
+                    cam.uri
+                )),
+                Err(e) => Err(format!(
+                    "camera '{}': cannot open '{}' from URI '{}': {e}; check that the file exists and is readable",
+                    cam.name,
+                    path.display(),
+                    cam.uri
+                )),
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn recv_frame(
+    capture: &mut Option<SupervisedCapture>,
+) -> Result<crate::capture::CapturedFrame, CameraStopped> {
+    match capture {
+        Some(c) => c.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// One camera, for the life of the edge. See the module docs.
+async fn camera(
+    cam: CameraConfig,
+    mut link_rx: watch::Receiver<Option<Uplink>>,
+    mut hints_rx: watch::Receiver<HintBoard>,
+    stats: Arc<CameraStats>,
+    cancel: CancellationToken,
+    max_frames: Option<u64>,
+) {
+    if let Err(e) = preflight(&cam) {
+        error!("{e}; this camera is disabled, the others run");
+        stats.set_state("failed");
+        return;
+    }
+    let configured = configured_limits(&cam);
+    let mut limits = configured.with_hint(hints_rx.borrow_and_update().for_camera(&cam.name));
+    stats.snapshot().limits = Some(limits);
+    stats.set_state("waiting");
+    let mut capture: Option<SupervisedCapture> = None;
+    let mut input: Option<InputSpec> = None;
+    let mut lane: Option<Lane> = None;
+    // The connection the camera should be opened on, and when to try again.
+    let mut open_on: Option<Uplink> = link_rx.borrow_and_update().clone();
+    let mut open_at: Option<Instant> = Some(Instant::now());
+    let mut handed = 0u64;
+    let mut refresh = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        if max_frames.is_some_and(|m| handed >= m) {
+            break;
+        }
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break,
+            changed = link_rx.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                lane = None;
+                open_on = link_rx.borrow_and_update().clone();
+                open_at = open_on.as_ref().map(|_| Instant::now());
+                if open_on.is_none() {
+                    stats.set_state("waiting");
+                }
+            }
+            _ = hints_rx.changed() => {
+                let hint = hints_rx.borrow_and_update().for_camera(&cam.name);
+                let now = configured.with_hint(hint);
+                if now != limits {
+                    info!(
+                        max_fps = now.max_fps,
+                        motion_threshold = now.motion_threshold,
+                        was_max_fps = limits.max_fps,
+                        was_motion_threshold = limits.motion_threshold,
+                        "limits changed by the gateway's hint"
+                    );
+                    limits = now;
+                    if let Some(c) = &mut capture {
+                        c.set_limits(limits);
+                    }
+                    stats.snapshot().limits = Some(limits);
+                }
+            }
+            _ = sleep_until_opt(open_at), if open_on.is_some() => {
+                open_at = None;
+                let Some(uplink) = open_on.clone() else { continue };
+                let opened = tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    r = uplink.open_camera(&cam.name, &cam.model, cam.budget_ms) => r,
+                };
+                match opened {
+                    Ok(spec) => {
+                        if spec.dtype != DType::U8 || spec.layout != Layout::Nhwc || spec.channels != 3 {
+                            error!(
+                                "model '{}' wants {} {} with {} channels; this edge produces u8 nhwc RGB; this camera is disabled",
+                                cam.model, spec.dtype, spec.layout, spec.channels
+                            );
+                            stats.set_state("failed");
+                            break;
+                        }
+                        let same = input.as_ref().is_some_and(|i| {
+                            (i.width, i.height, i.resize) == (spec.width, spec.height, spec.resize)
+                        });
+                        if !same {
+                            match start_capture(&cam, &spec, limits) {
+                                Ok(c) => capture = Some(c),
+                                Err(e) => {
+                                    error!("{e}; this camera is disabled, the others run");
+                                    stats.set_state("failed");
+                                    break;
+                                }
+                            }
+                            input = Some(spec);
+                        }
+                        info!(width = input.as_ref().map_or(0, |i| i.width), "camera open");
+                        lane = Some(uplink.lane(&cam.name, cam.max_in_flight, stats.lane.clone()));
+                        stats.set_state("running");
+                    }
+                    Err(e) if e.retryable() => {
+                        warn!("{e}; retrying in 1 s");
+                        if uplink.is_closed() {
+                            open_on = None;
+                        } else {
+                            open_at = Some(Instant::now() + Duration::from_secs(1));
+                        }
+                    }
+                    Err(e) => {
+                        error!("cannot open camera: {e}; this camera is disabled, the others run");
+                        stats.set_state("failed");
+                        break;
+                    }
+                }
+            }
+            _ = refresh.tick() => {
+                if let Some(c) = &capture {
+                    stats.snapshot().capture = c.counters();
+                }
+            }
+            frame = recv_frame(&mut capture) => match frame {
+                Ok(frame) => {
+                    let Some(l) = &lane else {
+                        stats.dropped_outage.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    let Some(spec) = &input else { continue };
+                    let budget_us = (cam.budget_ms as u64 * 1000)
+                        .saturating_sub(crate::clock::now_us().saturating_sub(frame.captured_at_us));
+                    let deadline = Instant::now() + Duration::from_micros(budget_us);
+                    let msg = Frame {
+                        camera: cam.name.clone(),
+                        seq: frame.seq,
+                        captured_at_us: frame.captured_at_us,
+                        budget_us: budget_us.min(u32::MAX as u64) as u32,
+                        model: cam.model.clone(),
+                        geometry: frame.geometry,
+                        tensor: Tensor {
+                            dtype: DType::U8,
+                            layout: Layout::Nhwc,
+                            shape: spec.frame_shape(),
+                            data: frame.data,
+                        },
+                    };
+                    match l.send(msg, deadline).await {
+                        Ok(()) => handed += 1,
+                        Err(e) => {
+                            warn!("sending a frame: {e}; dropping frames until the camera is open again");
+                            stats.dropped_outage.fetch_add(1, Ordering::Relaxed);
+                            lane = None;
+                        }
+                    }
+                }
+                Err(e) => {
+                    match &e {
+                        CameraStopped::Ended(_) => {
+                            info!("{e}");
+                            stats.set_state("stopped");
+                        }
+                        _ => {
+                            error!("{e}; this camera is disabled, the others run");
+                            stats.set_state("failed");
+                        }
+                    }
+                    if let Some(c) = &capture {
+                        stats.snapshot().capture = c.counters();
+                    }
+                    capture = None;
+                    break;
+                }
+            },
+        }
+    }
+    if let Some(l) = &lane {
+        l.settle(SETTLE).await;
+    }
+    if let Some(c) = &capture {
+        stats.snapshot().capture = c.counters();
+    }
+    let mut snap = stats.snapshot();
+    if matches!(snap.state, "running" | "waiting" | "") {
+        snap.state = "stopped";
+    }
+    info!(handed, "camera stopped");
+}
+
+fn start_capture(
+    cam: &CameraConfig,
+    input: &InputSpec,
+    limits: Limits,
+) -> Result<SupervisedCapture, crate::capture::CaptureError> {
+    let spec = CaptureSpec {
+        camera: cam.name.clone(),
+        uri: cam.uri.clone(),
+        width: input.width,
+        height: input.height,
+        resize: input.resize,
+        max_fps: cam.max_fps,
+    };
+    let options = SupervisorOptions {
+        capture: CaptureOptions {
+            rtsp_transport: cam.rtsp_transport,
+            motion_threshold: cam.motion_threshold,
+            keepalive_fps: cam.keepalive_fps,
+            ..CaptureOptions::default()
+        },
+        loop_file: cam.loop_file,
+        ..SupervisorOptions::default()
+    };
+    let mut c = SupervisedCapture::new(spec, options)?;
+    c.set_limits(limits);
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hint(camera: &str, max_fps: f32, motion_threshold: f32) -> ControlHint {
+        ControlHint {
+            camera: camera.into(),
+            max_fps,
+            motion_threshold,
+        }
+    }
+
+    #[test]
+    fn a_hint_replaces_the_previous_one_and_all_cameras_replaces_every_hint() {
+        let mut b = HintBoard::default();
+        assert_eq!(b.for_camera("door"), None);
+        b.apply(&hint("door", 5.0, 0.0));
+        assert_eq!(b.for_camera("door").unwrap().max_fps, 5.0);
+        assert_eq!(b.for_camera("yard"), None);
+        b.apply(&hint("door", 0.0, 0.1));
+        let d = b.for_camera("door").unwrap();
+        assert_eq!((d.max_fps, d.motion_threshold as f32), (0.0, 0.1));
+        b.apply(&hint("", 2.0, 0.0));
+        assert_eq!(b.for_camera("door").unwrap().max_fps, 2.0);
+        assert_eq!(b.for_camera("yard").unwrap().max_fps, 2.0);
+        b.apply(&hint("yard", 1.0, 0.0));
+        assert_eq!(b.for_camera("yard").unwrap().max_fps, 1.0);
+        assert_eq!(b.for_camera("door").unwrap().max_fps, 2.0);
+    }
+
+    #[test]
+    fn effective_limits_follow_the_latest_hint_only() {
+        let cam_limits = Limits {
+            max_fps: 10.0,
+            motion_threshold: 0.0,
+            keepalive_fps: 0.5,
+        };
+        let mut b = HintBoard::default();
+        b.apply(&hint("", 4.0, 0.05));
+        let l = cam_limits.with_hint(b.for_camera("c"));
+        assert_eq!(l.max_fps, 4.0);
+        assert!((l.motion_threshold - 0.05).abs() < 1e-6);
+        // The next hint lifts the cap again: it replaces, it does not stack.
+        b.apply(&hint("", 0.0, 0.0));
+        assert_eq!(cam_limits.with_hint(b.for_camera("c")), cam_limits);
+    }
+
+    fn cam(uri: &str, model: &str) -> CameraConfig {
+        toml::from_str(&format!(
+            "name = \"c\"\nuri = \"{uri}\"\nmodel = \"{model}\"\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn preflight_names_the_camera_for_each_kind_of_bad_entry() {
+        for (c, want) in [
+            (cam("test://smpte", ""), "no model"),
+            (cam("ftp://x/y", "m"), "ftp"),
+            (
+                cam("file:///nonexistent/tidegate.mp4", "m"),
+                "/nonexistent/tidegate.mp4",
+            ),
+        ] {
+            let err = preflight(&c).unwrap_err();
+            assert!(err.contains("'c'") && err.contains(want), "{err}");
+        }
+        preflight(&cam("test://smpte", "m")).unwrap();
+        preflight(&cam("rtsp://127.0.0.1:1/x", "m")).unwrap();
+    }
+}

@@ -1,0 +1,225 @@
+//! Source kinds and supervision on real pipelines: v4l2 error paths, file
+//! looping and end of stream, restart after failure. Every wait is bounded.
+
+#![cfg(feature = "capture")]
+
+use std::time::Duration;
+
+use gstreamer as gst;
+use gstreamer::prelude::*;
+use tidegate_edge::capture::{
+    CameraStopped, Capture, CaptureError, CaptureOptions, CaptureSpec, Resize, StreamError,
+    SupervisedCapture, SupervisorOptions,
+};
+
+const WAIT: Duration = Duration::from_secs(15);
+
+fn spec(camera: &str, uri: &str) -> CaptureSpec {
+    CaptureSpec {
+        camera: camera.into(),
+        uri: uri.into(),
+        width: 64,
+        height: 64,
+        resize: Resize::Letterbox,
+        max_fps: 10.0,
+    }
+}
+
+#[tokio::test]
+async fn missing_v4l2_device_is_a_clear_retryable_error_for_that_camera() {
+    let err = Capture::start(spec("porch", "v4l2:///dev/video-tidegate-none")).unwrap_err();
+    assert!(matches!(err, CaptureError::NoDevice { .. }), "{err:?}");
+    assert!(err.retryable());
+    let msg = err.to_string();
+    assert!(
+        msg.contains("'porch'")
+            && msg.contains("/dev/video-tidegate-none")
+            && msg.contains("plugged in"),
+        "{msg}"
+    );
+}
+
+#[tokio::test]
+async fn v4l2_pipeline_on_a_device_that_is_not_a_camera_fails_naming_the_camera() {
+    // /dev/null is a character device, so the pipeline is built and v4l2src
+    // itself refuses it when the pipeline starts: the real error path of a
+    // node that is not a capture device.
+    let outcome = Capture::start(spec("garage", "v4l2:///dev/null"));
+    let msg = match outcome {
+        Err(e) => {
+            assert!(matches!(e, CaptureError::Start { .. }), "{e:?}");
+            e.to_string()
+        }
+        Ok(capture) => match tokio::time::timeout(WAIT, capture.recv()).await {
+            Ok(Err(e)) => {
+                assert!(matches!(e, StreamError::Pipeline { .. }), "{e:?}");
+                e.to_string()
+            }
+            Ok(Ok(f)) => panic!("a frame from /dev/null: {f:?}"),
+            Err(_) => panic!("no error from v4l2src on /dev/null within {WAIT:?}"),
+        },
+    };
+    assert!(
+        msg.contains("'garage'") && msg.contains("/dev/null"),
+        "{msg}"
+    );
+}
+
+/// Writes a 0.5 s, 30 fps MJPEG AVI.
+fn write_clip(path: &std::path::Path) {
+    gst::init().unwrap();
+    let pipeline = gst::parse::launch(&format!(
+        "videotestsrc num-buffers=15 ! video/x-raw,width=160,height=120,framerate=30/1 \
+         ! jpegenc ! avimux ! filesink location={}",
+        path.display()
+    ))
+    .unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let msg = pipeline
+        .bus()
+        .unwrap()
+        .timed_pop_filtered(
+            gst::ClockTime::from_seconds(10),
+            &[gst::MessageType::Eos, gst::MessageType::Error],
+        )
+        .expect("writing the clip timed out");
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert_eq!(msg.type_(), gst::MessageType::Eos);
+}
+
+fn options(loop_file: bool) -> SupervisorOptions {
+    SupervisorOptions {
+        capture: CaptureOptions {
+            queue_depth: 64,
+            ..CaptureOptions::default()
+        },
+        loop_file,
+        restart_base: Duration::from_millis(50),
+        restart_max: Duration::from_millis(500),
+        stall_timeout: Duration::from_secs(5),
+    }
+}
+
+#[tokio::test]
+async fn looping_file_plays_again_with_increasing_seq() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("clip.avi");
+    write_clip(&path);
+    let mut cam = SupervisedCapture::new(
+        spec("lobby", &format!("file://{}", path.display())),
+        options(true),
+    )
+    .unwrap();
+    let mut seqs = Vec::new();
+    // ~5 frames per pass at 10 fps: 16 frames need at least three passes.
+    while seqs.len() < 16 {
+        let f = tokio::time::timeout(WAIT, cam.recv())
+            .await
+            .expect("looping file keeps producing")
+            .expect("looping file never ends");
+        seqs.push(f.seq);
+    }
+    assert!(seqs.windows(2).all(|w| w[1] > w[0]), "{seqs:?}");
+    let c = cam.counters();
+    assert!(c.restarts >= 2, "{c:?}");
+    assert_eq!(c.limits.unwrap().max_fps, 10.0);
+}
+
+#[tokio::test]
+async fn file_without_loop_ends_the_camera_after_its_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("clip.avi");
+    write_clip(&path);
+    let mut cam = SupervisedCapture::new(
+        spec("lobby", &format!("file://{}", path.display())),
+        options(false),
+    )
+    .unwrap();
+    let mut frames = 0;
+    let end = loop {
+        match tokio::time::timeout(WAIT, cam.recv())
+            .await
+            .expect("bounded")
+        {
+            Ok(_) => frames += 1,
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(end, CameraStopped::Ended(_)), "{end:?}");
+    assert!((2..=8).contains(&frames), "{frames}");
+    assert_eq!(cam.counters().restarts, 0, "an end is not a restart");
+}
+
+#[tokio::test]
+async fn missing_file_stops_only_that_supervised_camera_with_a_clear_error() {
+    let mut bad = SupervisedCapture::new(
+        spec("attic", "file:///nonexistent/tidegate/clip.mp4"),
+        options(true),
+    )
+    .unwrap();
+    let mut good = SupervisedCapture::new(spec("hall", "test://ball"), options(false)).unwrap();
+    let err = tokio::time::timeout(WAIT, bad.recv())
+        .await
+        .expect("bounded")
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, CameraStopped::Start(CaptureError::Unreadable { .. }))
+            && msg.contains("'attic'")
+            && msg.contains("/nonexistent/tidegate/clip.mp4"),
+        "{msg}"
+    );
+    for _ in 0..3 {
+        tokio::time::timeout(WAIT, good.recv())
+            .await
+            .expect("the other camera runs")
+            .expect("the other camera runs");
+    }
+    assert!(
+        SupervisedCapture::new(spec("x", "gopher://h/x"), options(false)).is_err(),
+        "a bad URI is refused at once"
+    );
+}
+
+#[tokio::test]
+async fn failing_pipeline_is_restarted_with_backoff() {
+    // An undecodable image fails every start: the supervisor retries it
+    // (the file exists, so it is not a configuration error) and counts.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.png");
+    std::fs::write(&path, b"not a png").unwrap();
+    let mut cam = SupervisedCapture::new(
+        spec("shed", &format!("image://{}", path.display())),
+        options(false),
+    )
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    // recv keeps restarting inside; it is cancel-safe, so poll it in slices
+    // and look at the counters in between.
+    while cam.counters().restarts < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} restarts in {WAIT:?}",
+            cam.counters().restarts
+        );
+        match tokio::time::timeout(Duration::from_millis(100), cam.recv()).await {
+            Ok(Ok(f)) => panic!("decoded {f:?} from a text file"),
+            Ok(Err(e)) => panic!("gave up: {e}"),
+            Err(_) => {}
+        }
+    }
+    // Once the file is fixed, the next restart picks it up.
+    std::fs::copy(
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../models/testdata/astronaut.png"
+        ),
+        &path,
+    )
+    .unwrap();
+    let f = tokio::time::timeout(WAIT, cam.recv())
+        .await
+        .expect("recovers once the file is good")
+        .expect("recovers");
+    assert_eq!(f.data.len(), 64 * 64 * 3);
+}

@@ -1,0 +1,237 @@
+//! Helpers for end-to-end tests of the real `tidegate-edge` binary against a
+//! [`Cluster`]: test videos made with `gst-launch-1.0`, edge configs with
+//! every camera option, and a running edge process whose results, counters
+//! and memory the test can read.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+use crate::cluster::{Cluster, bin};
+
+/// Encodes `image` (a PNG) as an H.264 MP4 of `frames` frames at `fps`
+/// with `gst-launch-1.0` (x264enc from gst-plugins-ugly).
+pub fn h264_mp4_from_png(image: &Path, out: &Path, frames: u32, fps: u32) -> anyhow::Result<()> {
+    let status = Command::new("gst-launch-1.0")
+        .arg("-q")
+        .args(["filesrc", &format!("location={}", image.display())])
+        .args(["!", "pngdec", "!", "videoconvert", "!"])
+        .args(["imagefreeze", &format!("num-buffers={frames}")])
+        .args(["!", &format!("video/x-raw,framerate={fps}/1")])
+        .args(["!", "videoconvert", "!", "video/x-raw,format=I420"])
+        .args(["!", "x264enc", "speed-preset=ultrafast", "key-int-max=10"])
+        .args(["!", "mp4mux", "!", "filesink"])
+        .arg(format!("location={}", out.display()))
+        .stdout(Stdio::null())
+        .status()
+        .context("running gst-launch-1.0 (install gstreamer1.0-tools: make setup)")?;
+    if !status.success() {
+        bail!(
+            "gst-launch-1.0 could not write {}: {status}; check that x264enc (gstreamer1.0-plugins-ugly) is installed",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// One `[[cameras]]` entry: the fields, as TOML values, beyond the name.
+#[derive(Debug, Clone)]
+pub struct EdgeCamera {
+    /// Camera name.
+    pub name: String,
+    /// Extra TOML lines (`uri = "..."`, `model = "..."`, `max_fps = 10`, ...).
+    pub fields: Vec<String>,
+}
+
+impl EdgeCamera {
+    /// A camera with `uri`, `model` and `max_fps`.
+    pub fn new(name: &str, uri: &str, model: &str, max_fps: f64) -> Self {
+        EdgeCamera {
+            name: name.into(),
+            fields: vec![
+                format!("uri = \"{uri}\""),
+                format!("model = \"{model}\""),
+                format!("max_fps = {max_fps}"),
+            ],
+        }
+    }
+
+    /// Adds a raw TOML line to the entry.
+    pub fn with(mut self, line: &str) -> Self {
+        self.fields.push(line.into());
+        self
+    }
+}
+
+/// Writes an edge config for `cluster` named `name` with `cameras`.
+pub fn edge_config(
+    cluster: &Cluster,
+    name: &str,
+    cameras: &[EdgeCamera],
+) -> anyhow::Result<PathBuf> {
+    let mut toml = format!(
+        "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"{}\"\n",
+        cluster.quic,
+        cluster.ca().display()
+    );
+    for c in cameras {
+        toml += &format!("[[cameras]]\nname = \"{}\"\n", c.name);
+        for f in &c.fields {
+            toml += f;
+            toml.push('\n');
+        }
+    }
+    let path = cluster.dir().join(format!("{name}.toml"));
+    std::fs::write(&path, toml)?;
+    Ok(path)
+}
+
+/// A running `tidegate-edge`, killed on drop.
+#[derive(Debug)]
+pub struct EdgeProcess {
+    child: Child,
+    results: PathBuf,
+    log: PathBuf,
+}
+
+impl EdgeProcess {
+    /// Starts the edge with `config`, results appended to a file in the
+    /// cluster's directory and counters printed every second to its log.
+    pub fn spawn(cluster: &Cluster, config: &Path, args: &[&str]) -> anyhow::Result<Self> {
+        let stem = config
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "edge".into());
+        let results = cluster.dir().join(format!("{stem}.results.jsonl"));
+        let log = cluster.dir().join(format!("{stem}.log"));
+        let child = Command::new(bin("tidegate-edge")?)
+            .arg("--config")
+            .arg(config)
+            .arg("--results")
+            .arg(&results)
+            .args(["--summary-every", "1"])
+            .args(args)
+            .env("TIDEGATE_EDGE_TOKEN", &cluster.edge_token)
+            .env("TIDEGATE_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting tidegate-edge")?;
+        Ok(EdgeProcess {
+            child,
+            results,
+            log,
+        })
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident memory (VmRSS) in KiB, from /proc.
+    pub fn rss_kib(&self) -> anyhow::Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .context("reading /proc/<edge>/status")?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("no VmRSS line")
+    }
+
+    /// Every result so far, one JSON value per line.
+    pub fn results(&self) -> Vec<serde_json::Value> {
+        let Ok(f) = std::fs::File::open(&self.results) else {
+            return Vec::new();
+        };
+        BufReader::new(f)
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|l| serde_json::from_str(&l).ok())
+            .collect()
+    }
+
+    /// Its stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The latest `camera_stats` line of each camera.
+    pub fn camera_stats(&self) -> std::collections::BTreeMap<String, serde_json::Value> {
+        let mut out = std::collections::BTreeMap::new();
+        for line in self.log().lines() {
+            if let Some(json) = line.strip_prefix("camera_stats ")
+                && let Ok(v) = serde_json::from_str::<serde_json::Value>(json)
+                && let Some(name) = v["camera"].as_str()
+            {
+                out.insert(name.to_string(), v.clone());
+            }
+        }
+        out
+    }
+
+    /// Waits until `pred(results)` holds, or fails after `timeout` with the
+    /// edge's log.
+    pub fn wait_for_results(
+        &self,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&[serde_json::Value]) -> bool,
+    ) -> anyhow::Result<Vec<serde_json::Value>> {
+        let until = Instant::now() + timeout;
+        loop {
+            let r = self.results();
+            if pred(&r) {
+                return Ok(r);
+            }
+            if Instant::now() > until {
+                bail!(
+                    "{what}: not within {timeout:?} ({} results); edge log:\n{}",
+                    r.len(),
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the edge to exit.
+    pub fn terminate(&mut self, timeout: Duration) -> anyhow::Result<ExitStatus> {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status();
+        let until = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > until {
+                let _ = self.child.kill();
+                bail!(
+                    "edge did not exit within {timeout:?} of SIGTERM; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for EdgeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Microseconds since the UNIX epoch now, the edge clock's anchor.
+pub fn epoch_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
