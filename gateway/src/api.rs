@@ -1,13 +1,16 @@
 //! The operator HTTP API, on its own listener (separate from QUIC):
 //! `/metrics`, `/healthz`, `/readyz`, and JSON under `/api/v1/`.
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 
+use serde::Deserialize;
+
 use crate::hub::Hub;
+use crate::leasing::{Leasing, MAX_LEASES_LISTED};
 use crate::metrics::Metrics;
 
 /// What the handlers share.
@@ -17,6 +20,8 @@ pub struct ApiState {
     pub hub: Hub,
     /// The metrics registry.
     pub metrics: Metrics,
+    /// The lease shell, when `[leasing]` is configured.
+    pub leasing: Option<Leasing>,
 }
 
 /// The router.
@@ -30,6 +35,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/v1/cameras", get(cameras))
         .route("/api/v1/workers", get(workers))
         .route("/api/v1/models", get(models))
+        .route("/api/v1/leases", get(leases))
+        .route("/api/v1/costs", get(costs))
         .with_state(state)
 }
 
@@ -66,3 +73,174 @@ snapshot_route!(edges, edges);
 snapshot_route!(cameras, cameras);
 snapshot_route!(workers, workers);
 snapshot_route!(models, models);
+
+fn no_leasing() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        "leasing is not configured: add a [leasing] section to the gateway config\n",
+    )
+        .into_response()
+}
+
+fn internal(e: String) -> Response {
+    (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response()
+}
+
+fn bad_request(e: String) -> Response {
+    (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()
+}
+
+/// `?live=true&limit=N`.
+#[derive(Debug, Deserialize)]
+struct LeasesQuery {
+    #[serde(default)]
+    live: Option<String>,
+    #[serde(default)]
+    limit: Option<u32>,
+}
+
+/// The ledger's leases, newest first.
+async fn leases(State(s): State<ApiState>, Query(q): Query<LeasesQuery>) -> Response {
+    let Some(l) = &s.leasing else {
+        return no_leasing();
+    };
+    let live_only = match q.live.as_deref() {
+        None | Some("false") | Some("0") => false,
+        Some("true") | Some("1") | Some("") => true,
+        Some(other) => return bad_request(format!("live={other:?}: use true or false")),
+    };
+    let limit = q.limit.unwrap_or(MAX_LEASES_LISTED).min(MAX_LEASES_LISTED);
+    match l.leases(live_only, limit).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => internal(e),
+    }
+}
+
+/// `?from=&to=`: ms since the Unix epoch or RFC 3339.
+#[derive(Debug, Deserialize)]
+struct CostsQuery {
+    #[serde(default)]
+    from: Option<String>,
+    #[serde(default)]
+    to: Option<String>,
+}
+
+/// Cost charged in `[from, to)` (default: everything until now).
+async fn costs(State(s): State<ApiState>, Query(q): Query<CostsQuery>) -> Response {
+    let Some(l) = &s.leasing else {
+        return no_leasing();
+    };
+    let from = match q.from.as_deref().map(parse_time).transpose() {
+        Ok(t) => t.unwrap_or(0),
+        Err(e) => return bad_request(format!("from: {e}")),
+    };
+    let to = match q.to.as_deref().map(parse_time).transpose() {
+        Ok(t) => t.unwrap_or_else(|| tidegate_lease::provider::wall_clock_ms() + 1),
+        Err(e) => return bad_request(format!("to: {e}")),
+    };
+    if to < from {
+        return bad_request(format!("to ({to}) is before from ({from})"));
+    }
+    match l.costs(from, to).await {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => internal(e),
+    }
+}
+
+/// A time as ms since the Unix epoch, from digits or RFC 3339
+/// (`2026-12-02T17:00:00Z`, `...T17:00:00.250+08:00`).
+pub fn parse_time(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s
+            .parse()
+            .map_err(|_| format!("{s:?} is too large for ms since the epoch"));
+    }
+    rfc3339_ms(s).ok_or_else(|| {
+        format!("{s:?} is neither ms since the Unix epoch nor RFC 3339 (2026-12-02T17:00:00Z)")
+    })
+}
+
+fn rfc3339_ms(s: &str) -> Option<u64> {
+    let b = s.as_bytes();
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let t = s.get(r)?;
+        t.bytes()
+            .all(|c| c.is_ascii_digit())
+            .then(|| t.parse().ok())?
+    };
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') {
+        return None;
+    }
+    if b[13] != b':' || b[16] != b':' {
+        return None;
+    }
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+        return None;
+    }
+    let mut i = 19;
+    let mut ms = 0i64;
+    if b.get(i) == Some(&b'.') {
+        let start = i + 1;
+        i = start;
+        while b.get(i).is_some_and(u8::is_ascii_digit) {
+            i += 1;
+        }
+        if i == start {
+            return None;
+        }
+        let frac = &s[start..i.min(start + 3)];
+        ms = frac.parse::<i64>().ok()? * 10i64.pow(3 - frac.len() as u32);
+    }
+    let offset_min = match b.get(i)? {
+        b'Z' | b'z' if i + 1 == b.len() => 0,
+        sign @ (b'+' | b'-') if i + 6 == b.len() && b[i + 3] == b':' => {
+            let m = num(i + 1..i + 3)? * 60 + num(i + 4..i + 6)?;
+            if *sign == b'+' { m } else { -m }
+        }
+        _ => return None,
+    };
+    // days from civil (Howard Hinnant's algorithm)
+    let y2 = if mo <= 2 { y - 1 } else { y };
+    let era = y2.div_euclid(400);
+    let yoe = y2 - era * 400;
+    let mp = (mo + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset_min * 60;
+    u64::try_from(secs * 1000 + ms).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_time;
+
+    #[test]
+    fn times_parse_as_epoch_ms_or_rfc3339() {
+        assert_eq!(parse_time("1764694800000"), Ok(1_764_694_800_000));
+        assert_eq!(parse_time("1970-01-01T00:00:00Z"), Ok(0));
+        assert_eq!(parse_time("2025-12-02T17:00:00Z"), Ok(1_764_694_800_000));
+        assert_eq!(parse_time("2025-12-02T17:00:00.25Z"), Ok(1_764_694_800_250));
+        assert_eq!(
+            parse_time("2025-12-03T01:00:00+08:00"),
+            Ok(1_764_694_800_000)
+        );
+        assert_eq!(
+            parse_time("2024-02-29T12:00:00-01:30"),
+            Ok(1_709_213_400_000)
+        );
+        for bad in [
+            "",
+            "yesterday",
+            "2025-13-01T00:00:00Z",
+            "2025-12-02T17:00:00",
+            "-5",
+        ] {
+            let e = parse_time(bad).unwrap_err();
+            assert!(e.contains("RFC 3339"), "{bad}: {e}");
+        }
+    }
+}

@@ -26,6 +26,155 @@ pub struct Config {
     /// Workers allowed to connect.
     #[serde(default)]
     pub workers: Vec<Principal>,
+    /// GPU leasing and autoscaling; absent: no leasing, workers come from
+    /// `[[workers]]` only.
+    #[serde(default)]
+    pub leasing: Option<LeasingConfig>,
+}
+
+/// Where leases come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderKind {
+    /// Spawn `tidegate-worker` processes on this host (`[leasing.process]`).
+    Process,
+    /// Bind workers that exist and dial in (`[[leasing.static_workers]]`).
+    Static,
+}
+
+/// `[leasing]`: the lease manager and its autoscaler. `Debug` leaves out
+/// the static workers' token digests.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeasingConfig {
+    /// `process` or `static`.
+    pub provider: ProviderKind,
+    /// Pricing catalog (TOML); default: the built-in one.
+    #[serde(default)]
+    pub catalog: Option<PathBuf>,
+    /// The SQLite ledger file (created if missing).
+    pub ledger: PathBuf,
+    /// Scaling policy: `paid-block-aware` (default), `tidal`,
+    /// `reactive-idle-timeout` or `static-peak`.
+    #[serde(default = "default_policy")]
+    pub policy: String,
+    /// Autoscaler tick (ms).
+    #[serde(default = "default_tick_ms")]
+    pub tick_ms: u64,
+    /// Most the leases not ended may cost together, per hour, in the
+    /// catalog's currency; unset: no cap.
+    #[serde(default)]
+    pub spend_cap_per_hour: Option<f64>,
+    /// Capacity kept above the observed rate (0.03 = 3 %); unset: the
+    /// policy's default.
+    #[serde(default)]
+    pub headroom: Option<f64>,
+    /// Scale-down looks at the highest rate over this window (s); unset:
+    /// the policy's default (600).
+    #[serde(default)]
+    pub down_window_secs: Option<u64>,
+    /// Paid-block-aware: release at most this long before a paid block
+    /// ends (s); unset: the policy's default (180).
+    #[serde(default)]
+    pub release_window_secs: Option<u64>,
+    /// Reactive policy: release a lease idle this long (s); unset: 300.
+    #[serde(default)]
+    pub idle_timeout_secs: Option<u64>,
+    /// The process provider (required with `provider = "process"`).
+    #[serde(default)]
+    pub process: Option<ProcessProviderConfig>,
+    /// The static provider's workers (with `provider = "static"`).
+    #[serde(default)]
+    pub static_workers: Vec<tidegate_lease::provider::static_workers::StaticWorker>,
+    /// The models to scale.
+    #[serde(default)]
+    pub models: Vec<ScaledModel>,
+}
+
+impl std::fmt::Debug for LeasingConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let statics: Vec<String> = self
+            .static_workers
+            .iter()
+            .map(|w| {
+                format!(
+                    "{} ({}, {}, token <redacted>)",
+                    w.name, w.instance_type, w.tier
+                )
+            })
+            .collect();
+        f.debug_struct("LeasingConfig")
+            .field("provider", &self.provider)
+            .field("catalog", &self.catalog)
+            .field("ledger", &self.ledger)
+            .field("policy", &self.policy)
+            .field("tick_ms", &self.tick_ms)
+            .field("spend_cap_per_hour", &self.spend_cap_per_hour)
+            .field("headroom", &self.headroom)
+            .field("down_window_secs", &self.down_window_secs)
+            .field("release_window_secs", &self.release_window_secs)
+            .field("idle_timeout_secs", &self.idle_timeout_secs)
+            .field("process", &self.process)
+            .field("static_workers", &statics)
+            .field("models", &self.models)
+            .finish()
+    }
+}
+
+/// `[leasing.process]`: how to start a worker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessProviderConfig {
+    /// The worker command (`tidegate-worker`, or a path to it).
+    pub command: String,
+    /// Its arguments (e.g. `["--config", "worker.toml", "run"]`).
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Extra environment for every worker.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// Spot preemption notice period (s).
+    #[serde(default = "default_notice_period_secs")]
+    pub notice_period_secs: f64,
+    /// Simulated spot preemption: every spot lease gets its notice this
+    /// long after it starts (s); unset: never (drills and tests only).
+    #[serde(default)]
+    pub preempt_spot_after_secs: Option<f64>,
+}
+
+/// `[[leasing.models]]`: a model the autoscaler sizes capacity for.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScaledModel {
+    /// Model name (as workers register it and edges ask for it).
+    pub name: String,
+    /// Catalog instance types it may be leased on.
+    pub instance_types: Vec<String>,
+    /// Capacity kept at all times (frames/s): with no worker, no camera can
+    /// open, so a model with no load and `min_fps = 0` is never leased.
+    #[serde(default)]
+    pub min_fps: f64,
+    /// Frames/s one worker is planned to serve within the budget, until a
+    /// worker of that type registers and its profile is measured.
+    pub worker_fps: f64,
+    /// Replace `worker_fps` by the throughput measured from the registered
+    /// workers' profiles. Turn off where the profile over-states what a
+    /// worker delivers (several workers sharing the same CPU cores).
+    #[serde(default = "default_true")]
+    pub measure: bool,
+    /// Reserved leases kept for this model (first instance type).
+    #[serde(default)]
+    pub reserved: u32,
+}
+
+fn default_policy() -> String {
+    "paid-block-aware".into()
+}
+fn default_tick_ms() -> u64 {
+    1000
+}
+fn default_notice_period_secs() -> f64 {
+    120.0
 }
 
 /// QUIC listener settings.
@@ -210,6 +359,16 @@ impl Config {
                 *p = base.join(&*p);
             }
         }
+        if let Some(l) = cfg.leasing.as_mut() {
+            for p in [Some(&mut l.ledger), l.catalog.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                if p.is_relative() {
+                    *p = base.join(&*p);
+                }
+            }
+        }
         Ok(cfg)
     }
 
@@ -261,6 +420,152 @@ impl Config {
                 "scheduler.max_queued and max_queued_per_edge must be at least 1".into(),
             ));
         }
+        if let Some(l) = &self.leasing {
+            l.validate()?;
+        }
+        Ok(())
+    }
+}
+
+impl LeasingConfig {
+    /// The catalog: the configured file, or the built-in one.
+    pub fn load_catalog(&self) -> Result<tidegate_lease::Catalog, ConfigError> {
+        match &self.catalog {
+            Some(p) => tidegate_lease::Catalog::load(p).map_err(|e| {
+                ConfigError::Invalid(format!(
+                    "leasing.catalog {}: {}",
+                    p.display(),
+                    crate::simulate::one_line(&e)
+                ))
+            }),
+            None => Ok(tidegate_lease::Catalog::default_catalog()),
+        }
+    }
+
+    /// The policy.
+    pub fn policy_name(&self) -> Result<tidegate_lease::autoscale::PolicyName, ConfigError> {
+        self.policy
+            .parse()
+            .map_err(|e| ConfigError::Invalid(format!("leasing.policy: {e}")))
+    }
+
+    /// Checks what serde cannot: the policy, the catalog and every
+    /// instance type named, the provider's section, and the numbers.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        self.policy_name()?;
+        let catalog = self.load_catalog()?;
+        if !(100..=3_600_000).contains(&self.tick_ms) {
+            return bad(format!(
+                "leasing.tick_ms = {} must be between 100 and 3600000",
+                self.tick_ms
+            ));
+        }
+        if let Some(cap) = self.spend_cap_per_hour
+            && !(cap.is_finite() && cap > 0.0)
+        {
+            return bad(format!(
+                "leasing.spend_cap_per_hour = {cap} must be a positive amount per hour"
+            ));
+        }
+        if let Some(h) = self.headroom
+            && !(0.0..=10.0).contains(&h)
+        {
+            return bad(format!("leasing.headroom = {h} must be in [0, 10]"));
+        }
+        match self.provider {
+            ProviderKind::Process => {
+                let Some(p) = &self.process else {
+                    return bad(
+                        "leasing.provider = \"process\" needs a [leasing.process] section with the worker `command`".into(),
+                    );
+                };
+                if p.command.trim().is_empty() {
+                    return bad(
+                        "leasing.process.command is empty; name the tidegate-worker binary".into(),
+                    );
+                }
+                if !(p.notice_period_secs.is_finite() && p.notice_period_secs >= 0.0) {
+                    return bad(format!(
+                        "leasing.process.notice_period_secs = {} must be >= 0",
+                        p.notice_period_secs
+                    ));
+                }
+                if let Some(t) = p.preempt_spot_after_secs
+                    && !(t.is_finite() && t >= 0.0)
+                {
+                    return bad(format!(
+                        "leasing.process.preempt_spot_after_secs = {t} must be >= 0"
+                    ));
+                }
+                if !self.static_workers.is_empty() {
+                    return bad(
+                        "leasing.static_workers is only used with provider = \"static\"".into(),
+                    );
+                }
+            }
+            ProviderKind::Static => {
+                if self.process.is_some() {
+                    return bad("[leasing.process] is only used with provider = \"process\"".into());
+                }
+                if self.static_workers.is_empty() {
+                    return bad("leasing.provider = \"static\" needs at least one [[leasing.static_workers]]".into());
+                }
+                for w in &self.static_workers {
+                    if catalog.get(&w.instance_type).is_none() {
+                        return bad(format!(
+                            "static worker '{}': instance type '{}' is not in the catalog",
+                            w.name, w.instance_type
+                        ));
+                    }
+                }
+                tidegate_lease::provider::static_workers::StaticProvider::new(
+                    tidegate_lease::provider::static_workers::StaticConfig {
+                        workers: self.static_workers.clone(),
+                    },
+                )
+                .map_err(|e| ConfigError::Invalid(format!("leasing.static_workers: {e}")))?;
+            }
+        }
+        if self.models.is_empty() {
+            return bad("[leasing] scales nothing: add a [[leasing.models]] with its name, instance_types and worker_fps".into());
+        }
+        let mut names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("leasing.models: '{}' is listed twice", w[0]));
+        }
+        for m in &self.models {
+            if m.instance_types.is_empty() {
+                return bad(format!(
+                    "leasing model '{}' has no instance_types; name at least one catalog type",
+                    m.name
+                ));
+            }
+            for t in &m.instance_types {
+                if catalog.get(t).is_none() {
+                    let known: Vec<&str> =
+                        catalog.instances.iter().map(|i| i.name.as_str()).collect();
+                    return bad(format!(
+                        "leasing model '{}': instance type '{t}' is not in the catalog (known: {})",
+                        m.name,
+                        known.join(", ")
+                    ));
+                }
+            }
+            if !(m.worker_fps.is_finite() && m.worker_fps > 0.0) {
+                return bad(format!(
+                    "leasing model '{}': worker_fps = {} must be > 0 (frames/s one worker serves)",
+                    m.name, m.worker_fps
+                ));
+            }
+            if !(m.min_fps.is_finite() && m.min_fps >= 0.0) {
+                return bad(format!(
+                    "leasing model '{}': min_fps = {} must be >= 0",
+                    m.name, m.min_fps
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -293,6 +598,73 @@ mod tests {
             toml::from_str("[[edges]]\nname = \"e\"\ntoken_sha256 = \"abc\"\n").unwrap();
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("hash-token") && err.contains("'e'"), "{err}");
+    }
+
+    fn leasing(extra: &str) -> Result<(), ConfigError> {
+        let text = format!("[leasing]\nprovider = \"process\"\nledger = \"l.db\"\n{extra}\n");
+        let cfg: Config = toml::from_str(&text).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.validate()
+    }
+
+    const PROCESS: &str = "[leasing.process]\ncommand = \"tidegate-worker\"\n";
+    const MODEL: &str = "[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-32\"]\nworker_fps = 50\n";
+
+    #[test]
+    fn leasing_is_optional_and_a_full_section_validates() {
+        assert!(Config::default_config().leasing.is_none());
+        leasing(&format!("policy = \"tidal\"\nspend_cap_per_hour = 20.0\ntick_ms = 500\n{PROCESS}env = {{ A = \"b\" }}\nnotice_period_secs = 1\n{MODEL}")).unwrap();
+    }
+
+    #[test]
+    fn leasing_errors_name_the_field_and_the_fix() {
+        let e = leasing(&format!("policy = \"cheap\"\n{PROCESS}{MODEL}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("leasing.policy") && e.contains("paid-block-aware"),
+            "{e}"
+        );
+        let e = leasing(MODEL).unwrap_err().to_string();
+        assert!(e.contains("[leasing.process]"), "{e}");
+        let e = leasing(PROCESS).unwrap_err().to_string();
+        assert!(e.contains("[[leasing.models]]"), "{e}");
+        let e = leasing(&format!("{PROCESS}{}", MODEL.replace("cpu-32", "tpu")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'tpu'") && e.contains("h100"), "{e}");
+        let e = leasing(&format!("{PROCESS}{}", MODEL.replace("50", "0")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("worker_fps"), "{e}");
+        let e = leasing(&format!("spend_cap_per_hour = -1.0\n{PROCESS}{MODEL}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("spend_cap_per_hour"), "{e}");
+        let e = leasing(&format!(
+            "catalog = \"/nonexistent/c.toml\"\n{PROCESS}{MODEL}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("/nonexistent/c.toml"), "{e}");
+        let e = leasing(&format!("{PROCESS}{MODEL}{MODEL}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn leasing_paths_resolve_against_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("g.toml");
+        std::fs::write(
+            &p,
+            format!("[leasing]\nprovider = \"process\"\nledger = \"data/l.db\"\n{PROCESS}{MODEL}"),
+        )
+        .unwrap();
+        let cfg = Config::load(&p).unwrap();
+        let l = cfg.leasing.unwrap();
+        assert_eq!(l.ledger, dir.path().join("data/l.db"));
+        assert_eq!(l.process.unwrap().notice_period_secs, 120.0);
     }
 
     #[test]

@@ -14,6 +14,8 @@ use tidegate_protocol::{
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use tidegate_lease::LeaseId;
+
 use crate::backpressure::{Backpressure, BackpressureConfig, CameraLoad};
 use crate::metrics::Metrics;
 use crate::scheduler::{
@@ -73,6 +75,8 @@ pub enum HubMsg {
         register: Register,
         /// Where its batches go (the connection's dispatch writer).
         dispatch: mpsc::Sender<Dispatch>,
+        /// The lease it serves, when it authenticated with a lease token.
+        lease: Option<LeaseId>,
     },
     /// A worker returned a batch.
     BatchDone {
@@ -85,6 +89,27 @@ pub enum HubMsg {
     WorkerDraining {
         /// The worker.
         worker: WorkerId,
+    },
+    /// The lease shell stops dispatch to a lease's worker (release, spot
+    /// notice); applies when the worker registers if it has not yet.
+    LeaseDraining {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// A lease ended (released, preempted, lost): its worker is gone now,
+    /// so its frames are re-homed or failed at once rather than when its
+    /// connection misses its heartbeats.
+    LeaseEnded {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// Asks for the load the autoscaler observes, and the frames served
+    /// per lease since the last ask.
+    LoadReport {
+        /// Models to report on.
+        models: Vec<String>,
+        /// Answer.
+        reply: oneshot::Sender<LoadReport>,
     },
     /// A worker disconnected.
     WorkerGone {
@@ -178,6 +203,55 @@ pub struct ModelView {
     pub workers: usize,
 }
 
+/// What the lease shell observes each tick ([`HubMsg::LoadReport`]).
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    /// Per model asked for.
+    pub models: Vec<ModelLoadReport>,
+    /// Registered workers that serve a lease.
+    pub workers: Vec<LeasedWorker>,
+    /// Frames served per lease since the last report.
+    pub served: Vec<(LeaseId, Served)>,
+}
+
+/// One model's load in a [`LoadReport`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelLoadReport {
+    /// Model.
+    pub model: String,
+    /// Arrival rate (frames/s), from the scheduler's decaying count.
+    pub arrival_fps: f64,
+    /// Frames queued now.
+    pub queue_depth: u64,
+    /// p95 of the end-to-end latencies edges reported since the last
+    /// report (ms); 0 when none were.
+    pub p95_ms: f64,
+    /// The frames' budget (ms), from the latest frame; 0 when none came.
+    pub budget_ms: f64,
+}
+
+/// A leased worker in a [`LoadReport`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeasedWorker {
+    /// Its lease.
+    pub lease: LeaseId,
+    /// Takes no new batch.
+    pub draining: bool,
+    /// Measured latency per model and batch size (µs), from registration.
+    pub profile: Vec<(String, u16, u32)>,
+}
+
+/// Work done by one lease's worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Served {
+    /// Frames answered `ok` before their deadline.
+    pub within_slo: u64,
+    /// Frames it answered otherwise (`ok` too late, or `failed`).
+    pub late: u64,
+    /// Time it spent running batches (µs).
+    pub busy_us: u64,
+}
+
 /// A handle to the hub task.
 #[derive(Debug, Clone)]
 pub struct Hub {
@@ -201,6 +275,15 @@ impl Hub {
         rx.await.ok().flatten()
     }
 
+    /// The load of `models` and the work per lease since the last call.
+    pub async fn load_report(&self, models: Vec<String>) -> Option<LoadReport> {
+        let (reply, rx) = oneshot::channel();
+        if !self.send(HubMsg::LoadReport { models, reply }).await {
+            return None;
+        }
+        rx.await.ok()
+    }
+
     /// A snapshot for the API.
     pub async fn snapshot(&self) -> Option<Snapshot> {
         let (reply, rx) = oneshot::channel();
@@ -214,6 +297,10 @@ impl Hub {
 struct Pending {
     edge: EdgeId,
     frame: Frame,
+    /// Local deadline.
+    deadline: Micros,
+    /// The lease whose worker answered it, once one has.
+    served_by: Option<LeaseId>,
 }
 
 struct EdgeEntry {
@@ -227,7 +314,11 @@ struct WorkerEntry {
     register: Register,
     dispatch: mpsc::Sender<Dispatch>,
     draining: bool,
+    lease: Option<LeaseId>,
 }
+
+/// Most latency reports kept per model between two load reports.
+const LATENCY_SAMPLES: usize = 8192;
 
 /// The hub's state, driven by [`run`].
 struct State {
@@ -247,6 +338,14 @@ struct State {
     /// Frame-rate hints for cameras whose frames are shed; `None` when
     /// hints are turned off.
     backpressure: Option<Backpressure>,
+    /// Work per lease since the last load report.
+    served: HashMap<LeaseId, Served>,
+    /// Leases told to drain (applied to their worker when it registers).
+    draining_leases: std::collections::HashSet<LeaseId>,
+    /// Edge-reported e2e latencies (ms) since the last load report.
+    latencies: HashMap<String, Vec<f64>>,
+    /// The latest frame budget per model (µs).
+    budgets: HashMap<String, u32>,
 }
 
 /// Capacity of the hub's inbox.
@@ -277,6 +376,10 @@ pub fn spawn(
         edges: HashMap::new(),
         workers: HashMap::new(),
         next_frame: 1,
+        served: HashMap::new(),
+        draining_leases: Default::default(),
+        latencies: HashMap::new(),
+        budgets: HashMap::new(),
     };
     tracker.spawn(run(state, rx, cancel));
     Hub { tx }
@@ -412,21 +515,37 @@ impl State {
             } => {
                 let id = FrameId(self.next_frame);
                 self.next_frame += 1;
+                let deadline = self.at(deadline);
                 let arrival = Arrival {
                     id,
                     edge,
                     camera: frame.camera.clone(),
                     model: frame.model.clone(),
-                    deadline: self.at(deadline),
+                    deadline,
                 };
                 let now = self.now();
                 if let Some(bp) = self.backpressure.as_mut() {
                     bp.on_arrival(now, edge, &frame.camera);
                 }
-                self.pending.insert(id, Pending { edge, frame });
+                if self.budgets.get(&frame.model) != Some(&frame.budget_us) {
+                    self.budgets.insert(frame.model.clone(), frame.budget_us);
+                }
+                self.pending.insert(
+                    id,
+                    Pending {
+                        edge,
+                        frame,
+                        deadline,
+                        served_by: None,
+                    },
+                );
                 self.step(Event::FrameArrived(arrival));
             }
             HubMsg::Latency { model, e2e } => {
+                let samples = self.latencies.entry(model.clone()).or_default();
+                if samples.len() < LATENCY_SAMPLES {
+                    samples.push(e2e.as_secs_f64() * 1e3);
+                }
                 self.metrics
                     .e2e_latency
                     .with_label_values(&[model.as_str()])
@@ -436,6 +555,7 @@ impl State {
                 worker,
                 register,
                 dispatch,
+                lease,
             } => {
                 let models = register
                     .models
@@ -451,15 +571,20 @@ impl State {
                             .collect(),
                     })
                     .collect();
+                let drain = lease.is_some_and(|l| self.draining_leases.contains(&l));
                 self.workers.insert(
                     worker,
                     WorkerEntry {
                         register,
                         dispatch,
-                        draining: false,
+                        draining: drain,
+                        lease,
                     },
                 );
                 self.step(Event::WorkerJoined { worker, models });
+                if drain {
+                    self.step(Event::WorkerDraining { worker });
+                }
             }
             HubMsg::BatchDone { worker, result } => {
                 // Run time, not time since dispatch: a pipelined batch waits
@@ -474,12 +599,17 @@ impl State {
                     }
                     None => (0, 0),
                 };
+                let lease = self.workers.get(&worker).and_then(|w| w.lease);
+                if let Some(l) = lease {
+                    self.served.entry(l).or_default().busy_us += u64::from(latency_us);
+                }
                 let mut outcomes = Vec::with_capacity(result.items.len());
                 let mut inference_us = 0;
                 for item in result.items {
                     inference_us = inference_us.max(item.timings.inference_us);
                     let id = FrameId(item.id);
-                    if self.pending.contains_key(&id) {
+                    if let Some(p) = self.pending.get_mut(&id) {
+                        p.served_by = lease;
                         self.outputs.insert(id, (item.detections, item.timings));
                         outcomes.push((id, item.status));
                     }
@@ -506,6 +636,39 @@ impl State {
                     w.draining = true;
                 }
                 self.step(Event::WorkerDraining { worker });
+            }
+            HubMsg::LeaseDraining { lease } => {
+                self.draining_leases.insert(lease);
+                let ids: Vec<WorkerId> = self
+                    .workers
+                    .iter()
+                    .filter(|(_, w)| w.lease == Some(lease) && !w.draining)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for worker in ids {
+                    if let Some(w) = self.workers.get_mut(&worker) {
+                        w.draining = true;
+                    }
+                    self.step(Event::WorkerDraining { worker });
+                }
+            }
+            HubMsg::LeaseEnded { lease } => {
+                self.draining_leases.remove(&lease);
+                let ids: Vec<WorkerId> = self
+                    .workers
+                    .iter()
+                    .filter(|(_, w)| w.lease == Some(lease))
+                    .map(|(id, _)| *id)
+                    .collect();
+                for worker in ids {
+                    tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
+                    self.workers.remove(&worker);
+                    self.last_done.remove(&worker);
+                    self.step(Event::WorkerLost { worker });
+                }
+            }
+            HubMsg::LoadReport { models, reply } => {
+                let _ = reply.send(self.load_report(models));
             }
             HubMsg::WorkerGone { worker } => {
                 self.workers.remove(&worker);
@@ -580,6 +743,15 @@ impl State {
                 let Some(p) = self.pending.remove(&frame) else {
                     return;
                 };
+                if let Some(l) = p.served_by {
+                    let on_time = status == Status::Ok && self.now() <= p.deadline;
+                    let s = self.served.entry(l).or_default();
+                    if on_time {
+                        s.within_slo += 1;
+                    } else {
+                        s.late += 1;
+                    }
+                }
                 let (detections, mut timings) = self.outputs.remove(&frame).unwrap_or_default();
                 timings.queue_us = queue_us;
                 let model = p.frame.model.as_str();
@@ -617,6 +789,53 @@ impl State {
                     self.metrics.undeliverable.inc();
                 }
             }
+        }
+    }
+
+    fn load_report(&mut self, models: Vec<String>) -> LoadReport {
+        let now = self.now();
+        let models = models
+            .into_iter()
+            .map(|model| {
+                let mut lat = self.latencies.remove(&model).unwrap_or_default();
+                lat.sort_by(f64::total_cmp);
+                let p95_ms = match lat.len() {
+                    0 => 0.0,
+                    n => lat[((n as f64 * 0.95).ceil() as usize).clamp(1, n) - 1],
+                };
+                ModelLoadReport {
+                    arrival_fps: self.scheduler.arrival_rate(&model, now),
+                    queue_depth: self.scheduler.queue_len(&model) as u64,
+                    p95_ms,
+                    budget_ms: self.budgets.get(&model).map_or(0.0, |b| *b as f64 / 1e3),
+                    model,
+                }
+            })
+            .collect();
+        self.latencies.clear();
+        let mut workers: Vec<LeasedWorker> = self
+            .workers
+            .values()
+            .filter_map(|w| {
+                Some(LeasedWorker {
+                    lease: w.lease?,
+                    draining: w.draining,
+                    profile: w
+                        .register
+                        .profile
+                        .iter()
+                        .map(|p| (p.model.clone(), p.batch, p.latency_us))
+                        .collect(),
+                })
+            })
+            .collect();
+        workers.sort_by_key(|w| w.lease);
+        let mut served: Vec<(LeaseId, Served)> = self.served.drain().collect();
+        served.sort_by_key(|(l, _)| *l);
+        LoadReport {
+            models,
+            workers,
+            served,
         }
     }
 
@@ -683,5 +902,187 @@ impl State {
             .sort_by(|a, b| (a.edge, &a.camera).cmp(&(b.edge, &b.camera)));
         snap.models.sort_by(|a, b| a.name.cmp(&b.name));
         snap
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use tidegate_protocol::{
+        ColorOrder, DType, Geometry, ItemResult, Layout, ProfilePoint, Resize, Tensor,
+    };
+
+    const MODEL: &str = "m";
+
+    fn register() -> Register {
+        Register {
+            worker: "lease-7".into(),
+            device: "cpu".into(),
+            models: vec![ModelInfo {
+                name: MODEL.into(),
+                version: 1,
+                input: InputSpec {
+                    width: 2,
+                    height: 2,
+                    channels: 3,
+                    dtype: DType::U8,
+                    layout: Layout::Nhwc,
+                    color: ColorOrder::Rgb,
+                    resize: Resize::Stretch,
+                },
+                max_batch: 1,
+            }],
+            profile: vec![ProfilePoint {
+                model: MODEL.into(),
+                batch: 1,
+                latency_us: 1000,
+            }],
+        }
+    }
+
+    fn frame(seq: u64) -> Frame {
+        Frame {
+            camera: "cam".into(),
+            seq,
+            captured_at_us: 0,
+            budget_us: 80_000,
+            model: MODEL.into(),
+            geometry: Geometry {
+                source_width: 2,
+                source_height: 2,
+                content_x: 0,
+                content_y: 0,
+                content_width: 2,
+                content_height: 2,
+            },
+            tensor: Tensor {
+                dtype: DType::U8,
+                layout: Layout::Nhwc,
+                shape: vec![1, 2, 2, 3],
+                data: Bytes::from(vec![0u8; 12]),
+            },
+        }
+    }
+
+    async fn recv<T>(rx: &mut mpsc::Receiver<T>) -> T {
+        tokio::time::timeout(Duration::from_secs(2), rx.recv())
+            .await
+            .expect("in time")
+            .expect("open")
+    }
+
+    #[tokio::test]
+    async fn frames_are_counted_per_lease_and_a_drained_lease_gets_no_batch() {
+        let cancel = CancellationToken::new();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let hub = spawn(
+            Limits::default(),
+            None,
+            Metrics::new(),
+            cancel.clone(),
+            &tracker,
+        );
+        let (dispatch, mut batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: WorkerId(1),
+            register: register(),
+            dispatch,
+            lease: Some(LeaseId(7)),
+        })
+        .await;
+        let (results, mut answers) = mpsc::channel(8);
+        let (hints, _hints) = mpsc::channel(8);
+        hub.send(HubMsg::EdgeConnected {
+            edge: EdgeId(1),
+            name: "e".into(),
+            results,
+            hints,
+        })
+        .await;
+        let deadline = Instant::now() + Duration::from_millis(500);
+        hub.send(HubMsg::Frame {
+            edge: EdgeId(1),
+            frame: frame(1),
+            deadline,
+        })
+        .await;
+        let d = recv(&mut batches).await;
+        let items = d
+            .items
+            .iter()
+            .map(|i| ItemResult {
+                id: i.id,
+                status: Status::Ok,
+                detections: Vec::new(),
+                timings: Timings::default(),
+            })
+            .collect();
+        hub.send(HubMsg::BatchDone {
+            worker: WorkerId(1),
+            result: BatchResult {
+                batch: d.batch,
+                items,
+            },
+        })
+        .await;
+        assert_eq!(recv(&mut answers).await.status, Status::Ok);
+
+        let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert_eq!(r.served.len(), 1, "{r:?}");
+        let (lease, s) = r.served[0];
+        assert_eq!(lease, LeaseId(7));
+        assert_eq!((s.within_slo, s.late), (1, 0));
+        assert_eq!(r.workers.len(), 1);
+        assert_eq!(r.workers[0].profile, vec![(MODEL.to_string(), 1, 1000)]);
+        assert_eq!(r.models[0].budget_ms, 80.0);
+        assert!(r.models[0].arrival_fps > 0.0, "{r:?}");
+        // counted once: the next report starts from zero
+        let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert!(r.served.is_empty(), "{r:?}");
+
+        // a drained lease's worker gets nothing; the frame still ends
+        hub.send(HubMsg::LeaseDraining { lease: LeaseId(7) }).await;
+        hub.send(HubMsg::Frame {
+            edge: EdgeId(1),
+            frame: frame(2),
+            deadline: Instant::now() + Duration::from_millis(50),
+        })
+        .await;
+        let answer = recv(&mut answers).await;
+        assert_ne!(answer.status, Status::Ok, "{answer:?}");
+        assert!(batches.try_recv().is_err(), "no batch to a draining lease");
+        let snap = hub.snapshot().await.unwrap();
+        assert!(snap.frames.balanced(), "{:?}", snap.frames);
+        assert!(snap.workers[0].draining);
+        cancel.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_lease_drained_before_its_worker_registers_is_drained_on_arrival() {
+        let cancel = CancellationToken::new();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let hub = spawn(
+            Limits::default(),
+            None,
+            Metrics::new(),
+            cancel.clone(),
+            &tracker,
+        );
+        hub.send(HubMsg::LeaseDraining { lease: LeaseId(3) }).await;
+        let (dispatch, _batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: WorkerId(1),
+            register: register(),
+            dispatch,
+            lease: Some(LeaseId(3)),
+        })
+        .await;
+        let snap = hub.snapshot().await.unwrap();
+        assert!(snap.workers[0].draining, "{:?}", snap.workers);
+        // and a lease that ended takes its worker with it at once
+        hub.send(HubMsg::LeaseEnded { lease: LeaseId(3) }).await;
+        assert!(hub.snapshot().await.unwrap().workers.is_empty());
+        cancel.cancel();
     }
 }

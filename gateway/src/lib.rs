@@ -6,12 +6,16 @@
 //!   hints for the cameras.
 //! - [`hub`]: the async shell that owns the scheduler, frame payloads and the
 //!   routes back to edges and workers.
+//! - [`leasing`]: the lease shell around the pure autoscaler: ledger,
+//!   provider, lease tokens, cost.
 //! - [`server`]: the QUIC listener; one task and span per connection.
 //! - [`auth`]: token hashing and checking.
 //! - [`api`]: HTTP (`/metrics`, `/healthz`, `/readyz`, `/api/v1/...`).
 //! - [`metrics`]: Prometheus metrics, registered in one place.
 //! - [`config`]: the `Config` file and flags.
 //! - [`certs`]: dev CA and certificates (`tidegate-gateway dev-certs`).
+//! - [`simulate`]: `tidegate-gateway simulate`, a trace replayed through the
+//!   autoscaler.
 
 pub mod api;
 pub mod auth;
@@ -19,6 +23,8 @@ pub mod backpressure;
 pub mod certs;
 pub mod config;
 pub mod hub;
+pub mod leasing;
 pub mod metrics;
 pub mod scheduler;
 pub mod server;
+pub mod simulate;

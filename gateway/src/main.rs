@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tidegate_gateway::config::Config;
-use tidegate_gateway::{api, certs, hub, metrics, scheduler, server};
+use tidegate_gateway::{api, certs, hub, leasing, metrics, scheduler, server, simulate};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -56,6 +56,28 @@ enum Command {
         /// The token.
         token: String,
     },
+    /// Replay an arrival trace through the autoscaler and print the cost,
+    /// GPU-hours, utilisation and SLO attainment as JSON.
+    ///
+    /// Example:
+    ///   tidegate-gateway simulate --trace lease/traces/day-night.csv --policy paid-block-aware
+    Simulate {
+        /// Trace file (CSV: `t_secs,model,fps`, one row per minute).
+        #[arg(long)]
+        trace: PathBuf,
+        /// Policy: static-peak, reactive-idle-timeout, tidal or paid-block-aware.
+        #[arg(long)]
+        policy: String,
+        /// Pricing catalog (TOML); default: the built-in catalog.
+        #[arg(long)]
+        catalog: Option<PathBuf>,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Seed of the random draws (spot refusals, preemptions); default 42.
+        #[arg(long)]
+        seed: Option<u64>,
+    },
 }
 
 fn load_config(cli: &Cli) -> anyhow::Result<Config> {
@@ -92,6 +114,29 @@ fn main() -> anyhow::Result<()> {
         }
         Some(Command::HashToken { token }) => {
             println!("{}", tidegate_gateway::auth::hash_token(token));
+            Ok(())
+        }
+        Some(Command::Simulate {
+            trace,
+            policy,
+            catalog,
+            out,
+            seed,
+        }) => {
+            let args = simulate::SimulateArgs {
+                trace: trace.clone(),
+                policy: policy.clone(),
+                catalog: catalog.clone(),
+                seed: *seed,
+            };
+            // Each error already names the file and the cause: one line,
+            // without anyhow's "Caused by" repeat.
+            let one_line = |e: simulate::SimulateError| anyhow::anyhow!("{e}");
+            let report = simulate::simulate(&args).map_err(one_line)?;
+            println!(
+                "{}",
+                simulate::render(&report, out.as_deref()).map_err(one_line)?
+            );
             Ok(())
         }
         Some(Command::CheckConfig) => {
@@ -144,9 +189,24 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             ..Default::default()
         });
     let hub = hub::spawn(limits, hints, metrics.clone(), cancel.clone(), &tracker);
+    let leasing = match &cfg.leasing {
+        Some(l) => Some(
+            leasing::spawn(
+                l,
+                endpoint.local_addr()?,
+                hub.clone(),
+                metrics.clone(),
+                cancel.clone(),
+                &tracker,
+            )
+            .context("starting the lease manager")?,
+        ),
+        None => None,
+    };
     let api = api::router(api::ApiState {
         hub: hub.clone(),
         metrics: metrics.clone(),
+        leasing: leasing.clone(),
     });
     {
         let cancel = cancel.clone();
@@ -161,7 +221,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             }
         });
     }
-    let srv = server::Server::new(cfg, hub, metrics, tracker.clone());
+    let srv = server::Server::new(cfg, hub, metrics, tracker.clone(), leasing);
     tracker.spawn(srv.serve(endpoint, cancel.clone()));
 
     shutdown_signal().await;

@@ -2,9 +2,10 @@
 //! buckets are sized for an 80 ms end-to-end budget.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+use tidegate_lease::metrics::names;
 
 /// Latency buckets (seconds): fine below the 80 ms budget, coarse above.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -39,6 +40,17 @@ pub struct Metrics {
     pub undeliverable: IntCounter,
     /// Frame-rate hints sent to cameras, by direction (lower, raise, lift).
     pub hints: IntCounterVec,
+    /// `tidegate_leases{type,tier,state}`: leases known to this gateway.
+    pub leases: IntGaugeVec,
+    /// `tidegate_cost_total{tier}`: cost charged in the ledger (currency
+    /// units of the catalog).
+    pub cost_total: CounterVec,
+    /// `tidegate_cost_per_1k_frames_within_slo`: ledger cost per 1000
+    /// frames answered ok within their deadline.
+    pub cost_per_1k_within_slo: Gauge,
+    /// `tidegate_gpu_utilization_ratio`: busy over leased GPU time since
+    /// the gateway started.
+    pub gpu_utilization: Gauge,
 }
 
 impl Metrics {
@@ -106,6 +118,29 @@ impl Metrics {
                 &["direction"],
             )
             .expect("valid counter"),
+            leases: IntGaugeVec::new(
+                Opts::new(names::LEASES, "Leases by instance type, tier and state."),
+                &["type", "tier", "state"],
+            )
+            .expect("valid gauge"),
+            cost_total: CounterVec::new(
+                Opts::new(
+                    names::COST_TOTAL,
+                    "Lease cost charged in the ledger, by tier, in the catalog currency.",
+                ),
+                &["tier"],
+            )
+            .expect("valid counter"),
+            cost_per_1k_within_slo: Gauge::new(
+                names::COST_PER_1K_WITHIN_SLO,
+                "Lease cost per 1000 frames served within their deadline.",
+            )
+            .expect("valid gauge"),
+            gpu_utilization: Gauge::new(
+                names::GPU_UTILIZATION,
+                "Time leased workers spent running batches over the time they were leased.",
+            )
+            .expect("valid gauge"),
             registry,
         };
         for c in [
@@ -119,6 +154,10 @@ impl Metrics {
             Box::new(m.rejected.clone()),
             Box::new(m.undeliverable.clone()),
             Box::new(m.hints.clone()),
+            Box::new(m.leases.clone()),
+            Box::new(m.cost_total.clone()),
+            Box::new(m.cost_per_1k_within_slo.clone()),
+            Box::new(m.gpu_utilization.clone()),
         ] {
             m.registry.register(c).expect("metric names are unique");
         }

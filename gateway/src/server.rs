@@ -19,8 +19,10 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::auth::token_matches;
 use crate::config::Config;
 use crate::hub::{Hub, HubMsg};
+use crate::leasing::Leasing;
 use crate::metrics::Metrics;
 use crate::scheduler::{EdgeId, WorkerId};
+use tidegate_lease::LeaseId;
 
 /// Results buffered per edge connection before they are dropped (counted).
 const RESULT_QUEUE: usize = 1024;
@@ -46,11 +48,20 @@ pub struct Server {
     sessions: AtomicU64,
     /// Owns every per-stream task, so shutdown drains them.
     tracker: TaskTracker,
+    /// The lease shell, when `[leasing]` is configured: workers started for
+    /// a lease authenticate with its one-time token.
+    leasing: Option<Leasing>,
 }
 
 impl Server {
-    /// A server over `hub`.
-    pub fn new(config: Config, hub: Hub, metrics: Metrics, tracker: TaskTracker) -> Arc<Self> {
+    /// A server over `hub`; `leasing` authenticates leased workers.
+    pub fn new(
+        config: Config,
+        hub: Hub,
+        metrics: Metrics,
+        tracker: TaskTracker,
+        leasing: Option<Leasing>,
+    ) -> Arc<Self> {
         Arc::new(Server {
             config,
             hub,
@@ -58,6 +69,7 @@ impl Server {
             limits: Limits::default(),
             sessions: AtomicU64::new(1),
             tracker,
+            leasing,
         })
     }
 
@@ -116,13 +128,30 @@ impl Server {
             return;
         };
         let Hello { role, name, token } = &hello;
+        // A leased worker proves its lease with the lease's one-time token.
+        let mut lease = None;
+        if *role == Role::Worker
+            && let Some(leasing) = &self.leasing
+        {
+            match leasing.authenticate(name, token).await {
+                Some(Ok(id)) => lease = Some(id),
+                Some(Err(reason)) => {
+                    warn!(name, %reason, "worker refused");
+                    let msg = format!("worker '{name}' refused: {reason}");
+                    refuse(&conn, &mut send, ErrorCode::Unauthorized, msg).await;
+                    return;
+                }
+                None => {}
+            }
+        }
         let allowed = match role {
             Role::Edge => &self.config.edges,
             Role::Worker => &self.config.workers,
         };
-        let authorised = allowed
-            .iter()
-            .any(|p| &p.name == name && token_matches(token, &p.token_sha256));
+        let authorised = lease.is_some()
+            || allowed
+                .iter()
+                .any(|p| &p.name == name && token_matches(token, &p.token_sha256));
         if !authorised {
             let role = match role {
                 Role::Edge => "edge",
@@ -149,8 +178,16 @@ impl Server {
                     .await
             }
             Role::Worker => {
-                self.worker(WorkerId(session), hello.name, conn, send, recv, cancel)
-                    .await
+                self.worker(
+                    WorkerId(session),
+                    hello.name,
+                    lease,
+                    conn,
+                    send,
+                    recv,
+                    cancel,
+                )
+                .await
             }
         }
     }
@@ -237,6 +274,12 @@ impl Server {
                                 return;
                             }
                             Ok(None) => return,
+                            Err(e) if e.is_reset() => {
+                                // The edge withdrew a stale frame: never sent.
+                                debug!("frame stream reset by the edge: {e}");
+                                metrics.rejected.with_label_values(&["reset"]).inc();
+                                return;
+                            }
                             Err(e) => {
                                 warn!("bad frame stream closed: {e}");
                                 metrics.rejected.with_label_values(&["malformed"]).inc();
@@ -358,10 +401,12 @@ impl Server {
         self.hub.send(HubMsg::EdgeGone { edge: id }).await;
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn worker(
         &self,
         id: WorkerId,
         name: String,
+        lease: Option<LeaseId>,
         conn: quinn::Connection,
         mut ctl_send: quinn::SendStream,
         mut ctl_recv: quinn::RecvStream,
@@ -390,10 +435,14 @@ impl Server {
                 worker: id,
                 register,
                 dispatch: dispatch_tx,
+                lease,
             })
             .await
         {
             return;
+        }
+        if let (Some(leasing), Some(l)) = (&self.leasing, lease) {
+            leasing.registered(l).await;
         }
 
         let writer = {
@@ -479,6 +528,9 @@ impl Server {
         info!("worker disconnected");
         conn.close(0u32.into(), b"bye");
         self.hub.send(HubMsg::WorkerGone { worker: id }).await;
+        if let (Some(leasing), Some(l)) = (&self.leasing, lease) {
+            leasing.disconnected(l).await;
+        }
     }
 }
 

@@ -222,6 +222,7 @@ fn a_real_edge_obeys_the_rate_hint() {
     )
     .arg("--config")
     .arg(&cfg)
+    .args(["--summary-every", "1"])
     .env("TIDEGATE_EDGE_TOKEN", &c.edge_token)
     .env("TIDEGATE_LOG", "info")
     .stdout(std::process::Stdio::null())
@@ -230,13 +231,47 @@ fn a_real_edge_obeys_the_rate_hint() {
     .expect("edge starts");
     std::thread::sleep(Duration::from_secs(5));
     let (_, cams) = c.get("/api/v1/cameras").expect("GET /api/v1/cameras");
+    let (_, edges) = c.get("/api/v1/edges").expect("GET /api/v1/edges");
+    // SIGTERM: the edge prints its final per-camera counters.
+    let _ = std::process::Command::new("kill")
+        .args(["-s", "TERM", &edge.id().to_string()])
+        .status();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while edge.try_wait().ok().flatten().is_none() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let _ = edge.kill();
     let _ = edge.wait();
     let r = load.join().expect("load thread");
     assert_nothing_lost(&r);
     let log = std::fs::read_to_string(c.dir().join("edge-2.log")).unwrap_or_default();
+    assert!(
+        log.contains("control hint"),
+        "the edge never logged a hint:\n{log}"
+    );
+    // The edge applied it: a cap under the configured 30 fps was in force,
+    // and frames were held back by it.
+    let stats: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| l.split_once("camera_stats ").map(|(_, j)| j))
+        .filter_map(|j| serde_json::from_str(j).ok())
+        .collect();
+    for cam in ["ball", "smpte"] {
+        let mine: Vec<&serde_json::Value> = stats.iter().filter(|s| s["camera"] == cam).collect();
+        assert!(
+            mine.iter()
+                .any(|s| s["max_fps"].as_f64().is_some_and(|f| f > 0.0 && f < 30.0)),
+            "{cam}: no cap under 30 fps was ever in force:\n{log}"
+        );
+        let held = mine
+            .last()
+            .and_then(|s| s["skipped_rate"].as_u64())
+            .unwrap_or(0);
+        assert!(held > 0, "{cam}: the cap held back no frame:\n{log}");
+    }
+    // And the gateway saw it: both cameras capped and sending well under
+    // the 30 fps they capture at.
     let cams: serde_json::Value = serde_json::from_str(&cams).expect("JSON");
-    let (_, edges) = c.get("/api/v1/edges").expect("GET /api/v1/edges");
     let edges: serde_json::Value = serde_json::from_str(&edges).expect("JSON");
     let edge2 = edges
         .as_array()
@@ -249,21 +284,11 @@ fn a_real_edge_obeys_the_rate_hint() {
         .iter()
         .filter(|cam| cam["edge"] == edge2)
         .collect();
-    assert_eq!(real.len(), 2, "edge-2's cameras: {cams}\nedge log:\n{log}");
-    assert!(
-        log.contains("control hint"),
-        "the edge never logged a hint:\n{log}"
-    );
+    assert_eq!(real.len(), 2, "edge-2's cameras: {cams}");
     for cam in real {
-        let cap = cam["load"]["cap_fps"].as_f64();
+        assert!(cam["load"]["cap_fps"].is_number(), "not capped: {cam}");
         let rate = cam["load"]["arrival_fps"].as_f64().unwrap_or(f64::MAX);
-        let cap = cap.unwrap_or_else(|| panic!("camera not capped: {cam}\nedge log:\n{log}"));
-        // Obeyed: sending at about the cap (one window's rounding), well
-        // under the 30 fps it captures at.
-        assert!(
-            rate <= cap * 1.25 + 2.0 && rate < 24.0,
-            "camera sends {rate:.1} fps against a cap of {cap:.1}: {cam}"
-        );
+        assert!(rate < 24.0, "camera still sends {rate:.1} fps: {cam}");
     }
 }
 

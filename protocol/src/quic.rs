@@ -158,6 +158,13 @@ pub enum ReadError {
 }
 
 impl ReadError {
+    /// Whether the peer reset the stream (`RESET_STREAM`): it withdrew the
+    /// message, which is not an error (protocol §7.3: treat it as never
+    /// sent).
+    pub fn is_reset(&self) -> bool {
+        matches!(self, ReadError::Stream(quinn::ReadError::Reset(_)))
+    }
+
     /// The error code to stop the stream (or close the connection) with.
     pub fn code(&self) -> crate::ErrorCode {
         match self {

@@ -1,0 +1,458 @@
+//! GPU leasing through real processes on 127.0.0.1: a gateway with a
+//! `[leasing]` section whose process provider spawns real BlazeFace
+//! workers, simulated cameras speaking the real QUIC protocol, and the
+//! SQLite ledger read back through `/api/v1/leases`.
+//!
+//! - (a)+(b) load rises: more workers are leased and serve; load falls: the
+//!   surplus leases are released at the end of their paid block;
+//! - (c) a simulated spot preemption: the worker is drained, a replacement
+//!   is leased, and every frame sent gets exactly one result;
+//! - (d) the gateway is killed (-9) and restarted on the same ledger: the
+//!   live leases are adopted, the ledger is intact, and no worker process
+//!   outlives its lease.
+//!
+//! The test catalog bills per second with a 3 s minimum and starts workers
+//! in 2 s, so a whole lease lifecycle fits in seconds. Workers are planned
+//! at `worker_fps = 20` (`measure = false`): the machine's cores are shared
+//! by every worker, so their standalone profiles would over-state what each
+//! delivers here. Every wait is bounded; nothing asserts on speed.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::report::Report;
+use tidegate_loadtest::sim::{self, SimOptions};
+
+/// One leasing gateway at a time: each spawns several workers.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const CATALOG: &str = r#"
+currency = "CNY"
+[[instance]]
+name = "cpu-test"
+gpu_model = "none (test worker on this host)"
+gpus = 0
+gpu_memory_gib = 0.0
+fp16_tflops = 1.0
+memory_bandwidth_gbs = 10.0
+billing = "second"
+billing_minimum_secs = 3
+spot_interruptions_per_hour = 0.0
+startup_secs = 2
+price_per_hour = { on_demand = 3.60, spot = 1.20, reserved = 2.40 }
+"#;
+
+/// Minimum of the test catalog's per-second billing, ms.
+const BILLING_MINIMUM_MS: u64 = 3000;
+
+fn leasing_cluster(policy: &str, min_fps: f64, extra: &str, process: &str) -> Cluster {
+    let leasing = format!(
+        "provider = \"process\"\ncatalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"{policy}\"\ntick_ms = 500\nheadroom = 0.0\n{extra}\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = {min_fps}\nworker_fps = 20\nmeasure = false\n"
+    );
+    Cluster::start_leasing(
+        &ClusterOptions {
+            edges: vec!["edge-1".into()],
+            workers: Vec::new(),
+            scheduler: String::new(),
+        },
+        &leasing,
+        process,
+        &[("catalog.toml", CATALOG)],
+    )
+    .expect("leasing gateway starts")
+}
+
+fn sim_opts(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
+    SimOptions {
+        gateway: c.quic,
+        server_name: "localhost".into(),
+        ca: c.ca(),
+        edge: "edge-1".into(),
+        token: c.edge_token.clone(),
+        cameras,
+        fps,
+        duration: Duration::from_secs_f64(seconds),
+        model: "blazeface".into(),
+        budget_ms: 80,
+        image: Some(workspace_root().join("models/testdata/astronaut.png")),
+        obey_hints: true,
+    }
+}
+
+/// Runs the simulated cameras on their own thread.
+fn spawn_sim(opts: SimOptions) -> std::thread::JoinHandle<Report> {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(sim::run(&opts))
+            .expect("simulation runs")
+    })
+}
+
+fn leases(c: &Cluster, live: bool) -> Vec<Value> {
+    let path = if live {
+        "/api/v1/leases?live=true"
+    } else {
+        "/api/v1/leases"
+    };
+    let (code, body) = c.get(path).expect("GET /api/v1/leases");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str::<Value>(&body)
+        .expect("JSON")
+        .as_array()
+        .expect("an array")
+        .clone()
+}
+
+fn state(l: &Value) -> &str {
+    l["state"]["state"].as_str().unwrap_or("?")
+}
+
+fn reason(l: &Value) -> &str {
+    l["state"]["reason"].as_str().unwrap_or("")
+}
+
+fn pid_of(l: &Value) -> Option<u32> {
+    l["pid"].as_u64().map(|p| p as u32)
+}
+
+/// Alive and not a zombie.
+fn pid_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, rest)| !matches!(rest.trim_start().chars().next(), Some('Z' | 'X')))
+    })
+}
+
+/// A lease worker's token, read from its environment as the process
+/// provider handed it over.
+fn lease_token(pid: u32) -> String {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).expect("worker environment");
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(b"TIDEGATE_LEASE_TOKEN="))
+        .map(|t| String::from_utf8_lossy(t).into_owned())
+        .expect("TIDEGATE_LEASE_TOKEN in the worker's environment")
+}
+
+/// Says `Hello` as worker `name` with `token`: the gateway's refusal, or
+/// `None` when it welcomed us.
+fn hello_as_worker(c: &Cluster, name: &str, token: &str) -> Option<String> {
+    use tidegate_protocol::quic::{HandshakeError, client_config, dial, handshake};
+    use tidegate_protocol::{Hello, Limits, Role};
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(async {
+            let client = client_config(&c.ca()).expect("client TLS config");
+            let conn = dial(c.quic, "localhost", client).await.expect("dial");
+            let hello = Hello {
+                role: Role::Worker,
+                name: name.into(),
+                token: token.into(),
+            };
+            let r = match handshake(&conn, hello, &Limits::default()).await {
+                Ok(_) => None,
+                Err(HandshakeError::Refused { message, .. }) => Some(message),
+                Err(e) => Some(format!("handshake failed otherwise: {e}")),
+            };
+            conn.close(0u32.into(), b"test done");
+            r
+        })
+}
+
+/// The log without ANSI colour sequences.
+fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(ch) = chars.next() {
+        if ch == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}
+
+/// Polls `check` until it holds, or fails with the gateway's log.
+fn wait_until(c: &Cluster, timeout: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let until = Instant::now() + timeout;
+    while !check() {
+        if Instant::now() > until {
+            let log = c.gateway_log();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            panic!(
+                "{what}: not within {timeout:?}; leases: {:#?}\ngateway log (last lines, newest first):\n{}",
+                leases(c, false),
+                tail.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn ready_count(c: &Cluster) -> usize {
+    leases(c, true)
+        .iter()
+        .filter(|l| state(l) == "ready")
+        .count()
+}
+
+/// The gateway's frame counters once nothing is in flight; they balance.
+fn settled_counters(c: &Cluster) -> Value {
+    let mut v = Value::Null;
+    wait_until(c, Duration::from_secs(10), "frames settle", || {
+        let (code, body) = c.get("/api/v1/frames").expect("GET /api/v1/frames");
+        assert_eq!(code, 200, "{body}");
+        v = serde_json::from_str(&body).expect("JSON");
+        v["queued"] == 0 && v["dispatched"] == 0
+    });
+    let n = |k: &str| v[k].as_u64().unwrap();
+    assert_eq!(
+        n("admitted"),
+        n("ok") + n("shed") + n("expired") + n("failed"),
+        "{v}"
+    );
+    v
+}
+
+/// Every lease the gateway holds is released on a clean stop, and no
+/// worker process outlives it.
+fn stop_and_check_no_worker_left(c: &mut Cluster) {
+    if std::env::var_os("TIDEGATE_TEST_LOG").is_some() {
+        eprintln!("{}", plain(&c.gateway_log()));
+    }
+    let pids: Vec<u32> = leases(c, false).iter().filter_map(pid_of).collect();
+    assert!(!pids.is_empty());
+    let status = c
+        .stop_gateway(Duration::from_secs(20))
+        .expect("gateway stops on SIGTERM");
+    assert!(status.success(), "gateway exit: {status}");
+    let until = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|p| pid_alive(*p)) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let alive: Vec<&u32> = pids.iter().filter(|p| pid_alive(**p)).collect();
+    assert!(alive.is_empty(), "worker processes left running: {alive:?}");
+}
+
+#[test]
+fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end() {
+    let _g = serial();
+    let mut c = leasing_cluster(
+        "paid-block-aware",
+        5.0,
+        "down_window_secs = 4\nrelease_window_secs = 1",
+        "",
+    );
+    // The floor (5 frames/s) needs one worker before any camera can open.
+    wait_until(&c, Duration::from_secs(60), "first lease ready", || {
+        ready_count(&c) >= 1
+    });
+    assert_eq!(leases(&c, false).len(), 1, "one worker covers the floor");
+
+    // (a) 30 frames/s needs two workers planned at 20.
+    let sim = spawn_sim(sim_opts(&c, 2, 15.0, 16.0));
+    wait_until(&c, Duration::from_secs(40), "a second lease ready", || {
+        ready_count(&c) >= 2
+    });
+    let report = sim.join().expect("sim thread");
+    assert_eq!(report.missing, 0, "{report:?}");
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert!(report.ok > 0, "{report:?}");
+    let all = leases(&c, false);
+    for l in &all {
+        assert_eq!(l["tier"], "spot", "paid-block-aware buys spot: {l}");
+        assert!(l["billing_start"].as_u64().is_some(), "{l}");
+    }
+
+    // (b) the load is gone: the surplus goes at its block end, the floor stays.
+    wait_until(&c, Duration::from_secs(30), "surplus released", || {
+        leases(&c, true).len() == 1
+    });
+    let all = leases(&c, false);
+    let released: Vec<&Value> = all.iter().filter(|l| state(l) == "ended").collect();
+    assert!(!released.is_empty(), "{all:#?}");
+    for l in &released {
+        assert_eq!(reason(l), "released", "{l}");
+        let start = l["billing_start"].as_u64().unwrap();
+        let end = l["ended_at"].as_u64().unwrap();
+        assert!(
+            end >= start + BILLING_MINIMUM_MS,
+            "released before its paid block ended: {l}"
+        );
+        assert!(l["cost"].as_f64().unwrap() > 0.0, "{l}");
+        let pid = pid_of(l).unwrap();
+        assert!(!pid_alive(pid), "released lease's worker {pid} still runs");
+    }
+
+    // Frames served per lease add up to what workers answered.
+    let frames = settled_counters(&c);
+    std::thread::sleep(Duration::from_millis(1200)); // two ticks record them
+    let by_lease: u64 = leases(&c, false)
+        .iter()
+        .map(|l| l["frames_within_slo"].as_u64().unwrap() + l["frames_late"].as_u64().unwrap())
+        .sum();
+    let answered = frames["ok"].as_u64().unwrap() + frames["failed"].as_u64().unwrap();
+    assert_eq!(by_lease, answered, "ledger frames vs {frames}");
+    let serving = leases(&c, false)
+        .iter()
+        .filter(|l| l["frames_within_slo"].as_u64().unwrap() > 0)
+        .count();
+    assert!(
+        serving >= 2,
+        "the added workers served: {:#?}",
+        leases(&c, false)
+    );
+
+    // Costs and metrics are served.
+    let (code, body) = c.get("/api/v1/costs?from=0").expect("GET /api/v1/costs");
+    assert_eq!(code, 200, "{body}");
+    let costs: Value = serde_json::from_str(&body).unwrap();
+    assert!(costs["total"].as_f64().unwrap() > 0.0, "{costs}");
+    assert_eq!(costs["by_tier"]["spot"], costs["total"], "{costs}");
+    let (_, metrics) = c.get("/metrics").unwrap();
+    for name in [
+        "tidegate_leases{",
+        "tidegate_cost_total{tier=\"spot\"}",
+        "tidegate_cost_per_1k_frames_within_slo",
+        "tidegate_gpu_utilization_ratio",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    stop_and_check_no_worker_left(&mut c);
+}
+
+#[test]
+fn spot_preemption_replaces_the_worker_and_every_frame_gets_one_result() {
+    let _g = serial();
+    // every spot lease is preempted 6 s after it starts, with 1.5 s notice
+    let mut c = leasing_cluster(
+        "tidal",
+        5.0,
+        "",
+        "notice_period_secs = 1.5\npreempt_spot_after_secs = 6",
+    );
+    wait_until(&c, Duration::from_secs(60), "spot lease ready", || {
+        ready_count(&c) >= 1
+    });
+    let sim = spawn_sim(sim_opts(&c, 1, 10.0, 14.0));
+    wait_until(&c, Duration::from_secs(40), "spot lease preempted", || {
+        leases(&c, false)
+            .iter()
+            .any(|l| state(l) == "ended" && reason(l) == "preempted")
+    });
+    wait_until(&c, Duration::from_secs(40), "replacement ready", || {
+        leases(&c, true)
+            .iter()
+            .any(|l| l["tier"] == "on_demand" && state(l) == "ready")
+    });
+    let report = sim.join().expect("sim thread");
+    assert_eq!(
+        report.missing, 0,
+        "every sent frame has a result: {report:?}"
+    );
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert!(report.ok > 0, "{report:?}");
+    settled_counters(&c);
+    for l in leases(&c, false) {
+        if reason(&l) == "preempted" {
+            assert_eq!(l["tier"], "spot", "{l}");
+            assert!(
+                !pid_alive(pid_of(&l).unwrap()),
+                "preempted worker runs: {l}"
+            );
+        }
+    }
+    assert!(
+        c.gateway_log().contains("spot preemption notice"),
+        "the notice is logged"
+    );
+    stop_and_check_no_worker_left(&mut c);
+}
+
+#[test]
+fn gateway_crash_and_restart_adopts_live_leases_and_leaks_no_worker() {
+    let _g = serial();
+    // two workers for the 25 frames/s floor
+    let mut c = leasing_cluster("tidal", 25.0, "", "");
+    wait_until(&c, Duration::from_secs(60), "two leases ready", || {
+        ready_count(&c) >= 2
+    });
+    let before = leases(&c, false);
+    let pids: Vec<u32> = before.iter().filter_map(pid_of).collect();
+    assert_eq!(pids.len(), 2, "{before:#?}");
+
+    // A lease token is good once, and only for its own lease.
+    let (id0, id1) = (&before[0]["id"], &before[1]["id"]);
+    let token0 = lease_token(pid_of(&before[0]).unwrap());
+    let reused = hello_as_worker(&c, &format!("lease-{id0}"), &token0).expect("refused");
+    assert!(reused.contains("already used"), "{reused}");
+    let other = hello_as_worker(&c, &format!("lease-{id1}"), &token0).expect("refused");
+    assert!(other.contains("does not match"), "{other}");
+    let unknown = hello_as_worker(&c, "lease-999", &token0).expect("refused");
+    assert!(unknown.contains("not a live lease"), "{unknown}");
+
+    c.kill_gateway();
+    // a crash kills no worker
+    assert!(
+        pids.iter().all(|p| pid_alive(*p)),
+        "workers died with the gateway"
+    );
+    c.restart_gateway()
+        .expect("gateway restarts on the same ledger");
+    for l in &before {
+        let want = format!("lease=lease-{} pid={}", l["id"], pid_of(l).unwrap());
+        wait_until(&c, Duration::from_secs(10), "adoption logged", || {
+            plain(&c.gateway_log())
+                .lines()
+                .any(|line| line.contains("adopted worker after restart") && line.contains(&want))
+        });
+    }
+    // The old workers' connections died with the old gateway: they exit,
+    // and their leases end as lost, not leaked; the floor is leased again.
+    wait_until(
+        &c,
+        Duration::from_secs(30),
+        "old workers gone, leases ended",
+        || {
+            let now = leases(&c, false);
+            pids.iter().all(|p| !pid_alive(*p))
+                && before.iter().all(|b| {
+                    now.iter()
+                        .any(|l| l["id"] == b["id"] && state(l) == "ended")
+                })
+        },
+    );
+    wait_until(&c, Duration::from_secs(60), "floor leased again", || {
+        ready_count(&c) >= 2
+    });
+    // The ledger kept every lease as it was, and its cost.
+    let after = leases(&c, false);
+    for b in &before {
+        let a = after
+            .iter()
+            .find(|l| l["id"] == b["id"])
+            .expect("lease kept in the ledger");
+        for k in ["requested_at", "billing_start", "ready_at", "pid", "tier"] {
+            assert_eq!(a[k], b[k], "{k} changed: {b} -> {a}");
+        }
+        assert_eq!(reason(a), "lost", "{a}");
+        assert!(a["cost"].as_f64().unwrap() >= b["cost"].as_f64().unwrap());
+    }
+    assert!(after.len() >= before.len() + 2, "{after:#?}");
+    stop_and_check_no_worker_left(&mut c);
+}
