@@ -16,17 +16,19 @@
 //!   when the busy ones will be free, is shed before dispatch
 //!   (`would_miss_deadline`); a frame whose deadline passes while queued ends
 //!   `expired`;
-//! - batching is driven by the deadline, not by a timer. An idle worker takes
-//!   the most urgent model it serves. From the model's measured arrival rate
-//!   it picks a *target* batch: the smallest batch whose throughput on its
-//!   profile keeps up with its share of the arrivals (with headroom), capped
-//!   by the batch limit and by the number of cameras sending (one frame per
-//!   camera can be queued). It dispatches at once when the target is met;
-//!   otherwise it holds the frames until the last moment at which a batch of
-//!   the target size would still finish before the earliest deadline, then
-//!   sends what it has. Under light load the target is 1, so frames never
-//!   wait; under heavy load batches fill up and throughput rises. The batch
-//!   is always cut so that its earliest deadline holds;
+//! - batching is driven by the deadline and the measured rate, not by a
+//!   timer. An idle worker takes the most urgent model it serves. From the
+//!   model's arrival rate it picks a *target* batch: the smallest batch
+//!   whose throughput on its profile keeps up with its share of the
+//!   arrivals (with headroom), else the best-throughput batch, capped by the
+//!   number of sending cameras without a frame running. It dispatches at
+//!   once when the target is met; otherwise it holds the frames no longer
+//!   than the batch should take to fill at the measured rate, and no later
+//!   than the last moment a target batch would still (with a margin) finish
+//!   before the earliest deadline. A batch never exceeds the best-throughput
+//!   size, so where batching does not pay (a CPU) frames go one by one and
+//!   never wait; the batch is always cut so that its earliest deadline
+//!   holds; up to `Limits::pipeline_depth` batches are in flight per worker;
 //! - a lost worker's in-flight frames are queued again if their deadline
 //!   allows, otherwise they fail with `worker lost`.
 
@@ -201,6 +203,12 @@ const ACTIVE_WINDOW_US: Micros = 2_000_000;
 /// Held frames leave this long before the last safe moment: timers fire
 /// late (tokio's resolution is 1 ms) and the dispatch itself takes time.
 const HOLD_GUARD_US: Micros = 2_000;
+/// Held frames leave early enough for a full batch to take this much
+/// longer than its profile says.
+const HOLD_LATENCY_SAFETY: f64 = 1.25;
+/// A batch is held at most this many times as long as it should take to fill
+/// at the measured arrival rate.
+const FILL_SLACK: f64 = 1.5;
 /// A batch for a busy worker is sent this long before the worker frees, so
 /// it is there when the running batch ends (µs).
 const PIPELINE_LEAD_US: Micros = 1_000;
@@ -281,23 +289,50 @@ impl ModelProfile {
 
     /// Best throughput over batch sizes, in frames per µs.
     fn peak_throughput(&self) -> f64 {
-        (1..=self.max_batch as usize)
-            .map(|b| b as f64 / self.latency(b).max(1) as f64)
-            .fold(0.0, f64::max)
+        self.throughput(self.best_batch())
+    }
+
+    /// Throughput of a batch of `b`, frames per µs.
+    fn throughput(&self, b: usize) -> f64 {
+        b as f64 / self.latency(b).max(1) as f64
+    }
+
+    /// The batch with the highest throughput (the smallest of equals). On a
+    /// GPU that is usually the largest; on a CPU, where a batch costs about
+    /// as much per frame as single runs or more, it can be 1.
+    fn best_batch(&self) -> usize {
+        let mut best = 1;
+        for b in 2..=self.max_batch as usize {
+            if self.throughput(b) > self.throughput(best) * 1.02 {
+                best = b;
+            }
+        }
+        best
     }
 
     /// The smallest batch whose throughput covers `demand` frames per µs
-    /// with headroom; the largest batch when none does.
+    /// with headroom; the best-throughput batch when none does.
     fn batch_for(&self, demand: f64) -> usize {
-        (1..=self.max_batch as usize)
-            .find(|&b| b as f64 / self.latency(b).max(1) as f64 >= demand * BATCH_HEADROOM)
-            .unwrap_or(self.max_batch as usize)
+        let best = self.best_batch();
+        (1..=best)
+            .find(|&b| self.throughput(b) >= demand * BATCH_HEADROOM)
+            .unwrap_or(best)
     }
 
+    /// Refines the profile with one measured run. The whole curve moves by
+    /// the same factor: a worker that slows down (a shared or throttled
+    /// device) slows down at every batch size, and a size that is rarely run
+    /// must not keep its warm-up value while the others drift, or the
+    /// batcher would believe the unobserved sizes are cheap.
     fn observe(&mut self, batch: usize, latency_us: u32) {
         const ALPHA: f64 = 0.2;
         let i = batch.clamp(1, self.latency.len()) - 1;
-        self.latency[i] = (1.0 - ALPHA) * self.latency[i] + ALPHA * latency_us as f64;
+        let old = self.latency[i].max(1.0);
+        let new = (1.0 - ALPHA) * old + ALPHA * latency_us.max(1) as f64;
+        let factor = new / old;
+        for l in &mut self.latency {
+            *l = (*l * factor).max(1.0);
+        }
     }
 }
 
@@ -704,18 +739,39 @@ impl Scheduler {
             };
             // The largest batch whose run still meets the earliest deadline.
             let queued = self.queue_len(&model);
-            let fit = (1..=queued.min(profile.max_batch as usize))
+            let target = self.target_batch(now, &model, &profile);
+            // Never larger than the best-throughput batch (or the target):
+            // a larger one would finish the backlog later, not sooner.
+            let cap = profile.best_batch().max(target);
+            let fit = (1..=queued.min(cap))
                 .take_while(|&b| start + profile.latency(b) <= first_deadline)
                 .last()
                 .unwrap_or(1);
-            let target = self.target_batch(now, &model, &profile);
             if fit < target {
-                // Hold until the last moment a full target batch would still
-                // make the earliest deadline, and for a busy worker no later
-                // than just before it frees.
+                // Hold, but only while it pays and is safe: no later than the
+                // last moment a full target batch would still make the
+                // earliest deadline (with a margin for profile error), no
+                // longer than the batch should take to fill at the measured
+                // arrival rate (counted from when its first frame came), and
+                // for a busy worker no later than just before it frees.
+                let safe = (profile.latency(target) as f64 * HOLD_LATENCY_SAFETY) as Micros;
                 let mut latest = first_deadline
-                    .saturating_sub(profile.latency(target))
+                    .saturating_sub(safe)
                     .saturating_sub(HOLD_GUARD_US);
+                let head_enqueued = self.queues[&model]
+                    .first()
+                    .and_then(|(_, id)| self.queued.get(id))
+                    .map_or(now, |q| q.enqueued);
+                // The rate as of the head's arrival: it must not decay while
+                // the frames wait, or the hold would keep extending itself.
+                let rate = self
+                    .demand
+                    .get(&model)
+                    .map_or(0.0, |d| d.rate(head_enqueued));
+                if rate > 0.0 {
+                    let fill = (target as f64 / rate * FILL_SLACK).min(u32::MAX as f64) as Micros;
+                    latest = latest.min(head_enqueued.saturating_add(fill));
+                }
                 if start > now {
                     latest = latest.min(start.saturating_sub(PIPELINE_LEAD_US));
                 }
@@ -990,14 +1046,26 @@ mod tests {
     #[test]
     fn batch_is_edf_ordered_and_bounded_by_earliest_deadline() {
         let mut s = Scheduler::new(one_deep());
-        s.on_event(0, worker(9, 8, 10_000));
+        s.on_event(
+            0,
+            Event::WorkerJoined {
+                worker: WorkerId(9),
+                models: vec![WorkerModel {
+                    model: "m".into(),
+                    max_batch: 8,
+                    // Batching pays a little: 1 ms + 9.5 ms per frame.
+                    profile: (1..=8).map(|b| (b, 1_000 + 9_500 * b as u32)).collect(),
+                }],
+            },
+        );
         let first = s.on_event(0, frame(100, "z", 900_000));
         assert!(matches!(first[0], Action::Dispatch { .. }));
         for (i, d) in [(1, 50_000), (2, 30_000), (3, 70_000), (4, 45_000)] {
             assert!(s.on_event(0, frame(i, &format!("c{i}"), d)).is_empty());
         }
-        // The worker frees at 1 ms. A batch of k takes 10k ms, and the batch's
-        // earliest deadline (30 ms) allows 2 frames (done at 21 ms), not 3.
+        // The worker frees at 1 ms. A batch of k takes 1 + 9.5k ms, and the
+        // batch's earliest deadline (30 ms) allows 2 frames (done at 21 ms),
+        // not 3 (30.5 ms).
         let a = s.on_event(
             1_000,
             Event::BatchFinished {
@@ -1163,13 +1231,123 @@ mod tests {
         let t = 320_000;
         let a = s.on_event(t, frame(1_000, "solo", t + 30_000));
         assert!(dispatches(&a).is_empty(), "held for a fuller batch: {a:?}");
-        // It must leave by deadline − latency of a full batch (12 ms) − the
-        // timer guard.
-        let latest = t + 30_000 - 12_000 - HOLD_GUARD_US;
+        // It must leave by deadline − latency of a full batch (12 ms) with
+        // its safety margin − the timer guard (sooner than the ~15 ms the
+        // batch should take to fill at 800 fps).
+        let latest = t + 30_000 - (12_000.0 * HOLD_LATENCY_SAFETY) as Micros - HOLD_GUARD_US;
         assert_eq!(s.next_wakeup(), Some(latest));
         assert!(dispatches(&s.on_event(latest - 1, Event::Tick)).is_empty());
         let a = s.on_event(latest, Event::Tick);
         assert_eq!(dispatches(&a), vec![vec![1_000]]);
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn a_batch_is_held_only_as_long_as_it_should_take_to_fill() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, batching_worker(1));
+        // Four cameras at 50 fps (200 fps): one frame per 5 ms does not keep
+        // up with 200 × 1.2 fps, two per 6 ms does, so the target is 2.
+        let mut id = 0;
+        for t in (0..400_000).step_by(20_000) {
+            for cam in 0..4 {
+                id += 1;
+                let a = s.on_event(
+                    t + cam * 5_000,
+                    frame(id, &format!("c{cam}"), t + 1_000_000),
+                );
+                for a in a {
+                    if let Action::Dispatch { batch, frames, .. } = a {
+                        let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+                        s.on_event(
+                            t + cam * 5_000,
+                            Event::BatchFinished {
+                                worker: WorkerId(1),
+                                batch,
+                                outcomes,
+                                latency_us: 4_000 + 1_000 * frames.len() as u32,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        // Flush what is held, then one frame alone with a whole second of
+        // slack: it waits about as long as a second frame should take to
+        // come (1.5 × 2 / 200 fps = 15 ms), not until its deadline.
+        while let Some(w) = s.next_wakeup().filter(|w| *w < 2_000_000) {
+            for a in s.on_event(w, Event::Tick) {
+                if let Action::Dispatch { batch, frames, .. } = a {
+                    let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+                    s.on_event(
+                        w,
+                        Event::BatchFinished {
+                            worker: WorkerId(1),
+                            batch,
+                            outcomes,
+                            latency_us: 6_000,
+                        },
+                    );
+                }
+            }
+        }
+        let t = 420_000;
+        assert!(dispatches(&s.on_event(t, frame(9_999, "c0", t + 1_000_000))).is_empty());
+        let wake = s.next_wakeup().expect("held frame wakes the scheduler");
+        assert!(
+            (t + 10_000..=t + 25_000).contains(&wake),
+            "held until {} µs after arrival",
+            wake - t
+        );
+        assert_eq!(
+            dispatches(&s.on_event(wake, Event::Tick)),
+            vec![vec![9_999]]
+        );
+    }
+
+    #[test]
+    fn when_batching_does_not_pay_frames_go_one_by_one_without_waiting() {
+        let mut s = Scheduler::new(one_deep());
+        // Like BlazeFace on a CPU: a batch costs more per frame than singles.
+        s.on_event(
+            0,
+            Event::WorkerJoined {
+                worker: WorkerId(1),
+                models: vec![WorkerModel {
+                    model: "m".into(),
+                    max_batch: 16,
+                    profile: (1..=16)
+                        .map(|b| (b, 1_000 * b as u32 + 100 * (b * b) as u32))
+                        .collect(),
+                }],
+            },
+        );
+        // Overload: 16 cameras at 1,000 fps for 200 ms.
+        let mut sizes = Vec::new();
+        let mut id = 0;
+        for t in (0..200_000).step_by(1_000) {
+            for cam in 0..16 {
+                id += 1;
+                let a = s.on_event(t, frame(id, &format!("c{cam}"), t + 80_000));
+                for a in a {
+                    if let Action::Dispatch { batch, frames, .. } = a {
+                        sizes.push(frames.len());
+                        let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+                        s.on_event(
+                            t,
+                            Event::BatchFinished {
+                                worker: WorkerId(1),
+                                batch,
+                                outcomes,
+                                latency_us: 1_100,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        assert!(sizes.len() > 100, "{} batches", sizes.len());
+        assert!(sizes.iter().all(|&n| n == 1), "batches: {sizes:?}");
         assert!(s.counters().balanced());
     }
 
