@@ -47,6 +47,8 @@ bench: release
 	./target/release/tidegate-bench --report target/bench-relay-1.json relay --frames 2000 --concurrency 1
 	./target/release/tidegate-bench --report target/bench-relay-8.json relay --frames 4000 --concurrency 8
 
-## Run the protocol fuzzer for 60 s (needs cargo-fuzz and a nightly toolchain).
+## Run the protocol fuzzer for 60 s and the edge's webhook-answer fuzzer for
+## 30 s (needs cargo-fuzz and a nightly toolchain).
 fuzz:
 	cd protocol && $(CARGO) +nightly fuzz run decode -- -max_total_time=60
+	cd edge && $(CARGO) +nightly fuzz run webhook_status -- -max_total_time=30

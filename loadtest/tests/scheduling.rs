@@ -204,7 +204,10 @@ fn a_real_edge_obeys_the_rate_hint() {
     let c = cluster(1, "hint_window_ms = 500");
     // Simulated cameras that ignore hints keep one worker overloaded, so
     // the real edge's two 30 fps test cameras are shed too and get hints.
-    let mut flood = sim_opts(&c, "edge-1", 12, 60.0, 7.0);
+    // 48 cameras at 30 fps: with one frame queued per camera the queue
+    // takes longer to drain than a 30 fps camera's frame interval, so every
+    // camera, the real edge's included, sees frames superseded.
+    let mut flood = sim_opts(&c, "edge-1", 48, 30.0, 7.0);
     flood.obey_hints = false;
     let load = std::thread::spawn(move || run_sim(flood));
     let cfg = c
@@ -269,8 +272,9 @@ fn a_real_edge_obeys_the_rate_hint() {
             .unwrap_or(0);
         assert!(held > 0, "{cam}: the cap held back no frame:\n{log}");
     }
-    // And the gateway saw it: both cameras capped and sending well under
-    // the 30 fps they capture at.
+    // And the gateway saw it: both cameras capped under the 30 fps they
+    // capture at, and sending under it (how far under depends on how hard
+    // the worker is loaded, which this test does not control).
     let cams: serde_json::Value = serde_json::from_str(&cams).expect("JSON");
     let edges: serde_json::Value = serde_json::from_str(&edges).expect("JSON");
     let edge2 = edges
@@ -286,9 +290,10 @@ fn a_real_edge_obeys_the_rate_hint() {
         .collect();
     assert_eq!(real.len(), 2, "edge-2's cameras: {cams}");
     for cam in real {
-        assert!(cam["load"]["cap_fps"].is_number(), "not capped: {cam}");
+        let cap = cam["load"]["cap_fps"].as_f64();
+        assert!(cap.is_some_and(|c| c < 30.0), "not capped: {cam}");
         let rate = cam["load"]["arrival_fps"].as_f64().unwrap_or(f64::MAX);
-        assert!(rate < 24.0, "camera still sends {rate:.1} fps: {cam}");
+        assert!(rate < 28.5, "camera still sends {rate:.1} fps: {cam}");
     }
 }
 
