@@ -57,6 +57,15 @@ pub struct GatewayConfig {
     pub server_name: String,
     /// CA certificate (PEM) to trust.
     pub ca: PathBuf,
+    /// After losing the gateway (it restarted, or the network failed), keep
+    /// redialling for this long before giving up (seconds; 0 = exit at
+    /// once).
+    #[serde(default = "default_reconnect_secs")]
+    pub reconnect_secs: u64,
+}
+
+fn default_reconnect_secs() -> u64 {
+    60
 }
 
 fn default_server_name() -> String {

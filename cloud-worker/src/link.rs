@@ -74,6 +74,23 @@ pub enum LinkError {
     Broken(String),
 }
 
+impl LinkError {
+    /// Whether dialling again can help: a refusal (bad token, a lease token
+    /// already used) or unreadable TLS material will not change by itself.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, LinkError::Dial(_) | LinkError::Broken(_))
+    }
+}
+
+/// Delay before redial `attempt` (0-based): 200 ms doubling to at most 5 s,
+/// scaled by `jitter` in [0, 1) to between 50 % and 100 %, so workers that
+/// lost the same gateway do not redial in step.
+pub fn redial_delay(attempt: u32, jitter: f64) -> Duration {
+    let base = Duration::from_millis(200).saturating_mul(1u32 << attempt.min(5));
+    base.min(Duration::from_secs(5))
+        .mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+}
+
 /// How a link ended without error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinkEnd {
@@ -350,5 +367,25 @@ async fn serve_batch(
             }
         }
         Err(e) => debug!("cannot return batch result: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redial_backs_off_with_jitter_up_to_five_seconds() {
+        assert_eq!(redial_delay(0, 1.0), Duration::from_millis(200));
+        assert_eq!(redial_delay(0, 0.0), Duration::from_millis(100));
+        assert_eq!(redial_delay(3, 1.0), Duration::from_millis(1600));
+        assert_eq!(redial_delay(30, 1.0), Duration::from_secs(5));
+        assert_eq!(redial_delay(30, 0.0), Duration::from_millis(2500));
+        let refused = LinkError::Refused {
+            code: ErrorCode::Unauthorized,
+            message: "token was already used".into(),
+        };
+        assert!(!refused.is_retryable());
+        assert!(LinkError::Broken("reset".into()).is_retryable());
     }
 }

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -178,6 +178,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         profile,
     };
     let executor = Arc::new(Executor::spawn(Box::new(backend), 4));
+    let reconnect = Duration::from_secs(cfg.gateway.reconnect_secs);
     let link = LinkConfig {
         gateway: cfg.gateway.addr,
         server_name: cfg.gateway.server_name.clone(),
@@ -201,13 +202,72 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             info!("SIGTERM/Ctrl-C: draining");
             on_signal.cancel();
         });
-        link::run(&link, executor.clone(), register, cancel).await
+        serve(&link, executor.clone(), register, cancel, reconnect).await
     })?;
     info!(?end, "exiting");
     if let Ok(executor) = Arc::try_unwrap(executor) {
         executor.shutdown();
     }
     Ok(())
+}
+
+/// Keeps the worker linked to its gateway: when the link breaks (the
+/// gateway restarted or the network failed) it redials with jittered
+/// backoff and registers again, for up to `reconnect` since the link was
+/// last up. A drain ends it; so does a refusal (a wrong or spent token),
+/// which no retry can fix.
+async fn serve(
+    link: &LinkConfig,
+    executor: Arc<Executor>,
+    register: Register,
+    cancel: CancellationToken,
+    reconnect: Duration,
+) -> anyhow::Result<link::LinkEnd> {
+    /// A link that stayed up this long counts as a fresh start.
+    const STABLE: Duration = Duration::from_secs(10);
+    let mut attempt = 0u32;
+    let mut down_since: Option<Instant> = None;
+    loop {
+        let began = Instant::now();
+        let result = link::run(link, executor.clone(), register.clone(), cancel.clone()).await;
+        let why = match result {
+            Ok(link::LinkEnd::Drained) => return Ok(link::LinkEnd::Drained),
+            Ok(link::LinkEnd::Closed) => "the gateway closed the link".to_string(),
+            Err(e) if e.is_retryable() => e.to_string(),
+            Err(e) => return Err(e.into()),
+        };
+        if cancel.is_cancelled() {
+            return Ok(link::LinkEnd::Closed);
+        }
+        if began.elapsed() >= STABLE {
+            attempt = 0;
+            down_since = None;
+        }
+        let since = *down_since.get_or_insert_with(Instant::now);
+        if since.elapsed() >= reconnect {
+            anyhow::bail!(
+                "gave up on the gateway at {} after {:.0?} without a link ({why}); check that it runs, or raise gateway.reconnect_secs",
+                link.gateway,
+                since.elapsed()
+            );
+        }
+        let jitter = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.5, |d| {
+                ((d.subsec_nanos() ^ std::process::id()) % 1000) as f64 / 1000.0
+            });
+        let delay = link::redial_delay(attempt, jitter);
+        attempt += 1;
+        tracing::warn!(
+            attempt,
+            ?delay,
+            "link to the gateway lost ({why}); redialling"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = cancel.cancelled() => return Ok(link::LinkEnd::Closed),
+        }
+    }
 }
 
 /// The device as registered: the backend's (`cpu (N threads)`, `cuda:N`),

@@ -255,6 +255,14 @@ impl Cluster {
         Ok(())
     }
 
+    /// The process id of worker `name`, while the harness holds it.
+    pub fn worker_pid(&self, name: &str) -> Option<u32> {
+        self.workers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| c.id())
+    }
+
     /// Kills a worker abruptly (SIGKILL).
     pub fn kill_worker(&mut self, name: &str) {
         if let Some((_, c)) = self.workers.iter_mut().find(|(n, _)| n == name) {
@@ -385,8 +393,8 @@ impl Cluster {
         Ok(())
     }
 
-    /// Replaces worker `name` with a fresh process (a worker exits when its
-    /// gateway goes away).
+    /// Replaces worker `name` with a fresh process (a worker redials a
+    /// restarted gateway by itself; this starts over from a clean one).
     pub fn respawn_worker(&mut self, name: &str) -> anyhow::Result<()> {
         if let Some(i) = self.workers.iter().position(|(n, _)| n == name) {
             let (_, mut old) = self.workers.remove(i);

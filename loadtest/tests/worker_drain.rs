@@ -4,7 +4,7 @@
 //! the worker, the worker gets SIGTERM. Every frame the edge sent must get
 //! exactly one result, every frame in the worker's hands at the signal must
 //! come back `ok` (not failed or re-queued as "worker lost"), and the worker
-//! must exit 0.
+//! must exit 0. And a worker whose gateway crashes redials it.
 
 use std::collections::HashSet;
 use std::process::{Command, Stdio};
@@ -195,4 +195,51 @@ fn sigterm_mid_run_answers_every_dispatched_batch_and_exits_0() {
     // Frames refused before admission (no worker left) are answered too,
     // but not admitted.
     assert!(count(&f, "admitted") <= sent + resets, "{f}");
+}
+
+/// A gateway crash does not end a worker: it redials the restarted gateway,
+/// registers again and serves.
+#[test]
+fn a_worker_redials_a_restarted_gateway_and_serves_again() {
+    let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    c.spawn_worker("worker-1").expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(60))
+        .expect("worker registers");
+    let pid = c.worker_pid("worker-1").expect("worker pid");
+    c.kill_gateway();
+    std::thread::sleep(Duration::from_secs(2));
+    c.restart_gateway()
+        .expect("gateway restarts on the same ports");
+    // The same process comes back: wait_for_workers fails if it exited.
+    c.wait_for_workers(1, Duration::from_secs(30))
+        .expect("the worker registers again");
+    assert_eq!(c.worker_pid("worker-1"), Some(pid));
+    assert!(
+        c.worker_log("worker-1").contains("redialling"),
+        "no redial in the worker log:\n{}",
+        c.worker_log("worker-1")
+    );
+    // And it serves: a few frames through the restarted gateway.
+    let opts = tidegate_loadtest::sim::SimOptions {
+        gateway: c.quic,
+        server_name: "localhost".into(),
+        ca: c.ca(),
+        edge: "edge-1".into(),
+        token: c.edge_token.clone(),
+        cameras: 2,
+        fps: 5.0,
+        duration: Duration::from_secs(2),
+        model: "blazeface".into(),
+        budget_ms: 80,
+        image: Some(workspace_root().join("models/testdata/astronaut.png")),
+        obey_hints: true,
+    };
+    let r = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(tidegate_loadtest::sim::run(&opts))
+        .expect("simulation runs");
+    assert!(r.sent > 0 && r.ok == r.sent, "{:?}", r.outcomes);
 }
