@@ -61,6 +61,10 @@ pub struct LeasingConfig {
     /// Autoscaler tick (ms).
     #[serde(default = "default_tick_ms")]
     pub tick_ms: u64,
+    /// A lease whose worker has not registered this long after it was
+    /// requested is ended as `failed` and released (s).
+    #[serde(default = "default_start_timeout_secs")]
+    pub start_timeout_secs: u64,
     /// Most the leases not ended may cost together, per hour, in the
     /// catalog's currency; unset: no cap.
     #[serde(default)]
@@ -172,6 +176,9 @@ fn default_policy() -> String {
 }
 fn default_tick_ms() -> u64 {
     1000
+}
+fn default_start_timeout_secs() -> u64 {
+    600
 }
 fn default_notice_period_secs() -> f64 {
     120.0

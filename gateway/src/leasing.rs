@@ -377,6 +377,7 @@ pub fn spawn(
         busy_ms: 0.0,
         leased_ms: 0.0,
         cost_seen: BTreeMap::new(),
+        start_timeout: Duration::from_secs(cfg.start_timeout_secs),
     };
     shell.update_metrics(now);
     let tick = Duration::from_millis(cfg.tick_ms);
@@ -414,6 +415,9 @@ struct Shell {
     leased_ms: f64,
     /// Cost per tier already added to `tidegate_cost_total`.
     cost_seen: BTreeMap<Tier, f64>,
+    /// A lease whose worker has not registered this long after it was
+    /// requested is ended as `failed` and released.
+    start_timeout: Duration,
 }
 
 impl Shell {
@@ -623,6 +627,28 @@ impl Shell {
             }
         }
         self.last_tick = Some(now);
+        // A worker that never registers must not count as capacity forever.
+        let timeout = self.start_timeout.as_millis() as Millis;
+        let stuck: Vec<LeaseId> = live
+            .iter()
+            .filter(|r| matches!(r.state, LeaseState::Requested | LeaseState::Starting))
+            .filter(|r| now.saturating_sub(r.requested_at) > timeout)
+            .map(|r| r.id)
+            .collect();
+        for lease in &stuck {
+            warn!(%lease, timeout_secs = self.start_timeout.as_secs(), "worker never registered; ending the lease as failed");
+            if let Err(e) = self.source.release(*lease).await {
+                warn!(%lease, "provider release: {e}");
+            }
+            self.static_names.remove(lease);
+            self.hub.send(HubMsg::LeaseEnded { lease: *lease }).await;
+            self.end(*lease, wall_clock_ms().max(now), EndReason::Failed);
+            self.start_failed();
+        }
+        let live: Vec<LeaseRecord> = live
+            .into_iter()
+            .filter(|r| !stuck.contains(&r.id))
+            .collect();
         let obs = Observation {
             models: self.observe(&report),
             leases: live.iter().map(LeaseRecord::view).collect(),
@@ -952,7 +978,7 @@ reserved = 1
         cfg.leasing.unwrap()
     }
 
-    async fn start(cfg: &LeasingConfig) -> (Leasing, CancellationToken, TaskTracker) {
+    pub(super) async fn start(cfg: &LeasingConfig) -> (Leasing, CancellationToken, TaskTracker) {
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = Metrics::new();
@@ -1063,6 +1089,65 @@ reserved = 1
 #[cfg(test)]
 mod backoff_tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_worker_that_never_registers_is_ended_and_its_process_stopped() {
+        let dir = tempfile::tempdir().unwrap();
+        // `sleep` starts fine but never dials the gateway.
+        let text = format!(
+            r#"
+[leasing]
+provider = "process"
+ledger = "{}"
+tick_ms = 100
+start_timeout_secs = 1
+[leasing.process]
+command = "sleep"
+args = ["30"]
+[[leasing.models]]
+name = "m"
+instance_types = ["cpu-32"]
+worker_fps = 20
+min_fps = 10
+"#,
+            dir.path().join("l.db").display()
+        );
+        let cfg: crate::config::Config = toml::from_str(&text).unwrap();
+        let (l, cancel, tracker) = super::tests::start(&cfg.leasing.unwrap()).await;
+        let until = tokio::time::Instant::now() + Duration::from_secs(10);
+        let first = loop {
+            let all = l.leases(false, 100).await.unwrap();
+            if let Some(r) = all.iter().find(|r| r.state.is_ended()) {
+                break r.clone();
+            }
+            assert!(
+                tokio::time::Instant::now() < until,
+                "no lease timed out: {all:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(
+            first.state,
+            LeaseState::Ended(EndReason::Failed),
+            "{first:?}"
+        );
+        assert!(first.ready_at.is_none());
+        let waited = first.ended_at.unwrap() - first.requested_at;
+        assert!(
+            waited >= 1_000,
+            "ended after {waited} ms, before the timeout"
+        );
+        // Its process is gone (reaped, not a zombie).
+        let pid = first.pid.expect("a process lease has a pid");
+        let gone = !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| {
+            st.rsplit_once(')')
+                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+        });
+        assert!(gone, "worker {pid} still runs");
+        cancel.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
 
     #[tokio::test]
     async fn a_worker_command_that_cannot_start_is_retried_with_backoff() {
