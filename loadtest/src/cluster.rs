@@ -100,9 +100,18 @@ impl Default for ClusterOptions {
 impl Cluster {
     /// Starts a gateway (not yet any worker).
     pub fn start(opts: &ClusterOptions) -> anyhow::Result<Cluster> {
+        Self::launch(opts, |_| Ok(String::new()))
+    }
+
+    /// Makes certificates and tokens in a new temporary directory, writes
+    /// the gateway config (`extra`, given the directory, adds sections after
+    /// `[scheduler]`) and starts the gateway.
+    fn launch(
+        opts: &ClusterOptions,
+        extra: impl FnOnce(&Path) -> anyhow::Result<String>,
+    ) -> anyhow::Result<Cluster> {
         let dir = tempfile::tempdir().context("creating a temp dir")?;
-        let gw = bin("tidegate-gateway")?;
-        let status = Command::new(&gw)
+        let status = Command::new(bin("tidegate-gateway")?)
             .args(["dev-certs", "--out"])
             .arg(dir.path().join("certs"))
             .stdout(Stdio::null())
@@ -115,8 +124,9 @@ impl Cluster {
         let worker_token = random_token();
         let hash = tidegate_gateway::auth::hash_token;
         let mut toml = format!(
-            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\n[scheduler]\n{}\n",
-            opts.scheduler
+            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\n[scheduler]\n{}\n{}",
+            opts.scheduler,
+            extra(dir.path())?
         );
         for e in &opts.edges {
             toml += &format!(
@@ -133,37 +143,7 @@ impl Cluster {
         let cfg = dir.path().join("gateway.toml");
         std::fs::write(&cfg, toml)?;
         let log = std::fs::File::create(dir.path().join("gateway.log"))?;
-        let mut gateway = Command::new(&gw)
-            .arg("--config")
-            .arg(&cfg)
-            .arg("run")
-            .env("TIDEGATE_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .context("starting tidegate-gateway")?;
-        let stdout = gateway.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .context("reading the gateway's listening line")?;
-        // "listening quic=127.0.0.1:PORT http=127.0.0.1:PORT"
-        let addr = |key: &str| -> anyhow::Result<SocketAddr> {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(key))
-                .with_context(|| format!("gateway printed {line:?}, expected {key}ADDR"))?
-                .parse()
-                .context("parsing the gateway address")
-        };
-        let (quic, http) = match (addr("quic="), addr("http=")) {
-            (Ok(q), Ok(h)) => (q, h),
-            (Err(e), _) | (_, Err(e)) => {
-                let _ = gateway.kill();
-                let log =
-                    std::fs::read_to_string(dir.path().join("gateway.log")).unwrap_or_default();
-                bail!("{e}; gateway log:\n{log}");
-            }
-        };
+        let (gateway, quic, http) = spawn_gateway(dir.path(), &cfg, log)?;
         Ok(Cluster {
             dir,
             quic,
@@ -366,27 +346,13 @@ impl Cluster {
         let log = std::fs::OpenOptions::new()
             .append(true)
             .open(self.dir.path().join("gateway.log"))?;
-        let mut gateway = Command::new(bin("tidegate-gateway")?)
-            .arg("--config")
-            .arg(&cfg)
-            .arg("run")
-            .env("TIDEGATE_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .context("restarting tidegate-gateway")?;
-        let stdout = gateway.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .context("reading the restarted gateway's listening line")?;
-        let want = format!("quic={}", self.quic);
-        if !line.contains(&want) {
+        let (mut gateway, quic, _) = spawn_gateway(self.dir.path(), &cfg, log)?;
+        if quic != self.quic {
             let _ = gateway.kill();
             let _ = gateway.wait();
             bail!(
-                "restarted gateway printed {line:?}, expected {want}; gateway log:\n{}",
-                self.gateway_log()
+                "restarted gateway listens on {quic}, expected {}",
+                self.quic
             );
         }
         self.gateway = gateway;
@@ -417,93 +383,26 @@ impl Cluster {
         process: &str,
         files: &[(&str, &str)],
     ) -> anyhow::Result<Cluster> {
-        let dir = tempfile::tempdir().context("creating a temp dir")?;
-        let gw = bin("tidegate-gateway")?;
-        let status = Command::new(&gw)
-            .args(["dev-certs", "--out"])
-            .arg(dir.path().join("certs"))
-            .stdout(Stdio::null())
-            .status()
-            .context("running tidegate-gateway dev-certs")?;
-        if !status.success() {
-            bail!("tidegate-gateway dev-certs failed");
-        }
-        for (name, text) in files {
-            std::fs::write(dir.path().join(name), text)?;
-        }
-        // The gateway hands each worker its address (TIDEGATE_GATEWAY_ADDR)
-        // and its lease (TIDEGATE_LEASE_ID / _TOKEN); the file holds the rest.
-        let worker_cfg = dir.path().join("leased-worker.toml");
-        std::fs::write(
-            &worker_cfg,
-            format!(
-                "name = \"leased\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [\"blazeface\"]\n[runtime]\nintra_threads = 1\n",
-                workspace_root().join("models").display()
-            ),
-        )?;
-        let edge_token = random_token();
-        let worker_token = random_token();
-        let hash = tidegate_gateway::auth::hash_token;
-        let mut toml = format!(
-            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\n[scheduler]\n{}\n[leasing]\n{leasing}\n[leasing.process]\ncommand = \"{}\"\nargs = [\"--config\", \"{}\"]\nenv = {{ TIDEGATE_LOG = \"info\" }}\n{process}\n",
-            opts.scheduler,
-            bin("tidegate-worker")?.display(),
-            worker_cfg.display(),
-        );
-        for e in &opts.edges {
-            toml += &format!(
-                "[[edges]]\nname = \"{e}\"\ntoken_sha256 = \"{}\"\n",
-                hash(&edge_token)
-            );
-        }
-        for w in &opts.workers {
-            toml += &format!(
-                "[[workers]]\nname = \"{w}\"\ntoken_sha256 = \"{}\"\n",
-                hash(&worker_token)
-            );
-        }
-        let cfg = dir.path().join("gateway.toml");
-        std::fs::write(&cfg, toml)?;
-        let log = std::fs::File::create(dir.path().join("gateway.log"))?;
-        let mut gateway = Command::new(&gw)
-            .arg("--config")
-            .arg(&cfg)
-            .arg("run")
-            .env("TIDEGATE_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .context("starting tidegate-gateway")?;
-        let stdout = gateway.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .context("reading the gateway's listening line")?;
-        let addr = |key: &str| -> anyhow::Result<SocketAddr> {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(key))
-                .with_context(|| format!("gateway printed {line:?}, expected {key}ADDR"))?
-                .parse()
-                .context("parsing the gateway address")
-        };
-        let (quic, http) = match (addr("quic="), addr("http=")) {
-            (Ok(q), Ok(h)) => (q, h),
-            (Err(e), _) | (_, Err(e)) => {
-                let _ = gateway.kill();
-                let _ = gateway.wait();
-                let log =
-                    std::fs::read_to_string(dir.path().join("gateway.log")).unwrap_or_default();
-                bail!("{e}; gateway log:\n{log}");
+        let worker = bin("tidegate-worker")?;
+        Self::launch(opts, |dir| {
+            for (name, text) in files {
+                std::fs::write(dir.join(name), text)?;
             }
-        };
-        Ok(Cluster {
-            dir,
-            quic,
-            http,
-            gateway,
-            workers: Vec::new(),
-            edge_token,
-            worker_token,
+            // The gateway hands each worker its address (TIDEGATE_GATEWAY_ADDR)
+            // and its lease (TIDEGATE_LEASE_ID / _TOKEN); the file holds the rest.
+            let worker_cfg = dir.join("leased-worker.toml");
+            std::fs::write(
+                &worker_cfg,
+                format!(
+                    "name = \"leased\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [\"blazeface\"]\n[runtime]\nintra_threads = 1\n",
+                    workspace_root().join("models").display()
+                ),
+            )?;
+            Ok(format!(
+                "[leasing]\n{leasing}\n[leasing.process]\ncommand = \"{}\"\nargs = [\"--config\", \"{}\"]\nenv = {{ TIDEGATE_LOG = \"info\" }}\n{process}\n",
+                worker.display(),
+                worker_cfg.display(),
+            ))
         })
     }
 
@@ -541,6 +440,49 @@ impl Drop for Cluster {
         }
         let _ = self.gateway.kill();
         let _ = self.gateway.wait();
+    }
+}
+
+/// Starts `tidegate-gateway --config cfg run` with its log on `log` and
+/// returns it with the QUIC and HTTP addresses from its listening line.
+fn spawn_gateway(
+    dir: &Path,
+    cfg: &Path,
+    log: std::fs::File,
+) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
+    let mut gateway = Command::new(bin("tidegate-gateway")?)
+        .arg("--config")
+        .arg(cfg)
+        .arg("run")
+        .env("TIDEGATE_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .context("starting tidegate-gateway")?;
+    let stdout = gateway.stdout.take().expect("piped stdout");
+    let mut line = String::new();
+    let read = BufReader::new(stdout).read_line(&mut line);
+    // "listening quic=127.0.0.1:PORT http=127.0.0.1:PORT"
+    let addr = |key: &str| -> anyhow::Result<SocketAddr> {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .with_context(|| format!("gateway printed {line:?}, expected {key}ADDR"))?
+            .parse()
+            .context("parsing the gateway address")
+    };
+    match (read, addr("quic="), addr("http=")) {
+        (Ok(_), Ok(q), Ok(h)) => Ok((gateway, q, h)),
+        (read, q, h) => {
+            let _ = gateway.kill();
+            let _ = gateway.wait();
+            let why = match (read, q, h) {
+                (Err(e), _, _) => format!("reading the gateway's listening line: {e}"),
+                (_, Err(e), _) | (_, _, Err(e)) => e.to_string(),
+                _ => unreachable!("handled above"),
+            };
+            let log = std::fs::read_to_string(dir.join("gateway.log")).unwrap_or_default();
+            bail!("{why}; gateway log:\n{log}");
+        }
     }
 }
 
