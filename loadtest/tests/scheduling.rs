@@ -204,10 +204,10 @@ fn a_real_edge_obeys_the_rate_hint() {
     let c = cluster(1, "hint_window_ms = 500");
     // Simulated cameras that ignore hints keep one worker overloaded, so
     // the real edge's two 30 fps test cameras are shed too and get hints.
-    // 48 cameras at 30 fps: with one frame queued per camera the queue
+    // 32 cameras at 30 fps: with one frame queued per camera the queue
     // takes longer to drain than a 30 fps camera's frame interval, so every
     // camera, the real edge's included, sees frames superseded.
-    let mut flood = sim_opts(&c, "edge-1", 48, 30.0, 7.0);
+    let mut flood = sim_opts(&c, "edge-1", 32, 30.0, 7.0);
     flood.obey_hints = false;
     let load = std::thread::spawn(move || run_sim(flood));
     let cfg = c
@@ -245,8 +245,11 @@ fn a_real_edge_obeys_the_rate_hint() {
     }
     let _ = edge.kill();
     let _ = edge.wait();
-    let r = load.join().expect("load thread");
-    assert_nothing_lost(&r);
+    // The flood only loads the machine; on a saturated 2-core runner its
+    // own receive window can close before late results arrive, so the
+    // accounting is checked on the gateway, where it is kept.
+    let _flood = load.join().expect("load thread");
+    assert_balanced(&settled_counters(&c));
     let log = std::fs::read_to_string(c.dir().join("edge-2.log")).unwrap_or_default();
     assert!(
         log.contains("control hint"),
