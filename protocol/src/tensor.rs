@@ -253,11 +253,33 @@ impl Geometry {
             / self.content_height.max(1) as f32;
         (sx, sy)
     }
+
+    /// [`Geometry::to_source`], clamped to the source frame: what a decoder
+    /// reports for a box corner or a landmark.
+    pub fn to_source_clamped(&self, width: u32, height: u32, nx: f32, ny: f32) -> (f32, f32) {
+        let (x, y) = self.to_source(width, height, nx, ny);
+        (
+            x.clamp(0.0, self.source_width as f32),
+            y.clamp(0.0, self.source_height as f32),
+        )
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clamped_mapping_stays_inside_the_source() {
+        let g = Geometry::letterbox(1920, 1080, 128, 128);
+        // The top padding maps above the source; clamped, it is its edge.
+        assert_eq!(g.to_source_clamped(128, 128, 0.0, 0.0), (0.0, 0.0));
+        assert_eq!(g.to_source_clamped(128, 128, 1.0, 1.0), (1920.0, 1080.0));
+        assert_eq!(
+            g.to_source_clamped(128, 128, 0.5, 0.5),
+            g.to_source(128, 128, 0.5, 0.5)
+        );
+    }
 
     #[test]
     fn letterbox_of_wide_source_pads_top_and_bottom() {

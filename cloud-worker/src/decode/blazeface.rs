@@ -235,10 +235,9 @@ impl BlazefaceDecoder {
         geometry: &Geometry,
     ) -> Result<Vec<Detection>, DecodeError> {
         let merged = self.weighted_nms(self.candidates(outputs, frame)?);
-        let (sw, sh) = (geometry.source_width as f32, geometry.source_height as f32);
         let to_source = |x: f32, y: f32| {
-            let (x, y) = geometry.to_source(self.width, self.height, x, y);
-            [x.clamp(0.0, sw), y.clamp(0.0, sh)]
+            let (x, y) = geometry.to_source_clamped(self.width, self.height, x, y);
+            [x, y]
         };
         Ok(merged
             .into_iter()

@@ -147,11 +147,7 @@ impl BoxesDecoder {
         geometry: &Geometry,
     ) -> Result<Vec<Detection>, DecodeError> {
         let kept = self.nms(self.rows(outputs, frame)?);
-        let (sw, sh) = (geometry.source_width as f32, geometry.source_height as f32);
-        let to_source = |x: f32, y: f32| {
-            let (x, y) = geometry.to_source(self.width, self.height, x, y);
-            (x.clamp(0.0, sw), y.clamp(0.0, sh))
-        };
+        let to_source = |x: f32, y: f32| geometry.to_source_clamped(self.width, self.height, x, y);
         Ok(kept
             .into_iter()
             .map(|r| {
