@@ -18,10 +18,10 @@ use ort::ep::{CUDA, ExecutionProvider};
 use ort::session::{Session, SessionInputValue};
 use ort::value::{Outlet, TensorElementType, TensorRef};
 use tidegate_protocol::{
-    DType, Detection, Geometry, Layout, Status, Tensor, Timings, shape_string,
+    DType, Detection, Geometry, Layout, OutputTensor, Status, Tensor, Timings, shape_string,
 };
 
-use crate::decode::{Decoder, DecoderError, OutputView, RawTensor};
+use crate::decode::{Decoder, DecoderError, OutputView};
 use crate::model::{DimsDisplay, ModelSpec, Repository};
 use crate::preprocess::Preprocessor;
 use crate::runtime::{
@@ -50,9 +50,8 @@ pub struct FrameOutcome {
     /// gateway to fill).
     pub timings: Timings,
     /// The frame's outputs, for models with the raw decoder (empty
-    /// otherwise). The protocol has no field for them yet, so the link does
-    /// not send them (see docs/models.md).
-    pub tensors: Vec<RawTensor>,
+    /// otherwise), as the link returns them in `ItemResult::outputs`.
+    pub outputs: Vec<OutputTensor>,
 }
 
 impl FrameOutcome {
@@ -62,7 +61,7 @@ impl FrameOutcome {
             status: Status::Failed(reason.into()),
             detections: Vec::new(),
             timings: Timings::default(),
-            tensors: Vec::new(),
+            outputs: Vec::new(),
         }
     }
 }
@@ -391,11 +390,11 @@ fn decode_batch(
             postprocess_us,
         };
         outcomes[i] = match decoded {
-            Ok((detections, tensors)) => FrameOutcome {
+            Ok((detections, outputs)) => FrameOutcome {
                 status: Status::Ok,
                 detections,
                 timings,
-                tensors,
+                outputs,
             },
             Err(e) => FrameOutcome {
                 timings,

@@ -227,7 +227,7 @@ mod tests {
                         inference_us: f.tensor.data.len() as u32,
                         ..Timings::default()
                     },
-                    tensors: Vec::new(),
+                    outputs: Vec::new(),
                 })
                 .collect()
         }

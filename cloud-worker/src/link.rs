@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 use tidegate_protocol::quic::{HandshakeError, handshake, read_message, write_message};
 use tidegate_protocol::{
     BatchResult, Dispatch, Drain, ErrorCode, Heartbeat, Hello, ItemResult, Limits, Message,
-    Register, Role,
+    Register, Role, Status,
 };
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::backend::FrameInput;
+use crate::backend::{FrameInput, FrameOutcome};
 use crate::executor::{Executor, Job, SubmitError};
 
 /// Where and as whom to dial in.
@@ -332,25 +332,17 @@ async fn serve_batch(
         .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     load.in_flight.fetch_sub(1, Ordering::Relaxed);
     let items = match outcomes {
-        Some(outcomes) => ids
-            .iter()
-            .zip(outcomes)
-            .map(|(&id, o)| ItemResult {
-                id,
-                status: o.status,
-                detections: o.detections,
-                timings: o.timings,
-            })
-            .collect(),
+        Some(outcomes) => item_results(&ids, outcomes, &Limits::default()),
         None => ids
             .iter()
             .map(|&id| ItemResult {
                 id,
-                status: tidegate_protocol::Status::Failed(
+                status: Status::Failed(
                     "worker could not run the batch (executor overloaded or stopped)".into(),
                 ),
                 detections: Vec::new(),
                 timings: Default::default(),
+                outputs: Vec::new(),
             })
             .collect(),
     };
@@ -370,9 +362,77 @@ async fn serve_batch(
     }
 }
 
+/// The batch's results for the gateway. Raw outputs of one frame are
+/// bounded by the decoder; those of the whole batch must fit one message
+/// (`max_tensor_bytes`), so a frame whose outputs would overflow it fails
+/// with the reason instead of breaking the message.
+fn item_results(ids: &[u64], outcomes: Vec<FrameOutcome>, limits: &Limits) -> Vec<ItemResult> {
+    let mut total = 0usize;
+    ids.iter()
+        .zip(outcomes)
+        .map(|(&id, o)| {
+            let bytes: usize = o.outputs.iter().map(|t| t.data.len()).sum();
+            let mut item = ItemResult {
+                id,
+                status: o.status,
+                detections: o.detections,
+                timings: o.timings,
+                outputs: o.outputs,
+            };
+            if bytes > 0 && total + bytes > limits.max_tensor_bytes {
+                item.status = Status::Failed(format!(
+                    "raw outputs of this batch exceed {} bytes, the most one result message \
+                     carries; lower the model's max_batch",
+                    limits.max_tensor_bytes
+                ));
+                item.outputs.clear();
+            } else {
+                total += bytes;
+            }
+            item
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tidegate_protocol::OutputTensor;
+
+    #[test]
+    fn raw_outputs_that_overflow_one_batch_message_fail_their_frame_only() {
+        let limits = Limits {
+            max_tensor_bytes: 40,
+            ..Limits::default()
+        };
+        // Three frames of 16 bytes each: the third would make 48 > 40.
+        let outcome = |v: f32| FrameOutcome {
+            status: Status::Ok,
+            detections: Vec::new(),
+            timings: Default::default(),
+            outputs: vec![OutputTensor::from_f32("e", vec![1, 4], &[v; 4]).unwrap()],
+        };
+        let items = item_results(
+            &[7, 8, 9],
+            vec![outcome(1.0), outcome(2.0), outcome(3.0)],
+            &limits,
+        );
+        assert_eq!(items.iter().map(|i| i.id).collect::<Vec<_>>(), [7, 8, 9]);
+        assert_eq!(items[0].status, Status::Ok);
+        assert_eq!(items[1].outputs[0].values(), vec![2.0; 4]);
+        assert!(
+            matches!(&items[2].status, Status::Failed(r) if r.contains("exceed 40 bytes")),
+            "{:?}",
+            items[2].status
+        );
+        assert!(items[2].outputs.is_empty());
+        // What is sent decodes under those limits.
+        let msg = Message::BatchResult(BatchResult { batch: 1, items });
+        let mut buf = Vec::new();
+        msg.encode(&mut buf);
+        let back = Message::decode(&mut buf.as_slice(), &limits).unwrap();
+        assert_eq!(back, msg);
+    }
 
     #[test]
     fn redial_backs_off_with_jitter_up_to_five_seconds() {

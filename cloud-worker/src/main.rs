@@ -161,6 +161,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 },
             },
             max_batch: spec.max_batch,
+            labels: spec.decoder.labels().to_vec(),
         });
     }
     let device = device_name(&backend);

@@ -147,9 +147,9 @@ pub enum DecoderSpec {
     Boxes(BoxesSpec),
     /// One score per class: softmax and top-k.
     Classify(ClassifySpec),
-    /// No decoding: every listed output is passed on per frame as a tensor
-    /// (for benchmarking a graph, or models whose results travel another
-    /// way), with no detections.
+    /// No decoding: every listed output is passed on per frame as a tensor,
+    /// returned to the edge in the result's `outputs` (embeddings, feature
+    /// maps, or benchmarking a graph), with no detections.
     Raw(RawSpec),
 }
 
@@ -161,6 +161,17 @@ impl DecoderSpec {
             DecoderSpec::Boxes(_) => "boxes",
             DecoderSpec::Classify(_) => "classify",
             DecoderSpec::Raw(_) => "raw",
+        }
+    }
+
+    /// Class names, indexed by `Detection::class`; empty for `raw`. Workers
+    /// register them so that edges can name what was found.
+    pub fn labels(&self) -> &[String] {
+        match self {
+            DecoderSpec::Blazeface(b) => &b.labels,
+            DecoderSpec::Boxes(b) => &b.labels,
+            DecoderSpec::Classify(c) => &c.labels,
+            DecoderSpec::Raw(_) => &[],
         }
     }
 }

@@ -339,12 +339,12 @@ fn raw_decoder_passes_each_frames_outputs_through_without_detections() {
     for (o, i) in out.iter().zip([0.0f32, 1.0, 3.0]) {
         assert_eq!(o.status, Status::Ok);
         assert!(o.detections.is_empty());
-        let names: Vec<&str> = o.tensors.iter().map(|t| t.name.as_str()).collect();
+        let names: Vec<&str> = o.outputs.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, vec!["scores", "boxes"]);
-        assert_eq!(o.tensors[0].shape, vec![1, 1, 1]);
-        assert_eq!(o.tensors[0].data, vec![10.0]);
-        assert_eq!(o.tensors[1].shape, vec![1, 1, 4]);
-        assert_eq!(o.tensors[1].data, vec![2.0 * i, 0.0, 8.0, 8.0]);
+        assert_eq!(o.outputs[0].shape, vec![1, 1, 1]);
+        assert_eq!(o.outputs[0].values(), vec![10.0]);
+        assert_eq!(o.outputs[1].shape, vec![1, 1, 4]);
+        assert_eq!(o.outputs[1].values(), vec![2.0 * i, 0.0, 8.0, 8.0]);
     }
 }
 

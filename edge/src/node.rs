@@ -96,6 +96,8 @@ pub struct CameraStats {
 #[derive(Debug, Clone, Default)]
 struct CameraSnapshot {
     state: &'static str,
+    /// The model's class names, from `CameraAccepted`.
+    labels: Arc<Vec<String>>,
     capture: crate::capture::CaptureCounters,
     limits: Option<Limits>,
 }
@@ -347,7 +349,11 @@ pub async fn run(
                             s.ok.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    if let Err(e) = sinks.write(&ResultLine::new(&r, now)) {
+                    let labels = by_name
+                        .get(&r.camera)
+                        .map(|s| s.snapshot().labels.clone())
+                        .unwrap_or_default();
+                    if let Err(e) = sinks.write(&ResultLine::new(&r, now, &labels)) {
                         outcome = Err(NodeError::Sink(e));
                         break;
                     }
@@ -590,7 +596,9 @@ async fn camera(
                     r = uplink.open_camera(&cam.name, &cam.model, cam.budget_ms) => r,
                 };
                 match opened {
-                    Ok(spec) => {
+                    Ok(accepted) => {
+                        let spec = accepted.input;
+                        stats.snapshot().labels = Arc::new(accepted.labels);
                         if spec.dtype != DType::U8 || spec.layout != Layout::Nhwc || spec.channels != 3 {
                             error!(
                                 "model '{}' wants {} {} with {} channels; this edge produces u8 nhwc RGB; this camera is disabled",

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
-    CameraOpen, ControlHint, ErrorCode, Frame, FrameResult, Hello, InputSpec, LatencyReport,
+    CameraAccepted, CameraOpen, ControlHint, ErrorCode, Frame, FrameResult, Hello, LatencyReport,
     Limits, Message, Role,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -84,7 +84,10 @@ pub enum Incoming {
 }
 
 enum Command {
-    Open(CameraOpen, oneshot::Sender<Result<InputSpec, UplinkError>>),
+    Open(
+        CameraOpen,
+        oneshot::Sender<Result<CameraAccepted, UplinkError>>,
+    ),
     Latency(LatencyReport),
 }
 
@@ -154,13 +157,14 @@ impl Uplink {
         ))
     }
 
-    /// Opens a camera and returns the input the model expects.
+    /// Opens a camera and returns the gateway's answer: the input the model
+    /// expects and its class names.
     pub async fn open_camera(
         &self,
         camera: &str,
         model: &str,
         budget_ms: u32,
-    ) -> Result<InputSpec, UplinkError> {
+    ) -> Result<CameraAccepted, UplinkError> {
         let (tx, rx) = oneshot::channel();
         let open = CameraOpen {
             camera: camera.to_string(),
@@ -455,7 +459,8 @@ async fn control(
 ) {
     let limits = Limits::default();
     // Camera opens are answered in order on this stream.
-    let mut pending: VecDeque<oneshot::Sender<Result<InputSpec, UplinkError>>> = VecDeque::new();
+    let mut pending: VecDeque<oneshot::Sender<Result<CameraAccepted, UplinkError>>> =
+        VecDeque::new();
     loop {
         tokio::select! {
             cmd = commands.recv() => {
@@ -476,7 +481,7 @@ async fn control(
                 match msg {
                     Ok(Some(Message::CameraAccepted(a))) => {
                         if let Some(reply) = pending.pop_front() {
-                            let _ = reply.send(Ok(a.input));
+                            let _ = reply.send(Ok(a));
                         }
                     }
                     Ok(Some(Message::Error(e))) => {

@@ -147,6 +147,7 @@ async fn serve(
                             color: ColorOrder::Rgb,
                             resize: Resize::Stretch,
                         },
+                        labels: vec!["face".into()],
                     });
                     if write_message(&mut send, &accepted).await.is_err() {
                         return;

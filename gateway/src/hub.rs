@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tidegate_protocol::{
-    BatchResult, ControlHint, Detection, Dispatch, DispatchItem, Frame, FrameResult, InputSpec,
-    ModelInfo, Register, Status, Timings,
+    BatchResult, ControlHint, Dispatch, DispatchItem, Frame, FrameResult, InputSpec, ItemResult,
+    ModelInfo, Register, Status,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -116,12 +116,12 @@ pub enum HubMsg {
         /// The worker.
         worker: WorkerId,
     },
-    /// Asks for the input spec of a model (for `CameraAccepted`).
-    ModelInput {
+    /// Asks what a model is: its input and labels (for `CameraAccepted`).
+    ModelInfo {
         /// Model name.
         model: String,
-        /// Answer: the spec, if some worker serves the model.
-        reply: oneshot::Sender<Option<InputSpec>>,
+        /// Answer: as registered, if some worker serves the model.
+        reply: oneshot::Sender<Option<ModelInfo>>,
     },
     /// Asks for a snapshot (for the HTTP API).
     Snapshot {
@@ -201,6 +201,8 @@ pub struct ModelView {
     pub queued: usize,
     /// Workers serving it.
     pub workers: usize,
+    /// Class names, indexed by a detection's `class`.
+    pub labels: Vec<String>,
 }
 
 /// What the lease shell observes each tick ([`HubMsg::LoadReport`]).
@@ -264,10 +266,10 @@ impl Hub {
         self.tx.send(msg).await.is_ok()
     }
 
-    /// The input spec of `model`, if a worker serves it.
-    pub async fn model_input(&self, model: &str) -> Option<InputSpec> {
+    /// What `model` is (input spec, labels), if a worker serves it.
+    pub async fn model_info(&self, model: &str) -> Option<ModelInfo> {
         let (reply, rx) = oneshot::channel();
-        self.send(HubMsg::ModelInput {
+        self.send(HubMsg::ModelInfo {
             model: model.to_string(),
             reply,
         })
@@ -327,7 +329,7 @@ struct State {
     metrics: Metrics,
     pending: HashMap<FrameId, Pending>,
     /// Worker results waiting for the scheduler's `Complete`.
-    outputs: HashMap<FrameId, (Vec<Detection>, Timings)>,
+    outputs: HashMap<FrameId, ItemResult>,
     /// When each batch was dispatched, and its size.
     started: HashMap<BatchId, (Instant, usize)>,
     /// When each worker last returned a batch.
@@ -610,8 +612,8 @@ impl State {
                     let id = FrameId(item.id);
                     if let Some(p) = self.pending.get_mut(&id) {
                         p.served_by = lease;
-                        self.outputs.insert(id, (item.detections, item.timings));
-                        outcomes.push((id, item.status));
+                        outcomes.push((id, item.status.clone()));
+                        self.outputs.insert(id, item);
                     }
                 }
                 let model = outcomes
@@ -675,9 +677,8 @@ impl State {
                 self.last_done.remove(&worker);
                 self.step(Event::WorkerLost { worker });
             }
-            HubMsg::ModelInput { model, reply } => {
-                let spec = self.model_info(&model).map(|m| m.input);
-                let _ = reply.send(spec);
+            HubMsg::ModelInfo { model, reply } => {
+                let _ = reply.send(self.model_info(&model).cloned());
             }
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
@@ -752,7 +753,10 @@ impl State {
                         s.late += 1;
                     }
                 }
-                let (detections, mut timings) = self.outputs.remove(&frame).unwrap_or_default();
+                let (detections, mut timings, outputs) = match self.outputs.remove(&frame) {
+                    Some(item) => (item.detections, item.timings, item.outputs),
+                    None => Default::default(),
+                };
                 timings.queue_us = queue_us;
                 let model = p.frame.model.as_str();
                 if let Some(bp) = self.backpressure.as_mut() {
@@ -769,15 +773,13 @@ impl State {
                         .with_label_values(&[model])
                         .observe(queue_us as f64 / 1e6);
                 }
+                let ok = status == Status::Ok;
                 let result = FrameResult {
                     camera: p.frame.camera,
                     seq: p.frame.seq,
                     captured_at_us: p.frame.captured_at_us,
-                    detections: if status == Status::Ok {
-                        detections
-                    } else {
-                        Vec::new()
-                    },
+                    detections: if ok { detections } else { Vec::new() },
+                    outputs: if ok { outputs } else { Vec::new() },
                     status,
                     timings,
                 };
@@ -850,6 +852,7 @@ impl State {
                     max_batch: 0,
                     queued: self.scheduler.queue_len(&m.name),
                     workers: 0,
+                    labels: m.labels.clone(),
                 });
                 v.max_batch = v.max_batch.max(m.max_batch);
                 v.workers += 1;
@@ -910,7 +913,8 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use tidegate_protocol::{
-        ColorOrder, DType, Geometry, ItemResult, Layout, ProfilePoint, Resize, Tensor,
+        ColorOrder, DType, Detection, Geometry, Layout, OutputTensor, ProfilePoint, Resize, Tensor,
+        Timings,
     };
 
     const MODEL: &str = "m";
@@ -932,6 +936,7 @@ mod tests {
                     resize: Resize::Stretch,
                 },
                 max_batch: 1,
+                labels: vec!["face".into(), "hand".into()],
             }],
             profile: vec![ProfilePoint {
                 model: MODEL.into(),
@@ -1016,6 +1021,7 @@ mod tests {
                 status: Status::Ok,
                 detections: Vec::new(),
                 timings: Timings::default(),
+                outputs: Vec::new(),
             })
             .collect();
         hub.send(HubMsg::BatchDone {
@@ -1083,6 +1089,98 @@ mod tests {
         // and a lease that ended takes its worker with it at once
         hub.send(HubMsg::LeaseEnded { lease: LeaseId(3) }).await;
         assert!(hub.snapshot().await.unwrap().workers.is_empty());
+        cancel.cancel();
+    }
+
+    #[tokio::test]
+    async fn labels_and_raw_outputs_reach_the_edge_and_failures_carry_none() {
+        let cancel = CancellationToken::new();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let hub = spawn(
+            Limits::default(),
+            None,
+            Metrics::new(),
+            cancel.clone(),
+            &tracker,
+        );
+        assert!(hub.model_info(MODEL).await.is_none(), "no worker yet");
+        let (dispatch, mut batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: WorkerId(1),
+            register: register(),
+            dispatch,
+            lease: None,
+        })
+        .await;
+        // What CameraAccepted is built from: the registered input and labels.
+        let info = hub.model_info(MODEL).await.unwrap();
+        assert_eq!(info.labels, vec!["face".to_string(), "hand".into()]);
+        assert_eq!(info.input.width, 2);
+        // and what /api/v1/models shows.
+        let snap = hub.snapshot().await.unwrap();
+        assert_eq!(snap.models[0].labels, info.labels);
+
+        let (results, mut answers) = mpsc::channel(8);
+        let (hints, _hints) = mpsc::channel(8);
+        hub.send(HubMsg::EdgeConnected {
+            edge: EdgeId(1),
+            name: "e".into(),
+            results,
+            hints,
+        })
+        .await;
+        let embedding =
+            OutputTensor::from_f32("embedding", vec![1, 3], &[0.25, -1.0, 4.0]).unwrap();
+        for (seq, ok) in [(1, true), (2, false)] {
+            hub.send(HubMsg::Frame {
+                edge: EdgeId(1),
+                frame: frame(seq),
+                deadline: Instant::now() + Duration::from_millis(500),
+            })
+            .await;
+            let d = recv(&mut batches).await;
+            let items = d
+                .items
+                .iter()
+                .map(|i| ItemResult {
+                    id: i.id,
+                    status: if ok {
+                        Status::Ok
+                    } else {
+                        Status::Failed("bad input".into())
+                    },
+                    detections: vec![Detection {
+                        x1: 0.0,
+                        y1: 0.0,
+                        x2: 1.0,
+                        y2: 1.0,
+                        score: 0.9,
+                        class: 1,
+                        keypoints: vec![],
+                    }],
+                    timings: Timings::default(),
+                    outputs: vec![embedding.clone()],
+                })
+                .collect();
+            hub.send(HubMsg::BatchDone {
+                worker: WorkerId(1),
+                result: BatchResult {
+                    batch: d.batch,
+                    items,
+                },
+            })
+            .await;
+            let r = recv(&mut answers).await;
+            assert_eq!(r.seq, seq);
+            if ok {
+                assert_eq!(r.status, Status::Ok);
+                assert_eq!(r.detections.len(), 1);
+                assert_eq!(r.outputs, vec![embedding.clone()]);
+            } else {
+                assert!(matches!(r.status, Status::Failed(_)), "{r:?}");
+                assert!(r.detections.is_empty() && r.outputs.is_empty(), "{r:?}");
+            }
+        }
         cancel.cancel();
     }
 }

@@ -333,8 +333,8 @@ impl Server {
                 };
                 match msg {
                     Message::CameraOpen(open) => {
-                        let reply = match self.hub.model_input(&open.model).await {
-                            Some(input) => {
+                        let reply = match self.hub.model_info(&open.model).await {
+                            Some(info) => {
                                 cameras
                                     .lock()
                                     .expect("camera map lock")
@@ -350,7 +350,8 @@ impl Server {
                                 Message::CameraAccepted(CameraAccepted {
                                     camera: open.camera,
                                     model: open.model,
-                                    input,
+                                    input: info.input,
+                                    labels: info.labels,
                                 })
                             }
                             None => Message::Error(ErrorMsg {

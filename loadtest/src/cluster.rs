@@ -193,7 +193,17 @@ impl Cluster {
 
     /// Starts a worker serving BlazeFace from the repository's models/.
     pub fn spawn_worker(&mut self, name: &str) -> anyhow::Result<()> {
-        let cfg = self.worker_config(name, &workspace_root().join("models"), &["blazeface"])?;
+        self.spawn_worker_serving(name, &workspace_root().join("models"), &["blazeface"])
+    }
+
+    /// Starts a worker serving `models` from the repository `models_dir`.
+    pub fn spawn_worker_serving(
+        &mut self,
+        name: &str,
+        models_dir: &Path,
+        models: &[&str],
+    ) -> anyhow::Result<()> {
+        let cfg = self.worker_config(name, models_dir, models)?;
         let log = std::fs::File::create(self.dir.path().join(format!("{name}.log")))?;
         let child = Command::new(bin("tidegate-worker")?)
             .arg("--config")

@@ -165,6 +165,7 @@ async fn noop_worker(
             version: 1,
             input: input(*w, *h),
             max_batch: 8,
+            labels: Vec::new(),
         })
         .collect();
     let profile = SIZES
@@ -215,6 +216,7 @@ async fn noop_worker(
                         status: Status::Ok,
                         detections: Vec::new(),
                         timings: Timings::default(),
+                        outputs: Vec::new(),
                     })
                     .collect(),
             };

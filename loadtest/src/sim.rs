@@ -95,7 +95,8 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
         let spec = uplink
             .open_camera(&format!("sim-{i}"), &opts.model, opts.budget_ms)
             .await
-            .with_context(|| format!("opening camera sim-{i}"))?;
+            .with_context(|| format!("opening camera sim-{i}"))?
+            .input;
         input = Some(spec);
     }
     let input = input.context("at least one camera is needed")?;

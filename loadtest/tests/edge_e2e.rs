@@ -86,6 +86,8 @@ fn h264_file_streams_end_to_end_and_the_face_is_found_in_every_frame() {
         assert_eq!(dets.len(), 1, "exactly one face in every frame: {l}");
         let d = &dets[0];
         assert!(d["score"].as_f64().unwrap() > 0.7, "{d}");
+        // Named by the model's labels, which travel in CameraAccepted.
+        assert_eq!(d["label"], "face", "{d}");
         for (k, want) in ["x1", "y1", "x2", "y2"].iter().zip(FACE) {
             let got = d[*k].as_f64().unwrap();
             assert!((got - want).abs() <= 12.0, "{k}: {got} vs {want}");

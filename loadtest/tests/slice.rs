@@ -7,7 +7,9 @@ use bytes::Bytes;
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
 use tidegate_loadtest::sim::frame_pixels;
-use tidegate_protocol::{DType, ErrorCode, Frame, FrameResult, Layout, Status, Tensor};
+use tidegate_protocol::{
+    DType, ErrorCode, Frame, FrameResult, Kind, Layout, MAGIC, Status, Tensor, VERSION,
+};
 
 /// The face in astronaut.png, measured once with BlazeFace through the edge's
 /// GStreamer pipeline (512x512 -> 128x128) and the worker's decoder:
@@ -62,6 +64,8 @@ fn astronaut_face_round_trips_through_edge_gateway_and_worker() {
         assert_eq!(dets.len(), 1, "exactly one face: {l}");
         let d = &dets[0];
         assert!(d["score"].as_f64().unwrap() > 0.8, "{d}");
+        // Named by the model's labels, which travel in CameraAccepted.
+        assert_eq!(d["label"], "face", "{d}");
         for (k, want) in ["x1", "y1", "x2", "y2"].iter().zip(FACE) {
             let got = d[*k].as_f64().unwrap() as f32;
             assert!((got - want).abs() <= 10.0, "{k}: {got} vs {want}");
@@ -79,6 +83,95 @@ fn astronaut_face_round_trips_through_edge_gateway_and_worker() {
     let f: serde_json::Value = serde_json::from_str(&frames).unwrap();
     assert_eq!(f["admitted"], 12);
     assert_eq!(f["ok"], 12);
+}
+
+/// BlazeFace with the `raw` decoder, returning its two score outputs (the
+/// logit of a face at each of the 896 anchors) instead of detections.
+const RAW_SCORES_TOML: &str = r#"
+name = "blazeface-scores"
+version = 1
+file = "model.onnx"
+max_batch = 8
+[input]
+name = "input:0"
+layout = "nhwc"
+width = 128
+height = 128
+channels = 3
+color = "rgb"
+resize = "letterbox"
+model_dtype = "f32"
+[input.normalize]
+scale = 1.0
+mean = [127.5, 127.5, 127.5]
+std = [127.5, 127.5, 127.5]
+[[outputs]]
+name = "Identity:0"
+shape = [-1, 512, 1]
+[[outputs]]
+name = "Identity_1:0"
+shape = [-1, 384, 1]
+[decoder]
+kind = "raw"
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_model_outputs_travel_from_the_worker_to_the_edge() {
+    let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    let repo = tempfile::tempdir().unwrap();
+    let model = repo.path().join("blazeface-scores");
+    std::fs::create_dir(&model).unwrap();
+    std::os::unix::fs::symlink(
+        workspace_root().join("models/blazeface/model.onnx"),
+        model.join("model.onnx"),
+    )
+    .unwrap();
+    std::fs::write(model.join("model.toml"), RAW_SCORES_TOML).unwrap();
+    c.spawn_worker_serving("worker-1", repo.path(), &["blazeface-scores"])
+        .expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(60))
+        .expect("worker registers");
+
+    let (up, mut rx) = connect(&c).await;
+    let accepted = up.open_camera("cam", "blazeface-scores", 80).await.unwrap();
+    assert!(accepted.labels.is_empty(), "a raw model has no labels");
+    let input = accepted.input;
+    // The astronaut, then a black frame of the same geometry.
+    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
+    let black = Bytes::from(vec![0u8; pixels.len()]);
+    let mut best = Vec::new();
+    for (seq, data) in [(1, pixels), (2, black)] {
+        let mut f = frame(seq, input.frame_shape(), data, geometry);
+        f.model = "blazeface-scores".into();
+        up.send_frame(f).await.unwrap();
+        let r = next_result(&mut rx).await;
+        assert_eq!((r.seq, &r.status), (seq, &Status::Ok), "{r:?}");
+        assert!(r.detections.is_empty());
+        let shapes: Vec<(&str, &[u32])> = r
+            .outputs
+            .iter()
+            .map(|o| (o.name.as_str(), o.shape.as_slice()))
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                ("Identity:0", &[1, 512, 1][..]),
+                ("Identity_1:0", &[1, 384, 1][..])
+            ]
+        );
+        let logit = r
+            .outputs
+            .iter()
+            .flat_map(|o| o.values())
+            .fold(f32::NEG_INFINITY, f32::max);
+        best.push(1.0 / (1.0 + (-logit).exp()));
+    }
+    // Real model outputs: a face scores above the detector's 0.75
+    // threshold somewhere on the astronaut, nowhere on black.
+    assert!(
+        best[0] > 0.75 && best[1] < 0.5,
+        "best anchor scores {best:?}"
+    );
 }
 
 async fn connect(c: &Cluster) -> (Uplink, tokio::sync::mpsc::Receiver<Incoming>) {
@@ -120,7 +213,7 @@ fn frame(seq: u64, shape: Vec<u32>, data: Bytes, geometry: tidegate_protocol::Ge
 async fn wrong_shape_frame_fails_naming_both_shapes_and_worker_keeps_serving() {
     let c = started_cluster();
     let (up, mut rx) = connect(&c).await;
-    let input = up.open_camera("cam", "blazeface", 80).await.unwrap();
+    let input = up.open_camera("cam", "blazeface", 80).await.unwrap().input;
     let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
 
     up.send_frame(frame(
@@ -152,16 +245,16 @@ async fn wrong_shape_frame_fails_naming_both_shapes_and_worker_keeps_serving() {
 async fn truncated_and_oversized_streams_close_only_that_stream() {
     let c = started_cluster();
     let (up, mut rx) = connect(&c).await;
-    let input = up.open_camera("cam", "blazeface", 80).await.unwrap();
+    let input = up.open_camera("cam", "blazeface", 80).await.unwrap().input;
     let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
 
     // A Frame whose header promises 1000 body bytes, then only 10.
-    let mut truncated = b"TG\x01\x06".to_vec();
+    let mut truncated = [&MAGIC[..], &[VERSION, Kind::Frame as u8]].concat();
     truncated.extend_from_slice(&1000u32.to_be_bytes());
     truncated.extend_from_slice(&[0u8; 10]);
     up.send_raw(&truncated).await.unwrap();
     // A Frame whose header claims a 4 GB body: refused from the header alone.
-    let mut oversized = b"TG\x01\x06".to_vec();
+    let mut oversized = [&MAGIC[..], &[VERSION, Kind::Frame as u8]].concat();
     oversized.extend_from_slice(&u32::MAX.to_be_bytes());
     up.send_raw(&oversized).await.unwrap();
 

@@ -15,12 +15,12 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::limits::Limits;
-use crate::tensor::{DType, Geometry, Layout, Tensor, TensorError, shape_string};
+use crate::tensor::{DType, Geometry, Layout, OutputTensor, Tensor, TensorError, shape_string};
 
 /// The two bytes every message starts with.
 pub const MAGIC: [u8; 2] = *b"TG";
 /// The protocol version this crate speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 
 /// The message kinds, with their wire values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -79,9 +79,14 @@ impl Kind {
         })
     }
 
-    /// Whether this kind carries tensor payloads (and so a larger size limit).
+    /// Whether this kind carries tensor payloads (and so a larger size
+    /// limit): frames and dispatches their inputs, results their `raw`
+    /// outputs.
     pub fn carries_tensors(self) -> bool {
-        matches!(self, Kind::Frame | Kind::Dispatch)
+        matches!(
+            self,
+            Kind::Frame | Kind::Dispatch | Kind::Result | Kind::BatchResult
+        )
     }
 
     /// Largest body this kind may have under `limits`.
@@ -225,7 +230,23 @@ pub struct Reader<'l> {
     body: Bytes,
     limits: &'l Limits,
     /// Tensor metadata read so far, whose payloads follow all metadata.
-    pending: Vec<(DType, Layout, Vec<u32>, usize)>,
+    pending: Vec<Pending>,
+}
+
+/// The metadata of a tensor whose payload is still to be claimed.
+#[derive(Debug)]
+struct Pending {
+    dtype: DType,
+    shape: Vec<u32>,
+    len: usize,
+    what: PendingKind,
+}
+
+/// An image tensor (with a layout) or a named output tensor.
+#[derive(Debug)]
+enum PendingKind {
+    Image(Layout),
+    Output(String),
 }
 
 impl<'l> Reader<'l> {
@@ -342,16 +363,35 @@ impl<'l> Reader<'l> {
     /// Tensor metadata (dtype, layout, dims, payload length). The payload is
     /// claimed later by [`Reader::finish_tensors`], in the same order.
     pub fn tensor_meta(&mut self) -> Result<(), DecodeError> {
-        let dtype_code = self.u8("tensor dtype")?;
-        let dtype = DType::from_code(dtype_code).ok_or_else(|| DecodeError::Invalid {
-            what: "tensor dtype",
-            detail: format!("unknown code {dtype_code}"),
-        })?;
+        let dtype = self.dtype("tensor dtype")?;
         let layout_code = self.u8("tensor layout")?;
         let layout = Layout::from_code(layout_code).ok_or_else(|| DecodeError::Invalid {
             what: "tensor layout",
             detail: format!("unknown code {layout_code}"),
         })?;
+        self.payload_meta(dtype, PendingKind::Image(layout))?;
+        Ok(())
+    }
+
+    /// Output-tensor metadata (name, dtype, dims, payload length); returns
+    /// the payload length. The payload is claimed later by
+    /// [`Reader::finish_outputs`], in the same order.
+    pub fn output_meta(&mut self) -> Result<usize, DecodeError> {
+        let name = self.string("output name")?;
+        let dtype = self.dtype("output dtype")?;
+        self.payload_meta(dtype, PendingKind::Output(name))
+    }
+
+    fn dtype(&mut self, what: &'static str) -> Result<DType, DecodeError> {
+        let code = self.u8(what)?;
+        DType::from_code(code).ok_or_else(|| DecodeError::Invalid {
+            what,
+            detail: format!("unknown code {code}"),
+        })
+    }
+
+    /// Dims and payload length, checked against the limits and each other.
+    fn payload_meta(&mut self, dtype: DType, what: PendingKind) -> Result<usize, DecodeError> {
         let ndims = self.u8("tensor dims")? as usize;
         if ndims == 0 || ndims > self.limits.max_dims {
             return Err(TensorError::Dims {
@@ -379,7 +419,7 @@ impl<'l> Reader<'l> {
             }
             .into());
         }
-        let total: usize = self.pending.iter().map(|p| p.3).sum::<usize>() + len;
+        let total: usize = self.pending.iter().map(|p| p.len).sum::<usize>() + len;
         if total > max {
             return Err(DecodeError::TooLarge {
                 what: "tensor payloads",
@@ -387,15 +427,19 @@ impl<'l> Reader<'l> {
                 max,
             });
         }
-        self.pending.push((dtype, layout, shape, len));
-        Ok(())
+        self.pending.push(Pending {
+            dtype,
+            shape,
+            len,
+            what,
+        });
+        Ok(len)
     }
 
-    /// Claims the payloads of every tensor whose metadata was read, in order,
-    /// as zero-copy slices of the body. The payloads must be exactly the rest
-    /// of the body.
-    pub fn finish_tensors(&mut self) -> Result<Vec<Tensor>, DecodeError> {
-        let total: usize = self.pending.iter().map(|p| p.3).sum();
+    /// Claims every pending payload, in order, as zero-copy slices of the
+    /// body. The payloads must be exactly the rest of the body.
+    fn take_payloads(&mut self) -> Result<Vec<(Pending, Bytes)>, DecodeError> {
+        let total: usize = self.pending.iter().map(|p| p.len).sum();
         let left = self.body.remaining();
         if left < total {
             return Err(DecodeError::Truncated {
@@ -405,16 +449,49 @@ impl<'l> Reader<'l> {
         if left > total {
             return Err(DecodeError::TrailingBytes(left - total));
         }
-        Ok(self
-            .pending
-            .drain(..)
-            .map(|(dtype, layout, shape, len)| Tensor {
-                dtype,
-                layout,
-                shape,
-                data: self.body.split_to(len),
+        let pending = std::mem::take(&mut self.pending);
+        Ok(pending
+            .into_iter()
+            .map(|p| {
+                let data = self.body.split_to(p.len);
+                (p, data)
             })
             .collect())
+    }
+
+    /// Claims the payloads of every tensor whose metadata was read by
+    /// [`Reader::tensor_meta`], in order, as zero-copy slices of the body.
+    /// The payloads must be exactly the rest of the body.
+    pub fn finish_tensors(&mut self) -> Result<Vec<Tensor>, DecodeError> {
+        self.take_payloads()?
+            .into_iter()
+            .map(|(p, data)| match p.what {
+                PendingKind::Image(layout) => Ok(Tensor {
+                    dtype: p.dtype,
+                    layout,
+                    shape: p.shape,
+                    data,
+                }),
+                PendingKind::Output(_) => Err(mixed()),
+            })
+            .collect()
+    }
+
+    /// Claims the payloads of every output whose metadata was read by
+    /// [`Reader::output_meta`], like [`Reader::finish_tensors`].
+    pub fn finish_outputs(&mut self) -> Result<Vec<OutputTensor>, DecodeError> {
+        self.take_payloads()?
+            .into_iter()
+            .map(|(p, data)| match p.what {
+                PendingKind::Output(name) => Ok(OutputTensor {
+                    name,
+                    dtype: p.dtype,
+                    shape: p.shape,
+                    data,
+                }),
+                PendingKind::Image(_) => Err(mixed()),
+            })
+            .collect()
     }
 
     /// Checks that the whole body was consumed.
@@ -423,6 +500,15 @@ impl<'l> Reader<'l> {
             0 => Ok(()),
             n => Err(DecodeError::TrailingBytes(n)),
         }
+    }
+}
+
+/// A message decoder asked for image tensors and output tensors at once
+/// (no message kind has both).
+fn mixed() -> DecodeError {
+    DecodeError::Invalid {
+        what: "tensor",
+        detail: "image and output tensors mixed in one message".into(),
     }
 }
 
@@ -486,6 +572,19 @@ impl Writer {
     pub fn tensor(&mut self, t: &Tensor) {
         self.u8(t.dtype.code());
         self.u8(t.layout.code());
+        self.u8(t.shape.len().min(u8::MAX as usize) as u8);
+        for &d in t.shape.iter().take(u8::MAX as usize) {
+            self.u32(d);
+        }
+        self.u32(t.data.len() as u32);
+        self.payloads.push(t.data.clone());
+    }
+
+    /// Output-tensor metadata now (name, dtype, dims, length), payload after
+    /// all metadata.
+    pub fn output(&mut self, t: &OutputTensor) {
+        self.string(&t.name);
+        self.u8(t.dtype.code());
         self.u8(t.shape.len().min(u8::MAX as usize) as u8);
         for &d in t.shape.iter().take(u8::MAX as usize) {
             self.u32(d);

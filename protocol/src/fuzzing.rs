@@ -11,7 +11,6 @@ use bytes::{Buf, Bytes};
 use crate::codec::{DecodeError, Header, Kind, MAGIC, VERSION};
 use crate::limits::Limits;
 use crate::message::Message;
-use crate::tensor::Tensor;
 
 /// Limits small enough that short fuzz inputs reach every limit check.
 pub fn tiny_limits() -> Limits {
@@ -24,6 +23,7 @@ pub fn tiny_limits() -> Limits {
         max_keypoints: 2,
         max_batch: 2,
         max_list: 2,
+        max_output_bytes: 16,
     }
 }
 
@@ -32,11 +32,18 @@ pub fn all_kinds() -> Vec<Kind> {
     (0..=u8::MAX).filter_map(Kind::from_u8).collect()
 }
 
-/// The tensors a message carries, in wire order.
-pub fn tensors(msg: &Message) -> Vec<&Tensor> {
+/// The tensor payloads a message carries (input tensors and result
+/// outputs), in wire order.
+pub fn payloads(msg: &Message) -> Vec<&Bytes> {
     match msg {
-        Message::Frame(f) => vec![&f.tensor],
-        Message::Dispatch(d) => d.items.iter().map(|i| &i.tensor).collect(),
+        Message::Frame(f) => vec![&f.tensor.data],
+        Message::Dispatch(d) => d.items.iter().map(|i| &i.tensor.data).collect(),
+        Message::Result(r) => r.outputs.iter().map(|o| &o.data).collect(),
+        Message::BatchResult(b) => b
+            .items
+            .iter()
+            .flat_map(|i| i.outputs.iter().map(|o| &o.data))
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -45,11 +52,11 @@ pub fn tensors(msg: &Message) -> Vec<&Tensor> {
 /// (decoding did not copy it).
 pub fn assert_zero_copy(msg: &Message, src: &Bytes) {
     let range = src.as_ptr_range();
-    for t in tensors(msg) {
-        if t.data.is_empty() {
+    for p in payloads(msg) {
+        if p.is_empty() {
             continue;
         }
-        let data = t.data.as_ptr_range();
+        let data = p.as_ptr_range();
         assert!(
             range.start <= data.start && data.end <= range.end,
             "tensor payload {:?} was copied out of the source buffer {:?}",

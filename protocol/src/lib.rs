@@ -26,4 +26,4 @@ pub use error::{ErrorCode, Fault};
 pub use limits::Limits;
 pub use message::*;
 pub use result::{Detection, FrameResult, ShedReason, Status, Timings};
-pub use tensor::{DType, Geometry, Layout, Tensor, TensorError, shape_string};
+pub use tensor::{DType, Geometry, Layout, OutputTensor, Tensor, TensorError, shape_string};

@@ -17,8 +17,12 @@ pub struct Limits {
     pub max_keypoints: usize,
     /// Most frames in one batch (dispatch or result).
     pub max_batch: usize,
-    /// Most entries in a list field (models, profile points, outputs).
+    /// Most entries in a list field (models, labels, profile points, outputs).
     pub max_list: usize,
+    /// Largest sum of output-tensor payloads in one outcome (one frame's
+    /// `raw` decoder outputs), bytes. The payloads of a whole message are
+    /// bounded by `max_tensor_bytes` as well.
+    pub max_output_bytes: usize,
 }
 
 impl Default for Limits {
@@ -33,6 +37,9 @@ impl Default for Limits {
             max_keypoints: 64,
             max_batch: 256,
             max_list: 1024,
+            // An embedding or a small feature map per frame; a 1x21x160x160
+            // f32 segmentation map (2.1 MB) fits, a full-size one does not.
+            max_output_bytes: 4 * 1024 * 1024,
         }
     }
 }

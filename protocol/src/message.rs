@@ -17,7 +17,7 @@ use crate::codec::{DecodeError, Header, Kind, Reader, Writer};
 use crate::error::ErrorCode;
 use crate::limits::Limits;
 use crate::result::{Detection, FrameResult, ShedReason, Status, Timings};
-use crate::tensor::{DType, Geometry, Layout, Tensor};
+use crate::tensor::{DType, Geometry, Layout, OutputTensor, Tensor};
 
 /// Who is connecting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -130,6 +130,9 @@ pub struct CameraAccepted {
     pub model: String,
     /// The input the model expects.
     pub input: InputSpec,
+    /// Class names, indexed by `Detection::class` (empty when the model has
+    /// none, as with the `raw` decoder).
+    pub labels: Vec<String>,
 }
 
 /// Edge → gateway: one frame, on its own unidirectional stream.
@@ -184,6 +187,8 @@ pub struct ModelInfo {
     pub input: InputSpec,
     /// Largest batch it runs at once.
     pub max_batch: u16,
+    /// Class names, indexed by `Detection::class` (empty when none).
+    pub labels: Vec<String>,
 }
 
 /// A measured latency for a model at a batch size.
@@ -256,6 +261,8 @@ pub struct ItemResult {
     pub detections: Vec<Detection>,
     /// Stage timings.
     pub timings: Timings,
+    /// The frame's model outputs, for the `raw` decoder (empty otherwise).
+    pub outputs: Vec<OutputTensor>,
 }
 
 /// Worker → gateway: results for every item of a batch.
@@ -346,6 +353,7 @@ impl Message {
                 w.string(&m.camera);
                 w.string(&m.model);
                 write_input(&mut w, &m.input);
+                write_labels(&mut w, &m.labels);
             }
             Message::Frame(m) => {
                 w.string(&m.camera);
@@ -360,7 +368,7 @@ impl Message {
                 w.string(&m.camera);
                 w.u64(m.seq);
                 w.u64(m.captured_at_us);
-                write_outcome(&mut w, &m.status, &m.detections, &m.timings);
+                write_outcome(&mut w, &m.status, &m.detections, &m.timings, &m.outputs);
             }
             Message::ControlHint(m) => {
                 w.string(&m.camera);
@@ -381,6 +389,7 @@ impl Message {
                     w.u32(info.version);
                     write_input(&mut w, &info.input);
                     w.u16(info.max_batch);
+                    write_labels(&mut w, &info.labels);
                 }
                 w.count(m.profile.len());
                 for p in &m.profile {
@@ -410,7 +419,13 @@ impl Message {
                 w.count(m.items.len());
                 for item in &m.items {
                     w.u64(item.id);
-                    write_outcome(&mut w, &item.status, &item.detections, &item.timings);
+                    write_outcome(
+                        &mut w,
+                        &item.status,
+                        &item.detections,
+                        &item.timings,
+                        &item.outputs,
+                    );
                 }
             }
             Message::Drain(m) => w.u32(m.deadline_ms),
@@ -491,6 +506,7 @@ impl Message {
                 camera: r.string("camera")?,
                 model: r.string("model")?,
                 input: read_input(&mut r)?,
+                labels: read_labels(&mut r)?,
             }),
             Kind::Frame => {
                 let camera = r.string("camera")?;
@@ -517,7 +533,8 @@ impl Message {
                 let camera = r.string("camera")?;
                 let seq = r.u64("seq")?;
                 let captured_at_us = r.u64("captured_at_us")?;
-                let (status, detections, timings) = read_outcome(&mut r)?;
+                let (status, detections, timings, _) = read_outcome(&mut r)?;
+                let outputs = r.finish_outputs()?;
                 Message::Result(FrameResult {
                     camera,
                     seq,
@@ -525,6 +542,7 @@ impl Message {
                     status,
                     detections,
                     timings,
+                    outputs,
                 })
             }
             Kind::ControlHint => Message::ControlHint(ControlHint {
@@ -541,7 +559,7 @@ impl Message {
                 let worker = r.string("worker")?;
                 let device = r.string("device")?;
                 let max = r.limits().max_list;
-                let n = r.count("models", max, 2 + 4 + INPUT_SPEC_LEN + 2)?;
+                let n = r.count("models", max, 2 + 4 + INPUT_SPEC_LEN + 2 + 2)?;
                 let mut models = Vec::with_capacity(n);
                 for _ in 0..n {
                     models.push(ModelInfo {
@@ -549,6 +567,7 @@ impl Message {
                         version: r.u32("model version")?,
                         input: read_input(&mut r)?,
                         max_batch: r.u16("max_batch")?,
+                        labels: read_labels(&mut r)?,
                     });
                 }
                 let n = r.count("profile", max, 2 + 2 + 4)?;
@@ -607,18 +626,23 @@ impl Message {
             Kind::BatchResult => {
                 let batch = r.u64("batch")?;
                 let max = r.limits().max_batch;
-                let n = r.count("batch result items", max, 8 + 1 + 2 + 16)?;
-                let mut items = Vec::with_capacity(n);
+                let n = r.count("batch result items", max, 8 + 1 + 2 + 16 + 2)?;
+                let mut heads = Vec::with_capacity(n);
                 for _ in 0..n {
                     let id = r.u64("item id")?;
-                    let (status, detections, timings) = read_outcome(&mut r)?;
-                    items.push(ItemResult {
+                    heads.push((id, read_outcome(&mut r)?));
+                }
+                let mut outputs = r.finish_outputs()?.into_iter();
+                let items = heads
+                    .into_iter()
+                    .map(|(id, (status, detections, timings, n))| ItemResult {
                         id,
                         status,
                         detections,
                         timings,
-                    });
-                }
+                        outputs: outputs.by_ref().take(n).collect(),
+                    })
+                    .collect();
                 Message::BatchResult(BatchResult { batch, items })
             }
             Kind::Drain => Message::Drain(Drain {
@@ -685,7 +709,27 @@ fn read_input(r: &mut Reader<'_>) -> Result<InputSpec, DecodeError> {
     })
 }
 
-fn write_outcome(w: &mut Writer, status: &Status, detections: &[Detection], t: &Timings) {
+/// Class names: a `list<string>`.
+fn write_labels(w: &mut Writer, labels: &[String]) {
+    w.count(labels.len());
+    for l in labels {
+        w.string(l);
+    }
+}
+
+fn read_labels(r: &mut Reader<'_>) -> Result<Vec<String>, DecodeError> {
+    let max = r.limits().max_list;
+    let n = r.count("labels", max, 2)?;
+    (0..n).map(|_| r.string("label")).collect()
+}
+
+fn write_outcome(
+    w: &mut Writer,
+    status: &Status,
+    detections: &[Detection],
+    t: &Timings,
+    outputs: &[OutputTensor],
+) {
     match status {
         Status::Ok => w.u8(0),
         Status::Shed(reason) => {
@@ -718,9 +762,15 @@ fn write_outcome(w: &mut Writer, status: &Status, detections: &[Detection], t: &
     ] {
         w.u32(v);
     }
+    w.count(outputs.len());
+    for o in outputs {
+        w.output(o);
+    }
 }
 
-type Outcome = (Status, Vec<Detection>, Timings);
+/// An outcome's fields, and how many output tensors it has (their payloads
+/// are claimed after all metadata, by [`Reader::finish_outputs`]).
+type Outcome = (Status, Vec<Detection>, Timings, usize);
 
 fn read_outcome(r: &mut Reader<'_>) -> Result<Outcome, DecodeError> {
     let status = match r.u8("status")? {
@@ -775,5 +825,19 @@ fn read_outcome(r: &mut Reader<'_>) -> Result<Outcome, DecodeError> {
         inference_us: r.u32("timings")?,
         postprocess_us: r.u32("timings")?,
     };
-    Ok((status, detections, timings))
+    // name + dtype + ndims + one dim + payload length.
+    let n = r.count("outputs", r.limits().max_list, 2 + 1 + 1 + 4 + 4)?;
+    let mut bytes = 0usize;
+    for _ in 0..n {
+        bytes = bytes.saturating_add(r.output_meta()?);
+        let max = r.limits().max_output_bytes;
+        if bytes > max {
+            return Err(DecodeError::TooLarge {
+                what: "outputs of one result",
+                len: bytes,
+                max,
+            });
+        }
+    }
+    Ok((status, detections, timings, n))
 }

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::tensor::OutputTensor;
+
 /// A detected object, in source-image pixels.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Detection {
@@ -133,4 +135,8 @@ pub struct FrameResult {
     pub detections: Vec<Detection>,
     /// Time spent in each stage.
     pub timings: Timings,
+    /// The model's outputs for this frame, for models with the `raw`
+    /// decoder (empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<OutputTensor>,
 }

@@ -153,6 +153,111 @@ impl Tensor {
     }
 }
 
+/// A named model output passed through to the client (the `raw` decoder's
+/// result): element type, shape and bytes. Unlike [`Tensor`] it has no image
+/// layout; its elements are row-major, f32 little-endian as on the wire.
+///
+/// In JSON it is `{"name", "dtype", "shape", "data": [numbers]}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "OutputJson", try_from = "OutputJson")]
+pub struct OutputTensor {
+    /// The graph output's name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions, outermost first.
+    pub shape: Vec<u32>,
+    /// Row-major element bytes; `len == product(shape) * dtype.size()`.
+    pub data: Bytes,
+}
+
+impl OutputTensor {
+    /// An f32 output from its values (row-major); `None` when the shape does
+    /// not hold exactly `values.len()` elements.
+    pub fn from_f32(name: impl Into<String>, shape: Vec<u32>, values: &[f32]) -> Option<Self> {
+        let want = Tensor::expected_len(DType::F32, &shape)?;
+        if want != values.len() * 4 {
+            return None;
+        }
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Some(OutputTensor {
+            name: name.into(),
+            dtype: DType::F32,
+            shape,
+            data: Bytes::from(data),
+        })
+    }
+
+    /// The elements as f32 (u8 elements widened).
+    pub fn values(&self) -> Vec<f32> {
+        match self.dtype {
+            DType::U8 => self.data.iter().map(|&b| f32::from(b)).collect(),
+            DType::F32 => self
+                .data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        }
+    }
+}
+
+/// The JSON form of an [`OutputTensor`]: its elements as numbers.
+#[derive(Serialize, Deserialize)]
+struct OutputJson {
+    name: String,
+    dtype: DType,
+    shape: Vec<u32>,
+    data: Vec<f32>,
+}
+
+impl From<OutputTensor> for OutputJson {
+    fn from(t: OutputTensor) -> Self {
+        OutputJson {
+            data: t.values(),
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+        }
+    }
+}
+
+impl TryFrom<OutputJson> for OutputTensor {
+    type Error = String;
+
+    fn try_from(j: OutputJson) -> Result<Self, String> {
+        let elements = Tensor::expected_len(DType::U8, &j.shape)
+            .ok_or_else(|| format!("output {:?}: shape overflows", j.name))?;
+        if elements != j.data.len() {
+            return Err(format!(
+                "output {:?}: shape {} holds {elements} elements, data has {}",
+                j.name,
+                shape_string(&j.shape),
+                j.data.len()
+            ));
+        }
+        let data: Vec<u8> = match j.dtype {
+            DType::F32 => j.data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::U8 => j
+                .data
+                .iter()
+                .map(|&v| {
+                    if v.fract() == 0.0 && (0.0..=255.0).contains(&v) {
+                        Ok(v as u8)
+                    } else {
+                        Err(format!("output {:?}: {v} is not a u8", j.name))
+                    }
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        Ok(OutputTensor {
+            name: j.name,
+            dtype: j.dtype,
+            shape: j.shape,
+            data: Bytes::from(data),
+        })
+    }
+}
+
 /// Why a tensor is not well formed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

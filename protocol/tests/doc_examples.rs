@@ -72,7 +72,7 @@ fn hello_example_in_the_document_is_exact() {
         &msg,
         &[
             (2, "magic \"TG\""),
-            (1, "version 1"),
+            (1, "version 2"),
             (1, "kind 1 = Hello"),
             (4, "body length 16"),
             (1, "role 0 = edge"),
@@ -106,7 +106,7 @@ fn frame_example_in_the_document_is_exact() {
         &msg,
         &[
             (2, "magic \"TG\""),
-            (1, "version 1"),
+            (1, "version 2"),
             (1, "kind 6 = Frame"),
             (4, "body length 92"),
             (2, "camera: length 5"),
@@ -154,14 +154,15 @@ fn result_example_in_the_document_is_exact() {
             inference_us: 4100,
             postprocess_us: 90,
         },
+        outputs: vec![],
     });
     check_example(
         &msg,
         &[
             (2, "magic \"TG\""),
-            (1, "version 1"),
+            (1, "version 2"),
             (1, "kind 7 = Result"),
-            (4, "body length 75"),
+            (4, "body length 77"),
             (2, "camera: length 5"),
             (5, "  \"cam-1\""),
             (8, "seq 1"),
@@ -181,6 +182,53 @@ fn result_example_in_the_document_is_exact() {
             (4, "timings.preprocess_us 300"),
             (4, "timings.inference_us 4100"),
             (4, "timings.postprocess_us 90"),
+            (2, "outputs: count 0"),
+        ],
+    );
+}
+
+#[test]
+fn result_with_outputs_example_in_the_document_is_exact() {
+    let msg = Message::Result(FrameResult {
+        camera: "cam-1".into(),
+        seq: 2,
+        captured_at_us: 1_700_000_000_040_000,
+        status: Status::Ok,
+        detections: vec![],
+        timings: Timings {
+            queue_us: 800,
+            preprocess_us: 250,
+            inference_us: 3900,
+            postprocess_us: 10,
+        },
+        outputs: vec![OutputTensor::from_f32("logits", vec![1, 2], &[0.5, -1.0]).unwrap()],
+    });
+    check_example(
+        &msg,
+        &[
+            (2, "magic \"TG\""),
+            (1, "version 2"),
+            (1, "kind 7 = Result"),
+            (4, "body length 74"),
+            (2, "camera: length 5"),
+            (5, "  \"cam-1\""),
+            (8, "seq 2"),
+            (8, "captured_at_us 1700000000040000 (echoed)"),
+            (1, "status 0 = ok"),
+            (2, "detections: count 0"),
+            (4, "timings.queue_us 800"),
+            (4, "timings.preprocess_us 250"),
+            (4, "timings.inference_us 3900"),
+            (4, "timings.postprocess_us 10"),
+            (2, "outputs: count 1"),
+            (2, "  name: length 6"),
+            (6, "    \"logits\""),
+            (1, "  dtype 1 = f32"),
+            (1, "  ndims 2"),
+            (8, "  shape [1,2]"),
+            (4, "  payload length 8 (= 1*2 * 4 bytes)"),
+            (4, "payload: 0.5 as f32 little-endian"),
+            (4, "payload: -1.0 as f32 little-endian"),
         ],
     );
 }

@@ -80,6 +80,9 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
         ("register", 50),
         ("result-ok", 60),
         ("batch-result", 30),
+        ("result-outputs", 60),
+        ("result-outputs", 80),
+        ("batch-result-outputs", 70),
     ] {
         out.push((format!("trunc-{name}-{cut}"), enc(name)[..cut].to_vec()));
     }
@@ -91,7 +94,8 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
     };
     let corrupt = [
         ("bad-magic", patched("drain", 0, b"XG")),
-        ("bad-version", patched("drain", 2, &[2])),
+        // Version 1, from before labels and result outputs.
+        ("bad-version", patched("drain", 2, &[1])),
         ("bad-kind", patched("drain", 3, &[15])),
         (
             "over-limit",
@@ -109,6 +113,12 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
             patched("frame-u8", 8 + 6 + 8 + 8 + 4 + 11 + 24, &[9]),
         ),
         ("bad-status", patched("result-shed", 8 + 6 + 8 + 8, &[9])),
+        // The first output's dtype: after status, detections, timings,
+        // the outputs count and the name "embedding".
+        (
+            "bad-output-dtype",
+            patched("result-outputs", 8 + 6 + 8 + 8 + 1 + 2 + 16 + 2 + 11, &[9]),
+        ),
         (
             "nan-hint",
             patched("control-hint", 8 + 2, &f32::NAN.to_be_bytes()),

@@ -9,7 +9,7 @@ mod common;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use proptest::prelude::*;
 use tidegate_protocol::codec::Writer;
-use tidegate_protocol::fuzzing::{assert_zero_copy, tensors};
+use tidegate_protocol::fuzzing::{assert_zero_copy, payloads};
 use tidegate_protocol::*;
 
 // ---------------------------------------------------------------- strategies
@@ -54,6 +54,25 @@ fn tensor() -> impl Strategy<Value = Tensor> {
             })
         },
     )
+}
+
+/// A named output tensor, like [`tensor`] but without a layout.
+fn output() -> impl Strategy<Value = OutputTensor> {
+    (text(), dtype(), prop::collection::vec(0u32..5, 1..=3)).prop_flat_map(
+        |(name, dtype, shape)| {
+            let len = Tensor::expected_len(dtype, &shape).unwrap();
+            prop::collection::vec(any::<u8>(), len).prop_map(move |data| OutputTensor {
+                name: name.clone(),
+                dtype,
+                shape: shape.clone(),
+                data: Bytes::from(data),
+            })
+        },
+    )
+}
+
+fn labels() -> impl Strategy<Value = Vec<String>> {
+    prop::collection::vec(text(), 0..4)
 }
 
 fn geometry() -> impl Strategy<Value = Geometry> {
@@ -139,11 +158,14 @@ fn timings() -> impl Strategy<Value = Timings> {
     })
 }
 
-fn outcome() -> impl Strategy<Value = (Status, Vec<Detection>, Timings)> {
+type Outcome = (Status, Vec<Detection>, Timings, Vec<OutputTensor>);
+
+fn outcome() -> impl Strategy<Value = Outcome> {
     (
         status(),
         prop::collection::vec(detection(), 0..4),
         timings(),
+        prop::collection::vec(output(), 0..3),
     )
 }
 
@@ -170,11 +192,12 @@ fn message() -> impl Strategy<Value = Message> {
                 budget_ms,
             })
         }),
-        (text(), text(), input_spec()).prop_map(|(camera, model, input)| {
+        (text(), text(), input_spec(), labels()).prop_map(|(camera, model, input, labels)| {
             Message::CameraAccepted(CameraAccepted {
                 camera,
                 model,
                 input,
+                labels,
             })
         }),
         (
@@ -199,7 +222,7 @@ fn message() -> impl Strategy<Value = Message> {
                 }
             ),
         (text(), any::<[u64; 2]>(), outcome()).prop_map(
-            |(camera, [seq, captured_at_us], (status, detections, timings))| {
+            |(camera, [seq, captured_at_us], (status, detections, timings, outputs))| {
                 Message::Result(FrameResult {
                     camera,
                     seq,
@@ -207,6 +230,7 @@ fn message() -> impl Strategy<Value = Message> {
                     status,
                     detections,
                     timings,
+                    outputs,
                 })
             }
         ),
@@ -228,12 +252,13 @@ fn message() -> impl Strategy<Value = Message> {
             text(),
             text(),
             prop::collection::vec(
-                (text(), any::<u32>(), input_spec(), any::<u16>()).prop_map(
-                    |(name, version, input, max_batch)| ModelInfo {
+                (text(), any::<u32>(), input_spec(), any::<u16>(), labels()).prop_map(
+                    |(name, version, input, max_batch, labels)| ModelInfo {
                         name,
                         version,
                         input,
                         max_batch,
+                        labels,
                     }
                 ),
                 0..4
@@ -287,14 +312,15 @@ fn message() -> impl Strategy<Value = Message> {
         (
             any::<u64>(),
             prop::collection::vec(
-                (any::<u64>(), outcome()).prop_map(|(id, (status, detections, timings))| {
-                    ItemResult {
+                (any::<u64>(), outcome()).prop_map(
+                    |(id, (status, detections, timings, outputs))| ItemResult {
                         id,
                         status,
                         detections,
                         timings,
+                        outputs,
                     }
-                }),
+                ),
                 0..4
             ),
         )
@@ -326,10 +352,10 @@ proptest! {
         // The first chunk holds the whole header and the payloads are the
         // message's own buffers, not copies.
         prop_assert!(chunks[0].len() >= Header::LEN);
-        let payloads: Vec<&Tensor> = tensors(&msg).into_iter().filter(|t| !t.data.is_empty()).collect();
-        prop_assert_eq!(chunks.len(), 1 + payloads.len());
-        for (chunk, t) in chunks[1..].iter().zip(payloads) {
-            prop_assert_eq!(chunk.as_ptr(), t.data.as_ptr());
+        let own: Vec<&Bytes> = payloads(&msg).into_iter().filter(|p| !p.is_empty()).collect();
+        prop_assert_eq!(chunks.len(), 1 + own.len());
+        for (chunk, p) in chunks[1..].iter().zip(own) {
+            prop_assert_eq!(chunk.as_ptr(), p.as_ptr());
         }
     }
 
@@ -366,8 +392,8 @@ proptest! {
         let mut acc = BytesMut::from(&src[..]);
         let start = acc.as_ptr_range();
         let back = Message::decode(&mut acc, &Limits::default()).unwrap();
-        for t in tensors(&back).into_iter().filter(|t| !t.data.is_empty()) {
-            prop_assert!(start.contains(&t.data.as_ptr()));
+        for p in payloads(&back).into_iter().filter(|p| !p.is_empty()) {
+            prop_assert!(start.contains(&p.as_ptr()));
         }
     }
 
@@ -390,7 +416,8 @@ proptest! {
 // ---------------------------------------------------------------- targeted
 
 fn header(kind: u8, len: u32) -> Vec<u8> {
-    let mut v = b"TG\x01".to_vec();
+    let mut v = b"TG".to_vec();
+    v.push(VERSION);
     v.push(kind);
     v.extend_from_slice(&len.to_be_bytes());
     v
@@ -430,6 +457,7 @@ fn nan_and_infinity_are_rejected_as_malformed() {
         status: Status::Ok,
         detections: vec![d],
         timings: Timings::default(),
+        outputs: vec![],
     });
     let err = decode(&common::encode(&msg)).unwrap_err();
     assert!(
@@ -476,6 +504,174 @@ fn body_over_the_limit_is_rejected_from_the_header_alone() {
         limits.max_header_bytes + limits.max_tensor_bytes
     );
     assert_eq!(Kind::Hello.max_body(&limits), limits.max_header_bytes);
+    // Results may carry raw outputs.
+    for kind in [Kind::Result, Kind::BatchResult] {
+        assert_eq!(
+            kind.max_body(&limits),
+            limits.max_header_bytes + limits.max_tensor_bytes
+        );
+    }
+}
+
+/// A result whose outputs are `sizes` f32 elements each.
+fn result_with_outputs(sizes: &[u32]) -> Message {
+    Message::Result(FrameResult {
+        camera: "door".into(),
+        seq: 1,
+        captured_at_us: 1,
+        status: Status::Ok,
+        detections: vec![],
+        timings: Timings::default(),
+        outputs: sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                OutputTensor::from_f32(format!("out{i}"), vec![1, n], &vec![0.5; n as usize])
+                    .unwrap()
+            })
+            .collect(),
+    })
+}
+
+#[test]
+fn outputs_of_one_result_are_bounded_by_max_output_bytes() {
+    let limits = Limits::default();
+    let quarter = (limits.max_output_bytes / 4 / 4) as u32;
+    // Four outputs filling the bound exactly decode.
+    let msg = result_with_outputs(&[quarter; 4]);
+    assert_eq!(decode(&common::encode(&msg)).unwrap(), msg);
+    // One element more is too large, named, and allocates nothing.
+    let err = decode(&common::encode(&result_with_outputs(&[
+        quarter,
+        quarter,
+        quarter,
+        quarter + 1,
+    ])))
+    .unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::TooLarge {
+            what: "outputs of one result",
+            len: limits.max_output_bytes + 4,
+            max: limits.max_output_bytes
+        }
+    );
+    assert_eq!(err.code(), ErrorCode::TooLarge);
+
+    // The bound is per outcome: a batch of items each at the bound is fine.
+    let item = |id| ItemResult {
+        id,
+        status: Status::Ok,
+        detections: vec![],
+        timings: Timings::default(),
+        outputs: vec![
+            OutputTensor::from_f32(
+                "e",
+                vec![1, quarter * 4],
+                &vec![1.0; (quarter * 4) as usize],
+            )
+            .unwrap(),
+        ],
+    };
+    let msg = Message::BatchResult(BatchResult {
+        batch: 1,
+        items: vec![item(1), item(2), item(3)],
+    });
+    assert_eq!(decode(&common::encode(&msg)).unwrap(), msg);
+}
+
+#[test]
+fn output_metadata_is_checked_like_tensor_metadata() {
+    // Result "c", seq 1, t 1, ok, no detections, zero timings, one output.
+    let head = |dtype: u8, ndims: u8, dims: &[u32], len: u32| {
+        let mut w = Writer::default();
+        w.string("c");
+        w.u64(1);
+        w.u64(1);
+        w.u8(0);
+        w.u16(0);
+        for _ in 0..4 {
+            w.u32(0);
+        }
+        w.u16(1);
+        w.string("o");
+        w.u8(dtype);
+        w.u8(ndims);
+        for &d in dims {
+            w.u32(d);
+        }
+        w.u32(len);
+        Bytes::from(w.finish(Kind::Result).concat())
+    };
+    let body = |b: Bytes| b.slice(Header::LEN..);
+    let limits = Limits::default();
+    let decode_body = |b: Bytes| Message::decode_body(Kind::Result, body(b), &limits);
+    assert!(matches!(
+        decode_body(head(7, 1, &[2], 2)).unwrap_err(),
+        DecodeError::Invalid {
+            what: "output dtype",
+            ..
+        }
+    ));
+    assert!(matches!(
+        decode_body(head(1, 0, &[7], 0)).unwrap_err(),
+        DecodeError::Tensor(TensorError::Dims { dims: 0, .. })
+    ));
+    let err = decode_body(head(1, 2, &[1, 3], 8)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "tensor shape [1,3] of f32 needs 12 bytes, payload has 8"
+    );
+    // Metadata right, payload missing or too long.
+    assert_eq!(
+        decode_body(head(1, 2, &[1, 3], 12)).unwrap_err(),
+        DecodeError::Truncated {
+            what: "tensor payload"
+        }
+    );
+    let mut long = head(0, 1, &[2], 2).to_vec();
+    long.extend_from_slice(&[1, 2, 3]);
+    assert_eq!(
+        Message::decode_body(
+            Kind::Result,
+            Bytes::from(long).slice(Header::LEN..),
+            &limits
+        )
+        .unwrap_err(),
+        DecodeError::TrailingBytes(1)
+    );
+}
+
+#[test]
+fn outputs_serialize_to_json_as_numbers_and_back() {
+    let Message::Result(r) = result_with_outputs(&[3]) else {
+        unreachable!()
+    };
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(
+        json["outputs"],
+        serde_json::json!([{"name": "out0", "dtype": "f32", "shape": [1, 3], "data": [0.5, 0.5, 0.5]}])
+    );
+    let back: FrameResult = serde_json::from_value(json).unwrap();
+    assert_eq!(back, r);
+    // A result without outputs has no "outputs" key at all.
+    let mut plain = r.clone();
+    plain.outputs.clear();
+    assert!(
+        serde_json::to_value(&plain)
+            .unwrap()
+            .get("outputs")
+            .is_none()
+    );
+    // Data that does not fill the shape, or a u8 out of range, is refused.
+    for bad in [
+        serde_json::json!({"name": "x", "dtype": "f32", "shape": [2], "data": [1.0]}),
+        serde_json::json!({"name": "x", "dtype": "u8", "shape": [1], "data": [256.0]}),
+        serde_json::json!({"name": "x", "dtype": "u8", "shape": [1], "data": [0.5]}),
+    ] {
+        let err = serde_json::from_value::<OutputTensor>(bad).unwrap_err();
+        assert!(err.to_string().contains("output \"x\""), "{err}");
+    }
 }
 
 /// A Frame body up to and including tensor metadata, with no payload.
@@ -620,11 +816,14 @@ fn bad_magic_version_and_kind_are_named() {
     assert_eq!(err, DecodeError::BadMagic([b'X', b'G']));
     assert!(err.to_string().contains("not a tidegate message"), "{err}");
 
-    let mut bad = good.clone();
-    bad[2] = 2;
-    let err = decode(&bad).unwrap_err();
-    assert_eq!(err, DecodeError::UnsupportedVersion(2));
-    assert!(err.to_string().contains("version 2"), "{err}");
+    // Version 1 (before labels and result outputs) and a future one.
+    for v in [1u8, VERSION + 1] {
+        let mut bad = good.clone();
+        bad[2] = v;
+        let err = decode(&bad).unwrap_err();
+        assert_eq!(err, DecodeError::UnsupportedVersion(v));
+        assert!(err.to_string().contains(&format!("version {v}")), "{err}");
+    }
 
     for kind in [0u8, 15, 255] {
         let mut bad = good.clone();

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::Path;
 
 use serde::Serialize;
-use tidegate_protocol::{Detection, FrameResult, Status, Timings};
+use tidegate_protocol::{Detection, FrameResult, OutputTensor, Status, Timings};
 
 /// One result as a JSON line.
 #[derive(Debug, Serialize)]
@@ -26,15 +26,31 @@ pub struct ResultLine<'a> {
     /// Why it was shed or failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
-    /// Detections in source pixels.
-    pub detections: &'a [Detection],
+    /// Detections in source pixels, each with its class name.
+    pub detections: Vec<LabeledDetection<'a>>,
     /// Stage timings (µs).
     pub timings: Timings,
+    /// The model's outputs, for `raw` models (absent otherwise).
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub outputs: &'a [OutputTensor],
+}
+
+/// A detection and the name of its class: `{"label": "person", "x1": …}`.
+#[derive(Debug, Serialize)]
+pub struct LabeledDetection<'a> {
+    /// The class name from the model's labels (absent when the model has
+    /// none, or the class is beyond them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub label: Option<&'a str>,
+    /// The detection.
+    #[serde(flatten)]
+    pub detection: &'a Detection,
 }
 
 impl<'a> ResultLine<'a> {
-    /// The line for `r`, received at `now_us` on the edge clock.
-    pub fn new(r: &'a FrameResult, now_us: u64) -> Self {
+    /// The line for `r`, received at `now_us` on the edge clock; `labels`
+    /// are the model's class names, from `CameraAccepted`.
+    pub fn new(r: &'a FrameResult, now_us: u64, labels: &'a [String]) -> Self {
         let reason = match &r.status {
             Status::Ok | Status::Expired => None,
             Status::Shed(reason) => Some(reason.name().to_string()),
@@ -47,8 +63,16 @@ impl<'a> ResultLine<'a> {
             e2e_ms: now_us.saturating_sub(r.captured_at_us) as f64 / 1000.0,
             status: r.status.label(),
             reason,
-            detections: &r.detections,
+            detections: r
+                .detections
+                .iter()
+                .map(|d| LabeledDetection {
+                    label: labels.get(d.class as usize).map(String::as_str),
+                    detection: d,
+                })
+                .collect(),
             timings: r.timings,
+            outputs: &r.outputs,
         }
     }
 }
@@ -150,8 +174,9 @@ mod tests {
                 status: Status::Ok,
                 detections: vec![],
                 timings: Timings::default(),
+                outputs: vec![],
             };
-            sinks.write(&ResultLine::new(&r, 2_000)).unwrap();
+            sinks.write(&ResultLine::new(&r, 2_000, &[])).unwrap();
         }
         let text = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<serde_json::Value> = text
@@ -172,11 +197,71 @@ mod tests {
             status: Status::Shed(ShedReason::WouldMissDeadline),
             detections: vec![],
             timings: Timings::default(),
+            outputs: vec![],
         };
-        let v: serde_json::Value = serde_json::to_value(ResultLine::new(&r, 13_500)).unwrap();
+        let v: serde_json::Value = serde_json::to_value(ResultLine::new(&r, 13_500, &[])).unwrap();
         assert_eq!(v["status"], "shed");
         assert_eq!(v["reason"], "would_miss_deadline");
         assert_eq!(v["e2e_ms"], 12.5);
         assert_eq!(v["seq"], 7);
+        assert!(v.get("outputs").is_none());
+    }
+
+    fn detection(class: u32) -> Detection {
+        Detection {
+            x1: 1.0,
+            y1: 2.0,
+            x2: 30.0,
+            y2: 40.0,
+            score: 0.5,
+            class,
+            keypoints: vec![],
+        }
+    }
+
+    #[test]
+    fn detections_are_named_by_the_models_labels() {
+        let r = FrameResult {
+            camera: "yard".into(),
+            seq: 1,
+            captured_at_us: 0,
+            status: Status::Ok,
+            detections: vec![detection(0), detection(2), detection(9)],
+            timings: Timings::default(),
+            outputs: vec![],
+        };
+        let labels = ["person".to_string(), "bicycle".into(), "car".into()];
+        let v = serde_json::to_value(ResultLine::new(&r, 0, &labels)).unwrap();
+        let d = &v["detections"];
+        assert_eq!(d[0]["label"], "person");
+        assert_eq!(d[1]["label"], "car");
+        assert_eq!(d[1]["class"], 2);
+        assert_eq!(d[1]["x2"], 30.0);
+        // A class beyond the labels keeps its index and gets no name.
+        assert!(d[2].get("label").is_none());
+        assert_eq!(d[2]["class"], 9);
+        // Without labels, detections look as they always did.
+        let v = serde_json::to_value(ResultLine::new(&r, 0, &[])).unwrap();
+        assert!(v["detections"][0].get("label").is_none());
+    }
+
+    #[test]
+    fn raw_outputs_are_written_as_numbers() {
+        let r = FrameResult {
+            camera: "yard".into(),
+            seq: 1,
+            captured_at_us: 0,
+            status: Status::Ok,
+            detections: vec![],
+            timings: Timings::default(),
+            outputs: vec![
+                OutputTensor::from_f32("embedding", vec![1, 3], &[0.5, -2.0, 8.0]).unwrap(),
+            ],
+        };
+        let v = serde_json::to_value(ResultLine::new(&r, 0, &[])).unwrap();
+        assert_eq!(
+            v["outputs"],
+            serde_json::json!([{"name": "embedding", "dtype": "f32", "shape": [1, 3], "data": [0.5, -2.0, 8.0]}])
+        );
     }
 }

@@ -32,6 +32,13 @@ pub fn tensor_f32(shape: &[u32]) -> Tensor {
     }
 }
 
+/// A small f32 output tensor named `name`.
+pub fn output(name: &str, shape: &[u32]) -> OutputTensor {
+    let n = Tensor::expected_len(DType::U8, shape).unwrap();
+    let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
+    OutputTensor::from_f32(name, shape.to_vec(), &values).unwrap()
+}
+
 pub fn input_spec() -> InputSpec {
     InputSpec {
         width: 128,
@@ -121,6 +128,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 camera: "door".into(),
                 model: "blazeface".into(),
                 input: input_spec(),
+                labels: vec!["face".into()],
             }),
         ),
         (
@@ -168,6 +176,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 status: Status::Ok,
                 detections: vec![face(0.93), face(0.51)],
                 timings: timings(),
+                outputs: vec![],
             }),
         ),
         (
@@ -179,6 +188,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 status: Status::Shed(ShedReason::WouldMissDeadline),
                 detections: vec![],
                 timings: Timings::default(),
+                outputs: vec![],
             }),
         ),
         (
@@ -190,6 +200,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 status: Status::Expired,
                 detections: vec![],
                 timings: timings(),
+                outputs: vec![],
             }),
         ),
         (
@@ -201,6 +212,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 status: Status::Failed("worker w1 lost".into()),
                 detections: vec![],
                 timings: Timings::default(),
+                outputs: vec![],
             }),
         ),
         (
@@ -230,6 +242,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                         version: 1,
                         input: input_spec(),
                         max_batch: 32,
+                        labels: vec!["face".into()],
                     },
                     ModelInfo {
                         name: "detr".into(),
@@ -244,6 +257,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                             resize: Resize::Stretch,
                         },
                         max_batch: 8,
+                        labels: vec![],
                     },
                 ],
                 profile: vec![
@@ -317,12 +331,55 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                         status: Status::Ok,
                         detections: vec![face(0.88)],
                         timings: timings(),
+                        outputs: vec![],
                     },
                     ItemResult {
                         id: 2,
                         status: Status::Failed("bad input".into()),
                         detections: vec![],
                         timings: Timings::default(),
+                        outputs: vec![],
+                    },
+                ],
+            }),
+        ),
+        (
+            "result-outputs",
+            Message::Result(FrameResult {
+                camera: "door".into(),
+                seq: 12,
+                captured_at_us: 6,
+                status: Status::Ok,
+                detections: vec![],
+                timings: timings(),
+                outputs: vec![output("embedding", &[1, 4]), output("mask", &[1, 1, 2, 2])],
+            }),
+        ),
+        (
+            "batch-result-outputs",
+            Message::BatchResult(BatchResult {
+                batch: 100,
+                items: vec![
+                    ItemResult {
+                        id: 3,
+                        status: Status::Ok,
+                        detections: vec![],
+                        timings: timings(),
+                        outputs: vec![output("embedding", &[1, 3])],
+                    },
+                    ItemResult {
+                        id: 4,
+                        status: Status::Failed("outputs too large".into()),
+                        detections: vec![],
+                        timings: Timings::default(),
+                        outputs: vec![],
+                    },
+                    ItemResult {
+                        id: 5,
+                        status: Status::Ok,
+                        detections: vec![],
+                        timings: timings(),
+                        outputs: vec![output("embedding", &[1, 3]), output("logits", &[1, 2])],
                     },
                 ],
             }),
