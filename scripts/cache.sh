@@ -16,3 +16,25 @@ verify_sha256() {
     return 1
   fi
 }
+
+# fetch_npm SPEC TARBALL SHA256: `npm pack`s SPEC into the downloads folder of
+# the cache unless TARBALL is already there with that digest, then checks it.
+fetch_npm() {
+  local spec="$1" tarball="$2" sha="$3" dl="$TIDEGATE_CACHE/downloads"
+  mkdir -p "$dl"
+  if [ -f "$dl/$tarball" ] && [ "$(sha256sum "$dl/$tarball" | cut -d' ' -f1)" = "$sha" ]; then
+    return 0
+  fi
+  printf 'downloading %s from npm\n' "$spec" >&2
+  (cd "$dl" && npm pack --silent "$spec" >/dev/null) || {
+    printf 'npm pack %s failed; check access to the npm registry and re-run\n' "$spec" >&2
+    return 1
+  }
+  verify_sha256 "$dl/$tarball" "$sha"
+}
+
+# npm @vladmandic/human@3.3.6 (MIT, 28 MB): the emotion classifier (make setup,
+# models/fetch.sh) and CenterNet (make models-full) are TF.js graph models in it.
+HUMAN_NPM="@vladmandic/human@3.3.6"
+HUMAN_TGZ="vladmandic-human-3.3.6.tgz"
+HUMAN_SHA256=425e9c51dbbca0c8934362b170cb0d54c2529c11c654b3c03092b16e9d6ad3f7

@@ -3,9 +3,10 @@
 # Everything is fetched by name and version from package registries and
 # checked against a pinned sha256; re-running is cheap.
 #   CenterNet (MB3-CenterNet, COCO, 512x512): the TF.js graph model in npm
-#     @vladmandic/human@3.3.6 (MIT), converted to ONNX by models/centernet/convert.py
-#     with pinned tensorflow-cpu 2.15.1 + tf2onnx 1.16.1 in a venv in the cache
-#     (models/centernet/requirements.txt, --require-hashes).
+#     @vladmandic/human@3.3.6 (MIT; pinned in scripts/cache.sh), converted to
+#     ONNX by models/centernet/convert.py with pinned tensorflow-cpu 2.15.1 +
+#     tf2onnx 1.16.1 in a venv in the cache (models/centernet/requirements.txt,
+#     --require-hashes).
 #   vtest.avi (pedestrians, 768x576): Debian opencv-doc 4.6.0+dfsg-12 (95 MB .deb,
 #     only this file is kept), plus four frames as PNG for the tests (GStreamer).
 # Needs: python3 (3.11) with venv, npm, apt-get, dpkg-deb, gst-launch-1.0.
@@ -27,17 +28,13 @@ models="$root/models"
 # CenterNet --------------------------------------------------------------------
 cn_dir="$models/centernet"
 cn_onnx="$cn_dir/model.onnx"
-human_tgz="vladmandic-human-3.3.6.tgz"
-human_sha=425e9c51dbbca0c8934362b170cb0d54c2529c11c654b3c03092b16e9d6ad3f7
 if [ -f "$cn_onnx" ]; then
   say "centernet: present ($cn_onnx)"
 else
-  if ! has_sha "$dl/$human_tgz" "$human_sha"; then
-    say "downloading @vladmandic/human@3.3.6 from npm (28 MB)"
-    (cd "$dl" && npm pack --silent "@vladmandic/human@3.3.6" >/dev/null) \
-      || die "npm pack @vladmandic/human@3.3.6 failed; check access to the npm registry"
-    verify_sha256 "$dl/$human_tgz" "$human_sha" || die "npm tarball checksum mismatch"
-  fi
+  # The tarball (pinned in scripts/cache.sh) is normally there already:
+  # fetch.sh takes the emotion model from it.
+  fetch_npm "$HUMAN_NPM" "$HUMAN_TGZ" "$HUMAN_SHA256" \
+    || die "fetching $HUMAN_NPM failed (see above)"
   req="$cn_dir/requirements.txt"
   venv="$TIDEGATE_CACHE/venv/tfjs-convert-$(sha256sum "$req" | cut -c1-12)"
   if [ ! -f "$venv/.complete" ]; then
@@ -51,7 +48,7 @@ else
   fi
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
-  tar -xzf "$dl/$human_tgz" -C "$tmp" package/models/centernet.json package/models/centernet.bin package/LICENSE
+  tar -xzf "$dl/$HUMAN_TGZ" -C "$tmp" package/models/centernet.json package/models/centernet.bin package/LICENSE
   say "centernet: converting TF.js -> ONNX"
   "$venv/bin/python" "$cn_dir/convert.py" "$tmp/package/models" "$cn_onnx" \
     || die "centernet conversion failed (see above)"

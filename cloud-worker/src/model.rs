@@ -1050,6 +1050,25 @@ mod tests {
     }
 
     #[test]
+    fn shipped_emotion_spec_is_a_pinned_classifier_of_probabilities() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/emotion/model.toml");
+        let spec = ModelSpec::from_toml(&fs::read_to_string(&path).unwrap(), &path).unwrap();
+        assert!(!spec.optional && spec.sha256.is_some());
+        assert_eq!((spec.input.width, spec.input.height), (64, 64));
+        assert_eq!(spec.input.resize, Resize::Stretch);
+        let DecoderSpec::Classify(c) = &spec.decoder else {
+            panic!("{:?}", spec.decoder);
+        };
+        assert!(!c.softmax, "the graph ends in Softmax already");
+        assert_eq!(
+            c.labels,
+            [
+                "angry", "disgust", "fear", "happy", "sad", "surprise", "neutral"
+            ]
+        );
+    }
+
+    #[test]
     fn empty_repository_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let err = Repository::load(dir.path(), None).unwrap_err().to_string();
