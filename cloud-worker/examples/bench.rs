@@ -5,7 +5,13 @@
 //! cost: opening and warming the backend, and profiling every batch size.
 //!
 //! cargo run --release -p tidegate-worker --example bench -- [--threads 1]
-//!     [--seconds 2] [--sizes 1,2,4,8,16,32] [--cuda]
+//!     [--seconds 2] [--sizes 1,2,4,8,16,32] [--cuda] [--model blazeface]
+//!
+//! With `--cuda` a third column runs the worker with `cpu_preprocess`:
+//! frames normalised on the CPU and uploaded as f32, against the default u8
+//! upload and NVRTC normalisation on the GPU. Batch sizes above the model's
+//! `max_batch` are skipped. The repository is `models/` of this checkout, or
+//! `TIDEGATE_MODELS_DIR`.
 //!
 //! Prints a Markdown table for docs/benchmarks.md. Raw and worker runs
 //! alternate one batch at a time, and each side's median batch time is
@@ -33,6 +39,7 @@ struct Args {
     sizes: Vec<usize>,
     cuda: bool,
     rounds: usize,
+    model: String,
 }
 
 fn args() -> Args {
@@ -42,6 +49,7 @@ fn args() -> Args {
         sizes: vec![1, 2, 4, 8, 16, 32],
         cuda: false,
         rounds: 3,
+        model: "blazeface".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -57,6 +65,7 @@ fn args() -> Args {
                     .collect()
             }
             "--cuda" => a.cuda = true,
+            "--model" => a.model = value(),
             other => panic!("unknown flag {other}; see the header of examples/bench.rs"),
         }
     }
@@ -106,34 +115,54 @@ fn paired(seconds: f64, mut raw: impl FnMut(), mut worker: impl FnMut()) -> (f64
     (median(&mut a), median(&mut b))
 }
 
+/// The model repository: `TIDEGATE_MODELS_DIR`, else this checkout's.
+fn models_dir() -> PathBuf {
+    std::env::var_os("TIDEGATE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
+}
+
 fn main() {
     let a = args();
-    let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
-    let repo = Repository::load(&models, Some(&["blazeface".to_string()])).unwrap();
-    let model = repo.get("blazeface").unwrap().clone();
+    let models = models_dir();
+    let repo = Repository::load(&models, Some(std::slice::from_ref(&a.model))).unwrap();
+    let model = repo.get(&a.model).unwrap().clone();
+    let name = a.model.as_str();
+    let cuda = |cpu_preprocess| {
+        Provider::Cuda(CudaOptions {
+            cpu_preprocess,
+            ..CudaOptions::default()
+        })
+    };
     let options = RuntimeOptions {
         intra_threads: a.threads,
-        provider: if a.cuda {
-            Provider::Cuda(CudaOptions::default())
-        } else {
-            Provider::Cpu
-        },
+        provider: if a.cuda { cuda(false) } else { Provider::Cpu },
         ..RuntimeOptions::default()
     };
     let t = Instant::now();
     let mut backend = OrtBackend::open(&repo, &options).unwrap_or_else(|e| panic!("{e}"));
     let opened = t.elapsed();
     let t = Instant::now();
-    let sizes16: Vec<u16> = [1u16, 2, 4, 8, 16, 32].to_vec();
-    backend.profile("blazeface", &sizes16).unwrap();
+    let sizes16: Vec<u16> = [1u16, 2, 4, 8, 16, 32]
+        .into_iter()
+        .filter(|&b| b <= model.spec.max_batch)
+        .collect();
+    backend.profile(name, &sizes16).unwrap();
     let profiled = t.elapsed();
     eprintln!(
-        "device {}: open + warm-up {:.0} ms, profile of 1..32 {:.0} ms",
+        "model {name}, device {}: open + warm-up {:.0} ms, profile of {sizes16:?} {:.0} ms",
         backend.device(),
         opened.as_secs_f64() * 1e3,
         profiled.as_secs_f64() * 1e3
     );
-
+    // The same worker with CPU preprocessing and f32 upload (CUDA only).
+    let mut f32_upload = a.cuda.then(|| {
+        let options = RuntimeOptions {
+            provider: cuda(true),
+            ..options.clone()
+        };
+        OrtBackend::open(&repo, &options).unwrap_or_else(|e| panic!("{e}"))
+    });
     // Raw ONNX Runtime on the same file, same threads (and provider).
     let runtime = Runtime::get().expect("the backend loaded ONNX Runtime");
     let mut builder = Session::builder(runtime.environment()).unwrap();
@@ -146,33 +175,42 @@ fn main() {
     }
     let mut raw = builder.commit_from_file(&model.path).unwrap();
 
+    let spec = &model.spec;
+    let (w, h) = (spec.input.width, spec.input.height);
     let img = image::open(models.join("testdata/astronaut.png"))
         .unwrap()
         .to_rgb8();
-    let small = imageops::resize(&img, 128, 128, FilterType::Triangle).into_raw();
+    let small = imageops::resize(&img, w, h, FilterType::Triangle).into_raw();
     let frame = FrameInput {
         tensor: Tensor {
             dtype: DType::U8,
             layout: Layout::Nhwc,
-            shape: vec![1, 128, 128, 3],
+            shape: vec![1, h, w, 3],
             data: small.clone().into(),
         },
-        geometry: Geometry::letterbox(512, 512, 128, 128),
+        geometry: Geometry::stretch(512, 512, w, h),
     };
-    let spec = &model.spec;
     let mut one = vec![0.0f32; small.len()];
     Preprocessor::new(&spec.input)
         .to_f32(&small, Layout::Nhwc, &mut one)
         .unwrap();
 
     println!(
-        "| batch | raw ORT frames/s (wall) | worker frames/s (wall) | raw frames/CPU-s | worker frames/CPU-s | worker / raw (CPU) |"
+        "| batch | raw ORT frames/s (wall) | worker frames/s (wall) | raw frames/CPU-s | worker frames/CPU-s | worker / raw (CPU) |{}",
+        if a.cuda {
+            " worker, f32 upload frames/s (wall) | u8 + GPU normalise / f32 upload |"
+        } else {
+            ""
+        }
     );
-    println!("|---|---|---|---|---|---|");
-    for &b in &a.sizes {
+    println!(
+        "|---|---|---|---|---|---|{}",
+        if a.cuda { "---|---|" } else { "" }
+    );
+    for &b in a.sizes.iter().filter(|&&b| b <= spec.max_batch as usize) {
         let frames = vec![frame.clone(); b];
         let input: Vec<f32> = one.iter().copied().cycle().take(one.len() * b).collect();
-        let shape = vec![b as i64, 128, 128, 3];
+        let shape = vec![b as i64, h as i64, w as i64, 3];
         let mut runs = Vec::new();
         let (mut raw_cpu, mut worker_cpu) = ((0.0, 0.0), (0.0, 0.0));
         let run_raw = |raw: &mut Session| {
@@ -187,7 +225,7 @@ fn main() {
                 a.seconds,
                 || run_raw(&mut raw),
                 || {
-                    let out = backend.run("blazeface", &frames);
+                    let out = backend.run(name, &frames);
                     std::hint::black_box(out);
                 },
             ));
@@ -196,7 +234,7 @@ fn main() {
                 let (n, c) = cpu_block(0.5, || run_raw(&mut raw));
                 raw_cpu = (raw_cpu.0 + n, raw_cpu.1 + c);
                 let (n, c) = cpu_block(0.5, || {
-                    std::hint::black_box(backend.run("blazeface", &frames));
+                    std::hint::black_box(backend.run(name, &frames));
                 });
                 worker_cpu = (worker_cpu.0 + n, worker_cpu.1 + c);
             }
@@ -208,11 +246,26 @@ fn main() {
             .expect("at least one round");
         let per_cpu = |(n, c): (f64, f64)| n * b as f64 / c.max(1e-9);
         let (raw_c, worker_c) = (per_cpu(raw_cpu), per_cpu(worker_cpu));
+        // u8 upload + GPU normalise against CPU normalise + f32 upload,
+        // alternating batch by batch like the raw/worker pair.
+        let upload = f32_upload.as_mut().map(|f32_backend| {
+            let (u8_s, f32_s) = paired(
+                a.seconds * a.rounds as f64,
+                || {
+                    std::hint::black_box(backend.run(name, &frames));
+                },
+                || {
+                    std::hint::black_box(f32_backend.run(name, &frames));
+                },
+            );
+            format!(" {:.0} | {:.2} |", b as f64 / f32_s, f32_s / u8_s)
+        });
         println!(
-            "| {b} | {:.0} | {:.0} | {raw_c:.0} | {worker_c:.0} | {:.2} |",
+            "| {b} | {:.0} | {:.0} | {raw_c:.0} | {worker_c:.0} | {:.2} |{}",
             b as f64 / raw_s,
             b as f64 / worker_s,
-            worker_c / raw_c
+            worker_c / raw_c,
+            upload.unwrap_or_default()
         );
     }
 }

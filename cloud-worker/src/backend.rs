@@ -548,6 +548,10 @@ impl OrtBackend {
             };
             #[cfg(feature = "cuda")]
             let gpu = match &provider {
+                Provider::Cuda(cuda) if cuda.cpu_preprocess => {
+                    tracing::info!(model = %spec.name, "cpu_preprocess is set: frames are normalised on the CPU and uploaded as f32");
+                    None
+                }
                 Provider::Cuda(cuda) if spec.input.model_dtype == DType::F32 => {
                     match GpuInput::new(spec, &session, cuda.device_id) {
                         Ok(g) => Some(g),

@@ -144,6 +144,10 @@ pub struct CudaConfig {
     /// `heuristic` or `default`.
     #[serde(default)]
     pub conv_algo_search: ConvAlgoSearch,
+    /// Normalise on the CPU and upload f32 rather than upload u8 and
+    /// normalise with the GPU kernel (default false).
+    #[serde(default)]
+    pub cpu_preprocess: bool,
 }
 
 impl RuntimeConfig {
@@ -155,6 +159,7 @@ impl RuntimeConfig {
                 device_id: self.cuda.device_id,
                 arena_limit_bytes: self.cuda.arena_limit_mb.map(|mb| mb * 1024 * 1024),
                 conv_algo_search: self.cuda.conv_algo_search,
+                cpu_preprocess: self.cuda.cpu_preprocess,
             }),
         }
     }
@@ -263,7 +268,7 @@ mod tests {
     #[test]
     fn cuda_section_becomes_the_cuda_provider_with_its_settings() {
         let cfg = parse(
-            "[runtime]\nprovider = \"cuda\"\nfallback = \"cpu\"\n[runtime.cuda]\ndevice_id = 1\narena_limit_mb = 2048\nconv_algo_search = \"heuristic\"\n",
+            "[runtime]\nprovider = \"cuda\"\nfallback = \"cpu\"\n[runtime.cuda]\ndevice_id = 1\narena_limit_mb = 2048\nconv_algo_search = \"heuristic\"\ncpu_preprocess = true\n",
         )
         .unwrap();
         assert_eq!(cfg.runtime.fallback, Fallback::Cpu);
@@ -273,6 +278,7 @@ mod tests {
                 device_id: 1,
                 arena_limit_bytes: Some(2048 << 20),
                 conv_algo_search: ConvAlgoSearch::Heuristic,
+                cpu_preprocess: true,
             })
         );
     }

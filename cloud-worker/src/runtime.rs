@@ -72,6 +72,11 @@ pub struct CudaOptions {
     pub arena_limit_bytes: Option<u64>,
     /// How cuDNN picks convolution algorithms.
     pub conv_algo_search: ConvAlgoSearch,
+    /// Normalise frames on the CPU and upload f32, instead of uploading the
+    /// u8 frames (a quarter of the bytes) and normalising them with the
+    /// NVRTC kernel (the default). For comparison, or where NVRTC is
+    /// missing.
+    pub cpu_preprocess: bool,
 }
 
 /// cuDNN's convolution algorithm search (ONNX Runtime `cudnn_conv_algo_search`).

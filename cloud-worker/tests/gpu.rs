@@ -23,8 +23,13 @@ use tidegate_worker::model::Repository;
 use tidegate_worker::preprocess::Preprocessor;
 use tidegate_worker::runtime::{CudaOptions, Fallback, Provider, RuntimeOptions};
 
+/// The model repository: `TIDEGATE_MODELS_DIR` (a GPU kit built by
+/// scripts/gpu-kit.sh runs these tests away from the checkout), else this
+/// checkout's `models/`.
 fn models_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models")
+    std::env::var_os("TIDEGATE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"))
 }
 
 /// Why GPU tests cannot run here, if they cannot.

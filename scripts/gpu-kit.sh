@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Builds a GPU kit: everything scripts/gpu-check.sh needs to run the worker's
+# CUDA tests and benchmarks on a GPU machine that has the NVIDIA driver and
+# CUDA 13 libraries but no Rust toolchain and no network (a lent cloud GPU,
+# say). Run it on a build machine with this checkout set up (make setup).
+#
+#   scripts/gpu-kit.sh [KIT_DIR]        (default: .gpukit, git-ignored)
+#
+# The kit:
+#   KIT/bin/     release builds (--features cuda, stripped): tidegate-worker,
+#                the bench example, the `gpu` test and the crate's unit tests
+#   KIT/models/  blazeface (and centernet, when fetched) + astronaut.png
+#   KIT/ort-N/   ONNX Runtime's GPU build (the pinned onnxruntime-gpu wheel's
+#                libonnxruntime + CUDA provider, 300 MB), as xz parts of at
+#                most KIT_PART_MB (default 56) each, so that no one transfer
+#                exceeds a size cap
+# and KIT/manifest.txt: every part's sha256, checked on the GPU machine.
+# Then, on the GPU machine, in a checkout with the kit beside it:
+#   scripts/gpu-check.sh --kit KIT_DIR
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+# shellcheck source=scripts/cache.sh
+source "$here/cache.sh"
+cd "$root"
+say() { printf '\033[1mgpu-kit:\033[0m %s\n' "$*"; }
+die() { printf 'gpu-kit: error: %s\n' "$*" >&2; exit 1; }
+kit="${1:-.gpukit}"
+part_mb="${KIT_PART_MB:-56}"
+target="${CARGO_TARGET_DIR:-$root/target}"
+
+[ -f models/blazeface/model.onnx ] || die "models/blazeface/model.onnx is missing; run make setup first"
+[ -f models/testdata/astronaut.png ] || die "models/testdata/astronaut.png is missing; run make setup first"
+
+say "release build of the worker, its bench and its GPU tests (--features cuda)"
+cargo build --release -p tidegate-worker --features cuda --bins --examples
+# The test executables' paths, from cargo's JSON messages.
+tests="$(cargo test --release -p tidegate-worker --features cuda --lib --test gpu --no-run \
+  --message-format=json | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["target"]["kind"][0], m["executable"])
+')"
+lib_test="$(awk '$1 == "lib" {print $2}' <<<"$tests")"
+gpu_test="$(awk '$1 == "test" {print $2}' <<<"$tests")"
+[ -x "$lib_test" ] && [ -x "$gpu_test" ] || die "could not find the test executables in: $tests"
+
+rm -rf "$kit"
+mkdir -p "$kit/bin" "$kit/models/testdata"
+install -m 755 "$target/release/tidegate-worker" "$kit/bin/tidegate-worker"
+install -m 755 "$target/release/examples/bench" "$kit/bin/bench"
+install -m 755 "$gpu_test" "$kit/bin/gpu-test"
+install -m 755 "$lib_test" "$kit/bin/lib-test"
+strip --strip-debug "$kit"/bin/*
+for m in blazeface centernet; do
+  if [ -f "models/$m/model.onnx" ]; then
+    mkdir -p "$kit/models/$m"
+    cp "models/$m/model.toml" "models/$m/model.onnx" "$kit/models/$m/"
+  fi
+done
+cp models/testdata/astronaut.png "$kit/models/testdata/"
+
+say "ONNX Runtime's GPU build (pinned onnxruntime-gpu wheel)"
+ver=1.31.1
+wheel="onnxruntime_gpu-$ver-cp311-cp311-manylinux_2_28_x86_64.whl"
+wheel_sha=e26c475fe361b2015f45b4b824bd13f0bb20204e59b62814e6f0acd5f3d491a6
+mkdir -p "$TIDEGATE_CACHE/downloads"
+if [ ! -f "$TIDEGATE_CACHE/downloads/$wheel" ]; then
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform manylinux_2_28_x86_64 -d "$TIDEGATE_CACHE/downloads" "onnxruntime-gpu==$ver" \
+    || die "cannot download onnxruntime-gpu==$ver from PyPI"
+fi
+verify_sha256 "$TIDEGATE_CACHE/downloads/$wheel" "$wheel_sha" || die "onnxruntime-gpu checksum mismatch"
+packed="$TIDEGATE_CACHE/onnxruntime-gpu/$ver.tar.xz"
+if [ ! -f "$packed" ]; then
+  say "compressing the CUDA provider (xz, a few minutes, once)"
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  unzip -q -o -j "$TIDEGATE_CACHE/downloads/$wheel" \
+    "onnxruntime/capi/libonnxruntime.so.$ver" \
+    'onnxruntime/capi/libonnxruntime_providers_shared.so' \
+    'onnxruntime/capi/libonnxruntime_providers_cuda.so' -d "$tmp/ort"
+  mkdir -p "$(dirname "$packed")"
+  tar -C "$tmp/ort" -cf - . | xz -T0 -6 >"$packed.tmp"
+  mv "$packed.tmp" "$packed"
+fi
+split -b "${part_mb}M" -d -a 2 "$packed" "$kit/ort.tar.xz."
+n=0
+for p in "$kit"/ort.tar.xz.*; do
+  n=$((n + 1))
+  mkdir -p "$kit/ort-$n"
+  mv "$p" "$kit/ort-$n/"
+done
+
+(cd "$kit" && find . -type f ! -name manifest.txt -print0 | sort -z | xargs -0 sha256sum) >"$kit/manifest.txt"
+say "kit ready in $kit:"
+du -sh "$kit"/* | sed 's/^/  /'
+say "on the GPU machine (each line may be its own transfer): bring $kit/ort-1 .. $kit/ort-$n,"
+say "then $kit/bin, $kit/models and $kit/manifest.txt, and run: scripts/gpu-check.sh --kit $kit"
