@@ -11,7 +11,7 @@ setup:
 	@bash scripts/setup.sh
 
 .PHONY: models-full
-## Opt-in heavier models and imagery: CenterNet (TF.js -> ONNX, pinned tools), vtest.avi.
+## Opt-in test video: vtest.avi (Debian opencv-doc) and four frames of it, for the CenterNet test.
 models-full: setup
 	@bash scripts/models-full.sh
 

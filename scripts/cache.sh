@@ -33,8 +33,8 @@ fetch_npm() {
   verify_sha256 "$dl/$tarball" "$sha"
 }
 
-# npm @vladmandic/human@3.3.6 (MIT, 28 MB): the emotion classifier (make setup,
-# models/fetch.sh) and CenterNet (make models-full) are TF.js graph models in it.
+# npm @vladmandic/human@3.3.6 (MIT, 28 MB): the emotion classifier and CenterNet
+# (make setup, models/fetch.sh) are TF.js graph models in it.
 HUMAN_NPM="@vladmandic/human@3.3.6"
 HUMAN_TGZ="vladmandic-human-3.3.6.tgz"
 HUMAN_SHA256=425e9c51dbbca0c8934362b170cb0d54c2529c11c654b3c03092b16e9d6ad3f7

@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
-# Opt-in models and imagery for heavier (GPU) runs: `make models-full`.
-# Everything is fetched by name and version from package registries and
-# checked against a pinned sha256; re-running is cheap.
-#   CenterNet (MB3-CenterNet, COCO, 512x512): the TF.js graph model in npm
-#     @vladmandic/human@3.3.6 (MIT; pinned in scripts/cache.sh), converted to
-#     ONNX by models/centernet/convert.py with pinned tensorflow-cpu 2.15.1 +
-#     tf2onnx 1.16.1 in a venv in the cache (models/centernet/requirements.txt,
-#     --require-hashes).
+# Opt-in test imagery for the heavier tests: `make models-full`. Every model,
+# CenterNet included, comes with `make setup` (models/fetch.sh); this adds
+# only video. Fetched by name and version from a package registry and checked
+# against a pinned sha256; re-running is cheap.
 #   vtest.avi (pedestrians, 768x576): Debian opencv-doc 4.6.0+dfsg-12 (95 MB .deb,
-#     only this file is kept), plus four frames as PNG for the tests (GStreamer).
-# Needs: python3 (3.11) with venv, npm, apt-get, dpkg-deb, gst-launch-1.0.
+#     only this file is kept), plus four frames as PNG for the tests (GStreamer);
+#     cloud-worker/tests/centernet.rs runs on them when they are there.
+# Needs: apt-get, dpkg-deb, gst-launch-1.0 (make setup installs GStreamer).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -22,39 +19,9 @@ dl="$TIDEGATE_CACHE/downloads"
 mkdir -p "$dl"
 models="$root/models"
 
-# The BlazeFace model and astronaut.png come first (the CenterNet test uses it).
+# The models and astronaut.png first (make models-full depends on make setup
+# anyway; this keeps the script usable on its own).
 "$models/fetch.sh"
-
-# CenterNet --------------------------------------------------------------------
-cn_dir="$models/centernet"
-cn_onnx="$cn_dir/model.onnx"
-if [ -f "$cn_onnx" ]; then
-  say "centernet: present ($cn_onnx)"
-else
-  # The tarball (pinned in scripts/cache.sh) is normally there already:
-  # fetch.sh takes the emotion model from it.
-  fetch_npm "$HUMAN_NPM" "$HUMAN_TGZ" "$HUMAN_SHA256" \
-    || die "fetching $HUMAN_NPM failed (see above)"
-  req="$cn_dir/requirements.txt"
-  venv="$TIDEGATE_CACHE/venv/tfjs-convert-$(sha256sum "$req" | cut -c1-12)"
-  if [ ! -f "$venv/.complete" ]; then
-    say "creating $venv (tensorflow-cpu 2.15.1, tf2onnx 1.16.1; pinned with sha256; ~300 MB)"
-    rm -rf "$venv"
-    python3 -m venv "$venv" || die "python3 -m venv failed; install python3-venv"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-      --require-hashes --only-binary=:all: -r "$req" \
-      || die "pip install -r $req failed (these wheels are for CPython 3.11 on x86_64 Linux)"
-    touch "$venv/.complete"
-  fi
-  tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' EXIT
-  tar -xzf "$dl/$HUMAN_TGZ" -C "$tmp" package/models/centernet.json package/models/centernet.bin package/LICENSE
-  say "centernet: converting TF.js -> ONNX"
-  "$venv/bin/python" "$cn_dir/convert.py" "$tmp/package/models" "$cn_onnx" \
-    || die "centernet conversion failed (see above)"
-  cp "$tmp/package/LICENSE" "$cn_dir/LICENSE.model"
-  say "centernet: installed $cn_onnx"
-fi
 
 # vtest.avi and test frames --------------------------------------------------------
 vt_dir="$models/testdata/vtest"
@@ -88,4 +55,4 @@ if [ ! -f "$vt_dir/frame-60.png" ]; then
   rm -rf "$ftmp"
   say "vtest.avi: frames 0, 20, 40, 60 s in $vt_dir"
 fi
-say "done. Run: cargo test -p tidegate-worker --test centernet"
+say "done. Run: cargo test -p tidegate-worker --test centernet (the vtest pedestrians test)"

@@ -25,7 +25,7 @@ apt_packages=(
   gstreamer1.0-plugins-ugly gstreamer1.0-libav gstreamer1.0-tools
   libgstrtspserver-1.0-dev
   python3 python3-pip npm unzip ca-certificates
-  python3-venv  # models/fetch.sh: the pinned onnx tools (BlazeFace batch rewrite, emotion conversion)
+  python3-venv  # models/fetch.sh: the pinned onnx tools (BlazeFace batch rewrite, emotion and CenterNet conversion)
 )
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -34,9 +34,10 @@ pub struct ModelSpec {
     /// Lower-case hex sha256 of `file`; checked at load when present.
     #[serde(default)]
     pub sha256: Option<String>,
-    /// An opt-in model (fetched by `make models-full`): when its file is
-    /// missing, loading the whole repository skips it with a warning rather
-    /// than failing. Named in `only`, it must be there.
+    /// An opt-in model, one that `make setup` does not fetch (none of the
+    /// shipped ones is): when its file is missing, loading the whole
+    /// repository skips it with a warning rather than failing. Named in
+    /// `only`, it must be there.
     #[serde(default)]
     pub optional: bool,
     /// Most frames one inference run may carry (1 when the graph's batch
@@ -572,7 +573,7 @@ impl Repository {
                     path,
                     optional: true,
                 }) if only.is_none() => {
-                    tracing::warn!(%model, path = %path.display(), "opt-in model not fetched; skipped (make models-full)");
+                    tracing::warn!(%model, path = %path.display(), "opt-in model (optional = true) not there; skipped");
                 }
                 Err(e) => return Err(e),
             }
@@ -735,7 +736,7 @@ pub enum RepositoryError {
     Decoder(#[from] crate::decode::DecoderError),
     /// The model's ONNX file does not exist.
     #[error("model '{model}': file {} is missing; {}", path.display(), if *optional {
-        "it is opt-in: run `make models-full` (scripts/models-full.sh) to fetch it"
+        "it is opt-in (optional = true in its model.toml): fetch or convert it as its model.toml says, or serve other models"
     } else {
         "run `make setup` (models/fetch.sh) to fetch it"
     })]
@@ -1029,16 +1030,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("model 'extra'") && err.contains("make models-full"),
+            err.contains("model 'extra'") && err.contains("opt-in"),
             "{err}"
         );
     }
 
     #[test]
-    fn shipped_centernet_spec_is_opt_in_with_80_coco_labels() {
+    fn shipped_centernet_spec_is_a_pinned_box_detector_with_80_coco_labels() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/centernet/model.toml");
         let spec = ModelSpec::from_toml(&fs::read_to_string(&path).unwrap(), &path).unwrap();
-        assert!(spec.optional);
+        assert!(!spec.optional && spec.sha256.is_some());
+        assert_eq!(
+            (spec.max_batch, spec.input.width, spec.input.height),
+            (1, 512, 512)
+        );
         let DecoderSpec::Boxes(b) = &spec.decoder else {
             panic!("{:?}", spec.decoder);
         };

@@ -1,76 +1,114 @@
 """Converts MB3-CenterNet from the TF.js graph model in npm
-@vladmandic/human@3.3.6 (models/centernet.json + centernet.bin) to ONNX.
+@vladmandic/human@3.3.6 (models/centernet.json + centernet.bin: a MobileNetV3
+backbone and CenterNet head for the 80 COCO classes, weights stored as
+float16) to ONNX, with onnx and numpy only.
 
-tf2onnx 1.16.1 reads TF.js graph models (--tfjs) but stumbles on two
-attributes this export leaves out, which are added first (both are what
-TensorFlow's defaults would be):
-  - `TArgs` on _FusedConv2D / FusedDepthwiseConv2dNative: one DT_FLOAT per
-    fused argument (`num_args`);
-  - `index_type` on TopKV2: DT_INT32.
-Then the graph is checked: input [1,512,512,3] f32 (RGB 0..255), output
-`tower_0/detections` [1,100,6] (x1,y1,x2,y2 in input pixels, score, class).
+The 26 TensorFlow ops of the graph are mapped by hand by the shared
+converter models/tools/tfjs_onnx.py (its docstring has the table); any op,
+fused op, attribute value or weight encoding it does not know stops the
+conversion. The convolutional trunk runs NCHW (one Transpose after the
+input); the post-processing keeps TensorFlow's layout, with one Transpose
+for each of the two heads it reads:
+  keypoints = Sigmoid(class heatmap)  [1,128,128,80]
+  peaks     = keypoints * (keypoints == MaxPool3x3(keypoints))
+  TopK 100 of the flattened peaks -> index i: class i % 80,
+    column i // 80 % 128, row i // 80 // 128 (integer FloorDiv/FloorMod)
+  box = 4 * (column, row) -/+ the wh head (16 * [l, t, r, b]) at that cell
+  detections [1,100,6] = x1, y1, x2, y2 (input pixels), score, class
 
-The converted bytes are not reproducible: tf2onnx's optimiser and constant
-de-duplication iterate in an order that changes between runs (even with
-PYTHONHASHSEED fixed), so equivalent graphs with differently arranged
-constants come out. The model is therefore checked by what it computes
-(cloud-worker/tests/centernet.rs), not by a pinned sha256.
+Input `images` [1,512,512,3] f32, RGB 0..255 NHWC (the graph normalises
+internally); output `detections` [1,100,6]. The batch is fixed at 1, as in
+the graph (its gather reshapes carry the 1).
 
-Usage: convert.py SRC_DIR OUT.onnx   (SRC_DIR holds centernet.json/.bin)
+The output bytes are reproducible (fixed names, opset and IR version, no
+timestamps): models/fetch.sh pins their sha256. Before writing, the result is
+checked with onnx.checker (full shape inference), and, when onnxruntime is
+importable, run once on a random image: 100 rows, scores in [0, 1] and
+sorted, classes whole numbers in 0..79.
+models/centernet/crosscheck.sh compares it with TensorFlow and tf2onnx.
+
+Usage: convert.py SRC_DIR OUT.onnx   (SRC_DIR holds centernet.json and .bin)
 """
 
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 
+import numpy as np
 import onnx
+from onnx import TensorProto, helper
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from tfjs_onnx import Converter, Value, fail, main_guard  # noqa: E402
+
+SIZE = 512
+CLASSES = 80
+TOP = 100
+OPSET = 13
+IR_VERSION = 8
+PREFIX = "tower_0/"
 
 
-def patch(src_dir: str, work: str) -> None:
-    with open(os.path.join(src_dir, "centernet.json")) as f:
-        model = json.load(f)
-    patched = 0
-    for node in model["modelTopology"]["node"]:
-        attr = node.setdefault("attr", {})
-        if node["op"] in ("_FusedConv2D", "FusedDepthwiseConv2dNative") and "TArgs" not in attr:
-            args = int(attr.get("num_args", {}).get("i", "0"))
-            attr["TArgs"] = {"list": {"type": ["DT_FLOAT"] * args}}
-            patched += 1
-        if node["op"] == "TopKV2" and "index_type" not in attr:
-            attr["index_type"] = {"type": "DT_INT32"}
-            patched += 1
-    with open(os.path.join(work, "centernet.json"), "w") as f:
-        json.dump(model, f)
-    shutil.copy(os.path.join(src_dir, "centernet.bin"), work)
-    print(f"convert.py: added {patched} missing attributes")
+def convert(src_dir: str) -> onnx.ModelProto:
+    c = Converter(src_dir, "centernet", PREFIX)
+    inputs = [n for n in c.graph_nodes if n["op"] == "Placeholder"]
+    dims = [[int(d.get("size", 0)) for d in n["attr"]["shape"]["shape"]["dim"]] for n in inputs]
+    if dims != [[1, SIZE, SIZE, 3]] or inputs[0]["attr"]["dtype"]["type"] != "DT_FLOAT":
+        fail(f"inputs are {dims}, expected one [1,{SIZE},{SIZE},3] float")
+    if inputs[0]["name"] != PREFIX + "images":
+        fail(f"the input is {inputs[0]['name']}, expected {PREFIX}images")
+    c.values[inputs[0]["name"]] = Value("images", (1, SIZE, SIZE, 3), np.float32)
+
+    c.convert()
+    out = c.values.get(PREFIX + "detections")
+    if out is None or out.shape != (1, TOP, 6) or out.dtype != np.float32:
+        fail(f"the output {PREFIX}detections is {out}, expected [1,{TOP},6] float")
+    c.emit("Identity", [c.plain(out).name], "detections")
+    return c.model(
+        "centernet",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, SIZE, SIZE, 3])],
+        [helper.make_tensor_value_info("detections", TensorProto.FLOAT, [1, TOP, 6])],
+        OPSET, IR_VERSION, "tidegate models/centernet/convert.py",
+        "MB3-CenterNet (MobileNetV3 + CenterNet head, COCO) from npm @vladmandic/human@3.3.6 "
+        "models/centernet.json. Input: RGB NHWC 0..255, 512x512. Output: the top 100 "
+        "centres as x1, y1, x2, y2 (input pixels), score, class (0-based COCO index).")
 
 
-def check(path: str) -> None:
-    m = onnx.load(path)
-    onnx.checker.check_model(m)
-    dims = lambda vi: [d.dim_value or d.dim_param for d in vi.type.tensor_type.shape.dim]
-    inputs = {i.name: dims(i) for i in m.graph.input}
-    outputs = {o.name: dims(o) for o in m.graph.output}
-    assert inputs == {"tower_0/images:0": [1, 512, 512, 3]}, inputs
-    assert outputs.get("tower_0/detections") == [1, 100, 6], outputs
+def check_run(path: str) -> None:
+    """Runs the model once on a random image and checks the rows' form."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    s = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    image = np.random.default_rng(7).integers(0, 256, (1, SIZE, SIZE, 3)).astype(np.float32)
+    (rows,) = s.run(None, {"images": image})
+    if rows.shape != (1, TOP, 6):
+        fail(f"the output has shape {rows.shape}")
+    scores, classes = rows[0, :, 4], rows[0, :, 5]
+    if not (np.all(scores >= 0) and np.all(scores <= 1) and np.all(np.diff(scores) <= 0)):
+        fail(f"scores are not sorted probabilities: {scores[:5]}...")
+    if not np.array_equal(classes, np.round(classes)) or classes.min() < 0 \
+            or classes.max() >= CLASSES:
+        fail(f"classes are not indices in 0..{CLASSES - 1}: {classes[:5]}...")
 
 
 def main() -> None:
+    if len(sys.argv) != 3:
+        fail("usage: convert.py SRC_DIR OUT.onnx")
     src_dir, out = sys.argv[1], sys.argv[2]
-    with tempfile.TemporaryDirectory() as work:
-        patch(src_dir, work)
-        env = dict(os.environ, PYTHONHASHSEED="0", TF_CPP_MIN_LOG_LEVEL="2")
-        subprocess.run(
-            [sys.executable, "-m", "tf2onnx.convert", "--tfjs", os.path.join(work, "centernet.json"),
-             "--output", out + ".tmp", "--opset", "13"],
-            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    check(out + ".tmp")
+    model = convert(src_dir)
+    onnx.save(model, out + ".tmp")
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        note = "onnxruntime not installed; run check skipped"
+    else:
+        check_run(out + ".tmp")
+        note = "a random image gives 100 sorted rows of known classes"
     os.replace(out + ".tmp", out)
-    print(f"convert.py: wrote {out}")
+    print(f"convert.py: wrote {out} ({len(model.graph.node)} nodes); {note}")
 
 
 if __name__ == "__main__":
-    main()
+    main_guard("convert.py", main)

@@ -9,8 +9,9 @@ regions), preprocessed as human does for the references (gray =
 0.2989 R + 0.5870 G + 0.1140 B of 0..1 values, then (gray - 0.5) * 2) and as
 the worker does for model.onnx (each channel (pixel - 127.5) / 127.5).
 
-A development check, not part of `make setup`: it needs the TensorFlow venv
-that `make models-full` creates. Run from the repository root:
+A development check, not part of `make setup` or `make test`: it needs a
+venv with TensorFlow and tf2onnx (models/tools/reference-requirements.txt;
+crosscheck.sh creates it). Run from the repository root:
   models/emotion/crosscheck.sh
 It prints the largest absolute difference of the 7 probabilities per pair,
 and exits 1 above 1e-4.
