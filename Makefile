@@ -6,14 +6,9 @@ CARGO ?= cargo
 
 .PHONY: setup build release demo test lint fmt loadtest bench fuzz clean-cache
 
-## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, imagery.
+## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
 	@bash scripts/setup.sh
-
-.PHONY: models-full
-## Opt-in test video: vtest.avi (Debian opencv-doc) and four frames of it, for the CenterNet test.
-models-full: setup
-	@bash scripts/models-full.sh
 
 build: setup
 	$(CARGO) build --workspace --bins

