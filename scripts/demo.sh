@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# make demo: gateway + one worker + one edge on a real image, all on
-# 127.0.0.1. Prints each result (JSON, with end-to-end latency) until Ctrl-C.
+# make demo: gateway + one worker + one edge with two cameras, all on
+# 127.0.0.1: faces (BlazeFace) in astronaut.png, and people and vehicles
+# (CenterNet, COCO) in the street video vtest.avi, looping. Prints each
+# result (JSON, with end-to-end latency and class names) until Ctrl-C.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -33,7 +35,7 @@ addr = "127.0.0.1:4433"
 ca = "certs/ca.pem"
 [models]
 dir = "$root/models"
-only = ["blazeface"]
+only = ["blazeface", "centernet"]
 TOML
 cat > "$run/edge.toml" <<TOML
 name = "demo-edge"
@@ -46,6 +48,13 @@ uri = "image://$root/models/testdata/astronaut.png"
 model = "blazeface"
 budget_ms = 80
 max_fps = 5
+[[cameras]]
+name = "street"
+uri = "file://$root/models/testdata/vtest/vtest.avi"
+loop = true
+model = "centernet"
+budget_ms = 80
+max_fps = 2
 TOML
 
 pids=()
@@ -62,7 +71,7 @@ pids+=($!)
 TIDEGATE_WORKER_TOKEN="$worker_token" "$bin/tidegate-worker" --config "$run/worker.toml" &
 pids+=($!)
 echo "gateway: QUIC 127.0.0.1:4433, metrics http://127.0.0.1:9090/metrics"
-echo "results from camera 'astronaut' (Ctrl-C to stop):"
+echo "results from cameras 'astronaut' (faces) and 'street' (people, cars) (Ctrl-C to stop):"
 TIDEGATE_EDGE_TOKEN="$edge_token" "$bin/tidegate-edge" --config "$run/edge.toml" &
 pids+=($!)
 wait "${pids[2]}"
