@@ -977,8 +977,8 @@ mod tests {
             .expect("open")
     }
 
-    #[tokio::test]
-    async fn frames_are_counted_per_lease_and_a_drained_lease_gets_no_batch() {
+    /// A hub with no hints, and the token that stops it.
+    fn hub() -> (Hub, CancellationToken) {
         let cancel = CancellationToken::new();
         let tracker = tokio_util::task::TaskTracker::new();
         let hub = spawn(
@@ -988,15 +988,25 @@ mod tests {
             cancel.clone(),
             &tracker,
         );
-        let (dispatch, mut batches) = mpsc::channel(8);
+        (hub, cancel)
+    }
+
+    /// Registers worker 1 (serving `MODEL`) under `lease`; its batches.
+    async fn connect_worker(hub: &Hub, lease: Option<LeaseId>) -> mpsc::Receiver<Dispatch> {
+        let (dispatch, batches) = mpsc::channel(8);
         hub.send(HubMsg::WorkerConnected {
             worker: WorkerId(1),
             register: register(),
             dispatch,
-            lease: Some(LeaseId(7)),
+            lease,
         })
         .await;
-        let (results, mut answers) = mpsc::channel(8);
+        batches
+    }
+
+    /// Connects edge 1; the results it is sent.
+    async fn connect_edge(hub: &Hub) -> mpsc::Receiver<FrameResult> {
+        let (results, answers) = mpsc::channel(8);
         let (hints, _hints) = mpsc::channel(8);
         hub.send(HubMsg::EdgeConnected {
             edge: EdgeId(1),
@@ -1005,6 +1015,36 @@ mod tests {
             hints,
         })
         .await;
+        answers
+    }
+
+    /// Worker 1 answers batch `d`, every item with `item(id)`.
+    async fn answer(hub: &Hub, d: &Dispatch, item: impl Fn(u64) -> ItemResult) {
+        hub.send(HubMsg::BatchDone {
+            worker: WorkerId(1),
+            result: BatchResult {
+                batch: d.batch,
+                items: d.items.iter().map(|i| item(i.id)).collect(),
+            },
+        })
+        .await;
+    }
+
+    fn ok_item(id: u64) -> ItemResult {
+        ItemResult {
+            id,
+            status: Status::Ok,
+            detections: Vec::new(),
+            timings: Timings::default(),
+            outputs: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_are_counted_per_lease_and_a_drained_lease_gets_no_batch() {
+        let (hub, cancel) = hub();
+        let mut batches = connect_worker(&hub, Some(LeaseId(7))).await;
+        let mut answers = connect_edge(&hub).await;
         let deadline = Instant::now() + Duration::from_millis(500);
         hub.send(HubMsg::Frame {
             edge: EdgeId(1),
@@ -1013,25 +1053,7 @@ mod tests {
         })
         .await;
         let d = recv(&mut batches).await;
-        let items = d
-            .items
-            .iter()
-            .map(|i| ItemResult {
-                id: i.id,
-                status: Status::Ok,
-                detections: Vec::new(),
-                timings: Timings::default(),
-                outputs: Vec::new(),
-            })
-            .collect();
-        hub.send(HubMsg::BatchDone {
-            worker: WorkerId(1),
-            result: BatchResult {
-                batch: d.batch,
-                items,
-            },
-        })
-        .await;
+        answer(&hub, &d, ok_item).await;
         assert_eq!(recv(&mut answers).await.status, Status::Ok);
 
         let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
@@ -1066,24 +1088,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_lease_drained_before_its_worker_registers_is_drained_on_arrival() {
-        let cancel = CancellationToken::new();
-        let tracker = tokio_util::task::TaskTracker::new();
-        let hub = spawn(
-            Limits::default(),
-            None,
-            Metrics::new(),
-            cancel.clone(),
-            &tracker,
-        );
+        let (hub, cancel) = hub();
         hub.send(HubMsg::LeaseDraining { lease: LeaseId(3) }).await;
-        let (dispatch, _batches) = mpsc::channel(8);
-        hub.send(HubMsg::WorkerConnected {
-            worker: WorkerId(1),
-            register: register(),
-            dispatch,
-            lease: Some(LeaseId(3)),
-        })
-        .await;
+        let _batches = connect_worker(&hub, Some(LeaseId(3))).await;
         let snap = hub.snapshot().await.unwrap();
         assert!(snap.workers[0].draining, "{:?}", snap.workers);
         // and a lease that ended takes its worker with it at once
@@ -1094,24 +1101,9 @@ mod tests {
 
     #[tokio::test]
     async fn labels_and_raw_outputs_reach_the_edge_and_failures_carry_none() {
-        let cancel = CancellationToken::new();
-        let tracker = tokio_util::task::TaskTracker::new();
-        let hub = spawn(
-            Limits::default(),
-            None,
-            Metrics::new(),
-            cancel.clone(),
-            &tracker,
-        );
+        let (hub, cancel) = hub();
         assert!(hub.model_info(MODEL).await.is_none(), "no worker yet");
-        let (dispatch, mut batches) = mpsc::channel(8);
-        hub.send(HubMsg::WorkerConnected {
-            worker: WorkerId(1),
-            register: register(),
-            dispatch,
-            lease: None,
-        })
-        .await;
+        let mut batches = connect_worker(&hub, None).await;
         // What CameraAccepted is built from: the registered input and labels.
         let info = hub.model_info(MODEL).await.unwrap();
         assert_eq!(info.labels, vec!["face".to_string(), "hand".into()]);
@@ -1120,15 +1112,7 @@ mod tests {
         let snap = hub.snapshot().await.unwrap();
         assert_eq!(snap.models[0].labels, info.labels);
 
-        let (results, mut answers) = mpsc::channel(8);
-        let (hints, _hints) = mpsc::channel(8);
-        hub.send(HubMsg::EdgeConnected {
-            edge: EdgeId(1),
-            name: "e".into(),
-            results,
-            hints,
-        })
-        .await;
+        let mut answers = connect_edge(&hub).await;
         let embedding =
             OutputTensor::from_f32("embedding", vec![1, 3], &[0.25, -1.0, 4.0]).unwrap();
         for (seq, ok) in [(1, true), (2, false)] {
@@ -1139,35 +1123,23 @@ mod tests {
             })
             .await;
             let d = recv(&mut batches).await;
-            let items = d
-                .items
-                .iter()
-                .map(|i| ItemResult {
-                    id: i.id,
-                    status: if ok {
-                        Status::Ok
-                    } else {
-                        Status::Failed("bad input".into())
-                    },
-                    detections: vec![Detection {
-                        x1: 0.0,
-                        y1: 0.0,
-                        x2: 1.0,
-                        y2: 1.0,
-                        score: 0.9,
-                        class: 1,
-                        keypoints: vec![],
-                    }],
-                    timings: Timings::default(),
-                    outputs: vec![embedding.clone()],
-                })
-                .collect();
-            hub.send(HubMsg::BatchDone {
-                worker: WorkerId(1),
-                result: BatchResult {
-                    batch: d.batch,
-                    items,
+            answer(&hub, &d, |id| ItemResult {
+                status: if ok {
+                    Status::Ok
+                } else {
+                    Status::Failed("bad input".into())
                 },
+                detections: vec![Detection {
+                    x1: 0.0,
+                    y1: 0.0,
+                    x2: 1.0,
+                    y2: 1.0,
+                    score: 0.9,
+                    class: 1,
+                    keypoints: vec![],
+                }],
+                outputs: vec![embedding.clone()],
+                ..ok_item(id)
             })
             .await;
             let r = recv(&mut answers).await;
