@@ -6,7 +6,8 @@
 #   emotion (FER2013, 64x64): npm @vladmandic/human@3.3.6 (MIT), models/emotion.json+.bin,
 #                            TF.js -> ONNX by emotion/convert.py (onnx + numpy)
 #   CenterNet (COCO, 512x512): the same tarball, models/centernet.json+.bin,
-#                            TF.js -> ONNX by centernet/convert.py (onnx + numpy)
+#                            TF.js -> ONNX by centernet/convert.py (onnx + numpy),
+#                            with a dynamic batch (the graph was frozen at batch 1)
 #   astronaut.png:           PyPI scikit-image==0.26.0 wheel (public domain)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -123,9 +124,11 @@ human_model() {
 }
 # Facial expression of a face crop (FER2013 mini-XCEPTION), ten ops.
 human_model emotion 02b15d7a7ab7a57a861c529deb4ee49000da955a421e19af549cf18091d57ef6
-# MB3-CenterNet, COCO boxes (26 ops). A model.onnx that tf2onnx made (the
-# former make models-full) has another sha256 and is converted again.
-human_model centernet 0a513d2947e7d8426565513502939d751cbf8c3f9a28c50d5ba8e84f5585d713
+# MB3-CenterNet, COCO boxes (26 ops), batchable: convert.py checks batches of
+# 2, 8 and 32 against single runs. An earlier model.onnx (the batch-1
+# conversion, or tf2onnx's from the former make models-full) has another
+# sha256 and is converted again.
+human_model centernet f98785d64fa958d9b3367d1b4030ebbe5430beb4e046f5dbbaa29e47c48ce262
 
 # Test imagery ----------------------------------------------------------------
 mkdir -p "$here/testdata"

@@ -1042,7 +1042,7 @@ mod tests {
         assert!(!spec.optional && spec.sha256.is_some());
         assert_eq!(
             (spec.max_batch, spec.input.width, spec.input.height),
-            (1, 512, 512)
+            (4, 512, 512)
         );
         let DecoderSpec::Boxes(b) = &spec.decoder else {
             panic!("{:?}", spec.decoder);

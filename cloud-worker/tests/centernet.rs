@@ -8,7 +8,9 @@
 //!   1.31.1, as TensorFlow does on the TF.js graph (models/centernet/crosscheck.sh);
 //! - pedestrians in Debian opencv-doc's vtest.avi (frames at 0, 20, 40, 60 s).
 //!   `make setup` fetches the video (scripts/test-video.sh) and extracts the
-//!   frames; without them the test fails with the fix.
+//!   frames; without them the test fails with the fix;
+//! - a batch of those five frames gives the detections of five single runs,
+//!   to the bit (the converted graph's batch is dynamic).
 
 use std::path::{Path, PathBuf};
 
@@ -127,4 +129,36 @@ fn pedestrians_in_vtest_are_found_as_people() {
         total += persons.len();
     }
     assert!(total >= 8, "only {total} people in four street frames");
+}
+
+#[test]
+fn batch_of_five_frames_gives_the_same_detections_as_five_single_runs() {
+    let mut backend = backend();
+    let max_batch = backend.models()[0].max_batch;
+    assert!(max_batch > 1, "centernet's max_batch is {max_batch}");
+    let mut frames = vec![letterboxed(
+        &image::open(models_dir().join("testdata/astronaut.png"))
+            .unwrap()
+            .to_rgb8(),
+    )];
+    for s in ["00", "20", "40", "60"] {
+        let path = models_dir().join(format!("testdata/vtest/frame-{s}.png"));
+        let img = image::open(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}; run `make setup`", path.display()))
+            .to_rgb8();
+        frames.push(letterboxed(&img));
+    }
+    // Runs of at most max_batch frames: 4 + 1 with max_batch = 4.
+    let batched = backend.run("centernet", &frames);
+    assert_eq!(batched.len(), frames.len());
+    for (i, frame) in frames.iter().enumerate() {
+        let single = backend.run("centernet", std::slice::from_ref(frame));
+        let (b, s) = (&batched[i], &single[0]);
+        assert_eq!(b.status, Status::Ok, "frame {i}: {b:?}");
+        assert!(!s.detections.is_empty(), "frame {i}: nothing found");
+        // The graph computes each image's rows as a single run does, bit for
+        // bit (models/centernet/convert.py checks it), so the decoded boxes
+        // are equal, not merely close.
+        assert_eq!(b.detections, s.detections, "frame {i}: batch vs single run");
+    }
 }

@@ -17,7 +17,9 @@ For each pair it prints, over the 100 rows of every image, the largest
 absolute difference of the boxes (input pixels) and of the scores, and how
 many rows differ in class; then the detections scoring 0.3 or more (the
 decoder's threshold). It exits 1 when a class differs or a box or score
-differs by more than the tolerances below.
+differs by more than the tolerances below. model.onnx also runs all the
+images as one batch, which must give the rows of its single runs (classes
+equal, values within 1e-5; it says whether they are equal bit for bit).
 """
 
 import base64
@@ -154,13 +156,17 @@ def tensorflow_side(src_dir: str, png: str, vtest_dir: str, work: str) -> None:
                    env=dict(os.environ, PYTHONHASHSEED="0"))
 
 
-def run_onnx(path: str, batch: np.ndarray, output: str = None) -> np.ndarray:
+def run_onnx(path: str, batch: np.ndarray, output: str = None,
+             together: bool = False) -> np.ndarray:
+    """One run per image, or with `together` one run of the whole batch."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     s = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
     name = s.get_inputs()[0].name
+    if together:
+        return s.run([output] if output else None, {name: batch})[0]
     out = [s.run([output] if output else None, {name: x[None]})[0] for x in batch]
     return np.concatenate(out)
 
@@ -190,6 +196,14 @@ def compare(ours: str, work: str) -> None:
                       f"scores {score[idx].max():.2g}, classes differ in {classes[idx].sum()} rows")
         if classes.sum() or box.max() > BOX_TOLERANCE or score.max() > SCORE_TOLERANCE:
             bad.append(label)
+    together = run_onnx(ours, batch, together=True)
+    same = np.array_equal(together.view(np.uint32), mine.view(np.uint32))
+    worst = float(np.abs(together - mine).max())
+    print(f"model.onnx, one batch of {len(batch)} vs single runs: max |diff| {worst:.2g}, "
+          f"classes differ in {int(np.sum(together[:, :, 5] != mine[:, :, 5]))} rows, "
+          f"{'equal' if same else 'not equal'} bit for bit")
+    if not np.array_equal(together[:, :, 5], mine[:, :, 5]) or worst > 1e-5:
+        bad.append("model.onnx batch vs single runs")
     for i, name in enumerate(names):
         rows = [r for r in mine[i] if r[4] >= SHOW]
         print(f"{name}: {len(rows)} detections scoring {SHOW} or more"

@@ -29,12 +29,22 @@ runtime's auto_pad.
   FloorDiv (integers)                     -> (a - FloorMod(a, b)) / b, exact
   Relu, Relu6, Sigmoid, Cast              -> Relu, Clip 0..6, Sigmoid, Cast
   ConcatV2, Reshape, ExpandDims           -> Concat, Reshape, Unsqueeze
+                                             (batch_dynamic: see below)
   StridedSlice (begin/end/shrink masks)   -> Slice (+ Squeeze)
   ResizeBilinear (no corner options)      -> Resize linear, asymmetric, whole-factor scales
   TopKV2 (sorted)                         -> TopK (ties: lower index first in both)
                                              + Cast of the indices to int32
   GatherV2 (batch_dims 0)                 -> Gather
   Identity                                -> the same value
+
+Batch: a graph whose Placeholder has an unknown batch (emotion) maps as it
+is. A graph frozen at batch 1 has that 1 folded into its constant shapes;
+with `Converter(..., batch_dynamic=True)` the caller maps the input with an
+unknown batch, and a Reshape of a [batch, ...] value to a constant shape
+[1, ...] keeps the batch (ONNX's 0 copies it from the input), so the op
+works on each image as it did on the one. Any other Reshape of a value with
+an unknown batch stops the conversion: it mixes the batch with other
+dimensions, and only the model's own converter knows what that meant.
 
 Output bytes are reproducible: names come from the TF node names, initializers
 and nodes are emitted in the graph's order, and opset and IR version are
@@ -176,7 +186,7 @@ class Converter:
     other ops in `convert(extra)`, and then call `model()`.
     """
 
-    def __init__(self, src_dir: str, stem: str, prefix: str = ""):
+    def __init__(self, src_dir: str, stem: str, prefix: str = "", batch_dynamic: bool = False):
         with open(os.path.join(src_dir, f"{stem}.json")) as f:
             graph = json.load(f)
         if graph.get("format") != "graph-model":
@@ -187,6 +197,9 @@ class Converter:
         if consts != set(self.weights):
             fail(f"Const nodes and weights differ: {sorted(consts ^ set(self.weights))}")
         self.prefix = prefix
+        # The graph was frozen at batch 1: a leading 1 in a Reshape's constant
+        # shape is the batch (see `reshape`).
+        self.batch_dynamic = batch_dynamic
         self.nodes = []
         self.inits = []
         self.init_data = {}
@@ -534,12 +547,20 @@ class Converter:
         target = [int(d) for d in np.ravel(self.const(node, 1))]
         if 0 in target or target.count(-1) > 1 or any(d < -1 for d in target):
             fail(f"{node['name']}: shape {target} is not supported")
-        if None in x.shape:
+        dims, rest, batch = x.shape, target, []
+        if self.batch_dynamic and x.shape[:1] == (None,):
+            if target[:1] != [1]:
+                fail(f"{node['name']}: reshaping {x.shape} to {target} mixes the batch with "
+                     "other dimensions; map this op in the model's converter")
+            # The batch the graph was frozen at: 0 copies the input's batch.
+            dims, rest, batch = x.shape[1:], target[1:], [None]
+            target = [0] + rest
+        if None in dims:
             fail(f"{node['name']}: Reshape of {x.shape} needs a static shape")
-        size = int(np.prod(x.shape, dtype=np.int64))
-        known = int(np.prod([d for d in target if d != -1], dtype=np.int64))
-        shape = [size // known if d == -1 else d for d in target]
-        if int(np.prod(shape, dtype=np.int64)) != size:
+        size = int(np.prod(dims, dtype=np.int64))
+        known = int(np.prod([d for d in rest if d != -1], dtype=np.int64))
+        shape = batch + [size // known if d == -1 else d for d in rest]
+        if int(np.prod(shape[len(batch):], dtype=np.int64)) != size:
             fail(f"{node['name']}: cannot reshape {x.shape} to {target}")
         base = self.short(node["name"])
         shape_init = self.init(f"{base}/shape", np.array(target, np.int64))
