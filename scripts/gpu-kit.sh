@@ -9,8 +9,7 @@
 # The kit:
 #   KIT/bin/     release builds (--features cuda, stripped): tidegate-worker,
 #                the bench example, the `gpu` test and the crate's unit tests
-#   KIT/models/  blazeface (and centernet, when fetched, with max_batch 32)
-#                + astronaut.png
+#   KIT/models/  blazeface (and centernet, when fetched) + astronaut.png
 #   KIT/ort-N/   ONNX Runtime's GPU build (the pinned onnxruntime-gpu wheel's
 #                libonnxruntime + CUDA provider, 300 MB), as xz parts of at
 #                most KIT_PART_MB (default 56) each, so that no one transfer
@@ -61,14 +60,6 @@ for m in blazeface centernet; do
     cp "models/$m/model.toml" "models/$m/model.onnx" "$kit/models/$m/"
   fi
 done
-# CenterNet's graph gives batches equal to single runs up to 32
-# (models/centernet/convert.py), but model.toml caps max_batch at 4 for a
-# CPU worker's start-up profile; the kit is for a GPU, so 32.
-if [ -f "$kit/models/centernet/model.toml" ]; then
-  sed -i 's/^max_batch = 4$/max_batch = 32/' "$kit/models/centernet/model.toml"
-  grep -qx 'max_batch = 32' "$kit/models/centernet/model.toml" \
-    || die "models/centernet/model.toml: expected max_batch = 4 to raise to 32 in the kit"
-fi
 cp models/testdata/astronaut.png "$kit/models/testdata/"
 
 say "ONNX Runtime's GPU build (pinned onnxruntime-gpu wheel)"
