@@ -10,8 +10,8 @@
 //! With `--cuda` a third column runs the worker with `cpu_preprocess`:
 //! frames normalised on the CPU and uploaded as f32, against the default u8
 //! upload and NVRTC normalisation on the GPU. Batch sizes above the model's
-//! `max_batch` are skipped. The repository is `models/` of this checkout, or
-//! `TIDEGATE_MODELS_DIR`.
+//! `max_batch` (on the CPU: `cpu_max_batch`, when set) are skipped. The
+//! repository is `models/` of this checkout, or `TIDEGATE_MODELS_DIR`.
 //!
 //! Prints a Markdown table for docs/benchmarks.md. Raw and worker runs
 //! alternate one batch at a time, and each side's median batch time is
@@ -143,9 +143,15 @@ fn main() {
     let mut backend = OrtBackend::open(&repo, &options).unwrap_or_else(|e| panic!("{e}"));
     let opened = t.elapsed();
     let t = Instant::now();
+    // The cap of the provider the backend runs on (cpu_max_batch on a CPU).
+    let max_batch = backend
+        .models()
+        .iter()
+        .find(|m| m.name == name)
+        .map_or(1, |m| m.max_batch);
     let sizes16: Vec<u16> = [1u16, 2, 4, 8, 16, 32]
         .into_iter()
-        .filter(|&b| b <= model.spec.max_batch)
+        .filter(|&b| b <= max_batch)
         .collect();
     backend.profile(name, &sizes16).unwrap();
     let profiled = t.elapsed();
@@ -207,7 +213,7 @@ fn main() {
         "|---|---|---|---|---|---|{}",
         if a.cuda { "---|---|" } else { "" }
     );
-    for &b in a.sizes.iter().filter(|&&b| b <= spec.max_batch as usize) {
+    for &b in a.sizes.iter().filter(|&&b| b <= max_batch as usize) {
         let frames = vec![frame.clone(); b];
         let input: Vec<f32> = one.iter().copied().cycle().take(one.len() * b).collect();
         let shape = vec![b as i64, h as i64, w as i64, 3];

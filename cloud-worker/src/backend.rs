@@ -534,6 +534,12 @@ impl OrtBackend {
             let session = builder
                 .commit_from_file(&model.path)
                 .map_err(|e| session_error(&e))?;
+            // The batch cap of the provider the session really runs on.
+            let effective = match provider {
+                Provider::Cpu => spec.on_cpu(),
+                Provider::Cuda(_) => spec.clone(),
+            };
+            let spec = &effective;
             let decoder = Decoder::new(spec)?;
             check_session(
                 spec,

@@ -43,6 +43,11 @@ pub struct ModelSpec {
     /// Most frames one inference run may carry (1 when the graph's batch
     /// dimension is fixed at 1).
     pub max_batch: u16,
+    /// A lower cap for workers on the CPU provider, where a heavy model
+    /// gains nothing from batching and profiling every batch size up to
+    /// `max_batch` would slow start-up (unset: `max_batch`).
+    #[serde(default)]
+    pub cpu_max_batch: Option<u16>,
     /// The image input.
     pub input: InputSpec,
     /// The outputs the decoder reads, in the order it reads them.
@@ -289,6 +294,16 @@ fn yes() -> bool {
 pub struct RawSpec {}
 
 impl ModelSpec {
+    /// This spec as a worker on the CPU provider serves it: `max_batch`
+    /// lowered to `cpu_max_batch` when that is set.
+    pub fn on_cpu(&self) -> ModelSpec {
+        let mut spec = self.clone();
+        if let Some(cap) = self.cpu_max_batch {
+            spec.max_batch = spec.max_batch.min(cap);
+        }
+        spec
+    }
+
     /// Parses a model.toml. `origin` names the file in errors.
     pub fn from_toml(text: &str, origin: &Path) -> Result<Self, RepositoryError> {
         let spec: ModelSpec = toml::from_str(text).map_err(|e| RepositoryError::Parse {
@@ -317,6 +332,14 @@ impl ModelSpec {
         }
         if self.max_batch == 0 {
             return Err(invalid("max_batch", "is 0; it must be at least 1".into()));
+        }
+        if let Some(cap) = self.cpu_max_batch
+            && (cap == 0 || cap > self.max_batch)
+        {
+            return Err(invalid(
+                "cpu_max_batch",
+                format!("is {cap}; it must be in 1..={} (max_batch)", self.max_batch),
+            ));
         }
         let input = &self.input;
         if input.width == 0 || input.height == 0 {
@@ -1015,6 +1038,27 @@ mod tests {
     }
 
     #[test]
+    fn cpu_max_batch_caps_the_cpu_batch_and_must_fit_max_batch() {
+        let path = Path::new("model.toml");
+        let with = |cap: &str| {
+            ModelSpec::from_toml(
+                &blazeface_toml().replace("max_batch = 32", &format!("max_batch = 32\n{cap}")),
+                path,
+            )
+        };
+        let spec = with("cpu_max_batch = 8").unwrap();
+        assert_eq!((spec.max_batch, spec.on_cpu().max_batch), (32, 8));
+        assert_eq!(with("").unwrap().on_cpu().max_batch, 32);
+        for bad in ["cpu_max_batch = 0", "cpu_max_batch = 33"] {
+            let err = with(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("cpu_max_batch") && err.contains("1..=32"),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
     fn missing_opt_in_model_is_skipped_unless_asked_for() {
         let dir = repo_with("face", b"onnx", None);
         let folder = dir.path().join("extra");
@@ -1042,8 +1086,10 @@ mod tests {
         assert!(!spec.optional && spec.sha256.is_some());
         assert_eq!(
             (spec.max_batch, spec.input.width, spec.input.height),
-            (4, 512, 512)
+            (32, 512, 512)
         );
+        // A CPU worker batches it by 4 at most.
+        assert_eq!(spec.on_cpu().max_batch, 4);
         let DecoderSpec::Boxes(b) = &spec.decoder else {
             panic!("{:?}", spec.decoder);
         };

@@ -313,6 +313,7 @@ mod tests {
             sha256: None,
             optional: false,
             max_batch: 2,
+            cpu_max_batch: None,
             input: InputSpec {
                 name: "in".into(),
                 layout: Layout::Nhwc,
