@@ -53,7 +53,7 @@ import onnx
 from onnx import TensorProto, helper
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from tfjs_onnx import Converter, Value, attr, fail, main_guard  # noqa: E402
+from tfjs_onnx import Converter, Value, attr, fail, convert_command  # noqa: E402
 
 SIZE = 512
 CLASSES = 80
@@ -186,21 +186,5 @@ def check_batches(path: str) -> float:
     return worst
 
 
-def main() -> None:
-    if len(sys.argv) != 3:
-        fail("usage: convert.py SRC_DIR OUT.onnx")
-    src_dir, out = sys.argv[1], sys.argv[2]
-    model = convert(src_dir)
-    onnx.save(model, out + ".tmp")
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        note = "onnxruntime not installed; batch check skipped"
-    else:
-        note = f"batch 2/8/32 outputs equal single runs (max |diff| {check_batches(out + '.tmp'):g})"
-    os.replace(out + ".tmp", out)
-    print(f"convert.py: wrote {out} ({len(model.graph.node)} nodes); {note}")
-
-
 if __name__ == "__main__":
-    main_guard("convert.py", main)
+    convert_command(convert, check_batches)

@@ -84,6 +84,32 @@ def main_guard(tool: str, main) -> None:
         sys.exit(f"{tool}: {e}")
 
 
+def convert_command(convert, check_batches) -> None:
+    """The command line of a model's convert.py: `convert.py SRC_DIR OUT.onnx`.
+    Converts SRC_DIR (the TF.js json + bin) with `convert`, writes OUT.onnx.tmp,
+    runs `check_batches(path)` on it when onnxruntime is importable (it fails
+    unless batch-N outputs equal N single runs, and returns the largest
+    difference), then moves it into place."""
+
+    def main() -> None:
+        if len(sys.argv) != 3:
+            fail("usage: convert.py SRC_DIR OUT.onnx")
+        src_dir, out = sys.argv[1], sys.argv[2]
+        model = convert(src_dir)
+        onnx.save(model, out + ".tmp")
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            note = "onnxruntime not installed; batch check skipped"
+        else:
+            worst = check_batches(out + ".tmp")
+            note = f"batch 2/8/32 outputs equal single runs (max |diff| {worst:g})"
+        os.replace(out + ".tmp", out)
+        print(f"convert.py: wrote {out} ({len(model.graph.node)} nodes); {note}")
+
+    main_guard("convert.py", main)
+
+
 def read_weights(src_dir: str, manifest: list) -> dict:
     """Weights by name, read in manifest order from the concatenated shards."""
     weights = {}
