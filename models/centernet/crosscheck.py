@@ -22,8 +22,6 @@ images as one batch, which must give the rows of its single runs (classes
 equal, values within 1e-5; it says whether they are equal bit for bit).
 """
 
-import base64
-import json
 import os
 import subprocess
 import sys
@@ -31,6 +29,9 @@ import tempfile
 import tomllib
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import tfjs_reference  # noqa: E402
 
 SIZE = 512
 BOX_TOLERANCE = 0.01  # input pixels
@@ -67,93 +68,14 @@ def images(png: str, vtest_dir: str):
     return names, np.stack(out)
 
 
-def read_weights(src_dir: str, manifest: list) -> dict:
-    weights = {}
-    for group in manifest:
-        data = b"".join(open(os.path.join(src_dir, p), "rb").read() for p in group["paths"])
-        offset = 0
-        for w in group["weights"]:
-            count = int(np.prod(w["shape"]))
-            if w.get("quantization", {}).get("dtype") == "float16":
-                a = np.frombuffer(data, "<f2", count, offset).astype(np.float32)
-                offset += 2 * count
-            else:
-                a = np.frombuffer(data, {"float32": "<f4", "int32": "<i4"}[w["dtype"]], count,
-                                  offset)
-                offset += 4 * count
-            weights[w["name"]] = a.reshape(w["shape"])
-        assert offset == len(data)
-    return weights
-
-
-def unfuse(nodes: list) -> list:
-    """TF.js's FusedDepthwiseConv2dNative, which TensorFlow lacks, as the
-    DepthwiseConv2dNative + BiasAdd (+ Relu | Relu6) it stands for."""
-    out = []
-    for node in nodes:
-        if node["op"] != "FusedDepthwiseConv2dNative":
-            out.append(node)
-            continue
-        a = node["attr"]
-        ops = [base64.b64decode(s).decode() for s in a["fused_ops"]["list"]["s"]]
-        assert ops[0] == "BiasAdd" and len(ops) <= 2 and int(a["num_args"]["i"]) == 1, ops
-        name, (x, w, b) = node["name"], node["input"]
-        keep = ("T", "strides", "padding", "dilations", "data_format", "explicit_paddings")
-        out.append({"name": f"{name}/depthwise", "op": "DepthwiseConv2dNative", "input": [x, w],
-                    "attr": {k: v for k, v in a.items() if k in keep}})
-        biased = f"{name}/bias" if len(ops) == 2 else name
-        out.append({"name": biased, "op": "BiasAdd", "input": [f"{name}/depthwise", b],
-                    "attr": {"T": a["T"], "data_format": a["data_format"]}})
-        if len(ops) == 2:
-            out.append({"name": name, "op": ops[1], "input": [biased], "attr": {"T": a["T"]}})
-    return out
-
-
 def tensorflow_side(src_dir: str, png: str, vtest_dir: str, work: str) -> None:
     """Runs in the TensorFlow venv: inputs, TF outputs and tf2onnx's model."""
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    import tensorflow as tf
-    from google.protobuf import json_format
-
-    with open(os.path.join(src_dir, "centernet.json")) as f:
-        model = json.load(f)
-    weights = read_weights(src_dir, model["weightsManifest"])
-    # The export leaves out two attributes TensorFlow and tf2onnx need; both
-    # are set to TensorFlow's defaults.
-    for node in model["modelTopology"]["node"]:
-        a = node.setdefault("attr", {})
-        if node["op"] in ("_FusedConv2D", "FusedDepthwiseConv2dNative") and "TArgs" not in a:
-            a["TArgs"] = {"list": {"type": ["DT_FLOAT"] * int(a["num_args"]["i"])}}
-        if node["op"] == "TopKV2" and "index_type" not in a:
-            a["index_type"] = {"type": "DT_INT32"}
-    patched = os.path.join(work, "tfjs")
-    os.makedirs(patched)
-    with open(os.path.join(patched, "centernet.json"), "w") as f:
-        json.dump(model, f)
-    with open(os.path.join(src_dir, "centernet.bin"), "rb") as f, \
-            open(os.path.join(patched, "centernet.bin"), "wb") as g:
-        g.write(f.read())
-
-    graph_def = json_format.ParseDict({"node": unfuse(model["modelTopology"]["node"])},
-                                      tf.compat.v1.GraphDef())
-    for n in graph_def.node:
-        if n.op == "Const":
-            n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(weights[n.name]))
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
-    session = tf.compat.v1.Session(graph=graph)
-
+    session = tfjs_reference.load(src_dir, "centernet", work)
     names, batch = images(png, vtest_dir)
     tf_out = np.concatenate([session.run("tower_0/detections:0", {"tower_0/images:0": x[None]})
                              for x in batch])
     np.savez(os.path.join(work, "tf.npz"), images=batch, tf=tf_out, names=np.array(names))
-
-    subprocess.run([sys.executable, "-m", "tf2onnx.convert", "--tfjs",
-                    os.path.join(patched, "centernet.json"), "--output",
-                    os.path.join(work, "tf2onnx.onnx"), "--opset", "13"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                   env=dict(os.environ, PYTHONHASHSEED="0"))
+    tfjs_reference.tf2onnx("centernet", work)
 
 
 def run_onnx(path: str, batch: np.ndarray, output: str = None,

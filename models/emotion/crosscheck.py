@@ -17,13 +17,15 @@ It prints the largest absolute difference of the 7 probabilities per pair,
 and exits 1 above 1e-4.
 """
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import tfjs_reference  # noqa: E402
 
 LABELS = ["angry", "disgust", "fear", "happy", "sad", "surprise", "neutral"]
 GRAY = np.array([0.2989, 0.5870, 0.1140], np.float32)
@@ -63,41 +65,7 @@ def human_gray(rgb: np.ndarray) -> np.ndarray:
 
 def tensorflow_side(src_dir: str, png: str, work: str) -> None:
     """Runs in the TensorFlow venv: inputs, TF outputs and tf2onnx's model."""
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    import tensorflow as tf
-    from google.protobuf import json_format
-
-    with open(os.path.join(src_dir, "emotion.json")) as f:
-        model = json.load(f)
-    data = open(os.path.join(src_dir, "emotion.bin"), "rb").read()
-    weights, offset = {}, 0
-    for w in model["weightsManifest"][0]["weights"]:
-        dtype = {"float32": np.float32, "int32": np.int32}[w["dtype"]]
-        count = int(np.prod(w["shape"]))
-        weights[w["name"]] = np.frombuffer(data, dtype, count, offset).reshape(w["shape"])
-        offset += count * 4
-    # The export leaves out TArgs, which TensorFlow and tf2onnx need.
-    for node in model["modelTopology"]["node"]:
-        a = node.setdefault("attr", {})
-        if node["op"] == "_FusedConv2D" and "TArgs" not in a:
-            a["TArgs"] = {"list": {"type": ["DT_FLOAT"] * int(a["num_args"]["i"])}}
-    patched = os.path.join(work, "tfjs")
-    os.makedirs(patched)
-    with open(os.path.join(patched, "emotion.json"), "w") as f:
-        json.dump(model, f)
-    with open(os.path.join(patched, "emotion.bin"), "wb") as f:
-        f.write(data)
-
-    graph_def = json_format.ParseDict({"node": model["modelTopology"]["node"]},
-                                      tf.compat.v1.GraphDef())
-    for n in graph_def.node:
-        if n.op == "Const":
-            n.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(weights[n.name]))
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
-    session = tf.compat.v1.Session(graph=graph)
-
+    session = tfjs_reference.load(src_dir, "emotion", work)
     rng = np.random.default_rng(11)
     random = rng.integers(0, 256, (32, 64, 64, 3), dtype=np.uint8)
     names, real = crops(png)
@@ -105,12 +73,7 @@ def tensorflow_side(src_dir: str, png: str, work: str) -> None:
     rgb = np.concatenate([random, real])
     tf_out = session.run("Identity:0", {"input_1:0": human_gray(rgb)})
     np.savez(os.path.join(work, "tf.npz"), rgb=rgb, tf=tf_out, names=np.array(names))
-
-    subprocess.run([sys.executable, "-m", "tf2onnx.convert", "--tfjs",
-                    os.path.join(patched, "emotion.json"), "--output",
-                    os.path.join(work, "tf2onnx.onnx"), "--opset", "13"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                   env=dict(os.environ, PYTHONHASHSEED="0"))
+    tfjs_reference.tf2onnx("emotion", work)
 
 
 def compare(ours: str, work: str) -> None:
