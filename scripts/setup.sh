@@ -26,6 +26,7 @@ apt_packages=(
   libgstrtspserver-1.0-dev
   python3 python3-pip npm unzip ca-certificates
   python3-venv  # models/fetch.sh: the pinned onnx tools (BlazeFace batch rewrite, emotion and CenterNet conversion)
+  slurmctld slurmd slurm-client munge  # the slurm lease provider's tests run a private one-node cluster
 )
 missing=()
 for p in "${apt_packages[@]}"; do

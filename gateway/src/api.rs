@@ -202,14 +202,7 @@ fn rfc3339_ms(s: &str) -> Option<u64> {
         }
         _ => return None,
     };
-    // days from civil (Howard Hinnant's algorithm)
-    let y2 = if mo <= 2 { y - 1 } else { y };
-    let era = y2.div_euclid(400);
-    let yoe = y2 - era * 400;
-    let mp = (mo + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
+    let days = tidegate_lease::billing::days_from_civil(y, mo, d);
     let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset_min * 60;
     u64::try_from(secs * 1000 + ms).ok()
 }

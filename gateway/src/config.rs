@@ -40,6 +40,8 @@ pub enum ProviderKind {
     Process,
     /// Bind workers that exist and dial in (`[[leasing.static_workers]]`).
     Static,
+    /// Submit each lease as a Slurm batch job (`[leasing.slurm]`).
+    Slurm,
 }
 
 /// `[leasing]`: the lease manager and its autoscaler. `Debug` leaves out
@@ -47,7 +49,7 @@ pub enum ProviderKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeasingConfig {
-    /// `process` or `static`.
+    /// `process`, `static` or `slurm`.
     pub provider: ProviderKind,
     /// Pricing catalog (TOML); default: the built-in one.
     #[serde(default)]
@@ -90,6 +92,9 @@ pub struct LeasingConfig {
     /// The static provider's workers (with `provider = "static"`).
     #[serde(default)]
     pub static_workers: Vec<tidegate_lease::provider::static_workers::StaticWorker>,
+    /// The Slurm provider (required with `provider = "slurm"`).
+    #[serde(default)]
+    pub slurm: Option<tidegate_lease::provider::slurm::SlurmConfig>,
     /// The models to scale.
     #[serde(default)]
     pub models: Vec<ScaledModel>,
@@ -120,6 +125,7 @@ impl std::fmt::Debug for LeasingConfig {
             .field("idle_timeout_secs", &self.idle_timeout_secs)
             .field("process", &self.process)
             .field("static_workers", &statics)
+            .field("slurm", &self.slurm)
             .field("models", &self.models)
             .finish()
     }
@@ -367,7 +373,8 @@ impl Config {
             }
         }
         if let Some(l) = cfg.leasing.as_mut() {
-            for p in [Some(&mut l.ledger), l.catalog.as_mut()]
+            let slurm_conf = l.slurm.as_mut().and_then(|s| s.slurm_conf.as_mut());
+            for p in [Some(&mut l.ledger), l.catalog.as_mut(), slurm_conf]
                 .into_iter()
                 .flatten()
             {
@@ -480,6 +487,29 @@ impl LeasingConfig {
         {
             return bad(format!("leasing.headroom = {h} must be in [0, 10]"));
         }
+        let sections = [
+            (
+                ProviderKind::Process,
+                "[leasing.process]",
+                self.process.is_some(),
+            ),
+            (
+                ProviderKind::Static,
+                "[[leasing.static_workers]]",
+                !self.static_workers.is_empty(),
+            ),
+            (ProviderKind::Slurm, "[leasing.slurm]", self.slurm.is_some()),
+        ];
+        for (kind, section, present) in sections {
+            if present && kind != self.provider {
+                let name = match kind {
+                    ProviderKind::Process => "process",
+                    ProviderKind::Static => "static",
+                    ProviderKind::Slurm => "slurm",
+                };
+                return bad(format!("{section} is only used with provider = \"{name}\""));
+            }
+        }
         match self.provider {
             ProviderKind::Process => {
                 let Some(p) = &self.process else {
@@ -505,16 +535,8 @@ impl LeasingConfig {
                         "leasing.process.preempt_spot_after_secs = {t} must be >= 0"
                     ));
                 }
-                if !self.static_workers.is_empty() {
-                    return bad(
-                        "leasing.static_workers is only used with provider = \"static\"".into(),
-                    );
-                }
             }
             ProviderKind::Static => {
-                if self.process.is_some() {
-                    return bad("[leasing.process] is only used with provider = \"process\"".into());
-                }
                 if self.static_workers.is_empty() {
                     return bad("leasing.provider = \"static\" needs at least one [[leasing.static_workers]]".into());
                 }
@@ -532,6 +554,22 @@ impl LeasingConfig {
                     },
                 )
                 .map_err(|e| ConfigError::Invalid(format!("leasing.static_workers: {e}")))?;
+            }
+            ProviderKind::Slurm => {
+                let Some(s) = &self.slurm else {
+                    return bad(
+                        "leasing.provider = \"slurm\" needs a [leasing.slurm] section with the worker `command` and [leasing.slurm.partitions]".into(),
+                    );
+                };
+                s.validate()
+                    .map_err(|e| ConfigError::Invalid(format!("leasing.slurm.{e}")))?;
+                for t in s.gres.keys() {
+                    if catalog.get(t).is_none() {
+                        return bad(format!(
+                            "leasing.slurm.gres: instance type '{t}' is not in the catalog"
+                        ));
+                    }
+                }
             }
         }
         if self.models.is_empty() {
@@ -659,6 +697,45 @@ mod tests {
         assert!(e.contains("twice"), "{e}");
     }
 
+    const SLURM: &str = "[leasing.slurm]\ncommand = \"tidegate-worker\"\nslurm_conf = \"slurm.conf\"\npartitions = { on_demand = \"gpu\", spot = \"spot\" }\ngres = { h100 = \"gpu:h100:1\" }\n";
+
+    #[test]
+    fn a_slurm_section_validates_and_its_errors_name_the_field() {
+        let slurm = |extra: &str| -> Result<(), ConfigError> {
+            let text =
+                format!("[leasing]\nprovider = \"slurm\"\nledger = \"l.db\"\n{MODEL}{extra}\n");
+            let cfg: Config =
+                toml::from_str(&text).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+            cfg.validate()
+        };
+        slurm(SLURM).unwrap();
+        let e = slurm("").unwrap_err().to_string();
+        assert!(
+            e.contains("[leasing.slurm]") && e.contains("partitions"),
+            "{e}"
+        );
+        let e = slurm(&SLURM.replace("h100 =", "tpu ="))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("leasing.slurm.gres") && e.contains("'tpu'"),
+            "{e}"
+        );
+        let e = slurm(&SLURM.replace("spot = \"spot\"", "spot = \"a b\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("leasing.slurm.partitions.spot"), "{e}");
+        let e = slurm(&format!("{SLURM}{PROCESS}")).unwrap_err().to_string();
+        assert!(
+            e.contains("[leasing.process] is only used with provider = \"process\""),
+            "{e}"
+        );
+        let e = slurm(&SLURM.replace("partitions", "partition"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("partition"), "{e}");
+    }
+
     #[test]
     fn leasing_paths_resolve_against_the_file() {
         let dir = tempfile::tempdir().unwrap();
@@ -672,6 +749,16 @@ mod tests {
         let l = cfg.leasing.unwrap();
         assert_eq!(l.ledger, dir.path().join("data/l.db"));
         assert_eq!(l.process.unwrap().notice_period_secs, 120.0);
+        std::fs::write(
+            &p,
+            format!("[leasing]\nprovider = \"slurm\"\nledger = \"l.db\"\n{SLURM}{MODEL}"),
+        )
+        .unwrap();
+        let l = Config::load(&p).unwrap().leasing.unwrap();
+        assert_eq!(
+            l.slurm.unwrap().slurm_conf,
+            Some(dir.path().join("slurm.conf"))
+        );
     }
 
     #[test]

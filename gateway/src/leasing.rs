@@ -31,6 +31,7 @@ use tidegate_lease::autoscale::{
 };
 use tidegate_lease::ledger::{CostReport, LeaseRecord, Ledger, LedgerError, NewLease};
 use tidegate_lease::provider::process::{ProcessConfig, ProcessProvider};
+use tidegate_lease::provider::slurm::SlurmProvider;
 use tidegate_lease::provider::static_workers::{StaticConfig, StaticProvider};
 use tidegate_lease::provider::{
     Acquired, LeaseSpec, Provider, ProviderError, ProviderEvent, wall_clock_ms,
@@ -189,6 +190,7 @@ enum Source {
         preempt_spot_after: Option<Duration>,
     },
     Static(StaticProvider),
+    Slurm(Box<SlurmProvider>),
 }
 
 impl Source {
@@ -196,6 +198,7 @@ impl Source {
         match self {
             Source::Process { provider, .. } => provider.name(),
             Source::Static(p) => p.name(),
+            Source::Slurm(p) => p.name(),
         }
     }
 
@@ -209,6 +212,7 @@ impl Source {
                 provider.acquire(spec).await
             }
             Source::Static(p) => p.acquire(spec).await,
+            Source::Slurm(p) => p.acquire(spec).await,
         }
     }
 
@@ -216,6 +220,7 @@ impl Source {
         match self {
             Source::Process { provider, .. } => provider.release(lease).await,
             Source::Static(p) => p.release(lease).await,
+            Source::Slurm(p) => p.release(lease).await,
         }
     }
 
@@ -223,6 +228,7 @@ impl Source {
         match self {
             Source::Process { provider, .. } => provider.take_events(),
             Source::Static(p) => p.take_events(),
+            Source::Slurm(p) => p.take_events(),
         }
     }
 }
@@ -260,24 +266,30 @@ pub fn spawn(
     }
     let mut ledger = Ledger::open(&cfg.ledger).map_err(ledger_err)?;
     let now = wall_clock_ms();
+    // workers dial the gateway's QUIC address unless the config's `env`
+    // names another (a Slurm cluster's nodes reach it by its own name)
+    let with_dial = |env: &std::collections::BTreeMap<String, String>| {
+        let mut env = env.clone();
+        let mut dial = quic;
+        if dial.ip().is_unspecified() {
+            dial.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        env.entry("TIDEGATE_GATEWAY_ADDR".into())
+            .or_insert_with(|| dial.to_string());
+        env
+    };
+    let provider_err = |e: ProviderError| LeasingError::Provider(e.to_string());
     let mut source = match cfg.provider {
         ProviderKind::Process => {
             let p = cfg
                 .process
                 .as_ref()
                 .ok_or_else(|| LeasingError::Provider("[leasing.process] is missing".into()))?;
-            let mut env = p.env.clone();
-            let mut dial = quic;
-            if dial.ip().is_unspecified() {
-                dial.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-            }
-            env.entry("TIDEGATE_GATEWAY_ADDR".into())
-                .or_insert_with(|| dial.to_string());
             Source::Process {
                 provider: ProcessProvider::new(ProcessConfig {
                     command: p.command.clone(),
                     args: p.args.clone(),
-                    env: env.into_iter().collect(),
+                    env: with_dial(&p.env).into_iter().collect(),
                     notice_period_secs: p.notice_period_secs,
                 }),
                 preempt_spot_after: p.preempt_spot_after_secs.map(Duration::from_secs_f64),
@@ -289,13 +301,27 @@ pub fn spawn(
             })
             .map_err(|e| LeasingError::Provider(e.to_string()))?,
         ),
+        ProviderKind::Slurm => {
+            let mut s = cfg
+                .slurm
+                .clone()
+                .ok_or_else(|| LeasingError::Provider("[leasing.slurm] is missing".into()))?;
+            s.env = with_dial(&s.env);
+            Source::Slurm(Box::new(SlurmProvider::connect(s).map_err(provider_err)?))
+        }
     };
     // Adopt what still runs, end the rest: no lease outlives its worker.
     let adopted = match &mut source {
         Source::Process { provider, .. } => {
             provider
                 .adopt(&mut ledger, now)
-                .map_err(|e| LeasingError::Provider(e.to_string()))?
+                .map_err(provider_err)?
+                .adopted
+        }
+        Source::Slurm(provider) => {
+            provider
+                .adopt(&mut ledger, now)
+                .map_err(provider_err)?
                 .adopted
         }
         Source::Static(_) => Vec::new(),

@@ -24,6 +24,18 @@ use crate::catalog::Money;
 /// as a value of this type.
 pub type Millis = u64;
 
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's
+/// algorithm); for parsing calendar times into [`Millis`].
+pub fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// One hour in [`Millis`].
 pub const HOUR_MS: Millis = 3_600_000;
 

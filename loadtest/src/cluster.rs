@@ -393,6 +393,28 @@ impl Cluster {
         process: &str,
         files: &[(&str, &str)],
     ) -> anyhow::Result<Cluster> {
+        Self::start_leasing_with(opts, leasing, "process", process, files)
+    }
+
+    /// Like [`Cluster::start_leasing`] with the Slurm provider: `slurm`
+    /// holds the `[leasing.slurm]` keys besides the worker `command` and
+    /// `args` (its `partitions`, `slurm_conf`, …).
+    pub fn start_leasing_slurm(
+        opts: &ClusterOptions,
+        leasing: &str,
+        slurm: &str,
+        files: &[(&str, &str)],
+    ) -> anyhow::Result<Cluster> {
+        Self::start_leasing_with(opts, leasing, "slurm", slurm, files)
+    }
+
+    fn start_leasing_with(
+        opts: &ClusterOptions,
+        leasing: &str,
+        provider: &str,
+        section: &str,
+        files: &[(&str, &str)],
+    ) -> anyhow::Result<Cluster> {
         let worker = bin("tidegate-worker")?;
         Self::launch(opts, |dir| {
             for (name, text) in files {
@@ -404,12 +426,13 @@ impl Cluster {
             std::fs::write(
                 &worker_cfg,
                 format!(
-                    "name = \"leased\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [\"blazeface\"]\n[runtime]\nintra_threads = 1\n",
+                    "name = \"leased\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"{}\"\n[models]\ndir = \"{}\"\nonly = [\"blazeface\"]\n[runtime]\nintra_threads = 1\n",
+                    dir.join("certs/ca.pem").display(),
                     workspace_root().join("models").display()
                 ),
             )?;
             Ok(format!(
-                "[leasing]\n{leasing}\n[leasing.process]\ncommand = \"{}\"\nargs = [\"--config\", \"{}\"]\nenv = {{ TIDEGATE_LOG = \"info\" }}\n{process}\n",
+                "[leasing]\nprovider = \"{provider}\"\n{leasing}\n[leasing.{provider}]\ncommand = \"{}\"\nargs = [\"--config\", \"{}\"]\nenv = {{ TIDEGATE_LOG = \"info\" }}\n{section}\n",
                 worker.display(),
                 worker_cfg.display(),
             ))

@@ -17,12 +17,17 @@
 //! by every worker, so their standalone profiles would over-state what each
 //! delivers here. Every wait is bounded; nothing asserts on speed.
 
+#[path = "support/leasing.rs"]
+mod support;
+
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
-use tidegate_loadtest::report::Report;
-use tidegate_loadtest::sim::{self, SimOptions};
+use support::{
+    CATALOG, assert_every_frame_answered_once, leases, plain, reason, settled_counters, sim_opts,
+    spawn_sim, state, wait_until,
+};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 
 /// One leasing gateway at a time: each spawns several workers.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -31,28 +36,12 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const CATALOG: &str = r#"
-currency = "CNY"
-[[instance]]
-name = "cpu-test"
-gpu_model = "none (test worker on this host)"
-gpus = 0
-gpu_memory_gib = 0.0
-fp16_tflops = 1.0
-memory_bandwidth_gbs = 10.0
-billing = "second"
-billing_minimum_secs = 3
-spot_interruptions_per_hour = 0.0
-startup_secs = 2
-price_per_hour = { on_demand = 3.60, spot = 1.20, reserved = 2.40 }
-"#;
-
 /// Minimum of the test catalog's per-second billing, ms.
 const BILLING_MINIMUM_MS: u64 = 3000;
 
 fn leasing_cluster(policy: &str, min_fps: f64, extra: &str, process: &str) -> Cluster {
     let leasing = format!(
-        "provider = \"process\"\ncatalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"{policy}\"\ntick_ms = 500\nheadroom = 0.0\n{extra}\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = {min_fps}\nworker_fps = 20\nmeasure = false\n"
+        "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"{policy}\"\ntick_ms = 500\nheadroom = 0.0\n{extra}\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = {min_fps}\nworker_fps = 20\nmeasure = false\n"
     );
     Cluster::start_leasing(
         &ClusterOptions {
@@ -65,59 +54,6 @@ fn leasing_cluster(policy: &str, min_fps: f64, extra: &str, process: &str) -> Cl
         &[("catalog.toml", CATALOG)],
     )
     .expect("leasing gateway starts")
-}
-
-fn sim_opts(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
-    SimOptions {
-        gateway: c.quic,
-        server_name: "localhost".into(),
-        ca: c.ca(),
-        edge: "edge-1".into(),
-        token: c.edge_token.clone(),
-        cameras,
-        fps,
-        duration: Duration::from_secs_f64(seconds),
-        model: "blazeface".into(),
-        budget_ms: 80,
-        image: Some(workspace_root().join("models/testdata/astronaut.png")),
-        obey_hints: true,
-    }
-}
-
-/// Runs the simulated cameras on their own thread.
-fn spawn_sim(opts: SimOptions) -> std::thread::JoinHandle<Report> {
-    std::thread::spawn(move || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime")
-            .block_on(sim::run(&opts))
-            .expect("simulation runs")
-    })
-}
-
-fn leases(c: &Cluster, live: bool) -> Vec<Value> {
-    let path = if live {
-        "/api/v1/leases?live=true"
-    } else {
-        "/api/v1/leases"
-    };
-    let (code, body) = c.get(path).expect("GET /api/v1/leases");
-    assert_eq!(code, 200, "{body}");
-    serde_json::from_str::<Value>(&body)
-        .expect("JSON")
-        .as_array()
-        .expect("an array")
-        .clone()
-}
-
-fn state(l: &Value) -> &str {
-    l["state"]["state"].as_str().unwrap_or("?")
-}
-
-fn reason(l: &Value) -> &str {
-    l["state"]["reason"].as_str().unwrap_or("")
 }
 
 fn pid_of(l: &Value) -> Option<u32> {
@@ -169,64 +105,11 @@ fn hello_as_worker(c: &Cluster, name: &str, token: &str) -> Option<String> {
         })
 }
 
-/// The log without ANSI colour sequences.
-fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(ch) = chars.next() {
-        if ch == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(ch);
-        }
-    }
-    out
-}
-
-/// Polls `check` until it holds, or fails with the gateway's log.
-fn wait_until(c: &Cluster, timeout: Duration, what: &str, mut check: impl FnMut() -> bool) {
-    let until = Instant::now() + timeout;
-    while !check() {
-        if Instant::now() > until {
-            let log = c.gateway_log();
-            let tail: Vec<&str> = log.lines().rev().take(60).collect();
-            panic!(
-                "{what}: not within {timeout:?}; leases: {:#?}\ngateway log (last lines, newest first):\n{}",
-                leases(c, false),
-                tail.join("\n")
-            );
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 fn ready_count(c: &Cluster) -> usize {
     leases(c, true)
         .iter()
         .filter(|l| state(l) == "ready")
         .count()
-}
-
-/// The gateway's frame counters once nothing is in flight; they balance.
-fn settled_counters(c: &Cluster) -> Value {
-    let mut v = Value::Null;
-    wait_until(c, Duration::from_secs(10), "frames settle", || {
-        let (code, body) = c.get("/api/v1/frames").expect("GET /api/v1/frames");
-        assert_eq!(code, 200, "{body}");
-        v = serde_json::from_str(&body).expect("JSON");
-        v["queued"] == 0 && v["dispatched"] == 0
-    });
-    let n = |k: &str| v[k].as_u64().unwrap();
-    assert_eq!(
-        n("admitted"),
-        n("ok") + n("shed") + n("expired") + n("failed"),
-        "{v}"
-    );
-    v
 }
 
 /// Every lease the gateway holds is released on a clean stop, and no
@@ -270,9 +153,7 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
         ready_count(&c) >= 2
     });
     let report = sim.join().expect("sim thread");
-    assert_eq!(report.missing, 0, "{report:?}");
-    assert_eq!(report.duplicates, 0, "{report:?}");
-    assert!(report.ok > 0, "{report:?}");
+    assert_every_frame_answered_once(&report);
     let all = leases(&c, false);
     for l in &all {
         assert_eq!(l["tier"], "spot", "paid-block-aware buys spot: {l}");
@@ -361,12 +242,7 @@ fn spot_preemption_replaces_the_worker_and_every_frame_gets_one_result() {
             .any(|l| l["tier"] == "on_demand" && state(l) == "ready")
     });
     let report = sim.join().expect("sim thread");
-    assert_eq!(
-        report.missing, 0,
-        "every sent frame has a result: {report:?}"
-    );
-    assert_eq!(report.duplicates, 0, "{report:?}");
-    assert!(report.ok > 0, "{report:?}");
+    assert_every_frame_answered_once(&report);
     settled_counters(&c);
     for l in leases(&c, false) {
         if reason(&l) == "preempted" {

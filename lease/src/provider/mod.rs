@@ -13,8 +13,12 @@
 //!   preemption.
 //! * [`static_workers::StaticProvider`] hands out workers listed in config,
 //!   which dial in by themselves.
+//! * [`slurm::SlurmProvider`] submits each lease as a Slurm batch job with
+//!   `--gres=gpu`; Slurm's preemption of the spot partition is the spot
+//!   notice.
 
 pub mod process;
+pub mod slurm;
 pub mod static_workers;
 
 use std::future::Future;
@@ -129,6 +133,16 @@ pub enum ProviderError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A Slurm tool failed, or printed what the provider cannot read.
+    #[error("slurm: {what}: {detail}")]
+    Slurm {
+        /// The lease, when the call was for one.
+        lease: Option<LeaseId>,
+        /// The command (or check) that failed.
+        what: String,
+        /// Its exit status and stderr, or the cause.
+        detail: String,
+    },
     /// The ledger failed during adoption.
     #[error("adoption: {0}")]
     Ledger(#[from] crate::ledger::LedgerError),
@@ -136,7 +150,7 @@ pub enum ProviderError {
 
 /// A source of leases.
 pub trait Provider {
-    /// Name stored in the ledger (`process`, `static`).
+    /// Name stored in the ledger (`process`, `static`, `slurm`).
     fn name(&self) -> &'static str;
 
     /// Starts a worker for `spec`.

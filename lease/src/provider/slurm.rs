@@ -1,0 +1,1429 @@
+//! The `slurm` provider: each lease is a Slurm batch job that runs one
+//! `tidegate-worker` on a GPU node.
+//!
+//! Slurm is the engine many GPU clouds hand their users, and it runs on a
+//! single machine for tests (see `lease/tests/slurm_provider.rs`). The
+//! provider talks to it through its own command-line tools (`sbatch`,
+//! `squeue`, `scancel`, `scontrol`), so it needs no library of Slurm's and
+//! works against any version whose output it parses (22.05 and later):
+//!
+//! * **acquire** submits a job with `sbatch --parsable` into the tier's
+//!   partition (on-demand, spot or reserved) with `--gres` from the
+//!   instance type (`gpu:<gpus>` unless configured). The job script `exec`s
+//!   `srun <command> <args>`: running the worker as a job *step* is what
+//!   makes Slurm deliver the preemption SIGTERM to it at the start of the
+//!   partition's `GraceTime`. The lease's identity and one-time token go
+//!   in the environment of `sbatch` (exported to the job), never on a
+//!   command line.
+//! * **watching**: one task polls `squeue` for every held job each
+//!   `poll_interval_ms`. A job Slurm has chosen to preempt shows a
+//!   `PreemptTime`; that is the spot notice, with the deadline
+//!   `PreemptTime + GraceTime` of the partition. The worker, signalled at
+//!   the same moment, drains by itself. When the job ends, the lease ends:
+//!   `preempted` if it was preempted, `failed` if it never ran, `lost`
+//!   otherwise. A preempted job that Slurm requeued (`PreemptMode=REQUEUE`)
+//!   is cancelled: a lease is one run of a worker.
+//! * **release** cancels the job (`scancel`: SIGTERM to the worker, then
+//!   SIGKILL after Slurm's `KillWait`) and waits until Slurm reports it
+//!   ended.
+//! * **adoption**: the ledger keeps each lease's job id. After a gateway
+//!   restart a lease whose job still runs (or is still pending) is watched
+//!   again; any other is ended, so none leaks.
+//!
+//! Readiness comes from the worker's registration, as with the process
+//! provider. A job that stays pending (no free GPU) is ended by the
+//! gateway's `start_timeout_secs`, which releases it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use super::{
+    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
+    wall_clock_ms,
+};
+use crate::billing::{Millis, days_from_civil};
+use crate::catalog::{InstanceType, Tier};
+use crate::ledger::Ledger;
+use crate::lifecycle::{EndReason, LeaseState};
+use crate::table::LeaseId;
+
+/// Provider name in the ledger.
+pub const PROVIDER_NAME: &str = "slurm";
+
+/// A job missing from `squeue` this many polls in a row has ended (one
+/// miss may be a job that is between states on a busy controller).
+const MISSES_TO_END: u32 = 2;
+/// How often `release` checks whether the cancelled job has ended.
+const RELEASE_POLL: Duration = Duration::from_millis(200);
+/// Most characters of a failing command's stderr kept in an error.
+const STDERR_KEPT: usize = 400;
+
+/// Configuration of the Slurm provider (`[leasing.slurm]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlurmConfig {
+    /// Worker command, as the compute nodes see it (`tidegate-worker`).
+    pub command: String,
+    /// Its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Extra environment for every worker, e.g. `TIDEGATE_GATEWAY_ADDR`:
+    /// the address at which the compute nodes reach this gateway.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// The partition of each tier.
+    pub partitions: SlurmPartitions,
+    /// Reserved leases run in this reservation (`--reservation`).
+    #[serde(default)]
+    pub reservation: Option<String>,
+    /// `--gres` per catalog instance type; a type not listed gets
+    /// `gpu:<its gpus>` (and no `--gres` when it has none).
+    #[serde(default)]
+    pub gres: BTreeMap<String, String>,
+    /// Further `sbatch` options for every job (`--cpus-per-task=8`,
+    /// `--mem=32G`, `--time=…`).
+    #[serde(default)]
+    pub sbatch_args: Vec<String>,
+    /// `SLURM_CONF` for the Slurm tools; unset: theirs.
+    #[serde(default)]
+    pub slurm_conf: Option<PathBuf>,
+    /// Folder holding `sbatch`, `squeue`, `scancel`, `scontrol`; unset:
+    /// `PATH`.
+    #[serde(default)]
+    pub bin_dir: Option<PathBuf>,
+    /// Where each job writes its output (`--output`, `%j` is the job id);
+    /// unset: Slurm's default, `slurm-%j.out` in the gateway's folder.
+    #[serde(default)]
+    pub output: Option<String>,
+    /// Job name prefix; the job of lease 12 is `<job_name>-12`.
+    #[serde(default = "default_job_name")]
+    pub job_name: String,
+    /// How often the jobs are polled (ms).
+    #[serde(default = "default_poll_ms")]
+    pub poll_interval_ms: u64,
+    /// Notice period of a preempted spot job (s); unset: the spot
+    /// partition's `GraceTime`.
+    #[serde(default)]
+    pub notice_period_secs: Option<f64>,
+    /// Longest `release` waits for a cancelled job to end (s).
+    #[serde(default = "default_release_timeout_secs")]
+    pub release_timeout_secs: f64,
+}
+
+/// `[leasing.slurm.partitions]`: where each tier's jobs go.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlurmPartitions {
+    /// On-demand leases (a partition nothing preempts).
+    pub on_demand: String,
+    /// Spot leases: a partition that higher-priority partitions preempt
+    /// (`PreemptMode=CANCEL` or `REQUEUE`, with a `GraceTime`); unset: no
+    /// spot leases.
+    #[serde(default)]
+    pub spot: Option<String>,
+    /// Reserved leases; unset: the on-demand partition.
+    #[serde(default)]
+    pub reserved: Option<String>,
+}
+
+fn default_job_name() -> String {
+    "tidegate".into()
+}
+fn default_poll_ms() -> u64 {
+    1000
+}
+fn default_release_timeout_secs() -> f64 {
+    60.0
+}
+
+impl SlurmConfig {
+    /// A config running `command args…` with on-demand jobs in `on_demand`.
+    pub fn new(command: impl Into<String>, args: &[&str], on_demand: &str) -> SlurmConfig {
+        SlurmConfig {
+            command: command.into(),
+            args: args.iter().map(|s| s.to_string()).collect(),
+            env: BTreeMap::new(),
+            partitions: SlurmPartitions {
+                on_demand: on_demand.into(),
+                spot: None,
+                reserved: None,
+            },
+            reservation: None,
+            gres: BTreeMap::new(),
+            sbatch_args: Vec::new(),
+            slurm_conf: None,
+            bin_dir: None,
+            output: None,
+            job_name: default_job_name(),
+            poll_interval_ms: default_poll_ms(),
+            notice_period_secs: None,
+            release_timeout_secs: default_release_timeout_secs(),
+        }
+    }
+
+    /// Checks what serde cannot; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.command.trim().is_empty() {
+            return Err("command is empty; name the tidegate-worker binary".into());
+        }
+        if !(50..=600_000).contains(&self.poll_interval_ms) {
+            return Err(format!(
+                "poll_interval_ms = {} must be between 50 and 600000",
+                self.poll_interval_ms
+            ));
+        }
+        if let Some(n) = self.notice_period_secs
+            && !(n.is_finite() && n >= 0.0)
+        {
+            return Err(format!("notice_period_secs = {n} must be >= 0"));
+        }
+        if !(self.release_timeout_secs.is_finite() && self.release_timeout_secs > 0.0) {
+            return Err(format!(
+                "release_timeout_secs = {} must be > 0",
+                self.release_timeout_secs
+            ));
+        }
+        let name_ok = |s: &str| {
+            !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        };
+        if !name_ok(&self.job_name) {
+            return Err(format!(
+                "job_name = {:?} must be letters, digits, '-', '_' or '.'",
+                self.job_name
+            ));
+        }
+        let parts = &self.partitions;
+        for (field, p) in [
+            ("partitions.on_demand", Some(&parts.on_demand)),
+            ("partitions.spot", parts.spot.as_ref()),
+            ("partitions.reserved", parts.reserved.as_ref()),
+        ] {
+            if let Some(p) = p
+                && !name_ok(p)
+            {
+                return Err(format!("{field} = {p:?} is not a partition name"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The partition for `tier`, or why there is none.
+    pub fn partition(&self, tier: Tier) -> Option<&str> {
+        match tier {
+            Tier::OnDemand => Some(&self.partitions.on_demand),
+            Tier::Spot => self.partitions.spot.as_deref(),
+            Tier::Reserved => Some(
+                self.partitions
+                    .reserved
+                    .as_deref()
+                    .unwrap_or(&self.partitions.on_demand),
+            ),
+        }
+    }
+
+    /// `--gres` for an instance type; `None` for a CPU type.
+    pub fn gres_for(&self, instance: &InstanceType) -> Option<String> {
+        match self.gres.get(&instance.name) {
+            Some(g) => Some(g.clone()),
+            None if instance.gpus > 0 => Some(format!("gpu:{}", instance.gpus)),
+            None => None,
+        }
+    }
+
+    /// The `sbatch` arguments for a lease (the script comes on stdin).
+    pub fn sbatch_args(&self, spec: &LeaseSpec) -> Result<Vec<String>, ProviderError> {
+        let partition = self
+            .partition(spec.tier)
+            .ok_or_else(|| ProviderError::NoCapacity {
+                instance_type: spec.instance.name.clone(),
+                tier: spec.tier,
+                detail: "no Slurm partition is configured for spot leases \
+                         (leasing.slurm.partitions.spot)"
+                    .into(),
+            })?;
+        let mut args = vec![
+            "--parsable".to_string(),
+            format!("--job-name={}-{}", self.job_name, spec.lease.0),
+            format!("--partition={partition}"),
+            "--ntasks=1".into(),
+            "--export=ALL".into(),
+        ];
+        if let Some(g) = self.gres_for(&spec.instance) {
+            args.push(format!("--gres={g}"));
+        }
+        if spec.tier == Tier::Reserved
+            && let Some(r) = &self.reservation
+        {
+            args.push(format!("--reservation={r}"));
+        }
+        if let Some(o) = &self.output {
+            args.push(format!("--output={o}"));
+        }
+        args.extend(self.sbatch_args.iter().cloned());
+        Ok(args)
+    }
+
+    /// The batch script: the worker as one job step, so that Slurm's
+    /// preemption signal reaches it.
+    pub fn script(&self) -> String {
+        let argv: Vec<String> = std::iter::once(&self.command)
+            .chain(&self.args)
+            .map(|a| shell_quote(a))
+            .collect();
+        format!(
+            "#!/bin/sh\n# tidegate lease: one worker as one job step\nexec srun --ntasks=1 --kill-on-bad-exit=1 -- {}\n",
+            argv.join(" ")
+        )
+    }
+}
+
+/// `s` as one POSIX shell word.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,@%+".contains(c))
+    {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// A Slurm job id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct JobId(pub u64);
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// What the ledger keeps about a Slurm lease, to adopt it later.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlurmData {
+    /// The job.
+    pub job_id: JobId,
+    /// The partition it was submitted to.
+    pub partition: String,
+}
+
+/// Parses `sbatch --parsable` output: `<id>` or `<id>;<cluster>`.
+pub fn parse_job_id(stdout: &str) -> Option<JobId> {
+    let line = stdout.lines().map(str::trim).find(|l| !l.is_empty())?;
+    let id = line.split(';').next()?.trim();
+    id.parse().ok().filter(|n| *n > 0).map(JobId)
+}
+
+/// A job's state, as `squeue` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobState {
+    /// Waiting for resources (or requeued).
+    Pending,
+    /// Nodes are booting for it.
+    Configuring,
+    /// Running.
+    Running,
+    /// Stopped and held.
+    Suspended,
+    /// Ending: its processes are being cleaned up.
+    Completing,
+    /// Ended; the state name (`COMPLETED`, `CANCELLED`, `PREEMPTED`,
+    /// `FAILED`, `NODE_FAIL`, `TIMEOUT`, …).
+    Ended(String),
+}
+
+impl JobState {
+    /// Parses an `squeue` `State`: every state not known to be live is an
+    /// end, so a Slurm with new end states cannot keep a lease alive.
+    pub fn parse(s: &str) -> JobState {
+        match s.trim() {
+            "PENDING" | "REQUEUED" | "REQUEUE_HOLD" | "REQUEUE_FED" | "RESV_DEL_HOLD" => {
+                JobState::Pending
+            }
+            "CONFIGURING" | "POWER_UP_NODE" | "RESIZING" => JobState::Configuring,
+            "RUNNING" | "SIGNALING" | "STAGE_OUT" => JobState::Running,
+            "SUSPENDED" | "STOPPED" => JobState::Suspended,
+            "COMPLETING" => JobState::Completing,
+            other => JobState::Ended(other.to_string()),
+        }
+    }
+}
+
+/// One `squeue` row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobInfo {
+    /// The job.
+    pub id: JobId,
+    /// Its state.
+    pub state: JobState,
+    /// When Slurm chose to preempt it (ms since epoch).
+    pub preempt_time: Option<Millis>,
+    /// Slurm's reason (why pending, why it failed).
+    pub reason: String,
+}
+
+/// The `squeue -O` format [`parse_squeue`] reads, times in UTC.
+pub const SQUEUE_FORMAT: &str = "JobID:|,State:|,PreemptTime:|,Reason:|";
+
+/// Parses `squeue --noheader -O` [`SQUEUE_FORMAT`] output. Lines that do
+/// not parse are skipped (and counted in the second value).
+pub fn parse_squeue(stdout: &str) -> (Vec<JobInfo>, usize) {
+    let mut jobs = Vec::new();
+    let mut bad = 0;
+    for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
+        let mut f = line.split('|');
+        let (Some(id), Some(state), Some(preempt)) = (f.next(), f.next(), f.next()) else {
+            bad += 1;
+            continue;
+        };
+        let reason = f.next().unwrap_or("").trim().to_string();
+        // array and het jobs print `12_3` / `12+1`; ours are plain
+        let Ok(id) = id.trim().parse::<u64>() else {
+            bad += 1;
+            continue;
+        };
+        jobs.push(JobInfo {
+            id: JobId(id),
+            state: JobState::parse(state),
+            preempt_time: parse_utc(preempt.trim()),
+            reason,
+        });
+    }
+    (jobs, bad)
+}
+
+/// Parses Slurm's `YYYY-MM-DDTHH:MM:SS` (printed in UTC: the tools run
+/// with `TZ=UTC`) to ms since the epoch; `N/A`, `None`, `Unknown` → `None`.
+pub fn parse_utc(s: &str) -> Option<Millis> {
+    let (date, time) = s.split_once('T')?;
+    let mut d = date.split('-').map(|p| p.parse::<i64>());
+    let (y, mo, da) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let mut t = time.split(':').map(|p| p.parse::<i64>());
+    let (h, mi, se) = (t.next()?.ok()?, t.next()?.ok()?, t.next()?.ok()?);
+    if d.next().is_some()
+        || t.next().is_some()
+        || !(1..=12).contains(&mo)
+        || !(1..=31).contains(&da)
+        || !(0..24).contains(&h)
+        || !(0..60).contains(&mi)
+        || !(0..=60).contains(&se)
+    {
+        return None;
+    }
+    let days = days_from_civil(y, mo, da);
+    let secs = days * 86_400 + h * 3600 + mi * 60 + se;
+    u64::try_from(secs).ok().map(|s| s * 1000)
+}
+
+/// Parses `GraceTime=<secs>` from `scontrol show partition -o` output.
+pub fn parse_grace_secs(stdout: &str) -> Option<u64> {
+    stdout
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("GraceTime="))
+        .and_then(|v| v.parse().ok())
+}
+
+/// What the provider knows of one held job between polls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobWatch {
+    /// The lease.
+    pub lease: LeaseId,
+    /// Its job.
+    pub job: JobId,
+    /// It was seen running (so an end is a loss, not a failed start).
+    pub ran: bool,
+    /// Its preemption notice was sent.
+    pub noticed: bool,
+    /// Polls in a row it was missing from `squeue`.
+    pub misses: u32,
+}
+
+/// What one poll means for a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Nothing new.
+    Nothing,
+    /// Send the spot notice.
+    Notice {
+        /// When Slurm kills it (ms since epoch).
+        deadline: Millis,
+    },
+    /// Preempted and requeued: cancel it, then it ended as preempted.
+    CancelRequeued {
+        /// The notice to send first, if no poll saw the preemption coming.
+        late_notice: Option<Millis>,
+    },
+    /// The job ended.
+    Ended {
+        /// Why, for the ledger.
+        reason: EndReason,
+        /// For logs.
+        detail: String,
+        /// The notice to send first: a preempted job whose worker drained
+        /// and exited between two polls still gets its notice (so the
+        /// autoscaler replaces it as a preemption).
+        late_notice: Option<Millis>,
+    },
+}
+
+impl JobWatch {
+    /// A job just submitted (or adopted: `ran` if it was running).
+    pub fn new(lease: LeaseId, job: JobId, ran: bool) -> JobWatch {
+        JobWatch {
+            lease,
+            job,
+            ran,
+            noticed: false,
+            misses: 0,
+        }
+    }
+
+    /// Folds one `squeue` observation (`None`: the job is not listed) into
+    /// the watch. Pure: `now` and the notice period are given.
+    pub fn observe(&mut self, info: Option<&JobInfo>, now: Millis, notice: Duration) -> Step {
+        let Some(info) = info else {
+            self.misses += 1;
+            if self.misses < MISSES_TO_END {
+                return Step::Nothing;
+            }
+            return Step::Ended {
+                reason: self.end_reason(false),
+                detail: format!("Slurm job {} is no longer known to Slurm", self.job),
+                late_notice: None,
+            };
+        };
+        self.misses = 0;
+        let preempted = info.preempt_time.is_some()
+            || matches!(&info.state, JobState::Ended(s) if s == "PREEMPTED");
+        let deadline = info.preempt_time.unwrap_or(now) + notice.as_millis() as Millis;
+        let late_notice = (preempted && !self.noticed).then_some(deadline);
+        match &info.state {
+            JobState::Ended(state) => Step::Ended {
+                reason: self.end_reason(preempted),
+                detail: format!(
+                    "Slurm job {} ended {state} (reason {})",
+                    self.job, info.reason
+                ),
+                late_notice,
+            },
+            JobState::Pending if self.ran || self.noticed || preempted => {
+                // requeued after preemption (or after a node failure): a
+                // lease is one run, and its worker is gone
+                Step::CancelRequeued { late_notice }
+            }
+            JobState::Pending | JobState::Configuring => Step::Nothing,
+            JobState::Running | JobState::Suspended | JobState::Completing => {
+                if matches!(info.state, JobState::Running) {
+                    self.ran = true;
+                }
+                if preempted && !self.noticed {
+                    self.noticed = true;
+                    Step::Notice { deadline }
+                } else {
+                    Step::Nothing
+                }
+            }
+        }
+    }
+
+    fn end_reason(&self, preempted: bool) -> EndReason {
+        if preempted || self.noticed {
+            EndReason::Preempted
+        } else if self.ran {
+            EndReason::Lost
+        } else {
+            EndReason::Failed
+        }
+    }
+}
+
+/// The Slurm tools, with this provider's `SLURM_CONF` and `TZ=UTC`.
+#[derive(Debug, Clone)]
+struct Tools {
+    bin_dir: Option<PathBuf>,
+    slurm_conf: Option<PathBuf>,
+}
+
+/// A Slurm tool that failed.
+fn tool_error(lease: Option<LeaseId>, what: String, detail: String) -> ProviderError {
+    ProviderError::Slurm {
+        lease,
+        what,
+        detail,
+    }
+}
+
+impl Tools {
+    fn program(&self, tool: &str) -> PathBuf {
+        match &self.bin_dir {
+            Some(d) => d.join(tool),
+            None => PathBuf::from(tool),
+        }
+    }
+
+    fn env(&self) -> Vec<(OsString, OsString)> {
+        let mut env = vec![(OsString::from("TZ"), OsString::from("UTC"))];
+        if let Some(c) = &self.slurm_conf {
+            env.push(("SLURM_CONF".into(), c.clone().into_os_string()));
+        }
+        env
+    }
+
+    /// The stdout of a tool that succeeded, else the error.
+    fn check(
+        lease: Option<LeaseId>,
+        what: String,
+        out: std::io::Result<std::process::Output>,
+    ) -> Result<String, ProviderError> {
+        let out = out.map_err(|e| tool_error(lease, what.clone(), e.to_string()))?;
+        if out.status.success() {
+            return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+        }
+        // some tools (scontrol) say what went wrong on stdout
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let mut detail = match stderr.trim() {
+            "" => stdout.trim().to_string(),
+            s => s.to_string(),
+        };
+        if detail.len() > STDERR_KEPT {
+            let cut = (0..=STDERR_KEPT)
+                .rev()
+                .find(|i| detail.is_char_boundary(*i))
+                .unwrap_or(0);
+            detail.truncate(cut);
+        }
+        Err(tool_error(lease, what, format!("{}: {detail}", out.status)))
+    }
+
+    /// Runs a tool, blocking (start-up checks and adoption only).
+    fn run_blocking(&self, tool: &str, args: &[String]) -> Result<String, ProviderError> {
+        let out = std::process::Command::new(self.program(tool))
+            .args(args)
+            .envs(self.env())
+            .stdin(std::process::Stdio::null())
+            .output();
+        Tools::check(None, format!("{tool} {}", args.join(" ")), out)
+    }
+
+    /// Runs a tool; `stdin` is written to it; `env` is added.
+    async fn run(
+        &self,
+        lease: Option<LeaseId>,
+        tool: &str,
+        args: &[String],
+        stdin: Option<&str>,
+        env: &[(String, String)],
+    ) -> Result<String, ProviderError> {
+        use tokio::io::AsyncWriteExt;
+        let what = format!("{tool} {}", args.join(" "));
+        let mut cmd = tokio::process::Command::new(self.program(tool));
+        cmd.args(args)
+            .envs(self.env())
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(if stdin.is_some() {
+                std::process::Stdio::piped()
+            } else {
+                std::process::Stdio::null()
+            })
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| tool_error(lease, what.clone(), e.to_string()))?;
+        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(text.as_bytes())
+                .await
+                .map_err(|e| tool_error(lease, what.clone(), format!("writing stdin: {e}")))?;
+        }
+        Tools::check(lease, what, child.wait_with_output().await)
+    }
+
+    fn squeue_args(jobs: &[JobId]) -> Vec<String> {
+        let ids: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
+        vec![
+            "--noheader".into(),
+            "--states=all".into(),
+            format!("--jobs={}", ids.join(",")),
+            format!("--Format={SQUEUE_FORMAT}"),
+        ]
+    }
+
+    /// `squeue` of `jobs`: the listed ones. Slurm fails the whole call
+    /// when none of the ids is known; that is an empty list.
+    fn squeue_result(out: Result<String, ProviderError>) -> Result<Vec<JobInfo>, ProviderError> {
+        match out {
+            Ok(text) => {
+                let (jobs, bad) = parse_squeue(&text);
+                if bad > 0 {
+                    tracing::warn!(bad, "squeue printed lines that do not parse");
+                }
+                Ok(jobs)
+            }
+            Err(ProviderError::Slurm { ref detail, .. })
+                if detail.contains("Invalid job id specified") =>
+            {
+                Ok(Vec::new())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn squeue(&self, jobs: &[JobId]) -> Result<Vec<JobInfo>, ProviderError> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let out = self
+            .run(None, "squeue", &Tools::squeue_args(jobs), None, &[])
+            .await;
+        Tools::squeue_result(out)
+    }
+
+    fn squeue_blocking(&self, jobs: &[JobId]) -> Result<Vec<JobInfo>, ProviderError> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        Tools::squeue_result(self.run_blocking("squeue", &Tools::squeue_args(jobs)))
+    }
+}
+
+/// The outcome of [`SlurmProvider::adopt`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Adoption {
+    /// Leases whose job still runs (or waits) and is watched again.
+    pub adopted: Vec<LeaseId>,
+    /// Leases ended in the ledger (job gone, or never submitted).
+    pub ended: Vec<(LeaseId, EndReason)>,
+}
+
+#[derive(Debug)]
+enum Cmd {
+    Watch(JobWatch),
+    /// Stop watching (release, detach); the reply comes once no event for
+    /// it can follow.
+    Forget(LeaseId, oneshot::Sender<()>),
+}
+
+/// The Slurm provider.
+#[derive(Debug)]
+pub struct SlurmProvider {
+    cfg: SlurmConfig,
+    tools: Tools,
+    notice: Duration,
+    jobs: HashMap<LeaseId, JobId>,
+    cmds: mpsc::UnboundedSender<Cmd>,
+    poller: JoinHandle<()>,
+    events_rx: Option<mpsc::Receiver<ProviderEvent>>,
+}
+
+impl SlurmProvider {
+    /// Checks the configuration against the cluster (every partition
+    /// exists; the spot partition's `GraceTime` is the notice period unless
+    /// configured) and starts the poller. Blocks on `scontrol`; must be
+    /// called inside a tokio runtime.
+    pub fn connect(cfg: SlurmConfig) -> Result<SlurmProvider, ProviderError> {
+        cfg.validate()
+            .map_err(|e| tool_error(None, "leasing.slurm".into(), e))?;
+        let tools = Tools {
+            bin_dir: cfg.bin_dir.clone(),
+            slurm_conf: cfg.slurm_conf.clone(),
+        };
+        let mut grace = None;
+        let parts = &cfg.partitions;
+        for (tier, p) in [
+            (Tier::OnDemand, Some(&parts.on_demand)),
+            (Tier::Spot, parts.spot.as_ref()),
+            (Tier::Reserved, parts.reserved.as_ref()),
+        ] {
+            let Some(p) = p else { continue };
+            let out = tools
+                .run_blocking(
+                    "scontrol",
+                    &[
+                        "show".into(),
+                        "partition".into(),
+                        "--oneliner".into(),
+                        p.clone(),
+                    ],
+                )
+                .map_err(|e| match e {
+                    ProviderError::Slurm { detail, .. } => tool_error(
+                        None,
+                        format!("checking the {tier} partition {p:?}"),
+                        format!(
+                            "{detail}; is it in slurm.conf, and is SLURM_CONF ({}) right?",
+                            cfg.slurm_conf
+                                .as_ref()
+                                .map_or("default".into(), |c| c.display().to_string())
+                        ),
+                    ),
+                    other => other,
+                })?;
+            if tier == Tier::Spot {
+                grace = parse_grace_secs(&out);
+            }
+        }
+        let notice = match (cfg.notice_period_secs, grace) {
+            (Some(s), _) => Duration::from_secs_f64(s),
+            (None, Some(g)) => Duration::from_secs(g),
+            (None, None) => Duration::ZERO,
+        };
+        let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
+        let (cmds, rx) = mpsc::unbounded_channel();
+        let poller = tokio::spawn(poll(
+            tools.clone(),
+            Duration::from_millis(cfg.poll_interval_ms),
+            notice,
+            rx,
+            events_tx,
+        ));
+        Ok(SlurmProvider {
+            cfg,
+            tools,
+            notice,
+            jobs: HashMap::new(),
+            cmds,
+            poller,
+            events_rx: Some(events_rx),
+        })
+    }
+
+    /// The notice period a preempted spot lease gets.
+    pub fn notice_period(&self) -> Duration {
+        self.notice
+    }
+
+    /// The job of a held lease.
+    pub fn job(&self, lease: LeaseId) -> Option<JobId> {
+        self.jobs.get(&lease).copied()
+    }
+
+    /// Leases held.
+    pub fn held(&self) -> Vec<LeaseId> {
+        let mut v: Vec<LeaseId> = self.jobs.keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    /// Re-adopts the live `slurm` leases recorded in `ledger`, ending the
+    /// ones whose job is gone. Blocks on `squeue` (it runs once, at start);
+    /// a controller that cannot answer fails it, since ending leases whose
+    /// jobs may well run would leak them.
+    pub fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
+        let recs = ledger.live_leases()?;
+        let ids: Vec<JobId> = recs
+            .iter()
+            .filter(|r| r.provider == PROVIDER_NAME)
+            .filter_map(|r| r.provider_data.as_deref())
+            .filter_map(|d| serde_json::from_str::<SlurmData>(d).ok())
+            .map(|d| d.job_id)
+            .collect();
+        let infos = self.tools.squeue_blocking(&ids)?;
+        let mut out = Adoption::default();
+        for r in recs.into_iter().filter(|r| r.provider == PROVIDER_NAME) {
+            let job = r
+                .provider_data
+                .as_deref()
+                .and_then(|d| serde_json::from_str::<SlurmData>(d).ok())
+                .map(|d| d.job_id);
+            let live = job
+                .and_then(|j| infos.iter().find(|i| i.id == j))
+                .filter(|i| !matches!(i.state, JobState::Ended(_)));
+            if let (Some(job), Some(info)) = (job, live) {
+                let ran = !matches!(info.state, JobState::Pending | JobState::Configuring);
+                self.watch(JobWatch::new(r.id, job, ran))?;
+                tracing::info!(lease = %r.id, %job, "adopted Slurm job after restart");
+                out.adopted.push(r.id);
+            } else {
+                let reason = if r.state == LeaseState::Requested {
+                    EndReason::Failed
+                } else {
+                    EndReason::Lost
+                };
+                ledger.mark_ended(r.id, now, reason)?;
+                tracing::warn!(lease = %r.id, job = ?job, "Slurm job gone after restart; lease ended");
+                out.ended.push((r.id, reason));
+            }
+        }
+        Ok(out)
+    }
+
+    fn watch(&mut self, w: JobWatch) -> Result<(), ProviderError> {
+        let (lease, job) = (w.lease, w.job);
+        self.cmds.send(Cmd::Watch(w)).map_err(|_| {
+            tool_error(
+                Some(lease),
+                "watching its job".into(),
+                "the poller has stopped".into(),
+            )
+        })?;
+        self.jobs.insert(lease, job);
+        Ok(())
+    }
+
+    async fn forget(&mut self, lease: LeaseId) {
+        let (tx, rx) = oneshot::channel();
+        if self.cmds.send(Cmd::Forget(lease, tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// Stops watching every job WITHOUT cancelling it, as a crash of the
+    /// gateway would. The next provider over the same ledger adopts them.
+    pub async fn detach_all(mut self) {
+        for lease in self.held() {
+            self.forget(lease).await;
+        }
+        self.jobs.clear();
+        self.poller.abort();
+    }
+
+    /// Releases every lease (cancels its job and waits for its end).
+    pub async fn shutdown(mut self) {
+        for lease in self.held() {
+            if let Err(e) = self.release(lease).await {
+                tracing::warn!(%lease, error = %e, "release at shutdown");
+            }
+        }
+        self.poller.abort();
+    }
+}
+
+impl Drop for SlurmProvider {
+    fn drop(&mut self) {
+        // Jobs are not ours to kill on drop: they outlive the gateway
+        // like a cloud instance would, and the ledger adopts them.
+        self.poller.abort();
+    }
+}
+
+impl Provider for SlurmProvider {
+    fn name(&self) -> &'static str {
+        PROVIDER_NAME
+    }
+
+    async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+        if self.jobs.contains_key(&spec.lease) {
+            return Err(ProviderError::Duplicate(spec.lease));
+        }
+        let args = self.cfg.sbatch_args(&spec)?;
+        let mut env: Vec<(String, String)> = self
+            .cfg
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        env.extend([
+            ("TIDEGATE_LEASE_ID".to_string(), spec.lease.0.to_string()),
+            (
+                "TIDEGATE_LEASE_TOKEN".into(),
+                spec.token.expose().to_string(),
+            ),
+            ("TIDEGATE_INSTANCE_TYPE".into(), spec.instance.name.clone()),
+            ("TIDEGATE_GPU_MODEL".into(), spec.instance.gpu_model.clone()),
+            ("TIDEGATE_LEASE_TIER".into(), spec.tier.as_str().to_string()),
+        ]);
+        let script = self.cfg.script();
+        let out = self
+            .tools
+            .run(Some(spec.lease), "sbatch", &args, Some(&script), &env)
+            .await?;
+        let job = parse_job_id(&out).ok_or_else(|| {
+            tool_error(
+                Some(spec.lease),
+                "sbatch".into(),
+                format!("no job id in its output {:?}", out.trim()),
+            )
+        })?;
+        let partition = self
+            .cfg
+            .partition(spec.tier)
+            .unwrap_or_default()
+            .to_string();
+        self.watch(JobWatch::new(spec.lease, job, false))?;
+        tracing::info!(lease = %spec.lease, %job, %partition, instance = %spec.instance.name, tier = %spec.tier, "Slurm job submitted");
+        let data = SlurmData {
+            job_id: job,
+            partition,
+        };
+        Ok(Acquired {
+            lease: spec.lease,
+            pid: None,
+            provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
+            token: None,
+        })
+    }
+
+    async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+        let job = *self
+            .jobs
+            .get(&lease)
+            .ok_or(ProviderError::UnknownLease(lease))?;
+        self.forget(lease).await;
+        self.jobs.remove(&lease);
+        self.tools
+            .run(Some(lease), "scancel", &[job.to_string()], None, &[])
+            .await?;
+        let give_up =
+            tokio::time::Instant::now() + Duration::from_secs_f64(self.cfg.release_timeout_secs);
+        loop {
+            let infos = self.tools.squeue(&[job]).await?;
+            match infos.iter().find(|i| i.id == job) {
+                None => break,
+                Some(i) if matches!(i.state, JobState::Ended(_)) => break,
+                Some(i) if tokio::time::Instant::now() >= give_up => {
+                    return Err(tool_error(
+                        Some(lease),
+                        format!("waiting for cancelled job {job} to end"),
+                        format!(
+                            "still {:?} after {} s",
+                            i.state, self.cfg.release_timeout_secs
+                        ),
+                    ));
+                }
+                Some(_) => tokio::time::sleep(RELEASE_POLL).await,
+            }
+        }
+        tracing::info!(%lease, %job, "Slurm job cancelled");
+        Ok(())
+    }
+
+    fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
+        self.events_rx.take()
+    }
+}
+
+/// The poller: owns the watches, polls `squeue`, sends events.
+async fn poll(
+    tools: Tools,
+    every: Duration,
+    notice: Duration,
+    mut cmds: mpsc::UnboundedReceiver<Cmd>,
+    events: mpsc::Sender<ProviderEvent>,
+) {
+    let mut watches: HashMap<LeaseId, JobWatch> = HashMap::new();
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            cmd = cmds.recv() => match cmd {
+                Some(Cmd::Watch(w)) => {
+                    watches.insert(w.lease, w);
+                }
+                Some(Cmd::Forget(lease, done)) => {
+                    watches.remove(&lease);
+                    let _ = done.send(());
+                }
+                None => return,
+            },
+            _ = tick.tick() => {
+                if watches.is_empty() {
+                    continue;
+                }
+                let jobs: Vec<JobId> = watches.values().map(|w| w.job).collect();
+                match tools.squeue(&jobs).await {
+                    Ok(infos) => {
+                        failures = 0;
+                        if !poll_once(&tools, &mut watches, &infos, notice, &events).await {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        // the controller may be restarting; the jobs run on
+                        failures += 1;
+                        if failures == 1 || failures.is_multiple_of(30) {
+                            tracing::warn!(error = %e, failures, "squeue failed; leases kept as they were");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Folds one `squeue` answer into the watches and sends what it means;
+/// `false` once nobody listens to the events.
+async fn poll_once(
+    tools: &Tools,
+    watches: &mut HashMap<LeaseId, JobWatch>,
+    infos: &[JobInfo],
+    notice: Duration,
+    events: &mpsc::Sender<ProviderEvent>,
+) -> bool {
+    let now = wall_clock_ms();
+    let mut ended = Vec::new();
+    let mut out = Vec::new();
+    for w in watches.values_mut() {
+        let (lease, job) = (w.lease, w.job);
+        let info = infos.iter().find(|i| i.id == job);
+        let notice_first = |deadline: Option<Millis>, out: &mut Vec<ProviderEvent>| {
+            if let Some(deadline) = deadline {
+                out.push(ProviderEvent::PreemptionNotice { lease, deadline });
+            }
+        };
+        match w.observe(info, now, notice) {
+            Step::Nothing => {}
+            Step::Notice { deadline } => {
+                tracing::info!(%lease, %job, deadline, "Slurm preempts the job: spot notice");
+                notice_first(Some(deadline), &mut out);
+            }
+            Step::CancelRequeued { late_notice } => {
+                let r = tools
+                    .run(Some(lease), "scancel", &[job.to_string()], None, &[])
+                    .await;
+                if let Err(e) = r {
+                    tracing::warn!(%lease, %job, error = %e, "cancelling a requeued job");
+                }
+                notice_first(late_notice, &mut out);
+                ended.push(lease);
+                out.push(ProviderEvent::Ended {
+                    lease,
+                    reason: EndReason::Preempted,
+                    detail: format!("Slurm job {job} was preempted and requeued; cancelled"),
+                });
+            }
+            Step::Ended {
+                reason,
+                detail,
+                late_notice,
+            } => {
+                notice_first(late_notice, &mut out);
+                ended.push(lease);
+                out.push(ProviderEvent::Ended {
+                    lease,
+                    reason,
+                    detail,
+                });
+            }
+        }
+    }
+    for lease in ended {
+        watches.remove(&lease);
+    }
+    for ev in out {
+        if events.send(ev).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::Catalog;
+    use crate::table::LeaseToken;
+
+    fn spec(tier: Tier, instance: &str) -> LeaseSpec {
+        LeaseSpec {
+            lease: LeaseId(12),
+            token: LeaseToken::generate().unwrap(),
+            instance: Catalog::default_catalog().get(instance).unwrap().clone(),
+            tier,
+            preempt_after: None,
+        }
+    }
+
+    fn info(state: &str, preempt: Option<Millis>) -> JobInfo {
+        JobInfo {
+            id: JobId(7),
+            state: JobState::parse(state),
+            preempt_time: preempt,
+            reason: "None".into(),
+        }
+    }
+
+    const NOTICE: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn job_ids_parse_with_and_without_a_cluster() {
+        assert_eq!(parse_job_id("123\n"), Some(JobId(123)));
+        assert_eq!(parse_job_id("\n45;gpu-cluster\n"), Some(JobId(45)));
+        assert_eq!(parse_job_id(""), None);
+        assert_eq!(parse_job_id("Submitted batch job 9"), None);
+        assert_eq!(parse_job_id("0"), None);
+    }
+
+    #[test]
+    fn squeue_rows_parse_and_bad_rows_are_counted() {
+        let text = "3|COMPLETED|2026-12-03T03:38:56|None|\n\
+                    4|PENDING|N/A|Resources|\n\
+                    12_3|RUNNING|N/A|None|\n\
+                    garbage\n\n";
+        let (jobs, bad) = parse_squeue(text);
+        assert_eq!(bad, 2);
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].id, JobId(3));
+        assert_eq!(jobs[0].state, JobState::Ended("COMPLETED".into()));
+        assert_eq!(jobs[0].preempt_time, Some(1_796_269_136_000));
+        assert_eq!(jobs[1].state, JobState::Pending);
+        assert_eq!(jobs[1].preempt_time, None);
+        assert_eq!(jobs[1].reason, "Resources");
+    }
+
+    #[test]
+    fn utc_times_parse_like_the_calendar() {
+        assert_eq!(parse_utc("1970-01-01T00:00:00"), Some(0));
+        assert_eq!(parse_utc("2000-03-01T00:00:00"), Some(951_868_800_000));
+        assert_eq!(parse_utc("2024-02-29T23:59:59"), Some(1_709_251_199_000));
+        for bad in [
+            "N/A",
+            "None",
+            "Unknown",
+            "2024-13-01T00:00:00",
+            "2024-01-01T24:00:00",
+            "2024-01-01",
+            "1969-12-31T23:59:59",
+        ] {
+            assert_eq!(parse_utc(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn unknown_states_end_the_lease() {
+        assert_eq!(JobState::parse("RUNNING"), JobState::Running);
+        assert_eq!(JobState::parse("REQUEUED"), JobState::Pending);
+        assert_eq!(
+            JobState::parse("NODE_FAIL"),
+            JobState::Ended("NODE_FAIL".into())
+        );
+        assert_eq!(
+            JobState::parse("SOMETHING_NEW"),
+            JobState::Ended("SOMETHING_NEW".into())
+        );
+    }
+
+    #[test]
+    fn grace_time_is_read_from_scontrol() {
+        let out = "PartitionName=spot AllowGroups=ALL GraceTime=120 Hidden=NO PreemptMode=CANCEL";
+        assert_eq!(parse_grace_secs(out), Some(120));
+        assert_eq!(parse_grace_secs("PartitionName=x"), None);
+    }
+
+    #[test]
+    fn a_preempted_job_gets_one_notice_then_ends_preempted() {
+        let mut w = JobWatch::new(LeaseId(1), JobId(7), false);
+        assert_eq!(
+            w.observe(Some(&info("PENDING", None)), 1000, NOTICE),
+            Step::Nothing
+        );
+        assert_eq!(
+            w.observe(Some(&info("RUNNING", None)), 2000, NOTICE),
+            Step::Nothing
+        );
+        assert!(w.ran);
+        assert_eq!(
+            w.observe(Some(&info("RUNNING", Some(5000))), 6000, NOTICE),
+            Step::Notice { deadline: 35_000 }
+        );
+        assert_eq!(
+            w.observe(Some(&info("COMPLETING", Some(5000))), 7000, NOTICE),
+            Step::Nothing
+        );
+        // the worker drained and exited 0 within the grace time
+        match w.observe(Some(&info("COMPLETED", Some(5000))), 8000, NOTICE) {
+            Step::Ended {
+                reason,
+                detail,
+                late_notice,
+            } => {
+                assert_eq!(reason, EndReason::Preempted);
+                assert!(detail.contains("COMPLETED"), "{detail}");
+                assert_eq!(late_notice, None, "the notice went out already");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn ends_are_lost_failed_or_preempted() {
+        let end =
+            |w: &mut JobWatch, state: &str| match w.observe(Some(&info(state, None)), 0, NOTICE) {
+                Step::Ended { reason, .. } => reason,
+                other => panic!("{other:?}"),
+            };
+        let mut never_ran = JobWatch::new(LeaseId(1), JobId(7), false);
+        assert_eq!(end(&mut never_ran, "CANCELLED"), EndReason::Failed);
+        let mut ran = JobWatch::new(LeaseId(1), JobId(7), true);
+        assert_eq!(end(&mut ran, "NODE_FAIL"), EndReason::Lost);
+        let mut killed = JobWatch::new(LeaseId(1), JobId(7), true);
+        assert_eq!(end(&mut killed, "PREEMPTED"), EndReason::Preempted);
+        // preempted, drained and gone between two polls: notice, then end
+        let mut quick = JobWatch::new(LeaseId(1), JobId(7), true);
+        match quick.observe(Some(&info("COMPLETED", Some(4000))), 9000, NOTICE) {
+            Step::Ended {
+                reason,
+                late_notice,
+                ..
+            } => {
+                assert_eq!(reason, EndReason::Preempted);
+                assert_eq!(late_notice, Some(34_000));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_missing_job_ends_only_after_two_polls() {
+        let mut w = JobWatch::new(LeaseId(1), JobId(7), true);
+        assert_eq!(w.observe(None, 0, NOTICE), Step::Nothing);
+        assert_eq!(
+            w.observe(Some(&info("RUNNING", None)), 0, NOTICE),
+            Step::Nothing
+        );
+        assert_eq!(w.observe(None, 0, NOTICE), Step::Nothing);
+        match w.observe(None, 0, NOTICE) {
+            Step::Ended { reason, detail, .. } => {
+                assert_eq!(reason, EndReason::Lost);
+                assert!(detail.contains("no longer known"), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_requeued_job_is_cancelled() {
+        let mut w = JobWatch::new(LeaseId(1), JobId(7), false);
+        assert_eq!(
+            w.observe(Some(&info("RUNNING", None)), 0, NOTICE),
+            Step::Nothing
+        );
+        assert_eq!(
+            w.observe(Some(&info("PENDING", None)), 0, NOTICE),
+            Step::CancelRequeued { late_notice: None }
+        );
+        // preempted and requeued between two polls: the notice comes late
+        let mut w = JobWatch::new(LeaseId(1), JobId(7), true);
+        assert_eq!(
+            w.observe(Some(&info("PENDING", Some(4000))), 9000, NOTICE),
+            Step::CancelRequeued {
+                late_notice: Some(34_000)
+            }
+        );
+    }
+
+    #[test]
+    fn sbatch_arguments_follow_the_tier_and_the_instance() {
+        let mut cfg = SlurmConfig::new("tidegate-worker", &["--config", "w.toml", "run"], "gpu");
+        cfg.partitions.spot = Some("spot".into());
+        cfg.reservation = Some("tidegate-rsv".into());
+        cfg.output = Some("/var/log/tidegate/%j.out".into());
+        cfg.sbatch_args = vec!["--cpus-per-task=8".into()];
+        cfg.gres.insert("a100".into(), "gpu:a100:1".into());
+        let a = cfg.sbatch_args(&spec(Tier::Spot, "h100")).unwrap();
+        assert_eq!(
+            a,
+            [
+                "--parsable",
+                "--job-name=tidegate-12",
+                "--partition=spot",
+                "--ntasks=1",
+                "--export=ALL",
+                "--gres=gpu:1",
+                "--output=/var/log/tidegate/%j.out",
+                "--cpus-per-task=8"
+            ]
+        );
+        let r = cfg.sbatch_args(&spec(Tier::Reserved, "a100")).unwrap();
+        assert!(r.contains(&"--partition=gpu".to_string()), "{r:?}");
+        assert!(r.contains(&"--gres=gpu:a100:1".to_string()), "{r:?}");
+        assert!(
+            r.contains(&"--reservation=tidegate-rsv".to_string()),
+            "{r:?}"
+        );
+        let cpu = cfg.sbatch_args(&spec(Tier::OnDemand, "cpu-32")).unwrap();
+        assert!(!cpu.iter().any(|a| a.starts_with("--gres")), "{cpu:?}");
+        cfg.partitions.spot = None;
+        match cfg.sbatch_args(&spec(Tier::Spot, "h100")) {
+            Err(ProviderError::NoCapacity { detail, .. }) => {
+                assert!(detail.contains("partitions.spot"), "{detail}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_script_runs_the_worker_as_a_quoted_job_step() {
+        let cfg = SlurmConfig::new(
+            "/opt/tidegate/bin/tidegate-worker",
+            &["--config", "it's here.toml"],
+            "gpu",
+        );
+        let s = cfg.script();
+        assert!(s.starts_with("#!/bin/sh\n"), "{s}");
+        assert!(
+            s.contains("exec srun --ntasks=1 --kill-on-bad-exit=1 -- /opt/tidegate/bin/tidegate-worker --config 'it'\\''s here.toml'\n"),
+            "{s}"
+        );
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("$(rm -rf /)"), "'$(rm -rf /)'");
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        let mut cfg = SlurmConfig::new("w", &[], "gpu");
+        assert!(cfg.validate().is_ok());
+        cfg.partitions.spot = Some("spot partition".into());
+        assert!(cfg.validate().unwrap_err().contains("partitions.spot"));
+        let mut cfg = SlurmConfig::new("w", &[], "gpu");
+        cfg.poll_interval_ms = 10;
+        assert!(cfg.validate().unwrap_err().contains("poll_interval_ms"));
+        let mut cfg = SlurmConfig::new(" ", &[], "gpu");
+        assert!(cfg.validate().unwrap_err().contains("command"));
+        cfg.command = "w".into();
+        cfg.job_name = "a b".into();
+        assert!(cfg.validate().unwrap_err().contains("job_name"));
+    }
+
+    fn leap(y: i64) -> bool {
+        (y % 4 == 0 && y % 100 != 0) || y % 400 == 0
+    }
+
+    fn days_in(y: i64, m: i64) -> i64 {
+        match m {
+            2 if leap(y) => 29,
+            2 => 28,
+            4 | 6 | 9 | 11 => 30,
+            _ => 31,
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn squeue_parsing_never_panics(text in "\\PC{0,300}") {
+            let (jobs, bad) = parse_squeue(&text);
+            proptest::prop_assert!(jobs.len() + bad <= text.lines().count());
+        }
+
+        /// One second later is 1000 ms later, across every day, month and
+        /// year boundary (checked against a plain calendar walk).
+        #[test]
+        fn the_last_second_of_a_day_is_one_second_before_the_next(
+            y in 1970i64..2400, m in 1i64..=12, d_frac in 0.0f64..1.0
+        ) {
+            let d = 1 + ((days_in(y, m) as f64 * d_frac) as i64).min(days_in(y, m) - 1);
+            let last = parse_utc(&format!("{y:04}-{m:02}-{d:02}T23:59:59")).unwrap();
+            let (ny, nm, nd) = if d < days_in(y, m) {
+                (y, m, d + 1)
+            } else if m < 12 {
+                (y, m + 1, 1)
+            } else {
+                (y + 1, 1, 1)
+            };
+            let next = parse_utc(&format!("{ny:04}-{nm:02}-{nd:02}T00:00:00")).unwrap();
+            proptest::prop_assert_eq!(next, last + 1000);
+            let midnight = parse_utc(&format!("{y:04}-{m:02}-{d:02}T00:00:00")).unwrap();
+            proptest::prop_assert_eq!(midnight % 86_400_000, 0);
+        }
+    }
+}

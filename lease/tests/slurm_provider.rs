@@ -1,0 +1,309 @@
+//! The Slurm provider against a real Slurm cluster on this host
+//! (`support/mini_slurm.rs`: munged + slurmctld + slurmd on 127.0.0.1). A
+//! shell script stands in for `tidegate-worker`: it writes its environment
+//! to a file, and on SIGTERM writes a `drained` file and exits 0, as the
+//! worker drains. Waits are bounded by timeouts that only guard against a
+//! hang; no test asserts how fast anything happens.
+
+#[path = "support/mini_slurm.rs"]
+mod mini_slurm;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use mini_slurm::{GRACE_SECS, MiniSlurm};
+use tidegate_lease::catalog::{Catalog, Tier};
+use tidegate_lease::ledger::{Ledger, NewLease};
+use tidegate_lease::lifecycle::{EndReason, LeaseState};
+use tidegate_lease::provider::slurm::{SlurmConfig, SlurmData, SlurmProvider};
+use tidegate_lease::provider::{LeaseSpec, Provider, ProviderError, ProviderEvent, wall_clock_ms};
+use tidegate_lease::table::{LeaseId, LeaseToken};
+use tokio::sync::mpsc;
+
+const GUARD: Duration = Duration::from_secs(60);
+
+/// The stand-in worker: records its environment; on SIGTERM it finishes
+/// its work (half a second) and exits 0.
+const WORKER: &str = r#"env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"
+trap 'sleep 0.5; echo drained > "$OUT/lease-$TIDEGATE_LEASE_ID.drained"; exit 0' TERM
+while :; do sleep 0.1; done"#;
+
+fn config(slurm: &MiniSlurm, out: &Path, script: &str) -> SlurmConfig {
+    let mut cfg = SlurmConfig::new("sh", &["-c", script], "ondemand");
+    cfg.partitions.spot = Some("spot".into());
+    cfg.slurm_conf = Some(slurm.conf());
+    cfg.output = Some(format!("{}/job-%j.out", out.display()));
+    cfg.poll_interval_ms = 200;
+    cfg.env.insert("OUT".into(), out.display().to_string());
+    // a spot lease of type h200 takes both GPUs of the test node
+    cfg.gres.insert("h200".into(), "gpu:2".into());
+    cfg
+}
+
+fn spec(id: u64, tier: Tier, instance: &str) -> LeaseSpec {
+    LeaseSpec {
+        lease: LeaseId(id),
+        token: LeaseToken::generate().unwrap(),
+        instance: Catalog::default_catalog().get(instance).unwrap().clone(),
+        tier,
+        preempt_after: None,
+    }
+}
+
+async fn next_event(rx: &mut mpsc::Receiver<ProviderEvent>) -> ProviderEvent {
+    tokio::time::timeout(GUARD, rx.recv())
+        .await
+        .expect("a provider event within the guard")
+        .expect("the event channel is open")
+}
+
+/// The next event, which must be the end of `want`: its reason and detail.
+async fn ended(rx: &mut mpsc::Receiver<ProviderEvent>, want: LeaseId) -> (EndReason, String) {
+    match next_event(rx).await {
+        ProviderEvent::Ended {
+            lease,
+            reason,
+            detail,
+        } if lease == want => (reason, detail),
+        other => panic!("expected {want} to end, got {other:?}"),
+    }
+}
+
+async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + GUARD;
+    while !done() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn env_of(out: &Path, lease: u64) -> Option<String> {
+    std::fs::read_to_string(out.join(format!("lease-{lease}.env")))
+        .ok()
+        .filter(|s| s.contains("TIDEGATE_LEASE_TOKEN="))
+}
+
+fn var<'a>(env: &'a str, name: &str) -> Option<&'a str> {
+    env.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_a_job_step_with_its_gpus_and_token_and_release_cancels_it() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    assert_eq!(p.notice_period(), Duration::from_secs(GRACE_SECS));
+    let s = spec(1, Tier::OnDemand, "h100");
+    let token = s.token.expose().to_string();
+    let acquired = p.acquire(s).await.unwrap();
+    let data: SlurmData = serde_json::from_str(acquired.provider_data.as_deref().unwrap()).unwrap();
+    assert_eq!(data.partition, "ondemand");
+    assert_eq!(p.job(LeaseId(1)), Some(data.job_id));
+    wait_for("the worker's environment", || {
+        env_of(out.path(), 1).is_some()
+    })
+    .await;
+    let env = env_of(out.path(), 1).unwrap();
+    assert_eq!(var(&env, "TIDEGATE_LEASE_TOKEN"), Some(token.as_str()));
+    assert_eq!(var(&env, "TIDEGATE_LEASE_ID"), Some("1"));
+    assert_eq!(var(&env, "TIDEGATE_INSTANCE_TYPE"), Some("h100"));
+    assert_eq!(var(&env, "TIDEGATE_LEASE_TIER"), Some("on_demand"));
+    assert_eq!(var(&env, "SLURM_JOB_PARTITION"), Some("ondemand"));
+    // one GPU of the two, assigned by Slurm, and the worker is a job step
+    assert_eq!(
+        var(&env, "CUDA_VISIBLE_DEVICES").map(|v| v.split(',').count()),
+        Some(1),
+        "{env}"
+    );
+    assert!(var(&env, "SLURM_STEP_ID").is_some(), "{env}");
+    // the token is on no command line Slurm keeps
+    let shown = slurm
+        .tool("scontrol", &["show", "job", &data.job_id.to_string()])
+        .unwrap();
+    assert!(!shown.contains(&token), "{shown}");
+    assert_eq!(slurm.job_state(data.job_id.0).as_deref(), Some("RUNNING"));
+
+    p.release(LeaseId(1)).await.unwrap();
+    let state = slurm.job_state(data.job_id.0).unwrap_or_default();
+    assert!(state == "CANCELLED" || state == "COMPLETED", "{state}");
+    // scancel's SIGTERM reached the worker, which drained
+    assert!(out.path().join("lease-1.drained").exists());
+    assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
+    assert!(matches!(
+        p.release(LeaseId(1)).await,
+        Err(ProviderError::UnknownLease(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_preempting_a_spot_job_is_the_notice_and_the_worker_drains() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    let spot = p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
+    let spot_job: SlurmData = serde_json::from_str(spot.provider_data.as_deref().unwrap()).unwrap();
+    assert_eq!(spot_job.partition, "spot");
+    wait_for("the spot worker", || env_of(out.path(), 1).is_some()).await;
+    let env = env_of(out.path(), 1).unwrap();
+    assert_eq!(
+        var(&env, "CUDA_VISIBLE_DEVICES").map(|v| v.split(',').count()),
+        Some(2),
+        "{env}"
+    );
+
+    // an on-demand lease needs a GPU the spot job holds: Slurm preempts it
+    let before = wall_clock_ms();
+    p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    match next_event(&mut events).await {
+        ProviderEvent::PreemptionNotice { lease, deadline } => {
+            assert_eq!(lease, LeaseId(1));
+            // PreemptTime (whole seconds) + GraceTime
+            assert!(
+                deadline + 1000 >= before + GRACE_SECS * 1000,
+                "{deadline} vs {before}"
+            );
+            assert!(
+                deadline <= wall_clock_ms() + GRACE_SECS * 1000,
+                "{deadline}"
+            );
+        }
+        other => panic!("expected the spot notice, got {other:?}"),
+    }
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Preempted, "{detail}");
+    // the worker got SIGTERM at the start of the grace time and drained
+    assert!(out.path().join("lease-1.drained").exists());
+    wait_for("the on-demand worker", || env_of(out.path(), 2).is_some()).await;
+    assert_eq!(p.held(), vec![LeaseId(1), LeaseId(2)]);
+    p.shutdown().await;
+    assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_dies_ends_its_lease_lost_and_a_job_that_never_ran_failed() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let script = r#"env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"; sleep 0.5; exit 3"#;
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), script)).unwrap();
+    let mut events = p.take_events().unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Lost, "{detail}");
+    assert!(detail.contains("FAILED"), "{detail}");
+    assert!(env_of(out.path(), 1).is_some());
+
+    // a pending job cancelled behind our back never ran: a failed start
+    let mut hold = config(&slurm, out.path(), WORKER);
+    hold.sbatch_args = vec!["--hold".into()];
+    let mut p = SlurmProvider::connect(hold).unwrap();
+    let mut events = p.take_events().unwrap();
+    let a = p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    let job: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    slurm.tool("scancel", &[&job.job_id.to_string()]).unwrap();
+    let (reason, detail) = ended(&mut events, LeaseId(2)).await;
+    assert_eq!(reason, EndReason::Failed, "{detail}");
+    assert!(detail.contains("CANCELLED"), "{detail}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_partitions_and_impossible_jobs_are_clear_errors() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg = config(&slurm, out.path(), WORKER);
+    cfg.partitions.spot = Some("preemptible".into());
+    let e = SlurmProvider::connect(cfg).unwrap_err().to_string();
+    assert!(e.contains("spot partition \"preemptible\""), "{e}");
+    assert!(e.contains("not found"), "{e}");
+
+    let mut cfg = config(&slurm, out.path(), WORKER);
+    cfg.gres.insert("a100".into(), "gpu:8".into());
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let e = p
+        .acquire(spec(1, Tier::OnDemand, "a100"))
+        .await
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        matches!(
+            e,
+            ProviderError::Slurm {
+                lease: Some(LeaseId(1)),
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("sbatch") && text.contains("--gres=gpu:8"),
+        "{text}"
+    );
+    assert!(text.to_lowercase().contains("not available"), "{text}");
+    assert!(p.held().is_empty());
+    assert!(slurm.live_jobs().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let db = tempfile::tempdir().unwrap();
+    let mut ledger = Ledger::open(&db.path().join("leases.db")).unwrap();
+    let catalog = Catalog::default_catalog();
+    let h100 = catalog.get("h100").unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut jobs = Vec::new();
+    for _ in 0..2 {
+        let token = LeaseToken::generate().unwrap();
+        let now = wall_clock_ms();
+        let id = ledger
+            .insert_requested(&NewLease {
+                provider: "slurm",
+                model: Some("blazeface"),
+                instance: h100,
+                tier: Tier::OnDemand,
+                currency: &catalog.currency,
+                requested_at: now,
+                token: Some(token.digest()),
+            })
+            .unwrap();
+        let mut s = spec(id.0, Tier::OnDemand, "h100");
+        s.token = token;
+        let a = p.acquire(s).await.unwrap();
+        ledger
+            .mark_starting(a.lease, now, a.pid, a.provider_data.as_deref())
+            .unwrap();
+        let data: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
+        jobs.push(data.job_id);
+    }
+    wait_for("both workers", || {
+        env_of(out.path(), 1).is_some() && env_of(out.path(), 2).is_some()
+    })
+    .await;
+    // the gateway dies; while it is down, job 2 is cancelled
+    p.detach_all().await;
+    slurm.tool("scancel", &[&jobs[1].to_string()]).unwrap();
+    wait_for("job 2 to end", || {
+        slurm.job_state(jobs[1].0).as_deref() == Some("CANCELLED")
+    })
+    .await;
+    assert_eq!(slurm.job_state(jobs[0].0).as_deref(), Some("RUNNING"));
+
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let adoption = p.adopt(&mut ledger, wall_clock_ms()).unwrap();
+    assert_eq!(adoption.adopted, vec![LeaseId(1)]);
+    assert_eq!(adoption.ended, vec![(LeaseId(2), EndReason::Lost)]);
+    assert_eq!(
+        ledger.lease(LeaseId(2)).unwrap().unwrap().state,
+        LeaseState::Ended(EndReason::Lost)
+    );
+    assert_eq!(p.job(LeaseId(1)), Some(jobs[0]));
+    // the adopted job is watched: cancelling it ends the lease
+    let mut events = p.take_events().unwrap();
+    slurm.tool("scancel", &[&jobs[0].to_string()]).unwrap();
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Lost, "{detail}");
+    assert!(slurm.live_jobs().is_empty());
+}

@@ -1,0 +1,150 @@
+//! GPU leasing through a real Slurm cluster on this host: a gateway whose
+//! `slurm` provider submits each lease as a batch job, real BlazeFace
+//! workers running as job steps that dial back over QUIC on 127.0.0.1,
+//! simulated cameras, and Slurm's own preemption of the spot partition.
+//!
+//! The test cluster (`lease/tests/support/mini_slurm.rs`) has one node with
+//! 2 GPUs; each lease asks for one. A spot lease is preempted when another
+//! tenant's on-demand job needs both GPUs: Slurm signals the worker (it
+//! drains), the gateway gets the notice, stops dispatching to it and leases
+//! an on-demand replacement, which starts once the GPUs are free. Every
+//! frame sent still gets exactly one result. On a clean stop the gateway
+//! cancels its jobs. Every wait is bounded; nothing asserts on speed.
+
+#[path = "../../lease/tests/support/mini_slurm.rs"]
+mod mini_slurm;
+
+#[path = "support/leasing.rs"]
+mod support;
+
+use std::time::Duration;
+
+use mini_slurm::MiniSlurm;
+use serde_json::Value;
+use support::{
+    CATALOG, assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts,
+    spawn_sim, state, wait_until_explained,
+};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+
+fn job_of(l: &Value) -> u64 {
+    let data: Value = serde_json::from_str(l["provider_data"].as_str().expect("provider data"))
+        .expect("provider data is JSON");
+    data["job_id"].as_u64().expect("a job id")
+}
+
+/// The jobs and the Slurm logs, for a failure message.
+fn slurm_context(slurm: &MiniSlurm) -> String {
+    format!(
+        "jobs: {:?}\n{}",
+        slurm.tool("squeue", &["--states=all"]),
+        slurm.logs()
+    )
+}
+
+#[test]
+fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
+    let slurm = MiniSlurm::start();
+    let leasing = "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"tidal\"\ntick_ms = 500\nheadroom = 0.0\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = 5\nworker_fps = 20\nmeasure = false\n";
+    let section = format!(
+        "slurm_conf = \"{}\"\noutput = \"{}/job-%j.out\"\npoll_interval_ms = 200\npartitions = {{ on_demand = \"ondemand\", spot = \"spot\" }}\ngres = {{ cpu-test = \"gpu:1\" }}\n",
+        slurm.conf().display(),
+        slurm.path().display()
+    );
+    let mut c = Cluster::start_leasing_slurm(
+        &ClusterOptions {
+            edges: vec!["edge-1".into()],
+            workers: Vec::new(),
+            scheduler: String::new(),
+        },
+        leasing,
+        &section,
+        &[("catalog.toml", CATALOG)],
+    )
+    .expect("leasing gateway starts");
+
+    wait_until_explained(
+        &c,
+        Duration::from_secs(90),
+        "a spot lease ready",
+        || slurm_context(&slurm),
+        || {
+            leases(&c, false)
+                .iter()
+                .any(|l| state(l) == "ready" && l["tier"] == "spot")
+        },
+    );
+    let first = leases(&c, false);
+    assert_eq!(first.len(), 1, "{first:#?}");
+    assert_eq!(first[0]["provider"], "slurm");
+    let spot_job = job_of(&first[0]);
+    assert_eq!(slurm.job_state(spot_job).as_deref(), Some("RUNNING"));
+
+    let sim = spawn_sim(sim_opts(&c, 1, 10.0, 16.0));
+    std::thread::sleep(Duration::from_secs(3));
+    // another tenant's on-demand job needs both GPUs for a few seconds
+    let tenant = slurm
+        .tool(
+            "sbatch",
+            &[
+                "--parsable",
+                "--partition=ondemand",
+                "--gres=gpu:2",
+                "--output=/dev/null",
+                "--wrap=sleep 4",
+            ],
+        )
+        .expect("the other tenant's job is submitted");
+    wait_until_explained(
+        &c,
+        Duration::from_secs(60),
+        "spot lease preempted",
+        || slurm_context(&slurm),
+        || {
+            leases(&c, false)
+                .iter()
+                .any(|l| state(l) == "ended" && reason(l) == "preempted")
+        },
+    );
+    wait_until_explained(
+        &c,
+        Duration::from_secs(90),
+        "on-demand replacement ready",
+        || slurm_context(&slurm),
+        || {
+            leases(&c, false)
+                .iter()
+                .any(|l| l["tier"] == "on_demand" && state(l) == "ready")
+        },
+    );
+    let report = sim.join().expect("sim thread");
+    assert_every_frame_answered_once(&report);
+    let log = c.gateway_log();
+    assert!(
+        log.contains("spot preemption notice"),
+        "the notice is logged"
+    );
+    assert_eq!(
+        slurm.job_state(spot_job).as_deref().map(|s| s == "RUNNING"),
+        Some(false)
+    );
+    let tenant: u64 = tenant.trim().parse().expect("tenant job id");
+    assert_ne!(slurm.job_state(tenant).as_deref(), Some("PENDING"));
+
+    settled_counters(&c);
+
+    // a clean stop cancels every job the gateway holds
+    let jobs: Vec<u64> = leases(&c, false).iter().map(job_of).collect();
+    let status = c
+        .stop_gateway(Duration::from_secs(60))
+        .expect("gateway stops on SIGTERM");
+    assert!(status.success(), "gateway exit: {status}");
+    for job in jobs {
+        let s = slurm.job_state(job).unwrap_or_default();
+        assert!(
+            !["RUNNING", "PENDING", "COMPLETING"].contains(&s.as_str()),
+            "job {job} is {s}"
+        );
+    }
+    assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
+}

@@ -1,0 +1,157 @@
+//! Helpers shared by the leasing tests (`leasing.rs`, `slurm_leasing.rs`):
+//! the per-second test catalog, simulated cameras, and polling the
+//! gateway's API with its log on failure.
+
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tidegate_loadtest::cluster::{Cluster, workspace_root};
+use tidegate_loadtest::report::Report;
+use tidegate_loadtest::sim::{self, SimOptions};
+
+/// One instance type, billed per second with a 3 s minimum, started in 2 s.
+pub const CATALOG: &str = r#"
+currency = "CNY"
+[[instance]]
+name = "cpu-test"
+gpu_model = "none (test worker on this host)"
+gpus = 0
+gpu_memory_gib = 0.0
+fp16_tflops = 1.0
+memory_bandwidth_gbs = 10.0
+billing = "second"
+billing_minimum_secs = 3
+spot_interruptions_per_hour = 0.0
+startup_secs = 2
+price_per_hour = { on_demand = 3.60, spot = 1.20, reserved = 2.40 }
+"#;
+
+pub fn sim_opts(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
+    SimOptions {
+        gateway: c.quic,
+        server_name: "localhost".into(),
+        ca: c.ca(),
+        edge: "edge-1".into(),
+        token: c.edge_token.clone(),
+        cameras,
+        fps,
+        duration: Duration::from_secs_f64(seconds),
+        model: "blazeface".into(),
+        budget_ms: 80,
+        image: Some(workspace_root().join("models/testdata/astronaut.png")),
+        obey_hints: true,
+    }
+}
+
+/// Runs the simulated cameras on their own thread.
+pub fn spawn_sim(opts: SimOptions) -> std::thread::JoinHandle<Report> {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(sim::run(&opts))
+            .expect("simulation runs")
+    })
+}
+
+pub fn leases(c: &Cluster, live: bool) -> Vec<Value> {
+    let path = if live {
+        "/api/v1/leases?live=true"
+    } else {
+        "/api/v1/leases"
+    };
+    let (code, body) = c.get(path).expect("GET /api/v1/leases");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str::<Value>(&body)
+        .expect("JSON")
+        .as_array()
+        .expect("an array")
+        .clone()
+}
+
+pub fn state(l: &Value) -> &str {
+    l["state"]["state"].as_str().unwrap_or("?")
+}
+
+pub fn reason(l: &Value) -> &str {
+    l["state"]["reason"].as_str().unwrap_or("")
+}
+
+/// The log without ANSI colour sequences.
+pub fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(ch) = chars.next() {
+        if ch == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}
+
+/// Every frame the cameras sent got exactly one result, and some were ok.
+pub fn assert_every_frame_answered_once(report: &Report) {
+    assert_eq!(
+        report.missing, 0,
+        "every sent frame has a result: {report:?}"
+    );
+    assert_eq!(report.duplicates, 0, "{report:?}");
+    assert!(report.ok > 0, "{report:?}");
+}
+
+/// Polls `check` until it holds, or fails with the gateway's log.
+pub fn wait_until(c: &Cluster, timeout: Duration, what: &str, check: impl FnMut() -> bool) {
+    wait_until_explained(c, timeout, what, String::new, check)
+}
+
+/// [`wait_until`], adding `context()` (other logs) to the failure.
+pub fn wait_until_explained(
+    c: &Cluster,
+    timeout: Duration,
+    what: &str,
+    context: impl Fn() -> String,
+    mut check: impl FnMut() -> bool,
+) {
+    let until = Instant::now() + timeout;
+    while !check() {
+        if Instant::now() > until {
+            let log = c.gateway_log();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            panic!(
+                "{what}: not within {timeout:?}; leases: {:#?}\ngateway log (last lines, newest first):\n{}\n{}",
+                leases(c, false),
+                tail.join("\n"),
+                context()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The gateway's frame counters once nothing is in flight; they balance.
+pub fn settled_counters(c: &Cluster) -> Value {
+    let mut v = Value::Null;
+    wait_until(c, Duration::from_secs(10), "frames settle", || {
+        let (code, body) = c.get("/api/v1/frames").expect("GET /api/v1/frames");
+        assert_eq!(code, 200, "{body}");
+        v = serde_json::from_str(&body).expect("JSON");
+        v["queued"] == 0 && v["dispatched"] == 0
+    });
+    let n = |k: &str| v[k].as_u64().unwrap();
+    assert_eq!(
+        n("admitted"),
+        n("ok") + n("shed") + n("expired") + n("failed"),
+        "{v}"
+    );
+    v
+}
