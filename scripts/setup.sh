@@ -81,7 +81,27 @@ else
   say "ONNX Runtime $ORT_VERSION: installed in $ort_dir"
 fi
 
-# --- 3. Models and imagery --------------------------------------------------
+# --- 3. promtool -------------------------------------------------------------
+# gateway/tests/deploy.rs checks deploy/'s alert rules and dashboard with
+# Prometheus's own promtool. It comes from Debian's `prometheus` package by
+# `apt-get download` (apt checks its signature) and is unpacked into the
+# cache, not installed, so no Prometheus service starts on this machine.
+promtool_dir="$TIDEGATE_CACHE/promtool"
+if [ -x "$promtool_dir/promtool" ]; then
+  say "promtool: present in $promtool_dir"
+else
+  tmp="$(mktemp -d)"
+  chmod 0777 "$tmp"  # apt downloads as its own _apt user
+  (cd "$tmp" && apt-get download -qq prometheus) \
+    || die "apt-get download prometheus failed; check your apt sources and re-run 'make setup'"
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"
+  mkdir -p "$promtool_dir"
+  mv "$tmp/x/usr/bin/promtool" "$promtool_dir/promtool"
+  rm -rf "$tmp"
+  say "promtool: $("$promtool_dir/promtool" --version 2>&1 | head -1) in $promtool_dir"
+fi
+
+# --- 4. Models and imagery --------------------------------------------------
 "$root/models/fetch.sh"
 bash "$root/scripts/test-video.sh"
 

@@ -357,6 +357,9 @@ pub fn spawn(
         pc.headroom = h;
     }
     pc.spend_cap_per_hour = cfg.spend_cap_per_hour.map(Money::from_units);
+    if let Some(cap) = cfg.spend_cap_per_hour {
+        metrics.spend_cap.with_label_values::<&str>(&[]).set(cap);
+    }
     if let Some(s) = cfg.down_window_secs {
         pc.down_window_ms = s * 1000;
     }

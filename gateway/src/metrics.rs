@@ -2,8 +2,8 @@
 //! buckets are sized for an 80 ms end-to-end budget.
 
 use prometheus::{
-    CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tidegate_lease::metrics::names;
 
@@ -51,6 +51,9 @@ pub struct Metrics {
     /// `tidegate_gpu_utilization_ratio`: busy over leased GPU time since
     /// the gateway started.
     pub gpu_utilization: Gauge,
+    /// `tidegate_spend_cap_per_hour`: the configured hourly spend cap (no
+    /// labels; absent without a cap), for spend alerts.
+    pub spend_cap: GaugeVec,
 }
 
 impl Metrics {
@@ -141,27 +144,65 @@ impl Metrics {
                 "Time leased workers spent running batches over the time they were leased.",
             )
             .expect("valid gauge"),
+            spend_cap: GaugeVec::new(
+                Opts::new(
+                    "tidegate_spend_cap_per_hour",
+                    "The configured cap on what live leases may cost per hour, in the catalog currency.",
+                ),
+                &[],
+            )
+            .expect("valid gauge"),
             registry,
         };
-        for c in [
-            Box::new(m.frames.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(m.e2e_latency.clone()),
-            Box::new(m.queue_wait.clone()),
-            Box::new(m.batch_size.clone()),
-            Box::new(m.inference.clone()),
-            Box::new(m.workers.clone()),
-            Box::new(m.edges_connected.clone()),
-            Box::new(m.rejected.clone()),
-            Box::new(m.undeliverable.clone()),
-            Box::new(m.hints.clone()),
-            Box::new(m.leases.clone()),
-            Box::new(m.cost_total.clone()),
-            Box::new(m.cost_per_1k_within_slo.clone()),
-            Box::new(m.gpu_utilization.clone()),
-        ] {
+        for c in m.collectors() {
             m.registry.register(c).expect("metric names are unique");
         }
+        // exported from the start, so that "no worker" is a 0 an alert can
+        // see rather than a missing series
+        for state in ["idle", "busy"] {
+            m.workers.with_label_values(&[state]).set(0);
+        }
         m
+    }
+
+    fn collectors(&self) -> Vec<Box<dyn prometheus::core::Collector>> {
+        vec![
+            Box::new(self.frames.clone()),
+            Box::new(self.e2e_latency.clone()),
+            Box::new(self.queue_wait.clone()),
+            Box::new(self.batch_size.clone()),
+            Box::new(self.inference.clone()),
+            Box::new(self.workers.clone()),
+            Box::new(self.edges_connected.clone()),
+            Box::new(self.rejected.clone()),
+            Box::new(self.undeliverable.clone()),
+            Box::new(self.hints.clone()),
+            Box::new(self.leases.clone()),
+            Box::new(self.cost_total.clone()),
+            Box::new(self.cost_per_1k_within_slo.clone()),
+            Box::new(self.gpu_utilization.clone()),
+            Box::new(self.spend_cap.clone()),
+        ]
+    }
+
+    /// The name of every series this gateway can export, whether or not it
+    /// has a value yet: a histogram's `_bucket`, `_sum` and `_count`, and
+    /// every other metric's own name. Dashboards and alert rules are
+    /// checked against it (`gateway/tests/deploy.rs`).
+    pub fn series_names(&self) -> Vec<String> {
+        let mut names = Vec::new();
+        for c in self.collectors() {
+            for family in c.collect() {
+                let name = family.name().to_string();
+                if family.get_field_type() == prometheus::proto::MetricType::HISTOGRAM {
+                    names.extend(["_bucket", "_sum", "_count"].map(|s| format!("{name}{s}")));
+                } else {
+                    names.push(name);
+                }
+            }
+        }
+        names.sort();
+        names
     }
 
     /// The Prometheus text exposition of every metric.
@@ -177,5 +218,26 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Metrics;
+
+    #[test]
+    fn every_series_is_named_before_it_has_a_value() {
+        let names = Metrics::new().series_names();
+        for want in [
+            "tidegate_frames_total",
+            "tidegate_e2e_latency_seconds_bucket",
+            "tidegate_e2e_latency_seconds_count",
+            "tidegate_cost_total",
+            "tidegate_gpu_utilization_ratio",
+        ] {
+            assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
+        }
+        assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
+        assert_eq!(names.len(), 15 + 4 * 2, "{names:?}");
     }
 }

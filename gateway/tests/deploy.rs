@@ -1,0 +1,228 @@
+//! deploy/ against the gateway that it watches: the Prometheus rules pass
+//! Prometheus's own `promtool` (syntax and the unit tests in
+//! `rules_test.yml`), every PromQL query of the Grafana dashboard parses,
+//! and both use only series the gateway exports, while the dashboard shows
+//! every one of them. `promtool` is unpacked into the cache by
+//! `scripts/setup.sh`.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+use tidegate_gateway::metrics::Metrics;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// `TIDEGATE_PROMTOOL`, else `promtool/promtool` in the cache that
+/// `scripts/setup.sh` fills (`$TIDEGATE_CACHE`, `$XDG_CACHE_HOME/tidegate`
+/// or `~/.cache/tidegate`).
+fn promtool() -> PathBuf {
+    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty());
+    if let Some(p) = var("TIDEGATE_PROMTOOL") {
+        return PathBuf::from(p);
+    }
+    let cache = var("TIDEGATE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("tidegate")))
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/tidegate")))
+        .expect("HOME is set");
+    let p = cache.join("promtool/promtool");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/setup.sh, which unpacks promtool from Debian's prometheus package",
+        p.display()
+    );
+    p
+}
+
+/// Runs promtool; its output, or a failure with it.
+fn run_promtool(args: &[&str], dir: &Path) -> String {
+    let out = Command::new(promtool())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("promtool runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
+    text
+}
+
+/// Every `tidegate_…` series name in `text` (recording rules, named
+/// `tidegate:…`, are not series of the gateway).
+fn series_in(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while let Some(at) = text[i..].find("tidegate_") {
+        let start = i + at;
+        let boundary = start == 0 || {
+            let b = bytes[start - 1];
+            !(b.is_ascii_alphanumeric() || b == b'_' || b == b':')
+        };
+        let end = text[start..]
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .map_or(text.len(), |n| start + n);
+        if boundary {
+            out.insert(text[start..end].to_string());
+        }
+        i = end;
+    }
+    out
+}
+
+fn dashboard() -> Value {
+    let path = repo().join("deploy/grafana/tidegate.json");
+    let text = std::fs::read_to_string(&path).expect("dashboard file");
+    serde_json::from_str(&text).expect("the dashboard is JSON")
+}
+
+/// Every panel's queries, with Grafana's variables replaced by what
+/// Prometheus would receive.
+fn dashboard_queries(d: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for p in d["panels"].as_array().expect("panels") {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().expect("every target has an expr");
+            let expr = expr
+                .replace("$__rate_interval", "5m")
+                .replace("$__range", "6h")
+                .replace("$model", ".*");
+            out.push((p["title"].as_str().unwrap_or("?").to_string(), expr));
+        }
+    }
+    out
+}
+
+#[test]
+fn alert_rules_pass_promtool_and_their_unit_tests() {
+    let dir = repo().join("deploy/prometheus");
+    let checked = run_promtool(&["check", "rules", "rules.yml"], &dir);
+    assert!(checked.contains("SUCCESS"), "{checked}");
+    let tested = run_promtool(&["test", "rules", "rules_test.yml"], &dir);
+    assert!(tested.contains("SUCCESS"), "{tested}");
+}
+
+#[test]
+fn every_dashboard_query_is_valid_promql() {
+    // promtool parses PromQL when it checks rules: each query becomes one
+    // recording rule of a scratch file
+    let queries = dashboard_queries(&dashboard());
+    assert!(queries.len() >= 15, "{queries:?}");
+    let mut yaml = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, (_, q)) in queries.iter().enumerate() {
+        yaml.push_str(&format!(
+            "      - record: dashboard:query{i}\n        expr: {}\n",
+            serde_json::to_string(q).expect("a JSON string is a YAML string")
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("queries.yml"), yaml).unwrap();
+    let out = run_promtool(&["check", "rules", "queries.yml"], dir.path());
+    assert!(
+        out.contains(&format!("SUCCESS: {} rules found", queries.len())),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_dashboard_is_a_grafana_model_with_no_overlapping_panels() {
+    let d = dashboard();
+    assert_eq!(d["uid"], "tidegate-overview");
+    assert!(d["schemaVersion"].as_u64().unwrap() >= 36);
+    let vars: Vec<&str> = d["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(vars, ["datasource", "model"]);
+    let mut ids = BTreeSet::new();
+    let mut cells = BTreeSet::new();
+    for p in d["panels"].as_array().unwrap() {
+        let title = p["title"].as_str().expect("every panel has a title");
+        assert!(ids.insert(p["id"].as_u64().unwrap()), "{title}: id reused");
+        let g = &p["gridPos"];
+        let n = |k: &str| {
+            g[k].as_u64()
+                .unwrap_or_else(|| panic!("{title}: gridPos.{k}"))
+        };
+        assert!(n("x") + n("w") <= 24, "{title} is wider than the grid");
+        for x in n("x")..n("x") + n("w") {
+            for y in n("y")..n("y") + n("h") {
+                assert!(
+                    cells.insert((x, y)),
+                    "{title} overlaps another panel at ({x},{y})"
+                );
+            }
+        }
+        if p["type"] != "row" {
+            assert_eq!(p["datasource"]["uid"], "${datasource}", "{title}");
+            let targets = p["targets"].as_array().expect("targets");
+            assert!(!targets.is_empty(), "{title} has no query");
+            assert!(
+                p["description"].as_str().is_some_and(|s| !s.is_empty()),
+                "{title} says nothing about what it shows"
+            );
+        }
+    }
+}
+
+#[test]
+fn rules_and_dashboard_use_only_exported_series_and_show_them_all() {
+    let exported: BTreeSet<String> = Metrics::new().series_names().into_iter().collect();
+    let rules = std::fs::read_to_string(repo().join("deploy/prometheus/rules.yml")).unwrap();
+    let in_rules = series_in(&rules);
+    let unknown: Vec<_> = in_rules.difference(&exported).collect();
+    assert!(
+        unknown.is_empty(),
+        "rules.yml uses series the gateway does not export: {unknown:?}"
+    );
+    assert!(in_rules.contains("tidegate_frames_total"), "{in_rules:?}");
+
+    let queries: String = dashboard_queries(&dashboard())
+        .into_iter()
+        .map(|(_, q)| q + "\n")
+        .collect();
+    let in_dashboard = series_in(&queries);
+    let unknown: Vec<_> = in_dashboard.difference(&exported).collect();
+    assert!(
+        unknown.is_empty(),
+        "the dashboard uses series the gateway does not export: {unknown:?}"
+    );
+    // every metric is on the dashboard (a histogram by any of its series)
+    let shown = |name: &str| {
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        in_dashboard
+            .iter()
+            .any(|n| n == name || n.starts_with(base))
+    };
+    let missing: Vec<_> = exported.iter().filter(|n| !shown(n)).collect();
+    assert!(missing.is_empty(), "not on the dashboard: {missing:?}");
+}
+
+#[test]
+fn series_names_are_found_whole() {
+    let found = series_in(
+        "rate(tidegate_frames_total{a=\"b\"}[5m]) / tidegate:x:y + xtidegate_no + tidegate_e2e_latency_seconds_bucket",
+    );
+    assert_eq!(
+        found.into_iter().collect::<Vec<_>>(),
+        [
+            "tidegate_e2e_latency_seconds_bucket",
+            "tidegate_frames_total"
+        ]
+    );
+}
