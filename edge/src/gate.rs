@@ -193,6 +193,9 @@ pub struct FrameGate {
     /// slow drift adds up until it is worth a frame.
     reference: Option<Box<Thumb>>,
     last_sent_us: Option<u64>,
+    /// Time of the last frame decided on: a clock that goes back (a
+    /// restarted or looped stream) starts the rate and keep-alive anew.
+    last_seen_us: Option<u64>,
     counts: GateCounts,
 }
 
@@ -204,6 +207,7 @@ impl FrameGate {
             rate: RateLimiter::new(limits.max_fps),
             reference: None,
             last_sent_us: None,
+            last_seen_us: None,
             counts: GateCounts::default(),
         }
     }
@@ -227,13 +231,22 @@ impl FrameGate {
     /// Whether the rate cap lets a frame through at `now_us`; callers skip
     /// building the thumbnail when it does not.
     pub fn rate_allows(&self, now_us: u64) -> bool {
-        self.rate.allows(now_us)
+        self.went_back(now_us) || self.rate.allows(now_us)
+    }
+
+    fn went_back(&self, now_us: u64) -> bool {
+        self.last_seen_us.is_some_and(|t| now_us < t)
     }
 
     /// Decides about the frame that arrived at `now_us`. `thumb` is needed
     /// only when [`FrameGate::wants_thumbnail`]; without one the motion gate
     /// lets the frame through.
     pub fn decide(&mut self, now_us: u64, thumb: Option<&Thumb>) -> Decision {
+        if self.went_back(now_us) {
+            self.rate = RateLimiter::new(self.limits.max_fps);
+            self.last_sent_us = None;
+        }
+        self.last_seen_us = Some(now_us);
         if !self.rate.allows(now_us) {
             self.counts.skipped_rate += 1;
             return Decision::SkipRate;
@@ -511,5 +524,18 @@ mod tests {
         let plane = vec![100u8; 5 * 3 * 7];
         let t = thumbnail(&plane, 15, 5, 7).unwrap();
         assert!(t.iter().all(|&v| v.abs_diff(100) <= 1));
+    }
+
+    #[test]
+    fn a_clock_that_goes_back_starts_the_cap_anew() {
+        let mut g = FrameGate::new(limits(10.0, 0.0, 0.0));
+        assert_eq!(g.decide(5_000 * MS, None), Decision::Send);
+        assert_eq!(g.decide(5_010 * MS, None), Decision::SkipRate);
+        // the stream restarted: its clock is back at zero
+        assert!(g.rate_allows(0));
+        assert_eq!(g.decide(0, None), Decision::Send);
+        assert_eq!(g.decide(10 * MS, None), Decision::SkipRate);
+        assert_eq!(g.decide(100 * MS, None), Decision::Send);
+        assert_eq!(g.counts().sent, 3);
     }
 }

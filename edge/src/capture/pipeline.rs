@@ -436,6 +436,20 @@ fn apply_letterbox(
     letterbox.set_property("bottom", bottom);
 }
 
+/// A buffer's running time (its timestamp in the pipeline's clock, µs), or
+/// `None` for a buffer without one.
+fn stream_time_us(sample: &gst::Sample, buffer: &gst::BufferRef) -> Option<u64> {
+    let pts = buffer.pts()?;
+    let running = match sample
+        .segment()
+        .and_then(|s| s.downcast_ref::<gst::ClockTime>())
+    {
+        Some(segment) => segment.to_running_time(pts)?,
+        None => pts,
+    };
+    Some(running.useconds())
+}
+
 /// The appsink's new-sample callback: copy once, stamp, push, never wait.
 fn on_sample(
     sink: &gst_app::AppSink,
@@ -466,14 +480,18 @@ fn on_sample(
     let plane = frame
         .plane_data(0)
         .map_err(|e| frame_error(format!("cannot read the RGB plane: {e}")))?;
+    // The gate measures rates on the stream's own clock, so that a source
+    // running at its cap loses no frame to delivery jitter on a loaded
+    // machine; a stream without timestamps is measured on arrival.
+    let stream_us = stream_time_us(&sample, buffer).unwrap_or(captured_at_us);
     let decision = {
         let mut gate = shared.gate();
-        let thumb = if gate.wants_thumbnail() && gate.rate_allows(captured_at_us) {
+        let thumb = if gate.wants_thumbnail() && gate.rate_allows(stream_us) {
             thumbnail(plane, stride, width as usize, height as usize)
         } else {
             None
         };
-        gate.decide(captured_at_us, thumb.as_ref())
+        gate.decide(stream_us, thumb.as_ref())
     };
     if decision != Decision::Send {
         return Ok(gst::FlowSuccess::Ok);
