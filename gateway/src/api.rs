@@ -1,9 +1,10 @@
 //! The operator HTTP API, on its own listener (separate from QUIC):
-//! `/metrics`, `/healthz`, `/readyz`, and JSON under `/api/v1/`.
+//! `/metrics`, `/healthz`, `/readyz`, JSON under `/api/v1/`, and the status
+//! page at `/`.
 
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 
@@ -27,6 +28,7 @@ pub struct ApiState {
 /// The router.
 pub fn router(state: ApiState) -> Router {
     Router::new()
+        .route("/", get(status_page))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -46,6 +48,28 @@ async fn metrics(State(s): State<ApiState>) -> Response {
         s.metrics.render(),
     )
         .into_response()
+}
+
+/// The status page (`status.rs`).
+async fn status_page(State(s): State<ApiState>) -> Response {
+    let Some(snap) = s.hub.snapshot().await else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response();
+    };
+    let now = tidegate_lease::provider::wall_clock_ms();
+    let leasing = match &s.leasing {
+        Some(l) => match (
+            l.leases(true, MAX_LEASES_LISTED).await,
+            l.costs(0, now + 1).await,
+        ) {
+            (Ok(live), Ok(costs)) => Some((live, costs)),
+            (Err(e), _) | (_, Err(e)) => return internal(e),
+        },
+        None => None,
+    };
+    let view = leasing
+        .as_ref()
+        .map(|(live, costs)| crate::status::LeasingView { live, costs });
+    Html(crate::status::render(&snap, view, now)).into_response()
 }
 
 /// Ready when at least one worker is registered.

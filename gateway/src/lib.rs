@@ -10,7 +10,9 @@
 //!   provider, lease tokens, cost.
 //! - [`server`]: the QUIC listener; one task and span per connection.
 //! - [`auth`]: token hashing and checking.
-//! - [`api`]: HTTP (`/metrics`, `/healthz`, `/readyz`, `/api/v1/...`).
+//! - [`api`]: HTTP (`/metrics`, `/healthz`, `/readyz`, `/api/v1/...`, and
+//!   the status page at `/`).
+//! - [`status`]: the status page, rendered from the API's snapshot.
 //! - [`metrics`]: Prometheus metrics, registered in one place.
 //! - [`config`]: the `Config` file and flags.
 //! - [`certs`]: dev CA and certificates (`tidegate-gateway dev-certs`).
@@ -28,3 +30,4 @@ pub mod metrics;
 pub mod scheduler;
 pub mod server;
 pub mod simulate;
+pub mod status;

@@ -136,9 +136,25 @@ fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
     // While the cameras still send, the gateway's view of them.
     std::thread::sleep(Duration::from_millis(4_500));
     let (_, cams) = c.get("/api/v1/cameras").expect("GET /api/v1/cameras");
+    // and the status page an operator would open
+    let (code, page) = c.get("/").expect("GET /");
     let r = load.join().expect("load thread");
     eprintln!("report: {}", serde_json::to_string(&r).unwrap_or_default());
     eprintln!("cameras at 4.5 s: {cams}");
+    assert_eq!(code, 200, "{page}");
+    for want in [
+        "<h2>Cameras</h2>",
+        "<td>sim-15</td>",
+        "<h2>Workers</h2>",
+        "<td>blazeface</td>",
+    ] {
+        assert!(
+            page.contains(want),
+            "{want} not on the status page:\n{page}"
+        );
+    }
+    let rows = page.matches("</td></tr>").count();
+    assert!(rows >= 16 + 2, "a row per camera and per worker:\n{page}");
     assert_nothing_lost(&r);
     let shed: u64 = r
         .outcomes

@@ -79,6 +79,19 @@ fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
     assert_eq!(first[0]["provider"], "slurm");
     let spot_job = job_of(&first[0]);
     assert_eq!(slurm.job_state(spot_job).as_deref(), Some("RUNNING"));
+    // the status page lists the live lease and its worker
+    let (code, page) = c.get("/").expect("GET /");
+    assert_eq!(code, 200, "{page}");
+    for want in [
+        "<h2>Live leases</h2>",
+        "<td>slurm</td><td>cpu-test</td><td>spot</td><td>ready</td>",
+        &format!("<td>lease-{}</td>", first[0]["id"]),
+    ] {
+        assert!(
+            page.contains(want),
+            "{want} not on the status page:\n{page}"
+        );
+    }
 
     let sim = spawn_sim(sim_opts(&c, 1, 10.0, 16.0));
     std::thread::sleep(Duration::from_secs(3));
