@@ -1,17 +1,20 @@
 //! The operator HTTP API, on its own listener (separate from QUIC):
 //! `/metrics`, `/healthz`, `/readyz`, JSON under `/api/v1/`, and the status
-//! page at `/`.
+//! page at `/`. The mutating routes (`POST`) need the admin token.
 
-use axum::extract::{Query, State};
-use axum::http::{StatusCode, header};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 
 use serde::Deserialize;
 
+use tidegate_lease::LeaseId;
+
+use crate::auth::token_matches;
 use crate::hub::Hub;
-use crate::leasing::{Leasing, MAX_LEASES_LISTED};
+use crate::leasing::{Leasing, MAX_LEASES_LISTED, ReleaseRefused};
 use crate::metrics::Metrics;
 
 /// What the handlers share.
@@ -23,6 +26,9 @@ pub struct ApiState {
     pub metrics: Metrics,
     /// The lease shell, when `[leasing]` is configured.
     pub leasing: Option<Leasing>,
+    /// Hex SHA-256 of the admin token (`http.admin_token_sha256`); unset:
+    /// the mutating routes are refused.
+    pub admin_token_sha256: Option<String>,
 }
 
 /// The router.
@@ -39,6 +45,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/v1/models", get(models))
         .route("/api/v1/leases", get(leases))
         .route("/api/v1/costs", get(costs))
+        .route("/api/v1/workers/{name}/drain", post(drain_worker))
+        .route("/api/v1/leases/{id}/release", post(release_lease))
         .with_state(state)
 }
 
@@ -48,6 +56,88 @@ async fn metrics(State(s): State<ApiState>) -> Response {
         s.metrics.render(),
     )
         .into_response()
+}
+
+/// The refusal of a mutating route, unless the request carries
+/// `Authorization: Bearer <admin token>`.
+fn refuse_unless_admin(s: &ApiState, headers: &HeaderMap) -> Option<Response> {
+    let Some(digest) = &s.admin_token_sha256 else {
+        return Some((
+            StatusCode::FORBIDDEN,
+            "mutating routes are disabled: set http.admin_token_sha256 (tidegate-gateway hash-token <TOKEN>)\n",
+        )
+            .into_response(),
+        );
+    };
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match token {
+        Some(t) if token_matches(t.trim(), digest) => None,
+        Some(_) => Some((StatusCode::UNAUTHORIZED, "wrong admin token\n").into_response()),
+        None => Some(
+            (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                "this route needs Authorization: Bearer <admin token>\n",
+            )
+                .into_response(),
+        ),
+    }
+}
+
+/// `POST /api/v1/workers/{name}/drain`: no new batch goes to the workers
+/// registered as `name`, and they are told to finish theirs and exit.
+async fn drain_worker(
+    State(s): State<ApiState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(refused) = refuse_unless_admin(&s, &headers) {
+        return refused;
+    }
+    match s.hub.drain_worker(&name).await {
+        Some(0) => (
+            StatusCode::NOT_FOUND,
+            format!("no worker named {name:?} is registered\n"),
+        )
+            .into_response(),
+        Some(n) => (
+            StatusCode::ACCEPTED,
+            Json(serde_json::json!({ "worker": name, "draining": n })),
+        )
+            .into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response(),
+    }
+}
+
+/// `POST /api/v1/leases/{id}/release`: releases the lease now.
+async fn release_lease(
+    State(s): State<ApiState>,
+    Path(id): Path<u64>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(refused) = refuse_unless_admin(&s, &headers) {
+        return refused;
+    }
+    let Some(l) = &s.leasing else {
+        return no_leasing();
+    };
+    match l.release(LeaseId(id)).await {
+        Ok(()) => (
+            StatusCode::ACCEPTED,
+            Json(serde_json::json!({ "lease": id, "state": "draining" })),
+        )
+            .into_response(),
+        Err(e @ ReleaseRefused::Unknown(_)) => {
+            (StatusCode::NOT_FOUND, format!("{e}\n")).into_response()
+        }
+        Err(e @ ReleaseRefused::Stopped) => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")).into_response()
+        }
+        Err(e) => (StatusCode::CONFLICT, format!("{e}\n")).into_response(),
+    }
 }
 
 /// The status page (`status.rs`).
@@ -233,7 +323,53 @@ fn rfc3339_ms(s: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_time;
+    use super::*;
+
+    #[tokio::test]
+    async fn mutating_routes_need_the_admin_token() {
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let metrics = Metrics::new();
+        let hub = crate::hub::spawn(
+            crate::scheduler::Limits::default(),
+            None,
+            metrics.clone(),
+            cancel.clone(),
+            &tracker,
+        );
+        let mut state = ApiState {
+            hub,
+            metrics,
+            leasing: None,
+            admin_token_sha256: None,
+        };
+        let with = |auth: Option<&str>| {
+            let mut h = HeaderMap::new();
+            if let Some(a) = auth {
+                h.insert(header::AUTHORIZATION, a.parse().unwrap());
+            }
+            h
+        };
+        let status = |r: Option<Response>| r.map(|r| r.status());
+        assert_eq!(
+            status(refuse_unless_admin(&state, &with(Some("Bearer s3cret")))),
+            Some(StatusCode::FORBIDDEN),
+            "no admin token configured: nothing mutates"
+        );
+        state.admin_token_sha256 = Some(crate::auth::hash_token("s3cret"));
+        let missing = refuse_unless_admin(&state, &with(None)).unwrap();
+        assert_eq!(missing.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(missing.headers()[header::WWW_AUTHENTICATE], "Bearer");
+        for wrong in ["Bearer s3creT", "Basic s3cret", "s3cret", "Bearer "] {
+            assert_eq!(
+                status(refuse_unless_admin(&state, &with(Some(wrong)))),
+                Some(StatusCode::UNAUTHORIZED),
+                "{wrong}"
+            );
+        }
+        assert!(refuse_unless_admin(&state, &with(Some("Bearer s3cret"))).is_none());
+        cancel.cancel();
+    }
 
     #[test]
     fn times_parse_as_epoch_ms_or_rfc3339() {

@@ -225,21 +225,44 @@ fn default_key() -> PathBuf {
     PathBuf::from("certs/gateway.key")
 }
 
-/// HTTP listener settings.
-#[derive(Debug, Clone, Deserialize)]
+/// HTTP listener settings. `Debug` leaves out the admin token's digest.
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HttpConfig {
     /// Address to bind (TCP).
     #[serde(default = "default_http_listen")]
     pub listen: SocketAddr,
+    /// Hex SHA-256 of the admin token that the mutating routes (`POST
+    /// /api/v1/...`) require as `Authorization: Bearer <token>`; unset:
+    /// those routes are refused.
+    #[serde(default)]
+    pub admin_token_sha256: Option<String>,
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("listen", &self.listen)
+            .field(
+                "admin_token_sha256",
+                &self.admin_token_sha256.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             listen: default_http_listen(),
+            admin_token_sha256: None,
         }
     }
+}
+
+/// Whether `s` is a 64-digit hex SHA-256.
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 fn default_http_listen() -> SocketAddr {
@@ -393,10 +416,15 @@ impl Config {
 
     /// Checks values that serde cannot.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(d) = &self.http.admin_token_sha256
+            && !is_sha256_hex(d)
+        {
+            return Err(ConfigError::Invalid(
+                "http.admin_token_sha256 is not a 64-digit hex SHA-256; make one with `tidegate-gateway hash-token <TOKEN>`".into(),
+            ));
+        }
         for p in self.edges.iter().chain(&self.workers) {
-            let ok =
-                p.token_sha256.len() == 64 && p.token_sha256.bytes().all(|b| b.is_ascii_hexdigit());
-            if !ok {
+            if !is_sha256_hex(&p.token_sha256) {
                 return Err(ConfigError::Invalid(format!(
                     "token_sha256 of '{}' is not a 64-digit hex SHA-256; make one with `tidegate-gateway hash-token <TOKEN>`",
                     p.name
@@ -769,5 +797,18 @@ mod tests {
         ))
         .unwrap();
         assert!(!format!("{cfg:?}").contains(&"a".repeat(64)));
+        let cfg: Config = toml::from_str(&format!(
+            "[http]\nadmin_token_sha256 = \"{}\"\n",
+            "b".repeat(64)
+        ))
+        .unwrap();
+        cfg.validate().unwrap();
+        assert!(!format!("{cfg:?}").contains(&"b".repeat(64)));
+        let bad: Config = toml::from_str("[http]\nadmin_token_sha256 = \"s3cret\"\n").unwrap();
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("http.admin_token_sha256") && e.contains("hash-token"),
+            "{e}"
+        );
     }
 }

@@ -77,6 +77,18 @@ pub enum HubMsg {
         dispatch: mpsc::Sender<Dispatch>,
         /// The lease it serves, when it authenticated with a lease token.
         lease: Option<LeaseId>,
+        /// Cancelled by the hub to have the connection send the worker a
+        /// `Drain` (an operator's drain).
+        drain: CancellationToken,
+    },
+    /// An operator drains the workers registered as `name`: no new batch
+    /// goes to them, and they are told to finish theirs and exit.
+    DrainWorker {
+        /// The worker's registered name.
+        name: String,
+        /// Answer: how many workers of that name are now draining (0: none
+        /// is registered).
+        reply: oneshot::Sender<usize>,
     },
     /// A worker returned a batch.
     BatchDone {
@@ -294,6 +306,20 @@ impl Hub {
         }
         rx.await.ok()
     }
+
+    /// Drains the workers registered as `name` (an operator's drain): how
+    /// many there were; `None` once the hub has stopped.
+    pub async fn drain_worker(&self, name: &str) -> Option<usize> {
+        let (reply, rx) = oneshot::channel();
+        let msg = HubMsg::DrainWorker {
+            name: name.to_string(),
+            reply,
+        };
+        if !self.send(msg).await {
+            return None;
+        }
+        rx.await.ok()
+    }
 }
 
 struct Pending {
@@ -317,6 +343,8 @@ struct WorkerEntry {
     dispatch: mpsc::Sender<Dispatch>,
     draining: bool,
     lease: Option<LeaseId>,
+    /// Cancelled to send the worker a `Drain`.
+    drain_request: CancellationToken,
 }
 
 /// Most latency reports kept per model between two load reports.
@@ -558,6 +586,7 @@ impl State {
                 register,
                 dispatch,
                 lease,
+                drain: drain_request,
             } => {
                 let models = register
                     .models
@@ -581,6 +610,7 @@ impl State {
                         dispatch,
                         draining: drain,
                         lease,
+                        drain_request,
                     },
                 );
                 self.step(Event::WorkerJoined { worker, models });
@@ -638,6 +668,25 @@ impl State {
                     w.draining = true;
                 }
                 self.step(Event::WorkerDraining { worker });
+            }
+            HubMsg::DrainWorker { name, reply } => {
+                let ids: Vec<WorkerId> = self
+                    .workers
+                    .iter()
+                    .filter(|(_, w)| w.register.worker == name)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for worker in &ids {
+                    if let Some(w) = self.workers.get_mut(worker) {
+                        w.drain_request.cancel();
+                        if !w.draining {
+                            w.draining = true;
+                            tracing::info!(worker = worker.0, %name, "operator drains the worker");
+                            self.step(Event::WorkerDraining { worker: *worker });
+                        }
+                    }
+                }
+                let _ = reply.send(ids.len());
             }
             HubMsg::LeaseDraining { lease } => {
                 self.draining_leases.insert(lease);
@@ -993,15 +1042,25 @@ mod tests {
 
     /// Registers worker 1 (serving `MODEL`) under `lease`; its batches.
     async fn connect_worker(hub: &Hub, lease: Option<LeaseId>) -> mpsc::Receiver<Dispatch> {
+        connect_worker_drainable(hub, lease).await.0
+    }
+
+    /// [`connect_worker`], with the token the hub cancels to drain it.
+    async fn connect_worker_drainable(
+        hub: &Hub,
+        lease: Option<LeaseId>,
+    ) -> (mpsc::Receiver<Dispatch>, CancellationToken) {
         let (dispatch, batches) = mpsc::channel(8);
+        let drain = CancellationToken::new();
         hub.send(HubMsg::WorkerConnected {
             worker: WorkerId(1),
             register: register(),
             dispatch,
             lease,
+            drain: drain.clone(),
         })
         .await;
-        batches
+        (batches, drain)
     }
 
     /// Connects edge 1; the results it is sent.
@@ -1083,6 +1142,31 @@ mod tests {
         let snap = hub.snapshot().await.unwrap();
         assert!(snap.frames.balanced(), "{:?}", snap.frames);
         assert!(snap.workers[0].draining);
+        cancel.cancel();
+    }
+
+    #[tokio::test]
+    async fn an_operator_drain_stops_dispatch_and_asks_the_worker_to_drain() {
+        let (hub, cancel) = hub();
+        let (mut batches, drain) = connect_worker_drainable(&hub, None).await;
+        let mut answers = connect_edge(&hub).await;
+        assert_eq!(hub.drain_worker("no-such-worker").await, Some(0));
+        assert!(!drain.is_cancelled());
+        assert_eq!(hub.drain_worker("lease-7").await, Some(1));
+        assert!(drain.is_cancelled(), "the connection is told to send Drain");
+        assert!(hub.snapshot().await.unwrap().workers[0].draining);
+        // again: still one, still draining
+        assert_eq!(hub.drain_worker("lease-7").await, Some(1));
+        hub.send(HubMsg::Frame {
+            edge: EdgeId(1),
+            frame: frame(1),
+            deadline: Instant::now() + Duration::from_millis(50),
+        })
+        .await;
+        let answer = recv(&mut answers).await;
+        assert_ne!(answer.status, Status::Ok, "{answer:?}");
+        assert!(batches.try_recv().is_err(), "no batch to a draining worker");
+        assert!(hub.snapshot().await.unwrap().frames.balanced());
         cancel.cancel();
     }
 

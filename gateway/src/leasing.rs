@@ -115,6 +115,28 @@ enum LeasingMsg {
         to: Millis,
         reply: oneshot::Sender<Result<CostReport, String>>,
     },
+    Release {
+        lease: LeaseId,
+        reply: oneshot::Sender<Result<(), ReleaseRefused>>,
+    },
+}
+
+/// Why an operator's release was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReleaseRefused {
+    /// No such lease in the ledger.
+    #[error("{0} is not in the ledger")]
+    Unknown(LeaseId),
+    /// It has ended already.
+    #[error("{0} has already ended")]
+    Ended(LeaseId),
+    /// It is being acquired: its provider has not answered yet.
+    #[error("{0} is still being acquired; release it once it is starting")]
+    NotYetStarted(LeaseId),
+    /// The lease manager has stopped.
+    #[error("the lease manager has stopped")]
+    Stopped,
 }
 
 /// A handle to the lease shell.
@@ -164,6 +186,23 @@ impl Leasing {
         }
         rx.await
             .unwrap_or_else(|_| Err("the lease manager has stopped".into()))
+    }
+
+    /// Releases a lease now, as the autoscaler would (an operator's
+    /// decision): dispatch stops, and its worker ends after the batches it
+    /// holds. The autoscaler may lease a replacement if the capacity is
+    /// still needed.
+    pub async fn release(&self, lease: LeaseId) -> Result<(), ReleaseRefused> {
+        let (reply, rx) = oneshot::channel();
+        if self
+            .tx
+            .send(LeasingMsg::Release { lease, reply })
+            .await
+            .is_err()
+        {
+            return Err(ReleaseRefused::Stopped);
+        }
+        rx.await.unwrap_or(Err(ReleaseRefused::Stopped))
     }
 
     /// Cost charged in `[from, to)` (`/api/v1/costs`).
@@ -538,6 +577,22 @@ impl Shell {
             }
             LeasingMsg::Costs { from, to, reply } => {
                 let _ = reply.send(self.ledger.costs(from, to).map_err(|e| e.to_string()));
+            }
+            LeasingMsg::Release { lease, reply } => {
+                let in_ledger = self.ledger.lease(lease).ok().flatten().is_some();
+                let answer = match self.state(lease) {
+                    None if in_ledger => Err(ReleaseRefused::Ended(lease)),
+                    None => Err(ReleaseRefused::Unknown(lease)),
+                    Some(LeaseState::Ended(_)) => Err(ReleaseRefused::Ended(lease)),
+                    Some(LeaseState::Requested) => Err(ReleaseRefused::NotYetStarted(lease)),
+                    Some(_) => {
+                        info!(%lease, "operator releases the lease");
+                        self.execute(wall_clock_ms(), vec![Action::Release { lease }], 0)
+                            .await;
+                        Ok(())
+                    }
+                };
+                let _ = reply.send(answer);
             }
         }
     }

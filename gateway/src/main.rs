@@ -207,6 +207,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         hub: hub.clone(),
         metrics: metrics.clone(),
         leasing: leasing.clone(),
+        admin_token_sha256: cfg.http.admin_token_sha256.clone(),
     });
     {
         let cancel = cancel.clone();

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use tidegate_protocol::quic::{read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, ControlHint, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Limits, Message,
-    Role, Welcome,
+    CameraAccepted, ControlHint, Drain, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Limits,
+    Message, Role, Welcome,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -31,6 +31,9 @@ const RESULT_QUEUE: usize = 1024;
 const HINT_QUEUE: usize = 64;
 /// Batches buffered per worker connection.
 const DISPATCH_QUEUE: usize = 8;
+/// Time an operator's drain gives a worker to finish its batches (ms), as
+/// said in the `Drain` it is sent.
+const OPERATOR_DRAIN_MS: u32 = 30_000;
 /// Heartbeat interval asked of workers.
 const HEARTBEAT_MS: u32 = 1000;
 /// Heartbeats a worker may miss before it is declared lost.
@@ -430,6 +433,7 @@ impl Server {
             "worker registered"
         );
         let (dispatch_tx, mut dispatch_rx) = mpsc::channel(DISPATCH_QUEUE);
+        let drain_request = CancellationToken::new();
         if !self
             .hub
             .send(HubMsg::WorkerConnected {
@@ -437,6 +441,7 @@ impl Server {
                 register,
                 dispatch: dispatch_tx,
                 lease,
+                drain: drain_request.clone(),
             })
             .await
         {
@@ -519,8 +524,22 @@ impl Server {
                 }
             }
         };
+        // An operator's drain: tell the worker once, then keep the
+        // connection until it has finished its batches and gone.
+        let drain_notice = async {
+            drain_request.cancelled().await;
+            let drain = Message::Drain(Drain {
+                deadline_ms: OPERATOR_DRAIN_MS,
+            });
+            match write_message(&mut ctl_send, &drain).await {
+                Ok(()) => info!("operator drain sent to the worker"),
+                Err(e) => warn!("sending Drain to the worker: {e}"),
+            }
+            std::future::pending::<()>().await
+        };
         tokio::select! {
             _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
+            _ = drain_notice => {},
             r = writer => if let Err(e) = r { warn!("dispatch to worker failed: {e}") },
             r = results => if let Err(e) = r { debug!("worker result streams ended: {e}") },
             _ = control => {},

@@ -74,6 +74,8 @@ pub struct Cluster {
     pub edge_token: String,
     /// Token of the workers.
     worker_token: String,
+    /// The admin token the mutating API routes need.
+    pub admin_token: String,
 }
 
 /// What to start.
@@ -122,9 +124,11 @@ impl Cluster {
         }
         let edge_token = random_token();
         let worker_token = random_token();
+        let admin_token = random_token();
         let hash = tidegate_gateway::auth::hash_token;
         let mut toml = format!(
-            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\n[scheduler]\n{}\n{}",
+            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\nadmin_token_sha256 = \"{}\"\n[scheduler]\n{}\n{}",
+            hash(&admin_token),
             opts.scheduler,
             extra(dir.path())?
         );
@@ -152,6 +156,7 @@ impl Cluster {
             workers: Vec::new(),
             edge_token,
             worker_token,
+            admin_token,
         })
     }
 
@@ -293,6 +298,22 @@ impl Cluster {
     /// HTTP GET on the gateway's API: (status, body).
     pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
         http_get(self.http, path)
+    }
+
+    /// `POST path` (empty body) on the gateway's HTTP API, with `token` as
+    /// the bearer token: status and body.
+    pub fn post(&self, path: &str, token: Option<&str>) -> anyhow::Result<(u16, String)> {
+        let auth = token.map_or_else(String::new, |t| format!("Authorization: Bearer {t}\r\n"));
+        http_request(
+            self.http,
+            &format!("POST {path} HTTP/1.0\r\nContent-Length: 0\r\n{auth}"),
+        )
+    }
+
+    /// The exit status of worker `name`, once it has exited by itself.
+    pub fn worker_exit(&mut self, name: &str) -> Option<std::process::ExitStatus> {
+        let (_, child) = self.workers.iter_mut().find(|(n, _)| n == name)?;
+        child.try_wait().ok().flatten()
     }
 
     /// Writes an edge config with `cameras` as (name, uri, model, max_fps).
@@ -521,9 +542,15 @@ fn spawn_gateway(
 
 /// A minimal HTTP/1.0 GET (no chunking) against `addr`.
 pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    http_request(addr, &format!("GET {path} HTTP/1.0\r\n"))
+}
+
+/// One HTTP/1.0 request: `head` is the request line and any headers, each
+/// ending in CRLF; status and body.
+fn http_request(addr: SocketAddr, head: &str) -> anyhow::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    write!(s, "{head}Host: {addr}\r\n\r\n")?;
     let mut text = String::new();
     s.read_to_string(&mut text)?;
     let status = text

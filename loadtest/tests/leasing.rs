@@ -334,5 +334,30 @@ fn gateway_crash_and_restart_adopts_live_leases_and_leaks_no_worker() {
         assert_eq!(state(a), "ready", "{a}");
         assert!(a["cost"].as_f64().unwrap() >= b["cost"].as_f64().unwrap());
     }
+    // An operator releases one lease through the API: it ends released
+    // (and the autoscaler leases a replacement for the floor).
+    let admin = c.admin_token.clone();
+    let (code, body) = c
+        .post("/api/v1/leases/999/release", Some(&admin))
+        .expect("POST");
+    assert_eq!(code, 404, "{body}");
+    let release = format!("/api/v1/leases/{id0}/release");
+    let (code, body) = c.post(&release, None).expect("POST");
+    assert_eq!(code, 401, "{body}");
+    let (code, body) = c.post(&release, Some(&admin)).expect("POST");
+    assert_eq!(code, 202, "{body}");
+    wait_until(
+        &c,
+        Duration::from_secs(20),
+        "the released lease ends",
+        || {
+            leases(&c, false)
+                .iter()
+                .any(|l| l["id"] == *id0 && state(l) == "ended" && reason(l) == "released")
+        },
+    );
+    let (code, body) = c.post(&release, Some(&admin)).expect("POST");
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("already ended"), "{body}");
     stop_and_check_no_worker_left(&mut c);
 }

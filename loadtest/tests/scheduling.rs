@@ -125,6 +125,56 @@ fn a_light_load_is_served_ok_within_budget() {
 }
 
 #[test]
+fn an_operator_drain_needs_the_admin_token_and_ends_the_worker_cleanly() {
+    let _serial = serial();
+    let mut c = cluster(2, "");
+    let path = "/api/v1/workers/worker-1/drain";
+    let (code, body) = c.post(path, None).expect("POST");
+    assert_eq!(code, 401, "{body}");
+    assert!(body.contains("Authorization: Bearer"), "{body}");
+    let (code, body) = c.post(path, Some("not-the-token")).expect("POST");
+    assert_eq!(code, 401, "{body}");
+    let admin = c.admin_token.clone();
+    let (code, body) = c
+        .post("/api/v1/workers/worker-9/drain", Some(&admin))
+        .expect("POST");
+    assert_eq!(code, 404, "{body}");
+    assert_eq!(
+        c.worker_exit("worker-1"),
+        None,
+        "refused drains drain nothing"
+    );
+
+    let (code, body) = c.post(path, Some(&admin)).expect("POST");
+    assert_eq!(code, 202, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(v["draining"], 1, "{v}");
+    // the worker was told to drain: it finishes and exits 0
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = c.worker_exit("worker-1") {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "worker-1 still runs 30 s after its drain"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "a drained worker exits 0: {status}");
+    // the other worker serves every frame
+    let r = run_sim(sim_opts(&c, "edge-1", 2, 5.0, 2.0));
+    assert_nothing_lost(&r);
+    assert_eq!(r.ok, r.sent, "{:?}", r.outcomes);
+    let (_, workers) = c.get("/api/v1/workers").expect("GET /api/v1/workers");
+    assert!(
+        workers.contains("worker-2") && !workers.contains("worker-1"),
+        "{workers}"
+    );
+    assert_balanced(&settled_counters(&c));
+}
+
+#[test]
 fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
     let _serial = serial();
     let c = cluster(2, "hint_window_ms = 500");
