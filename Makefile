@@ -31,10 +31,10 @@ lint: setup
 fmt:
 	$(CARGO) fmt --all
 
-## A bounded load test against a local cluster; JSON report in target/loadtest.json.
+## A bounded load test against a local cluster; report in target/loadtest.json and .svg.
 loadtest: release
 	./target/release/tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10 \
-	  --report target/loadtest.json
+	  --report target/loadtest.json --svg target/loadtest.svg
 
 ## Scheduler cost and relay overhead against raw quinn; JSON in target/bench-*.json.
 bench: release

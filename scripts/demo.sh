@@ -70,7 +70,7 @@ trap cleanup INT TERM EXIT
 pids+=($!)
 TIDEGATE_WORKER_TOKEN="$worker_token" "$bin/tidegate-worker" --config "$run/worker.toml" &
 pids+=($!)
-echo "gateway: QUIC 127.0.0.1:4433, metrics http://127.0.0.1:9090/metrics"
+echo "gateway: QUIC 127.0.0.1:4433, status page http://127.0.0.1:9090/, metrics http://127.0.0.1:9090/metrics"
 echo "results from cameras 'astronaut' (faces) and 'street' (people, cars) (Ctrl-C to stop):"
 TIDEGATE_EDGE_TOKEN="$edge_token" "$bin/tidegate-edge" --config "$run/edge.toml" &
 pids+=($!)

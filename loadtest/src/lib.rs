@@ -1,5 +1,5 @@
 //! tidegate-loadtest: simulated cameras against a gateway, latency
-//! histograms, a JSON report and an SLO gate; and [`cluster`], which starts
+//! histograms, a JSON report, an SVG picture of it ([`svg`]) and an SLO gate; and [`cluster`], which starts
 //! a local cluster of real processes for tests and local runs; the
 //! benchmarks behind `tidegate-bench` ([`schedbench`], [`relay`]).
 
@@ -9,3 +9,4 @@ pub mod relay;
 pub mod report;
 pub mod schedbench;
 pub mod sim;
+pub mod svg;

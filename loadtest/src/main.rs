@@ -66,6 +66,9 @@ struct Cli {
     /// Write the JSON report here too.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Draw the report (latency CDF against the budget, outcomes) as SVG here.
+    #[arg(long)]
+    svg: Option<PathBuf>,
     /// SLO gate: fail unless at least this fraction of frames is ok within budget.
     #[arg(long)]
     min_slo_attainment: Option<f64>,
@@ -137,6 +140,10 @@ fn main() -> anyhow::Result<()> {
     println!("{json}");
     if let Some(p) = &cli.report {
         std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &cli.svg {
+        std::fs::write(p, tidegate_loadtest::svg::render(&report))
+            .with_context(|| format!("writing {}", p.display()))?;
     }
     drop(cluster);
     if let Some(min) = cli.min_slo_attainment {

@@ -53,6 +53,9 @@ pub struct Report {
     pub slo_attainment: f64,
     /// End-to-end latency of ok results (edge clock).
     pub e2e_ms: Percentiles,
+    /// Their distribution: `[latency ms, fraction at or below it]` at every
+    /// percentile and at 99.9 %, for plotting (`svg.rs`).
+    pub e2e_cdf_ms: Vec<[f64; 2]>,
     /// Control hints received.
     pub hints: u64,
     /// Results by status and reason (`ok`, `shed:superseded`,
@@ -114,6 +117,9 @@ impl Report {
                 p99: ms(0.99),
                 max: hist.max() as f64 / 1000.0,
             };
+            let mut qs: Vec<f64> = (0..=100).map(|i| i as f64 / 100.0).collect();
+            qs.insert(100, 0.999);
+            self.e2e_cdf_ms = qs.into_iter().map(|q| [ms(q), q]).collect();
         }
     }
 }
