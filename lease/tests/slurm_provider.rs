@@ -193,6 +193,9 @@ async fn a_worker_that_dies_ends_its_lease_lost_and_a_job_that_never_ran_failed(
     assert_eq!(reason, EndReason::Lost, "{detail}");
     assert!(detail.contains("FAILED"), "{detail}");
     assert!(env_of(out.path(), 1).is_some());
+    // releasing a lease whose job has ended is not an error
+    p.release(LeaseId(1)).await.unwrap();
+    assert!(p.held().is_empty());
 
     // a pending job cancelled behind our back never ran: a failed start
     let mut hold = config(&slurm, out.path(), WORKER);

@@ -970,9 +970,22 @@ impl Provider for SlurmProvider {
             .ok_or(ProviderError::UnknownLease(lease))?;
         self.forget(lease).await;
         self.jobs.remove(&lease);
-        self.tools
+        if let Err(e) = self
+            .tools
             .run(Some(lease), "scancel", &[job.to_string()], None, &[])
-            .await?;
+            .await
+        {
+            // a job that has ended cannot be cancelled, and need not be
+            let ended = self.tools.squeue(&[job]).await.is_ok_and(|infos| {
+                infos
+                    .iter()
+                    .find(|i| i.id == job)
+                    .is_none_or(|i| matches!(i.state, JobState::Ended(_)))
+            });
+            if !ended {
+                return Err(e);
+            }
+        }
         let give_up =
             tokio::time::Instant::now() + Duration::from_secs_f64(self.cfg.release_timeout_secs);
         loop {
