@@ -182,6 +182,41 @@ async fn slurm_preempting_a_spot_job_is_the_notice_and_the_worker_drains() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spot_job_slurm_requeues_is_cancelled_and_ends_preempted() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    // a worker that does not drain in time: Slurm kills it at the end of
+    // the grace time and puts its job back in the queue
+    let stubborn = r#"env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"
+trap '' TERM
+while :; do sleep 0.1; done"#;
+    let mut cfg = config(&slurm, out.path(), stubborn);
+    cfg.partitions.spot = Some("spotrq".into());
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut events = p.take_events().unwrap();
+    let spot = p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
+    let job: SlurmData = serde_json::from_str(spot.provider_data.as_deref().unwrap()).unwrap();
+    wait_for("the spot worker", || env_of(out.path(), 1).is_some()).await;
+    p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    match next_event(&mut events).await {
+        ProviderEvent::PreemptionNotice { lease, .. } => assert_eq!(lease, LeaseId(1)),
+        other => panic!("expected the spot notice, got {other:?}"),
+    }
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Preempted, "{detail}");
+    // Slurm put the job back in the queue; a lease is one run, so the
+    // provider cancelled it rather than let it start again
+    assert!(detail.contains("requeued"), "{detail}");
+    wait_for("the requeued job to be cancelled", || {
+        slurm.job_state(job.job_id.0).as_deref() == Some("CANCELLED")
+    })
+    .await;
+    wait_for("the on-demand worker", || env_of(out.path(), 2).is_some()).await;
+    p.shutdown().await;
+    assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_dies_ends_its_lease_lost_and_a_job_that_never_ran_failed() {
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();

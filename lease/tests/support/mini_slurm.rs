@@ -4,9 +4,10 @@
 //!
 //! One node, `tg1`, with 2 CPUs and 2 GPUs (`gres/gpu` backed by
 //! `/dev/null` and `/dev/zero`: Slurm only counts and assigns them), and
-//! two partitions: `ondemand` (never preempted) and `spot` (preempted by
+//! three partitions: `ondemand` (never preempted), `spot` (preempted by
 //! `ondemand` with `PreemptMode=CANCEL` and `GraceTime=3`, so its jobs get
-//! SIGTERM, then SIGKILL 3 s later). Dropping it cancels every job, then
+//! SIGTERM, then SIGKILL 3 s later) and `spotrq` (the same with
+//! `PreemptMode=REQUEUE`: a preempted job goes back to the queue). Dropping it cancels every job, then
 //! stops the daemons. Shared by the lease provider's tests and the
 //! gateway's end-to-end test.
 
@@ -119,6 +120,7 @@ PreemptMode=CANCEL
 NodeName=tg1 NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 Gres=gpu:2 State=UNKNOWN
 PartitionName=ondemand Nodes=tg1 PriorityTier=10 PreemptMode=OFF Default=YES MaxTime=INFINITE State=UP
 PartitionName=spot Nodes=tg1 PriorityTier=1 PreemptMode=CANCEL GraceTime={GRACE_SECS} MaxTime=INFINITE State=UP
+PartitionName=spotrq Nodes=tg1 PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_SECS} MaxTime=INFINITE State=UP
 ",
                 d = d.display()
             ),
@@ -307,7 +309,7 @@ impl Drop for MiniSlurm {
     fn drop(&mut self) {
         // jobs first: their step daemons outlive slurmd by design
         if !self.live_jobs().is_empty() {
-            let _ = self.tool("scancel", &["--full", "--partition=ondemand,spot"]);
+            let _ = self.tool("scancel", &["--full", "--partition=ondemand,spot,spotrq"]);
             let until = Instant::now() + Duration::from_secs(15);
             while !self.live_jobs().is_empty() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(100));
