@@ -14,7 +14,7 @@ use crate::hub::Snapshot;
 /// Seconds between the page's own refreshes.
 pub const REFRESH_SECS: u32 = 5;
 
-/// `s` with `&`, `<`, `>`, `"` and `'` escaped, for HTML text and
+/// `s` with `&`, `<`, `>`, `"` and `'` escaped, for HTML or SVG text and
 /// attribute values.
 pub fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+use crate::sim::SimOptions;
+
 /// Where the tidegate binaries are: `TIDEGATE_BIN_DIR`, else next to the
 /// running executable (`target/<profile>/`, also from `deps/`).
 pub fn bin_dir() -> PathBuf {
@@ -292,6 +294,26 @@ impl Cluster {
                 );
             }
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Simulated cameras of edge `edge` against this cluster: `cameras` ×
+    /// `fps` for `seconds`, sending astronaut.png to BlazeFace with an
+    /// 80 ms budget and obeying the gateway's frame-rate hints.
+    pub fn sim_options(&self, edge: &str, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
+        SimOptions {
+            gateway: self.quic,
+            server_name: "localhost".into(),
+            ca: self.ca(),
+            edge: edge.into(),
+            token: self.edge_token.clone(),
+            cameras,
+            fps,
+            duration: Duration::from_secs_f64(seconds),
+            model: "blazeface".into(),
+            budget_ms: 80,
+            image: Some(workspace_root().join("models/testdata/astronaut.png")),
+            obey_hints: true,
         }
     }
 

@@ -79,6 +79,17 @@ pub fn frame_pixels(
     }
 }
 
+/// [`run`] on a runtime of its own (two threads), for callers outside
+/// async code.
+pub fn run_blocking(opts: &SimOptions) -> anyhow::Result<Report> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("building the simulation's runtime")?
+        .block_on(run(opts))
+}
+
 /// Runs the simulation and returns its report.
 pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
     let (uplink, mut incoming) = Uplink::connect(

@@ -4,6 +4,8 @@
 
 use std::fmt::Write;
 
+use tidegate_gateway::status::escape;
+
 use crate::report::Report;
 
 /// Picture size (px).
@@ -17,14 +19,6 @@ const PLOT_H: f64 = 300.0;
 /// The outcome bars' column.
 const BARS_X: f64 = 650.0;
 const BARS_W: f64 = 200.0;
-
-/// `s` escaped for SVG text.
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
 
 /// The latency axis' end: a round number above the budget and the p99.
 pub fn axis_end_ms(report: &Report) -> f64 {

@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim::{self, SimOptions};
 
@@ -43,30 +43,11 @@ fn cluster(workers: usize, scheduler: &str) -> Cluster {
 }
 
 fn sim_opts(c: &Cluster, edge: &str, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
-    SimOptions {
-        gateway: c.quic,
-        server_name: "localhost".into(),
-        ca: c.ca(),
-        edge: edge.into(),
-        token: c.edge_token.clone(),
-        cameras,
-        fps,
-        duration: Duration::from_secs_f64(seconds),
-        model: "blazeface".into(),
-        budget_ms: 80,
-        image: Some(workspace_root().join("models/testdata/astronaut.png")),
-        obey_hints: true,
-    }
+    c.sim_options(edge, cameras, fps, seconds)
 }
 
 fn run_sim(opts: SimOptions) -> Report {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-        .block_on(sim::run(&opts))
-        .expect("simulation runs")
+    sim::run_blocking(&opts).expect("simulation runs")
 }
 
 /// The gateway's frame counters, once nothing is in flight.

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tidegate_loadtest::cluster::{Cluster, workspace_root};
+use tidegate_loadtest::cluster::Cluster;
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim::{self, SimOptions};
 
@@ -28,34 +28,14 @@ startup_secs = 2
 price_per_hour = { on_demand = 3.60, spot = 1.20, reserved = 2.40 }
 "#;
 
+/// Simulated cameras of `edge-1` (see [`Cluster::sim_options`]).
 pub fn sim_opts(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
-    SimOptions {
-        gateway: c.quic,
-        server_name: "localhost".into(),
-        ca: c.ca(),
-        edge: "edge-1".into(),
-        token: c.edge_token.clone(),
-        cameras,
-        fps,
-        duration: Duration::from_secs_f64(seconds),
-        model: "blazeface".into(),
-        budget_ms: 80,
-        image: Some(workspace_root().join("models/testdata/astronaut.png")),
-        obey_hints: true,
-    }
+    c.sim_options("edge-1", cameras, fps, seconds)
 }
 
 /// Runs the simulated cameras on their own thread.
 pub fn spawn_sim(opts: SimOptions) -> std::thread::JoinHandle<Report> {
-    std::thread::spawn(move || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime")
-            .block_on(sim::run(&opts))
-            .expect("simulation runs")
-    })
+    std::thread::spawn(move || sim::run_blocking(&opts).expect("simulation runs"))
 }
 
 pub fn leases(c: &Cluster, live: bool) -> Vec<Value> {
