@@ -12,10 +12,13 @@ use serde::Deserialize;
 
 use tidegate_lease::LeaseId;
 
-use crate::auth::token_matches;
+use std::sync::Arc;
+
+use crate::auth::{Access, token_matches};
 use crate::hub::Hub;
 use crate::leasing::{Leasing, MAX_LEASES_LISTED, ReleaseRefused};
 use crate::metrics::Metrics;
+use crate::reload::{ReloadError, Reloader};
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
@@ -26,9 +29,11 @@ pub struct ApiState {
     pub metrics: Metrics,
     /// The lease shell, when `[leasing]` is configured.
     pub leasing: Option<Leasing>,
-    /// Hex SHA-256 of the admin token (`http.admin_token_sha256`); unset:
-    /// the mutating routes are refused.
-    pub admin_token_sha256: Option<String>,
+    /// The credentials in force: the admin token (`http.admin_token_sha256`)
+    /// that the mutating routes need (unset: they are refused).
+    pub access: Arc<Access>,
+    /// Reloads the configuration (`POST /api/v1/reload`).
+    pub reloader: Arc<Reloader>,
 }
 
 /// The router.
@@ -47,6 +52,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/v1/costs", get(costs))
         .route("/api/v1/workers/{name}/drain", post(drain_worker))
         .route("/api/v1/leases/{id}/release", post(release_lease))
+        .route("/api/v1/reload", post(reload))
         .with_state(state)
 }
 
@@ -61,7 +67,7 @@ async fn metrics(State(s): State<ApiState>) -> Response {
 /// The refusal of a mutating route, unless the request carries
 /// `Authorization: Bearer <admin token>`.
 fn refuse_unless_admin(s: &ApiState, headers: &HeaderMap) -> Option<Response> {
-    let Some(digest) = &s.admin_token_sha256 else {
+    let Some(digest) = s.access.admin_token_sha256() else {
         return Some((
             StatusCode::FORBIDDEN,
             "mutating routes are disabled: set http.admin_token_sha256 (tidegate-gateway hash-token <TOKEN>)\n",
@@ -74,7 +80,7 @@ fn refuse_unless_admin(s: &ApiState, headers: &HeaderMap) -> Option<Response> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     match token {
-        Some(t) if token_matches(t.trim(), digest) => None,
+        Some(t) if token_matches(t.trim(), &digest) => None,
         Some(_) => Some((StatusCode::UNAUTHORIZED, "wrong admin token\n").into_response()),
         None => Some(
             (
@@ -109,6 +115,40 @@ async fn drain_worker(
         )
             .into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response(),
+    }
+}
+
+/// `POST /api/v1/reload`: reads the config file again and applies its
+/// credentials; `400` with the reason when the file is unusable (nothing
+/// changes then).
+async fn reload(State(s): State<ApiState>, headers: HeaderMap) -> Response {
+    if let Some(refused) = refuse_unless_admin(&s, &headers) {
+        return refused;
+    }
+    let reloader = s.reloader.clone();
+    match tokio::task::spawn_blocking(move || reloader.reload()).await {
+        Ok(Ok(report)) => {
+            tracing::info!(?report, "configuration reloaded (API)");
+            Json(report).into_response()
+        }
+        Ok(Err(e @ ReloadError::NoFile)) => (
+            StatusCode::CONFLICT,
+            Json(serde_json::json!({ "error": e.to_string() })),
+        )
+            .into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!("configuration reload refused: {e}");
+            (
+                StatusCode::BAD_REQUEST,
+                Json(serde_json::json!({ "error": e.to_string() })),
+            )
+                .into_response()
+        }
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the reload task failed: {e}\n"),
+        )
+            .into_response(),
     }
 }
 
@@ -337,11 +377,20 @@ mod tests {
             cancel.clone(),
             &tracker,
         );
-        let mut state = ApiState {
+        let no_admin = crate::auth::Credentials::default();
+        let access = Arc::new(Access::new(no_admin.clone()));
+        let reloader = Arc::new(Reloader::new(
+            None,
+            crate::config::Config::default_config(),
+            access.clone(),
+            metrics.clone(),
+        ));
+        let state = ApiState {
             hub,
             metrics,
             leasing: None,
-            admin_token_sha256: None,
+            access: access.clone(),
+            reloader,
         };
         let with = |auth: Option<&str>| {
             let mut h = HeaderMap::new();
@@ -356,7 +405,10 @@ mod tests {
             Some(StatusCode::FORBIDDEN),
             "no admin token configured: nothing mutates"
         );
-        state.admin_token_sha256 = Some(crate::auth::hash_token("s3cret"));
+        access.replace(crate::auth::Credentials {
+            admin_token_sha256: Some(crate::auth::hash_token("s3cret")),
+            ..no_admin
+        });
         let missing = refuse_unless_admin(&state, &with(None)).unwrap();
         assert_eq!(missing.status(), StatusCode::UNAUTHORIZED);
         assert_eq!(missing.headers()[header::WWW_AUTHENTICATE], "Bearer");

@@ -46,7 +46,7 @@ pub enum ProviderKind {
 
 /// `[leasing]`: the lease manager and its autoscaler. `Debug` leaves out
 /// the static workers' token digests.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeasingConfig {
     /// `process`, `static` or `slurm`.
@@ -132,7 +132,7 @@ impl std::fmt::Debug for LeasingConfig {
 }
 
 /// `[leasing.process]`: how to start a worker.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProcessProviderConfig {
     /// The worker command (`tidegate-worker`, or a path to it).
@@ -153,7 +153,7 @@ pub struct ProcessProviderConfig {
 }
 
 /// `[[leasing.models]]`: a model the autoscaler sizes capacity for.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScaledModel {
     /// Model name (as workers register it and edges ask for it).
@@ -191,7 +191,7 @@ fn default_notice_period_secs() -> f64 {
 }
 
 /// QUIC listener settings.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QuicConfig {
     /// Address to bind (UDP).
@@ -270,7 +270,7 @@ fn default_http_listen() -> SocketAddr {
 }
 
 /// Scheduling settings.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
     /// Time reserved to send a result back, on top of the measured RTT (ms).
@@ -431,13 +431,20 @@ impl Config {
                 )));
             }
         }
-        let mut names: Vec<&str> = self.edges.iter().map(|p| p.name.as_str()).collect();
-        names.sort_unstable();
-        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
-            return Err(ConfigError::Invalid(format!(
-                "edge '{}' is listed twice",
-                w[0]
-            )));
+        // A name may be listed twice with two tokens (so that a token
+        // rotation can overlap), never twice with the same one.
+        for (role, list) in [("edge", &self.edges), ("worker", &self.workers)] {
+            let mut pairs: Vec<(&str, String)> = list
+                .iter()
+                .map(|p| (p.name.as_str(), p.token_sha256.to_ascii_lowercase()))
+                .collect();
+            pairs.sort_unstable();
+            if let Some(w) = pairs.windows(2).find(|w| w[0] == w[1]) {
+                return Err(ConfigError::Invalid(format!(
+                    "{role} '{}' is listed twice with the same token",
+                    w[0].0
+                )));
+            }
         }
         if !(1..=4).contains(&self.scheduler.pipeline_depth) {
             return Err(ConfigError::Invalid(format!(
@@ -681,6 +688,23 @@ mod tests {
 
     const PROCESS: &str = "[leasing.process]\ncommand = \"tidegate-worker\"\n";
     const MODEL: &str = "[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-32\"]\nworker_fps = 50\n";
+
+    #[test]
+    fn a_name_may_have_two_tokens_but_not_the_same_one_twice() {
+        let entry = |kind: &str, token: &str| {
+            format!(
+                "[[{kind}]]\nname = \"n\"\ntoken_sha256 = \"{}\"\n",
+                crate::auth::hash_token(token)
+            )
+        };
+        for kind in ["edges", "workers"] {
+            let two: Config = toml::from_str(&(entry(kind, "old") + &entry(kind, "new"))).unwrap();
+            two.validate().expect("an overlapping rotation is valid");
+            let same: Config = toml::from_str(&(entry(kind, "old") + &entry(kind, "old"))).unwrap();
+            let e = same.validate().unwrap_err().to_string();
+            assert!(e.contains("'n' is listed twice with the same token"), "{e}");
+        }
+    }
 
     #[test]
     fn leasing_is_optional_and_a_full_section_validates() {

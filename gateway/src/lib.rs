@@ -9,7 +9,9 @@
 //! - [`leasing`]: the lease shell around the pure autoscaler: ledger,
 //!   provider, lease tokens, cost.
 //! - [`server`]: the QUIC listener; one task and span per connection.
-//! - [`auth`]: token hashing and checking.
+//! - [`auth`]: token hashing and checking; the credentials in force and the
+//!   connections they let in.
+//! - [`reload`]: configuration reload (SIGHUP, `POST /api/v1/reload`).
 //! - [`api`]: HTTP (`/metrics`, `/healthz`, `/readyz`, `/api/v1/...`, and
 //!   the status page at `/`).
 //! - [`status`]: the status page, rendered from the API's snapshot.
@@ -27,6 +29,7 @@ pub mod config;
 pub mod hub;
 pub mod leasing;
 pub mod metrics;
+pub mod reload;
 pub mod scheduler;
 pub mod server;
 pub mod simulate;

@@ -2,11 +2,14 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use tidegate_gateway::config::Config;
-use tidegate_gateway::{api, certs, hub, leasing, metrics, scheduler, server, simulate};
+use tidegate_gateway::config::{Config, ConfigError};
+use tidegate_gateway::{
+    api, auth, certs, hub, leasing, metrics, reload, scheduler, server, simulate,
+};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -81,18 +84,27 @@ enum Command {
 }
 
 fn load_config(cli: &Cli) -> anyhow::Result<Config> {
-    let mut cfg = match &cli.config {
-        Some(p) => Config::load(p)?,
-        None => Config::default_config(),
-    };
-    if let Some(a) = cli.quic_listen {
-        cfg.quic.listen = a;
+    Ok(reader(cli)()?)
+}
+
+/// Reads the configuration as the command line says: the file (or the
+/// defaults), then the flags, validated. A reload calls it again.
+fn reader(cli: &Cli) -> impl Fn() -> Result<Config, ConfigError> + Send + Sync + 'static {
+    let (path, quic_listen, http_listen) = (cli.config.clone(), cli.quic_listen, cli.http_listen);
+    move || {
+        let mut cfg = match &path {
+            Some(p) => Config::load(p)?,
+            None => Config::default_config(),
+        };
+        if let Some(a) = quic_listen {
+            cfg.quic.listen = a;
+        }
+        if let Some(a) = http_listen {
+            cfg.http.listen = a;
+        }
+        cfg.validate()?;
+        Ok(cfg)
     }
-    if let Some(a) = cli.http_listen {
-        cfg.http.listen = a;
-    }
-    cfg.validate()?;
-    Ok(cfg)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -113,7 +125,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::HashToken { token }) => {
-            println!("{}", tidegate_gateway::auth::hash_token(token));
+            println!("{}", auth::hash_token(token));
             Ok(())
         }
         Some(Command::Simulate {
@@ -147,16 +159,20 @@ fn main() -> anyhow::Result<()> {
         }
         Some(Command::Run) | None => {
             let cfg = load_config(&cli)?;
+            let reload: Option<reload::LoadConfig> = cli
+                .config
+                .is_some()
+                .then(|| Box::new(reader(&cli)) as reload::LoadConfig);
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
                 .context("starting the tokio runtime")?
-                .block_on(run(cfg))
+                .block_on(run(cfg, reload))
         }
     }
 }
 
-async fn run(cfg: Config) -> anyhow::Result<()> {
+async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<()> {
     let server_config = tidegate_protocol::quic::server_config(&cfg.quic.cert, &cfg.quic.key)
         .context("loading the gateway's TLS certificate")?;
     let endpoint = quinn::Endpoint::server(server_config, cfg.quic.listen)
@@ -203,12 +219,22 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let access = Arc::new(auth::Access::new(auth::Credentials::from_config(&cfg)));
+    let reloader = Arc::new(reload::Reloader::new(
+        reload,
+        cfg.clone(),
+        access.clone(),
+        metrics.clone(),
+    ));
     let api = api::router(api::ApiState {
         hub: hub.clone(),
         metrics: metrics.clone(),
         leasing: leasing.clone(),
-        admin_token_sha256: cfg.http.admin_token_sha256.clone(),
+        access: access.clone(),
+        reloader: reloader.clone(),
     });
+    #[cfg(unix)]
+    tracker.spawn(reload_on_sighup(reloader, cancel.clone()));
     {
         let cancel = cancel.clone();
         tracker.spawn(async move {
@@ -222,7 +248,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             }
         });
     }
-    let srv = server::Server::new(cfg, hub, metrics, tracker.clone(), leasing);
+    let srv = server::Server::new(cfg, hub, metrics, tracker.clone(), access, leasing);
     tracker.spawn(srv.serve(endpoint, cancel.clone()));
 
     shutdown_signal().await;
@@ -231,6 +257,33 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     tracker.close();
     tracker.wait().await;
     Ok(())
+}
+
+/// Reloads the configuration on every SIGHUP until shutdown.
+#[cfg(unix)]
+async fn reload_on_sighup(reloader: Arc<reload::Reloader>, cancel: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(
+                "cannot install the SIGHUP handler ({e}); reload with POST /api/v1/reload"
+            );
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            got = hup.recv() => if got.is_none() { return },
+        }
+        let r = reloader.clone();
+        match tokio::task::spawn_blocking(move || r.reload()).await {
+            Ok(Ok(report)) => tracing::info!(?report, "configuration reloaded (SIGHUP)"),
+            Ok(Err(e)) => tracing::error!("configuration reload refused (SIGHUP): {e}"),
+            Err(e) => tracing::error!("configuration reload task failed: {e}"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

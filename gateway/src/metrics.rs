@@ -54,6 +54,12 @@ pub struct Metrics {
     /// `tidegate_spend_cap_per_hour`: the configured hourly spend cap (no
     /// labels; absent without a cap), for spend alerts.
     pub spend_cap: GaugeVec,
+    /// `tidegate_config_reloads_total{result}`: configuration reloads, `ok`
+    /// or `error` (the file was unusable and nothing changed).
+    pub config_reloads: IntCounterVec,
+    /// `tidegate_connections_revoked_total{role}`: connections closed
+    /// because a reload took their credentials away.
+    pub revoked: IntCounterVec,
 }
 
 impl Metrics {
@@ -152,6 +158,22 @@ impl Metrics {
                 &[],
             )
             .expect("valid gauge"),
+            config_reloads: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_config_reloads_total",
+                    "Configuration reloads (SIGHUP or POST /api/v1/reload) by result.",
+                ),
+                &["result"],
+            )
+            .expect("valid counter"),
+            revoked: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_connections_revoked_total",
+                    "Connections closed because a reload took their credentials away, by role.",
+                ),
+                &["role"],
+            )
+            .expect("valid counter"),
             registry,
         };
         for c in m.collectors() {
@@ -182,6 +204,8 @@ impl Metrics {
             Box::new(self.cost_per_1k_within_slo.clone()),
             Box::new(self.gpu_utilization.clone()),
             Box::new(self.spend_cap.clone()),
+            Box::new(self.config_reloads.clone()),
+            Box::new(self.revoked.clone()),
         ]
     }
 
@@ -238,6 +262,6 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 15 + 4 * 2, "{names:?}");
+        assert_eq!(names.len(), 17 + 4 * 2, "{names:?}");
     }
 }

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::auth::token_matches;
+use crate::auth::Access;
 use crate::config::Config;
 use crate::hub::{Hub, HubMsg};
 use crate::leasing::Leasing;
@@ -51,18 +51,23 @@ pub struct Server {
     sessions: AtomicU64,
     /// Owns every per-stream task, so shutdown drains them.
     tracker: TaskTracker,
+    /// The credentials in force (a reload swaps them) and the connections
+    /// they let in.
+    access: Arc<Access>,
     /// The lease shell, when `[leasing]` is configured: workers started for
     /// a lease authenticate with its one-time token.
     leasing: Option<Leasing>,
 }
 
 impl Server {
-    /// A server over `hub`; `leasing` authenticates leased workers.
+    /// A server over `hub`: `access` lets edges and workers in, `leasing`
+    /// authenticates leased workers.
     pub fn new(
         config: Config,
         hub: Hub,
         metrics: Metrics,
         tracker: TaskTracker,
+        access: Arc<Access>,
         leasing: Option<Leasing>,
     ) -> Arc<Self> {
         Arc::new(Server {
@@ -72,6 +77,7 @@ impl Server {
             limits: Limits::default(),
             sessions: AtomicU64::new(1),
             tracker,
+            access,
             leasing,
         })
     }
@@ -147,19 +153,14 @@ impl Server {
                 None => {}
             }
         }
-        let allowed = match role {
-            Role::Edge => &self.config.edges,
-            Role::Worker => &self.config.workers,
+        // Everyone else by name and token; the admission lasts as long as
+        // the connection, and a reload that drops its credentials revokes it.
+        let admitted = match lease {
+            Some(_) => None,
+            None => self.access.admit(session, *role, name, token),
         };
-        let authorised = lease.is_some()
-            || allowed
-                .iter()
-                .any(|p| &p.name == name && token_matches(token, &p.token_sha256));
-        if !authorised {
-            let role = match role {
-                Role::Edge => "edge",
-                Role::Worker => "worker",
-            };
+        if lease.is_none() && admitted.is_none() {
+            let role = role_name(*role);
             warn!(name, role, "refused: unknown name or wrong token");
             let msg = format!(
                 "{role} '{name}' refused: unknown name or wrong token (check its token and the gateway's [[{role}s]] entry)"
@@ -175,42 +176,42 @@ impl Server {
             return;
         }
         info!(name = %hello.name, role = ?hello.role, "authenticated");
+        // A leased worker's token is its lease's: no reload revokes it.
+        let revoked = admitted
+            .as_ref()
+            .map(|a| a.revoked.clone())
+            .unwrap_or_default();
+        let link = Link {
+            name: hello.name,
+            conn,
+            ctl_send: send,
+            ctl_recv: recv,
+            cancel,
+            revoked,
+        };
         match hello.role {
-            Role::Edge => {
-                self.edge(EdgeId(session), hello.name, conn, send, recv, cancel)
-                    .await
-            }
-            Role::Worker => {
-                self.worker(
-                    WorkerId(session),
-                    hello.name,
-                    lease,
-                    conn,
-                    send,
-                    recv,
-                    cancel,
-                )
-                .await
-            }
+            Role::Edge => self.edge(EdgeId(session), link).await,
+            Role::Worker => self.worker(WorkerId(session), lease, link).await,
         }
+        drop(admitted);
     }
 
-    async fn edge(
-        &self,
-        id: EdgeId,
-        name: String,
-        conn: quinn::Connection,
-        ctl_send: quinn::SendStream,
-        mut ctl_recv: quinn::RecvStream,
-        cancel: CancellationToken,
-    ) {
+    async fn edge(&self, id: EdgeId, link: Link) {
+        let Link {
+            name,
+            conn,
+            ctl_send,
+            mut ctl_recv,
+            cancel,
+            revoked,
+        } = link;
         let (results_tx, mut results_rx) = mpsc::channel::<FrameResult>(RESULT_QUEUE);
         let (hints_tx, mut hints_rx) = mpsc::channel::<ControlHint>(HINT_QUEUE);
         if !self
             .hub
             .send(HubMsg::EdgeConnected {
                 edge: id,
-                name,
+                name: name.clone(),
                 results: results_tx,
                 hints: hints_tx,
             })
@@ -219,7 +220,7 @@ impl Server {
             return;
         }
         // Replies (read below) and hints (from the hub) share the stream.
-        let ctl_send = tokio::sync::Mutex::new(ctl_send);
+        let mut ctl_send = tokio::sync::Mutex::new(ctl_send);
         let hints = async {
             while let Some(h) = hints_rx.recv().await {
                 let mut s = ctl_send.lock().await;
@@ -393,29 +394,35 @@ impl Server {
             }
         };
 
+        let mut was_revoked = false;
         tokio::select! {
             _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
+            _ = revoked.cancelled() => was_revoked = true,
             _ = control => {},
             _ = frames => {},
             _ = writer => {},
             _ = hints => {},
             _ = conn.closed() => {},
         }
+        // (After the select, so no branch still holds the control stream.)
+        if was_revoked {
+            let msg = revoked_message(Role::Edge, &name);
+            warn!("{msg}; closing the connection");
+            refuse(&conn, ctl_send.get_mut(), ErrorCode::Unauthorized, msg).await;
+        }
         info!("edge disconnected");
         self.hub.send(HubMsg::EdgeGone { edge: id }).await;
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn worker(
-        &self,
-        id: WorkerId,
-        name: String,
-        lease: Option<LeaseId>,
-        conn: quinn::Connection,
-        mut ctl_send: quinn::SendStream,
-        mut ctl_recv: quinn::RecvStream,
-        cancel: CancellationToken,
-    ) {
+    async fn worker(&self, id: WorkerId, lease: Option<LeaseId>, link: Link) {
+        let Link {
+            name,
+            conn,
+            mut ctl_send,
+            mut ctl_recv,
+            cancel,
+            revoked,
+        } = link;
         let register = match read_message(&mut ctl_recv, &self.limits).await {
             Ok(Some(Message::Register(r))) => r,
             other => {
@@ -537,13 +544,22 @@ impl Server {
             }
             std::future::pending::<()>().await
         };
+        let mut was_revoked = false;
         tokio::select! {
             _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
+            _ = revoked.cancelled() => was_revoked = true,
             _ = drain_notice => {},
             r = writer => if let Err(e) = r { warn!("dispatch to worker failed: {e}") },
             r = results => if let Err(e) = r { debug!("worker result streams ended: {e}") },
             _ = control => {},
             _ = conn.closed() => {},
+        }
+        if was_revoked {
+            // Its batches come back through WorkerGone below: re-homed or
+            // failed, never lost.
+            let msg = revoked_message(Role::Worker, &name);
+            warn!("{msg}; closing the connection");
+            refuse(&conn, &mut ctl_send, ErrorCode::Unauthorized, msg).await;
         }
         info!("worker disconnected");
         conn.close(0u32.into(), b"bye");
@@ -552,6 +568,34 @@ impl Server {
             leasing.disconnected(l).await;
         }
     }
+}
+
+/// An authenticated connection's control stream and what ends it.
+struct Link {
+    /// The name it said in `Hello`.
+    name: String,
+    conn: quinn::Connection,
+    ctl_send: quinn::SendStream,
+    ctl_recv: quinn::RecvStream,
+    /// The gateway is shutting down.
+    cancel: CancellationToken,
+    /// A reload took its credentials away.
+    revoked: CancellationToken,
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Edge => "edge",
+        Role::Worker => "worker",
+    }
+}
+
+/// Why a connection was closed by a reload, as the peer reads it.
+fn revoked_message(role: Role, name: &str) -> String {
+    let role = role_name(role);
+    format!(
+        "{role} '{name}': credentials revoked by a configuration reload (no [[{role}s]] entry with this name and token any more)"
+    )
 }
 
 /// Sends an error on the control stream, then closes the connection with the

@@ -62,6 +62,18 @@ fn random_token() -> String {
     )
 }
 
+/// `kill -s signal pid`; `who` names the process in the error.
+fn kill(pid: u32, signal: &str, who: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill")
+        .args(["-s", signal, &pid.to_string()])
+        .status()
+        .context("running kill")?;
+    if !status.success() {
+        bail!("kill -s {signal} {who} failed: {status}");
+    }
+    Ok(())
+}
+
 /// A running gateway with its workers.
 #[derive(Debug)]
 pub struct Cluster {
@@ -242,14 +254,17 @@ impl Cluster {
             .iter()
             .find(|(n, _)| n == name)
             .with_context(|| format!("no worker named {name}"))?;
-        let status = Command::new("kill")
-            .args(["-s", signal, &c.id().to_string()])
-            .status()
-            .context("running kill")?;
-        if !status.success() {
-            bail!("kill -s {signal} {name} failed: {status}");
-        }
-        Ok(())
+        kill(c.id(), signal, name)
+    }
+
+    /// Sends `signal` (HUP reloads its config) to the gateway.
+    pub fn signal_gateway(&self, signal: &str) -> anyhow::Result<()> {
+        kill(self.gateway.id(), signal, "the gateway")
+    }
+
+    /// The gateway's config file; tests rewrite it and reload.
+    pub fn gateway_config(&self) -> PathBuf {
+        self.dir.path().join("gateway.toml")
     }
 
     /// The process id of worker `name`, while the harness holds it.

@@ -204,6 +204,12 @@ impl EdgeProcess {
         let _ = Command::new("kill")
             .args(["-TERM", &self.pid().to_string()])
             .status();
+        self.wait_exit(timeout, "SIGTERM")
+    }
+
+    /// Waits (bounded) for the edge to exit by itself; on timeout it is
+    /// killed and the error names `what` it was waiting for.
+    pub fn wait_exit(&mut self, timeout: Duration, what: &str) -> anyhow::Result<ExitStatus> {
         let until = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait()? {
@@ -212,7 +218,7 @@ impl EdgeProcess {
             if Instant::now() > until {
                 let _ = self.child.kill();
                 bail!(
-                    "edge did not exit within {timeout:?} of SIGTERM; log:\n{}",
+                    "edge did not exit within {timeout:?} of {what}; log:\n{}",
                     self.log()
                 );
             }
