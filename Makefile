@@ -16,7 +16,8 @@ build: setup
 release: setup
 	$(CARGO) build --workspace --release --bins
 
-## Gateway, one worker and one edge on astronaut.png; prints results until Ctrl-C.
+## Gateway, one worker and one edge with two cameras (faces in astronaut.png at
+## 5 fps, people and cars in vtest.avi at 2 fps); prints results until Ctrl-C.
 demo: release
 	@bash scripts/demo.sh
 

@@ -38,3 +38,35 @@ fetch_npm() {
 HUMAN_NPM="@vladmandic/human@3.3.6"
 HUMAN_TGZ="vladmandic-human-3.3.6.tgz"
 HUMAN_SHA256=425e9c51dbbca0c8934362b170cb0d54c2529c11c654b3c03092b16e9d6ad3f7
+
+# fetch_deb PACKAGE VERSION SHA256: `apt-get download`s PACKAGE=VERSION into
+# the downloads folder of the cache, unless a .deb of it with that digest is
+# already there, checks the digest and prints the file's path. apt checks the
+# archive's signature; the digest pins the exact file. The package lists may
+# be missing (setup found every package installed and did not refresh them):
+# then they are refreshed once and the download retried.
+fetch_deb() {
+  local pkg="$1" ver="$2" sha="$3" dl="$TIDEGATE_CACHE/downloads" f sudo=""
+  mkdir -p "$dl"
+  for f in "$dl/${pkg}_${ver}"_*.deb; do
+    if [ -f "$f" ] && [ "$(sha256sum "$f" | cut -d' ' -f1)" = "$sha" ]; then
+      printf '%s\n' "$f"
+      return 0
+    fi
+  done
+  printf 'downloading the Debian package %s=%s\n' "$pkg" "$ver" >&2
+  if ! (cd "$dl" && apt-get download -q "$pkg=$ver" >&2); then
+    if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+    if ! { $sudo apt-get update -qq >&2 && (cd "$dl" && apt-get download -q "$pkg=$ver" >&2); }; then
+      printf 'apt-get download %s=%s failed; the pin is from Debian 12 (bookworm) main: check your network or apt sources, then re-run make setup\n' "$pkg" "$ver" >&2
+      return 1
+    fi
+  fi
+  for f in "$dl/${pkg}_${ver}"_*.deb; do
+    verify_sha256 "$f" "$sha" || return 1
+    printf '%s\n' "$f"
+    return 0
+  done
+  printf 'apt-get download %s=%s wrote no .deb in %s\n' "$pkg" "$ver" "$dl" >&2
+  return 1
+}

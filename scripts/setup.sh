@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One-time (and idempotent) setup for a fresh Debian/Ubuntu machine.
+# One-time (and idempotent) setup for a fresh Debian 12 (bookworm) machine.
 # Installs only what is missing:
-#   1. Debian packages: GStreamer 1.22 (dev headers, plugins, tools), pkg-config,
-#      and the python3/pip and npm clients the fetch steps use.
+#   1. Debian packages: a C toolchain, GStreamer 1.22 (dev headers, plugins,
+#      tools), pkg-config, Slurm and munge, and the python3/pip and npm
+#      clients the fetch steps use.
 #   2. The ONNX Runtime shared library, extracted from a pinned PyPI wheel
 #      (sha256 checked) into the tidegate cache, where tidegate-worker finds it.
-#   3. The models and test imagery (models/fetch.sh, pinned and checksummed).
+#   3. promtool, from the pinned Debian prometheus package (sha256 checked).
+#   4. The models and test imagery (models/fetch.sh and scripts/test-video.sh,
+#      pinned and checksummed).
 # Re-running it is cheap: every step checks before it acts.
 set -euo pipefail
 
@@ -19,7 +22,7 @@ die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 
 # --- 1. Debian packages -----------------------------------------------------
 apt_packages=(
-  pkg-config
+  build-essential pkg-config  # a C compiler and linker: ring and the bundled SQLite are C
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev
   gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad
   gstreamer1.0-plugins-ugly gstreamer1.0-libav gstreamer1.0-tools
@@ -83,20 +86,24 @@ fi
 
 # --- 3. promtool -------------------------------------------------------------
 # gateway/tests/deploy.rs checks deploy/'s alert rules and dashboard with
-# Prometheus's own promtool. It comes from Debian's `prometheus` package by
-# `apt-get download` (apt checks its signature) and is unpacked into the
-# cache, not installed, so no Prometheus service starts on this machine.
+# Prometheus's own promtool. It comes from Debian's `prometheus` package,
+# pinned by version and sha256 (fetch_deb, scripts/cache.sh), and is unpacked
+# into the cache, not installed, so no Prometheus service starts here.
+PROMETHEUS_DEB_VERSION=2.42.0+ds-5+deb12u1
+PROMETHEUS_DEB_SHA256=81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55
+PROMTOOL_SHA256=14d9c8acdc5d1321dc2092400111c586f09ac350f23f2383d1679b2bf256e583
 promtool_dir="$TIDEGATE_CACHE/promtool"
-if [ -x "$promtool_dir/promtool" ]; then
+if [ -x "$promtool_dir/promtool" ] \
+  && [ "$(sha256sum "$promtool_dir/promtool" | cut -d' ' -f1)" = "$PROMTOOL_SHA256" ]; then
   say "promtool: present in $promtool_dir"
 else
+  deb="$(fetch_deb prometheus "$PROMETHEUS_DEB_VERSION" "$PROMETHEUS_DEB_SHA256")" \
+    || die "could not fetch prometheus=$PROMETHEUS_DEB_VERSION for promtool (see above)"
   tmp="$(mktemp -d)"
-  chmod 0777 "$tmp"  # apt downloads as its own _apt user
-  (cd "$tmp" && apt-get download -qq prometheus) \
-    || die "apt-get download prometheus failed; check your apt sources and re-run 'make setup'"
-  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"
+  dpkg-deb -x "$deb" "$tmp"
   mkdir -p "$promtool_dir"
-  mv "$tmp/x/usr/bin/promtool" "$promtool_dir/promtool"
+  verify_sha256 "$tmp/usr/bin/promtool" "$PROMTOOL_SHA256" || die "promtool checksum mismatch"
+  mv "$tmp/usr/bin/promtool" "$promtool_dir/promtool"
   rm -rf "$tmp"
   say "promtool: $("$promtool_dir/promtool" --version 2>&1 | head -1) in $promtool_dir"
 fi

@@ -22,26 +22,16 @@ models="$root/models"
 vt_dir="$models/testdata/vtest"
 vtest="$vt_dir/vtest.avi"
 vtest_sha=45cddc9490be69345cbdab64ca583be65987e864ca408038e648db99e10516cf
-deb="opencv-doc_4.6.0+dfsg-12_all.deb"
+deb_version=4.6.0+dfsg-12
 deb_sha=4b12681df35878207ac7097dc66184b2ae552e4bf4ddd2af04a0f03ed0b8682a
 mkdir -p "$vt_dir"
 if has_sha "$vtest" "$vtest_sha"; then
   say "vtest.avi: present"
 else
-  if ! has_sha "$dl/$deb" "$deb_sha"; then
-    say "downloading Debian opencv-doc 4.6.0+dfsg-12 (95 MB) for vtest.avi"
-    fetch_deb() { (cd "$dl" && apt-get download -q "opencv-doc=4.6.0+dfsg-12"); }
-    if ! fetch_deb; then
-      # Package lists may be missing (setup found every package installed
-      # and did not refresh them): refresh once and retry.
-      sudo=""
-      if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-      $sudo apt-get update -qq && fetch_deb \
-        || die "apt-get download opencv-doc=4.6.0+dfsg-12 failed; check your network or apt sources (Debian 12 main), then re-run 'make setup'"
-    fi
-    verify_sha256 "$dl/$deb" "$deb_sha" || die "opencv-doc checksum mismatch"
-  fi
-  dpkg-deb --fsys-tarfile "$dl/$deb" \
+  say "Debian opencv-doc $deb_version (95 MB) for vtest.avi"
+  deb="$(fetch_deb opencv-doc "$deb_version" "$deb_sha")" \
+    || die "could not fetch opencv-doc=$deb_version (see above)"
+  dpkg-deb --fsys-tarfile "$deb" \
     | tar -xO ./usr/share/doc/opencv-doc/examples/data/vtest.avi > "$vtest.tmp"
   verify_sha256 "$vtest.tmp" "$vtest_sha" || die "vtest.avi checksum mismatch"
   mv "$vtest.tmp" "$vtest"

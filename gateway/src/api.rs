@@ -306,8 +306,10 @@ async fn costs(State(s): State<ApiState>, Query(q): Query<CostsQuery>) -> Respon
 pub fn parse_time(s: &str) -> Result<u64, String> {
     let s = s.trim();
     if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        // At most i64::MAX: the ledger stores times as SQLite integers.
         return s
-            .parse()
+            .parse::<i64>()
+            .map(|ms| ms as u64)
             .map_err(|_| format!("{s:?} is too large for ms since the epoch"));
     }
     rfc3339_ms(s).ok_or_else(|| {
@@ -437,6 +439,15 @@ mod tests {
             parse_time("2024-02-29T12:00:00-01:30"),
             Ok(1_709_213_400_000)
         );
+        assert_eq!(parse_time(&i64::MAX.to_string()), Ok(i64::MAX as u64));
+        for huge in [
+            "9223372036854775808",
+            "18446744073709551615",
+            "99999999999999999999",
+        ] {
+            let e = parse_time(huge).unwrap_err();
+            assert!(e.contains("too large"), "{huge}: {e}");
+        }
         for bad in [
             "",
             "yesterday",

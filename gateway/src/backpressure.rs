@@ -129,9 +129,13 @@ impl Backpressure {
         self.camera(now, edge, camera).arrivals += 1;
     }
 
-    /// A frame of `camera` finished with `status`.
-    pub fn on_outcome(&mut self, now: Micros, edge: EdgeId, camera: &str, status: &Status) {
-        let c = self.camera(now, edge, camera);
+    /// A frame of `camera` finished with `status`. A camera never seen
+    /// (or forgotten with its edge) is ignored: outcomes of an edge that
+    /// has gone must not bring its cameras back.
+    pub fn on_outcome(&mut self, edge: EdgeId, camera: &str, status: &Status) {
+        let Some(c) = self.cameras.get_mut(&(edge, camera.to_string())) else {
+            return;
+        };
         match status {
             Status::Ok => c.ok += 1,
             Status::Shed(ShedReason::NoWorker) | Status::Failed(_) => {}
@@ -229,7 +233,7 @@ mod tests {
             } else {
                 Status::Shed(ShedReason::Superseded)
             };
-            p.on_outcome(t, E, "cam", &st);
+            p.on_outcome(E, "cam", &st);
         }
         p.tick(start + 1_000_000)
     }
@@ -238,7 +242,7 @@ mod tests {
     fn shedding_camera_is_capped_near_what_it_is_served() {
         let mut p = Backpressure::new(BackpressureConfig::default());
         p.on_arrival(0, E, "cam");
-        p.on_outcome(0, E, "cam", &Status::Ok);
+        p.on_outcome(E, "cam", &Status::Ok);
         assert!(p.tick(0).is_empty());
         // 30 fps sent, 20 served: cap at 0.9 × 20 = 18 fps.
         let h = window(&mut p, 0, 29, 19);
@@ -252,7 +256,7 @@ mod tests {
         let cfg = BackpressureConfig::default();
         let mut p = Backpressure::new(cfg);
         p.on_arrival(0, E, "cam");
-        p.on_outcome(0, E, "cam", &Status::Ok);
+        p.on_outcome(E, "cam", &Status::Ok);
         let h = window(&mut p, 0, 29, 19);
         let mut cap = h[0].max_fps as f64;
         let mut t = 1_000_000;
@@ -285,7 +289,7 @@ mod tests {
             } else {
                 Status::Failed("boom".into())
             };
-            p.on_outcome(i * 50_000, E, "cam", &st);
+            p.on_outcome(E, "cam", &st);
         }
         assert!(p.tick(1_000_000).is_empty());
     }
@@ -300,5 +304,11 @@ mod tests {
         assert_eq!(h[0].max_fps, 1.0);
         p.forget_edge(E);
         assert!(p.load(E, "cam").is_none());
+        // Results of frames the gone edge sent still arrive; they must not
+        // bring its camera back (nothing would ever forget it again).
+        p.on_outcome(E, "cam", &Status::Ok);
+        p.on_outcome(E, "other", &Status::Expired);
+        assert!(p.load(E, "cam").is_none() && p.load(E, "other").is_none());
+        assert!(p.tick(2_000_000).is_empty());
     }
 }

@@ -358,8 +358,8 @@ struct State {
     pending: HashMap<FrameId, Pending>,
     /// Worker results waiting for the scheduler's `Complete`.
     outputs: HashMap<FrameId, ItemResult>,
-    /// When each batch was dispatched, and its size.
-    started: HashMap<BatchId, (Instant, usize)>,
+    /// When each batch was dispatched, to which worker, and its size.
+    started: HashMap<BatchId, (WorkerId, Instant, usize)>,
     /// When each worker last returned a batch.
     last_done: HashMap<WorkerId, Instant>,
     edges: HashMap<EdgeId, EdgeEntry>,
@@ -455,6 +455,16 @@ impl State {
 
     fn at(&self, t: Instant) -> Micros {
         t.saturating_duration_since(self.origin).as_micros() as Micros
+    }
+
+    /// A worker has gone (disconnected, lease ended, or wedged): forget
+    /// it and its batches' timings; the scheduler re-homes or fails the
+    /// frames it held.
+    fn lose_worker(&mut self, worker: WorkerId) {
+        self.workers.remove(&worker);
+        self.last_done.remove(&worker);
+        self.started.retain(|_, (w, _, _)| *w != worker);
+        self.step(Event::WorkerLost { worker });
     }
 
     fn step(&mut self, event: Event) {
@@ -624,7 +634,7 @@ impl State {
                 let done = Instant::now();
                 let previous = self.last_done.insert(worker, done);
                 let (latency_us, size) = match self.started.remove(&BatchId(result.batch)) {
-                    Some((t, n)) => {
+                    Some((_, t, n)) => {
                         let began = previous.map_or(t, |p| p.max(t));
                         let us = done.saturating_duration_since(began).as_micros();
                         (us.min(u32::MAX as u128) as u32, n)
@@ -713,19 +723,13 @@ impl State {
                     .collect();
                 for worker in ids {
                     tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
-                    self.workers.remove(&worker);
-                    self.last_done.remove(&worker);
-                    self.step(Event::WorkerLost { worker });
+                    self.lose_worker(worker);
                 }
             }
             HubMsg::LoadReport { models, reply } => {
                 let _ = reply.send(self.load_report(models));
             }
-            HubMsg::WorkerGone { worker } => {
-                self.workers.remove(&worker);
-                self.last_done.remove(&worker);
-                self.step(Event::WorkerLost { worker });
-            }
+            HubMsg::WorkerGone { worker } => self.lose_worker(worker),
             HubMsg::ModelInfo { model, reply } => {
                 let _ = reply.send(self.model_info(&model).cloned());
             }
@@ -767,7 +771,8 @@ impl State {
                     .batch_size
                     .with_label_values(&[model.as_str()])
                     .observe(items.len() as f64);
-                self.started.insert(batch, (Instant::now(), items.len()));
+                self.started
+                    .insert(batch, (worker, Instant::now(), items.len()));
                 let msg = Dispatch {
                     batch: batch.0,
                     model,
@@ -781,8 +786,7 @@ impl State {
                     // The worker's connection is gone or wedged: treat it as
                     // lost so its frames are re-homed or failed.
                     tracing::warn!(worker = worker.0, "dispatch channel closed; worker lost");
-                    self.workers.remove(&worker);
-                    self.step(Event::WorkerLost { worker });
+                    self.lose_worker(worker);
                 }
             }
             Action::Complete {
@@ -809,8 +813,7 @@ impl State {
                 timings.queue_us = queue_us;
                 let model = p.frame.model.as_str();
                 if let Some(bp) = self.backpressure.as_mut() {
-                    let now = self.origin.elapsed().as_micros() as Micros;
-                    bp.on_outcome(now, p.edge, &p.frame.camera, &status);
+                    bp.on_outcome(p.edge, &p.frame.camera, &status);
                 }
                 self.metrics
                     .frames

@@ -38,7 +38,8 @@ pub struct Metrics {
     pub rejected: IntCounterVec,
     /// `tidegate_results_undeliverable_total`: results whose edge had gone.
     pub undeliverable: IntCounter,
-    /// Frame-rate hints sent to cameras, by direction (lower, raise, lift).
+    /// `tidegate_hints_total{direction}`: frame-rate hints sent to cameras,
+    /// `set` (a cap, lowered or raised) or `lift`.
     pub hints: IntCounterVec,
     /// `tidegate_leases{type,tier,state}`: leases known to this gateway.
     pub leases: IntGaugeVec,
@@ -57,6 +58,10 @@ pub struct Metrics {
     /// `tidegate_config_reloads_total{result}`: configuration reloads, `ok`
     /// or `error` (the file was unusable and nothing changed).
     pub config_reloads: IntCounterVec,
+    /// `tidegate_config_last_reload_successful`: 1 until a reload fails,
+    /// then 0 until one succeeds (the gateway runs on the previous
+    /// credentials meanwhile).
+    pub config_last_reload_ok: IntGauge,
     /// `tidegate_connections_revoked_total{role}`: connections closed
     /// because a reload took their credentials away.
     pub revoked: IntCounterVec,
@@ -166,6 +171,11 @@ impl Metrics {
                 &["result"],
             )
             .expect("valid counter"),
+            config_last_reload_ok: IntGauge::new(
+                "tidegate_config_last_reload_successful",
+                "Whether the last configuration reload succeeded (1) or was refused (0).",
+            )
+            .expect("valid gauge"),
             revoked: IntCounterVec::new(
                 Opts::new(
                     "tidegate_connections_revoked_total",
@@ -184,6 +194,7 @@ impl Metrics {
         for state in ["idle", "busy"] {
             m.workers.with_label_values(&[state]).set(0);
         }
+        m.config_last_reload_ok.set(1);
         m
     }
 
@@ -205,6 +216,7 @@ impl Metrics {
             Box::new(self.gpu_utilization.clone()),
             Box::new(self.spend_cap.clone()),
             Box::new(self.config_reloads.clone()),
+            Box::new(self.config_last_reload_ok.clone()),
             Box::new(self.revoked.clone()),
         ]
     }
@@ -262,6 +274,6 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 17 + 4 * 2, "{names:?}");
+        assert_eq!(names.len(), 18 + 4 * 2, "{names:?}");
     }
 }

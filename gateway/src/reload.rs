@@ -100,6 +100,7 @@ impl Reloader {
         match &outcome {
             Ok(r) => {
                 self.metrics.config_reloads.with_label_values(&["ok"]).inc();
+                self.metrics.config_last_reload_ok.set(1);
                 for v in &r.credentials.revoked {
                     let role = match v.role {
                         tidegate_protocol::Role::Edge => "edge",
@@ -108,11 +109,11 @@ impl Reloader {
                     self.metrics.revoked.with_label_values(&[role]).inc();
                 }
             }
-            Err(_) => self
-                .metrics
-                .config_reloads
-                .with_label_values(&["error"])
-                .inc(),
+            Err(_) => {
+                let m = &self.metrics;
+                m.config_reloads.with_label_values(&["error"]).inc();
+                m.config_last_reload_ok.set(0);
+            }
         }
         outcome
     }
@@ -207,6 +208,7 @@ mod tests {
         let text = metrics.render();
         assert!(text.contains("tidegate_config_reloads_total{result=\"ok\"} 1"));
         assert!(text.contains("tidegate_connections_revoked_total{role=\"edge\"} 1"));
+        assert!(text.contains("tidegate_config_last_reload_successful 1"));
     }
 
     #[test]
@@ -232,10 +234,16 @@ mod tests {
                 "after {bad:?}"
             );
         }
+        let text = metrics.render();
+        assert!(text.contains("tidegate_config_reloads_total{result=\"error\"} 4"));
+        assert!(text.contains("tidegate_config_last_reload_successful 0"));
+        // and a good file again clears it
+        *file.lock().unwrap() = first.clone();
+        r.reload().expect("valid again");
         assert!(
             metrics
                 .render()
-                .contains("tidegate_config_reloads_total{result=\"error\"} 4")
+                .contains("tidegate_config_last_reload_successful 1")
         );
     }
 

@@ -463,17 +463,24 @@ impl Server {
             async move {
                 while let Some(d) = dispatch_rx.recv().await {
                     let mut s = conn.open_uni().await?;
-                    write_message(&mut s, &Message::Dispatch(d)).await?;
-                    s.finish()?;
+                    write_message(&mut s, &Message::Dispatch(d))
+                        .await
+                        .map_err(|e| WorkerLinkError::Write(e.to_string()))?;
+                    s.finish()
+                        .map_err(|e| WorkerLinkError::Write(e.to_string()))?;
                 }
-                Ok::<(), anyhow::Error>(())
+                Ok::<(), WorkerLinkError>(())
             }
         };
         let results = {
             let conn = conn.clone();
+            // Runs until the link fails, and says how.
             async move {
                 loop {
-                    let mut recv = conn.accept_uni().await?;
+                    let mut recv = match conn.accept_uni().await {
+                        Ok(r) => r,
+                        Err(e) => break WorkerLinkError::Connection(e),
+                    };
                     match read_message(&mut recv, &self.limits).await {
                         Ok(Some(Message::BatchResult(result))) => {
                             self.hub
@@ -489,12 +496,10 @@ impl Server {
                             // broken. Treat it as lost so its frames are
                             // re-homed or failed, never forgotten.
                             warn!("unreadable batch result: {e}; dropping worker");
-                            anyhow::bail!("unreadable batch result");
+                            break WorkerLinkError::Unreadable(e.to_string());
                         }
                     }
                 }
-                #[allow(unreachable_code)]
-                Ok::<(), anyhow::Error>(())
             }
         };
         let control = async {
@@ -550,7 +555,7 @@ impl Server {
             _ = revoked.cancelled() => was_revoked = true,
             _ = drain_notice => {},
             r = writer => if let Err(e) = r { warn!("dispatch to worker failed: {e}") },
-            r = results => if let Err(e) = r { debug!("worker result streams ended: {e}") },
+            e = results => debug!("worker result streams ended: {e}"),
             _ = control => {},
             _ = conn.closed() => {},
         }
@@ -568,6 +573,20 @@ impl Server {
             leasing.disconnected(l).await;
         }
     }
+}
+
+/// Why a worker's dispatch or result streams stopped.
+#[derive(Debug, thiserror::Error)]
+enum WorkerLinkError {
+    /// The connection closed or failed.
+    #[error("{0}")]
+    Connection(#[from] quinn::ConnectionError),
+    /// A batch could not be written.
+    #[error("writing a batch: {0}")]
+    Write(String),
+    /// A batch result could not be read.
+    #[error("unreadable batch result: {0}")]
+    Unreadable(String),
 }
 
 /// An authenticated connection's control stream and what ends it.

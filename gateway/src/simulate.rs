@@ -169,15 +169,25 @@ mod tests {
 
     #[test]
     fn the_seed_changes_only_random_draws() {
-        let dir = tempfile::tempdir().unwrap();
-        let t = flat_trace(dir.path());
+        // A week of day/night load: the tidal policy rents spot for the
+        // bursts, so spot refusals and preemptions are drawn.
+        let t = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lease/traces/day-night.csv");
         let a = simulate(&args(t.clone(), "tidal")).unwrap();
         let again = simulate(&args(t.clone(), "tidal")).unwrap();
         assert_eq!(a, again, "same seed, same report");
+        assert!(
+            a.preemptions + a.spot_refusals > 0,
+            "nothing was drawn: {a:?}"
+        );
         let mut seeded = args(t, "tidal");
         seeded.seed = Some(7);
         let b = simulate(&seeded).unwrap();
-        assert_eq!(a.frames_total, b.frames_total);
+        assert_eq!(a.frames_total, b.frames_total, "the trace is the same");
+        assert_ne!(
+            (a.preemptions, a.spot_refusals),
+            (b.preemptions, b.spot_refusals),
+            "another seed, other draws"
+        );
     }
 
     #[test]

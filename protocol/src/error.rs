@@ -59,7 +59,19 @@ const CODES: [ErrorCode; 10] = [
 impl ErrorCode {
     /// The wire value.
     pub fn code(self) -> u16 {
-        CODES.iter().position(|&c| c == self).unwrap_or(8) as u16
+        // Exhaustive, so a new variant cannot be sent as another code.
+        match self {
+            ErrorCode::Unauthorized => 0,
+            ErrorCode::UnsupportedVersion => 1,
+            ErrorCode::Malformed => 2,
+            ErrorCode::TooLarge => 3,
+            ErrorCode::UnknownModel => 4,
+            ErrorCode::ShapeMismatch => 5,
+            ErrorCode::Overloaded => 6,
+            ErrorCode::Draining => 7,
+            ErrorCode::Internal => 8,
+            ErrorCode::Unavailable => 9,
+        }
     }
 
     /// The code for a wire value; unknown values read as `Internal`.
@@ -106,6 +118,14 @@ impl ErrorCode {
     pub fn quic_code(self) -> u32 {
         0x100 + self.code() as u32
     }
+
+    /// The code a connection was closed with, when it is one of ours
+    /// (`0x100 + code`); `None` for any other value (0 is a plain close,
+    /// for example a gateway shutting down).
+    pub fn from_quic_code(code: u64) -> Option<Self> {
+        let wire = code.checked_sub(0x100)?;
+        CODES.get(usize::try_from(wire).ok()?).copied()
+    }
 }
 
 #[cfg(test)]
@@ -113,8 +133,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_code_round_trips_through_its_wire_value() {
+    fn only_our_close_codes_read_as_error_codes() {
         for c in CODES {
+            assert_eq!(ErrorCode::from_quic_code(c.quic_code().into()), Some(c));
+        }
+        for other in [0, 1, 0xff, 0x100 + CODES.len() as u64, 0x1_0100, u64::MAX] {
+            assert_eq!(ErrorCode::from_quic_code(other), None, "{other:#x}");
+        }
+    }
+
+    #[test]
+    fn every_code_round_trips_through_its_wire_value() {
+        for (i, c) in CODES.into_iter().enumerate() {
+            assert_eq!(c.code() as usize, i, "{c:?} is at its wire value in CODES");
             assert_eq!(ErrorCode::from_code(c.code()), c);
         }
         assert_eq!(ErrorCode::from_code(999), ErrorCode::Internal);

@@ -316,14 +316,21 @@ pub async fn handshake(
             other.map(|m| m.kind())
         ))),
         // The gateway may close before we read its Error: take the reason
-        // from the close frame (`0x100 + code`).
+        // from the close frame (`0x100 + code`). Any other close (0: the
+        // gateway shutting down) is a lost connection, worth redialling.
         Err(e) => Err(match conn.close_reason() {
-            Some(quinn::ConnectionError::ApplicationClosed(c)) => HandshakeError::Refused {
-                code: crate::ErrorCode::from_code(
-                    u64::from(c.error_code).saturating_sub(0x100) as u16
-                ),
-                message: String::from_utf8_lossy(&c.reason).into_owned(),
-            },
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                match crate::ErrorCode::from_quic_code(c.error_code.into()) {
+                    Some(code) => HandshakeError::Refused {
+                        code,
+                        message: String::from_utf8_lossy(&c.reason).into_owned(),
+                    },
+                    None => lost(&format!(
+                        "closed by the gateway: {}",
+                        String::from_utf8_lossy(&c.reason)
+                    )),
+                }
+            }
             _ => lost(&e),
         }),
     }
