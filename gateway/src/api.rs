@@ -385,6 +385,7 @@ mod tests {
             None,
             crate::config::Config::default_config(),
             access.clone(),
+            None,
             metrics.clone(),
         ));
         let state = ApiState {

@@ -224,6 +224,11 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
         reload,
         cfg.clone(),
         access.clone(),
+        Some(reload::TlsReload::new(
+            endpoint.clone(),
+            &cfg.quic.cert,
+            &cfg.quic.key,
+        )),
         metrics.clone(),
     ));
     let api = api::router(api::ApiState {

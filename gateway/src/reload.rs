@@ -1,17 +1,25 @@
 //! Configuration reload while the gateway runs (SIGHUP, or `POST
 //! /api/v1/reload`).
 //!
-//! The file is read and validated again. If it is unusable, nothing changes
-//! and the error says why. If it is usable, its credentials (`[[edges]]`,
-//! `[[workers]]`, `http.admin_token_sha256`) replace the ones in force
-//! ([`Access::replace`]): new edges and workers may connect at once, and
-//! connections whose name and token are no longer listed are closed. The
-//! other sections are read at start only; the report names those that now
-//! differ from what runs, so the operator knows a restart is needed.
+//! The file is read and validated again, and the TLS certificate and key
+//! it names are read and checked. If anything is unusable, nothing changes
+//! and the error says why. Otherwise:
+//! - its credentials (`[[edges]]`, `[[workers]]`, `http.admin_token_sha256`)
+//!   replace the ones in force ([`Access::replace`]): new edges and workers
+//!   may connect at once, and connections whose name and token are no
+//!   longer listed are closed;
+//! - a certificate or key that changed (other files, or new contents in
+//!   the same files, as a certificate renewal writes them) serves every new
+//!   QUIC handshake; connections already up keep theirs.
+//!
+//! The other sections are read at start only; the report names those that
+//! now differ from what runs, so the operator knows a restart is needed.
 
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
+use sha2::{Digest, Sha256};
 
 use crate::auth::{Access, CredentialChanges, Credentials};
 use crate::config::{Config, ConfigError};
@@ -27,6 +35,9 @@ pub struct ReloadReport {
     /// The credential changes and the connections they closed.
     #[serde(flatten)]
     pub credentials: CredentialChanges,
+    /// `reloaded` when the QUIC certificate or key changed and now serves
+    /// new handshakes, else `unchanged`.
+    pub tls: &'static str,
     /// Sections that differ from the running configuration and were not
     /// applied: they take effect at the next restart.
     pub needs_restart: Vec<&'static str>,
@@ -42,6 +53,93 @@ pub enum ReloadError {
     /// The file is unreadable or invalid; the configuration in force stays.
     #[error("{0}; the configuration in force is unchanged")]
     Config(#[source] ConfigError),
+    /// The certificate or key it names is unusable; nothing changed.
+    #[error(
+        "QUIC certificate {cert} / key {key}: {message}; the configuration in force is unchanged"
+    )]
+    Tls {
+        /// `quic.cert`.
+        cert: PathBuf,
+        /// `quic.key`.
+        key: PathBuf,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// The QUIC endpoint whose certificate a reload swaps, and the files it
+/// serves now.
+pub struct TlsReload {
+    endpoint: quinn::Endpoint,
+    /// Paths and digest of what the endpoint serves; `None` digest: not
+    /// known (then the next reload installs the files).
+    serving: Mutex<(PathBuf, PathBuf, Option<[u8; 32]>)>,
+}
+
+impl std::fmt::Debug for TlsReload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let serving = self.serving.lock().unwrap_or_else(|e| e.into_inner());
+        f.debug_struct("TlsReload")
+            .field("cert", &serving.0)
+            .field("key", &serving.1)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsReload {
+    /// `endpoint` serves `cert` and `key` now.
+    pub fn new(endpoint: quinn::Endpoint, cert: &Path, key: &Path) -> Self {
+        let digest = tls_digest(cert, key).ok();
+        TlsReload {
+            endpoint,
+            serving: Mutex::new((cert.to_path_buf(), key.to_path_buf(), digest)),
+        }
+    }
+}
+
+/// The SHA-256 of a certificate file and a key file together.
+fn tls_digest(cert: &Path, key: &Path) -> std::io::Result<[u8; 32]> {
+    let mut h = Sha256::new();
+    for p in [cert, key] {
+        let bytes = std::fs::read(p)?;
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    Ok(h.finalize().into())
+}
+
+/// A certificate change checked and ready to install.
+struct TlsChange {
+    config: quinn::ServerConfig,
+    serving: (PathBuf, PathBuf, Option<[u8; 32]>),
+}
+
+impl TlsReload {
+    /// Reads and checks `cert` and `key` if they differ from what is
+    /// served; `None` when they do not.
+    fn prepare(&self, cert: &Path, key: &Path) -> Result<Option<TlsChange>, ReloadError> {
+        let bad = |message: String| ReloadError::Tls {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            message,
+        };
+        let digest = tls_digest(cert, key).map_err(|e| bad(e.to_string()))?;
+        let serving = self.serving.lock().unwrap_or_else(|e| e.into_inner());
+        if serving.0 == cert && serving.1 == key && serving.2 == Some(digest) {
+            return Ok(None);
+        }
+        let config =
+            tidegate_protocol::quic::server_config(cert, key).map_err(|e| bad(e.to_string()))?;
+        Ok(Some(TlsChange {
+            config,
+            serving: (cert.to_path_buf(), key.to_path_buf(), Some(digest)),
+        }))
+    }
+
+    fn install(&self, change: TlsChange) {
+        self.endpoint.set_server_config(Some(change.config));
+        *self.serving.lock().unwrap_or_else(|e| e.into_inner()) = change.serving;
+    }
 }
 
 /// Reloads the configuration; shared by the SIGHUP handler and the API.
@@ -51,9 +149,11 @@ pub struct Reloader {
     /// sections are what runs.
     running: Config,
     access: Arc<Access>,
+    /// The endpoint's certificate; `None`: not reloadable (tests).
+    tls: Option<TlsReload>,
     metrics: Metrics,
     /// One reload at a time, so reports never interleave.
-    serial: std::sync::Mutex<()>,
+    serial: Mutex<()>,
 }
 
 impl std::fmt::Debug for Reloader {
@@ -66,20 +166,45 @@ impl std::fmt::Debug for Reloader {
 
 impl Reloader {
     /// A reloader for a gateway that started with `running`; `load` reads
-    /// the file again (`None`: started without one).
+    /// the file again (`None`: started without one); `tls` swaps the QUIC
+    /// endpoint's certificate.
     pub fn new(
         load: Option<LoadConfig>,
         running: Config,
         access: Arc<Access>,
+        tls: Option<TlsReload>,
         metrics: Metrics,
     ) -> Self {
         Reloader {
             load,
             running,
             access,
+            tls,
             metrics,
-            serial: std::sync::Mutex::new(()),
+            serial: Mutex::new(()),
         }
+    }
+
+    fn apply(&self, load: &LoadConfig) -> Result<ReloadReport, ReloadError> {
+        let new = load().map_err(ReloadError::Config)?;
+        // Check everything before changing anything.
+        let tls_change = match &self.tls {
+            Some(t) => t.prepare(&new.quic.cert, &new.quic.key)?,
+            None => None,
+        };
+        let credentials = self.access.replace(Credentials::from_config(&new));
+        let tls = match (&self.tls, tls_change) {
+            (Some(t), Some(change)) => {
+                t.install(change);
+                "reloaded"
+            }
+            _ => "unchanged",
+        };
+        Ok(ReloadReport {
+            credentials,
+            tls,
+            needs_restart: needs_restart(&self.running, &new),
+        })
     }
 
     /// Reads the file and applies its credentials. Blocking (file I/O):
@@ -88,14 +213,7 @@ impl Reloader {
         let _one = self.serial.lock().unwrap_or_else(|e| e.into_inner());
         let outcome = match &self.load {
             None => Err(ReloadError::NoFile),
-            Some(load) => load().map_err(ReloadError::Config).map(|new| {
-                let needs_restart = needs_restart(&self.running, &new);
-                let credentials = self.access.replace(Credentials::from_config(&new));
-                ReloadReport {
-                    credentials,
-                    needs_restart,
-                }
-            }),
+            Some(load) => self.apply(load),
         };
         match &outcome {
             Ok(r) => {
@@ -123,8 +241,9 @@ impl Reloader {
 /// restart applies.
 pub fn needs_restart(running: &Config, new: &Config) -> Vec<&'static str> {
     let mut out = Vec::new();
-    if running.quic != new.quic {
-        out.push("quic");
+    // (quic.cert and quic.key reload.)
+    if running.quic.listen != new.quic.listen {
+        out.push("quic.listen");
     }
     if running.http.listen != new.http.listen {
         out.push("http.listen");
@@ -179,7 +298,7 @@ mod tests {
             c.validate()?;
             Ok(c)
         });
-        let r = Reloader::new(Some(load), running, access.clone(), metrics.clone());
+        let r = Reloader::new(Some(load), running, access.clone(), None, metrics.clone());
         (r, file, access, metrics)
     }
 
@@ -197,7 +316,8 @@ mod tests {
         let report = r.reload().expect("valid file reloads");
         assert_eq!(report.credentials.edges.added, ["b"]);
         assert_eq!(report.credentials.edges.removed, ["a"]);
-        assert_eq!(report.needs_restart, ["quic", "scheduler"]);
+        assert_eq!(report.needs_restart, ["quic.listen", "scheduler"]);
+        assert_eq!(report.tls, "unchanged", "no endpoint to reload");
         assert_eq!(report.credentials.revoked.len(), 1);
         assert!(a.revoked.is_cancelled());
         assert!(
@@ -251,7 +371,7 @@ mod tests {
     fn without_a_file_there_is_nothing_to_reload() {
         let running = Config::default_config();
         let access = Arc::new(Access::new(Credentials::from_config(&running)));
-        let r = Reloader::new(None, running, access, Metrics::new());
+        let r = Reloader::new(None, running, access, None, Metrics::new());
         assert!(matches!(r.reload(), Err(ReloadError::NoFile)));
     }
 
@@ -273,8 +393,97 @@ mod tests {
                     admin_token: "unchanged",
                     revoked: vec![],
                 },
+                tls: "unchanged",
                 needs_restart: vec![],
             }
         );
+    }
+
+    /// A TLS client that trusts only `ca`, dialling `addr`: whether the
+    /// handshake succeeds.
+    async fn handshake_ok(addr: std::net::SocketAddr, ca: &Path) -> bool {
+        let client = tidegate_protocol::quic::client_config(ca).expect("client config");
+        tidegate_protocol::quic::dial(addr, "localhost", client)
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_renewed_certificate_serves_new_handshakes_and_a_bad_one_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        let names = ["localhost".to_string()];
+        crate::certs::generate(&a, &names).expect("certs a");
+        crate::certs::generate(&b, &names).expect("certs b");
+        let (cert, key) = (a.join("gateway.pem"), a.join("gateway.key"));
+        let server = tidegate_protocol::quic::server_config(&cert, &key).unwrap();
+        let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = endpoint.local_addr().unwrap();
+        let accept = {
+            let endpoint = endpoint.clone();
+            tokio::spawn(async move {
+                while let Some(incoming) = endpoint.accept().await {
+                    // Keep each connection until the client closes it.
+                    if let Ok(conn) = incoming.await {
+                        tokio::spawn(async move { conn.closed().await });
+                    }
+                }
+            })
+        };
+        let file = |cert: &Path, key: &Path| {
+            format!(
+                "[quic]\ncert = \"{}\"\nkey = \"{}\"\n{}",
+                cert.display(),
+                key.display(),
+                edge("e", "t")
+            )
+        };
+        let text = Arc::new(Mutex::new(file(&cert, &key)));
+        let running = config(&text.lock().unwrap());
+        let access = Arc::new(Access::new(Credentials::from_config(&running)));
+        let t = text.clone();
+        let load: LoadConfig = Box::new(move || Ok(config(&t.lock().expect("test lock"))));
+        let r = Reloader::new(
+            Some(load),
+            running,
+            access,
+            Some(TlsReload::new(endpoint.clone(), &cert, &key)),
+            Metrics::new(),
+        );
+        let (ca_a, ca_b) = (a.join("ca.pem"), b.join("ca.pem"));
+        assert!(handshake_ok(addr, &ca_a).await);
+        assert!(!handshake_ok(addr, &ca_b).await);
+        assert_eq!(r.reload().unwrap().tls, "unchanged");
+
+        // Renewed in place: the same paths, new contents (b's).
+        std::fs::copy(b.join("gateway.pem"), &cert).unwrap();
+        std::fs::copy(b.join("gateway.key"), &key).unwrap();
+        assert!(handshake_ok(addr, &ca_a).await, "not reloaded yet");
+        let report = r.reload().unwrap();
+        assert_eq!(report.tls, "reloaded");
+        assert!(report.needs_restart.is_empty(), "{report:?}");
+        assert!(handshake_ok(addr, &ca_b).await);
+        assert!(!handshake_ok(addr, &ca_a).await);
+        assert_eq!(r.reload().unwrap().tls, "unchanged");
+
+        // A key that does not parse: an error naming the files, and the
+        // endpoint keeps serving b.
+        std::fs::write(&key, "not a key").unwrap();
+        let err = r.reload().unwrap_err().to_string();
+        assert!(
+            err.contains("gateway.key") && err.contains("unchanged"),
+            "{err}"
+        );
+        assert!(handshake_ok(addr, &ca_b).await);
+        // Other files: a new pair, c, under new names.
+        let (cert2, key2) = (dir.path().join("c.pem"), dir.path().join("c.key"));
+        crate::certs::generate(&dir.path().join("c"), &names).unwrap();
+        std::fs::copy(dir.path().join("c/gateway.pem"), &cert2).unwrap();
+        std::fs::copy(dir.path().join("c/gateway.key"), &key2).unwrap();
+        *text.lock().unwrap() = file(&cert2, &key2);
+        assert_eq!(r.reload().unwrap().tls, "reloaded");
+        assert!(handshake_ok(addr, &dir.path().join("c/ca.pem")).await);
+        endpoint.close(0u32.into(), b"done");
+        accept.abort();
     }
 }

@@ -753,7 +753,7 @@ fn shape_and_length_mismatch_names_the_shape() {
 }
 
 #[test]
-fn hostile_list_count_is_rejected_without_allocating() {
+fn hostile_list_count_is_rejected_before_its_items_are_read() {
     // Register: worker "", device "", then u16::MAX models in a 2-byte rest.
     let mut body = vec![0, 0, 0, 0, 0xff, 0xff, 0, 0];
     let mut bytes = header(Kind::Register as u8, body.len() as u32);
