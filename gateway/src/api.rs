@@ -460,4 +460,40 @@ mod tests {
             assert!(e.contains("RFC 3339"), "{bad}: {e}");
         }
     }
+
+    proptest::proptest! {
+        /// Query strings are untrusted: any text is a value or an error,
+        /// never a panic.
+        #[test]
+        fn any_text_parses_or_is_refused(s in "\\PC{0,40}") {
+            let _ = parse_time(&s);
+        }
+
+        /// Near-miss timestamps (digits, separators and zone characters
+        /// in any order) never panic either.
+        #[test]
+        fn timestamp_shaped_text_never_panics(s in "[0-9T:.Zz+ -]{0,32}") {
+            let _ = parse_time(&s);
+        }
+
+        /// A zone offset moves the instant by exactly that offset.
+        #[test]
+        fn an_offset_shifts_the_instant_by_itself(
+            y in 1970i64..=9999, mo in 1i64..=12, d in 1i64..=28,
+            h in 0i64..=23, mi in 0i64..=59, sec in 0i64..=59, ms in 0i64..=999,
+            oh in 0i64..=14, om in 0i64..=59,
+        ) {
+            let local = format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{sec:02}.{ms:03}");
+            let utc = parse_time(&format!("{local}Z")).expect("valid UTC time");
+            let shift = ((oh * 60 + om) * 60_000) as u64;
+            let east = parse_time(&format!("{local}+{oh:02}:{om:02}"));
+            let west = parse_time(&format!("{local}-{oh:02}:{om:02}")).expect("west of UTC");
+            proptest::prop_assert_eq!(west, utc + shift);
+            if utc >= shift {
+                proptest::prop_assert_eq!(east, Ok(utc - shift));
+            } else {
+                proptest::prop_assert!(east.is_err(), "before the epoch: {:?}", east);
+            }
+        }
+    }
 }
