@@ -39,6 +39,37 @@ pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
+/// Environment variables that describe a deployment: where the gateway
+/// is, whom to trust, tokens, leases, models, listen addresses, configs.
+/// The harness's children never inherit them from the caller's shell: a
+/// local cluster is described entirely by the configs and flags the
+/// harness writes (and a listen address from the shell would put the
+/// gateway off 127.0.0.1:0).
+const DEPLOYMENT_ENV: [&str; 12] = [
+    "TIDEGATE_GATEWAY_ADDR",
+    "TIDEGATE_CA",
+    "TIDEGATE_EDGE_TOKEN",
+    "TIDEGATE_WORKER_TOKEN",
+    "TIDEGATE_LEASE_ID",
+    "TIDEGATE_LEASE_TOKEN",
+    "TIDEGATE_MODELS",
+    "TIDEGATE_QUIC_LISTEN",
+    "TIDEGATE_HTTP_LISTEN",
+    "TIDEGATE_GATEWAY_CONFIG",
+    "TIDEGATE_WORKER_CONFIG",
+    "TIDEGATE_EDGE_CONFIG",
+];
+
+/// A command for binary `name` (see [`bin`]) that does not inherit the
+/// caller's deployment variables ([`DEPLOYMENT_ENV`]).
+pub fn command(name: &str) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(bin(name)?);
+    for var in DEPLOYMENT_ENV {
+        cmd.env_remove(var);
+    }
+    Ok(cmd)
+}
+
 /// The workspace root (for models/ and test imagery).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -127,7 +158,7 @@ impl Cluster {
         extra: impl FnOnce(&Path) -> anyhow::Result<String>,
     ) -> anyhow::Result<Cluster> {
         let dir = tempfile::tempdir().context("creating a temp dir")?;
-        let status = Command::new(bin("tidegate-gateway")?)
+        let status = command("tidegate-gateway")?
             .args(["dev-certs", "--out"])
             .arg(dir.path().join("certs"))
             .stdout(Stdio::null())
@@ -224,7 +255,7 @@ impl Cluster {
     ) -> anyhow::Result<()> {
         let cfg = self.worker_config(name, models_dir, models)?;
         let log = std::fs::File::create(self.dir.path().join(format!("{name}.log")))?;
-        let child = Command::new(bin("tidegate-worker")?)
+        let child = command("tidegate-worker")?
             .arg("--config")
             .arg(cfg)
             .env("TIDEGATE_WORKER_TOKEN", &self.worker_token)
@@ -273,14 +304,6 @@ impl Cluster {
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, c)| c.id())
-    }
-
-    /// Kills a worker abruptly (SIGKILL).
-    pub fn kill_worker(&mut self, name: &str) {
-        if let Some((_, c)) = self.workers.iter_mut().find(|(n, _)| n == name) {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 
     /// Waits until `n` workers are registered, or fails with their logs.
@@ -353,29 +376,9 @@ impl Cluster {
         child.try_wait().ok().flatten()
     }
 
-    /// Writes an edge config with `cameras` as (name, uri, model, max_fps).
-    pub fn edge_config(
-        &self,
-        name: &str,
-        cameras: &[(&str, &str, &str, f64)],
-    ) -> anyhow::Result<PathBuf> {
-        let mut toml = format!(
-            "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"certs/ca.pem\"\n",
-            self.quic
-        );
-        for (cam, uri, model, fps) in cameras {
-            toml += &format!(
-                "[[cameras]]\nname = \"{cam}\"\nuri = \"{uri}\"\nmodel = \"{model}\"\nmax_fps = {fps}\n"
-            );
-        }
-        let path = self.dir.path().join(format!("{name}.toml"));
-        std::fs::write(&path, toml)?;
-        Ok(path)
-    }
-
     /// Runs an edge to completion with `args` and returns its output.
     pub fn run_edge(&self, config: &Path, args: &[&str]) -> anyhow::Result<Output> {
-        Command::new(bin("tidegate-edge")?)
+        command("tidegate-edge")?
             .arg("--config")
             .arg(config)
             .args(args)
@@ -534,14 +537,18 @@ impl Drop for Cluster {
     }
 }
 
+/// How long a starting gateway may take to print its listening line.
+const LISTENING_LINE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Starts `tidegate-gateway --config cfg run` with its log on `log` and
-/// returns it with the QUIC and HTTP addresses from its listening line.
+/// returns it with the QUIC and HTTP addresses from its listening line
+/// (killing it, and failing with its log, if none comes within 30 s).
 fn spawn_gateway(
     dir: &Path,
     cfg: &Path,
     log: std::fs::File,
 ) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
-    let mut gateway = Command::new(bin("tidegate-gateway")?)
+    let mut gateway = command("tidegate-gateway")?
         .arg("--config")
         .arg(cfg)
         .arg("run")
@@ -550,9 +557,28 @@ fn spawn_gateway(
         .stderr(log)
         .spawn()
         .context("starting tidegate-gateway")?;
+    // Read the listening line on a thread of its own, so a gateway that
+    // neither prints it nor exits cannot hang the caller.
     let stdout = gateway.stdout.take().expect("piped stdout");
-    let mut line = String::new();
-    let read = BufReader::new(stdout).read_line(&mut line);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let read = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(read.map(|_| line));
+    });
+    let (read, line) = match rx.recv_timeout(LISTENING_LINE_TIMEOUT) {
+        Ok(Ok(line)) => (Ok(()), line),
+        Ok(Err(e)) => (
+            Err(format!("reading the gateway's listening line: {e}")),
+            String::new(),
+        ),
+        Err(_) => (
+            Err(format!(
+                "the gateway printed no listening line within {LISTENING_LINE_TIMEOUT:?}"
+            )),
+            String::new(),
+        ),
+    };
     // "listening quic=127.0.0.1:PORT http=127.0.0.1:PORT"
     let addr = |key: &str| -> anyhow::Result<SocketAddr> {
         line.split_whitespace()
@@ -567,7 +593,7 @@ fn spawn_gateway(
             let _ = gateway.kill();
             let _ = gateway.wait();
             let why = match (read, q, h) {
-                (Err(e), _, _) => format!("reading the gateway's listening line: {e}"),
+                (Err(e), _, _) => e,
                 (_, Err(e), _) | (_, _, Err(e)) => e.to_string(),
                 _ => unreachable!("handled above"),
             };
@@ -578,7 +604,7 @@ fn spawn_gateway(
 }
 
 /// A minimal HTTP/1.0 GET (no chunking) against `addr`.
-pub fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
     http_request(addr, &format!("GET {path} HTTP/1.0\r\n"))
 }
 

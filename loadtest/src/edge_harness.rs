@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::cluster::{Cluster, bin};
+use crate::cluster::{Cluster, command};
 
 /// Encodes `image` (a PNG) as an H.264 MP4 of `frames` frames at `fps`
 /// with `gst-launch-1.0` (x264enc from gst-plugins-ugly).
@@ -58,12 +58,6 @@ impl EdgeCamera {
             ],
         }
     }
-
-    /// Adds a raw TOML line to the entry.
-    pub fn with(mut self, line: &str) -> Self {
-        self.fields.push(line.into());
-        self
-    }
 }
 
 /// Writes an edge config for `cluster` named `name` with `cameras`.
@@ -107,7 +101,7 @@ impl EdgeProcess {
             .unwrap_or_else(|| "edge".into());
         let results = cluster.dir().join(format!("{stem}.results.jsonl"));
         let log = cluster.dir().join(format!("{stem}.log"));
-        let child = Command::new(bin("tidegate-edge")?)
+        let child = command("tidegate-edge")?
             .arg("--config")
             .arg(config)
             .arg("--results")

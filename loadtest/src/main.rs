@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::error::ErrorKind;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
 use tidegate_loadtest::sim::{self, SimOptions};
 
@@ -17,12 +19,14 @@ use tidegate_loadtest::sim::{self, SimOptions};
 /// exits non-zero when the SLO gate fails.
 ///
 /// Against a local cluster it starts itself (gateway + workers on
-/// 127.0.0.1, BlazeFace, astronaut.png):
+/// 127.0.0.1 serving --model, BlazeFace by default; astronaut.png):
 ///   tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10
 #[derive(Debug, Parser)]
 #[command(version, about, long_about)]
 struct Cli {
-    /// Start a local gateway and workers instead of using --gateway.
+    /// Start a local gateway and workers (serving --model to edge --edge)
+    /// instead of using --gateway, --ca and --token: those flags are
+    /// refused with it, and their environment variables ignored.
     #[arg(long)]
     local: bool,
     /// Workers for --local.
@@ -54,7 +58,8 @@ struct Cli {
     /// Seconds of sending (bounded: at most 600).
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
-    /// Model.
+    /// Model (with --local, the workers serve it from the repository's
+    /// models/).
     #[arg(long, default_value = "blazeface")]
     model: String,
     /// Budget per frame (ms).
@@ -69,8 +74,10 @@ struct Cli {
     /// Draw the report (latency CDF against the budget, outcomes) as SVG here.
     #[arg(long)]
     svg: Option<PathBuf>,
-    /// SLO gate: fail unless at least this fraction of frames is ok within budget.
-    #[arg(long)]
+    /// SLO gate: exit non-zero unless at least this fraction (0 to 1) of
+    /// the frames tried is ok within budget, or if any frame gets two
+    /// results.
+    #[arg(long, value_parser = fraction)]
     min_slo_attainment: Option<f64>,
     /// Keep sending at --fps even when the gateway hints a lower rate.
     #[arg(long)]
@@ -80,8 +87,44 @@ struct Cli {
     log: String,
 }
 
+/// A fraction in [0, 1], for --min-slo-attainment.
+fn fraction(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; give a fraction such as 0.99"))?;
+    if !(0.0..=1.0).contains(&v) {
+        return Err(format!(
+            "{s} is not a fraction in [0, 1]; 0.99 means 99 % of frames ok within budget"
+        ));
+    }
+    Ok(v)
+}
+
+/// The command line. With --local, --gateway, --ca and --token given as
+/// flags are refused; set in the environment they are ignored (they name a
+/// remote gateway, and --local starts its own).
+fn parse_cli() -> Cli {
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if cli.local {
+        for flag in ["gateway", "ca", "token"] {
+            if matches.value_source(flag) == Some(ValueSource::CommandLine) {
+                Cli::command()
+                    .error(
+                        ErrorKind::ArgumentConflict,
+                        format!(
+                            "--{flag} cannot be used with --local, which starts its own gateway"
+                        ),
+                    )
+                    .exit();
+            }
+        }
+    }
+    cli
+}
+
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
         .with_writer(std::io::stderr)
@@ -97,11 +140,13 @@ fn main() -> anyhow::Result<()> {
     let mut cluster = None;
     let (gateway, ca, token) = if cli.local {
         let mut c = Cluster::start(&ClusterOptions {
+            edges: vec![cli.edge.clone()],
             workers: (1..=cli.workers).map(|i| format!("worker-{i}")).collect(),
             ..ClusterOptions::default()
         })?;
+        let models = workspace_root().join("models");
         for i in 1..=cli.workers {
-            c.spawn_worker(&format!("worker-{i}"))?;
+            c.spawn_worker_serving(&format!("worker-{i}"), &models, &[&cli.model])?;
         }
         c.wait_for_workers(cli.workers, Duration::from_secs(60))?;
         let out = (c.quic, c.ca(), c.edge_token.clone());
@@ -147,11 +192,8 @@ fn main() -> anyhow::Result<()> {
     }
     drop(cluster);
     if let Some(min) = cli.min_slo_attainment {
-        anyhow::ensure!(
-            report.slo_attainment >= min,
-            "SLO gate failed: attainment {:.4} < {min}",
-            report.slo_attainment
-        );
+        let why = report.slo_failures(min);
+        anyhow::ensure!(why.is_empty(), "SLO gate failed: {}", why.join("; "));
     }
     Ok(())
 }

@@ -7,15 +7,20 @@
 //!   once) and an edge client that sends `Frame`s on their own streams and
 //!   waits for each `Result`: edge → gateway → worker → gateway → edge;
 //! - **raw**: quinn alone, same TLS and transport settings, one hop: the
-//!   client sends the payload on a unidirectional stream and the server
-//!   answers on another with a 64-byte reply.
+//!   client sends an 8-byte id and the payload on a unidirectional stream
+//!   and the server answers on another with a 64-byte reply that starts
+//!   with the same id, so each reply is matched to its own request.
 //!
 //! Both run closed-loop with the same number of frames in flight and report
 //! frames per second and round-trip latency; the ratios relay / raw are the
 //! gateway's overhead (two extra hops, a scheduler decision, and the
-//! encoding of every message).
+//! encoding of every message). Each path is bounded in frames and in time:
+//! no frame is sent after the time limit, and a frame waits at most
+//! [`REPLY_TIMEOUT`] for its reply.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -31,11 +36,16 @@ use tidegate_protocol::{
 
 use crate::cluster::{Cluster, ClusterOptions};
 
+/// How long a frame may wait for its reply before the path fails.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Frames per second and latency of one path at one payload size.
 #[derive(Debug, Clone, Serialize)]
 pub struct PathResult {
     /// Frames completed.
     pub frames: usize,
+    /// The time limit stopped the path before all its frames were sent.
+    pub stopped_by_time_limit: bool,
     /// Frames per second.
     pub fps: f64,
     /// Median round trip (ms).
@@ -72,6 +82,9 @@ pub struct RelayReport {
 
 const SIZES: [(u32, u32); 2] = [(128, 128), (224, 224)];
 
+/// Bytes of the request id that starts every raw request and its reply.
+const RAW_ID_BYTES: usize = 8;
+
 fn model_name(w: u32) -> String {
     format!("noop{w}")
 }
@@ -88,8 +101,13 @@ fn input(w: u32, h: u32) -> InputSpec {
     }
 }
 
-/// Runs both paths for both sizes with `frames` frames each.
-pub async fn run(frames: usize, concurrency: usize) -> anyhow::Result<RelayReport> {
+/// Runs both paths for both sizes with `frames` frames each, sending on
+/// each path for at most `time_limit`.
+pub async fn run(
+    frames: usize,
+    concurrency: usize,
+    time_limit: Duration,
+) -> anyhow::Result<RelayReport> {
     let cluster = Cluster::start(&ClusterOptions {
         edges: vec!["bench-edge".into()],
         workers: vec!["noop-worker".into()],
@@ -117,17 +135,27 @@ pub async fn run(frames: usize, concurrency: usize) -> anyhow::Result<RelayRepor
     let mut sizes = Vec::new();
     for (w, h) in SIZES {
         let payload = Bytes::from(vec![7u8; (w * h * 3) as usize]);
-        let relay = relay_path(&cluster, w, h, payload.clone(), frames, concurrency)
-            .await
-            .map_err(|e| {
-                let log = cluster.gateway_log();
-                let tail: Vec<&str> = log.lines().rev().take(20).collect();
-                e.context(format!(
-                    "relay path failed; gateway log (last lines, newest first):\n{}",
-                    tail.join("\n")
-                ))
-            })?;
-        let raw = raw_server.run(payload.clone(), frames, concurrency).await?;
+        let relay = relay_path(
+            &cluster,
+            w,
+            h,
+            payload.clone(),
+            frames,
+            concurrency,
+            time_limit,
+        )
+        .await
+        .map_err(|e| {
+            let log = cluster.gateway_log();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            e.context(format!(
+                "relay path failed; gateway log (last lines, newest first):\n{}",
+                tail.join("\n")
+            ))
+        })?;
+        let raw = raw_server
+            .run(payload.clone(), frames, concurrency, time_limit)
+            .await?;
         sizes.push(SizeResult {
             payload_bytes: payload.len(),
             fps_ratio: relay.fps / raw.fps,
@@ -231,17 +259,68 @@ async fn noop_worker(
     }
 }
 
-fn path_result(frames: usize, elapsed: Duration, hist: &Histogram<u64>) -> PathResult {
-    PathResult {
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds")
+}
+
+/// Drives a closed loop: `concurrency` senders, each doing up to
+/// `per_sender` round trips one after another (`round_trip(sender, seq)`
+/// sends one frame and waits for its reply), none begun after
+/// `time_limit`. Each round trip is timed on its own.
+async fn closed_loop<F, Fut>(
+    concurrency: usize,
+    per_sender: usize,
+    time_limit: Duration,
+    round_trip: F,
+) -> anyhow::Result<PathResult>
+where
+    F: Fn(usize, u64) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = anyhow::Result<()>> + Send,
+{
+    let start = Instant::now();
+    let stop_at = start + time_limit;
+    let mut tasks = Vec::new();
+    for sender in 0..concurrency {
+        let round_trip = round_trip.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut hist = histogram();
+            let mut stopped = false;
+            for seq in 0..per_sender as u64 {
+                if Instant::now() >= stop_at {
+                    stopped = true;
+                    break;
+                }
+                let t = Instant::now();
+                round_trip(sender, seq).await?;
+                hist.record(t.elapsed().as_micros().max(1) as u64)?;
+            }
+            Ok::<_, anyhow::Error>((hist, stopped))
+        }));
+    }
+    let mut hist = histogram();
+    let mut stopped_by_time_limit = false;
+    for t in tasks {
+        let (h, stopped) = t.await??;
+        hist.add(h)?;
+        stopped_by_time_limit |= stopped;
+    }
+    let elapsed = start.elapsed();
+    let frames = hist.len() as usize;
+    Ok(PathResult {
         frames,
+        stopped_by_time_limit,
         fps: frames as f64 / elapsed.as_secs_f64(),
         p50_ms: hist.value_at_quantile(0.5) as f64 / 1000.0,
         p99_ms: hist.value_at_quantile(0.99) as f64 / 1000.0,
-    }
+    })
 }
 
-fn histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds")
+/// Waits up to [`REPLY_TIMEOUT`] for the reply to frame `seq`.
+async fn reply<T>(rx: tokio::sync::oneshot::Receiver<T>, seq: u64) -> anyhow::Result<T> {
+    tokio::time::timeout(REPLY_TIMEOUT, rx)
+        .await
+        .with_context(|| format!("no reply to frame {seq} within {REPLY_TIMEOUT:?}"))?
+        .context("the reply reader stopped")
 }
 
 /// Closed loop through the gateway: `concurrency` cameras, each with one
@@ -253,6 +332,7 @@ async fn relay_path(
     payload: Bytes,
     frames: usize,
     concurrency: usize,
+    time_limit: Duration,
 ) -> anyhow::Result<PathResult> {
     let conn = dial(cluster.quic, "localhost", client_config(&cluster.ca())?).await?;
     let hello = Hello {
@@ -294,16 +374,13 @@ async fn relay_path(
             }
         })
     };
-    let per_camera = frames.div_ceil(concurrency);
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for cam in 0..concurrency {
+    let round_trip = {
         let conn = conn.clone();
-        let payload = payload.clone();
-        let waiters = waiters.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut hist = histogram();
-            for seq in 0..per_camera as u64 {
+        move |cam: usize, seq: u64| {
+            let conn = conn.clone();
+            let payload = payload.clone();
+            let waiters = waiters.clone();
+            async move {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 *waiters[cam].lock().await = Some(tx);
                 let frame = Frame {
@@ -317,33 +394,33 @@ async fn relay_path(
                         dtype: DType::U8,
                         layout: Layout::Nhwc,
                         shape: vec![1, h, w, 3],
-                        data: payload.clone(),
+                        data: payload,
                     },
                 };
-                let t = Instant::now();
                 let mut s = conn.open_uni().await?;
                 write_message(&mut s, &Message::Frame(frame)).await?;
                 s.finish()?;
-                let status = tokio::time::timeout(Duration::from_secs(10), rx)
-                    .await
-                    .context("no result within 10 s")??;
+                let status = reply(rx, seq).await?;
                 anyhow::ensure!(status == Status::Ok, "frame {seq} ended {status:?}");
-                hist.record(t.elapsed().as_micros().max(1) as u64)?;
+                Ok(())
             }
-            Ok::<_, anyhow::Error>(hist)
-        }));
-    }
-    let mut hist = histogram();
-    for t in tasks {
-        hist.add(t.await??)?;
-    }
-    let elapsed = start.elapsed();
+        }
+    };
+    let result = closed_loop(
+        concurrency,
+        frames.div_ceil(concurrency),
+        time_limit,
+        round_trip,
+    )
+    .await;
     reader.abort();
     conn.close(0u32.into(), b"done");
-    Ok(path_result(per_camera * concurrency, elapsed, &hist))
+    result
 }
 
-/// The raw-quinn baseline server: reads a whole stream, answers 64 bytes.
+/// The raw-quinn baseline server: reads a whole stream (an 8-byte id, then
+/// the payload) and answers on a stream of its own with 64 bytes that
+/// start with the id.
 struct RawServer {
     endpoint: quinn::Endpoint,
     ca: std::path::PathBuf,
@@ -362,10 +439,13 @@ impl RawServer {
                     while let Ok(mut s) = conn.accept_uni().await {
                         let conn = conn.clone();
                         tokio::spawn(async move {
-                            if s.read_to_end(1 << 20).await.is_ok()
+                            if let Ok(data) = s.read_to_end(RAW_ID_BYTES + (1 << 20)).await
+                                && data.len() >= RAW_ID_BYTES
                                 && let Ok(mut out) = conn.open_uni().await
                             {
-                                let _ = out.write_all(&[0u8; 64]).await;
+                                let mut reply = [0u8; 64];
+                                reply[..RAW_ID_BYTES].copy_from_slice(&data[..RAW_ID_BYTES]);
+                                let _ = out.write_all(&reply).await;
                                 let _ = out.finish();
                             }
                         });
@@ -384,59 +464,65 @@ impl RawServer {
         payload: Bytes,
         frames: usize,
         concurrency: usize,
+        time_limit: Duration,
     ) -> anyhow::Result<PathResult> {
         let addr = self.endpoint.local_addr()?;
         let conn = dial(addr, "localhost", client_config(&self.ca)?).await?;
-        // Replies are matched to senders in order of arrival: with one
-        // stream in flight per sender, any reply frees any waiting sender,
-        // which is all a closed loop needs.
-        let (reply_tx, reply_rx) = tokio::sync::mpsc::channel::<()>(concurrency);
-        let reply_rx = Arc::new(tokio::sync::Mutex::new(reply_rx));
+        // Each request carries an id that its reply echoes; the reply goes
+        // to the sender waiting for that id.
+        type Waiting = Mutex<HashMap<u64, tokio::sync::oneshot::Sender<()>>>;
+        let waiting: Arc<Waiting> = Arc::default();
         let reader = {
             let conn = conn.clone();
+            let waiting = waiting.clone();
             tokio::spawn(async move {
                 while let Ok(mut s) = conn.accept_uni().await {
-                    let tx = reply_tx.clone();
+                    let waiting = waiting.clone();
                     tokio::spawn(async move {
-                        if s.read_to_end(1024).await.is_ok() {
-                            let _ = tx.send(()).await;
+                        let Ok(data) = s.read_to_end(1024).await else {
+                            return;
+                        };
+                        let Some(id) = data.first_chunk::<RAW_ID_BYTES>() else {
+                            return;
+                        };
+                        let id = u64::from_be_bytes(*id);
+                        if let Some(tx) = waiting.lock().expect("waiting lock").remove(&id) {
+                            let _ = tx.send(());
                         }
                     });
                 }
             })
         };
-        let per_sender = frames.div_ceil(concurrency);
-        let start = Instant::now();
-        let mut tasks = Vec::new();
-        for _ in 0..concurrency {
+        let round_trip = {
             let conn = conn.clone();
-            let payload = payload.clone();
-            let reply_rx = reply_rx.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut hist = histogram();
-                for _ in 0..per_sender {
-                    let t = Instant::now();
+            let waiting = waiting.clone();
+            move |sender: usize, seq: u64| {
+                let conn = conn.clone();
+                let payload = payload.clone();
+                let waiting = waiting.clone();
+                async move {
+                    let id = ((sender as u64) << 32) | seq;
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    waiting.lock().expect("waiting lock").insert(id, tx);
                     let mut s = conn.open_uni().await?;
+                    s.write_all(&id.to_be_bytes()).await?;
                     s.write_all(&payload).await?;
                     s.finish()?;
-                    tokio::time::timeout(Duration::from_secs(10), async {
-                        reply_rx.lock().await.recv().await
-                    })
-                    .await
-                    .context("no reply within 10 s")?
-                    .context("reply channel closed")?;
-                    hist.record(t.elapsed().as_micros().max(1) as u64)?;
+                    let answered = reply(rx, seq).await;
+                    waiting.lock().expect("waiting lock").remove(&id);
+                    answered
                 }
-                Ok::<_, anyhow::Error>(hist)
-            }));
-        }
-        let mut hist = histogram();
-        for t in tasks {
-            hist.add(t.await??)?;
-        }
-        let elapsed = start.elapsed();
+            }
+        };
+        let result = closed_loop(
+            concurrency,
+            frames.div_ceil(concurrency),
+            time_limit,
+            round_trip,
+        )
+        .await;
         reader.abort();
         conn.close(0u32.into(), b"done");
-        Ok(path_result(per_sender * concurrency, elapsed, &hist))
+        result
     }
 }

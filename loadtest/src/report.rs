@@ -35,7 +35,7 @@ pub struct Report {
     pub budget_ms: u32,
     /// Frames handed to QUIC.
     pub sent: u64,
-    /// Frames that could not be sent.
+    /// Frames the cameras tried to send but could not.
     pub send_errors: u64,
     /// Results by status.
     pub ok: u64,
@@ -49,7 +49,8 @@ pub struct Report {
     pub missing: u64,
     /// Ok results within the budget.
     pub ok_within_budget: u64,
-    /// Fraction of sent frames answered ok within budget.
+    /// Fraction of the frames the cameras tried to send (`sent` +
+    /// `send_errors`) answered ok within budget.
     pub slo_attainment: f64,
     /// End-to-end latency of ok results (edge clock).
     pub e2e_ms: Percentiles,
@@ -65,6 +66,9 @@ pub struct Report {
     pub duplicates: u64,
     /// Frames not sent because a hint capped the camera's rate.
     pub throttled: u64,
+    /// Frames never sent because the sending time was up: the senders fell
+    /// behind their frame rate (a stalled or overloaded load generator).
+    pub unsent: u64,
 }
 
 impl Report {
@@ -103,10 +107,11 @@ impl Report {
     /// Fills the derived fields.
     pub fn finish(&mut self, hist: &Histogram<u64>) {
         self.missing = self.sent.saturating_sub(self.results());
-        self.slo_attainment = if self.sent == 0 {
+        let tried = self.sent + self.send_errors;
+        self.slo_attainment = if tried == 0 {
             0.0
         } else {
-            self.ok_within_budget as f64 / self.sent as f64
+            self.ok_within_budget as f64 / tried as f64
         };
         let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
         if !hist.is_empty() {
@@ -121,6 +126,32 @@ impl Report {
             qs.insert(100, 0.999);
             self.e2e_cdf_ms = qs.into_iter().map(|q| [ms(q), q]).collect();
         }
+    }
+
+    /// The SLO gate on a finished report: why it fails, one reason a line
+    /// (empty: it passes). It fails when less than `min_attainment` of the
+    /// frames tried were ok within budget, and whenever a frame got two
+    /// results.
+    pub fn slo_failures(&self, min_attainment: f64) -> Vec<String> {
+        let mut why = Vec::new();
+        if self.slo_attainment < min_attainment {
+            why.push(format!(
+                "attainment {:.4} < {min_attainment}: {} of {} frames tried ({} sent, {} send errors) were ok within {} ms",
+                self.slo_attainment,
+                self.ok_within_budget,
+                self.sent + self.send_errors,
+                self.sent,
+                self.send_errors,
+                self.budget_ms
+            ));
+        }
+        if self.duplicates > 0 {
+            why.push(format!(
+                "{} results for frames that already had one (each frame must get exactly one)",
+                self.duplicates
+            ));
+        }
+        why
     }
 }
 
@@ -146,5 +177,40 @@ mod tests {
         assert_eq!(r.missing, 2);
         assert!((r.slo_attainment - 0.6).abs() < 1e-9);
         assert!((r.e2e_ms.p50 - 20.0).abs() < 0.1);
+    }
+
+    #[test]
+    fn frames_that_could_not_be_sent_count_against_attainment() {
+        let mut r = Report {
+            sent: 6,
+            send_errors: 4,
+            ok_within_budget: 6,
+            ..Report::default()
+        };
+        r.finish(&Histogram::<u64>::new(3).unwrap());
+        assert!(
+            (r.slo_attainment - 0.6).abs() < 1e-9,
+            "{}",
+            r.slo_attainment
+        );
+        assert_eq!(r.slo_failures(0.6), Vec::<String>::new());
+        let why = r.slo_failures(0.9);
+        assert_eq!(why.len(), 1, "{why:?}");
+        assert!(why[0].contains("4 send errors"), "{why:?}");
+    }
+
+    #[test]
+    fn a_duplicate_result_fails_the_gate_whatever_the_attainment() {
+        let mut r = Report {
+            sent: 10,
+            ok_within_budget: 10,
+            duplicates: 1,
+            ..Report::default()
+        };
+        r.finish(&Histogram::<u64>::new(3).unwrap());
+        assert!((r.slo_attainment - 1.0).abs() < 1e-9);
+        let why = r.slo_failures(0.0);
+        assert_eq!(why.len(), 1, "{why:?}");
+        assert!(why[0].contains("exactly one"), "{why:?}");
     }
 }

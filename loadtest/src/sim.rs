@@ -1,6 +1,6 @@
 //! Simulated cameras: each sends frames at a fixed rate over the real QUIC
-//! uplink for a bounded time, and every result's end-to-end latency is
-//! recorded on the edge clock.
+//! uplink for a bounded time (and a bounded number of frames), and every
+//! result's end-to-end latency is recorded on the edge clock.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -159,6 +159,11 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
         })
     };
 
+    let period = Duration::from_secs_f64(1.0 / opts.fps);
+    // Sending stops at the planned time plus one period of slack even when
+    // the senders fell behind their rate (missed ticks are skipped, not
+    // caught up); frames never sent are counted as `unsent`.
+    let stop_at = tokio::time::Instant::now() + opts.duration + period;
     let mut senders = Vec::new();
     for i in 0..opts.cameras {
         let uplink = uplink.clone();
@@ -166,7 +171,6 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
         let model = opts.model.clone();
         let shape = input.frame_shape();
         let budget_us = opts.budget_ms * 1000;
-        let period = Duration::from_secs_f64(1.0 / opts.fps);
         let report = report.clone();
         let caps = caps.clone();
         let obey = opts.obey_hints;
@@ -176,7 +180,11 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             let mut last_sent: Option<tokio::time::Instant> = None;
             for seq in 0..per_camera {
-                tick.tick().await;
+                let ticked = tokio::time::timeout_at(stop_at, tick.tick()).await.is_ok();
+                if !ticked || tokio::time::Instant::now() >= stop_at {
+                    report.lock().expect("report lock").unsent += per_camera - seq;
+                    break;
+                }
                 if obey {
                     let cap = {
                         let caps = caps.lock().expect("caps lock");
@@ -232,7 +240,7 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
     loop {
         let done = {
             let r = report.lock().expect("report lock");
-            r.sent + r.send_errors + r.throttled >= per_camera * opts.cameras as u64
+            r.sent + r.send_errors + r.throttled + r.unsent >= per_camera * opts.cameras as u64
                 && r.results() >= r.sent
         };
         if done || tokio::time::Instant::now() > until {

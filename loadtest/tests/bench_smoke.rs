@@ -1,6 +1,8 @@
 //! The benchmarks stay runnable: a few frames through each path. Nothing
 //! here asserts on speed; the numbers live in docs/benchmarks.md.
 
+use std::time::Duration;
+
 use tidegate_loadtest::{relay, schedbench};
 
 #[test]
@@ -10,16 +12,34 @@ fn relay_benchmark_completes_every_frame_on_both_paths() {
         .enable_all()
         .build()
         .expect("runtime")
-        .block_on(relay::run(20, 2))
+        .block_on(relay::run(20, 2, Duration::from_secs(60)))
         .expect("relay benchmark runs");
     assert_eq!(r.sizes.len(), 2);
     for s in &r.sizes {
-        assert_eq!(s.relay.frames, 20);
-        assert_eq!(s.raw.frames, 20);
+        assert_eq!(s.relay.frames, 20, "{s:?}");
+        assert_eq!(s.raw.frames, 20, "{s:?}");
+        assert!(!s.relay.stopped_by_time_limit && !s.raw.stopped_by_time_limit);
         assert!(s.fps_ratio.is_finite() && s.fps_ratio > 0.0, "{s:?}");
     }
     assert_eq!(r.sizes[0].payload_bytes, 128 * 128 * 3);
     assert_eq!(r.sizes[1].payload_bytes, 224 * 224 * 3);
+}
+
+#[test]
+fn relay_benchmark_sends_nothing_after_its_time_limit() {
+    let r = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(relay::run(20, 2, Duration::ZERO))
+        .expect("relay benchmark runs");
+    for s in &r.sizes {
+        for path in [&s.relay, &s.raw] {
+            assert_eq!(path.frames, 0, "{s:?}");
+            assert!(path.stopped_by_time_limit, "{s:?}");
+        }
+    }
 }
 
 #[test]

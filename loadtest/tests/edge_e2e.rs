@@ -5,28 +5,15 @@
 //! stays flat and its frames are dropped and counted, after which it
 //! reconnects by itself and results flow again.
 
+#[path = "support/astronaut.rs"]
+mod astronaut;
+
 use std::time::Duration;
 
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use astronaut::{FACE, astronaut, started_cluster};
 use tidegate_loadtest::edge_harness::{
     EdgeCamera, EdgeProcess, edge_config, epoch_us, h264_mp4_from_png,
 };
-
-/// The face in astronaut.png as BlazeFace finds it through the edge's
-/// pipeline (see slice.rs); H.264 at default quality moves it a little.
-const FACE: [f64; 4] = [179.3, 81.6, 271.5, 173.8];
-
-fn astronaut() -> std::path::PathBuf {
-    workspace_root().join("models/testdata/astronaut.png")
-}
-
-fn started_cluster() -> Cluster {
-    let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
-    c.spawn_worker("worker-1").expect("worker starts");
-    c.wait_for_workers(1, Duration::from_secs(60))
-        .expect("worker registers");
-    c
-}
 
 #[test]
 fn h264_file_streams_end_to_end_and_the_face_is_found_in_every_frame() {
@@ -88,6 +75,7 @@ fn h264_file_streams_end_to_end_and_the_face_is_found_in_every_frame() {
         assert!(d["score"].as_f64().unwrap() > 0.7, "{d}");
         // Named by the model's labels, which travel in CameraAccepted.
         assert_eq!(d["label"], "face", "{d}");
+        // H.264 at default quality moves the face a little.
         for (k, want) in ["x1", "y1", "x2", "y2"].iter().zip(FACE) {
             let got = d[*k].as_f64().unwrap();
             assert!((got - want).abs() <= 12.0, "{k}: {got} vs {want}");
@@ -141,7 +129,9 @@ fn gateway_outage_drops_frames_keeps_memory_flat_and_recovers() {
         r.iter().filter(|l| l["status"] == "ok").count() >= 20
     })
     .unwrap();
-    // Warm: let allocations settle before taking the baseline.
+    // Warm-up, not a wait for a condition: one more second of streaming
+    // lets the allocator reach its steady state before the baseline, so
+    // start-up growth is not counted as outage growth.
     std::thread::sleep(Duration::from_secs(1));
     let baseline = edge.rss_kib().unwrap();
 

@@ -180,15 +180,30 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
         assert!(!pid_alive(pid), "released lease's worker {pid} still runs");
     }
 
-    // Frames served per lease add up to what workers answered.
+    // Frames served per lease add up to what workers answered, once the
+    // autoscaler's ticks have recorded them in the ledger (polled, bounded).
     let frames = settled_counters(&c);
-    std::thread::sleep(Duration::from_millis(1200)); // two ticks record them
-    let by_lease: u64 = leases(&c, false)
-        .iter()
-        .map(|l| l["frames_within_slo"].as_u64().unwrap() + l["frames_late"].as_u64().unwrap())
-        .sum();
     let answered = frames["ok"].as_u64().unwrap() + frames["failed"].as_u64().unwrap();
-    assert_eq!(by_lease, answered, "ledger frames vs {frames}");
+    let by_lease = || -> u64 {
+        leases(&c, false)
+            .iter()
+            .map(|l| l["frames_within_slo"].as_u64().unwrap() + l["frames_late"].as_u64().unwrap())
+            .sum()
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    let recorded = loop {
+        let n = by_lease();
+        if n == answered || Instant::now() > until {
+            break n;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(
+        recorded,
+        answered,
+        "ledger frames vs {frames} after 10 s: {:#?}",
+        leases(&c, false)
+    );
     let serving = leases(&c, false)
         .iter()
         .filter(|l| l["frames_within_slo"].as_u64().unwrap() > 0)

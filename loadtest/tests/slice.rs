@@ -1,44 +1,31 @@
 //! The walking skeleton, end to end: real gateway, worker and edge processes
 //! on 127.0.0.1, BlazeFace on astronaut.png, and bad input at each hop.
 
+#[path = "support/astronaut.rs"]
+mod astronaut;
+
 use std::time::Duration;
 
+use astronaut::{FACE, astronaut, started_cluster};
 use bytes::Bytes;
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
+use tidegate_loadtest::edge_harness::{EdgeCamera, edge_config};
 use tidegate_loadtest::sim::frame_pixels;
 use tidegate_protocol::{
     DType, ErrorCode, Frame, FrameResult, Kind, Layout, MAGIC, Status, Tensor, VERSION,
 };
 
-/// The face in astronaut.png, measured once with BlazeFace through the edge's
-/// GStreamer pipeline (512x512 -> 128x128) and the worker's decoder:
-/// (179.3, 81.6) - (271.5, 173.8), score 0.92. The worker's own test, which
-/// resizes with the `image` crate, measured (177.3, 80.6) - (271.8, 175.1).
-const FACE: [f32; 4] = [179.3, 81.6, 271.5, 173.8];
-
-fn astronaut() -> String {
-    workspace_root()
-        .join("models/testdata/astronaut.png")
-        .display()
-        .to_string()
-}
-
-fn started_cluster() -> Cluster {
-    let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
-    c.spawn_worker("worker-1").expect("worker starts");
-    c.wait_for_workers(1, Duration::from_secs(60))
-        .expect("worker registers");
-    c
-}
-
 #[test]
 fn astronaut_face_round_trips_through_edge_gateway_and_worker() {
     let c = started_cluster();
-    let uri = format!("image://{}", astronaut());
-    let cfg = c
-        .edge_config("edge-1", &[("astronaut", &uri, "blazeface", 10.0)])
-        .unwrap();
+    let uri = format!("image://{}", astronaut().display());
+    let cfg = edge_config(
+        &c,
+        "edge-1",
+        &[EdgeCamera::new("astronaut", &uri, "blazeface", 10.0)],
+    )
+    .unwrap();
     let out = c.run_edge(&cfg, &["--max-frames", "12"]).unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "edge failed: {stderr}");
@@ -67,7 +54,7 @@ fn astronaut_face_round_trips_through_edge_gateway_and_worker() {
         // Named by the model's labels, which travel in CameraAccepted.
         assert_eq!(d["label"], "face", "{d}");
         for (k, want) in ["x1", "y1", "x2", "y2"].iter().zip(FACE) {
-            let got = d[*k].as_f64().unwrap() as f32;
+            let got = d[*k].as_f64().unwrap();
             assert!((got - want).abs() <= 10.0, "{k}: {got} vs {want}");
         }
         assert_eq!(d["keypoints"].as_array().unwrap().len(), 6);
@@ -137,7 +124,7 @@ async fn raw_model_outputs_travel_from_the_worker_to_the_edge() {
     assert!(accepted.labels.is_empty(), "a raw model has no labels");
     let input = accepted.input;
     // The astronaut, then a black frame of the same geometry.
-    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
+    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_path())).unwrap();
     let black = Bytes::from(vec![0u8; pixels.len()]);
     let mut best = Vec::new();
     for (seq, data) in [(1, pixels), (2, black)] {
@@ -214,7 +201,7 @@ async fn wrong_shape_frame_fails_naming_both_shapes_and_worker_keeps_serving() {
     let c = started_cluster();
     let (up, mut rx) = connect(&c).await;
     let input = up.open_camera("cam", "blazeface", 80).await.unwrap().input;
-    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
+    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_path())).unwrap();
 
     up.send_frame(frame(
         1,
@@ -246,7 +233,7 @@ async fn truncated_and_oversized_streams_close_only_that_stream() {
     let c = started_cluster();
     let (up, mut rx) = connect(&c).await;
     let input = up.open_camera("cam", "blazeface", 80).await.unwrap().input;
-    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_ref())).unwrap();
+    let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_path())).unwrap();
 
     // A Frame whose header promises 1000 body bytes, then only 10.
     let mut truncated = [&MAGIC[..], &[VERSION, Kind::Frame as u8]].concat();

@@ -22,8 +22,8 @@ use std::time::Duration;
 use mini_slurm::MiniSlurm;
 use serde_json::Value;
 use support::{
-    CATALOG, assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts,
-    spawn_sim, state, wait_until_explained,
+    CATALOG, assert_every_frame_answered_once, leases, ok_frames, reason, settled_counters,
+    sim_opts, spawn_sim, state, wait_until_explained,
 };
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 
@@ -94,8 +94,15 @@ fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
     }
 
     let sim = spawn_sim(sim_opts(&c, 1, 10.0, 16.0));
-    std::thread::sleep(Duration::from_secs(3));
-    // another tenant's on-demand job needs both GPUs for a few seconds
+    // Once the spot worker serves (well inside the 16 s of sending), another
+    // tenant's on-demand job needs both GPUs for a few seconds.
+    wait_until_explained(
+        &c,
+        Duration::from_secs(10),
+        "10 frames served ok by the spot worker",
+        || slurm_context(&slurm),
+        || ok_frames(&c) >= 10,
+    );
     let tenant = slurm
         .tool(
             "sbatch",

@@ -7,10 +7,12 @@
 //! must exit 0. And a worker whose gateway crashes redials it.
 
 use std::collections::HashSet;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
+use tidegate_loadtest::edge_harness::{EdgeCamera, edge_config};
+use tidegate_loadtest::sim;
 
 /// The gateway's frame counters.
 fn frames(c: &Cluster) -> serde_json::Value {
@@ -26,22 +28,8 @@ fn count(v: &serde_json::Value, key: &str) -> u64 {
 #[test]
 fn sigterm_mid_run_answers_every_dispatched_batch_and_exits_0() {
     let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
-    // The worker is started here, not by the harness, so the test holds its
-    // process and can signal it.
-    let cfg = c
-        .worker_config("worker-1", &workspace_root().join("models"), &["blazeface"])
-        .unwrap();
-    let log = std::fs::File::create(c.dir().join("worker-1.log")).unwrap();
     let spawned = Instant::now();
-    let mut worker = Command::new(bin("tidegate-worker").unwrap())
-        .arg("--config")
-        .arg(&cfg)
-        .env("TIDEGATE_WORKER_TOKEN", c.worker_token())
-        .env("TIDEGATE_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("worker starts");
+    c.spawn_worker("worker-1").expect("worker starts");
     c.wait_for_workers(1, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{e}\nworker log:\n{}", c.worker_log("worker-1")));
     // Reported, not asserted (docs/benchmarks.md): process start to a
@@ -57,13 +45,10 @@ fn sigterm_mid_run_answers_every_dispatched_batch_and_exits_0() {
             .join("models/testdata/astronaut.png")
             .display()
     );
-    let cameras: Vec<(String, String)> =
-        (0..8).map(|i| (format!("cam-{i}"), uri.clone())).collect();
-    let camera_refs: Vec<(&str, &str, &str, f64)> = cameras
-        .iter()
-        .map(|(n, u)| (n.as_str(), u.as_str(), "blazeface", 30.0))
+    let cameras: Vec<EdgeCamera> = (0..8)
+        .map(|i| EdgeCamera::new(&format!("cam-{i}"), &uri, "blazeface", 30.0))
         .collect();
-    let edge_cfg = c.edge_config("edge-1", &camera_refs).unwrap();
+    let edge_cfg = edge_config(&c, "edge-1", &cameras).unwrap();
     let edge = {
         let edge_token = c.edge_token.clone();
         let edge_cfg = edge_cfg.clone();
@@ -85,11 +70,7 @@ fn sigterm_mid_run_answers_every_dispatched_batch_and_exits_0() {
     let (ok_before, dispatched_at) = loop {
         let f = frames(&c);
         if count(&f, "ok") >= 40 && count(&f, "dispatched") > 0 {
-            let status = Command::new("kill")
-                .args(["-TERM", &worker.id().to_string()])
-                .status()
-                .expect("kill runs");
-            assert!(status.success());
+            c.signal_worker("worker-1", "TERM").expect("SIGTERM");
             break (count(&f, "ok"), count(&f, "dispatched"));
         }
         assert!(
@@ -103,7 +84,7 @@ fn sigterm_mid_run_answers_every_dispatched_batch_and_exits_0() {
     // The worker drains and exits 0.
     let until = Instant::now() + Duration::from_secs(20);
     let status = loop {
-        if let Some(s) = worker.try_wait().unwrap() {
+        if let Some(s) = c.worker_exit("worker-1") {
             break s;
         }
         assert!(Instant::now() < until, "worker did not exit after SIGTERM");
@@ -207,6 +188,8 @@ fn a_worker_redials_a_restarted_gateway_and_serves_again() {
         .expect("worker registers");
     let pid = c.worker_pid("worker-1").expect("worker pid");
     c.kill_gateway();
+    // The outage itself, not a wait for a condition: the worker must notice
+    // the dead gateway and keep redialling while it is down.
     std::thread::sleep(Duration::from_secs(2));
     c.restart_gateway()
         .expect("gateway restarts on the same ports");
@@ -220,26 +203,6 @@ fn a_worker_redials_a_restarted_gateway_and_serves_again() {
         c.worker_log("worker-1")
     );
     // And it serves: a few frames through the restarted gateway.
-    let opts = tidegate_loadtest::sim::SimOptions {
-        gateway: c.quic,
-        server_name: "localhost".into(),
-        ca: c.ca(),
-        edge: "edge-1".into(),
-        token: c.edge_token.clone(),
-        cameras: 2,
-        fps: 5.0,
-        duration: Duration::from_secs(2),
-        model: "blazeface".into(),
-        budget_ms: 80,
-        image: Some(workspace_root().join("models/testdata/astronaut.png")),
-        obey_hints: true,
-    };
-    let r = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-        .block_on(tidegate_loadtest::sim::run(&opts))
-        .expect("simulation runs");
+    let r = sim::run_blocking(&c.sim_options("edge-1", 2, 5.0, 2.0)).expect("simulation runs");
     assert!(r.sent > 0 && r.ok == r.sent, "{:?}", r.outcomes);
 }

@@ -8,6 +8,7 @@
 //!   hop with the same payloads (ratio relay / raw).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -32,7 +33,8 @@ enum Command {
         /// Samples per configuration (median reported).
         #[arg(long, default_value_t = 7)]
         samples: usize,
-        /// Decisions per sample.
+        /// Decisions per sample (bounded: samples × per-sample at most
+        /// 10,000,000).
         #[arg(long, default_value_t = 20_000)]
         per_sample: usize,
     },
@@ -44,8 +46,15 @@ enum Command {
         /// Frames in flight at once.
         #[arg(long, default_value_t = 1)]
         concurrency: usize,
+        /// Most seconds of sending per payload size and path (at most 600);
+        /// a path cut short reports the frames it completed.
+        #[arg(long, default_value_t = 120)]
+        max_seconds: u64,
     },
 }
+
+/// Most scheduler decisions of each kind per configuration.
+const MAX_DECISIONS: usize = 10_000_000;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -58,7 +67,16 @@ fn main() -> anyhow::Result<()> {
             samples,
             per_sample,
         } => {
-            anyhow::ensure!(samples >= 1 && per_sample >= 1, "samples must be positive");
+            anyhow::ensure!(
+                samples >= 1 && per_sample >= 1,
+                "--samples and --per-sample must be at least 1"
+            );
+            anyhow::ensure!(
+                samples
+                    .checked_mul(per_sample)
+                    .is_some_and(|n| n <= MAX_DECISIONS),
+                "--samples {samples} × --per-sample {per_sample} is more than {MAX_DECISIONS} decisions; lower either"
+            );
             let small = schedbench::run(1_000, 8, samples, per_sample);
             let large = schedbench::run(10_000, 8, samples, per_sample);
             json!({
@@ -71,15 +89,24 @@ fn main() -> anyhow::Result<()> {
         Command::Relay {
             frames,
             concurrency,
+            max_seconds,
         } => {
             anyhow::ensure!(
                 (1..=100_000).contains(&frames) && (1..=64).contains(&concurrency),
                 "--frames must be in 1..=100000 and --concurrency in 1..=64"
             );
+            anyhow::ensure!(
+                (1..=600).contains(&max_seconds),
+                "--max-seconds must be in 1..=600"
+            );
             let r = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?
-                .block_on(relay::run(frames, concurrency))?;
+                .block_on(relay::run(
+                    frames,
+                    concurrency,
+                    Duration::from_secs(max_seconds),
+                ))?;
             serde_json::to_value(r)?
         }
     };
