@@ -15,14 +15,23 @@
 # onnxruntime-gpu install has them), and in TIDEGATE_CUDA_LIBS (extra
 # folders, colon-separated).
 #
-# Steps: 1. what the machine has; 2. GPU tests with TIDEGATE_REQUIRE_GPU=1
-# (a skip is a failure): kernel == CPU preprocessing, CUDA detections == CPU
-# within tolerance; 3. benchmarks: worker vs raw ONNX Runtime per batch size
-# on CPU and CUDA, and u8 upload + GPU normalise vs f32 upload, for BlazeFace
-# and (when in the kit) CenterNet; 4. start-up: process start -> models
-# warmed and profiled (check-config), CPU and CUDA.
+# Steps: 1. what the machine has, and a fast pre-check: the worker's
+# check-config on CUDA, which loads every library the later steps load at
+# run time (ONNX Runtime's CUDA provider, cuBLAS, cuDNN, NVRTC) and must
+# report GPU preprocessing; 2. GPU tests with TIDEGATE_REQUIRE_GPU=1 (a skip
+# is a failure): kernel == CPU preprocessing, CUDA detections == CPU within
+# tolerance, an unusable device refused or served on the CPU; 3. benchmarks:
+# worker vs raw ONNX Runtime per batch size, BlazeFace on the CPU (the
+# baseline on this host), BlazeFace and (when in the kit) CenterNet on CUDA
+# with u8 upload + GPU normalise vs f32 upload; 4. start-up: process start ->
+# models warmed and profiled (check-config), CPU and CUDA.
+#
+# A failing step does not stop the others: each step's status is recorded,
+# a summary closes the log, and the exit status is 1 if any step failed.
+# Each step is bounded by STEP_TIMEOUT seconds (default 300) where
+# `timeout` exists. Only a damaged kit stops the script at once.
 # Output also goes to $OUT/gpu-check.log when OUT is set, else KIT/gpu-check.log.
-set -euo pipefail
+set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 cd "$root"
@@ -41,11 +50,52 @@ done
 if [ -z "$kit" ]; then
   command -v nvidia-smi >/dev/null || die "nvidia-smi not found: no NVIDIA driver here"
   kit="$root/target/gpukit"
-  bash "$here/gpu-kit.sh" "$kit"
+  bash "$here/gpu-kit.sh" "$kit" || die "building the kit failed (see above)"
 fi
-kit="$(cd "$kit" && pwd)"
+kit="$(cd "$kit" && pwd)" || die "no kit folder $kit"
 log="${OUT:-$kit}/gpu-check.log"
 exec > >(tee "$log") 2>&1
+
+# step NAME CMD...: runs CMD, records its status. A program is bounded by
+# STEP_TIMEOUT; a shell function bounds what it runs itself.
+results=() failed=0
+step_timeout="${STEP_TIMEOUT:-300}"
+bounded=()
+command -v timeout >/dev/null && bounded=(timeout --kill-after=10 "$step_timeout")
+step() {
+  local name="$1" rc t0
+  shift
+  t0=$(date +%s)
+  if [ "$(type -t "$1")" = function ]; then
+    "$@"
+  else
+    "${bounded[@]}" "$@"
+  fi
+  rc=$?
+  if ((rc == 0)); then
+    results+=("ok      $name ($(($(date +%s) - t0)) s)")
+  else
+    ((rc == 124 || rc == 137)) && echo "  $name: timed out after ${step_timeout} s"
+    results+=("FAILED  $name (exit $rc after $(($(date +%s) - t0)) s)")
+    failed=1
+  fi
+  return "$rc"
+}
+# fail NAME WHY: records a failure found without running anything.
+fail() {
+  echo "  FAILED: $1: $2"
+  results+=("FAILED  $1: $2")
+  failed=1
+}
+summary() {
+  say "summary ($(($(date +%s) - started)) s; log in $log)"
+  printf '  %s\n' "${results[@]}"
+  if ((failed)); then
+    echo "gpu-check: FAILED (see the steps above)"
+    exit 1
+  fi
+  echo "gpu-check: every step passed"
+}
 
 say "1. machine and kit"
 (cd "$kit" && sha256sum --quiet -c manifest.txt) || die "the kit in $kit is incomplete or damaged (manifest.txt); bring every ort-N part, bin/ and models/"
@@ -53,12 +103,30 @@ if ((rehearse)); then
   echo "  rehearsal: no GPU needed; the GPU tests may skip"
 else
   command -v nvidia-smi >/dev/null || die "nvidia-smi not found: no NVIDIA driver here"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv \
+    || fail "nvidia-smi" "cannot query the GPU"
 fi
 ort="$kit/ort"
 if [ ! -f "$ort/libonnxruntime.so" ]; then
+  # The parts in the order of their numeric suffix (ort-10 sorts before
+  # ort-2 by name), and none missing.
+  parts=()
+  while IFS=$'\t' read -r _ p; do parts+=("$p"); done < <(
+    for p in "$kit"/ort-*/ort.tar.xz.*; do
+      [ -e "$p" ] && printf '%s\t%s\n' "${p##*.}" "$p"
+    done | sort -n -k1,1
+  )
+  [ "${#parts[@]}" -gt 0 ] || die "no ONNX Runtime parts (ort-N/ort.tar.xz.NN) in $kit"
+  for i in "${!parts[@]}"; do
+    suffix="${parts[$i]##*.}"
+    [ "$((10#$suffix))" -eq "$i" ] || die "ONNX Runtime part $i is missing (found ${parts[$i]}); bring every ort-N folder"
+  done
+  rm -rf "$ort"
   mkdir -p "$ort"
-  cat "$kit"/ort-*/ort.tar.xz.* | xz -d | tar -C "$ort" -xf -
+  if ! cat "${parts[@]}" | xz -d | tar -C "$ort" -xf -; then
+    rm -rf "$ort"
+    die "unpacking ONNX Runtime from ${#parts[@]} parts failed"
+  fi
   ln -sf libonnxruntime.so.1.31.1 "$ort/libonnxruntime.so"
 fi
 export TIDEGATE_ORT_GPU_LIB="$ort/libonnxruntime.so" ORT_DYLIB_PATH="$ort/libonnxruntime.so"
@@ -84,7 +152,7 @@ PY
   )
 fi
 IFS=: read -r -a extra <<<"${TIDEGATE_CUDA_LIBS:-}"
-dirs+=("${extra[@]}")
+for d in "${extra[@]}"; do [ -n "$d" ] && dirs+=("$d"); done
 # cudarc (built for CUDA 12) asks for libnvrtc.so / .so.12; CUDA 13 names it
 # .so.13, so give it the plain name.
 mkdir -p "$kit/lib"
@@ -99,34 +167,13 @@ export LD_LIBRARY_PATH="$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "  library path: $LD_LIBRARY_PATH"
 if ((!rehearse)); then
   missing="$(ldd "$ort/libonnxruntime_providers_cuda.so" | awk '/not found/ {print $1}' | tr '\n' ' ')"
-  [ -z "$missing" ] || die "the CUDA provider needs $missing: install CUDA 13 + cuDNN 9 (pip install 'onnxruntime-gpu[cuda,cudnn]==1.31.1') or point TIDEGATE_CUDA_LIBS at them"
-  [ -e "$kit/lib/libnvrtc.so" ] || die "no libnvrtc.so.1x found in ${dirs[*]}"
+  [ -z "$missing" ] || fail "CUDA libraries" "the CUDA provider needs $missing: install CUDA 13 + cuDNN 9 (pip install 'onnxruntime-gpu[cuda,cudnn]==1.31.1') or point TIDEGATE_CUDA_LIBS at them"
+  [ -e "$kit/lib/libnvrtc.so" ] || fail "NVRTC" "no libnvrtc.so.1x found in ${dirs[*]:-(no folder)}"
 fi
 
-say "2. GPU tests (a skip fails here)"
-if ((rehearse)); then
-  "$kit/bin/gpu-test" --nocapture --test-threads 1
-else
-  TIDEGATE_REQUIRE_GPU=1 "$kit/bin/gpu-test" --nocapture --test-threads 1
-fi
-"$kit/bin/lib-test" gpu --nocapture
-
-say "3. benchmarks: worker vs raw ONNX Runtime (frames/s, best of 2 rounds of 1 s)"
-echo "blazeface, CPU, 1 intra-op thread:"
-"$kit/bin/bench" --threads 1 --seconds 1 --rounds 2
-if ((!rehearse)); then
-  for m in blazeface centernet; do
-    [ -f "$kit/models/$m/model.onnx" ] || continue
-    echo "$m, CUDA (third column: u8 upload + GPU normalise against CPU normalise + f32 upload):"
-    "$kit/bin/bench" --cuda --model "$m" --seconds 1 --rounds 2
-  done
-fi
-
-say "4. start-up: process start -> models loaded, warmed and profiled (check-config)"
-providers=(cpu)
-((rehearse)) || providers+=(cuda)
-for provider in "${providers[@]}"; do
-  cat >"$kit/w-$provider.toml" <<TOML
+# worker_config PROVIDER: writes KIT/w-PROVIDER.toml (BlazeFace only).
+worker_config() {
+  cat >"$kit/w-$1.toml" <<TOML
 name = "gpu-check"
 token = "unused"
 [gateway]
@@ -137,12 +184,59 @@ dir = "$kit/models"
 only = ["blazeface"]
 [runtime]
 library = "$TIDEGATE_ORT_GPU_LIB"
-provider = "$provider"
+provider = "$1"
 TOML
+}
+providers=(cpu)
+((rehearse)) || providers+=(cuda)
+for provider in "${providers[@]}"; do worker_config "$provider"; done
+
+# precheck PROVIDER: check-config must pass and, on CUDA, report GPU
+# preprocessing (the worker would otherwise serve on, preprocessing on the
+# CPU, and the GPU numbers would be void).
+precheck() {
+  local out
+  out="$("${bounded[@]}" "$kit/bin/tidegate-worker" --config "$kit/w-$1.toml" --log warn check-config)" || {
+    printf '%s\n' "$out"
+    return 1
+  }
+  printf '%s\n' "$out"
+  if [ "$1" = cuda ] && ! grep -q "blazeface: preprocessing on gpu" <<<"$out"; then
+    echo "  GPU preprocessing is off for blazeface (see the worker's warning above): NVRTC missing or failing?"
+    return 1
+  fi
+}
+pre="${providers[-1]}"
+say "1b. pre-check: tidegate-worker check-config on $pre (loads every run-time library)"
+step "pre-check: check-config on $pre" precheck "$pre"
+
+say "2. GPU tests (a skip fails here)"
+if ((rehearse)); then
+  step "GPU tests" "$kit/bin/gpu-test" --nocapture --test-threads 1
+  step "GPU unit tests" "$kit/bin/lib-test" gpu:: --nocapture
+else
+  step "GPU tests" env TIDEGATE_REQUIRE_GPU=1 "$kit/bin/gpu-test" --nocapture --test-threads 1
+  step "GPU unit tests" env TIDEGATE_REQUIRE_GPU=1 "$kit/bin/lib-test" gpu:: --nocapture
+fi
+
+say "3. benchmarks: worker vs raw ONNX Runtime (frames/s, best of 2 rounds of 1 s)"
+echo "blazeface, CPU, 1 intra-op thread (baseline on this host):"
+step "bench blazeface CPU" "$kit/bin/bench" --threads 1 --seconds 1 --rounds 2
+if ((!rehearse)); then
+  for m in blazeface centernet; do
+    [ -f "$kit/models/$m/model.onnx" ] || continue
+    echo "$m, CUDA (third column: u8 upload + GPU normalise against CPU normalise + f32 upload):"
+    step "bench $m CUDA" "$kit/bin/bench" --cuda --model "$m" --seconds 1 --rounds 2
+  done
+fi
+
+say "4. start-up: process start -> models loaded, warmed and profiled (check-config)"
+for provider in "${providers[@]}"; do
   t0=$(date +%s%N)
-  "$kit/bin/tidegate-worker" --config "$kit/w-$provider.toml" --log warn check-config
-  t1=$(date +%s%N)
-  echo "  $provider: $(((t1 - t0) / 1000000)) ms from exec to warmed and profiled"
+  if step "start-up $provider" "$kit/bin/tidegate-worker" --config "$kit/w-$provider.toml" --log warn check-config; then
+    t1=$(date +%s%N)
+    echo "  $provider: $(((t1 - t0) / 1000000)) ms from exec to warmed and profiled"
+  fi
 done
 
-say "done in $(($(date +%s) - started)) s; log in $log"
+summary

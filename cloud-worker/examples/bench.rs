@@ -9,7 +9,11 @@
 //!
 //! With `--cuda` a third column runs the worker with `cpu_preprocess`:
 //! frames normalised on the CPU and uploaded as f32, against the default u8
-//! upload and NVRTC normalisation on the GPU. Batch sizes above the model's
+//! upload and NVRTC normalisation on the GPU. The bench refuses to run when
+//! GPU preprocessing is off for the model (the worker would serve on with
+//! CPU preprocessing, and that column would compare the CPU with itself).
+//! Every frame of the first run at each batch size, on each backend, must
+//! come back `Ok`, or the bench stops with the status. Batch sizes above the model's
 //! `max_batch` (on the CPU: `cpu_max_batch`, when set) are skipped. The
 //! repository is `models/` of this checkout, or `TIDEGATE_MODELS_DIR`.
 //!
@@ -27,7 +31,7 @@ use std::time::{Duration, Instant};
 use image::imageops::{self, FilterType};
 use ort::session::Session;
 use ort::value::TensorRef;
-use tidegate_protocol::{DType, Geometry, Layout, Tensor};
+use tidegate_protocol::{DType, Geometry, Layout, Status, Tensor};
 use tidegate_worker::backend::{Backend, FrameInput, OrtBackend};
 use tidegate_worker::model::Repository;
 use tidegate_worker::preprocess::Preprocessor;
@@ -115,6 +119,36 @@ fn paired(seconds: f64, mut raw: impl FnMut(), mut worker: impl FnMut()) -> (f64
     (median(&mut a), median(&mut b))
 }
 
+/// Stops the bench with `why` (exit 1).
+fn refuse(why: &str) -> ! {
+    eprintln!("bench: error: {why}");
+    std::process::exit(1);
+}
+
+/// Stops the bench unless every frame of one run of `frames` on `backend`
+/// comes back `Ok`.
+fn check_run(backend: &mut OrtBackend, what: &str, model: &str, frames: &[FrameInput]) {
+    let outcomes = backend.run(model, frames);
+    if outcomes.len() != frames.len() {
+        refuse(&format!(
+            "{what}: {} outcomes for a batch of {}",
+            outcomes.len(),
+            frames.len()
+        ));
+    }
+    if let Some((i, o)) = outcomes
+        .iter()
+        .enumerate()
+        .find(|(_, o)| o.status != Status::Ok)
+    {
+        refuse(&format!(
+            "{what}, batch of {}: frame {i} is {:?}, not Ok; nothing to measure",
+            frames.len(),
+            o.status
+        ));
+    }
+}
+
 /// The model repository: `TIDEGATE_MODELS_DIR`, else this checkout's.
 fn models_dir() -> PathBuf {
     std::env::var_os("TIDEGATE_MODELS_DIR")
@@ -140,8 +174,16 @@ fn main() {
         ..RuntimeOptions::default()
     };
     let t = Instant::now();
-    let mut backend = OrtBackend::open(&repo, &options).unwrap_or_else(|e| panic!("{e}"));
+    let mut backend = OrtBackend::open(&repo, &options).unwrap_or_else(|e| refuse(&e.to_string()));
     let opened = t.elapsed();
+    let preprocessing = backend
+        .preprocessing(name)
+        .map_or_else(|| "?".to_string(), |p| p.to_string());
+    if a.cuda && !backend.gpu_preprocessing(name) {
+        refuse(&format!(
+            "--cuda, but model {name} is preprocessed on {preprocessing}: the u8 upload + GPU normalise column would measure the CPU path against itself; fix GPU preprocessing (NVRTC on LD_LIBRARY_PATH, see the worker's warning above)"
+        ));
+    }
     let t = Instant::now();
     // The cap of the provider the backend runs on (cpu_max_batch on a CPU).
     let max_batch = backend
@@ -153,10 +195,12 @@ fn main() {
         .into_iter()
         .filter(|&b| b <= max_batch)
         .collect();
-    backend.profile(name, &sizes16).unwrap();
+    backend
+        .profile(name, &sizes16)
+        .unwrap_or_else(|e| refuse(&e.to_string()));
     let profiled = t.elapsed();
     eprintln!(
-        "model {name}, device {}: open + warm-up {:.0} ms, profile of {sizes16:?} {:.0} ms",
+        "model {name}, device {}, preprocessing on {preprocessing}: open + warm-up {:.0} ms, profile of {sizes16:?} {:.0} ms",
         backend.device(),
         opened.as_secs_f64() * 1e3,
         profiled.as_secs_f64() * 1e3
@@ -167,7 +211,13 @@ fn main() {
             provider: cuda(true),
             ..options.clone()
         };
-        OrtBackend::open(&repo, &options).unwrap_or_else(|e| panic!("{e}"))
+        let b = OrtBackend::open(&repo, &options).unwrap_or_else(|e| refuse(&e.to_string()));
+        if b.gpu_preprocessing(name) {
+            refuse(
+                "the cpu_preprocess backend preprocesses on the GPU; the comparison would be void",
+            );
+        }
+        b
     });
     // Raw ONNX Runtime on the same file, same threads (and provider).
     let runtime = Runtime::get().expect("the backend loaded ONNX Runtime");
@@ -217,6 +267,10 @@ fn main() {
         let frames = vec![frame.clone(); b];
         let input: Vec<f32> = one.iter().copied().cycle().take(one.len() * b).collect();
         let shape = vec![b as i64, h as i64, w as i64, 3];
+        check_run(&mut backend, "worker", name, &frames);
+        if let Some(f32_backend) = f32_upload.as_mut() {
+            check_run(f32_backend, "worker with cpu_preprocess", name, &frames);
+        }
         let mut runs = Vec::new();
         let (mut raw_cpu, mut worker_cpu) = ((0.0, 0.0), (0.0, 0.0));
         let run_raw = |raw: &mut Session| {

@@ -2,9 +2,12 @@
 //!
 //! [`Backend`] is synchronous and blocking; it runs on the executor's own
 //! thread ([`crate::executor`]), never on a tokio worker. [`OrtBackend`] is
-//! the ONNX Runtime implementation: one CPU session per model, checked against
-//! its model.toml when opened, warmed up, and then fed preprocessed batches
-//! whose outputs the model's decoder turns into detections.
+//! the ONNX Runtime implementation: one session per model, on the CPU or on
+//! ONNX Runtime's CUDA execution provider, checked against its model.toml
+//! when opened, warmed up, and then fed preprocessed batches whose outputs
+//! the model's decoder turns into detections. On CUDA, with the `cuda`
+//! feature, f32 models are preprocessed on the GPU ([`crate::gpu`]); where
+//! that cannot start, [`OrtBackend::preprocessing`] says so and why.
 //!
 //! A bad frame fails alone, with a [`Status::Failed`] that says what was
 //! wrong; the frames around it, and every later call, are served as usual.
@@ -22,10 +25,11 @@ use tidegate_protocol::{
 };
 
 use crate::decode::{Decoder, DecoderError, OutputView};
-use crate::model::{DimsDisplay, ModelSpec, Repository};
+use crate::model::{DimsDisplay, Model, ModelSpec, Repository};
 use crate::preprocess::Preprocessor;
 use crate::runtime::{
     ConvAlgoSearch, CudaOptions, Fallback, Provider, Runtime, RuntimeError, RuntimeOptions,
+    one_line,
 };
 
 /// One frame for inference: u8 RGB pixels shaped `[1,H,W,C]` (NHWC) or
@@ -148,13 +152,41 @@ enum InputBuffer {
     U8(Vec<u8>),
 }
 
+/// Where a model's frames become its input tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Preprocessing {
+    /// On the CPU, for a session on the CPU.
+    Cpu,
+    /// On the CPU although the session runs on CUDA (frames are normalised
+    /// on the CPU and uploaded as f32, or uploaded as they are for u8
+    /// models), and why.
+    CpuForCuda(String),
+    /// On the GPU: each frame uploaded once as u8, normalised by the NVRTC
+    /// kernel, and read by ONNX Runtime in place through IO binding.
+    Gpu,
+}
+
+impl std::fmt::Display for Preprocessing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Preprocessing::Cpu => f.write_str("cpu"),
+            Preprocessing::CpuForCuda(why) => write!(f, "cpu ({why})"),
+            Preprocessing::Gpu => f.write_str("gpu (u8 upload, NVRTC kernel, IO binding)"),
+        }
+    }
+}
+
 /// One model's session and everything needed to feed and read it.
 struct ModelSession {
     spec: ModelSpec,
     session: Session,
     preprocessor: Preprocessor,
     decoder: Decoder,
+    /// The host input buffer of the CPU path (empty when the GPU path
+    /// preprocesses).
     input: InputBuffer,
+    preprocessing: Preprocessing,
     /// Set when the session runs on CUDA and preprocessing moved there too.
     #[cfg(feature = "cuda")]
     gpu: Option<GpuInput>,
@@ -165,6 +197,7 @@ impl std::fmt::Debug for ModelSession {
         f.debug_struct("ModelSession")
             .field("model", &self.spec.name)
             .field("decoder", &self.decoder)
+            .field("preprocessing", &self.preprocessing)
             .finish_non_exhaustive()
     }
 }
@@ -354,26 +387,24 @@ fn decode_batch(
     outcomes: &mut [FrameOutcome],
 ) {
     let mut views = Vec::with_capacity(spec.outputs.len());
-    if decoder.reads_outputs() {
-        for out in &spec.outputs {
-            let extracted = results
-                .get(out.name.as_str())
-                .ok_or_else(|| "is missing from the run's results".to_string())
-                .and_then(|v| v.try_extract_tensor::<f32>().map_err(|e| e.to_string()));
-            match extracted {
-                Ok((shape, data)) => views.push(OutputView {
-                    name: &out.name,
-                    shape,
-                    data,
-                }),
-                Err(e) => {
-                    return fail_all(
-                        spec,
-                        which,
-                        outcomes,
-                        format!("model '{}': output {:?} {e}", spec.name, out.name),
-                    );
-                }
+    for out in &spec.outputs {
+        let extracted = results
+            .get(out.name.as_str())
+            .ok_or_else(|| "is missing from the run's results".to_string())
+            .and_then(|v| v.try_extract_tensor::<f32>().map_err(|e| e.to_string()));
+        match extracted {
+            Ok((shape, data)) => views.push(OutputView {
+                name: &out.name,
+                shape,
+                data,
+            }),
+            Err(e) => {
+                return fail_all(
+                    spec,
+                    which,
+                    outcomes,
+                    format!("model '{}': output {:?} {e}", spec.name, out.name),
+                );
             }
         }
     }
@@ -447,7 +478,8 @@ impl GpuInput {
     }
 }
 
-/// ONNX Runtime on the CPU: one session per model of a [`Repository`].
+/// ONNX Runtime, on the CPU or on CUDA: one session per model of a
+/// [`Repository`].
 #[derive(Debug)]
 pub struct OrtBackend {
     specs: Vec<ModelSpec>,
@@ -461,149 +493,30 @@ impl OrtBackend {
     /// Loads ONNX Runtime (see [`Runtime::init`]), opens a session for every
     /// model in `repo`, checks each against its model.toml (input and output
     /// names, element types, fixed dimensions, batch) and warms it up.
+    ///
+    /// Where CUDA is asked for but cannot work (no CUDA build of ONNX
+    /// Runtime, no such device, or a session that cannot be opened or warmed
+    /// up on it although it can on the CPU), this is
+    /// [`BackendError::ProviderUnavailable`] with the reason, or, with
+    /// `fallback = "cpu"`, a warning and every model on the CPU.
     pub fn open(repo: &Repository, options: &RuntimeOptions) -> Result<Self, BackendError> {
         let runtime = Runtime::init(options.library.as_deref())?;
-        let mut provider = options.provider.clone();
-        let mut fallback_reason = None;
-        // Where CUDA is asked for but cannot work, either refuse to start or
-        // (with `fallback = "cpu"`) warn and serve on the CPU.
-        let mut unavailable = |provider: &mut Provider, reason: String| {
-            let err = BackendError::ProviderUnavailable {
-                provider: provider.to_string(),
-                reason: reason.clone(),
-            };
-            match options.fallback {
-                Fallback::None => Err(err),
-                Fallback::Cpu => {
+        let requested = options.provider.clone();
+        let (provider, sessions, fallback_reason) =
+            match open_sessions(runtime, repo, options, &requested) {
+                Ok(sessions) => (requested, sessions, None),
+                Err(err @ BackendError::ProviderUnavailable { .. })
+                    if options.fallback == Fallback::Cpu && requested != Provider::Cpu =>
+                {
                     tracing::warn!("{err}; runtime.fallback = \"cpu\": serving on the CPU");
-                    *provider = Provider::Cpu;
-                    fallback_reason = Some(reason);
-                    Ok(())
+                    let BackendError::ProviderUnavailable { reason, .. } = err else {
+                        unreachable!("matched above")
+                    };
+                    let sessions = open_sessions(runtime, repo, options, &Provider::Cpu)?;
+                    (Provider::Cpu, sessions, Some(reason))
                 }
-            }
-        };
-        if matches!(provider, Provider::Cuda(_)) {
-            match CUDA::is_available() {
-                Ok(true) => {}
-                Ok(false) => unavailable(
-                    &mut provider,
-                    format!(
-                        "the ONNX Runtime library {} was built without the CUDA execution provider (it is a CPU build); point runtime.library at the libonnxruntime.so of the onnxruntime-gpu wheel",
-                        runtime.path().display()
-                    ),
-                )?,
-                Err(e) => unavailable(
-                    &mut provider,
-                    format!("cannot list ONNX Runtime's providers: {e}"),
-                )?,
-            }
-        }
-        let mut sessions = Vec::with_capacity(repo.models().len());
-        for model in repo.models() {
-            let spec = &model.spec;
-            let session_error = |e: &dyn std::fmt::Display| BackendError::Session {
-                model: spec.name.clone(),
-                path: model.path.clone(),
-                message: e.to_string(),
+                Err(err) => return Err(err),
             };
-            let builder_for = |provider: &Provider| -> Result<_, BackendError> {
-                let mut builder =
-                    Session::builder(runtime.environment()).map_err(|e| session_error(&e))?;
-                if options.intra_threads > 0 {
-                    builder = builder
-                        .with_intra_threads(options.intra_threads)
-                        .map_err(|e| session_error(&e))?;
-                }
-                let registered = match provider {
-                    Provider::Cpu => Ok(()),
-                    Provider::Cuda(cuda) => cuda_provider(cuda).register(&mut builder),
-                };
-                Ok((builder, registered))
-            };
-            let (mut builder, registered) = builder_for(&provider)?;
-            if let Err(e) = registered {
-                unavailable(
-                    &mut provider,
-                    format!(
-                        "ONNX Runtime could not start it: {}",
-                        one_line(&e.to_string())
-                    ),
-                )?;
-                builder = builder_for(&provider)?.0;
-            }
-            let session = builder
-                .commit_from_file(&model.path)
-                .map_err(|e| session_error(&e))?;
-            // The batch cap of the provider the session really runs on.
-            let effective = match provider {
-                Provider::Cpu => spec.on_cpu(),
-                Provider::Cuda(_) => spec.clone(),
-            };
-            let spec = &effective;
-            let decoder = Decoder::new(spec)?;
-            check_session(
-                spec,
-                session.inputs(),
-                session.outputs(),
-                decoder.reads_outputs(),
-            )?;
-            let capacity = spec.input.frame_len() * spec.max_batch as usize;
-            let input = match spec.input.model_dtype {
-                DType::F32 => InputBuffer::F32(vec![0.0; capacity]),
-                DType::U8 => InputBuffer::U8(vec![0; capacity]),
-            };
-            #[cfg(feature = "cuda")]
-            let gpu = match &provider {
-                Provider::Cuda(cuda) if cuda.cpu_preprocess => {
-                    tracing::info!(model = %spec.name, "cpu_preprocess is set: frames are normalised on the CPU and uploaded as f32");
-                    None
-                }
-                Provider::Cuda(cuda) if spec.input.model_dtype == DType::F32 => {
-                    match GpuInput::new(spec, &session, cuda.device_id) {
-                        Ok(g) => Some(g),
-                        Err(reason) => {
-                            tracing::warn!(model = %spec.name, %reason, "GPU preprocessing unavailable; preprocessing on the CPU");
-                            None
-                        }
-                    }
-                }
-                _ => None,
-            };
-            let mut ms = ModelSession {
-                preprocessor: Preprocessor::new(&spec.input),
-                spec: spec.clone(),
-                session,
-                decoder,
-                input,
-                #[cfg(feature = "cuda")]
-                gpu,
-            };
-            let mut sizes = vec![1usize];
-            if spec.max_batch > 1 {
-                sizes.push(spec.max_batch as usize);
-            }
-            for size in sizes {
-                let frames = grey_frames(spec, size);
-                let which: Vec<usize> = (0..size).collect();
-                for _ in 0..options.warmup_runs.max(1) {
-                    let mut outcomes = vec![FrameOutcome::failed(UNPROCESSED); size];
-                    ms.run_batch(&frames, &which, &mut outcomes);
-                    if let Some(Status::Failed(reason)) = outcomes
-                        .into_iter()
-                        .map(|o| o.status)
-                        .find(|s| *s != Status::Ok)
-                    {
-                        return Err(BackendError::WarmUp {
-                            model: spec.name.clone(),
-                            batch: size,
-                            reason,
-                        });
-                    }
-                }
-            }
-            tracing::info!(model = %spec.name, path = %model.path.display(), "session ready");
-            sessions.push(ms);
-        }
         Ok(OrtBackend {
             specs: sessions.iter().map(|s| s.spec.clone()).collect(),
             sessions,
@@ -622,6 +535,23 @@ impl OrtBackend {
     /// Why the configured provider was replaced by the CPU, if it was.
     pub fn fallback_reason(&self) -> Option<&str> {
         self.fallback_reason.as_deref()
+    }
+
+    /// Where `model`'s frames are preprocessed (`None` for a model not
+    /// served).
+    pub fn preprocessing(&self, model: &str) -> Option<&Preprocessing> {
+        self.sessions
+            .iter()
+            .find(|s| s.spec.name == model)
+            .map(|s| &s.preprocessing)
+    }
+
+    /// Whether `model`'s frames are preprocessed on the GPU (u8 upload,
+    /// NVRTC kernel, IO binding). False on the CPU, and on CUDA where GPU
+    /// preprocessing is off or could not start ([`OrtBackend::preprocessing`]
+    /// says why).
+    pub fn gpu_preprocessing(&self, model: &str) -> bool {
+        self.preprocessing(model) == Some(&Preprocessing::Gpu)
     }
 
     /// The device as registered with the gateway: `cpu (N threads)` or
@@ -648,6 +578,231 @@ impl OrtBackend {
                 served: self.specs.iter().map(|s| s.name.clone()).collect(),
             })
     }
+}
+
+/// Opens every model of `repo` on `provider`. A CUDA provider that cannot
+/// serve them is [`BackendError::ProviderUnavailable`].
+fn open_sessions(
+    runtime: &Runtime,
+    repo: &Repository,
+    options: &RuntimeOptions,
+    provider: &Provider,
+) -> Result<Vec<ModelSession>, BackendError> {
+    if let Provider::Cuda(cuda) = provider {
+        check_cuda(runtime, provider, cuda)?;
+    }
+    repo.models()
+        .iter()
+        .map(|model| open_model(runtime, model, options, provider))
+        .collect()
+}
+
+/// Whether the CUDA provider can be used at all: ONNX Runtime was built with
+/// it, and (with the `cuda` feature, which can ask the driver) the device
+/// exists.
+fn check_cuda(
+    runtime: &Runtime,
+    provider: &Provider,
+    cuda: &CudaOptions,
+) -> Result<(), BackendError> {
+    let unavailable = |reason: String| BackendError::ProviderUnavailable {
+        provider: provider.to_string(),
+        reason,
+    };
+    match CUDA::is_available() {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(unavailable(format!(
+                "the ONNX Runtime library {} was built without the CUDA execution provider (it is a CPU build); point runtime.library at the libonnxruntime.so of the onnxruntime-gpu wheel",
+                runtime.path().display()
+            )));
+        }
+        Err(e) => {
+            return Err(unavailable(format!(
+                "cannot list ONNX Runtime's providers: {}",
+                one_line(&e.to_string())
+            )));
+        }
+    }
+    #[cfg(feature = "cuda")]
+    crate::gpu::device(cuda.device_id as usize).map_err(|e| unavailable(e.to_string()))?;
+    #[cfg(not(feature = "cuda"))]
+    let _ = cuda;
+    Ok(())
+}
+
+/// Opens one model on `provider`. On CUDA, a session that cannot be opened
+/// or warmed up is tried on the CPU too, to tell whose fault it is: if the
+/// CPU serves it, CUDA is unavailable (a bad device, a driver too old, out
+/// of memory) and the error says so with ONNX Runtime's words; if not, the
+/// CPU's error about the model is returned.
+fn open_model(
+    runtime: &Runtime,
+    model: &Model,
+    options: &RuntimeOptions,
+    provider: &Provider,
+) -> Result<ModelSession, BackendError> {
+    match open_model_on(runtime, model, options, provider) {
+        Err(e @ (BackendError::Session { .. } | BackendError::WarmUp { .. }))
+            if *provider != Provider::Cpu =>
+        {
+            tracing::debug!(model = %model.spec.name, "failed on {provider}: {e}; trying the CPU to tell whose fault it is");
+            let on_cpu = open_model_on(runtime, model, options, &Provider::Cpu).map(drop);
+            Err(attribute_failure(provider, e, on_cpu))
+        }
+        other => other,
+    }
+}
+
+/// The error for a model that failed on `provider` with `err`, given how
+/// it fared on the CPU: `provider` unavailable when the CPU serves it,
+/// otherwise the CPU's own error (the model is at fault).
+fn attribute_failure(
+    provider: &Provider,
+    err: BackendError,
+    on_cpu: Result<(), BackendError>,
+) -> BackendError {
+    if let Err(cpu_err) = on_cpu {
+        return cpu_err;
+    }
+    let reason = match err {
+        BackendError::Session { model, message, .. } => format!(
+            "ONNX Runtime could not open model '{model}' on it (it opens on the CPU): {}",
+            one_line(&message)
+        ),
+        BackendError::WarmUp {
+            model,
+            batch,
+            reason,
+        } => format!(
+            "model '{model}' failed its warm-up at batch {batch} on it (it runs on the CPU): {}",
+            one_line(&reason)
+        ),
+        other => one_line(&other.to_string()),
+    };
+    BackendError::ProviderUnavailable {
+        provider: provider.to_string(),
+        reason,
+    }
+}
+
+/// Opens, checks and warms up one model's session on `provider`.
+fn open_model_on(
+    runtime: &Runtime,
+    model: &Model,
+    options: &RuntimeOptions,
+    provider: &Provider,
+) -> Result<ModelSession, BackendError> {
+    let session_error = |e: &dyn std::fmt::Display| BackendError::Session {
+        model: model.spec.name.clone(),
+        path: model.path.clone(),
+        message: one_line(&e.to_string()),
+    };
+    let mut builder = Session::builder(runtime.environment()).map_err(|e| session_error(&e))?;
+    if options.intra_threads > 0 {
+        builder = builder
+            .with_intra_threads(options.intra_threads)
+            .map_err(|e| session_error(&e))?;
+    }
+    if let Provider::Cuda(cuda) = provider {
+        cuda_provider(cuda).register(&mut builder).map_err(|e| {
+            BackendError::ProviderUnavailable {
+                provider: provider.to_string(),
+                reason: format!(
+                    "ONNX Runtime could not start it: {}",
+                    one_line(&e.to_string())
+                ),
+            }
+        })?;
+    }
+    let session = builder
+        .commit_from_file(&model.path)
+        .map_err(|e| session_error(&e))?;
+    // The batch cap of the provider the session runs on.
+    let spec = match provider {
+        Provider::Cpu => model.spec.on_cpu(),
+        Provider::Cuda(_) => model.spec.clone(),
+    };
+    let decoder = Decoder::new(&spec)?;
+    check_session(&spec, session.inputs(), session.outputs())?;
+    #[cfg(feature = "cuda")]
+    let (gpu, preprocessing) = match provider {
+        Provider::Cpu => (None, Preprocessing::Cpu),
+        Provider::Cuda(cuda) if cuda.cpu_preprocess => (
+            None,
+            Preprocessing::CpuForCuda("runtime.cuda.cpu_preprocess is set".into()),
+        ),
+        Provider::Cuda(_) if spec.input.model_dtype != DType::F32 => (
+            None,
+            Preprocessing::CpuForCuda("the model takes u8 frames as they are".into()),
+        ),
+        Provider::Cuda(cuda) => match GpuInput::new(&spec, &session, cuda.device_id) {
+            Ok(g) => (Some(g), Preprocessing::Gpu),
+            Err(reason) => {
+                tracing::warn!(model = %spec.name, %reason, "GPU preprocessing unavailable; preprocessing on the CPU");
+                (
+                    None,
+                    Preprocessing::CpuForCuda(format!(
+                        "GPU preprocessing could not start: {reason}"
+                    )),
+                )
+            }
+        },
+    };
+    #[cfg(not(feature = "cuda"))]
+    let preprocessing = match provider {
+        Provider::Cpu => Preprocessing::Cpu,
+        Provider::Cuda(_) => {
+            Preprocessing::CpuForCuda("the worker was built without the `cuda` feature".into())
+        }
+    };
+    // The GPU path uploads the frames themselves; only the CPU path needs a
+    // host buffer for the model input.
+    let capacity = if preprocessing == Preprocessing::Gpu {
+        0
+    } else {
+        spec.input.frame_len() * spec.max_batch as usize
+    };
+    let input = match spec.input.model_dtype {
+        DType::F32 => InputBuffer::F32(vec![0.0; capacity]),
+        DType::U8 => InputBuffer::U8(vec![0; capacity]),
+    };
+    let mut ms = ModelSession {
+        preprocessor: Preprocessor::new(&spec.input),
+        spec,
+        session,
+        decoder,
+        input,
+        preprocessing,
+        #[cfg(feature = "cuda")]
+        gpu,
+    };
+    let spec = ms.spec.clone();
+    let mut sizes = vec![1usize];
+    if spec.max_batch > 1 {
+        sizes.push(spec.max_batch as usize);
+    }
+    for size in sizes {
+        let frames = grey_frames(&spec, size);
+        let which: Vec<usize> = (0..size).collect();
+        for _ in 0..options.warmup_runs.max(1) {
+            let mut outcomes = vec![FrameOutcome::failed(UNPROCESSED); size];
+            ms.run_batch(&frames, &which, &mut outcomes);
+            if let Some(Status::Failed(reason)) = outcomes
+                .into_iter()
+                .map(|o| o.status)
+                .find(|s| *s != Status::Ok)
+            {
+                return Err(BackendError::WarmUp {
+                    model: spec.name.clone(),
+                    batch: size,
+                    reason,
+                });
+            }
+        }
+    }
+    tracing::info!(model = %spec.name, path = %model.path.display(), %provider, preprocessing = %ms.preprocessing, "session ready");
+    Ok(ms)
 }
 
 impl Backend for OrtBackend {
@@ -736,11 +891,6 @@ fn cuda_provider(o: &CudaOptions) -> CUDA {
     ep
 }
 
-/// Error texts from ONNX Runtime can span lines; ours are one line.
-fn one_line(s: &str) -> String {
-    s.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
 /// The graph's element type that a model.toml dtype means.
 fn element_type(dtype: DType) -> TensorElementType {
     match dtype {
@@ -755,7 +905,6 @@ fn check_session(
     spec: &ModelSpec,
     inputs: &[Outlet],
     outputs: &[Outlet],
-    check_outputs: bool,
 ) -> Result<(), BackendError> {
     let mismatch = |field: String, expected: String, actual: String| BackendError::Mismatch {
         model: spec.name.clone(),
@@ -834,9 +983,6 @@ fn check_session(
                 },
             ));
         }
-    }
-    if !check_outputs {
-        return Ok(());
     }
     for (i, out) in spec.outputs.iter().enumerate() {
         let Some(actual) = outputs.iter().find(|o| o.name() == out.name) else {
@@ -1031,6 +1177,81 @@ mod tests {
             err.contains("49152 bytes") && err.contains("has 10"),
             "{err}"
         );
+    }
+
+    fn cuda0() -> Provider {
+        Provider::Cuda(CudaOptions::default())
+    }
+
+    #[test]
+    fn model_failing_on_cuda_but_not_on_the_cpu_blames_the_provider_in_ort_words() {
+        let err = BackendError::Session {
+            model: "m".into(),
+            path: "/models/m/model.onnx".into(),
+            message: "CUDA failure 100: no CUDA-capable device\n  is detected".into(),
+        };
+        let out = attribute_failure(&cuda0(), err, Ok(()));
+        assert!(
+            matches!(out, BackendError::ProviderUnavailable { .. }),
+            "{out:?}"
+        );
+        let text = out.to_string();
+        assert!(
+            text.starts_with(
+                "execution provider cuda:0 is unavailable: ONNX Runtime could not open model 'm' on it (it opens on the CPU): CUDA failure 100: no CUDA-capable device is detected"
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains("valid ONNX model") && !text.contains('\n'),
+            "{text}"
+        );
+        assert!(text.contains("runtime.fallback = \"cpu\""), "{text}");
+
+        let err = BackendError::WarmUp {
+            model: "m".into(),
+            batch: 32,
+            reason: "model 'm': ONNX Runtime run failed: CUDA out of memory".into(),
+        };
+        let text = attribute_failure(&cuda0(), err, Ok(())).to_string();
+        assert!(
+            text.contains("model 'm' failed its warm-up at batch 32 on it (it runs on the CPU)")
+                && text.contains("CUDA out of memory"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn model_failing_on_cuda_and_on_the_cpu_is_the_model_s_fault() {
+        let on_cuda = BackendError::Session {
+            model: "m".into(),
+            path: "/models/m/model.onnx".into(),
+            message: "CUDA: protobuf parsing failed".into(),
+        };
+        let on_cpu = BackendError::Session {
+            model: "m".into(),
+            path: "/models/m/model.onnx".into(),
+            message: "protobuf parsing failed".into(),
+        };
+        let out = attribute_failure(&cuda0(), on_cuda, Err(on_cpu));
+        assert!(matches!(out, BackendError::Session { .. }), "{out:?}");
+        let text = out.to_string();
+        assert!(
+            text.contains("protobuf parsing failed")
+                && !text.contains("CUDA")
+                && text.contains("valid ONNX model"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn preprocessing_names_where_and_why() {
+        assert_eq!(Preprocessing::Cpu.to_string(), "cpu");
+        assert_eq!(
+            Preprocessing::CpuForCuda("runtime.cuda.cpu_preprocess is set".into()).to_string(),
+            "cpu (runtime.cuda.cpu_preprocess is set)"
+        );
+        assert!(Preprocessing::Gpu.to_string().starts_with("gpu"));
     }
 
     #[test]

@@ -150,14 +150,23 @@ pub struct CudaConfig {
     pub cpu_preprocess: bool,
 }
 
+/// The largest `runtime.cuda.arena_limit_mb` accepted: 1 TiB, above any
+/// GPU's memory, so that a typo is caught rather than overflowing bytes.
+pub const MAX_ARENA_LIMIT_MB: u64 = 1 << 20;
+
 impl RuntimeConfig {
-    /// The provider these settings ask for.
+    /// The provider these settings ask for. An arena limit beyond
+    /// [`MAX_ARENA_LIMIT_MB`] (which [`WorkerConfig::validate`] refuses)
+    /// saturates instead of overflowing.
     pub fn provider(&self) -> Provider {
         match self.provider {
             ProviderKind::Cpu => Provider::Cpu,
             ProviderKind::Cuda => Provider::Cuda(CudaOptions {
                 device_id: self.cuda.device_id,
-                arena_limit_bytes: self.cuda.arena_limit_mb.map(|mb| mb * 1024 * 1024),
+                arena_limit_bytes: self
+                    .cuda
+                    .arena_limit_mb
+                    .map(|mb| mb.saturating_mul(1024 * 1024)),
                 conv_algo_search: self.cuda.conv_algo_search,
                 cpu_preprocess: self.cuda.cpu_preprocess,
             }),
@@ -215,10 +224,19 @@ impl WorkerConfig {
 
     /// Checks what serde cannot.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.runtime.cuda.arena_limit_mb == Some(0) {
-            return Err(ConfigError::Invalid(
-                "runtime.cuda.arena_limit_mb is 0; leave it unset for no cap, or give MiB".into(),
-            ));
+        match self.runtime.cuda.arena_limit_mb {
+            Some(0) => {
+                return Err(ConfigError::Invalid(
+                    "runtime.cuda.arena_limit_mb is 0; leave it unset for no cap, or give MiB"
+                        .into(),
+                ));
+            }
+            Some(mb) if mb > MAX_ARENA_LIMIT_MB => {
+                return Err(ConfigError::Invalid(format!(
+                    "runtime.cuda.arena_limit_mb is {mb} MiB, more than any GPU has (at most {MAX_ARENA_LIMIT_MB} MiB, 1 TiB); give the cap in MiB, e.g. 8192 for 8 GiB, or leave it unset for no cap"
+                )));
+            }
+            _ => {}
         }
         if self.token.is_empty() {
             return Err(ConfigError::Invalid(format!(
@@ -297,5 +315,37 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("runtime.cuda.arena_limit_mb"), "{err}");
+    }
+
+    #[test]
+    fn arena_limit_beyond_any_gpu_is_refused_and_never_overflows() {
+        // 2^44 MiB would overflow u64 as bytes.
+        for mb in [MAX_ARENA_LIMIT_MB + 1, 1 << 44, i64::MAX as u64] {
+            let err = parse(&format!(
+                "[runtime]\nprovider = \"cuda\"\n[runtime.cuda]\narena_limit_mb = {mb}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains(&format!("arena_limit_mb is {mb} MiB"))
+                    && err.contains("at most 1048576 MiB"),
+                "{err}"
+            );
+        }
+        let cfg = parse(&format!(
+            "[runtime]\nprovider = \"cuda\"\n[runtime.cuda]\narena_limit_mb = {MAX_ARENA_LIMIT_MB}\n"
+        ))
+        .unwrap();
+        let Provider::Cuda(c) = cfg.runtime.provider() else {
+            panic!("expected cuda");
+        };
+        assert_eq!(c.arena_limit_bytes, Some(1 << 40));
+        // Unvalidated, an absurd value saturates rather than wrapping.
+        let mut runtime = cfg.runtime.clone();
+        runtime.cuda.arena_limit_mb = Some(u64::MAX);
+        let Provider::Cuda(c) = runtime.provider() else {
+            panic!("expected cuda");
+        };
+        assert_eq!(c.arena_limit_bytes, Some(u64::MAX));
     }
 }

@@ -6,13 +6,18 @@
 //! which never blocks: a full queue is an immediate
 //! [`SubmitError::Overloaded`] (to be answered with `Shed(Overloaded)`), not
 //! back-pressure. Each job is answered through a `oneshot`, and runs inside
-//! its caller's tracing span. Dropping the executor (or
+//! its caller's tracing span. [`Executor::busy_us`] counts the time the
+//! backend spends running jobs, measured on its thread (queue wait is not
+//! busy time), for the heartbeat's utilization. Dropping the executor (or
 //! [`Executor::shutdown`]) finishes the queued jobs and joins the thread.
 
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
 use std::thread::{self, JoinHandle};
+use std::time::Instant;
 
 use tokio::sync::oneshot;
 
@@ -44,6 +49,7 @@ pub struct Executor {
     thread: Option<JoinHandle<()>>,
     models: Vec<ModelSpec>,
     capacity: usize,
+    busy_us: Arc<AtomicU64>,
 }
 
 impl Executor {
@@ -53,15 +59,18 @@ impl Executor {
         let capacity = capacity.max(1);
         let models = backend.models().to_vec();
         let (tx, rx) = mpsc::sync_channel::<Envelope>(capacity);
+        let busy_us = Arc::new(AtomicU64::new(0));
+        let busy = busy_us.clone();
         let thread = thread::Builder::new()
             .name("tidegate-backend".into())
-            .spawn(move || serve(backend, rx))
+            .spawn(move || serve(backend, rx, &busy))
             .expect("the OS refused to start the backend thread");
         Executor {
             queue: Some(tx),
             thread: Some(thread),
             models,
             capacity,
+            busy_us,
         }
     }
 
@@ -73,6 +82,15 @@ impl Executor {
     /// The queue's capacity in jobs.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Microseconds the backend has spent running jobs since the executor
+    /// started, measured on the backend thread around each run: a job's
+    /// wait in the queue is not counted, and neither are two queued jobs
+    /// twice, so the growth over an interval divided by its length is the
+    /// backend's utilization (0..1).
+    pub fn busy_us(&self) -> u64 {
+        self.busy_us.load(Ordering::Relaxed)
     }
 
     /// Queues `job` without blocking. The receiver yields one outcome per
@@ -118,14 +136,16 @@ impl Drop for Executor {
     }
 }
 
-/// The backend thread: answer jobs until the queue closes and is empty.
-fn serve(mut backend: Box<dyn Backend + Send>, rx: mpsc::Receiver<Envelope>) {
+/// The backend thread: answer jobs until the queue closes and is empty,
+/// adding the time each run takes to `busy_us`.
+fn serve(mut backend: Box<dyn Backend + Send>, rx: mpsc::Receiver<Envelope>, busy_us: &AtomicU64) {
     while let Ok(Envelope { job, reply }) = rx.recv() {
         if reply.is_closed() {
             // The caller gave up (deadline passed, connection gone): skip it.
             continue;
         }
         let _entered = job.span.enter();
+        let started = Instant::now();
         let outcomes = catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, &job.frames)))
             .unwrap_or_else(|panic| {
                 let reason = format!(
@@ -136,6 +156,8 @@ fn serve(mut backend: Box<dyn Backend + Send>, rx: mpsc::Receiver<Envelope>) {
                 tracing::error!(%reason, "backend panic; serving on");
                 vec![FrameOutcome::failed(reason); job.frames.len()]
             });
+        let ran = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        busy_us.fetch_add(ran, Ordering::Relaxed);
         // The caller may have gone meanwhile; nothing to do then.
         let _ = reply.send(outcomes);
     }
@@ -155,7 +177,7 @@ fn panic_message(panic: &(dyn Any + Send)) -> &str {
 pub enum SubmitError {
     /// The queue is full; answer the frames as shed (overloaded).
     #[error(
-        "executor queue is full ({capacity} jobs); shed the frames or raise the queue capacity"
+        "executor queue is full ({capacity} batches waiting for the backend); the batch is shed as overloaded"
     )]
     Overloaded {
         /// The job, unrun.
@@ -299,7 +321,10 @@ mod tests {
         started_rx.recv().unwrap();
         let second = exec.try_submit(job("b", &[1])).unwrap();
         let err = exec.try_submit(job("c", &[5, 6])).unwrap_err();
-        assert!(err.to_string().contains("queue is full (1 jobs)"), "{err}");
+        assert!(
+            err.to_string().contains("queue is full (1 batches waiting"),
+            "{err}"
+        );
         let back = err.into_job();
         assert_eq!((back.model.as_str(), back.frames.len()), ("c", 2));
         gate_tx.send(()).unwrap();
@@ -355,6 +380,44 @@ mod tests {
         assert!(first.blocking_recv().is_ok() && last.blocking_recv().is_ok());
         let models: Vec<String> = ran.lock().unwrap().iter().map(|r| r.0.clone()).collect();
         assert_eq!(models, vec!["kept", "last"]);
+    }
+
+    /// Busy time is the backend's run time: three jobs queued at once are
+    /// counted once each, not with their wait in the queue (which would
+    /// give 1 + 2 + 3 run lengths), and never more than the time that has
+    /// passed.
+    #[test]
+    fn busy_time_counts_runs_on_the_backend_thread_not_queue_wait() {
+        let (gate_tx, gate_rx) = mpsc::channel();
+        let (started_tx, started_rx) = mpsc::channel();
+        let backend = FakeBackend {
+            ran: Ran::default(),
+            gate: Some(gate_rx),
+            started: Some(started_tx),
+        };
+        let t0 = Instant::now();
+        let exec = Executor::spawn(Box::new(backend), 4);
+        assert_eq!(exec.busy_us(), 0);
+        let receivers: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|m| exec.try_submit(job(m, &[1])).unwrap())
+            .collect();
+        // Hold each run for at least 20 ms before letting it finish.
+        for _ in 0..3 {
+            started_rx.recv().unwrap();
+            thread::sleep(std::time::Duration::from_millis(20));
+            gate_tx.send(()).unwrap();
+        }
+        for rx in receivers {
+            rx.blocking_recv().unwrap();
+        }
+        let busy = exec.busy_us();
+        let elapsed = u64::try_from(t0.elapsed().as_micros()).unwrap();
+        assert!(busy >= 60_000, "busy {busy} µs for three runs of ≥ 20 ms");
+        assert!(
+            busy <= elapsed,
+            "busy {busy} µs is more than the {elapsed} µs that passed"
+        );
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! (models and measured latency profile), then serve dispatched batches
 //! through the [`Executor`] and send heartbeats, until drained or cancelled.
 //!
-//! Batches arrive on unidirectional streams; each result goes back on a new
+//! Batches arrive on unidirectional streams; each stream is read and served
+//! by its own tracked task, and each result goes back on a new
 //! unidirectional stream. Inference runs on the executor's own thread, never
-//! on tokio's.
+//! on tokio's. A batch the executor has no room for is answered
+//! `Shed(Overloaded)`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,7 +17,7 @@ use std::time::{Duration, Instant};
 use tidegate_protocol::quic::{HandshakeError, handshake, read_message, write_message};
 use tidegate_protocol::{
     BatchResult, Dispatch, Drain, ErrorCode, Heartbeat, Hello, ItemResult, Limits, Message,
-    Register, Role, Status,
+    Register, Role, ShedReason, Status,
 };
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -104,9 +106,9 @@ pub enum LinkEnd {
 /// Load figures shared between the batch tasks and the heartbeat.
 #[derive(Debug, Default)]
 struct Load {
+    /// Batches submitted to the executor and not yet answered.
     in_flight: AtomicU64,
-    busy_us: AtomicU64,
-    /// Batches accepted so far.
+    /// Dispatch streams accepted so far.
     taken: AtomicU64,
 }
 
@@ -150,7 +152,11 @@ pub async fn run(
     info!(gateway = %cfg.gateway, "registered");
 
     let load = Arc::new(Load::default());
+    // One task per dispatch stream, from its first byte to its answer, so
+    // that a batch still being read counts as in flight.
     let batches = TaskTracker::new();
+    // Stops the reads still waiting for their bytes when a drain gives up.
+    let stop_reading = CancellationToken::new();
     let drain = CancellationToken::new();
     let started = Instant::now();
 
@@ -158,11 +164,12 @@ pub async fn run(
     // `cancel` fires (SIGTERM), so the gateway stops dispatching to us.
     let control = {
         let load = load.clone();
+        let executor = executor.clone();
         let drain = drain.clone();
         let cancel = cancel.clone();
         async move {
             let mut tick = tokio::time::interval(Duration::from_millis(heartbeat_ms as u64));
-            let mut last = (Instant::now(), 0u64);
+            let mut last = (Instant::now(), executor.busy_us());
             let mut told = false;
             loop {
                 tokio::select! {
@@ -175,9 +182,13 @@ pub async fn run(
                         info!("told the gateway we are draining");
                     }
                     _ = tick.tick() => {
-                        let busy = load.busy_us.load(Ordering::Relaxed);
+                        // The backend's own run time (measured on its
+                        // thread), not the wall time of the batches in
+                        // flight, which overlap while they queue.
+                        let busy = executor.busy_us();
                         let elapsed = last.0.elapsed().as_micros().max(1) as f64;
-                        let utilization = ((busy - last.1) as f64 / elapsed).clamp(0.0, 1.0) as f32;
+                        let utilization =
+                            (busy.saturating_sub(last.1) as f64 / elapsed).clamp(0.0, 1.0) as f32;
                         last = (Instant::now(), busy);
                         let hb = Message::Heartbeat(Heartbeat {
                             queue_depth: load.in_flight.load(Ordering::Relaxed) as u32,
@@ -201,36 +212,23 @@ pub async fn run(
         }
     };
 
-    // Dispatch streams: one batch each.
+    // Dispatch streams: one batch each, read and served by a tracked task.
     let accept = {
         let conn = conn.clone();
         let batches = batches.clone();
         let executor = executor.clone();
         let load = load.clone();
+        let stop_reading = stop_reading.clone();
         async move {
-            while let Ok(mut recv) = conn.accept_uni().await {
-                // Counted on arrival, so that a drain does not end while a
-                // dispatch is still being read.
+            while let Ok(recv) = conn.accept_uni().await {
                 load.taken.fetch_add(1, Ordering::Relaxed);
-                let dispatch = match read_message(&mut recv, &limits).await {
-                    Ok(Some(Message::Dispatch(d))) => d,
-                    Ok(Some(other)) => {
-                        warn!(kind = ?other.kind(), "dispatch stream carried a non-Dispatch message; stream closed");
-                        let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
-                        continue;
-                    }
-                    Ok(None) => continue,
-                    Err(e) => {
-                        warn!("bad dispatch stream closed: {e}");
-                        let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
-                        continue;
-                    }
-                };
-                let span = info_span!("batch", batch = dispatch.batch, model = %dispatch.model,
-                    frames = dispatch.items.len(),
-                    first = %dispatch.items.first().map(|i| format!("{}#{}", i.camera, i.seq)).unwrap_or_default());
-                let task = serve_batch(conn.clone(), executor.clone(), load.clone(), dispatch);
-                batches.spawn(task.instrument(span));
+                batches.spawn(read_and_serve(
+                    conn.clone(),
+                    recv,
+                    executor.clone(),
+                    load.clone(),
+                    stop_reading.clone(),
+                ));
             }
         }
     };
@@ -244,12 +242,14 @@ pub async fn run(
     };
     batches.close();
     if end == LinkEnd::Drained {
-        // The protocol has no "draining" message from worker to gateway, so
-        // the gateway goes on dispatching to us until we close, and a batch
-        // it sent just before the close would be lost on the way. So keep
-        // serving (accepting, answering, heartbeating) until every batch
-        // taken is answered and no new one has come for DRAIN_QUIET, or
-        // DRAIN_TIMEOUT has passed. A closed tracker still takes new tasks.
+        // The gateway stops dispatching once it has our Drain (or sent its
+        // own), but batches it dispatched before that may still be on the
+        // way, and one lost to an early close would never be answered. So
+        // keep serving (accepting, reading, answering, heartbeating) until
+        // every stream taken is read and answered and no new one has come
+        // for DRAIN_QUIET, or DRAIN_TIMEOUT has passed. A stream still being
+        // read is a task in `batches`, so it holds the drain open. A closed
+        // tracker still takes new tasks.
         info!(
             in_flight = batches.len(),
             "draining: finishing the batches taken"
@@ -278,17 +278,60 @@ pub async fn run(
         if tokio::time::Instant::now() >= deadline {
             warn!(
                 timeout_s = DRAIN_TIMEOUT.as_secs(),
-                "drain timed out while the gateway kept dispatching"
+                in_flight = batches.len(),
+                "drain timed out while the gateway kept dispatching or a dispatch stream stalled"
             );
         }
     }
-    // Whatever is still running is answered before leaving.
+    // Reads still waiting for bytes are abandoned (their streams stopped);
+    // every batch read is answered before leaving.
+    stop_reading.cancel();
     batches.wait().await;
     if end == LinkEnd::Drained {
         conn.close(0u32.into(), b"drained");
     }
     info!(uptime_s = started.elapsed().as_secs(), ?end, "link ended");
     Ok(end)
+}
+
+/// Reads one dispatch stream and serves its batch, unless `stop_reading`
+/// fires before the whole message has arrived.
+async fn read_and_serve(
+    conn: quinn::Connection,
+    mut recv: quinn::RecvStream,
+    executor: Arc<Executor>,
+    load: Arc<Load>,
+    stop_reading: CancellationToken,
+) {
+    let limits = Limits::default();
+    let read = tokio::select! {
+        r = read_message(&mut recv, &limits) => r,
+        _ = stop_reading.cancelled() => {
+            warn!("dispatch stream still incomplete when the link ended; stream stopped");
+            let _ = recv.stop(ErrorCode::Unavailable.quic_code().into());
+            return;
+        }
+    };
+    let dispatch = match read {
+        Ok(Some(Message::Dispatch(d))) => d,
+        Ok(Some(other)) => {
+            warn!(kind = ?other.kind(), "dispatch stream carried a non-Dispatch message; stream closed");
+            let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
+            return;
+        }
+        Ok(None) => return,
+        Err(e) => {
+            warn!("bad dispatch stream closed: {e}");
+            let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
+            return;
+        }
+    };
+    let span = info_span!("batch", batch = dispatch.batch, model = %dispatch.model,
+        frames = dispatch.items.len(),
+        first = %dispatch.items.first().map(|i| format!("{}#{}", i.camera, i.seq)).unwrap_or_default());
+    serve_batch(conn, executor, load, dispatch)
+        .instrument(span)
+        .await;
 }
 
 /// Runs one batch on the executor and sends its result back.
@@ -316,30 +359,24 @@ async fn serve_batch(
         span: tracing::Span::current(),
     };
     load.in_flight.fetch_add(1, Ordering::Relaxed);
-    let started = Instant::now();
-    let outcomes = match executor.try_submit(job) {
-        Ok(rx) => rx.await.ok(),
-        Err(SubmitError::Overloaded { capacity, .. }) => {
-            warn!(capacity, "executor queue full");
-            None
-        }
+    let answered = match executor.try_submit(job) {
+        Ok(rx) => rx.await.map_err(|_| {
+            warn!("the backend thread dropped the batch");
+            unrun_status(None)
+        }),
         Err(e) => {
-            warn!("executor unavailable: {e}");
-            None
+            warn!("{e}");
+            Err(unrun_status(Some(&e)))
         }
     };
-    load.busy_us
-        .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     load.in_flight.fetch_sub(1, Ordering::Relaxed);
-    let items = match outcomes {
-        Some(outcomes) => item_results(&ids, outcomes, &Limits::default()),
-        None => ids
+    let items = match answered {
+        Ok(outcomes) => item_results(&ids, outcomes, &Limits::default()),
+        Err(status) => ids
             .iter()
             .map(|&id| ItemResult {
                 id,
-                status: Status::Failed(
-                    "worker could not run the batch (executor overloaded or stopped)".into(),
-                ),
+                status: status.clone(),
                 detections: Vec::new(),
                 timings: Default::default(),
                 outputs: Vec::new(),
@@ -359,6 +396,19 @@ async fn serve_batch(
             }
         }
         Err(e) => debug!("cannot return batch result: {e}"),
+    }
+}
+
+/// The status of every frame of a batch the executor did not run: shed as
+/// overloaded when its queue was full (the gateway may send it elsewhere or
+/// later), failed when the backend thread is gone (`submit` is `None` when
+/// the backend dropped the batch after taking it).
+fn unrun_status(submit: Option<&SubmitError>) -> Status {
+    match submit {
+        Some(SubmitError::Overloaded { .. }) => Status::Shed(ShedReason::Overloaded),
+        _ => Status::Failed(
+            "the worker's backend thread has stopped; the worker must be restarted".into(),
+        ),
     }
 }
 
@@ -432,6 +482,30 @@ mod tests {
         msg.encode(&mut buf);
         let back = Message::decode(&mut buf.as_slice(), &limits).unwrap();
         assert_eq!(back, msg);
+    }
+
+    #[test]
+    fn full_executor_queue_sheds_as_overloaded_and_a_stopped_backend_fails() {
+        let job = || crate::executor::Job {
+            model: "m".into(),
+            frames: Vec::new(),
+            span: tracing::Span::none(),
+        };
+        let full = SubmitError::Overloaded {
+            job: job(),
+            capacity: 4,
+        };
+        assert_eq!(
+            unrun_status(Some(&full)),
+            Status::Shed(ShedReason::Overloaded)
+        );
+        let stopped = SubmitError::Stopped { job: job() };
+        for status in [unrun_status(Some(&stopped)), unrun_status(None)] {
+            assert!(
+                matches!(&status, Status::Failed(r) if r.contains("backend thread has stopped")),
+                "{status:?}"
+            );
+        }
     }
 
     #[test]

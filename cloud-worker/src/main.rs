@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tidegate_protocol::{ColorOrder, DType, Layout, ModelInfo, ProfilePoint, Register};
-use tidegate_worker::backend::{Backend, OrtBackend};
+use tidegate_worker::backend::{Backend, OrtBackend, Preprocessing};
 use tidegate_worker::config::WorkerConfig;
 use tidegate_worker::executor::Executor;
 use tidegate_worker::link::{self, LinkConfig};
@@ -165,11 +165,21 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         });
     }
     let device = device_name(&backend);
+    for m in &models {
+        if let Some(p) = backend.preprocessing(&m.name) {
+            info!(model = %m.name, preprocessing = %p, "serving");
+        }
+    }
     if cli_is_check(&cli) {
         println!(
             "config ok: {} model(s) load and run on {device}",
             models.len()
         );
+        for m in &models {
+            if let Some(p) = backend.preprocessing(&m.name) {
+                println!("  {}: preprocessing on {p}", m.name);
+            }
+        }
         return Ok(());
     }
     let register = Register {
@@ -178,7 +188,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         models,
         profile,
     };
-    let executor = Arc::new(Executor::spawn(Box::new(backend), 4));
+    let executor = Arc::new(Executor::spawn(Box::new(backend), EXECUTOR_QUEUE));
     let reconnect = Duration::from_secs(cfg.gateway.reconnect_secs);
     let link = LinkConfig {
         gateway: cfg.gateway.addr,
@@ -273,17 +283,37 @@ async fn serve(
 
 /// The device as registered: the backend's (`cpu (N threads)`, `cuda:N`),
 /// with the GPU's name, memory and compute capability when the `cuda`
-/// feature can read them.
+/// feature can read them, and on CUDA where frames are preprocessed: `GPU
+/// preprocessing`, or the models preprocessed on the CPU.
 fn device_name(backend: &OrtBackend) -> String {
-    #[cfg(feature = "cuda")]
-    if let tidegate_worker::runtime::Provider::Cuda(c) = backend.provider() {
-        match tidegate_worker::gpu::device(c.device_id as usize) {
-            Ok(gpu) => return gpu.to_string(),
+    let mut device = backend.device();
+    if let tidegate_worker::runtime::Provider::Cuda(_c) = backend.provider() {
+        #[cfg(feature = "cuda")]
+        match tidegate_worker::gpu::device(_c.device_id as usize) {
+            Ok(gpu) => device = gpu.to_string(),
             Err(e) => tracing::warn!("cannot describe the GPU: {e}"),
         }
+        let on_cpu: Vec<&str> = backend
+            .models()
+            .iter()
+            .filter(|m| backend.preprocessing(&m.name) != Some(&Preprocessing::Gpu))
+            .map(|m| m.name.as_str())
+            .collect();
+        if on_cpu.is_empty() {
+            device.push_str(", GPU preprocessing");
+        } else {
+            device.push_str(&format!(", CPU preprocessing for {}", on_cpu.join(", ")));
+        }
     }
-    backend.device()
+    device
 }
+
+/// Batches that may wait for the backend while it runs one. The gateway
+/// keeps at most its `pipeline_depth` (2 by default) batches in flight per
+/// worker, so this fills only if that is raised above it; a batch beyond it
+/// is answered `Shed(Overloaded)` at once rather than queued behind work it
+/// would wait for.
+const EXECUTOR_QUEUE: usize = 4;
 
 fn cli_is_check(cli: &Cli) -> bool {
     matches!(cli.command, Some(Command::CheckConfig))

@@ -213,10 +213,19 @@ pub struct AnchorLayer {
     pub anchors_per_cell: u32,
 }
 
+/// The most anchors one BlazeFace layer may have: 2^20, a thousand times
+/// BlazeFace's 512, so that a typo in `grid` is an error rather than
+/// gigabytes of anchors.
+pub const MAX_ANCHORS_PER_LAYER: usize = 1 << 20;
+
 impl AnchorLayer {
-    /// Anchors in this layer (`grid² × anchors_per_cell`).
-    pub fn anchors(&self) -> usize {
-        self.grid as usize * self.grid as usize * self.anchors_per_cell as usize
+    /// Anchors in this layer (`grid² × anchors_per_cell`), or `None` when
+    /// that is more than [`MAX_ANCHORS_PER_LAYER`].
+    pub fn anchors(&self) -> Option<usize> {
+        (self.grid as usize)
+            .checked_mul(self.grid as usize)?
+            .checked_mul(self.anchors_per_cell as usize)
+            .filter(|&n| n <= MAX_ANCHORS_PER_LAYER)
     }
 }
 
@@ -312,11 +321,6 @@ impl ModelSpec {
         })?;
         spec.check()?;
         Ok(spec)
-    }
-
-    /// The index of the output named `name` in `outputs`.
-    pub fn output_index(&self, name: &str) -> Option<usize> {
-        self.outputs.iter().position(|o| o.name == name)
     }
 
     /// Checks what the TOML grammar cannot: values in range, and names that
@@ -513,6 +517,17 @@ impl ModelSpec {
                     format!(
                         "has grid = {} and anchors_per_cell = {}; both must be at least 1",
                         layer.grid, layer.anchors_per_cell
+                    ),
+                ));
+            }
+            if layer.anchors().is_none() {
+                return Err(invalid(
+                    format!("decoder.layers[{i}]"),
+                    format!(
+                        "has grid = {} and anchors_per_cell = {}: {} anchors, more than the {MAX_ANCHORS_PER_LAYER} supported; check grid (cells per side)",
+                        layer.grid,
+                        layer.anchors_per_cell,
+                        u128::from(layer.grid).pow(2) * u128::from(layer.anchors_per_cell)
                     ),
                 ));
             }
@@ -838,7 +853,7 @@ mod tests {
             panic!("expected the blazeface decoder, got {:?}", spec.decoder);
         };
         assert_eq!(b.layers.len(), 2);
-        assert_eq!(b.layers[1].anchors(), 384);
+        assert_eq!(b.layers[1].anchors(), Some(384));
         assert_eq!(b.labels, vec!["face".to_string()]);
     }
 
@@ -909,6 +924,19 @@ mod tests {
         let err = parse(&text).unwrap_err().to_string();
         assert!(err.contains("decoder.layers[1].scores"), "{err}");
         assert!(err.contains("[batch,486,1]"), "{err}");
+    }
+
+    #[test]
+    fn layer_with_an_absurd_grid_is_refused_before_any_anchor_is_made() {
+        // 4294967295² × 6 overflows u32 and u64 alike.
+        let text = blazeface_toml().replace("grid = 8", "grid = 4294967295");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(
+            err.contains("decoder.layers[1]")
+                && err.contains("110680464390717702150")
+                && err.contains("more than the 1048576 supported"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -277,8 +277,9 @@ fn same_file(a: &Path, b: &Path) -> bool {
         )
 }
 
-/// Error texts from the loader can span lines; ours are one line.
-fn one_line(s: &str) -> String {
+/// Error texts from the loader and ONNX Runtime can span lines; ours are
+/// one line.
+pub(crate) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 

@@ -1,12 +1,15 @@
-//! CUDA checks, built with `--features cuda`. On a machine without an NVIDIA
-//! driver (or NVRTC, or a CUDA build of ONNX Runtime) each test says what is
-//! missing and returns: it cannot fail for lack of a GPU, and cannot pass
-//! silently either (the skip is printed; `scripts/gpu-check.sh` runs them
-//! where a GPU is and fails when they skip there).
+//! CUDA checks, built with `--features cuda`. Where no CUDA device can be
+//! used (no driver, a driver but no GPU or a CUDA error, no NVRTC, no CUDA
+//! build of ONNX Runtime) each test says what is missing and returns: it
+//! cannot fail for lack of a GPU, and cannot pass silently either (the skip
+//! is printed; with `TIDEGATE_REQUIRE_GPU=1`, as `scripts/gpu-check.sh`
+//! runs them, a skip is a failure).
 //!
-//! - the NVRTC kernel gives the same model input as the CPU preprocessor;
+//! - the NVRTC kernel gives the same model input as the CPU preprocessor,
+//!   for every layout and channel order, and for a batch of real frames;
 //! - BlazeFace on the CUDA execution provider, with GPU preprocessing and IO
-//!   binding, finds the same faces as on the CPU, within tolerance.
+//!   binding (asserted to be in use), finds the same faces as on the CPU,
+//!   within tolerance.
 //!
 //! The CUDA run needs ONNX Runtime's GPU build: set TIDEGATE_ORT_GPU_LIB to
 //! its libonnxruntime.so (gpu-check.sh does).
@@ -17,9 +20,9 @@ use std::path::{Path, PathBuf};
 
 use image::imageops::{self, FilterType};
 use tidegate_protocol::{DType, Geometry, Layout, Status, Tensor};
-use tidegate_worker::backend::{Backend, FrameInput, OrtBackend};
+use tidegate_worker::backend::{Backend, FrameInput, OrtBackend, Preprocessing};
 use tidegate_worker::gpu::{self, GpuPreprocessor};
-use tidegate_worker::model::Repository;
+use tidegate_worker::model::{ColorOrder, InputSpec, Normalize, Repository, Resize};
 use tidegate_worker::preprocess::Preprocessor;
 use tidegate_worker::runtime::{CudaOptions, Fallback, Provider, RuntimeOptions};
 
@@ -32,22 +35,25 @@ fn models_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"))
 }
 
-/// Why GPU tests cannot run here, if they cannot.
-fn missing() -> Option<&'static str> {
-    if !gpu::driver_present() {
-        Some("no CUDA driver (libcuda.so)")
-    } else if !gpu::nvrtc_present() {
-        Some("no NVRTC (libnvrtc.so)")
-    } else {
-        None
+/// Why GPU tests cannot run here, if they cannot: asks the driver for its
+/// devices, so a machine with the driver's libraries but no GPU skips too.
+fn missing() -> Option<String> {
+    match gpu::probe() {
+        Err(e) => Some(format!("no usable CUDA device ({e})")),
+        Ok(devices) if devices.is_empty() => Some("the CUDA driver lists no device".into()),
+        Ok(_) if !gpu::nvrtc_present() => Some("no NVRTC (libnvrtc.so)".into()),
+        Ok(_) => None,
     }
+}
+
+/// Whether `TIDEGATE_REQUIRE_GPU=1`: a skip is then a failure.
+fn gpu_required() -> bool {
+    std::env::var("TIDEGATE_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
 
 fn skip(test: &str, why: &str) {
     eprintln!("SKIPPED {test}: {why}; run scripts/gpu-check.sh on a GPU machine");
-    if std::env::var_os("TIDEGATE_REQUIRE_GPU").is_some() {
-        panic!("{test}: TIDEGATE_REQUIRE_GPU is set but {why}");
-    }
+    assert!(!gpu_required(), "{test}: TIDEGATE_REQUIRE_GPU=1 but {why}");
 }
 
 /// Eight different 128×128 frames from astronaut.png: crops and flips.
@@ -84,10 +90,79 @@ fn frames() -> Vec<FrameInput> {
         .collect()
 }
 
+/// Largest |a - b| over two equally long slices; NaN anywhere is infinite.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            let d = (x - y).abs();
+            if d.is_nan() { f32::INFINITY } else { d }
+        })
+        .fold(0.0f32, f32::max)
+}
+
 #[test]
-fn kernel_matches_the_cpu_preprocessor() {
+fn kernel_matches_the_cpu_preprocessor_for_every_layout_and_channel_order() {
     if let Some(why) = missing() {
-        return skip("kernel_matches_the_cpu_preprocessor", why);
+        return skip(
+            "kernel_matches_the_cpu_preprocessor_for_every_layout_and_channel_order",
+            &why,
+        );
+    }
+    // An odd size (9×7), so that a swapped width and height shows.
+    let src: Vec<u8> = (0..2 * 9 * 7 * 3).map(|i| (i * 37 % 256) as u8).collect();
+    let frame_len = 9 * 7 * 3;
+    for layout in [Layout::Nhwc, Layout::Nchw] {
+        for color in [ColorOrder::Rgb, ColorOrder::Bgr] {
+            let spec = InputSpec {
+                name: "x".into(),
+                layout,
+                width: 9,
+                height: 7,
+                channels: 3,
+                color,
+                resize: Resize::Stretch,
+                model_dtype: DType::F32,
+                normalize: Normalize {
+                    scale: 1.0 / 255.0,
+                    mean: [0.485, 0.456, 0.406],
+                    std: [0.229, 0.224, 0.225],
+                },
+            };
+            let mut pre = GpuPreprocessor::new("m", 0, &spec, 2).unwrap();
+            for src_layout in [Layout::Nhwc, Layout::Nchw] {
+                let batch: Vec<(&[u8], Layout)> = src
+                    .chunks_exact(frame_len)
+                    .map(|f| (f, src_layout))
+                    .collect();
+                pre.convert(&batch).unwrap();
+                let got = pre.download(2).unwrap();
+                let mut want = vec![f32::NAN; src.len()];
+                let cpu = Preprocessor::new(&spec);
+                for (f, out) in src
+                    .chunks_exact(frame_len)
+                    .zip(want.chunks_exact_mut(frame_len))
+                {
+                    cpu.to_f32(f, src_layout, out).unwrap();
+                }
+                let worst = max_diff(&got, &want);
+                assert!(
+                    worst <= 1e-6,
+                    "model {layout}/{color:?}, frames {src_layout}: max |diff| {worst}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn kernel_matches_the_cpu_preprocessor_on_a_batch_of_real_frames() {
+    if let Some(why) = missing() {
+        return skip(
+            "kernel_matches_the_cpu_preprocessor_on_a_batch_of_real_frames",
+            &why,
+        );
     }
     let repo = Repository::load(&models_dir(), Some(&["blazeface".to_string()])).unwrap();
     let spec = &repo.get("blazeface").unwrap().spec;
@@ -103,11 +178,7 @@ fn kernel_matches_the_cpu_preprocessor() {
     let all: Vec<u8> = frames.iter().flat_map(|f| f.tensor.data.to_vec()).collect();
     let mut want = vec![0.0; all.len()];
     cpu.to_f32(&all, Layout::Nhwc, &mut want).unwrap();
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(g, w)| (g - w).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_diff(&got, &want);
     eprintln!(
         "kernel vs CPU preprocessing: max |diff| {worst:e} over {} values",
         want.len()
@@ -118,7 +189,7 @@ fn kernel_matches_the_cpu_preprocessor() {
 #[test]
 fn cuda_detections_match_the_cpu_within_tolerance() {
     if let Some(why) = missing() {
-        return skip("cuda_detections_match_the_cpu_within_tolerance", why);
+        return skip("cuda_detections_match_the_cpu_within_tolerance", &why);
     }
     let Some(lib) = std::env::var_os("TIDEGATE_ORT_GPU_LIB") else {
         return skip(
@@ -140,6 +211,15 @@ fn cuda_detections_match_the_cpu_within_tolerance() {
     };
     let mut cuda = OrtBackend::open(&repo, &cuda_options).unwrap_or_else(|e| panic!("{e}"));
     assert!(matches!(cuda.provider(), Provider::Cuda(_)));
+    // Otherwise the kernel and IO binding would go untested: the worker
+    // serves on, preprocessing on the CPU, when they cannot start.
+    assert_eq!(
+        cuda.preprocessing("blazeface"),
+        Some(&Preprocessing::Gpu),
+        "GPU preprocessing is off"
+    );
+    assert!(cuda.gpu_preprocessing("blazeface"));
+    assert_eq!(cpu.preprocessing("blazeface"), Some(&Preprocessing::Cpu));
     let frames = frames();
     let a = cpu.run("blazeface", &frames);
     let b = cuda.run("blazeface", &frames);
@@ -171,4 +251,54 @@ fn cuda_detections_match_the_cpu_within_tolerance() {
         "CUDA vs CPU: {faces} faces agree; cuda timings {:?}",
         b[0].timings
     );
+}
+
+/// A CUDA device that cannot be used, asked of ONNX Runtime's GPU build:
+/// device 99 (beyond any machine's; on a machine without a usable GPU, any
+/// device) is refused at start with the reason, and with `fallback = "cpu"`
+/// every model serves on the CPU. Runs with or without a GPU, wherever
+/// TIDEGATE_ORT_GPU_LIB is set.
+#[test]
+fn unusable_cuda_device_is_refused_with_the_reason_or_served_on_the_cpu() {
+    let Some(lib) = std::env::var_os("TIDEGATE_ORT_GPU_LIB") else {
+        return skip(
+            "unusable_cuda_device_is_refused_with_the_reason_or_served_on_the_cpu",
+            "TIDEGATE_ORT_GPU_LIB (ONNX Runtime's GPU build) is not set",
+        );
+    };
+    let repo = Repository::load(&models_dir(), Some(&["blazeface".to_string()])).unwrap();
+    let options = |fallback| RuntimeOptions {
+        library: Some(PathBuf::from(&lib)),
+        warmup_runs: 1,
+        provider: Provider::Cuda(CudaOptions {
+            device_id: 99,
+            ..CudaOptions::default()
+        }),
+        fallback,
+        ..RuntimeOptions::default()
+    };
+    let err = OrtBackend::open(&repo, &options(Fallback::None)).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("execution provider cuda:99 is unavailable: "),
+        "{text}"
+    );
+    // The device check names what is wrong: no such device, or no
+    // usable CUDA at all.
+    assert!(
+        text.contains("no CUDA device 99") || missing().is_some(),
+        "{text}"
+    );
+    assert!(!text.contains("valid ONNX model"), "{text}");
+    eprintln!("device 99: {text}");
+
+    let mut backend = OrtBackend::open(&repo, &options(Fallback::Cpu)).unwrap();
+    assert_eq!(backend.provider(), &Provider::Cpu);
+    assert_eq!(
+        backend.preprocessing("blazeface"),
+        Some(&Preprocessing::Cpu)
+    );
+    assert!(backend.fallback_reason().is_some());
+    let out = backend.run("blazeface", &frames()[..2]);
+    assert!(out.iter().all(|o| o.status == Status::Ok), "{out:?}");
 }

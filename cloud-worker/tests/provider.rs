@@ -62,6 +62,11 @@ fn cuda_on_a_cpu_build_with_cpu_fallback_serves_on_the_cpu() {
     );
     let reason = backend.fallback_reason().expect("the fallback is recorded");
     assert!(reason.contains("CUDA"), "{reason}");
+    assert!(!backend.gpu_preprocessing("blazeface"));
+    assert_eq!(
+        backend.preprocessing("blazeface"),
+        Some(&tidegate_worker::backend::Preprocessing::Cpu)
+    );
     // And it serves.
     let points = backend.profile("blazeface", &[1]).unwrap();
     assert_eq!(points.len(), 1);
@@ -112,6 +117,12 @@ fn worker_binary_refuses_cuda_it_cannot_have_and_falls_back_when_allowed() {
     );
     assert!(
         stdout.contains("config ok: 1 model(s) load and run on cpu (1 threads)"),
+        "{stdout}"
+    );
+    // Each model's preprocessing, in the form scripts/gpu-check.sh looks
+    // for (`blazeface: preprocessing on gpu` on a GPU machine).
+    assert!(
+        stdout.contains("\n  blazeface: preprocessing on cpu\n"),
         "{stdout}"
     );
 }

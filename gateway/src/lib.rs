@@ -24,7 +24,8 @@
 pub mod api;
 pub mod auth;
 pub mod backpressure;
-pub mod certs;
+/// Development TLS material (`tidegate-gateway dev-certs`).
+pub use tidegate_protocol::certs;
 pub mod config;
 pub mod hub;
 pub mod leasing;

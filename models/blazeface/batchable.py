@@ -27,12 +27,19 @@ CHECK_BATCH = 32
 TOLERANCE = 1e-5
 
 
+def fail(message: str):
+    """Stops with `batchable.py: message`, exit 1. (Not `assert`: checks
+    must hold under `python -O` too.)"""
+    sys.exit(f"batchable.py: {message}")
+
+
 def rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     for vi in list(g.input) + list(g.output):
         dim = vi.type.tensor_type.shape.dim[0]
-        assert dim.dim_value == 1, f"{vi.name}: batch dim is {dim}, expected 1"
+        if dim.dim_value != 1:
+            fail(f"{vi.name}: batch dim is {dim}, expected 1")
         dim.Clear()
         dim.dim_param = "batch"
 
@@ -44,7 +51,9 @@ def rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
             zeros = producers[n.input[1]]
             shape = numpy_helper.to_array(inits[zeros.input[0]]).tolist()
             axis = helper.get_attribute_value(n.attribute[0])
-            assert axis == 1 and shape[0] == 1 and not zeros.attribute, (n.name, shape)
+            if not (axis == 1 and shape[0] == 1 and not zeros.attribute):
+                fail(f"padding Concat {n.name}: axis {axis}, zeros of shape {shape}, "
+                     f"expected axis 1 and [1, C, H, W] zeros")
             pads_name = f"{n.output[0]}__pads"
             # Pads: begin of N, C, H, W then end of N, C, H, W.
             pads_value = np.array([0, 0, 0, 0, 0, shape[1], 0, 0], dtype=np.int64)
@@ -65,7 +74,8 @@ def rewrite(model: onnx.ModelProto) -> onnx.ModelProto:
                 n.input[1] = name
         new_nodes.append(n)
     kept = [n for n in new_nodes if not (n.op_type == "ConstantOfShape" and n.output[0] in dropped)]
-    assert pads == 11, f"expected 11 padding Concats, found {pads}"
+    if pads != 11:
+        fail(f"expected 11 padding Concats, found {pads}")
     del g.node[:]
     g.node.extend(kept)
     del g.value_info[:]
@@ -94,12 +104,17 @@ def check(source: str, rewritten: str) -> float:
     for n in (1, 2, 8, CHECK_BATCH):
         batched = b.run(None, {name: frames[:n]})
         for out, got in enumerate(batched):
-            assert got.shape[0] == n, f"output {out} has batch {got.shape[0]}, expected {n}"
+            if got.shape[0] != n:
+                fail(f"output {out} has batch {got.shape[0]}, expected {n}")
             for i in range(n):
-                diff = float(np.max(np.abs(got[i] - singles[i][out][0])))
+                want = singles[i][out][0]
+                if not np.all(np.isfinite(want)):
+                    fail(f"single run {i} output {out} holds NaN or infinity")
+                diff = float(np.max(np.abs(got[i] - want)))
+                # NaN compares false: `not <=` fails it, where `>` would pass it.
+                if not diff <= TOLERANCE:
+                    fail(f"batch {n} frame {i} output {out} differs by {diff}")
                 worst = max(worst, diff)
-                if diff > TOLERANCE:
-                    sys.exit(f"batchable.py: batch {n} frame {i} output {out} differs by {diff}")
     return worst
 
 

@@ -10,6 +10,8 @@
 //! messages on quinn streams, and builds the rustls configurations.
 //! `docs/protocol.md` specifies the format for implementers in other languages.
 
+#[cfg(feature = "dev-certs")]
+pub mod certs;
 pub mod codec;
 pub mod error;
 #[doc(hidden)]

@@ -53,10 +53,14 @@ pub struct Candidate {
 }
 
 /// Anchor centres of one layer, in output order: `cy`, then `cx`, then the
-/// anchor within the cell.
+/// anchor within the cell. The caller bounds the count
+/// ([`crate::model::AnchorLayer::anchors`]).
 pub fn anchors(grid: u32, anchors_per_cell: u32) -> Vec<[f32; 2]> {
     let g = grid as f32;
-    let mut out = Vec::with_capacity((grid * grid * anchors_per_cell) as usize);
+    let count = (grid as usize)
+        .saturating_mul(grid as usize)
+        .saturating_mul(anchors_per_cell as usize);
+    let mut out = Vec::with_capacity(count.min(crate::model::MAX_ANCHORS_PER_LAYER));
     for cy in 0..grid {
         for cx in 0..grid {
             for _ in 0..anchors_per_cell {
@@ -90,17 +94,8 @@ impl BlazefaceDecoder {
         let mut layers = Vec::with_capacity(params.layers.len());
         let mut keypoints = None;
         for (i, l) in params.layers.iter().enumerate() {
-            let n = l.anchors() as i64;
             let shape_of = |field: &str, name: &str| {
-                spec.outputs
-                    .iter()
-                    .find(|o| o.name == name)
-                    .map(|o| o.shape.clone())
-                    .ok_or_else(|| DecoderError::UnknownOutput {
-                        model: spec.name.clone(),
-                        field: format!("decoder.layers[{i}].{field}"),
-                        output: name.to_string(),
-                    })
+                super::output_shape(spec, &format!("decoder.layers[{i}].{field}"), name)
             };
             let shape_error =
                 |field: &str, name: &str, shape: Vec<i64>, expected: String| DecoderError::Shape {
@@ -111,6 +106,22 @@ impl BlazefaceDecoder {
                     expected,
                 };
             let s = shape_of("scores", &l.scores)?;
+            // Too many anchors (or an overflowing count) cannot match an
+            // output: model.toml's check says so first.
+            let n = l
+                .anchors()
+                .and_then(|n| i64::try_from(n).ok())
+                .ok_or_else(|| {
+                    shape_error(
+                        "scores",
+                        &l.scores,
+                        s.clone(),
+                        format!(
+                            "grid² × anchors_per_cell anchors, at most {}",
+                            crate::model::MAX_ANCHORS_PER_LAYER
+                        ),
+                    )
+                })?;
             if s.len() != 3 || s[1] != n || s[2] != 1 {
                 return Err(shape_error(
                     "scores",
@@ -186,13 +197,23 @@ impl BlazefaceDecoder {
                 }
                 let (cx, cy) = (ax + r[0] / w, ay + r[1] / h);
                 let (bw, bh) = (r[2] / w, r[3] / h);
-                let keypoints = r[4..4 + 2 * self.keypoints]
+                let keypoints: Vec<[f32; 2]> = r[4..4 + 2 * self.keypoints]
                     .chunks_exact(2)
                     .map(|k| [ax + k[0] / w, ay + k[1] / h])
                     .collect();
+                let rect = [cx - bw / 2.0, cy - bh / 2.0, cx + bw / 2.0, cy + bh / 2.0];
+                // NaN or infinite regressors give no box to report (nor to
+                // merge: one NaN would poison a whole NMS group).
+                if !rect
+                    .iter()
+                    .chain(keypoints.iter().flatten())
+                    .all(|v| v.is_finite())
+                {
+                    continue;
+                }
                 out.push(Candidate {
                     score,
-                    rect: [cx - bw / 2.0, cy - bh / 2.0, cx + bw / 2.0, cy + bh / 2.0],
+                    rect,
                     keypoints,
                 });
             }
@@ -449,6 +470,55 @@ mod tests {
         let c = decoder().candidates(&f.views(), 0).unwrap();
         assert_eq!(c.len(), 1);
         assert!(c[0].score > 0.5);
+    }
+
+    #[test]
+    fn candidates_with_non_finite_box_or_keypoint_are_dropped() {
+        let mut f = Frame::new();
+        f.set(0, logit(0.9), [f32::NAN, 0.0, 10.0, 10.0, 0.0, 0.0]);
+        f.set(1, logit(0.9), [0.0, 0.0, f32::INFINITY, 10.0, 0.0, 0.0]);
+        f.set(
+            2,
+            logit(0.9),
+            [0.0, 0.0, 10.0, 10.0, 0.0, f32::NEG_INFINITY],
+        );
+        f.set(3, logit(0.9), [0.0, 0.0, 10.0, 10.0, f32::NAN, 0.0]);
+        // Anchor 4's box overlaps anchor 5's: a NaN one merged into it
+        // would make the blend NaN.
+        f.set(4, logit(0.8), [0.0, 0.0, 10.0, 10.0, 0.0, 0.0]);
+        f.set(5, logit(0.95), [f32::NAN; 6]);
+        let d = decoder();
+        let c = d.candidates(&f.views(), 0).unwrap();
+        assert_eq!(c.len(), 1, "{c:?}");
+        assert!(close(c[0].score, 0.8));
+        let out = d
+            .decode(&f.views(), 0, &Geometry::stretch(128, 128, 128, 128))
+            .unwrap();
+        assert_eq!(out.len(), 1);
+        let o = &out[0];
+        assert!(
+            [o.x1, o.y1, o.x2, o.y2]
+                .iter()
+                .chain(o.keypoints.iter().flatten())
+                .all(|v| v.is_finite()),
+            "{o:?}"
+        );
+    }
+
+    #[test]
+    fn layer_with_more_anchors_than_supported_is_refused_without_overflow() {
+        let (mut spec, mut params) = spec();
+        // 65536² × 2 = 2^33 anchors: over u32 and over the bound.
+        params.layers[0].grid = 65_536;
+        spec.outputs[0].shape = vec![-1, 1 << 33, 1];
+        spec.outputs[1].shape = vec![-1, 1 << 33, 6];
+        let err = BlazefaceDecoder::new(&spec, &params)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("decoder.layers[0].scores") && err.contains("at most 1048576"),
+            "{err}"
+        );
     }
 
     #[test]

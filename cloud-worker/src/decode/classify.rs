@@ -21,7 +21,9 @@ pub struct ClassifyDecoder {
 }
 
 /// Softmax of `logits`, computed stably (the largest logit is subtracted
-/// first). NaN logits give NaN probabilities.
+/// first). A logit of -inf gets probability 0. NaN or +inf logits, or all
+/// of them -inf, give NaN probabilities: [`ClassifyDecoder::decode`] refuses
+/// those logits before calling it.
 pub fn softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
@@ -33,11 +35,6 @@ impl ClassifyDecoder {
     /// Checks the output's class count against the labels and `top_k`.
     pub fn new(spec: &ModelSpec, params: &ClassifySpec) -> Result<Self, DecoderError> {
         let shape = super::output_shape(spec, "decoder.output", &params.output)?;
-        let classes: i64 = if shape.len() >= 2 && shape[1..].iter().all(|&d| d > 0) {
-            shape[1..].iter().product()
-        } else {
-            -1
-        };
         let shape_error = |expected: String| DecoderError::Shape {
             model: spec.name.clone(),
             field: "decoder.output".into(),
@@ -48,12 +45,27 @@ impl ClassifyDecoder {
         if shape.len() < 2 {
             return Err(shape_error("[batch,classes]".into()));
         }
-        if classes != -1 && classes as usize != params.labels.len() {
-            return Err(shape_error(format!(
+        let labels_error = || {
+            shape_error(format!(
                 "[batch,{}] to match the {} entries of decoder.labels",
                 params.labels.len(),
                 params.labels.len()
-            )));
+            ))
+        };
+        // Classes per frame, when every dimension after the batch is fixed;
+        // a product too large for i64 cannot match the labels either.
+        let classes: Option<i64> = if shape[1..].iter().all(|&d| d > 0) {
+            Some(
+                shape[1..]
+                    .iter()
+                    .try_fold(1i64, |acc, &d| acc.checked_mul(d))
+                    .ok_or_else(labels_error)?,
+            )
+        } else {
+            None
+        };
+        if classes.is_some_and(|c| usize::try_from(c).ok() != Some(params.labels.len())) {
+            return Err(labels_error());
         }
         Ok(ClassifyDecoder {
             output: params.output.clone(),
@@ -70,6 +82,9 @@ impl ClassifyDecoder {
     }
 
     /// The top classes of frame `frame`, each as a whole-frame detection.
+    /// A NaN or +inf score fails the frame ([`DecodeError::NonFinite`]); so
+    /// does -inf where no softmax follows, or in every class. Through
+    /// softmax a -inf logit is a probability of 0.
     pub fn decode(
         &self,
         outputs: &[OutputView<'_>],
@@ -85,12 +100,26 @@ impl ClassifyDecoder {
                 expected: format!("{} scores per frame, one per label", self.labels.len()),
             });
         }
+        let non_finite = |i: usize| DecodeError::NonFinite {
+            output: self.output.clone(),
+            value: scores[i],
+            where_: format!(" (class {i}, {:?})", self.labels[i]),
+        };
+        let bad = scores.iter().position(|&v| {
+            v.is_nan() || v == f32::INFINITY || (!self.softmax && v == f32::NEG_INFINITY)
+        });
+        if let Some(i) = bad {
+            return Err(non_finite(i));
+        }
+        if !scores.is_empty() && scores.iter().all(|&v| v == f32::NEG_INFINITY) {
+            return Err(non_finite(0));
+        }
         let probs = if self.softmax {
             softmax(scores)
         } else {
             scores.to_vec()
         };
-        let mut order: Vec<usize> = (0..probs.len()).filter(|&i| !probs[i].is_nan()).collect();
+        let mut order: Vec<usize> = (0..probs.len()).collect();
         // Best first; ties keep the lower class index first.
         order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
         Ok(order
@@ -149,14 +178,76 @@ labels = ["cat", "dog", "fish", "bird"]
         ClassifyDecoder::new(&spec, c).map_err(|e| e.to_string())
     }
 
-    fn run(d: &ClassifyDecoder, logits: &[f32]) -> Vec<Detection> {
+    fn try_run(d: &ClassifyDecoder, logits: &[f32]) -> Result<Vec<Detection>, DecodeError> {
         let views = [OutputView {
             name: "logits",
             shape: &[1, 4],
             data: logits,
         }];
         d.decode(&views, 0, &Geometry::stretch(640, 480, 8, 8))
-            .unwrap()
+    }
+
+    fn run(d: &ClassifyDecoder, logits: &[f32]) -> Vec<Detection> {
+        try_run(d, logits).unwrap()
+    }
+
+    #[test]
+    fn nan_or_positive_infinite_logit_fails_the_frame_naming_the_class() {
+        let d = decoder("top_k = 2", "[-1, 4]").unwrap();
+        for (bad, shown) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf")] {
+            let err = try_run(&d, &[0.0, 1.0, bad, 2.0]).unwrap_err();
+            assert!(matches!(err, DecodeError::NonFinite { .. }), "{err:?}");
+            let text = err.to_string();
+            assert!(
+                text.contains(&format!("\"logits\" holds {shown}"))
+                    && text.contains("class 2, \"fish\""),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn negative_infinite_logit_is_probability_zero_through_softmax() {
+        let d = decoder("top_k = 4", "[-1, 4]").unwrap();
+        let got = run(&d, &[0.0, f32::NEG_INFINITY, 1.0, 0.5]);
+        let p = softmax(&[0.0, 1.0, 0.5]);
+        let by_class: Vec<(u32, f32)> = got.iter().map(|g| (g.class, g.score)).collect();
+        assert_eq!(by_class.len(), 4, "{by_class:?}");
+        assert_eq!(by_class[3], (1, 0.0));
+        assert!((by_class[0].1 - p[1]).abs() < 1e-6, "{by_class:?}");
+        assert!(got.iter().all(|g| g.score.is_finite()));
+        // Every class at -inf has no distribution at all.
+        let all = [f32::NEG_INFINITY; 4];
+        assert!(matches!(
+            try_run(&d, &all),
+            Err(DecodeError::NonFinite { .. })
+        ));
+    }
+
+    #[test]
+    fn any_non_finite_score_fails_without_softmax() {
+        let d = decoder("top_k = 2\nsoftmax = false", "[-1, 4]").unwrap();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let err = try_run(&d, &[0.1, bad, 0.2, 0.3]).unwrap_err();
+            assert!(
+                matches!(&err, DecodeError::NonFinite { where_, .. } if where_.contains("class 1")),
+                "{bad}: {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn class_count_whose_product_overflows_is_refused_not_wrapped() {
+        // 2^32 * 2^32 = 2^64 overflows i64.
+        let err = decoder("top_k = 2", "[-1, 4294967296, 4294967296]").unwrap_err();
+        assert!(
+            err.contains("decoder.output") && err.contains("[batch,4]"),
+            "{err}"
+        );
+        // A product that fits but is not 4 is refused the same way.
+        let err = decoder("top_k = 2", "[-1, 2, 3]").unwrap_err();
+        assert!(err.contains("[batch,4]"), "{err}");
+        assert!(decoder("top_k = 2", "[-1, 2, 2]").is_ok());
     }
 
     #[test]

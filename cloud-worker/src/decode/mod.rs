@@ -116,12 +116,6 @@ impl Decoder {
         }
     }
 
-    /// Whether the decoder reads outputs; every one does (the raw decoder
-    /// passes them on).
-    pub fn reads_outputs(&self) -> bool {
-        true
-    }
-
     /// Class names, indexed by `Detection::class` (empty for raw).
     pub fn labels(&self) -> &[String] {
         match self {
@@ -308,6 +302,18 @@ pub enum DecodeError {
         bytes: usize,
         /// The limit.
         max: usize,
+    },
+    /// An output holds NaN or infinity where the decoder needs a number.
+    #[error(
+        "output {output:?} holds {value} for this frame{where_}; the model produced no usable number (check its input normalisation in model.toml, or the graph)"
+    )]
+    NonFinite {
+        /// The output's name.
+        output: String,
+        /// The offending value (NaN or ±infinity).
+        value: f32,
+        /// Where in the frame's slice, e.g. ` (class 2)`; may be empty.
+        where_: String,
     },
     /// A box row names a class the model's labels do not have.
     #[error(
