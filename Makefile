@@ -37,11 +37,13 @@ loadtest: release
 	./target/release/tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10 \
 	  --report target/loadtest.json --svg target/loadtest.svg
 
-## Scheduler cost and relay overhead against raw quinn; JSON in target/bench-*.json.
+## Scheduler cost, relay overhead against raw quinn, and overload with and
+## without frame-rate hints; JSON in target/bench-*.json.
 bench: release
 	./target/release/tidegate-bench --report target/bench-scheduler.json scheduler
 	./target/release/tidegate-bench --report target/bench-relay-1.json relay --frames 2000 --concurrency 1
 	./target/release/tidegate-bench --report target/bench-relay-8.json relay --frames 4000 --concurrency 8
+	./target/release/tidegate-bench --report target/bench-hints.json hints --workers 1 --cameras 32 --fps 30 --seconds 5 --rounds 2
 
 ## Run the protocol fuzzer for 60 s and the edge's webhook-answer fuzzer for
 ## 30 s (needs cargo-fuzz and a nightly toolchain).

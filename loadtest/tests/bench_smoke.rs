@@ -50,3 +50,29 @@ fn scheduler_benchmark_holds_its_queue_lengths() {
         assert!(r.arrivals_per_s > 0.0 && r.completions_per_s > 0.0);
     }
 }
+
+#[test]
+fn hints_benchmark_runs_both_kinds_and_loses_nothing() {
+    let out = std::process::Command::new(
+        tidegate_loadtest::cluster::bin("tidegate-bench").expect("tidegate-bench built"),
+    )
+    .args(["hints", "--cameras", "2", "--fps", "5", "--seconds", "1"])
+    .args(["--rounds", "1"])
+    .output()
+    .expect("tidegate-bench runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    assert_eq!(v["bench"], "hints");
+    for kind in ["obeyed", "ignored"] {
+        let k = &v[kind];
+        assert!(k["sent"].as_u64().unwrap() > 0, "{v}");
+        assert_eq!(k["missing"], 0, "every frame sent got a result: {v}");
+        let ended = ["ok", "shed", "expired", "failed"]
+            .iter()
+            .map(|s| k[s].as_u64().unwrap())
+            .sum::<u64>();
+        assert_eq!(ended, k["sent"].as_u64().unwrap(), "{v}");
+    }
+    assert!(stderr.contains("obeying hints") && stderr.contains("ignoring hints"));
+}

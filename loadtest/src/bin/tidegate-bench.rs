@@ -6,14 +6,20 @@
 //! - `relay`: frames per second and latency through a real gateway (edge →
 //!   gateway → no-op worker → gateway → edge) against raw quinn doing one
 //!   hop with the same payloads (ratio relay / raw).
+//! - `hints`: an overload against one local cluster (real gateway and
+//!   BlazeFace workers), with cameras that obey the gateway's frame-rate
+//!   hints and with cameras that ignore them, alternating in the same run
+//!   (ratios obeyed / ignored).
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use tidegate_loadtest::{relay, schedbench};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::report::Report;
+use tidegate_loadtest::{relay, schedbench, sim};
 
 /// tidegate benchmarks (JSON on stdout, and in --report).
 #[derive(Debug, Parser)]
@@ -50,6 +56,26 @@ enum Command {
         /// a path cut short reports the frames it completed.
         #[arg(long, default_value_t = 120)]
         max_seconds: u64,
+    },
+    /// Overload with cameras obeying the gateway's frame-rate hints against
+    /// cameras ignoring them, alternating on one local cluster.
+    Hints {
+        /// Local BlazeFace workers.
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+        /// Simulated cameras.
+        #[arg(long, default_value_t = 32)]
+        cameras: usize,
+        /// Frames per second per camera.
+        #[arg(long, default_value_t = 30.0)]
+        fps: f64,
+        /// Seconds per run (at most 120).
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Rounds; each runs both, obeying first in odd rounds and ignoring
+        /// first in even ones (at most 10).
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
     },
 }
 
@@ -109,6 +135,13 @@ fn main() -> anyhow::Result<()> {
                 ))?;
             serde_json::to_value(r)?
         }
+        Command::Hints {
+            workers,
+            cameras,
+            fps,
+            seconds,
+            rounds,
+        } => hints(workers, cameras, fps, seconds, rounds)?,
     };
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");
@@ -116,4 +149,132 @@ fn main() -> anyhow::Result<()> {
         std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
+}
+
+/// Totals of the runs of one kind (obeying or ignoring hints).
+#[derive(Debug, Default, serde::Serialize)]
+struct HintTotals {
+    sent: u64,
+    ok: u64,
+    ok_within_budget: u64,
+    shed: u64,
+    expired: u64,
+    failed: u64,
+    missing: u64,
+    throttled: u64,
+    hints: u64,
+    /// ok within budget over the frames the cameras captured (sent +
+    /// held back by a hint + send errors): what reached the user in time.
+    served_share: f64,
+    /// p95 of each run's end-to-end latency (ms), in run order.
+    e2e_p95_ms: Vec<f64>,
+}
+
+impl HintTotals {
+    fn add(&mut self, r: &Report) {
+        self.sent += r.sent;
+        self.ok += r.ok;
+        self.ok_within_budget += r.ok_within_budget;
+        self.shed += r.shed;
+        self.expired += r.expired;
+        self.failed += r.failed;
+        self.missing += r.missing;
+        self.throttled += r.throttled;
+        self.hints += r.hints;
+        self.e2e_p95_ms.push(r.e2e_ms.p95);
+        let captured = self.sent + self.throttled;
+        self.served_share = if captured == 0 {
+            0.0
+        } else {
+            self.ok_within_budget as f64 / captured as f64
+        };
+    }
+}
+
+fn hints(
+    workers: usize,
+    cameras: usize,
+    fps: f64,
+    seconds: f64,
+    rounds: usize,
+) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(
+        (1..=8).contains(&workers) && (1..=256).contains(&cameras),
+        "--workers must be in 1..=8 and --cameras in 1..=256"
+    );
+    anyhow::ensure!(
+        fps > 0.0 && fps <= 120.0 && seconds > 0.0 && seconds <= 120.0,
+        "--fps must be in (0, 120] and --seconds in (0, 120]"
+    );
+    anyhow::ensure!((1..=10).contains(&rounds), "--rounds must be in 1..=10");
+    let names: Vec<String> = (1..=workers).map(|i| format!("worker-{i}")).collect();
+    let mut cluster = Cluster::start(&ClusterOptions {
+        workers: names.clone(),
+        ..ClusterOptions::default()
+    })?;
+    for n in &names {
+        cluster.spawn_worker(n)?;
+    }
+    cluster.wait_for_workers(workers, Duration::from_secs(120))?;
+    let (mut obeyed, mut ignored) = (HintTotals::default(), HintTotals::default());
+    for round in 0..rounds {
+        let order = if round % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for obey in order {
+            let mut opts = cluster.sim_options("edge-1", cameras, fps, seconds);
+            opts.obey_hints = obey;
+            let report = sim::run_blocking(&opts)?;
+            eprintln!(
+                "round {} {}: sent {} ok {} (within budget {}) shed {} held back {}",
+                round + 1,
+                if obey {
+                    "obeying hints"
+                } else {
+                    "ignoring hints"
+                },
+                report.sent,
+                report.ok,
+                report.ok_within_budget,
+                report.shed,
+                report.throttled
+            );
+            if obey { &mut obeyed } else { &mut ignored }.add(&report);
+            settle(&cluster)?;
+        }
+    }
+    let ratio = |a: f64, b: f64| if b == 0.0 { None } else { Some(a / b) };
+    Ok(json!({
+        "bench": "hints",
+        "workers": workers,
+        "cameras": cameras,
+        "fps": fps,
+        "seconds_per_run": seconds,
+        "rounds": rounds,
+        "obeyed": obeyed,
+        "ignored": ignored,
+        "ratio_shed_obeyed_over_ignored": ratio(obeyed.shed as f64, ignored.shed as f64),
+        "ratio_sent_obeyed_over_ignored": ratio(obeyed.sent as f64, ignored.sent as f64),
+        "ratio_served_share_obeyed_over_ignored": ratio(obeyed.served_share, ignored.served_share),
+    }))
+}
+
+/// Waits (at most 30 s) until the gateway holds no frame, so the next run
+/// starts on an idle cluster.
+fn settle(cluster: &Cluster) -> anyhow::Result<()> {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, body) = cluster.get("/api/v1/frames")?;
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        if v["queued"] == 0 && v["dispatched"] == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < until,
+            "frames still in flight 30 s after a run: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
