@@ -476,6 +476,14 @@ impl Config {
     }
 }
 
+/// Longest of the `[leasing]` durations in seconds (start timeout, down,
+/// release and idle windows): a week. Far above any sensible value, and
+/// small enough that their milliseconds never overflow.
+pub const MAX_LEASING_SECS: u64 = 7 * 86_400;
+
+/// Highest `leasing.spend_cap_per_hour` accepted, in currency units.
+pub const MAX_SPEND_CAP_PER_HOUR: f64 = 1e9;
+
 impl LeasingConfig {
     /// The catalog: the configured file, or the built-in one.
     pub fn load_catalog(&self) -> Result<tidegate_lease::Catalog, ConfigError> {
@@ -511,11 +519,25 @@ impl LeasingConfig {
             ));
         }
         if let Some(cap) = self.spend_cap_per_hour
-            && !(cap.is_finite() && cap > 0.0)
+            && !(cap.is_finite() && cap > 0.0 && cap <= MAX_SPEND_CAP_PER_HOUR)
         {
             return bad(format!(
-                "leasing.spend_cap_per_hour = {cap} must be a positive amount per hour"
+                "leasing.spend_cap_per_hour = {cap} must be a positive amount per hour, at most {MAX_SPEND_CAP_PER_HOUR}"
             ));
+        }
+        for (field, secs) in [
+            ("start_timeout_secs", Some(self.start_timeout_secs)),
+            ("down_window_secs", self.down_window_secs),
+            ("release_window_secs", self.release_window_secs),
+            ("idle_timeout_secs", self.idle_timeout_secs),
+        ] {
+            if let Some(s) = secs
+                && !(1..=MAX_LEASING_SECS).contains(&s)
+            {
+                return bad(format!(
+                    "leasing.{field} = {s} must be between 1 and {MAX_LEASING_SECS} (a week)"
+                ));
+            }
         }
         if let Some(h) = self.headroom
             && !(0.0..=10.0).contains(&h)
@@ -557,18 +579,20 @@ impl LeasingConfig {
                         "leasing.process.command is empty; name the tidegate-worker binary".into(),
                     );
                 }
-                if !(p.notice_period_secs.is_finite() && p.notice_period_secs >= 0.0) {
-                    return bad(format!(
-                        "leasing.process.notice_period_secs = {} must be >= 0",
-                        p.notice_period_secs
-                    ));
-                }
-                if let Some(t) = p.preempt_spot_after_secs
-                    && !(t.is_finite() && t >= 0.0)
-                {
-                    return bad(format!(
-                        "leasing.process.preempt_spot_after_secs = {t} must be >= 0"
-                    ));
+                use tidegate_lease::provider::{MAX_NOTICE_PERIOD_SECS, checked_secs};
+                checked_secs(
+                    "leasing.process.notice_period_secs",
+                    p.notice_period_secs,
+                    MAX_NOTICE_PERIOD_SECS,
+                )
+                .map_err(ConfigError::Invalid)?;
+                if let Some(t) = p.preempt_spot_after_secs {
+                    checked_secs(
+                        "leasing.process.preempt_spot_after_secs",
+                        t,
+                        MAX_LEASING_SECS as f64,
+                    )
+                    .map_err(ConfigError::Invalid)?;
                 }
             }
             ProviderKind::Static => {
@@ -645,6 +669,53 @@ impl LeasingConfig {
                     m.name, m.min_fps
                 ));
             }
+        }
+        self.validate_release_window(&catalog)
+    }
+
+    /// Paid-block-aware releases a surplus lease at a tick within
+    /// `release_window_secs` of its paid block's end, and the release takes
+    /// [`crate::leasing::RELEASE_LEAD`] to complete. For hourly (prepaid)
+    /// blocks some tick must fall in the window early enough: the window
+    /// must fit a tick plus the lead, or the policy can miss the block end
+    /// and pay for the next one. Per-second billing has no block to miss
+    /// past its minimum, so any window above zero works there.
+    fn validate_release_window(
+        &self,
+        catalog: &tidegate_lease::Catalog,
+    ) -> Result<(), ConfigError> {
+        use tidegate_lease::autoscale::{PolicyConfig, PolicyName};
+        use tidegate_lease::billing::Granularity;
+        let policy = self.policy_name()?;
+        if policy != PolicyName::PaidBlockAware {
+            return Ok(());
+        }
+        let hourly = self
+            .models
+            .iter()
+            .flat_map(|m| &m.instance_types)
+            .filter_map(|t| catalog.get(t))
+            .find(|i| i.granularity == Granularity::Hour);
+        let Some(hourly) = hourly else {
+            return Ok(());
+        };
+        let (window_ms, set) = match self.release_window_secs {
+            Some(s) => (s.saturating_mul(1000), "set"),
+            None => (PolicyConfig::new(policy).release_window_ms, "the default"),
+        };
+        let lead_ms = crate::leasing::RELEASE_LEAD.as_millis() as u64;
+        let need_ms = self.tick_ms.saturating_add(lead_ms);
+        if window_ms < need_ms {
+            return Err(ConfigError::Invalid(format!(
+                "leasing.release_window_secs = {} ({set}) is shorter than a tick (tick_ms = {}) plus the {} s a release takes: \
+                 paid-block-aware could miss the end of a paid hour of '{}' and pay for the next; \
+                 set release_window_secs to at least {} or lower tick_ms",
+                window_ms / 1000,
+                self.tick_ms,
+                lead_ms / 1000,
+                hourly.name,
+                need_ms.div_ceil(1000),
+            )));
         }
         Ok(())
     }
@@ -747,6 +818,82 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn leasing_values_that_would_overflow_or_panic_are_refused_naming_the_field() {
+        for (extra, field) in [
+            ("notice_period_secs = 1e20\n", "notice_period_secs"),
+            ("notice_period_secs = -1\n", "notice_period_secs"),
+            ("notice_period_secs = inf\n", "notice_period_secs"),
+            (
+                "preempt_spot_after_secs = 1e300\n",
+                "preempt_spot_after_secs",
+            ),
+        ] {
+            let e = leasing(&format!("{PROCESS}{extra}{MODEL}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("leasing.process.{field}")), "{e}");
+        }
+        for (extra, field) in [
+            (
+                "release_window_secs = 18446744073709551615",
+                "release_window_secs",
+            ),
+            ("release_window_secs = 0", "release_window_secs"),
+            (
+                "down_window_secs = 18446744073709551615",
+                "down_window_secs",
+            ),
+            ("idle_timeout_secs = 0", "idle_timeout_secs"),
+            (
+                "start_timeout_secs = 18446744073709551615",
+                "start_timeout_secs",
+            ),
+            ("spend_cap_per_hour = 1e300", "spend_cap_per_hour"),
+        ] {
+            let e = leasing(&format!("{extra}\n{PROCESS}{MODEL}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("leasing.{field}")), "{extra}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_release_window_must_fit_a_tick_and_a_release_for_hourly_blocks() {
+        let hourly = MODEL.replace("cpu-32", "h100");
+        // the default window (180 s) with a tick of an hour: refused
+        let e = leasing(&format!("tick_ms = 3600000\n{PROCESS}{hourly}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("leasing.release_window_secs = 180 (the default)")
+                && e.contains("'h100'")
+                && e.contains("at least 3603"),
+            "{e}"
+        );
+        // a window of 3 s with a 500 ms tick: a release takes 3 s
+        let e = leasing(&format!(
+            "tick_ms = 500\nrelease_window_secs = 3\n{PROCESS}{hourly}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("at least 4"), "{e}");
+        leasing(&format!(
+            "tick_ms = 500\nrelease_window_secs = 4\n{PROCESS}{hourly}"
+        ))
+        .unwrap();
+        // per-second billing (cpu-32) past its minimum has no block to
+        // miss, and the other policies do not use the window
+        leasing(&format!(
+            "tick_ms = 500\nrelease_window_secs = 1\n{PROCESS}{MODEL}"
+        ))
+        .unwrap();
+        leasing(&format!(
+            "policy = \"tidal\"\ntick_ms = 3600000\n{PROCESS}{hourly}"
+        ))
+        .unwrap();
     }
 
     const SLURM: &str = "[leasing.slurm]\ncommand = \"tidegate-worker\"\nslurm_conf = \"slurm.conf\"\npartitions = { on_demand = \"gpu\", spot = \"spot\" }\ngres = { h100 = \"gpu:h100:1\" }\n";

@@ -5,23 +5,35 @@
 //!
 //! * on start it adopts the live leases of the ledger whose worker still
 //!   runs (their tokens re-armed, so the worker may register again) and
-//!   ends the rest;
+//!   ends the rest; an adopted lease that was draining (being released, or
+//!   under a spot notice) is drained in the hub and released at once;
 //! * every tick it asks the hub for the load (arrival rate, queue, p95
 //!   against the budget, the leased workers' profiles, frames served per
 //!   lease), records the frames in the ledger, feeds an [`Observation`] to
 //!   the autoscaler, executes its [`Action`]s, accrues cost and updates the
 //!   leasing metrics;
-//! * `Acquire` → ledger row + one-time token → `provider.acquire` →
+//! * `Acquire` → one-time token + ledger row → `provider.acquire` →
 //!   `starting`; `Release` → the hub stops dispatching to the worker,
-//!   `draining`, and after [`RELEASE_GRACE`] (its batches in flight come
-//!   back) `provider.release` → `ended(released)`; `StopDispatch` → the hub
-//!   stops dispatching;
+//!   `draining`, and [`RELEASE_GRACE`] later (its batches in flight come
+//!   back; a timer of its own, not the tick) `provider.release` →
+//!   `ended(released)`. A release the provider fails is retried, backing
+//!   off, with the lease kept draining in the ledger: it may still bill,
+//!   so it is never forgotten. `StopDispatch` → the hub stops dispatching;
 //! * provider events: a spot notice drains the worker and goes to the
 //!   autoscaler (which acquires a replacement); `Ended` ends the lease;
 //! * the QUIC server asks it to check a worker's lease token (once) and
-//!   tells it when the worker registered (`ready`) or went away.
+//!   tells it when the worker registered (`ready`) or went away; a process
+//!   or Slurm worker that went away while its lease lives gets its token
+//!   re-armed, so it may redial and register again (one connection at a
+//!   time);
+//! * a ledger write that fails is kept and retried every tick, in lifecycle
+//!   order: a billing start or an end is never dropped.
+//!
+//! The pacing decisions (acquire backoff, start timeout, release due and
+//! retry times) are the pure [`tidegate_lease::pacing`]; the shell reads
+//! the clocks and sleeps.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -30,13 +42,16 @@ use tidegate_lease::autoscale::{
     ScheduleEntry,
 };
 use tidegate_lease::ledger::{CostReport, LeaseRecord, Ledger, LedgerError, NewLease};
+use tidegate_lease::pacing::{
+    AcquireBackoff, ReleaseQueue, end_reason_while_releasing, start_timed_out,
+};
 use tidegate_lease::provider::process::{ProcessConfig, ProcessProvider};
 use tidegate_lease::provider::slurm::SlurmProvider;
 use tidegate_lease::provider::static_workers::{StaticConfig, StaticProvider};
 use tidegate_lease::provider::{
     Acquired, LeaseSpec, Provider, ProviderError, ProviderEvent, wall_clock_ms,
 };
-use tidegate_lease::table::LeaseEntry;
+use tidegate_lease::table::{LeaseEntry, TableError};
 use tidegate_lease::{
     Catalog, EndReason, LeaseId, LeaseState, LeaseTable, LeaseToken, Millis, Money, Tier,
 };
@@ -49,17 +64,21 @@ use crate::config::{LeasingConfig, ProviderKind, ScaledModel};
 use crate::hub::{Hub, HubMsg, LoadReport};
 use crate::metrics::Metrics;
 
-/// Time between `Release` (dispatch stopped) and the worker's end, for the
-/// batches it was running to come back.
+/// Time between `Release` (dispatch stopped) and the provider's release of
+/// the worker, for the batches it was running to come back.
 pub const RELEASE_GRACE: Duration = Duration::from_secs(1);
 
-/// After a lease fails to start (spawn error, or its worker ended before
-/// it registered), acquisitions pause this long, doubling per failure up to
-/// [`ACQUIRE_BACKOFF_MAX`], so a broken worker command or config cannot
-/// spawn a process (and write a ledger row) every tick.
-pub const ACQUIRE_BACKOFF: Duration = Duration::from_secs(1);
-/// Longest pause between acquisitions after repeated start failures.
-pub const ACQUIRE_BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// Time from a `Release` decision until the lease has ended: the grace,
+/// plus a margin for the provider to stop the worker. Paid-block-aware
+/// keeps an hourly lease with less than this left in its block (releasing
+/// it would pay for the next block anyway), and `[leasing]` validation
+/// requires `release_window_secs` to fit a tick plus this, so that some
+/// tick decides each release early enough.
+pub const RELEASE_LEAD: Duration = Duration::from_secs(3);
+
+/// How long after a spot notice's deadline a lease its provider has not
+/// reported ended is released by the gateway.
+pub const NOTICE_OVERRUN: Duration = Duration::from_secs(30);
 
 /// Network and return time taken from the budget when turning a latency
 /// profile into throughput at the SLO (as the simulator does).
@@ -86,6 +105,19 @@ pub enum LeasingError {
         /// The cause.
         source: LedgerError,
     },
+    /// The ledger's folder could not be created.
+    #[error(
+        "cannot create the ledger's folder {path}: {source}; check `[leasing] ledger` and the gateway's permissions"
+    )]
+    LedgerFolder {
+        /// The folder.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The lease table rebuilt from the ledger refused an adopted lease.
+    #[error("lease table: {0}")]
+    Table(#[from] TableError),
     /// The provider could not be set up or adopt the live leases.
     #[error("lease provider: {0}")]
     Provider(String),
@@ -230,6 +262,8 @@ enum Source {
     },
     Static(StaticProvider),
     Slurm(Box<SlurmProvider>),
+    #[cfg(test)]
+    Fake(fake::FakeProvider),
 }
 
 impl Source {
@@ -238,6 +272,8 @@ impl Source {
             Source::Process { provider, .. } => provider.name(),
             Source::Static(p) => p.name(),
             Source::Slurm(p) => p.name(),
+            #[cfg(test)]
+            Source::Fake(p) => p.name(),
         }
     }
 
@@ -252,6 +288,8 @@ impl Source {
             }
             Source::Static(p) => p.acquire(spec).await,
             Source::Slurm(p) => p.acquire(spec).await,
+            #[cfg(test)]
+            Source::Fake(p) => p.acquire(spec).await,
         }
     }
 
@@ -260,6 +298,8 @@ impl Source {
             Source::Process { provider, .. } => provider.release(lease).await,
             Source::Static(p) => p.release(lease).await,
             Source::Slurm(p) => p.release(lease).await,
+            #[cfg(test)]
+            Source::Fake(p) => p.release(lease).await,
         }
     }
 
@@ -268,6 +308,8 @@ impl Source {
             Source::Process { provider, .. } => provider.take_events(),
             Source::Static(p) => p.take_events(),
             Source::Slurm(p) => p.take_events(),
+            #[cfg(test)]
+            Source::Fake(p) => p.take_events(),
         }
     }
 }
@@ -289,22 +331,17 @@ pub fn spawn(
     tracker: &TaskTracker,
 ) -> Result<Leasing, LeasingError> {
     cfg.validate()?;
-    let catalog = cfg.load_catalog()?;
-    let policy = cfg.policy_name()?;
     let ledger_err = |source| LeasingError::Ledger {
         path: cfg.ledger.clone(),
         source,
     };
     if let Some(dir) = cfg.ledger.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            LeasingError::Provider(format!(
-                "cannot create the ledger's folder {}: {e}",
-                dir.display()
-            ))
+        std::fs::create_dir_all(dir).map_err(|source| LeasingError::LedgerFolder {
+            path: dir.to_path_buf(),
+            source,
         })?;
     }
-    let mut ledger = Ledger::open(&cfg.ledger).map_err(ledger_err)?;
-    let now = wall_clock_ms();
+    let ledger = Ledger::open(&cfg.ledger).map_err(ledger_err)?;
     // workers dial the gateway's QUIC address unless the config's `env`
     // names another (a Slurm cluster's nodes reach it by its own name)
     let with_dial = |env: &std::collections::BTreeMap<String, String>| {
@@ -318,7 +355,7 @@ pub fn spawn(
         env
     };
     let provider_err = |e: ProviderError| LeasingError::Provider(e.to_string());
-    let mut source = match cfg.provider {
+    let source = match cfg.provider {
         ProviderKind::Process => {
             let p = cfg
                 .process
@@ -331,7 +368,10 @@ pub fn spawn(
                     env: with_dial(&p.env).into_iter().collect(),
                     notice_period_secs: p.notice_period_secs,
                 }),
-                preempt_spot_after: p.preempt_spot_after_secs.map(Duration::from_secs_f64),
+                // validated: finite and within range
+                preempt_spot_after: p
+                    .preempt_spot_after_secs
+                    .and_then(|s| Duration::try_from_secs_f64(s).ok()),
             }
         }
         ProviderKind::Static => Source::Static(
@@ -349,6 +389,28 @@ pub fn spawn(
             Source::Slurm(Box::new(SlurmProvider::connect(s).map_err(provider_err)?))
         }
     };
+    start(cfg, ledger, source, hub, metrics, cancel, tracker)
+}
+
+/// Adopts with `source` the ledger's live leases whose worker still runs,
+/// ends the rest, and starts the shell.
+fn start(
+    cfg: &LeasingConfig,
+    mut ledger: Ledger,
+    mut source: Source,
+    hub: Hub,
+    metrics: Metrics,
+    cancel: CancellationToken,
+    tracker: &TaskTracker,
+) -> Result<Leasing, LeasingError> {
+    let catalog = cfg.load_catalog()?;
+    let policy = cfg.policy_name()?;
+    let ledger_err = |source| LeasingError::Ledger {
+        path: cfg.ledger.clone(),
+        source,
+    };
+    let provider_err = |e: ProviderError| LeasingError::Provider(e.to_string());
+    let now = wall_clock_ms();
     // Adopt what still runs, end the rest: no lease outlives its worker.
     let adopted = match &mut source {
         Source::Process { provider, .. } => {
@@ -364,6 +426,8 @@ pub fn spawn(
                 .adopted
         }
         Source::Static(_) => Vec::new(),
+        #[cfg(test)]
+        Source::Fake(provider) => provider.adopt(&mut ledger).map_err(provider_err)?,
     };
     for rec in ledger.live_leases().map_err(ledger_err)? {
         if !adopted.contains(&rec.id) {
@@ -377,12 +441,20 @@ pub fn spawn(
         }
     }
     let mut table = ledger.load_table().map_err(ledger_err)?;
+    let epoch = tokio::time::Instant::now();
+    let mut releases = ReleaseQueue::new();
     for id in &adopted {
         // the adopted worker registers again with the token it was given
-        table
-            .rearm_claim(*id)
-            .map_err(|e| LeasingError::Provider(e.to_string()))?;
+        table.rearm_claim(*id)?;
         ledger.set_token_claimed(*id, false).map_err(ledger_err)?;
+        // A lease that was draining (being released, or under a spot
+        // notice) when the gateway went down: no policy would ever release
+        // it (it serves nothing), so release it now; the hub drains its
+        // worker if it registers again meanwhile.
+        if table.get(*id).map(|e| e.state) == Some(LeaseState::Draining) {
+            info!(lease = %id, "adopted lease was draining; releasing it");
+            releases.schedule(*id, 0, EndReason::Released);
+        }
     }
     if !adopted.is_empty() {
         info!(adopted = ?adopted, "adopted live leases");
@@ -399,15 +471,17 @@ pub fn spawn(
     if let Some(cap) = cfg.spend_cap_per_hour {
         metrics.spend_cap.with_label_values::<&str>(&[]).set(cap);
     }
+    // the windows are bounded by validate(); saturating all the same
     if let Some(s) = cfg.down_window_secs {
-        pc.down_window_ms = s * 1000;
+        pc.down_window_ms = s.saturating_mul(1000);
     }
     if let Some(s) = cfg.release_window_secs {
-        pc.release_window_ms = s * 1000;
+        pc.release_window_ms = s.saturating_mul(1000);
     }
     if let Some(s) = cfg.idle_timeout_secs {
-        pc.idle_timeout_ms = s * 1000;
+        pc.idle_timeout_ms = s.saturating_mul(1000);
     }
+    pc.release_lead_ms = RELEASE_LEAD.as_millis() as Millis;
     for m in &cfg.models {
         if m.min_fps > 0.0 {
             pc.schedule.push(ScheduleEntry {
@@ -439,13 +513,15 @@ pub fn spawn(
         metrics,
         measured: HashMap::new(),
         static_names: HashMap::new(),
-        releasing: Vec::new(),
-        backoff: None,
+        epoch,
+        releases,
+        backoff: AcquireBackoff::new(),
+        writes: PendingWrites::default(),
         last_tick: None,
         busy_ms: 0.0,
         leased_ms: 0.0,
         cost_seen: BTreeMap::new(),
-        start_timeout: Duration::from_secs(cfg.start_timeout_secs),
+        start_timeout_ms: cfg.start_timeout_secs.saturating_mul(1000),
     };
     shell.update_metrics(now);
     let tick = Duration::from_millis(cfg.tick_ms);
@@ -455,6 +531,71 @@ pub fn spawn(
             .instrument(info_span!("leasing")),
     );
     Ok(Leasing { tx })
+}
+
+/// A ledger write of one lease's lifecycle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Write {
+    /// `mark_starting`: the provider accepted; billing starts.
+    Starting {
+        at: Millis,
+        pid: Option<u32>,
+        data: Option<String>,
+    },
+    /// `mark_ready`: the worker registered.
+    Ready { at: Millis },
+    /// `mark_draining`: no new frames.
+    Draining,
+    /// `mark_ended`: charges the final blocks.
+    Ended { at: Millis, reason: EndReason },
+}
+
+impl Write {
+    /// Lifecycle order: a later write waits for an earlier one.
+    fn rank(&self) -> u8 {
+        match self {
+            Write::Starting { .. } => 0,
+            Write::Ready { .. } => 1,
+            Write::Draining => 2,
+            Write::Ended { .. } => 3,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Write::Starting { .. } => "marking starting",
+            Write::Ready { .. } => "marking ready",
+            Write::Draining => "marking draining",
+            Write::Ended { .. } => "ending the lease",
+        }
+    }
+}
+
+/// Ledger writes that failed (the ledger could not be read or written),
+/// kept per lease in lifecycle order and retried every tick: a lease's
+/// billing start, or its end, is never dropped because one write failed.
+#[derive(Debug, Default)]
+struct PendingWrites {
+    by_lease: BTreeMap<LeaseId, Vec<Write>>,
+}
+
+impl PendingWrites {
+    fn is_pending(&self, lease: LeaseId) -> bool {
+        self.by_lease.contains_key(&lease)
+    }
+
+    /// Queues `w` behind the lease's earlier pending writes. An end makes
+    /// the pending `ready`/`draining` moot (a pending start stays: the
+    /// billing start must be written before the end).
+    fn push(&mut self, lease: LeaseId, w: Write) {
+        let q = self.by_lease.entry(lease).or_default();
+        if matches!(w, Write::Ended { .. }) {
+            q.retain(|p| matches!(p, Write::Starting { .. }));
+        }
+        if !q.iter().any(|p| p.rank() >= w.rank()) {
+            q.push(w);
+        }
+    }
 }
 
 struct Shell {
@@ -471,11 +612,15 @@ struct Shell {
     measured: HashMap<(String, String), f64>,
     /// Static provider: the worker name bound to each lease.
     static_names: HashMap<LeaseId, String>,
-    /// Leases whose dispatch stopped, to release when due.
-    releasing: Vec<(LeaseId, tokio::time::Instant)>,
-    /// Acquisitions paused until, and the pause to use after the next
-    /// failure, after leases failed to start.
-    backoff: Option<(tokio::time::Instant, Duration)>,
+    /// Start of the monotonic clock of the pacing decisions.
+    epoch: tokio::time::Instant,
+    /// Leases whose dispatch stopped, with when their provider release is
+    /// due (or retried), on the monotonic clock.
+    releases: ReleaseQueue,
+    /// Acquisitions paused after leases failed to start (monotonic clock).
+    backoff: AcquireBackoff,
+    /// Ledger writes to retry.
+    writes: PendingWrites,
     last_tick: Option<Millis>,
     /// GPU time spent running batches, and leased (billing started), since
     /// this gateway started (ms).
@@ -484,11 +629,25 @@ struct Shell {
     /// Cost per tier already added to `tidegate_cost_total`.
     cost_seen: BTreeMap<Tier, f64>,
     /// A lease whose worker has not registered this long after it was
-    /// requested is ended as `failed` and released.
-    start_timeout: Duration,
+    /// requested is ended as `failed` and released (ms).
+    start_timeout_ms: Millis,
+}
+
+/// What a provider release came to.
+enum Released {
+    /// The worker is gone (or the provider no longer holds the lease).
+    Gone,
+    /// The provider failed: the worker may still run, and bill.
+    Failed(ProviderError),
 }
 
 impl Shell {
+    /// The monotonic clock of the pacing decisions (ms since the shell
+    /// started).
+    fn mono(&self) -> Millis {
+        self.epoch.elapsed().as_millis() as Millis
+    }
+
     async fn run(
         mut self,
         mut rx: mpsc::Receiver<LeasingMsg>,
@@ -496,9 +655,20 @@ impl Shell {
         tick: Duration,
         cancel: CancellationToken,
     ) {
+        // leases adopted while draining: the hub drains their workers
+        for lease in self.releases.leases() {
+            self.hub.send(HubMsg::LeaseDraining { lease }).await;
+        }
         let mut ticker = tokio::time::interval(tick);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            // provider releases run on their own timer, not the tick's: a
+            // release is due RELEASE_GRACE after its decision
+            let release_at = self
+                .releases
+                .next_due()
+                .map(|at| self.epoch + Duration::from_millis(at));
+            let far = tokio::time::Instant::now() + Duration::from_secs(3600);
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 msg = rx.recv() => match msg {
@@ -510,26 +680,60 @@ impl Shell {
                     None => break,
                 },
                 _ = ticker.tick() => self.tick().await,
+                _ = tokio::time::sleep_until(release_at.unwrap_or(far)), if release_at.is_some() => {
+                    self.release_due().await;
+                    self.update_metrics(wall_clock_ms());
+                }
             }
         }
         self.shutdown().await;
     }
 
     /// Clean shutdown: every held lease is released and ended (its worker
-    /// would exit anyway once the gateway closes its connection).
+    /// would exit anyway once the gateway closes its connection). A lease
+    /// whose provider release fails is left live in the ledger, since it
+    /// may still bill: the next start adopts it (and releases it) or ends
+    /// it if its worker is gone.
     async fn shutdown(mut self) {
-        let now = wall_clock_ms();
-        let live = self.ledger.live_leases().unwrap_or_default();
-        for rec in live {
-            if let Err(e) = self.source.release(rec.id).await {
-                debug!(lease = %rec.id, error = %e, "release at shutdown");
-            }
-            self.end(rec.id, now, EndReason::Released);
+        self.flush_writes();
+        let mut live: BTreeSet<LeaseId> = self
+            .table
+            .entries()
+            .iter()
+            .filter(|e| !e.state.is_ended())
+            .map(|e| e.id)
+            .collect();
+        match self.ledger.live_leases() {
+            Ok(recs) => live.extend(recs.iter().map(|r| r.id)),
+            Err(e) => warn!("reading live leases at shutdown: {e}; releasing the ones in memory"),
         }
-        if let Err(e) = self.ledger.accrue(now) {
+        let mut kept = Vec::new();
+        for lease in live {
+            match self.provider_release(lease).await {
+                Released::Gone => {
+                    let reason = self.releases.done(lease).unwrap_or(EndReason::Released);
+                    self.end(lease, wall_clock_ms(), reason);
+                }
+                Released::Failed(e) => {
+                    warn!(%lease, "release at shutdown failed; the lease stays live in the ledger, and the next start adopts or ends it: {e}");
+                    kept.push(lease);
+                }
+            }
+        }
+        self.flush_writes();
+        if let Err(e) = self.ledger.accrue(wall_clock_ms()) {
             warn!("accruing cost at shutdown: {e}");
         }
-        info!("lease manager stopped; every lease released");
+        let unwritten: Vec<LeaseId> = self.writes.by_lease.keys().copied().collect();
+        if kept.is_empty() && unwritten.is_empty() {
+            info!("lease manager stopped; every lease released");
+        } else {
+            warn!(
+                ?kept,
+                ?unwritten,
+                "lease manager stopped; some leases were not released or not recorded ended"
+            );
+        }
     }
 
     async fn handle(&mut self, msg: LeasingMsg) {
@@ -540,14 +744,10 @@ impl Shell {
             LeasingMsg::Registered { lease } => {
                 let now = wall_clock_ms();
                 if self.state(lease) == Some(LeaseState::Starting) {
-                    match self.ledger.mark_ready(lease, now) {
-                        Ok(()) => {
-                            let _ = self.table.transition(lease, LeaseState::Ready);
-                            info!(%lease, "lease ready: its worker registered");
-                            self.backoff = None;
-                        }
-                        Err(e) => warn!(%lease, "marking ready: {e}"),
-                    }
+                    self.write(lease, Write::Ready { at: now });
+                    let _ = self.table.transition(lease, LeaseState::Ready);
+                    info!(%lease, "lease ready: its worker registered");
+                    self.backoff.reset();
                 }
                 if let Source::Static(p) = &self.source
                     && let Err(e) = p.worker_registered(lease)
@@ -558,10 +758,15 @@ impl Shell {
             }
             LeasingMsg::Disconnected { lease } => {
                 info!(%lease, "leased worker disconnected");
-                if let Source::Static(p) = &mut self.source
-                    && let Err(e) = p.worker_disconnected(lease)
-                {
-                    debug!(%lease, "static worker disconnected: {e}");
+                if let Source::Static(p) = &mut self.source {
+                    // a static worker's link is all we know of it: losing
+                    // it ends the lease, and frees the worker to be bound
+                    // again when it returns
+                    if let Err(e) = p.worker_disconnected(lease) {
+                        debug!(%lease, "static worker disconnected: {e}");
+                    }
+                } else {
+                    self.rearm(lease);
                 }
             }
             LeasingMsg::Leases {
@@ -594,6 +799,29 @@ impl Shell {
                 };
                 let _ = reply.send(answer);
             }
+        }
+    }
+
+    /// A process or Slurm worker's connection is gone while its lease
+    /// lives (its link dropped, or the gateway lost its heartbeats): its
+    /// token is re-armed so that the same worker may redial and register
+    /// again under the same lease instead of exiting on "already used" and
+    /// wasting the paid block. Only that lease's token is accepted, and
+    /// only for one connection at a time: the claim is re-armed once the
+    /// previous connection has gone. If the worker is really gone, its
+    /// provider reports the end.
+    fn rearm(&mut self, lease: LeaseId) {
+        if self.state(lease).is_none_or(|s| s.is_ended()) {
+            return;
+        }
+        match self.table.rearm_claim(lease) {
+            Ok(()) => {
+                debug!(%lease, "token re-armed: its worker may register again");
+                if let Err(e) = self.ledger.set_token_claimed(lease, false) {
+                    warn!(%lease, "recording the re-armed token: {e}");
+                }
+            }
+            Err(e) => debug!(%lease, "token not re-armed: {e}"),
         }
     }
 
@@ -635,9 +863,7 @@ impl Shell {
         match ev {
             ProviderEvent::Ready { lease } => {
                 if self.state(lease) == Some(LeaseState::Starting) {
-                    if let Err(e) = self.ledger.mark_ready(lease, now) {
-                        warn!(%lease, "marking ready: {e}");
-                    }
+                    self.write(lease, Write::Ready { at: now });
                     let _ = self.table.transition(lease, LeaseState::Ready);
                 }
             }
@@ -647,20 +873,41 @@ impl Shell {
                     .autoscaler
                     .on_event(now, Event::PreemptionNotice { lease, deadline });
                 self.execute(now, actions, 0).await;
+                // The provider ends it at the deadline. Should it not (a
+                // preemption called off, an end never reported), nothing
+                // else would ever release a draining lease: release it
+                // then, rather than let it bill unwatched.
+                let due = self.mono()
+                    + deadline.saturating_sub(now)
+                    + NOTICE_OVERRUN.as_millis() as Millis;
+                self.releases.schedule(lease, due, EndReason::Preempted);
             }
             ProviderEvent::Ended {
                 lease,
                 reason,
                 detail,
             } => {
-                warn!(%lease, reason = reason.as_str(), %detail, "lease ended by its provider");
-                if matches!(
-                    self.state(lease),
-                    Some(LeaseState::Requested | LeaseState::Starting)
-                ) {
+                if self.state(lease).is_some_and(|s| s.is_ended()) {
+                    // we ended it first (a release racing the provider's
+                    // own report of the end)
+                    debug!(%lease, reason = reason.as_str(), %detail, "provider reports the end of a lease already ended");
+                    self.update_metrics(now);
+                    return;
+                }
+                let releasing = self.releases.done(lease);
+                if releasing.is_none()
+                    && matches!(
+                        self.state(lease),
+                        Some(LeaseState::Requested | LeaseState::Starting)
+                    )
+                {
                     self.start_failed();
                 }
-                self.releasing.retain(|(l, _)| *l != lease);
+                let reason = match releasing {
+                    Some(intended) => end_reason_while_releasing(intended, reason),
+                    None => reason,
+                };
+                warn!(%lease, reason = reason.as_str(), %detail, "lease ended by its provider");
                 self.static_names.remove(&lease);
                 self.hub.send(HubMsg::LeaseEnded { lease }).await;
                 self.end(lease, now, reason);
@@ -669,28 +916,82 @@ impl Shell {
         self.update_metrics(now);
     }
 
-    /// Ends a lease in the ledger and the table, once.
-    fn end(&mut self, lease: LeaseId, now: Millis, reason: EndReason) {
-        let ended = self
-            .ledger
-            .lease(lease)
-            .ok()
-            .flatten()
-            .is_none_or(|r| r.state.is_ended());
-        if ended {
+    /// Writes `w` to the ledger now, or queues it to retry next tick when
+    /// an earlier write of the lease is still pending or the ledger fails.
+    /// A write the lifecycle refuses (the lease already moved past it, or
+    /// ended) is moot and dropped.
+    fn write(&mut self, lease: LeaseId, w: Write) {
+        if self.writes.is_pending(lease) {
+            debug!(%lease, write = w.name(), "queued behind an earlier ledger write");
+            self.writes.push(lease, w);
             return;
         }
-        match self.ledger.mark_ended(lease, now, reason) {
-            Ok(last) => {
-                info!(%lease, reason = reason.as_str(), final_blocks = last.units(), "lease ended")
+        if let Err(e) = self.try_write(lease, &w) {
+            warn!(%lease, "{}: {e}; retried every tick", w.name());
+            self.writes.push(lease, w);
+        }
+    }
+
+    /// One ledger write: `Err` only when it should be retried.
+    fn try_write(&mut self, lease: LeaseId, w: &Write) -> Result<(), LedgerError> {
+        let r = match w {
+            Write::Starting { at, pid, data } => {
+                self.ledger.mark_starting(lease, *at, *pid, data.as_deref())
             }
-            Err(e) => warn!(%lease, "ending the lease: {e}"),
+            Write::Ready { at } => self.ledger.mark_ready(lease, *at),
+            Write::Draining => self.ledger.mark_draining(lease),
+            Write::Ended { at, reason } => self.ledger.mark_ended(lease, *at, *reason).map(|last| {
+                info!(%lease, reason = reason.as_str(), final_blocks = last.units(), "lease ended");
+            }),
+        };
+        match r {
+            Ok(()) => Ok(()),
+            Err(e @ (LedgerError::Transition { .. } | LedgerError::UnknownLease(_))) => {
+                debug!(%lease, write = w.name(), "moot: {e}");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Retries the pending ledger writes, each lease's in lifecycle order.
+    fn flush_writes(&mut self) {
+        let leases: Vec<LeaseId> = self.writes.by_lease.keys().copied().collect();
+        for lease in leases {
+            let queue = self.writes.by_lease.remove(&lease).unwrap_or_default();
+            let mut left = Vec::new();
+            for w in queue {
+                if !left.is_empty() {
+                    left.push(w);
+                    continue;
+                }
+                match self.try_write(lease, &w) {
+                    Ok(()) => info!(%lease, "{} succeeded on retry", w.name()),
+                    Err(e) => {
+                        debug!(%lease, "{}: {e}; retried next tick", w.name());
+                        left.push(w);
+                    }
+                }
+            }
+            if !left.is_empty() {
+                self.writes.by_lease.insert(lease, left);
+            }
+        }
+    }
+
+    /// Ends a lease in the table at once and in the ledger (retried if the
+    /// ledger fails), once.
+    fn end(&mut self, lease: LeaseId, now: Millis, reason: EndReason) {
+        if self.state(lease).is_some_and(|s| s.is_ended()) && !self.writes.is_pending(lease) {
+            return;
         }
         let _ = self.table.transition(lease, LeaseState::Ended(reason));
+        self.write(lease, Write::Ended { at: now, reason });
     }
 
     async fn tick(&mut self) {
         let now = wall_clock_ms();
+        self.flush_writes();
         let names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
         let Some(report) = self.hub.load_report(names).await else {
             return;
@@ -712,34 +1013,38 @@ impl Shell {
         }
         self.last_tick = Some(now);
         // A worker that never registers must not count as capacity forever.
-        let timeout = self.start_timeout.as_millis() as Millis;
         let stuck: Vec<LeaseId> = live
             .iter()
-            .filter(|r| matches!(r.state, LeaseState::Requested | LeaseState::Starting))
-            .filter(|r| now.saturating_sub(r.requested_at) > timeout)
+            .filter(|r| start_timed_out(r.state, r.requested_at, now, self.start_timeout_ms))
+            .filter(|r| !self.releases.contains(r.id))
             .map(|r| r.id)
             .collect();
         for lease in &stuck {
-            warn!(%lease, timeout_secs = self.start_timeout.as_secs(), "worker never registered; ending the lease as failed");
-            if let Err(e) = self.source.release(*lease).await {
-                warn!(%lease, "provider release: {e}");
-            }
-            self.static_names.remove(lease);
-            self.hub.send(HubMsg::LeaseEnded { lease: *lease }).await;
-            self.end(*lease, wall_clock_ms().max(now), EndReason::Failed);
+            warn!(%lease, timeout_secs = self.start_timeout_ms / 1000, "worker never registered; ending the lease as failed");
+            self.drain(*lease).await;
+            self.releases
+                .schedule(*lease, self.mono(), EndReason::Failed);
             self.start_failed();
         }
-        let live: Vec<LeaseRecord> = live
-            .into_iter()
-            .filter(|r| !stuck.contains(&r.id))
+        // the table is the truth (a ledger write may be pending retry)
+        let leases = live
+            .iter()
+            .map(|r| {
+                let mut v = r.view();
+                if let Some(s) = self.state(r.id) {
+                    v.state = s;
+                }
+                v
+            })
             .collect();
         let obs = Observation {
             models: self.observe(&report),
-            leases: live.iter().map(LeaseRecord::view).collect(),
+            leases,
         };
         let actions = self.autoscaler.on_event(now, Event::Tick(obs));
         self.execute(now, actions, 0).await;
-        self.release_due(now).await;
+        // the start timeouts above are due now
+        self.release_due().await;
         if let Err(e) = self.ledger.accrue(now) {
             warn!("accruing cost: {e}");
         }
@@ -825,9 +1130,7 @@ impl Shell {
                     tier,
                     reason,
                 } => {
-                    if let Some((until, _)) = self.backoff
-                        && tokio::time::Instant::now() < until
-                    {
+                    if !self.backoff.allows(self.mono()) {
                         debug!(
                             model,
                             instance_type, "acquire held back after start failures"
@@ -850,13 +1153,16 @@ impl Shell {
                     }
                 }
                 Action::Release { lease } => {
-                    if self.releasing.iter().any(|(l, _)| *l == lease) {
+                    let due = self.mono() + RELEASE_GRACE.as_millis() as Millis;
+                    if self.releases.contains(lease) {
+                        // already being released (or under a spot notice):
+                        // at most a grace from now
+                        self.releases.schedule(lease, due, EndReason::Released);
                         continue;
                     }
                     info!(%lease, "releasing lease: dispatch stopped, ends after its batches");
                     self.drain(lease).await;
-                    self.releasing
-                        .push((lease, tokio::time::Instant::now() + RELEASE_GRACE));
+                    self.releases.schedule(lease, due, EndReason::Released);
                 }
                 Action::StopDispatch { lease } => {
                     info!(%lease, "dispatch to lease stopped");
@@ -872,9 +1178,7 @@ impl Shell {
             self.state(lease),
             Some(LeaseState::Starting | LeaseState::Ready)
         ) {
-            if let Err(e) = self.ledger.mark_draining(lease) {
-                warn!(%lease, "marking draining: {e}");
-            }
+            self.write(lease, Write::Draining);
             let _ = self.table.transition(lease, LeaseState::Draining);
         }
     }
@@ -942,20 +1246,22 @@ impl Shell {
                 {
                     self.static_names.insert(id, w.name.clone());
                 }
-                if let Err(e) =
-                    self.ledger
-                        .mark_starting(id, now, acq.pid, acq.provider_data.as_deref())
-                {
-                    warn!(lease = %id, "marking starting: {e}");
-                }
+                // its worker runs: a billing start that fails to be written
+                // is retried, never dropped
+                self.write(
+                    id,
+                    Write::Starting {
+                        at: now,
+                        pid: acq.pid,
+                        data: acq.provider_data,
+                    },
+                );
                 info!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, pid = ?acq.pid, "lease acquired");
                 false
             }
             Err(e) => {
                 warn!(lease = %id, model, instance_type, tier = tier.as_str(), "acquire failed: {e}");
-                if let Err(e) = self.ledger.mark_ended(id, now, EndReason::Failed) {
-                    warn!(lease = %id, "ending a failed lease: {e}");
-                }
+                self.end(id, now, EndReason::Failed);
                 let refused = matches!(e, ProviderError::NoCapacity { .. });
                 if !refused {
                     self.start_failed();
@@ -967,32 +1273,47 @@ impl Shell {
 
     /// A lease failed to start: pause acquisitions, longer each time.
     fn start_failed(&mut self) {
-        let pause = self.backoff.map_or(ACQUIRE_BACKOFF, |(_, next)| next);
-        let next = (pause * 2).min(ACQUIRE_BACKOFF_MAX);
-        warn!(
-            pause_ms = pause.as_millis() as u64,
-            "a lease failed to start; acquisitions paused"
-        );
-        self.backoff = Some((tokio::time::Instant::now() + pause, next));
+        let pause_ms = self.backoff.start_failed(self.mono());
+        warn!(pause_ms, "a lease failed to start; acquisitions paused");
     }
 
-    async fn release_due(&mut self, now: Millis) {
-        let t = tokio::time::Instant::now();
-        let due: Vec<LeaseId> = self
-            .releasing
-            .iter()
-            .filter(|(_, at)| *at <= t)
-            .map(|(l, _)| *l)
-            .collect();
-        self.releasing.retain(|(_, at)| *at > t);
-        for lease in due {
-            if let Err(e) = self.source.release(lease).await {
-                warn!(%lease, "provider release: {e}");
+    /// The provider's release of `lease`. A provider that no longer holds
+    /// it (its worker ended, and the provider dropped it) has nothing to
+    /// release: that is `Gone` too.
+    async fn provider_release(&mut self, lease: LeaseId) -> Released {
+        match self.source.release(lease).await {
+            Ok(()) => Released::Gone,
+            Err(ProviderError::UnknownLease(_)) => {
+                debug!(%lease, "the provider no longer holds it; nothing to release");
+                Released::Gone
             }
-            self.static_names.remove(&lease);
-            self.hub.send(HubMsg::LeaseEnded { lease }).await;
-            // the worker is gone now, not when this tick began
-            self.end(lease, wall_clock_ms().max(now), EndReason::Released);
+            Err(e) => Released::Failed(e),
+        }
+    }
+
+    /// Releases the leases whose release is due. One the provider fails to
+    /// release stays draining (in the ledger and the hub) and in the queue,
+    /// retried with backoff: it may still bill, so it is never ended while
+    /// its worker may run.
+    async fn release_due(&mut self) {
+        for lease in self.releases.due(self.mono()) {
+            match self.provider_release(lease).await {
+                Released::Gone => {
+                    let reason = self.releases.done(lease).unwrap_or(EndReason::Released);
+                    self.static_names.remove(&lease);
+                    self.hub.send(HubMsg::LeaseEnded { lease }).await;
+                    // the worker is gone now
+                    self.end(lease, wall_clock_ms(), reason);
+                }
+                Released::Failed(e) => {
+                    let now = self.mono();
+                    let retry_ms = self
+                        .releases
+                        .failed(lease, now)
+                        .map_or(0, |at| at.saturating_sub(now));
+                    warn!(%lease, retry_ms, "provider release failed; the lease stays draining (it may still bill) and is retried: {e}");
+                }
+            }
         }
     }
 
@@ -1022,6 +1343,396 @@ impl Shell {
         if let Some(u) = tidegate_lease::metrics::gpu_utilization(self.busy_ms, self.leased_ms) {
             m.gpu_utilization.set(u);
         }
+    }
+}
+
+#[cfg(test)]
+mod fake {
+    //! A scripted provider for the shell's tests: acquires at once, fails
+    //! its releases while told to, and adopts the ledger's live `fake`
+    //! leases.
+    use std::collections::{BTreeSet, HashMap};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use tidegate_lease::ledger::Ledger;
+    use tidegate_lease::provider::{
+        Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
+    };
+    use tidegate_lease::{LeaseId, LeaseToken};
+    use tokio::sync::mpsc;
+
+    /// What the test controls and observes.
+    #[derive(Debug, Default)]
+    pub struct Script {
+        /// Releases fail while set (the worker keeps running).
+        pub fail_releases: AtomicBool,
+        /// Every release asked for, in order.
+        pub release_calls: Mutex<Vec<LeaseId>>,
+        /// The token handed to each acquired lease's worker.
+        pub tokens: Mutex<HashMap<LeaseId, LeaseToken>>,
+    }
+
+    impl Script {
+        pub fn releases_of(&self, lease: LeaseId) -> usize {
+            let calls = self.release_calls.lock().unwrap();
+            calls.iter().filter(|l| **l == lease).count()
+        }
+
+        pub fn token(&self, lease: LeaseId) -> Option<String> {
+            let tokens = self.tokens.lock().unwrap();
+            tokens.get(&lease).map(|t| t.expose().to_string())
+        }
+
+        pub fn fail_releases(&self, fail: bool) {
+            self.fail_releases.store(fail, Ordering::SeqCst);
+        }
+    }
+
+    #[derive(Debug)]
+    pub struct FakeProvider {
+        script: Arc<Script>,
+        held: BTreeSet<LeaseId>,
+        events: Option<mpsc::Receiver<ProviderEvent>>,
+        _events_tx: mpsc::Sender<ProviderEvent>,
+    }
+
+    impl FakeProvider {
+        pub fn new(script: Arc<Script>) -> FakeProvider {
+            let (tx, rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
+            FakeProvider {
+                script,
+                held: BTreeSet::new(),
+                events: Some(rx),
+                _events_tx: tx,
+            }
+        }
+
+        /// Every live `fake` lease's worker "still runs".
+        pub fn adopt(&mut self, ledger: &mut Ledger) -> Result<Vec<LeaseId>, ProviderError> {
+            let ids: Vec<LeaseId> = ledger
+                .live_leases()?
+                .into_iter()
+                .filter(|r| r.provider == "fake")
+                .map(|r| r.id)
+                .collect();
+            self.held.extend(ids.iter().copied());
+            Ok(ids)
+        }
+    }
+
+    impl Provider for FakeProvider {
+        fn name(&self) -> &'static str {
+            "fake"
+        }
+
+        async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+            self.held.insert(spec.lease);
+            self.script
+                .tokens
+                .lock()
+                .unwrap()
+                .insert(spec.lease, spec.token.clone());
+            Ok(Acquired {
+                lease: spec.lease,
+                pid: None,
+                provider_data: None,
+                token: None,
+            })
+        }
+
+        async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+            self.script.release_calls.lock().unwrap().push(lease);
+            if !self.held.contains(&lease) {
+                return Err(ProviderError::UnknownLease(lease));
+            }
+            if self.script.fail_releases.load(Ordering::SeqCst) {
+                return Err(ProviderError::Slurm {
+                    lease: Some(lease),
+                    what: "scancel".into(),
+                    detail: "the controller does not answer (scripted)".into(),
+                });
+            }
+            self.held.remove(&lease);
+            Ok(())
+        }
+
+        fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
+            self.events.take()
+        }
+    }
+}
+
+#[cfg(test)]
+mod shell_tests {
+    use std::sync::Arc;
+
+    use super::fake::{FakeProvider, Script};
+    use super::*;
+
+    /// Bounded wait: polls `done` until it holds, failing after `guard`.
+    async fn eventually<F, Fut>(guard: Duration, what: &str, mut done: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let until = tokio::time::Instant::now() + guard;
+        while !done().await {
+            assert!(tokio::time::Instant::now() < until, "timed out: {what}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    const GUARD: Duration = Duration::from_secs(20);
+
+    fn config(dir: &std::path::Path, policy: &str, min_fps: u32) -> LeasingConfig {
+        let text = format!(
+            r#"
+[leasing]
+provider = "process"
+ledger = "{}"
+policy = "{policy}"
+tick_ms = 100
+[leasing.process]
+command = "unused-by-the-fake-provider"
+[[leasing.models]]
+name = "m"
+instance_types = ["cpu-32"]
+worker_fps = 20
+min_fps = {min_fps}
+"#,
+            dir.join("l.db").display()
+        );
+        let cfg: crate::config::Config = toml::from_str(&text).unwrap();
+        cfg.validate().unwrap();
+        cfg.leasing.unwrap()
+    }
+
+    fn start_fake(
+        cfg: &LeasingConfig,
+        script: &Arc<Script>,
+    ) -> (Leasing, CancellationToken, TaskTracker) {
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let metrics = Metrics::new();
+        let hub = crate::hub::spawn(
+            crate::scheduler::Limits::default(),
+            None,
+            metrics.clone(),
+            cancel.clone(),
+            &tracker,
+        );
+        let ledger = Ledger::open(&cfg.ledger).unwrap();
+        let source = Source::Fake(FakeProvider::new(script.clone()));
+        let l = start(cfg, ledger, source, hub, metrics, cancel.clone(), &tracker).unwrap();
+        (l, cancel, tracker)
+    }
+
+    async fn stop(cancel: CancellationToken, tracker: TaskTracker) {
+        cancel.cancel();
+        tracker.close();
+        tracker.wait().await;
+    }
+
+    async fn lease(l: &Leasing, id: LeaseId) -> LeaseRecord {
+        let all = l.leases(false, 100).await.unwrap();
+        all.into_iter().find(|r| r.id == id).expect("in the ledger")
+    }
+
+    async fn first_lease(l: &Leasing) -> LeaseId {
+        eventually(GUARD, "a lease acquired", || async {
+            !l.leases(true, 100).await.unwrap().is_empty()
+        })
+        .await;
+        l.leases(true, 100).await.unwrap().last().unwrap().id
+    }
+
+    #[tokio::test]
+    async fn a_release_the_provider_fails_keeps_the_lease_draining_and_is_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "tidal", 10);
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        let id = first_lease(&l).await;
+
+        script.fail_releases(true);
+        l.release(id).await.unwrap();
+        eventually(GUARD, "the release tried twice", || async {
+            script.releases_of(id) >= 2
+        })
+        .await;
+        // the worker may still run and bill: the lease is not ended
+        let rec = lease(&l, id).await;
+        assert_eq!(rec.state, LeaseState::Draining, "{rec:?}");
+        assert!(rec.ended_at.is_none(), "{rec:?}");
+
+        script.fail_releases(false);
+        eventually(GUARD, "the lease released", || async {
+            lease(&l, id).await.state.is_ended()
+        })
+        .await;
+        let rec = lease(&l, id).await;
+        assert_eq!(rec.state, LeaseState::Ended(EndReason::Released), "{rec:?}");
+        let tries = script.releases_of(id);
+        assert!(tries >= 3, "released on a retry: {tries} tries");
+        stop(cancel, tracker).await;
+        // the replacement the floor needed was released at shutdown; the
+        // first lease was not released again
+        assert_eq!(script.releases_of(id), tries);
+        let ledger = Ledger::open(&cfg.ledger).unwrap();
+        assert!(ledger.live_leases().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_lease_whose_release_keeps_failing_is_left_live_at_shutdown_for_the_next_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        let id = first_lease(&l).await;
+        script.fail_releases(true);
+        stop(cancel, tracker).await;
+        assert!(script.releases_of(id) >= 1);
+        // not forgotten: still live, so the next start adopts (or ends) it
+        let ledger = Ledger::open(&cfg.ledger).unwrap();
+        let live: Vec<LeaseId> = ledger.live_leases().unwrap().iter().map(|r| r.id).collect();
+        assert_eq!(live, vec![id]);
+    }
+
+    /// A lease left in the ledger by a previous gateway, of the fake
+    /// provider, in `state` (draining: being released or under a notice).
+    fn recorded(cfg: &LeasingConfig, draining: bool) -> LeaseId {
+        let catalog = Catalog::default_catalog();
+        let mut ledger = Ledger::open(&cfg.ledger).unwrap();
+        let token = LeaseToken::generate().unwrap();
+        let t0 = wall_clock_ms() - 60_000;
+        let id = ledger
+            .insert_requested(&NewLease {
+                provider: "fake",
+                model: Some("m"),
+                instance: catalog.get("cpu-32").unwrap(),
+                tier: Tier::Spot,
+                currency: &catalog.currency,
+                requested_at: t0,
+                token: Some(token.digest()),
+            })
+            .unwrap();
+        ledger.mark_starting(id, t0, None, None).unwrap();
+        ledger.mark_ready(id, t0 + 1000).unwrap();
+        ledger.set_token_claimed(id, true).unwrap();
+        if draining {
+            ledger.mark_draining(id).unwrap();
+        }
+        id
+    }
+
+    #[tokio::test]
+    async fn an_adopted_draining_lease_is_released_at_start_and_a_ready_one_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        // static-peak with no load neither acquires nor releases: what
+        // happens is the restart's doing
+        let cfg = config(dir.path(), "static-peak", 0);
+        let draining = recorded(&cfg, true);
+        let ready = recorded(&cfg, false);
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        eventually(GUARD, "the draining lease released", || async {
+            lease(&l, draining).await.state.is_ended()
+        })
+        .await;
+        assert_eq!(
+            lease(&l, draining).await.state,
+            LeaseState::Ended(EndReason::Released)
+        );
+        assert_eq!(script.releases_of(draining), 1);
+        // the ready one was adopted, its token re-armed, and kept
+        let rec = lease(&l, ready).await;
+        assert_eq!(rec.state, LeaseState::Ready, "{rec:?}");
+        assert!(!rec.token_claimed, "{rec:?}");
+        assert_eq!(script.releases_of(ready), 0);
+        stop(cancel, tracker).await;
+    }
+
+    #[tokio::test]
+    async fn a_worker_whose_link_dropped_may_register_again_with_its_own_token_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        let id = first_lease(&l).await;
+        let name = id.to_string();
+        let token = script.token(id).unwrap();
+        assert_eq!(l.authenticate(&name, &token).await, Some(Ok(id)));
+        let again = l.authenticate(&name, &token).await.unwrap().unwrap_err();
+        assert!(again.contains("already used"), "{again}");
+        l.registered(id).await;
+
+        // its link drops: the same worker redials with the same token
+        l.disconnected(id).await;
+        let wrong = l.authenticate(&name, "guess").await.unwrap().unwrap_err();
+        assert!(wrong.contains("does not match"), "{wrong}");
+        assert_eq!(l.authenticate(&name, &token).await, Some(Ok(id)));
+        // still one connection at a time
+        let again = l.authenticate(&name, &token).await.unwrap().unwrap_err();
+        assert!(again.contains("already used"), "{again}");
+
+        // once the lease has ended, a disconnect re-arms nothing
+        l.release(id).await.unwrap();
+        eventually(GUARD, "the lease released", || async {
+            lease(&l, id).await.state.is_ended()
+        })
+        .await;
+        l.disconnected(id).await;
+        let gone = l.authenticate(&name, &token).await.unwrap().unwrap_err();
+        assert!(gone.contains("not a live lease"), "{gone}");
+        stop(cancel, tracker).await;
+    }
+
+    #[test]
+    fn pending_ledger_writes_keep_lifecycle_order_and_an_end_supersedes_the_rest() {
+        let l = LeaseId(1);
+        let mut w = PendingWrites::default();
+        w.push(
+            l,
+            Write::Starting {
+                at: 5,
+                pid: None,
+                data: None,
+            },
+        );
+        w.push(l, Write::Ready { at: 6 });
+        w.push(l, Write::Draining);
+        // an earlier stage queued after a later one is moot
+        w.push(l, Write::Ready { at: 7 });
+        assert_eq!(w.by_lease[&l].len(), 3);
+        w.push(
+            l,
+            Write::Ended {
+                at: 8,
+                reason: EndReason::Released,
+            },
+        );
+        // the billing start stays (it must be written before the end); the
+        // ready and draining marks are moot
+        assert_eq!(
+            w.by_lease[&l],
+            vec![
+                Write::Starting {
+                    at: 5,
+                    pid: None,
+                    data: None
+                },
+                Write::Ended {
+                    at: 8,
+                    reason: EndReason::Released
+                }
+            ]
+        );
+        // nothing after an end
+        w.push(l, Write::Draining);
+        assert_eq!(w.by_lease[&l].len(), 2);
+        assert!(w.is_pending(l));
+        assert!(!w.is_pending(LeaseId(2)));
     }
 }
 

@@ -170,6 +170,14 @@ pub struct PolicyConfig {
     pub learn_schedule: bool,
     /// Paid-block-aware: release at most this long before a block ends.
     pub release_window_ms: Millis,
+    /// Paid-block-aware: how long a release takes to complete after it is
+    /// decided (the shell's grace for batches in flight, plus the
+    /// provider's stop). An hourly lease with less than this left in its
+    /// block is kept for the next block rather than released: the release
+    /// would land after the block ends and buy that block anyway. 0 in the
+    /// simulator, which releases at once.
+    #[serde(default)]
+    pub release_lead_ms: Millis,
     /// Window over which the scale-down target takes the maximum rate.
     pub down_window_ms: Millis,
     /// Tidal: how long a surplus must persist before it is released.
@@ -197,6 +205,7 @@ impl PolicyConfig {
             schedule: Vec::new(),
             learn_schedule: policy.uses_tiers(),
             release_window_ms: 3 * 60_000,
+            release_lead_ms: 0,
             down_window_ms: 10 * 60_000,
             surplus_hold_ms: 2 * 60_000,
             idle_timeout_ms: 5 * 60_000,
@@ -745,7 +754,13 @@ impl Autoscaler {
                     if surplus + 1e-9 < fps {
                         continue;
                     }
-                    if l.paid_until(now).saturating_sub(now) > self.cfg.release_window_ms {
+                    let left = l.paid_until(now).saturating_sub(now);
+                    if left > self.cfg.release_window_ms {
+                        continue;
+                    }
+                    // hourly blocks are prepaid: a release completing after
+                    // this one ends would pay for the next in full
+                    if l.granularity == Granularity::Hour && left < self.cfg.release_lead_ms {
                         continue;
                     }
                     surplus -= fps;
@@ -992,6 +1007,41 @@ mod tests {
         assert!(acts.is_empty(), "{acts:?}");
         // 58 minutes in: within the release window of lease 1's block end
         let acts = a.on_event(58 * 60_000, obs(&leases));
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(1) }]);
+    }
+
+    #[test]
+    fn paid_block_aware_keeps_an_hourly_lease_whose_release_would_land_in_the_next_block() {
+        let scaler = || {
+            let mut c = cfg(PolicyName::PaidBlockAware);
+            c.release_lead_ms = 3000;
+            Autoscaler::new(c, Catalog::default_catalog())
+        };
+        let obs = |l: Vec<LeaseView>| {
+            Event::Tick(Observation {
+                models: vec![load(50.0)],
+                leases: l,
+            })
+        };
+        let hourly = || {
+            vec![
+                view(1, Tier::Spot, 0, LeaseState::Ready),
+                view(2, Tier::Spot, 0, LeaseState::Ready),
+            ]
+        };
+        // 2 s before the block ends: a release would complete after it
+        let acts = scaler().on_event(60 * 60_000 - 2000, obs(hourly()));
+        assert!(acts.is_empty(), "{acts:?}");
+        // 3 s before: it completes in time
+        let acts = scaler().on_event(60 * 60_000 - 3000, obs(hourly()));
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(1) }]);
+        // per-second billing past its minimum has no block to buy: the
+        // surplus goes whenever it is seen
+        let secondly = |id| LeaseView {
+            granularity: Granularity::Second { minimum_secs: 60 },
+            ..view(id, Tier::Spot, 0, LeaseState::Ready)
+        };
+        let acts = scaler().on_event(10 * 60_000, obs(vec![secondly(1), secondly(2)]));
         assert_eq!(acts, vec![Action::Release { lease: LeaseId(1) }]);
     }
 

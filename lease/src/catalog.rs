@@ -87,6 +87,12 @@ impl<'de> Deserialize<'de> for Money {
     }
 }
 
+/// Highest price per hour the catalog accepts, in currency units: far
+/// above any GPU instance, and low enough that sums of prices and of
+/// charged blocks stay exact in [`Money`] (an `i64` of millionths) over
+/// years of thousands of leases.
+pub const MAX_PRICE_PER_HOUR: f64 = 100_000.0;
+
 /// How a lease is bought.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -213,6 +219,20 @@ pub enum CatalogError {
         tier: Tier,
         /// The price given.
         price: f64,
+    },
+    /// A price above [`MAX_PRICE_PER_HOUR`].
+    #[error(
+        "instance {instance:?}: {tier} price {price} per hour is above {max}; is it in the currency's units per hour?"
+    )]
+    PriceTooHigh {
+        /// Instance name.
+        instance: String,
+        /// Tier.
+        tier: Tier,
+        /// The price given.
+        price: f64,
+        /// The highest accepted.
+        max: f64,
     },
     /// An unknown billing unit.
     #[error(
@@ -432,6 +452,14 @@ fn validate_instance(r: RawInstance) -> Result<InstanceType, CatalogError> {
                 price,
             });
         }
+        if price > MAX_PRICE_PER_HOUR {
+            return Err(CatalogError::PriceTooHigh {
+                instance: name,
+                tier,
+                price,
+                max: MAX_PRICE_PER_HOUR,
+            });
+        }
     }
     if p.spot >= p.on_demand {
         return Err(CatalogError::SpotNotCheaper {
@@ -534,6 +562,38 @@ mod tests {
             "{e}"
         );
         assert!(e.to_string().contains("\"x\""));
+    }
+
+    #[test]
+    fn an_absurd_price_is_rejected_before_it_can_overflow_money() {
+        for on_demand in ["1e20", "100000.5"] {
+            let e = Catalog::from_toml(&one(
+                &format!("on_demand = {on_demand}, spot = 1.0, reserved = 5.0"),
+                "billing = \"hour\"",
+            ))
+            .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    CatalogError::PriceTooHigh {
+                        tier: Tier::OnDemand,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains("\"x\""), "{e}");
+        }
+        // the highest accepted price is exact in Money, and so are a
+        // thousand leases' worth of a year's hourly blocks
+        let c = Catalog::from_toml(&one(
+            "on_demand = 100000.0, spot = 1.0, reserved = 5.0",
+            "billing = \"hour\"",
+        ))
+        .unwrap();
+        let p = c.instances[0].price_per_hour.on_demand;
+        assert_eq!(p, Money::from_units(MAX_PRICE_PER_HOUR));
+        assert!(p.0.checked_mul(1000 * 24 * 366).is_some());
     }
 
     #[test]

@@ -8,13 +8,15 @@
 //! * [`lifecycle`]: requested → starting → ready → draining → ended, checked;
 //! * [`table`]: the live lease table and one-time lease tokens;
 //! * [`ledger`]: SQLite record of leases, charged blocks and frames served;
-//! * [`provider`]: where leases come from (`process`, `static`);
+//! * [`provider`]: where leases come from (`process`, `static`, `slurm`);
 //! * [`autoscale`]: the pure, clock-injected scaling policy;
+//! * [`pacing`]: when the gateway's shell may act again (acquire backoff,
+//!   start timeout, provider releases due and retried), also pure;
 //! * [`trace`] and [`sim`]: arrival traces and the simulator that replays
 //!   them through the real autoscaler;
 //! * [`metrics`]: the values behind the gateway's leasing metrics.
 //!
-//! The pure parts (billing, lifecycle, autoscale, sim) take `now` as an
+//! The pure parts (billing, lifecycle, autoscale, pacing, sim) take `now` as an
 //! argument and never read a clock, so a week of tidal load is simulated in
 //! well under a second and tested deterministically.
 
@@ -24,6 +26,7 @@ pub mod catalog;
 pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
+pub mod pacing;
 pub mod provider;
 pub mod sim;
 pub mod table;

@@ -6,15 +6,12 @@
 //!
 //! | metric | source |
 //! |---|---|
-//! | `tidegate_leases{type,tier,state}` | [`crate::table::LeaseTable::counts`] or [`lease_gauge`] |
+//! | `tidegate_leases{type,tier,state}` | [`crate::table::LeaseTable::counts`] |
 //! | `tidegate_cost_total{tier}` | [`crate::ledger::Ledger::cost_total_by_tier`] |
 //! | `tidegate_cost_per_1k_frames_within_slo` | [`cost_per_1k`] |
 //! | `tidegate_gpu_utilization_ratio` | [`gpu_utilization`] |
 
-use std::collections::BTreeMap;
-
-use crate::catalog::{Money, Tier};
-use crate::ledger::LeaseRecord;
+use crate::catalog::Money;
 
 /// Metric names, in Prometheus form.
 pub mod names {
@@ -44,16 +41,6 @@ pub fn gpu_utilization(busy_gpu_ms: f64, leased_gpu_ms: f64) -> Option<f64> {
     } else {
         Some((busy_gpu_ms / leased_gpu_ms).clamp(0.0, 1.0))
     }
-}
-
-/// `tidegate_leases{type,tier,state}` from ledger rows (live and ended).
-pub fn lease_gauge(records: &[LeaseRecord]) -> BTreeMap<(String, Tier, &'static str), u64> {
-    let mut m = BTreeMap::new();
-    for r in records {
-        *m.entry((r.instance_type.clone(), r.tier, r.state.label()))
-            .or_insert(0) += 1;
-    }
-    m
 }
 
 #[cfg(test)]

@@ -177,6 +177,9 @@ pub struct SimLease {
     pub frames_served: u64,
     /// Busy ms.
     pub busy_ms: f64,
+    /// Still held when the trace ended: the simulator ended it (as
+    /// `released`), not the policy or the provider.
+    pub held_at_end: bool,
 }
 
 /// The result of one run.
@@ -220,6 +223,8 @@ pub struct SimReport {
     pub preemptions: u64,
     /// Most leases held at once.
     pub peak_leases: u64,
+    /// Leases still held when the trace ended (the simulator ended them).
+    pub leases_held_at_end: u64,
     /// Highest summed hourly price of live leases.
     pub max_burn_per_hour: Money,
     /// Cost per 1000 frames within the SLO.
@@ -386,6 +391,7 @@ pub fn simulate_with(
             spot_refusals: 0,
             preemptions: 0,
             peak_leases: 0,
+            leases_held_at_end: 0,
             max_burn_per_hour: Money::ZERO,
             cost_per_1k_within_slo: None,
             leases_by_type: BTreeMap::new(),
@@ -436,8 +442,12 @@ impl Run<'_> {
             }
             t += STEP_MS;
         }
-        // end every lease at the end of the trace: nothing leaks
+        // end every lease still held at the end of the trace, marked as
+        // ended by the simulator, so that tests can tell them from leases
+        // the policy released
+        self.report.leases_held_at_end = self.live.len() as u64;
         for i in self.live.clone() {
+            self.leases[i].held_at_end = true;
             self.end_lease(i, end, EndReason::Released);
         }
         self.finish(end);
@@ -598,6 +608,7 @@ impl Run<'_> {
                         state: LeaseState::Requested,
                         frames_served: 0,
                         busy_ms: 0.0,
+                        held_at_end: false,
                     });
                     self.report.leases += 1;
                     *self

@@ -116,6 +116,9 @@ pub enum TableError {
     /// An id used twice.
     #[error("{0} is already in the lease table")]
     Duplicate(LeaseId),
+    /// The lease has ended: its token stays spent.
+    #[error("{0} has ended; its token cannot be re-armed")]
+    Ended(LeaseId),
 }
 
 /// One lease as the gateway sees it.
@@ -197,11 +200,17 @@ impl LeaseTable {
         Ok(())
     }
 
-    /// Re-arms a claim for a lease whose worker was adopted after a gateway
-    /// restart (it must register again with the same token). Only call it
-    /// for leases the provider verified alive.
+    /// Re-arms the claim of a live lease whose worker has no connection:
+    /// adopted after a gateway restart, or its link dropped. Its worker
+    /// (and only a holder of this lease's token) may register again, once;
+    /// a second connection is still refused while the first holds the
+    /// claim. Only call it for a lease whose worker the provider verified
+    /// alive, or whose connection is gone. An ended lease is refused.
     pub fn rearm_claim(&mut self, id: LeaseId) -> Result<(), TableError> {
         let e = self.leases.get_mut(&id).ok_or(TableError::Unknown(id))?;
+        if e.state.is_ended() {
+            return Err(TableError::Ended(id));
+        }
         e.claimed = false;
         Ok(())
     }
@@ -271,6 +280,35 @@ mod tests {
         );
         // the failed attempt did not consume lease 2's claim
         assert_eq!(t.claim(LeaseId(2), &token2), Ok(()));
+    }
+
+    #[test]
+    fn a_rearmed_claim_admits_the_same_token_once_more_and_never_another() {
+        let (mut t, token) = table_with(1);
+        t.claim(LeaseId(1), &token).unwrap();
+        // the worker's link dropped: the gateway re-arms its claim
+        t.rearm_claim(LeaseId(1)).unwrap();
+        let stranger = LeaseToken::generate().unwrap();
+        assert_eq!(
+            t.claim(LeaseId(1), &stranger),
+            Err(ClaimError::WrongToken(LeaseId(1)))
+        );
+        assert_eq!(t.claim(LeaseId(1), &token), Ok(()));
+        assert_eq!(
+            t.claim(LeaseId(1), &token),
+            Err(ClaimError::AlreadyClaimed(LeaseId(1))),
+            "one connection at a time"
+        );
+        t.transition(LeaseId(1), LeaseState::Ended(EndReason::Released))
+            .unwrap();
+        assert_eq!(
+            t.rearm_claim(LeaseId(1)),
+            Err(TableError::Ended(LeaseId(1)))
+        );
+        assert_eq!(
+            t.rearm_claim(LeaseId(9)),
+            Err(TableError::Unknown(LeaseId(9)))
+        );
     }
 
     #[test]

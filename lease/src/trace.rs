@@ -32,6 +32,16 @@ pub const TRACE_MODEL: &str = "detector";
 /// Row spacing of every trace.
 pub const STEP_MS: Millis = 60_000;
 
+/// Latest row time a trace may have (s): one year. The simulator steps
+/// through every 10 s up to the last row, so a row at an absurd time would
+/// make it run (nearly) forever.
+pub const MAX_T_SECS: u64 = 366 * 86_400;
+
+/// Longest gap between two consecutive row times (s): one day. Minutes
+/// without a row have no load; a longer gap is almost certainly a typo in
+/// a time (write rows of fps 0 for a real pause).
+pub const MAX_GAP_SECS: u64 = 86_400;
+
 /// One row: from `t_ms` for one minute, `model` receives `fps`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceRow {
@@ -75,6 +85,18 @@ pub enum TraceError {
     /// No rows.
     #[error("trace has no rows")]
     Empty,
+    /// Two consecutive row times are too far apart.
+    #[error(
+        "trace rows jump from t_secs {from} to {to}, more than {max} s with no row; write rows of fps 0 for a real pause, or check the times"
+    )]
+    Gap {
+        /// The earlier row time (s).
+        from: u64,
+        /// The later row time (s).
+        to: u64,
+        /// The longest gap accepted (s).
+        max: u64,
+    },
     /// Unknown generator name.
     #[error("unknown trace {0:?}; the generator knows day-night, sale-burst and spiky")]
     Unknown(String),
@@ -118,6 +140,14 @@ impl Trace {
             if !t.is_multiple_of(60) {
                 return Err(bad("t_secs is not a multiple of 60"));
             }
+            if t > MAX_T_SECS {
+                return Err(bad(&format!(
+                    "t_secs = {t} is more than a year ({MAX_T_SECS} s) after the start"
+                )));
+            }
+            let t_ms = t
+                .checked_mul(1000)
+                .ok_or_else(|| bad("t_secs is too large"))?;
             let fps: f64 = fps.trim().parse().map_err(|_| bad("fps is not a number"))?;
             if !fps.is_finite() || fps < 0.0 {
                 return Err(bad("fps is negative or not finite"));
@@ -127,7 +157,7 @@ impl Trace {
                 return Err(bad("empty model"));
             }
             rows.push(TraceRow {
-                t_ms: t * 1000,
+                t_ms,
                 model: model.to_string(),
                 fps,
             });
@@ -136,6 +166,16 @@ impl Trace {
             return Err(TraceError::Empty);
         }
         rows.sort_by(|a, b| a.t_ms.cmp(&b.t_ms).then(a.model.cmp(&b.model)));
+        if let Some(w) = rows
+            .windows(2)
+            .find(|w| w[1].t_ms - w[0].t_ms > MAX_GAP_SECS * 1000)
+        {
+            return Err(TraceError::Gap {
+                from: w[0].t_ms / 1000,
+                to: w[1].t_ms / 1000,
+                max: MAX_GAP_SECS,
+            });
+        }
         Ok(Trace {
             name: name.to_string(),
             rows,
@@ -402,5 +442,25 @@ mod tests {
             Trace::parse("x", "# only\n"),
             Err(TraceError::Empty)
         ));
+    }
+
+    #[test]
+    fn a_row_at_an_absurd_time_or_after_an_absurd_gap_is_rejected() {
+        // u64::MAX rounded down to a multiple of 60: it used to overflow
+        let huge = u64::MAX - u64::MAX % 60;
+        for t in [huge, MAX_T_SECS + 60] {
+            let e = Trace::parse("x", &format!("0,m,1\n{t},m,1\n")).unwrap_err();
+            assert!(e.to_string().starts_with("trace line 2"), "{e}");
+            assert!(e.to_string().contains("year"), "{e}");
+        }
+        let e = Trace::parse("x", &format!("0,m,1\n{},m,1\n", MAX_GAP_SECS + 60)).unwrap_err();
+        assert!(matches!(e, TraceError::Gap { from: 0, .. }), "{e}");
+        assert!(e.to_string().contains("fps 0"), "{e}");
+        // the longest accepted trace: a year of rows a day apart
+        let year: String = (0..=MAX_T_SECS / MAX_GAP_SECS)
+            .map(|d| format!("{},m,1\n", d * MAX_GAP_SECS))
+            .collect();
+        let t = Trace::parse("x", &year).unwrap();
+        assert_eq!(t.end_ms(), MAX_T_SECS * 1000 + STEP_MS);
     }
 }

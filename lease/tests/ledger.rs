@@ -202,7 +202,7 @@ fn cost_report_and_lease_listing_serialise_for_the_api() {
         json[0].get("token").is_none(),
         "token digest must not be served"
     );
-    let gauge = tidegate_lease::metrics::lease_gauge(&l.leases(false, 100).unwrap());
+    let gauge = l.load_table().unwrap().counts();
     assert_eq!(
         gauge.get(&("h100".to_string(), Tier::Spot, "ready")),
         Some(&1)

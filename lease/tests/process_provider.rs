@@ -178,6 +178,44 @@ async fn worker_that_dies_is_reported_lost() {
         } => assert!(detail.contains('3'), "{detail}"),
         other => panic!("{other:?}"),
     }
+    // an ended lease is no longer held (its supervisor returns right after
+    // reporting it): a shutdown has nothing to release, and the provider's
+    // map does not grow with ended leases
+    let until = tokio::time::Instant::now() + GUARD;
+    while !p.held().is_empty() {
+        assert!(tokio::time::Instant::now() < until, "{:?}", p.held());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(p.pid(LeaseId(3)), None);
+}
+
+#[test]
+fn notice_periods_that_would_panic_a_duration_are_refused() {
+    let mut cfg = sleeper();
+    assert!(cfg.validate().is_ok());
+    for bad in [1e20, -1.0, f64::NAN, f64::INFINITY] {
+        cfg.notice_period_secs = bad;
+        let e = cfg.validate().unwrap_err();
+        assert!(e.contains("notice_period_secs"), "{e}");
+    }
+    cfg.notice_period_secs = 1.0;
+    cfg.command = " ".into();
+    assert!(cfg.validate().unwrap_err().contains("command"));
+}
+
+#[tokio::test]
+async fn an_unvalidated_huge_notice_period_does_not_panic_the_provider() {
+    // the provider clamps what validate() would refuse instead of
+    // panicking in Duration::from_secs_f64 at the first spot acquire
+    let mut cfg = sleeper();
+    cfg.notice_period_secs = 1e20;
+    let mut p = ProcessProvider::new(cfg);
+    let a = p
+        .acquire(spec(1, Tier::Spot, Some(Duration::from_secs(3600))))
+        .await
+        .unwrap();
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    p.release(a.lease).await.unwrap();
 }
 
 #[tokio::test]

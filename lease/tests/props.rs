@@ -1,14 +1,15 @@
 //! Property tests over random traces, preemptions and refusals, through the
 //! real autoscaler and simulator, with the leases replayed into a real
-//! ledger: no lease leaks, every frame is accounted for, the spend cap is
-//! never exceeded, and cost never decreases and always equals its
-//! recomputation from the ledger.
+//! ledger: no lease leaks (once load is gone, every policy but static-peak
+//! ends its leases itself, before the simulator would have to), every frame
+//! is accounted for, the spend cap is never exceeded, and cost never
+//! decreases and always equals its recomputation from the ledger.
 
 use proptest::prelude::*;
 
 use tidegate_lease::autoscale::PolicyName;
 use tidegate_lease::billing::Millis;
-use tidegate_lease::catalog::{Catalog, Money};
+use tidegate_lease::catalog::{Catalog, Money, Tier};
 use tidegate_lease::ledger::{Ledger, NewLease};
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::sim::{SimLease, SimOptions, SimReport, simulate};
@@ -116,16 +117,22 @@ fn replay(leases: &[SimLease], catalog: &Catalog, end: Millis, every: Millis) ->
 }
 
 fn check(r: &SimReport, cap: Option<Money>, trace: &Trace) {
-    // no lease leaked
+    // every lease ended: by the policy or its provider before the trace
+    // ended, or, if still held then, by the simulator (and marked so)
+    let end = trace.end_ms();
     for l in &r.lease_log {
-        assert!(
-            l.state.is_ended(),
-            "lease {:?} leaked in {:?}",
-            l.id,
-            l.state
-        );
-        assert!(l.ended_at.is_some());
+        assert!(l.state.is_ended(), "lease {:?} left in {:?}", l.id, l.state);
+        let ended_at = l.ended_at.expect("an ended lease has an end time");
+        assert!(ended_at <= end, "lease {:?} ended after the trace", l.id);
+        if l.held_at_end {
+            assert_eq!(ended_at, end, "{l:?}");
+            assert_eq!(l.state, LeaseState::Ended(EndReason::Released), "{l:?}");
+        }
     }
+    assert_eq!(
+        r.leases_held_at_end,
+        r.lease_log.iter().filter(|l| l.held_at_end).count() as u64
+    );
     // every frame accounted for
     assert_eq!(r.frames_total, r.frames_within_slo + r.frames_shed);
     let served: u64 = r.lease_log.iter().map(|l| l.frames_served).sum();
@@ -182,6 +189,82 @@ proptest! {
         let by_tier: Money = r.cost_by_tier.values().copied().sum();
         prop_assert_eq!(by_tier, r.cost_total);
     }
+}
+
+/// Minutes of no load appended to a trace: long enough for paid-block-aware
+/// to see the surplus (10 min down-window), wait for the end of every paid
+/// hour (60 min), and release the on-demand replacement of a spot lease
+/// preempted just before its own release (another hour), with margin.
+const QUIET_MINUTES: u64 = 180;
+
+fn dynamic_policy() -> impl Strategy<Value = PolicyName> {
+    prop::sample::select(
+        PolicyName::ALL
+            .into_iter()
+            .filter(|p| *p != PolicyName::StaticPeak)
+            .collect::<Vec<_>>(),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Once load is gone, every policy but static-peak (which never
+    /// releases) ends every lease it does not have to keep — all but the
+    /// reserved floor — by itself: none is left for the simulator to end
+    /// at the trace's end. A policy that kept a lease it no longer needs
+    /// (a leak) fails here.
+    #[test]
+    fn once_load_is_gone_every_dynamic_policy_ends_its_own_leases(
+        segs in segments(),
+        p in dynamic_policy(),
+        seed in any::<u64>(),
+        refusal in 0.0f64..0.5,
+        cap in prop::option::of(20.0f64..400.0),
+    ) {
+        let catalog = stormy_catalog();
+        let mut segs = segs;
+        segs.push((QUIET_MINUTES, 0.0));
+        let trace = trace_from(&segs);
+        let cap = cap.map(Money::from_units);
+        let opts = SimOptions {
+            seed,
+            spot_refusal_probability: refusal,
+            spend_cap_per_hour: cap,
+            record_leases: true,
+            ..SimOptions::default()
+        };
+        let r = simulate(&trace, p, &catalog, &opts);
+        check(&r, cap, &trace);
+        prop_assert!(r.leases > 0 || r.frames_total == 0, "{p}: nothing leased");
+        for l in r.lease_log.iter().filter(|l| l.held_at_end) {
+            prop_assert_eq!(
+                l.tier,
+                Tier::Reserved,
+                "{}: lease {:?} ({:?}, acquired at {} ms) was still held {} min after load ended",
+                p, l.id, l.tier, l.requested_at, QUIET_MINUTES
+            );
+        }
+    }
+}
+
+/// Static-peak never releases: every lease it holds is still held at the
+/// end, which is what the dynamic policies' property above must tell apart.
+#[test]
+fn static_peak_keeps_its_fleet_to_the_end() {
+    let catalog = stormy_catalog();
+    let trace = trace_from(&[(30, 3000.0), (QUIET_MINUTES, 0.0)]);
+    let opts = SimOptions {
+        record_leases: true,
+        ..SimOptions::default()
+    };
+    let r = simulate(&trace, PolicyName::StaticPeak, &catalog, &opts);
+    check(&r, None, &trace);
+    assert!(r.leases_held_at_end > 0, "{r:#?}");
+    assert_eq!(r.leases_held_at_end, r.leases);
+    let dynamic = simulate(&trace, PolicyName::PaidBlockAware, &catalog, &opts);
+    check(&dynamic, None, &trace);
+    assert_eq!(dynamic.leases_held_at_end, 0, "{:#?}", dynamic.lease_log);
 }
 
 /// The same invariants on a fixed scenario where every mechanism fires:

@@ -176,7 +176,8 @@ async fn slurm_preempting_a_spot_job_is_the_notice_and_the_worker_drains() {
     // the worker got SIGTERM at the start of the grace time and drained
     assert!(out.path().join("lease-1.drained").exists());
     wait_for("the on-demand worker", || env_of(out.path(), 2).is_some()).await;
-    assert_eq!(p.held(), vec![LeaseId(1), LeaseId(2)]);
+    // the preempted lease's job has ended: it is no longer held
+    assert_eq!(p.held(), vec![LeaseId(2)]);
     p.shutdown().await;
     assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
 }
@@ -228,9 +229,14 @@ async fn a_worker_that_dies_ends_its_lease_lost_and_a_job_that_never_ran_failed(
     assert_eq!(reason, EndReason::Lost, "{detail}");
     assert!(detail.contains("FAILED"), "{detail}");
     assert!(env_of(out.path(), 1).is_some());
-    // releasing a lease whose job has ended is not an error
-    p.release(LeaseId(1)).await.unwrap();
+    // a job that ended is no longer held: there is nothing to release (or
+    // to cancel at shutdown), and the provider's map does not keep it
     assert!(p.held().is_empty());
+    assert_eq!(p.job(LeaseId(1)), None);
+    assert!(matches!(
+        p.release(LeaseId(1)).await,
+        Err(ProviderError::UnknownLease(LeaseId(1)))
+    ));
 
     // a pending job cancelled behind our back never ran: a failed start
     let mut hold = config(&slurm, out.path(), WORKER);
@@ -344,4 +350,89 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
     let (reason, detail) = ended(&mut events, LeaseId(1)).await;
     assert_eq!(reason, EndReason::Lost, "{detail}");
     assert!(slurm.live_jobs().is_empty());
+}
+
+/// The Slurm tool `tool` as installed (see `support/mini_slurm.rs`).
+fn installed(tool: &str) -> std::path::PathBuf {
+    ["/usr/bin", "/usr/sbin", "/bin", "/sbin"]
+        .iter()
+        .map(|d| Path::new(d).join(tool))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("{tool} is not installed; run scripts/setup.sh"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    // Slurm's own tools, but an `scancel` that fails while `scancel.fail`
+    // exists next to it (a controller that does not answer)
+    let bin = out.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for tool in ["sbatch", "squeue", "scontrol"] {
+        std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
+    }
+    let scancel = format!(
+        "#!/bin/sh\nif [ -e \"$(dirname \"$0\")/scancel.fail\" ]; then\n  echo 'scancel: error: Unable to contact slurm controller' >&2\n  exit 1\nfi\nexec {} \"$@\"\n",
+        installed("scancel").display()
+    );
+    std::fs::write(bin.join("scancel"), scancel).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(bin.join("scancel"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cfg = config(&slurm, out.path(), WORKER);
+    cfg.bin_dir = Some(bin.clone());
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut events = p.take_events().unwrap();
+    let a = p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    let job: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
+    wait_for("the worker", || env_of(out.path(), 1).is_some()).await;
+
+    // the cancel fails: the release fails, and the job, which still runs
+    // (and bills), is still held and watched rather than forgotten
+    std::fs::write(bin.join("scancel.fail"), "").unwrap();
+    let e = p.release(LeaseId(1)).await.unwrap_err();
+    assert!(e.to_string().contains("scancel"), "{e}");
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    assert_eq!(p.job(LeaseId(1)), Some(job.job_id));
+    assert_eq!(slurm.job_state(job.job_id.0).as_deref(), Some("RUNNING"));
+    assert!(events.try_recv().is_err(), "no end while the job runs");
+
+    // the retry succeeds once scancel works again
+    std::fs::remove_file(bin.join("scancel.fail")).unwrap();
+    p.release(LeaseId(1)).await.unwrap();
+    assert!(p.held().is_empty());
+    let state = slurm.job_state(job.job_id.0).unwrap_or_default();
+    assert!(state == "CANCELLED" || state == "COMPLETED", "{state}");
+
+    // a job whose release failed and that then ends by itself is reported
+    // ended by the poller (it was still watched) and is no longer held
+    let b = p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    let job2: SlurmData = serde_json::from_str(b.provider_data.as_deref().unwrap()).unwrap();
+    wait_for("the second worker", || env_of(out.path(), 2).is_some()).await;
+    std::fs::write(bin.join("scancel.fail"), "").unwrap();
+    assert!(p.release(LeaseId(2)).await.is_err());
+    slurm.tool("scancel", &[&job2.job_id.to_string()]).unwrap();
+    let (reason, detail) = loop {
+        match next_event(&mut events).await {
+            ProviderEvent::Ended {
+                lease: LeaseId(2),
+                reason,
+                detail,
+            } => break (reason, detail),
+            // the poller may have seen lease 1's job end while it was
+            // being released
+            ProviderEvent::Ended {
+                lease: LeaseId(1), ..
+            } => continue,
+            other => panic!("expected lease-2 to end, got {other:?}"),
+        }
+    };
+    // lost if a poll saw it running, failed if none did: either way ended
+    assert!(
+        matches!(reason, EndReason::Lost | EndReason::Failed),
+        "{reason:?}: {detail}"
+    );
+    assert!(detail.contains("CANCELLED"), "{detail}");
+    assert!(p.held().is_empty());
+    assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
 }

@@ -172,6 +172,20 @@ pub trait Provider {
 /// Capacity of every provider's event channel.
 pub const EVENT_CHANNEL_CAPACITY: usize = 256;
 
+/// Longest spot notice period a provider accepts (s): a day, far above any
+/// cloud's (30 s to 2 min) and any sane Slurm `GraceTime`.
+pub const MAX_NOTICE_PERIOD_SECS: f64 = 86_400.0;
+
+/// `secs` as a [`Duration`] when it is a finite number within
+/// `0..=max_secs`; why not, naming `field`, otherwise. Checks a config
+/// value before [`Duration::from_secs_f64`] could panic on it.
+pub fn checked_secs(field: &str, secs: f64, max_secs: f64) -> Result<Duration, String> {
+    if !(secs.is_finite() && (0.0..=max_secs).contains(&secs)) {
+        return Err(format!("{field} = {secs} must be between 0 and {max_secs}"));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{field} = {secs}: {e}"))
+}
+
 /// Wall clock in [`Millis`]; only the async shells call it.
 pub fn wall_clock_ms() -> Millis {
     std::time::SystemTime::now()

@@ -30,8 +30,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::{
-    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
-    wall_clock_ms,
+    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider, ProviderError,
+    ProviderEvent, checked_secs, wall_clock_ms,
 };
 use crate::billing::Millis;
 use crate::catalog::Tier;
@@ -79,8 +79,29 @@ impl ProcessConfig {
         }
     }
 
+    /// Checks what serde cannot; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.command.trim().is_empty() {
+            return Err("command is empty; name the tidegate-worker binary".into());
+        }
+        checked_secs(
+            "notice_period_secs",
+            self.notice_period_secs,
+            MAX_NOTICE_PERIOD_SECS,
+        )
+        .map(|_| ())
+    }
+
+    /// The notice period; a value [`ProcessConfig::validate`] refuses is
+    /// clamped into range rather than panicking here.
     fn notice_period(&self) -> Duration {
-        Duration::from_secs_f64(self.notice_period_secs.max(0.0))
+        let s = self.notice_period_secs;
+        let s = if s.is_nan() {
+            0.0
+        } else {
+            s.clamp(0.0, MAX_NOTICE_PERIOD_SECS)
+        };
+        Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
     }
 
     fn cmdline(&self) -> Vec<String> {
@@ -143,14 +164,29 @@ impl ProcessProvider {
 
     /// The pid of a held lease's worker.
     pub fn pid(&self, lease: LeaseId) -> Option<u32> {
-        self.leases.get(&lease).map(|h| h.pid)
+        self.leases
+            .get(&lease)
+            .filter(|h| !h.task.is_finished())
+            .map(|h| h.pid)
     }
 
-    /// Leases held.
+    /// Leases held: those whose worker has not ended (an ended lease's
+    /// supervisor has reported it and returned).
     pub fn held(&self) -> Vec<LeaseId> {
-        let mut v: Vec<LeaseId> = self.leases.keys().copied().collect();
+        let mut v: Vec<LeaseId> = self
+            .leases
+            .iter()
+            .filter(|(_, h)| !h.task.is_finished())
+            .map(|(l, _)| *l)
+            .collect();
         v.sort();
         v
+    }
+
+    /// Forgets the leases whose worker has ended, so that the map holds
+    /// only live ones however many leases come and go.
+    fn prune(&mut self) {
+        self.leases.retain(|_, h| !h.task.is_finished());
     }
 
     /// Starts a simulated spot preemption of `lease` now: a notice, then a
@@ -232,6 +268,7 @@ impl Provider for ProcessProvider {
     }
 
     async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+        self.prune();
         if self.leases.contains_key(&spec.lease) {
             return Err(ProviderError::Duplicate(spec.lease));
         }
@@ -282,6 +319,8 @@ impl Provider for ProcessProvider {
     }
 
     async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+        // a lease whose worker already ended (not yet pruned) releases at
+        // once: its supervisor has returned
         let h = self
             .leases
             .remove(&lease)

@@ -25,7 +25,12 @@
 //!   is cancelled: a lease is one run of a worker.
 //! * **release** cancels the job (`scancel`: SIGTERM to the worker, then
 //!   SIGKILL after Slurm's `KillWait`) and waits until Slurm reports it
-//!   ended.
+//!   ended; only then is the job forgotten. If `scancel` fails, or the job
+//!   outlives `release_timeout_secs`, the release fails and the job stays
+//!   held and watched (it may still bill): the caller retries, and if it
+//!   ends meanwhile the poller reports it like any end.
+//! * a job that ended is no longer held: [`SlurmProvider::held`] lists live
+//!   jobs only, and a shutdown cancels nothing that has already ended.
 //! * **adoption**: the ledger keeps each lease's job id. After a gateway
 //!   restart a lease whose job still runs (or is still pending) is watched
 //!   again; any other is ended, so none leaks.
@@ -37,6 +42,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -44,8 +50,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::{
-    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
-    wall_clock_ms,
+    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider, ProviderError,
+    ProviderEvent, checked_secs, wall_clock_ms,
 };
 use crate::billing::{Millis, days_from_civil};
 use crate::catalog::{InstanceType, Tier};
@@ -63,6 +69,8 @@ const MISSES_TO_END: u32 = 2;
 const RELEASE_POLL: Duration = Duration::from_millis(200);
 /// Most characters of a failing command's stderr kept in an error.
 const STDERR_KEPT: usize = 400;
+/// Longest `release_timeout_secs` accepted: an hour.
+pub const MAX_RELEASE_TIMEOUT_SECS: f64 = 3600.0;
 
 /// Configuration of the Slurm provider (`[leasing.slurm]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -178,16 +186,13 @@ impl SlurmConfig {
                 self.poll_interval_ms
             ));
         }
-        if let Some(n) = self.notice_period_secs
-            && !(n.is_finite() && n >= 0.0)
-        {
-            return Err(format!("notice_period_secs = {n} must be >= 0"));
+        if let Some(n) = self.notice_period_secs {
+            checked_secs("notice_period_secs", n, MAX_NOTICE_PERIOD_SECS)?;
         }
-        if !(self.release_timeout_secs.is_finite() && self.release_timeout_secs > 0.0) {
-            return Err(format!(
-                "release_timeout_secs = {} must be > 0",
-                self.release_timeout_secs
-            ));
+        let t = self.release_timeout_secs;
+        checked_secs("release_timeout_secs", t, MAX_RELEASE_TIMEOUT_SECS)?;
+        if t <= 0.0 {
+            return Err(format!("release_timeout_secs = {t} must be > 0"));
         }
         let name_ok = |s: &str| {
             !s.is_empty()
@@ -503,7 +508,8 @@ impl JobWatch {
         self.misses = 0;
         let preempted = info.preempt_time.is_some()
             || matches!(&info.state, JobState::Ended(s) if s == "PREEMPTED");
-        let deadline = info.preempt_time.unwrap_or(now) + notice.as_millis() as Millis;
+        let notice_ms = Millis::try_from(notice.as_millis()).unwrap_or(Millis::MAX);
+        let deadline = info.preempt_time.unwrap_or(now).saturating_add(notice_ms);
         let late_notice = (preempted && !self.noticed).then_some(deadline);
         match &info.state {
             JobState::Ended(state) => Step::Ended {
@@ -713,13 +719,23 @@ enum Cmd {
     Forget(LeaseId, oneshot::Sender<()>),
 }
 
+/// The jobs held, shared with the poller, which drops a job once Slurm
+/// reports it ended (before it sends the end), so the map holds live jobs
+/// only. Never locked across an `.await`.
+type HeldJobs = Arc<Mutex<HashMap<LeaseId, JobId>>>;
+
+fn lock(jobs: &HeldJobs) -> MutexGuard<'_, HashMap<LeaseId, JobId>> {
+    // a panic while holding it cannot leave the map half-updated
+    jobs.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The Slurm provider.
 #[derive(Debug)]
 pub struct SlurmProvider {
     cfg: SlurmConfig,
     tools: Tools,
     notice: Duration,
-    jobs: HashMap<LeaseId, JobId>,
+    jobs: HeldJobs,
     cmds: mpsc::UnboundedSender<Cmd>,
     poller: JoinHandle<()>,
     events_rx: Option<mpsc::Receiver<ProviderEvent>>,
@@ -773,24 +789,27 @@ impl SlurmProvider {
             }
         }
         let notice = match (cfg.notice_period_secs, grace) {
-            (Some(s), _) => Duration::from_secs_f64(s),
+            (Some(s), _) => checked_secs("notice_period_secs", s, MAX_NOTICE_PERIOD_SECS)
+                .map_err(|e| tool_error(None, "leasing.slurm".into(), e))?,
             (None, Some(g)) => Duration::from_secs(g),
             (None, None) => Duration::ZERO,
         };
         let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
         let (cmds, rx) = mpsc::unbounded_channel();
+        let jobs = HeldJobs::default();
         let poller = tokio::spawn(poll(
             tools.clone(),
             Duration::from_millis(cfg.poll_interval_ms),
             notice,
             rx,
             events_tx,
+            jobs.clone(),
         ));
         Ok(SlurmProvider {
             cfg,
             tools,
             notice,
-            jobs: HashMap::new(),
+            jobs,
             cmds,
             poller,
             events_rx: Some(events_rx),
@@ -804,12 +823,12 @@ impl SlurmProvider {
 
     /// The job of a held lease.
     pub fn job(&self, lease: LeaseId) -> Option<JobId> {
-        self.jobs.get(&lease).copied()
+        lock(&self.jobs).get(&lease).copied()
     }
 
-    /// Leases held.
+    /// Leases held: those whose job Slurm has not reported ended.
     pub fn held(&self) -> Vec<LeaseId> {
-        let mut v: Vec<LeaseId> = self.jobs.keys().copied().collect();
+        let mut v: Vec<LeaseId> = lock(&self.jobs).keys().copied().collect();
         v.sort();
         v
     }
@@ -866,7 +885,7 @@ impl SlurmProvider {
                 "the poller has stopped".into(),
             )
         })?;
-        self.jobs.insert(lease, job);
+        lock(&self.jobs).insert(lease, job);
         Ok(())
     }
 
@@ -883,18 +902,33 @@ impl SlurmProvider {
         for lease in self.held() {
             self.forget(lease).await;
         }
-        self.jobs.clear();
+        lock(&self.jobs).clear();
         self.poller.abort();
     }
 
-    /// Releases every lease (cancels its job and waits for its end).
+    /// Releases every lease (cancels its job and waits for its end). A job
+    /// that cannot be cancelled is logged with its id: it outlives the
+    /// provider, and the next one over the same ledger adopts it.
     pub async fn shutdown(mut self) {
         for lease in self.held() {
             if let Err(e) = self.release(lease).await {
-                tracing::warn!(%lease, error = %e, "release at shutdown");
+                let job = self.job(lease);
+                tracing::warn!(%lease, ?job, error = %e, "release at shutdown failed; the job may still run and bill");
             }
         }
         self.poller.abort();
+    }
+
+    /// The state of `job` while Slurm reports it live; `None` once it has
+    /// ended (or Slurm no longer knows it); `Err` when `squeue` cannot
+    /// answer.
+    async fn live_state(&self, job: JobId) -> Result<Option<JobState>, ProviderError> {
+        let infos = self.tools.squeue(&[job]).await?;
+        Ok(match infos.into_iter().find(|i| i.id == job) {
+            None => None,
+            Some(i) if matches!(i.state, JobState::Ended(_)) => None,
+            Some(i) => Some(i.state),
+        })
     }
 }
 
@@ -912,7 +946,7 @@ impl Provider for SlurmProvider {
     }
 
     async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
-        if self.jobs.contains_key(&spec.lease) {
+        if self.job(spec.lease).is_some() {
             return Err(ProviderError::Duplicate(spec.lease));
         }
         let args = self.cfg.sbatch_args(&spec)?;
@@ -963,49 +997,46 @@ impl Provider for SlurmProvider {
         })
     }
 
+    /// Cancels the lease's job and waits until Slurm reports it ended;
+    /// only then is it forgotten. On an error the job is still held and
+    /// watched: it may still run (and bill), so the caller must retry.
     async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
-        let job = *self
-            .jobs
-            .get(&lease)
-            .ok_or(ProviderError::UnknownLease(lease))?;
-        self.forget(lease).await;
-        self.jobs.remove(&lease);
+        let job = self.job(lease).ok_or(ProviderError::UnknownLease(lease))?;
         if let Err(e) = self
             .tools
             .run(Some(lease), "scancel", &[job.to_string()], None, &[])
             .await
         {
             // a job that has ended cannot be cancelled, and need not be
-            let ended = self.tools.squeue(&[job]).await.is_ok_and(|infos| {
-                infos
-                    .iter()
-                    .find(|i| i.id == job)
-                    .is_none_or(|i| matches!(i.state, JobState::Ended(_)))
-            });
-            if !ended {
+            if !matches!(self.live_state(job).await, Ok(None)) {
                 return Err(e);
             }
         }
-        let give_up =
-            tokio::time::Instant::now() + Duration::from_secs_f64(self.cfg.release_timeout_secs);
+        let timeout = checked_secs(
+            "release_timeout_secs",
+            self.cfg.release_timeout_secs,
+            MAX_RELEASE_TIMEOUT_SECS,
+        )
+        .unwrap_or(Duration::from_secs_f64(default_release_timeout_secs()));
+        let give_up = tokio::time::Instant::now() + timeout;
         loop {
-            let infos = self.tools.squeue(&[job]).await?;
-            match infos.iter().find(|i| i.id == job) {
+            match self.live_state(job).await? {
                 None => break,
-                Some(i) if matches!(i.state, JobState::Ended(_)) => break,
-                Some(i) if tokio::time::Instant::now() >= give_up => {
+                Some(state) if tokio::time::Instant::now() >= give_up => {
                     return Err(tool_error(
                         Some(lease),
                         format!("waiting for cancelled job {job} to end"),
                         format!(
-                            "still {:?} after {} s",
-                            i.state, self.cfg.release_timeout_secs
+                            "still {state:?} after {} s; it is still held and watched, and its release will be retried",
+                            self.cfg.release_timeout_secs
                         ),
                     ));
                 }
                 Some(_) => tokio::time::sleep(RELEASE_POLL).await,
             }
         }
+        self.forget(lease).await;
+        lock(&self.jobs).remove(&lease);
         tracing::info!(%lease, %job, "Slurm job cancelled");
         Ok(())
     }
@@ -1022,6 +1053,7 @@ async fn poll(
     notice: Duration,
     mut cmds: mpsc::UnboundedReceiver<Cmd>,
     events: mpsc::Sender<ProviderEvent>,
+    held: HeldJobs,
 ) {
     let mut watches: HashMap<LeaseId, JobWatch> = HashMap::new();
     let mut tick = tokio::time::interval(every);
@@ -1047,7 +1079,7 @@ async fn poll(
                 match tools.squeue(&jobs).await {
                     Ok(infos) => {
                         failures = 0;
-                        if !poll_once(&tools, &mut watches, &infos, notice, &events).await {
+                        if !poll_once(&tools, &mut watches, &infos, notice, &events, &held).await {
                             return;
                         }
                     }
@@ -1065,13 +1097,15 @@ async fn poll(
 }
 
 /// Folds one `squeue` answer into the watches and sends what it means;
-/// `false` once nobody listens to the events.
+/// `false` once nobody listens to the events. A job that ended is dropped
+/// from the watches and from the held jobs before its end is sent.
 async fn poll_once(
     tools: &Tools,
     watches: &mut HashMap<LeaseId, JobWatch>,
     infos: &[JobInfo],
     notice: Duration,
     events: &mpsc::Sender<ProviderEvent>,
+    held: &HeldJobs,
 ) -> bool {
     let now = wall_clock_ms();
     let mut ended = Vec::new();
@@ -1120,8 +1154,12 @@ async fn poll_once(
             }
         }
     }
-    for lease in ended {
-        watches.remove(&lease);
+    if !ended.is_empty() {
+        let mut held = lock(held);
+        for lease in ended {
+            watches.remove(&lease);
+            held.remove(&lease);
+        }
     }
     for ev in out {
         if events.send(ev).await.is_err() {
@@ -1393,6 +1431,18 @@ mod tests {
         assert!(cfg.validate().unwrap_err().contains("poll_interval_ms"));
         let mut cfg = SlurmConfig::new(" ", &[], "gpu");
         assert!(cfg.validate().unwrap_err().contains("command"));
+        // values that would panic a Duration, or wait for ever
+        let mut big = SlurmConfig::new("w", &[], "gpu");
+        big.notice_period_secs = Some(1e20);
+        assert!(big.validate().unwrap_err().contains("notice_period_secs"));
+        big.notice_period_secs = Some(30.0);
+        for t in [1e20, 0.0, f64::NAN] {
+            big.release_timeout_secs = t;
+            assert!(
+                big.validate().unwrap_err().contains("release_timeout_secs"),
+                "{t}"
+            );
+        }
         cfg.command = "w".into();
         cfg.job_name = "a b".into();
         assert!(cfg.validate().unwrap_err().contains("job_name"));
