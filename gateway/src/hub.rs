@@ -249,8 +249,6 @@ pub struct ModelLoadReport {
 pub struct LeasedWorker {
     /// Its lease.
     pub lease: LeaseId,
-    /// Takes no new batch.
-    pub draining: bool,
     /// Measured latency per model and batch size (µs), from registration.
     pub profile: Vec<(String, u16, u32)>,
 }
@@ -873,7 +871,6 @@ impl State {
             .filter_map(|w| {
                 Some(LeasedWorker {
                     lease: w.lease?,
-                    draining: w.draining,
                     profile: w
                         .register
                         .profile

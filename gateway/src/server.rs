@@ -173,6 +173,7 @@ impl Server {
             heartbeat_ms: HEARTBEAT_MS,
         });
         if write_message(&mut send, &welcome).await.is_err() {
+            self.lease_link_closed(lease).await;
             return;
         }
         info!(name = %hello.name, role = ?hello.role, "authenticated");
@@ -194,6 +195,15 @@ impl Server {
             Role::Worker => self.worker(WorkerId(session), lease, link).await,
         }
         drop(admitted);
+        self.lease_link_closed(lease).await;
+    }
+
+    /// A leased worker's connection ended, however it ended (even before
+    /// it registered): its lease's token may be used again to redial.
+    async fn lease_link_closed(&self, lease: Option<LeaseId>) {
+        if let (Some(leasing), Some(l)) = (&self.leasing, lease) {
+            leasing.disconnected(l).await;
+        }
     }
 
     async fn edge(&self, id: EdgeId, link: Link) {
@@ -569,9 +579,6 @@ impl Server {
         info!("worker disconnected");
         conn.close(0u32.into(), b"bye");
         self.hub.send(HubMsg::WorkerGone { worker: id }).await;
-        if let (Some(leasing), Some(l)) = (&self.leasing, lease) {
-            leasing.disconnected(l).await;
-        }
     }
 }
 
