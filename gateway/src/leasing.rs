@@ -121,6 +121,9 @@ pub enum LeasingError {
     /// The provider could not be set up or adopt the live leases.
     #[error("lease provider: {0}")]
     Provider(String),
+    /// The lease shell's thread or runtime could not start.
+    #[error("starting the lease shell's thread: {0}")]
+    Thread(#[source] std::io::Error),
 }
 
 /// Messages to the lease shell.
@@ -525,11 +528,29 @@ fn start(
     };
     shell.update_metrics(now);
     let tick = Duration::from_millis(cfg.tick_ms);
-    tracker.spawn(
-        shell
-            .run(rx, events, tick, cancel)
-            .instrument(info_span!("leasing")),
-    );
+    // The shell blocks: SQLite writes (up to the ledger's busy timeout)
+    // and the provider's tools. It runs on its own thread and runtime, so
+    // the gateway's workers (QUIC, the hub, the API) never wait on it; the
+    // tracker waits for it at shutdown.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(LeasingError::Thread)?;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let span = info_span!("leasing");
+    std::thread::Builder::new()
+        .name("tidegate-leasing".into())
+        .spawn(move || {
+            runtime.block_on(shell.run(rx, events, tick, cancel).instrument(span));
+            // Tasks the provider left (watchers of ended leases) end with
+            // the runtime.
+            drop(runtime);
+            let _ = done_tx.send(());
+        })
+        .map_err(LeasingError::Thread)?;
+    tracker.spawn(async move {
+        let _ = done_rx.await;
+    });
     Ok(Leasing { tx })
 }
 
