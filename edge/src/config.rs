@@ -39,7 +39,9 @@ pub struct SinksConfig {
     /// `http://host:port/path`: results are POSTed there as JSON arrays.
     #[serde(default)]
     pub webhook: Option<String>,
-    /// Results waiting for the webhook before the oldest is dropped.
+    /// Results waiting for the webhook. When the queue is full a new result
+    /// is dropped for the webhook (counted as `dropped_full`); the other
+    /// sinks still get it.
     #[serde(default = "default_webhook_queue")]
     pub webhook_queue: usize,
 }

@@ -30,8 +30,9 @@ pub struct RateLimiter {
 }
 
 impl RateLimiter {
-    /// A limiter for `max_fps` frames per second (a non-positive or
-    /// non-finite rate allows nothing faster than one frame an hour).
+    /// A limiter for `max_fps` frames per second. A non-positive or
+    /// non-finite rate, or one below one frame an hour, allows one frame an
+    /// hour ([`SLOWEST_INTERVAL_US`]).
     pub fn new(max_fps: f64) -> Self {
         RateLimiter {
             interval_us: interval_us(max_fps),
@@ -48,22 +49,30 @@ impl RateLimiter {
     pub fn allows(&self, now_us: u64) -> bool {
         match self.tat_us {
             None => true,
-            Some(tat) => now_us + self.interval_us / 2 >= tat,
+            Some(tat) => now_us.saturating_add(self.interval_us / 2) >= tat,
         }
     }
 
     /// Records that a frame was sent at `now_us`.
     pub fn commit(&mut self, now_us: u64) {
         let tat = self.tat_us.unwrap_or(now_us).max(now_us);
-        self.tat_us = Some(tat + self.interval_us);
+        self.tat_us = Some(tat.saturating_add(self.interval_us));
     }
 }
 
+/// The longest interval a rate means: one frame an hour (µs). Slower rates,
+/// and rates that are not positive numbers, are clamped to it.
+pub const SLOWEST_INTERVAL_US: u64 = 3_600_000_000;
+
 fn interval_us(max_fps: f64) -> u64 {
     if max_fps.is_finite() && max_fps > 0.0 {
-        ((1e6 / max_fps).round() as u64).max(1)
+        // A tiny rate (a hint of 1e-20 fps) would be an interval of
+        // centuries, or saturate to u64::MAX: clamp it to the floor.
+        (1e6 / max_fps)
+            .round()
+            .clamp(1.0, SLOWEST_INTERVAL_US as f64) as u64
     } else {
-        3_600_000_000
+        SLOWEST_INTERVAL_US
     }
 }
 
@@ -361,6 +370,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_tiny_rate_is_clamped_to_one_frame_an_hour_without_overflow() {
+        let hour = SLOWEST_INTERVAL_US;
+        for tiny in [1e-20, f64::from(f32::MIN_POSITIVE), 1e-300, 1.0 / 7200.0] {
+            assert_eq!(interval_us(tiny), hour, "{tiny}");
+            let mut r = RateLimiter::new(tiny);
+            assert!(r.allows(0));
+            r.commit(0);
+            assert!(!r.allows(hour / 2 - 1), "{tiny}");
+            assert!(r.allows(hour / 2), "{tiny}");
+            // Near the end of the clock nothing overflows: the schedule
+            // saturates instead.
+            r.commit(u64::MAX - 10);
+            assert!(r.allows(u64::MAX));
+            r.commit(u64::MAX);
+            assert!(!r.allows(u64::MAX - hour));
+        }
+        // A gate under such a hint (as the gateway's f32 sends it) sends the
+        // first frame, then one an hour, on the stream clock.
+        let mut g = FrameGate::new(limits(30.0, 0.0, 0.0));
+        g.set_limits(limits(10.0, 0.0, 0.0).with_hint(Some(Hint {
+            max_fps: f64::from(f32::MIN_POSITIVE),
+            motion_threshold: 0.0,
+        })));
+        assert_eq!(g.decide(0, None), Decision::Send);
+        assert_eq!(g.decide(1_000_000, None), Decision::SkipRate);
+        assert_eq!(g.decide(hour, None), Decision::Send);
+        assert_eq!(g.counts().sent, 2);
+        // Rates at or above the floor keep their own interval.
+        assert_eq!(interval_us(1.0 / 3600.0), hour);
+        assert_eq!(interval_us(1.0 / 1800.0), hour / 2);
+        assert_eq!(interval_us(1e9), 1);
     }
 
     #[test]

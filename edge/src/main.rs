@@ -165,6 +165,7 @@ async fn run(
     let options = NodeOptions {
         max_frames,
         summary_every: summary_every.filter(|&s| s > 0).map(Duration::from_secs),
+        stats: None,
     };
     let summary = tidegate_edge::node::run(cfg, sinks, options, shutdown_signal())
         .await

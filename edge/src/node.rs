@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!   link task ── dial (jittered exponential backoff) ──► Uplink ──watch──► camera tasks
-//!      │  results ─► Sinks (stdout / file / webhook), latency report
+//!      │  results ─► SinkWriter thread ─► Sinks (stdout / file / webhook), latency report
 //!      └─ hints ─► HintBoard ──watch──► camera tasks ─► FrameGate limits
 //!
 //!   camera task: CameraOpen on every new connection ─► SupervisedCapture
@@ -32,11 +32,17 @@ use crate::capture::{
 };
 use crate::config::{CameraConfig, EdgeConfig};
 use crate::gate::{Hint, Limits};
-use crate::sink::{ResultLine, Sinks};
+use crate::sink::{FinishError, Sinks};
 use crate::uplink::{Incoming, Lane, LaneStats, Uplink, UplinkError};
 
 /// How long a finished camera waits for its frames in flight to settle.
 const SETTLE: Duration = Duration::from_secs(5);
+/// Results queued for the sink thread; when it is full the node waits, and
+/// the wait reaches the gateway through the uplink's bounded queues.
+const SINK_QUEUE: usize = 256;
+/// How long shutdown waits for the sinks to write what is queued, and for
+/// the webhook to post it.
+const SINK_DRAIN: Duration = Duration::from_secs(5);
 
 /// Options of [`run`] that come from flags rather than the config file.
 #[derive(Debug, Clone, Default)]
@@ -46,6 +52,9 @@ pub struct NodeOptions {
     pub max_frames: Option<u64>,
     /// Print every camera's counters this often (`None`: only at the end).
     pub summary_every: Option<Duration>,
+    /// Also publish every camera's counters here, each `summary_every` and
+    /// at the end (for an embedding program, or a test).
+    pub stats: Option<watch::Sender<Vec<CameraSummary>>>,
 }
 
 /// The gateway's hints in force: the latest for all cameras, and the latest
@@ -84,7 +93,9 @@ pub struct CameraStats {
     /// Wire outcomes.
     pub lane: Arc<LaneStats>,
     /// Frames that passed the gate while no connection (or no open camera)
-    /// could take them: dropped, never sent late.
+    /// could take them, including a frame whose stream could not be opened
+    /// because the connection had just gone: dropped, never sent late. Such
+    /// a frame is counted here only, not in the lane's `lost`.
     pub dropped_outage: AtomicU64,
     /// Results received.
     pub results: AtomicU64,
@@ -130,7 +141,8 @@ pub struct CameraSummary {
     pub skipped_static: u64,
     /// Frames evicted from the capture queue unread.
     pub dropped_queue: u64,
-    /// Frames dropped while the gateway was unreachable.
+    /// Frames dropped while the gateway was unreachable (or no camera was
+    /// open on the connection).
     pub dropped_outage: u64,
     /// Frames acknowledged by the gateway.
     pub delivered: u64,
@@ -140,7 +152,7 @@ pub struct CameraSummary {
     pub reset_expired: u64,
     /// Frames refused by the gateway.
     pub refused: u64,
-    /// Frames lost with a connection.
+    /// Frames whose stream was open when their connection was lost.
     pub lost: u64,
     /// Results received.
     pub results: u64,
@@ -229,16 +241,23 @@ pub enum NodeError {
     /// Writing a result failed.
     #[error("writing a result: {0}")]
     Sink(#[source] std::io::Error),
+    /// The thread that writes results could not be started.
+    #[error("starting the result sink thread: {0}")]
+    SinkThread(#[source] std::io::Error),
+    /// The result sinks did not finish writing what was queued.
+    #[error(transparent)]
+    SinkFinish(#[from] FinishError),
 }
 
 /// Runs the edge until `shutdown` resolves (or, with `max_frames`, until
 /// every camera has sent that many frames and their results are in).
 pub async fn run(
     cfg: EdgeConfig,
-    mut sinks: Sinks,
+    sinks: Sinks,
     options: NodeOptions,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<Summary, NodeError> {
+    let mut sinks = sinks.spawn(SINK_QUEUE).map_err(NodeError::SinkThread)?;
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
     let (link_tx, link_rx) = watch::channel::<Option<Uplink>>(None);
@@ -328,7 +347,17 @@ pub async fn run(
             _ = &mut shutdown => { info!("shutting down"); break; }
             _ = drain => { warn!("gave up waiting for the last results"); break; }
             _ = tracker.wait(), if drain_deadline.is_none() => {}
-            _ = tick => print_cameras(&summaries()),
+            _ = tick => {
+                let now = summaries();
+                print_cameras(&now);
+                if let Some(tx) = &options.stats {
+                    tx.send_replace(now);
+                }
+            }
+            _ = sinks.stopped() => {
+                // A write failed; `finish` below says which.
+                break;
+            }
             e = fatal_rx.recv() => {
                 if let Some(e) = e {
                     outcome = Err(NodeError::Refused(e));
@@ -353,9 +382,15 @@ pub async fn run(
                         .get(&r.camera)
                         .map(|s| s.snapshot().labels.clone())
                         .unwrap_or_default();
-                    if let Err(e) = sinks.write(&ResultLine::new(&r, now, &labels)) {
-                        outcome = Err(NodeError::Sink(e));
-                        break;
+                    // Serialised and written on the sink thread, in order;
+                    // waits while its queue is full.
+                    tokio::select! {
+                        queued = sinks.write(r, now, labels) => if queued.is_err() {
+                            // The thread stopped on a failed write; `finish`
+                            // below says which.
+                            break;
+                        },
+                        _ = &mut shutdown => { info!("shutting down"); break; }
                     }
                 }
                 Some(Incoming::Hint(_)) => {}
@@ -366,22 +401,50 @@ pub async fn run(
     cancel.cancel();
     tracker.wait().await;
     let _ = link_task.await;
-    if let Some(w) = sinks.webhook.take() {
-        let stats = w.close(Duration::from_secs(5)).await;
-        info!(
-            posted = stats.posted.load(Ordering::Relaxed),
-            dropped_full = stats.dropped_full.load(Ordering::Relaxed),
-            dropped_failed = stats.dropped_failed.load(Ordering::Relaxed),
-            retries = stats.retries.load(Ordering::Relaxed),
-            "webhook closed"
-        );
+    // Everything queued for the sinks is written before the webhook closes.
+    match sinks.finish(SINK_DRAIN).await {
+        Ok(mut report) => {
+            if let Some(e) = report.error.take() {
+                error!(
+                    written = report.written,
+                    unwritten = report.unwritten,
+                    "writing a result failed: {e}"
+                );
+                if outcome.is_ok() {
+                    outcome = Err(NodeError::Sink(e));
+                }
+            }
+            if let Some(w) = report.sinks.webhook.take() {
+                let stats = w.close(SINK_DRAIN).await;
+                let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+                info!(
+                    pushed = load(&stats.pushed),
+                    posted = load(&stats.posted),
+                    dropped_full = load(&stats.dropped_full),
+                    dropped_failed = load(&stats.dropped_failed),
+                    dropped_shutdown = load(&stats.dropped_shutdown),
+                    retries = load(&stats.retries),
+                    "webhook closed"
+                );
+            }
+        }
+        Err(e) => {
+            error!("{e}");
+            if outcome.is_ok() {
+                outcome = Err(NodeError::SinkFinish(e));
+            }
+        }
+    }
+    let cameras = summaries();
+    if let Some(tx) = &options.stats {
+        tx.send_replace(cameras.clone());
     }
     outcome?;
     Ok(Summary {
         sent: sent(),
         results,
         ok,
-        cameras: summaries(),
+        cameras,
     })
 }
 
@@ -582,10 +645,14 @@ async fn camera(
                         "limits changed by the gateway's hint"
                     );
                     limits = now;
+                    let mut snap = stats.snapshot();
                     if let Some(c) = &mut capture {
                         c.set_limits(limits);
+                        // Counters as of the change, so that a reader sees
+                        // the new limits with the counts they start from.
+                        snap.capture = c.counters();
                     }
-                    stats.snapshot().limits = Some(limits);
+                    snap.limits = Some(limits);
                 }
             }
             _ = sleep_until_opt(open_at), if open_on.is_some() => {
@@ -647,6 +714,9 @@ async fn camera(
             }
             frame = recv_frame(&mut capture) => match frame {
                 Ok(frame) => {
+                    if let Some(c) = &capture {
+                        stats.snapshot().capture = c.counters();
+                    }
                     let Some(l) = &lane else {
                         stats.dropped_outage.fetch_add(1, Ordering::Relaxed);
                         continue;

@@ -8,6 +8,12 @@
 //! lane is full — or still unacknowledged at its deadline. Nothing is queued
 //! for later: a stale frame is abandoned, never sent late.
 //!
+//! Results and hints reach the consumer through one bounded channel and are
+//! never dropped: when the consumer falls behind, result streams wait to be
+//! read and QUIC flow control holds the gateway back. A control stream that
+//! fails (malformed bytes, a reset) closes the connection with its error
+//! code (protocol §7.3), so the caller sees the loss and redials.
+//!
 //! This module has no GStreamer dependency, so `tidegate-loadtest`'s
 //! simulated cameras use it too.
 
@@ -16,18 +22,28 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, CameraOpen, ControlHint, ErrorCode, Frame, FrameResult, Hello, LatencyReport,
-    Limits, Message, Role,
+    CameraAccepted, CameraOpen, ControlHint, ErrorCode, ErrorMsg, Frame, FrameResult, Hello,
+    LatencyReport, Limits, Message, Role,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-/// Results buffered for the consumer before the oldest is dropped.
-const RESULT_QUEUE: usize = 4096;
+/// Results and hints buffered for the consumer. When it is full nothing is
+/// dropped: result streams wait to be read, and the gateway is held back by
+/// QUIC flow control.
+const INCOMING_QUEUE: usize = 4096;
+/// Result streams read at once. Further streams wait unaccepted, within the
+/// connection's stream and flow-control limits, while the readers wait for
+/// room in the consumer's queue.
+const RESULT_READERS: usize = 64;
+/// How long a failing control stream waits for its `Error` to be
+/// acknowledged before the connection is closed anyway.
+const ERROR_LINGER: Duration = Duration::from_secs(1);
 
 /// Why the uplink failed.
 #[derive(Debug, thiserror::Error)]
@@ -96,7 +112,6 @@ enum Command {
 pub struct Uplink {
     conn: quinn::Connection,
     commands: mpsc::Sender<Command>,
-    sent: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Command {
@@ -142,16 +157,17 @@ impl Uplink {
                     other => UplinkError::Lost(other.to_string()),
                 })?;
 
-        let (in_tx, in_rx) = mpsc::channel(RESULT_QUEUE);
+        let (in_tx, in_rx) = mpsc::channel(INCOMING_QUEUE);
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
         let span = info_span!("uplink", gateway = %addr, edge = name);
-        tokio::spawn(control(send, recv, cmd_rx, in_tx.clone()).instrument(span.clone()));
+        tokio::spawn(
+            control(conn.clone(), send, recv, cmd_rx, in_tx.clone()).instrument(span.clone()),
+        );
         tokio::spawn(results(conn.clone(), in_tx).instrument(span));
         Ok((
             Uplink {
                 conn,
                 commands: cmd_tx,
-                sent: Arc::new(AtomicU64::new(0)),
             },
             in_rx,
         ))
@@ -192,7 +208,6 @@ impl Uplink {
             .await
             .map_err(|e| UplinkError::Lost(e.to_string()))?;
         let _ = s.finish();
-        self.sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -218,11 +233,6 @@ impl Uplink {
             seq,
             e2e_us: e2e_us.min(u32::MAX as u64) as u32,
         }));
-    }
-
-    /// Frames handed to QUIC so far.
-    pub fn frames_sent(&self) -> u64 {
-        self.sent.load(Ordering::Relaxed)
     }
 
     /// The connection's current round-trip estimate.
@@ -251,7 +261,6 @@ impl Uplink {
     pub fn lane(&self, camera: &str, max_in_flight: usize, stats: Arc<LaneStats>) -> Lane {
         Lane {
             conn: self.conn.clone(),
-            sent: self.sent.clone(),
             state: Arc::new(LaneState {
                 camera: camera.to_string(),
                 max_in_flight: max_in_flight.max(1),
@@ -275,7 +284,9 @@ pub struct LaneStats {
     pub expired: AtomicU64,
     /// Frames refused by the gateway (`STOP_SENDING` with an error code).
     pub refused: AtomicU64,
-    /// Frames lost with the connection.
+    /// Frames whose stream was open when the connection was lost. A frame
+    /// whose stream could not even be opened is not counted here:
+    /// [`Lane::send`] returns an error for it and the caller counts it.
     pub lost: AtomicU64,
 }
 
@@ -322,7 +333,6 @@ enum Outcome {
 #[derive(Debug, Clone)]
 pub struct Lane {
     conn: quinn::Connection,
-    sent: Arc<AtomicU64>,
     state: Arc<LaneState>,
     tasks: tokio_util::task::TaskTracker,
 }
@@ -331,7 +341,12 @@ impl Lane {
     /// Sends `frame` on its own stream, abandoning it (reset) if it is still
     /// unacknowledged at `deadline` or superseded first. When the lane is
     /// full the oldest frame in flight is abandoned to make room. Returns
-    /// once the stream is open; the rest happens in a task of its own.
+    /// once the stream is open; the rest happens in a task of its own, and
+    /// the frame's fate is counted in the lane's [`LaneStats`].
+    ///
+    /// A frame whose stream cannot be opened because the connection is gone
+    /// is returned as [`UplinkError::Lost`] and not counted by the lane: the
+    /// caller counts it (the edge node as `dropped_outage`).
     pub async fn send(
         &self,
         frame: Frame,
@@ -354,7 +369,6 @@ impl Lane {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 self.forget(seq);
-                LaneStats::bump(&self.state.stats.lost);
                 return Err(UplinkError::Lost(e.to_string()));
             }
             Err(_) => {
@@ -365,7 +379,6 @@ impl Lane {
         };
         let _ = stream.set_priority((seq % i32::MAX as u64) as i32);
         let state = self.state.clone();
-        let sent = self.sent.clone();
         let span = tracing::debug_span!("frame", camera = %state.camera, seq);
         self.tasks.spawn(
             async move {
@@ -375,7 +388,6 @@ impl Lane {
                 match outcome {
                     Outcome::Delivered => {
                         LaneStats::bump(&stats.delivered);
-                        sent.fetch_add(1, Ordering::Relaxed);
                         // Older frames still on the way are now useless.
                         for (older, token) in lane.iter().filter(|(s, _)| *s < seq) {
                             debug!(older, "superseded by {seq}");
@@ -450,21 +462,46 @@ async fn drive(
     reason
 }
 
-/// Owns the control stream: writes commands, reads replies and hints.
-async fn control(
-    mut send: quinn::SendStream,
+/// Why the control conversation ended.
+enum ControlEnd {
+    /// Every [`Uplink`] is gone: nobody can send a command any more.
+    Dropped,
+    /// The gateway finished the control stream.
+    Finished,
+    /// The control stream failed; the connection is closed with this code.
+    Failed(ErrorCode, String),
+}
+
+/// Reads the next control message. It owns the stream while it reads and
+/// hands it back, so that one read can stay in progress across the turns of
+/// [`control`]'s loop: `read_message` is not cancel-safe, and a read dropped
+/// half way through a message would desynchronise the stream.
+async fn read_control(
     mut recv: quinn::RecvStream,
+) -> (quinn::RecvStream, Result<Option<Message>, ReadError>) {
+    let msg = read_message(&mut recv, &Limits::default()).await;
+    (recv, msg)
+}
+
+/// Owns the control stream: writes commands, reads replies and hints. When
+/// the stream fails it says why (`Error`, if it still can) and closes the
+/// connection with the error's code (protocol §7.3), so that the uplink's
+/// owner sees the connection end and redials.
+async fn control(
+    conn: quinn::Connection,
+    mut send: quinn::SendStream,
+    recv: quinn::RecvStream,
     mut commands: mpsc::Receiver<Command>,
     incoming: mpsc::Sender<Incoming>,
 ) {
-    let limits = Limits::default();
     // Camera opens are answered in order on this stream.
     let mut pending: VecDeque<oneshot::Sender<Result<CameraAccepted, UplinkError>>> =
         VecDeque::new();
-    loop {
+    let mut read = Box::pin(read_control(recv));
+    let end = loop {
         tokio::select! {
             cmd = commands.recv() => {
-                let Some(cmd) = cmd else { break };
+                let Some(cmd) = cmd else { break ControlEnd::Dropped };
                 let msg = match cmd {
                     Command::Open(open, reply) => {
                         pending.push_back(reply);
@@ -473,61 +510,132 @@ async fn control(
                     Command::Latency(r) => Message::LatencyReport(r),
                 };
                 if let Err(e) = write_message(&mut send, &msg).await {
-                    warn!("control stream write failed: {e}");
-                    break;
+                    break ControlEnd::Failed(
+                        ErrorCode::Internal,
+                        format!("writing the control stream: {e}"),
+                    );
                 }
             }
-            msg = read_message(&mut recv, &limits) => {
-                match msg {
-                    Ok(Some(Message::CameraAccepted(a))) => {
-                        if let Some(reply) = pending.pop_front() {
-                            let _ = reply.send(Ok(a));
-                        }
-                    }
-                    Ok(Some(Message::Error(e))) => {
-                        if let Some(reply) = pending.pop_front() {
-                            let _ = reply.send(Err(UplinkError::Refused { code: e.code, message: e.message }));
-                        } else {
-                            warn!(code = ?e.code, "gateway error: {}", e.message);
-                        }
-                    }
-                    Ok(Some(Message::ControlHint(h))) => {
-                        let _ = incoming.try_send(Incoming::Hint(h));
-                    }
-                    Ok(Some(other)) => warn!(kind = ?other.kind(), "unexpected message on the control stream"),
-                    Ok(None) => break,
-                    Err(e) => {
-                        debug!("control stream ended: {e}");
-                        break;
-                    }
+            (recv, msg) = &mut read => match msg {
+                Ok(Some(msg)) => {
+                    read.set(read_control(recv));
+                    on_control_message(msg, &mut pending, &incoming).await;
                 }
-            }
+                Ok(None) => break ControlEnd::Finished,
+                Err(e) => break ControlEnd::Failed(e.code(), format!("reading the control stream: {e}")),
+            },
         }
-    }
+    };
+    let why = match end {
+        ControlEnd::Dropped => "the uplink was dropped".to_string(),
+        ControlEnd::Finished => {
+            warn!("the gateway ended the control stream; closing the connection");
+            conn.close(0u32.into(), b"the gateway ended the control stream");
+            "the gateway ended it".to_string()
+        }
+        ControlEnd::Failed(code, message) => {
+            if conn.close_reason().is_none() {
+                warn!(?code, "{message}; closing the connection");
+                // Say what was wrong if we still can, and give it a moment
+                // to be acknowledged before the close discards it.
+                let error = Message::Error(ErrorMsg {
+                    code,
+                    message: message.clone(),
+                });
+                let _ = tokio::time::timeout(ERROR_LINGER, async {
+                    if write_message(&mut send, &error).await.is_ok() && send.finish().is_ok() {
+                        let _ = send.stopped().await;
+                    }
+                })
+                .await;
+                conn.close(code.quic_code().into(), message.as_bytes());
+            } else {
+                debug!("control stream ended with the connection: {message}");
+            }
+            message
+        }
+    };
     for reply in pending {
-        let _ = reply.send(Err(UplinkError::Lost("control stream closed".into())));
+        let _ = reply.send(Err(UplinkError::Lost(format!(
+            "control stream closed: {why}"
+        ))));
     }
 }
 
-/// Accepts result streams and forwards their results.
+/// Handles one message from the gateway's side of the control stream.
+async fn on_control_message(
+    msg: Message,
+    pending: &mut VecDeque<oneshot::Sender<Result<CameraAccepted, UplinkError>>>,
+    incoming: &mpsc::Sender<Incoming>,
+) {
+    match msg {
+        Message::CameraAccepted(a) => match pending.pop_front() {
+            Some(reply) => {
+                let _ = reply.send(Ok(a));
+            }
+            None => warn!(camera = %a.camera, "CameraAccepted that answers no CameraOpen"),
+        },
+        Message::Error(e) => match pending.pop_front() {
+            Some(reply) => {
+                let _ = reply.send(Err(UplinkError::Refused {
+                    code: e.code,
+                    message: e.message,
+                }));
+            }
+            None => warn!(code = ?e.code, "gateway error: {}", e.message),
+        },
+        // Waits for room rather than dropping the hint: a hint is rare and
+        // the latest one is the one in force.
+        Message::ControlHint(h) => {
+            if incoming.send(Incoming::Hint(h)).await.is_err() {
+                debug!("hint consumer gone");
+            }
+        }
+        other => warn!(kind = ?other.kind(), "unexpected message on the control stream"),
+    }
+}
+
+/// Accepts result streams and forwards their results, reading at most
+/// [`RESULT_READERS`] streams at once. A reader waits for room in the
+/// consumer's queue, so a slow consumer slows the gateway down instead of
+/// losing results. A stream that does not carry one well-formed `Result` is
+/// stopped with its error code (protocol §7.3).
 async fn results(conn: quinn::Connection, incoming: mpsc::Sender<Incoming>) {
-    let limits = Limits::default();
-    while let Ok(mut recv) = conn.accept_uni().await {
+    let readers = Arc::new(Semaphore::new(RESULT_READERS));
+    loop {
+        let permit = tokio::select! {
+            p = readers.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = conn.closed() => break,
+        };
+        let Ok(mut recv) = conn.accept_uni().await else {
+            break;
+        };
         let incoming = incoming.clone();
-        tokio::spawn(async move {
-            match read_message(&mut recv, &limits).await {
-                Ok(Some(Message::Result(r))) => {
-                    if incoming.send(Incoming::Result(r)).await.is_err() {
-                        debug!("result consumer gone");
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                match read_message(&mut recv, &Limits::default()).await {
+                    Ok(Some(Message::Result(r))) => {
+                        if incoming.send(Incoming::Result(r)).await.is_err() {
+                            debug!("result consumer gone");
+                        }
+                    }
+                    Ok(Some(other)) => {
+                        warn!(kind = ?other.kind(), "unexpected message on a result stream");
+                        let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
+                    }
+                    Ok(None) => {}
+                    Err(ReadError::Stream(e)) => debug!("result stream failed: {e}"),
+                    Err(e) => {
+                        warn!("bad result stream: {e}");
+                        let _ = recv.stop(e.code().quic_code().into());
                     }
                 }
-                Ok(Some(other)) => {
-                    warn!(kind = ?other.kind(), "unexpected message on a result stream")
-                }
-                Ok(None) => {}
-                Err(ReadError::Stream(e)) => debug!("result stream failed: {e}"),
-                Err(e) => warn!("bad result stream: {e}"),
             }
-        });
+            .in_current_span(),
+        );
     }
 }

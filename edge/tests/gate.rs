@@ -1,7 +1,8 @@
 //! The rate cap and motion gate on real pipelines: a static scene sends at
 //! most the keep-alive rate, a moving one every frame up to the cap, and a
 //! lower cap applied live thins the stream. Counts are compared with what
-//! the pipeline produced, never with wall-clock speed; every wait is bounded.
+//! the pipeline produced (the gate runs on the stream's own clock), never
+//! with wall-clock speed; every wait is bounded.
 
 #![cfg(feature = "capture")]
 
@@ -81,23 +82,19 @@ async fn static_scene_sends_at_most_the_keepalive_rate() {
     let frames = collect_until_seen(&capture, 30).await;
     let counts = capture.gate_counts();
     let seen = capture.frames_seen();
-    // The first frame is always sent; after it only keep-alives, at least a
-    // second apart on the capture clock.
+    // The gate measures time on the stream's clock, where the still plays at
+    // exactly 10 fps (frame n at n × 100 ms): the first frame is sent, then
+    // one keep-alive per second of stream, that is one frame in ten,
+    // however fast or slow the frames reach the callback.
     let mut sent = vec![first];
     sent.extend(frames);
-    for w in sent.windows(2) {
-        let gap = w[1].captured_at_us - w[0].captured_at_us;
-        assert!(
-            gap >= 950_000,
-            "two frames of a static scene {gap} µs apart"
-        );
-    }
     assert_eq!(counts.sent as usize, sent.len());
+    assert!(sent.windows(2).all(|w| w[1].seq == w[0].seq + 1));
     assert_eq!(counts.skipped_rate, 0, "{counts:?}");
     assert_eq!(counts.sent + counts.skipped_static, seen, "{counts:?}");
     assert!(
-        counts.skipped_static >= seen - 4,
-        "30 frames at 10 fps are ~3 s: at most 4 sends, got {counts:?}"
+        counts.sent <= seen.div_ceil(10) && counts.sent + 1 >= seen.div_ceil(10),
+        "{seen} frames of a static scene at 10 fps with a 1 fps keep-alive: {counts:?}"
     );
 }
 

@@ -223,3 +223,25 @@ async fn failing_pipeline_is_restarted_with_backoff() {
         .expect("recovers");
     assert_eq!(f.data.len(), 64 * 64 * 3);
 }
+
+#[tokio::test]
+async fn a_recv_dropped_while_the_pipeline_starts_leaves_the_start_to_the_next_recv() {
+    let mut cam = SupervisedCapture::new(spec("porch", "test://ball"), options(false)).unwrap();
+    // Each recv is polled once and dropped: the start it began runs on a
+    // blocking thread, and a later recv picks it up instead of starting
+    // another (or losing it, which would leave the camera without frames).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let frame = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no frame within {WAIT:?} of recvs dropped at once"
+        );
+        match tokio::time::timeout(Duration::ZERO, cam.recv()).await {
+            Ok(f) => break f.expect("the test source runs"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    };
+    assert_eq!(frame.seq, 0, "the first frame of the first pipeline");
+    assert!(cam.is_running());
+    assert_eq!(cam.counters().restarts, 0, "{:?}", cam.counters());
+}

@@ -1,28 +1,42 @@
 //! The uplink and the node against a minimal in-process gateway (real QUIC,
 //! real protocol, on 127.0.0.1): stale frames are reset instead of sent,
-//! hints change the frame rate live, and a dropped connection is redialled
-//! with every camera re-opened. Every wait is bounded.
+//! hints change the frame rate live, a dropped connection is redialled with
+//! every camera re-opened, and a malformed control stream or result stream
+//! is answered as protocol §7.3 says. Every wait is bounded.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tidegate_edge::uplink::{LaneStats, Uplink};
+use tidegate_edge::uplink::{Incoming, LaneStats, Uplink, UplinkError};
 use tidegate_protocol::quic::{read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, ColorOrder, ControlHint, DType, Frame, Geometry, InputSpec, Layout, Limits,
-    Message, Resize, Tensor, Welcome,
+    CameraAccepted, ColorOrder, ControlHint, DType, ErrorCode, Frame, FrameResult, Geometry,
+    InputSpec, Layout, Limits, Message, Resize, Status, Tensor, Timings, Welcome,
 };
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 const WAIT: Duration = Duration::from_secs(20);
 
-/// (camera, seq, captured_at_us) of each frame the gateway read whole.
-type Frames = Arc<Mutex<Vec<(String, u64, u64)>>>;
+/// Bytes that no decoder accepts: the header's magic is wrong.
+const GARBAGE: [u8; 64] = [0xEE; 64];
+
+/// One frame the gateway read whole.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "capture"), allow(dead_code))]
+struct Seen {
+    camera: String,
+    seq: u64,
+    /// Which connection carried it: 1 for the first.
+    conn: usize,
+}
+
+type Frames = Arc<Mutex<Vec<Seen>>>;
 
 /// Just enough gateway: welcomes anyone, accepts every camera at 64×64 RGB,
-/// records whole frames, sends hints on demand, and can drop the connection.
+/// records whole frames, sends hints on demand, and on demand drops the
+/// connection or sends garbage on the control stream.
 struct FakeGateway {
     addr: SocketAddr,
     _dir: tempfile::TempDir,
@@ -31,16 +45,25 @@ struct FakeGateway {
     opens: Arc<Mutex<Vec<String>>>,
     hints: Arc<Mutex<Option<mpsc::UnboundedSender<ControlHint>>>>,
     kick: Arc<Notify>,
+    poison: Arc<Notify>,
+    /// How each connection ended, in the order they ended.
+    closes: Arc<Mutex<Vec<quinn::ConnectionError>>>,
+}
+
+/// A test certificate and the server config that uses it.
+fn tls() -> (tempfile::TempDir, std::path::PathBuf, quinn::ServerConfig) {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (ca, key_path) = (dir.path().join("ca.pem"), dir.path().join("key.pem"));
+    std::fs::write(&ca, key.cert.pem()).unwrap();
+    std::fs::write(&key_path, key.signing_key.serialize_pem()).unwrap();
+    let config = tidegate_protocol::quic::server_config(&ca, &key_path).unwrap();
+    (dir, ca, config)
 }
 
 impl FakeGateway {
     fn start() -> FakeGateway {
-        let dir = tempfile::tempdir().unwrap();
-        let key = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let (ca, key_path) = (dir.path().join("ca.pem"), dir.path().join("key.pem"));
-        std::fs::write(&ca, key.cert.pem()).unwrap();
-        std::fs::write(&key_path, key.signing_key.serialize_pem()).unwrap();
-        let config = tidegate_protocol::quic::server_config(&ca, &key_path).unwrap();
+        let (dir, ca, config) = tls();
         let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().unwrap()).unwrap();
         let gw = FakeGateway {
             addr: endpoint.local_addr().unwrap(),
@@ -50,28 +73,34 @@ impl FakeGateway {
             opens: Arc::default(),
             hints: Arc::default(),
             kick: Arc::new(Notify::new()),
+            poison: Arc::new(Notify::new()),
+            closes: Arc::default(),
         };
-        let (frames, opens, hints, kick) = (
-            gw.frames.clone(),
-            gw.opens.clone(),
-            gw.hints.clone(),
-            gw.kick.clone(),
-        );
+        let shared = Shared {
+            frames: gw.frames.clone(),
+            opens: gw.opens.clone(),
+            hints: gw.hints.clone(),
+            kick: gw.kick.clone(),
+            poison: gw.poison.clone(),
+        };
+        let closes = gw.closes.clone();
         tokio::spawn(async move {
+            let mut n = 0;
             while let Some(incoming) = endpoint.accept().await {
                 let Ok(conn) = incoming.await else { continue };
-                tokio::spawn(serve(
-                    conn,
-                    frames.clone(),
-                    opens.clone(),
-                    hints.clone(),
-                    kick.clone(),
-                ));
+                n += 1;
+                let (watched, closes) = (conn.clone(), closes.clone());
+                tokio::spawn(async move {
+                    let why = watched.closed().await;
+                    closes.lock().unwrap().push(why);
+                });
+                tokio::spawn(serve(conn, n, shared.clone()));
             }
         });
         gw
     }
 
+    #[cfg_attr(not(feature = "capture"), allow(dead_code))]
     fn hint(&self, camera: &str, max_fps: f32) {
         let tx = self
             .hints
@@ -87,18 +116,29 @@ impl FakeGateway {
         .unwrap();
     }
 
-    fn frames(&self) -> Vec<(String, u64, u64)> {
+    fn frames(&self) -> Vec<Seen> {
         self.frames.lock().unwrap().clone()
     }
 }
 
-async fn serve(
-    conn: quinn::Connection,
+/// What every connection of a [`FakeGateway`] shares.
+#[derive(Clone)]
+struct Shared {
     frames: Frames,
     opens: Arc<Mutex<Vec<String>>>,
     hints: Arc<Mutex<Option<mpsc::UnboundedSender<ControlHint>>>>,
     kick: Arc<Notify>,
-) {
+    poison: Arc<Notify>,
+}
+
+async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
+    let Shared {
+        frames,
+        opens,
+        hints,
+        kick,
+        poison,
+    } = shared;
     let limits = Limits::default();
     let Ok((mut send, mut recv)) = conn.accept_bi().await else {
         return;
@@ -122,10 +162,11 @@ async fn serve(
             tokio::spawn(async move {
                 if let Ok(Some(Message::Frame(f))) = read_message(&mut r, &Limits::default()).await
                 {
-                    frames
-                        .lock()
-                        .unwrap()
-                        .push((f.camera, f.seq, f.captured_at_us));
+                    frames.lock().unwrap().push(Seen {
+                        camera: f.camera,
+                        seq: f.seq,
+                        conn: n,
+                    });
                 }
             });
         }
@@ -165,8 +206,247 @@ async fn serve(
                 conn.close(0u32.into(), b"kicked by the test");
                 return;
             }
+            _ = poison.notified() => {
+                // The edge must close the connection; keep reading until it does.
+                if send.write_all(&GARBAGE).await.is_err() {
+                    return;
+                }
+            }
         }
     }
+}
+
+/// A gateway for one edge, scripted by the test: it welcomes the edge and
+/// hands over its side of the connection and of the control stream.
+struct ScriptedGateway {
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+    ca: std::path::PathBuf,
+    accepted: oneshot::Receiver<(quinn::Connection, quinn::SendStream, quinn::RecvStream)>,
+    _endpoint: quinn::Endpoint,
+}
+
+impl ScriptedGateway {
+    fn start() -> ScriptedGateway {
+        let (dir, ca, config) = tls();
+        let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let (tx, accepted) = oneshot::channel();
+        let ep = endpoint.clone();
+        tokio::spawn(async move {
+            let conn = ep.accept().await.unwrap().await.unwrap();
+            let (mut send, mut recv) = conn.accept_bi().await.unwrap();
+            let hello = read_message(&mut recv, &Limits::default()).await.unwrap();
+            assert!(matches!(hello, Some(Message::Hello(_))), "{hello:?}");
+            let welcome = Message::Welcome(Welcome {
+                session: 1,
+                heartbeat_ms: 1000,
+            });
+            write_message(&mut send, &welcome).await.unwrap();
+            let _ = tx.send((conn, send, recv));
+        });
+        ScriptedGateway {
+            addr: endpoint.local_addr().unwrap(),
+            _dir: dir,
+            ca,
+            accepted,
+            _endpoint: endpoint,
+        }
+    }
+
+    /// Connects an edge; returns it and the gateway's side (which lasts as
+    /// long as `self`).
+    async fn connect(
+        &mut self,
+    ) -> (
+        Uplink,
+        mpsc::Receiver<Incoming>,
+        (quinn::Connection, quinn::SendStream, quinn::RecvStream),
+    ) {
+        let (up, incoming) = Uplink::connect(self.addr, "localhost", &self.ca, "edge-1", "t")
+            .await
+            .expect("edge connects");
+        let side = tokio::time::timeout(WAIT, &mut self.accepted)
+            .await
+            .expect("the gateway accepts")
+            .unwrap();
+        (up, incoming, side)
+    }
+}
+
+fn result(seq: u64) -> FrameResult {
+    FrameResult {
+        camera: "cam".into(),
+        seq,
+        captured_at_us: 1,
+        status: Status::Ok,
+        detections: vec![],
+        timings: Timings::default(),
+        outputs: vec![],
+    }
+}
+
+fn bytes_of(msg: &Message) -> Vec<u8> {
+    let mut out = Vec::new();
+    msg.encode(&mut out);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_control_message_closes_the_connection_with_its_code() {
+    let mut gw = ScriptedGateway::start();
+    let (up, mut incoming, (conn, mut send, _recv)) = gw.connect().await;
+    send.write_all(&GARBAGE).await.unwrap();
+    // The edge closes the connection with the malformed code (0x102).
+    let why = tokio::time::timeout(WAIT, conn.closed())
+        .await
+        .expect("the edge closes the connection");
+    match &why {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(
+                u64::from(c.error_code),
+                u64::from(ErrorCode::Malformed.quic_code()),
+                "{why:?}"
+            );
+            let reason = String::from_utf8_lossy(&c.reason);
+            assert!(reason.contains("malformed"), "{reason}");
+        }
+        other => panic!("closed with {other:?}"),
+    }
+    // The owner sees the loss: the incoming stream ends and the uplink is
+    // closed, so it redials instead of waiting on a dead conversation.
+    let end = tokio::time::timeout(WAIT, incoming.recv())
+        .await
+        .expect("the incoming stream ends");
+    assert!(end.is_none(), "{end:?}");
+    assert!(up.is_closed());
+    let open = up.open_camera("cam", "m", 80).await;
+    assert!(matches!(open, Err(UplinkError::Lost(_))), "{open:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_message_split_around_a_command_arrives_whole() {
+    let mut gw = ScriptedGateway::start();
+    let (up, mut incoming, (_conn, mut send, mut recv)) = gw.connect().await;
+    let hint = ControlHint {
+        camera: "cam".into(),
+        max_fps: 2.5,
+        motion_threshold: 0.25,
+    };
+    let bytes = bytes_of(&Message::ControlHint(hint.clone()));
+    let (head, tail) = bytes.split_at(bytes.len() / 2);
+    send.write_all(head).await.unwrap();
+    // Give the edge a moment to start reading the half message, so that the
+    // command below lands in the middle of the read (the test holds either
+    // way: this only makes a regression likely to show).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    up.report_latency("cam", 7, 12_000);
+    let got = tokio::time::timeout(WAIT, read_message(&mut recv, &Limits::default()))
+        .await
+        .expect("the edge writes its command")
+        .unwrap();
+    assert!(
+        matches!(&got, Some(Message::LatencyReport(r)) if r.seq == 7),
+        "{got:?}"
+    );
+    send.write_all(tail).await.unwrap();
+    match tokio::time::timeout(WAIT, incoming.recv()).await {
+        Ok(Some(Incoming::Hint(h))) => assert_eq!(h, hint),
+        other => panic!("expected the hint, got {other:?}"),
+    }
+    // And the conversation is still in step: a camera open is answered.
+    let opening = tokio::spawn({
+        let up = up.clone();
+        async move { up.open_camera("cam", "m", 80).await }
+    });
+    let open = tokio::time::timeout(WAIT, read_message(&mut recv, &Limits::default()))
+        .await
+        .expect("the edge sends CameraOpen")
+        .unwrap();
+    let Some(Message::CameraOpen(o)) = open else {
+        panic!("expected CameraOpen, got {open:?}")
+    };
+    let input = InputSpec {
+        width: 64,
+        height: 64,
+        channels: 3,
+        dtype: DType::U8,
+        layout: Layout::Nhwc,
+        color: ColorOrder::Rgb,
+        resize: Resize::Stretch,
+    };
+    let accepted = Message::CameraAccepted(CameraAccepted {
+        camera: o.camera,
+        model: o.model,
+        input,
+        labels: vec![],
+    });
+    write_message(&mut send, &accepted).await.unwrap();
+    let accepted = tokio::time::timeout(WAIT, opening)
+        .await
+        .expect("the open is answered")
+        .unwrap()
+        .expect("the camera is accepted");
+    assert_eq!(accepted.input, input);
+    assert!(!up.is_closed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_result_stream_is_stopped_with_its_code_and_the_rest_go_on() {
+    let mut gw = ScriptedGateway::start();
+    let (_up, mut incoming, (conn, _send, _recv)) = gw.connect().await;
+    let hint = bytes_of(&Message::ControlHint(ControlHint {
+        camera: String::new(),
+        max_fps: 1.0,
+        motion_threshold: 0.0,
+    }));
+    for (what, bytes) in [("garbage", &GARBAGE[..]), ("a hint", &hint[..])] {
+        let mut s = conn.open_uni().await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        // Not finished: only a STOP_SENDING from the edge ends the wait.
+        let code = tokio::time::timeout(WAIT, s.stopped())
+            .await
+            .unwrap_or_else(|_| panic!("the edge stops the stream carrying {what}"))
+            .unwrap();
+        assert_eq!(
+            code.map(u64::from),
+            Some(u64::from(ErrorCode::Malformed.quic_code())),
+            "{what}"
+        );
+    }
+    let mut s = conn.open_uni().await.unwrap();
+    write_message(&mut s, &Message::Result(result(9)))
+        .await
+        .unwrap();
+    s.finish().unwrap();
+    match tokio::time::timeout(WAIT, incoming.recv()).await {
+        Ok(Some(Incoming::Result(r))) => assert_eq!(r.seq, 9),
+        other => panic!("expected the result, got {other:?}"),
+    }
+    assert!(conn.close_reason().is_none(), "the connection goes on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_wait_for_a_slow_consumer_instead_of_being_dropped() {
+    let mut gw = ScriptedGateway::start();
+    let (_up, mut incoming, (conn, _send, _recv)) = gw.connect().await;
+    // More results than the readers read at once; nobody consumes them yet.
+    let n = 300u64;
+    for seq in 0..n {
+        let mut s = conn.open_uni().await.unwrap();
+        write_message(&mut s, &Message::Result(result(seq)))
+            .await
+            .unwrap();
+        s.finish().unwrap();
+    }
+    let mut seqs = Vec::new();
+    while seqs.len() < n as usize {
+        match tokio::time::timeout(WAIT, incoming.recv()).await {
+            Ok(Some(Incoming::Result(r))) => seqs.push(r.seq),
+            other => panic!("after {} results: {other:?}", seqs.len()),
+        }
+    }
+    seqs.sort_unstable();
+    assert_eq!(seqs, (0..n).collect::<Vec<_>>());
 }
 
 fn frame(seq: u64, bytes: usize) -> Frame {
@@ -190,7 +470,7 @@ fn frame(seq: u64, bytes: usize) -> Frame {
 /// moment for anything that should not arrive to show up.
 async fn seqs_once_seen(gw: &FakeGateway, seq: u64) -> Vec<u64> {
     let deadline = tokio::time::Instant::now() + WAIT;
-    while !gw.frames().iter().any(|f| f.1 == seq) {
+    while !gw.frames().iter().any(|f| f.seq == seq) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the gateway never read frame {seq}"
@@ -198,7 +478,7 @@ async fn seqs_once_seen(gw: &FakeGateway, seq: u64) -> Vec<u64> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    gw.frames().iter().map(|f| f.1).collect()
+    gw.frames().iter().map(|f| f.seq).collect()
 }
 
 async fn connect(gw: &FakeGateway) -> Uplink {
@@ -226,6 +506,7 @@ async fn newer_frame_supersedes_an_unacknowledged_one_which_is_reset_not_sent() 
     assert_eq!(lane.in_flight(), 0);
     let seqs = seqs_once_seen(&gw, 2).await;
     assert_eq!(seqs, vec![2], "the superseded frame must not arrive");
+    assert_eq!(load(&stats.lost), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,11 +532,12 @@ async fn frame_past_its_deadline_is_reset_and_never_arrives() {
 mod node {
     use super::*;
     use tidegate_edge::config::EdgeConfig;
-    use tidegate_edge::node::{NodeOptions, run};
+    use tidegate_edge::node::{CameraSummary, NodeOptions, Summary, run};
     use tidegate_edge::sink::Sinks;
+    use tokio::sync::watch;
 
     /// Waits until `pred(frames)` holds.
-    async fn until(gw: &FakeGateway, what: &str, pred: impl Fn(&[(String, u64, u64)]) -> bool) {
+    async fn until(gw: &FakeGateway, what: &str, pred: impl Fn(&[Seen]) -> bool) {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
             if pred(&gw.frames()) {
@@ -270,82 +552,160 @@ mod node {
         }
     }
 
-    /// Gaps between consecutive frames captured after `after_us`.
-    fn gaps_after(frames: &[(String, u64, u64)], after_us: u64) -> Vec<u64> {
-        let mut t: Vec<u64> = frames
-            .iter()
-            .map(|f| f.2)
-            .filter(|&c| c > after_us)
-            .collect();
-        t.sort_unstable();
-        t.windows(2).map(|w| w[1] - w[0]).collect()
+    fn on_conn(frames: &[Seen], conn: usize) -> usize {
+        frames.iter().filter(|f| f.conn == conn).count()
     }
 
+    /// A node with one 20 fps test camera, publishing its counters every
+    /// 50 ms.
+    struct Node {
+        stats: watch::Receiver<Vec<CameraSummary>>,
+        stop: oneshot::Sender<()>,
+        task: tokio::task::JoinHandle<Result<Summary, tidegate_edge::node::NodeError>>,
+    }
+
+    impl Node {
+        fn start(gw: &FakeGateway) -> Node {
+            let cfg: EdgeConfig = toml::from_str(&format!(
+                "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"{}\"\nca = \"{}\"\n\
+                 [[cameras]]\nname = \"cam\"\nuri = \"test://ball?width=320&height=240\"\nmodel = \"m\"\nmax_fps = 20\n",
+                gw.addr,
+                gw.ca.display()
+            ))
+            .unwrap();
+            let (stats_tx, stats) = watch::channel(Vec::new());
+            let (stop, stop_rx) = oneshot::channel::<()>();
+            let options = NodeOptions {
+                summary_every: Some(Duration::from_millis(50)),
+                stats: Some(stats_tx),
+                ..NodeOptions::default()
+            };
+            let task = tokio::spawn(run(cfg, Sinks::default(), options, async move {
+                let _ = stop_rx.await;
+            }));
+            Node { stats, stop, task }
+        }
+
+        /// The camera's counters, once `pred` holds for them.
+        async fn camera(
+            &mut self,
+            what: &str,
+            pred: impl Fn(&CameraSummary) -> bool,
+        ) -> CameraSummary {
+            let got =
+                tokio::time::timeout(WAIT, self.stats.wait_for(|c| c.first().is_some_and(&pred)))
+                    .await
+                    .map(|r| r.expect("the node publishes its counters")[0].clone());
+            match got {
+                Ok(c) => c,
+                Err(_) => panic!("{what}: not within {WAIT:?}: {:?}", self.stats.borrow()),
+            }
+        }
+
+        async fn stop(self) -> Summary {
+            self.stop.send(()).unwrap();
+            tokio::time::timeout(WAIT, self.task)
+                .await
+                .expect("node stops")
+                .unwrap()
+                .unwrap()
+        }
+    }
+
+    // The test source runs at exactly 20 fps on its own clock, which is the
+    // clock the gate measures (frame n at n × 50 ms), so its counters are
+    // exact whatever the machine's speed: at the configured 20 fps cap the
+    // gate skips nothing; under a 4 fps cap it passes one frame in five.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hints_change_the_rate_live_and_a_reconnect_reopens_the_camera_without_them() {
         let gw = FakeGateway::start();
-        let cfg: EdgeConfig = toml::from_str(&format!(
-            "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"{}\"\nca = \"{}\"\n\
-             [[cameras]]\nname = \"cam\"\nuri = \"test://ball?width=320&height=240\"\nmodel = \"m\"\nmax_fps = 20\n",
-            gw.addr,
-            gw.ca.display()
-        ))
-        .unwrap();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let node = tokio::spawn(run(
-            cfg,
-            Sinks::default(),
-            NodeOptions::default(),
-            async move {
-                let _ = stop_rx.await;
-            },
-        ));
+        let mut node = Node::start(&gw);
         until(&gw, "frames at the configured rate", |f| f.len() >= 15).await;
-        let start = gw.frames()[0].2;
-        assert!(
-            gaps_after(&gw.frames(), start).iter().any(|&g| g < 90_000),
-            "a 20 fps camera should send frames less than 90 ms apart"
+        let a = node
+            .camera("counters of the first 15 frames", |c| c.passed >= 15)
+            .await;
+        assert_eq!(
+            a.skipped_rate, 0,
+            "at its own rate nothing is capped: {a:?}"
         );
+        assert_eq!(a.max_fps, 20.0);
 
         // The gateway asks every camera for at most 4 fps.
         gw.hint("", 4.0);
-        let hinted = tidegate_edge::clock::now_us() + 300_000;
-        until(&gw, "frames under the hint", |f| {
-            f.iter().filter(|x| x.2 > hinted).count() >= 6
-        })
-        .await;
-        let gaps = gaps_after(&gw.frames(), hinted);
+        let b0 = node
+            .camera("the hint in force", |c| {
+                c.max_fps == 4.0 && c.skipped_rate > 0
+            })
+            .await;
+        let b1 = node
+            .camera("frames under the hint", |c| c.passed >= b0.passed + 5)
+            .await;
+        let passed = b1.passed - b0.passed;
+        let skipped = b1.skipped_rate - b0.skipped_rate;
+        // Four skips per frame sent, give or take the frames around the two
+        // readings (the gate's arithmetic allows ±4, whatever the phase).
         assert!(
-            gaps.iter().all(|&g| g >= 120_000),
-            "under a 4 fps cap frames came {gaps:?} µs apart"
+            skipped + 4 >= 4 * passed && skipped <= 4 * passed + 4,
+            "under a 4 fps cap {passed} frames passed and {skipped} were skipped"
         );
+        assert_eq!(b1.max_fps, 4.0);
 
         // The connection drops: the edge redials, opens the camera again and
         // forgets the old session's hint.
         let opens_before = gw.opens.lock().unwrap().len();
         gw.kick.notify_one();
-        let kicked = tidegate_edge::clock::now_us();
-        until(&gw, "frames after the reconnect", |f| {
-            f.iter().filter(|x| x.2 > kicked).count() >= 15
-        })
-        .await;
+        let c0 = node
+            .camera("the hint gone after the reconnect", |c| c.max_fps == 20.0)
+            .await;
+        until(&gw, "frames after the reconnect", |f| on_conn(f, 2) >= 15).await;
         assert!(gw.opens.lock().unwrap().len() > opens_before);
-        assert!(
-            gaps_after(&gw.frames(), kicked).iter().any(|&g| g < 90_000),
-            "after the reconnect the old hint still applies"
-        );
 
-        stop_tx.send(()).unwrap();
-        let summary = tokio::time::timeout(WAIT, node)
-            .await
-            .expect("node stops")
-            .unwrap()
-            .unwrap();
+        let summary = node.stop().await;
         let cam = &summary.cameras[0];
         assert_eq!(cam.max_fps, 20.0);
+        // The 4 fps schedule runs at most one and a half of its intervals
+        // (375 ms) ahead of the last frame sent, so it still skips up to 6
+        // frames after the reset; had the hint survived, the 15 frames sent
+        // since would have cost ~56.
+        assert!(
+            cam.skipped_rate <= c0.skipped_rate + 6,
+            "skips went on after the reconnect: {c0:?} then {cam:?}"
+        );
         assert!(cam.skipped_rate > 0, "{cam:?}");
-        // The gateway read at least 36 whole frames; a frame or two around
-        // the dropped connection may be read without the edge seeing the ack.
-        assert!(cam.delivered >= 30, "{cam:?}");
+        // The gateway read at least 30 whole frames (15 on each connection);
+        // the frames in flight when the connection dropped (2 at most) may
+        // be read without the edge seeing the ack.
+        assert!(cam.delivered >= 28, "{cam:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_malformed_control_message_makes_the_edge_close_redial_and_reopen() {
+        let gw = FakeGateway::start();
+        let node = Node::start(&gw);
+        until(&gw, "frames on the first connection", |f| {
+            on_conn(f, 1) >= 3
+        })
+        .await;
+        gw.poison.notify_one();
+        until(&gw, "frames on a new connection", |f| on_conn(f, 2) >= 3).await;
+        let first = gw.closes.lock().unwrap().first().cloned();
+        match &first {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => assert_eq!(
+                u64::from(c.error_code),
+                u64::from(ErrorCode::Malformed.quic_code()),
+                "{first:?}"
+            ),
+            other => panic!("the first connection ended with {other:?}"),
+        }
+        assert!(
+            gw.opens.lock().unwrap().len() >= 2,
+            "the camera is re-opened"
+        );
+        let summary = node.stop().await;
+        assert_eq!(summary.cameras[0].camera, "cam");
+        assert!(
+            gw.frames().iter().all(|f| f.camera == "cam"),
+            "only the camera's frames arrive"
+        );
     }
 }

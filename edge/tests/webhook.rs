@@ -1,6 +1,7 @@
 //! The webhook sink against a real HTTP server on 127.0.0.1: retries on 5xx,
-//! gives up on 4xx, and drops (and counts) what its bounded queue cannot
-//! hold while the receiver is down. Every wait is bounded.
+//! gives up on 4xx, drops (and counts) what its bounded queue cannot hold
+//! while the receiver is down, and on close stops a POST that never ends,
+//! counting what it still held. Every wait is bounded.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -135,4 +136,38 @@ async fn unreachable_receiver_fills_the_bounded_queue_and_drops_are_counted() {
     );
     assert!(full >= 200 - 8 - 64, "{full}");
     assert_eq!(full + failed, 200, "every result is accounted for");
+    assert_eq!(stats.pushed.load(Ordering::Relaxed), 200);
+    assert_eq!(stats.dropped_shutdown.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test]
+async fn close_stops_a_stuck_post_and_counts_what_it_still_held() {
+    // A receiver that takes the request and never answers: the POST cannot
+    // finish before close gives up, however fast the machine is.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (held_tx, mut held_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            let _ = held_tx.send(s);
+        }
+    });
+    let endpoint = Endpoint::parse(&format!("http://127.0.0.1:{port}/hook")).unwrap();
+    let hook = Webhook::spawn(endpoint, 256, fast_policy(5));
+    for seq in 0..100 {
+        hook.push(format!("{{\"seq\":{seq}}}"));
+    }
+    // The first batch is on the wire.
+    let _held = tokio::time::timeout(Duration::from_secs(10), held_rx.recv())
+        .await
+        .expect("the webhook connects")
+        .unwrap();
+    let stats = hook.close(Duration::from_millis(200)).await;
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    assert_eq!(load(&stats.pushed), 100);
+    assert_eq!(load(&stats.posted), 0);
+    assert_eq!(load(&stats.dropped_full), 0);
+    assert_eq!(load(&stats.dropped_failed), 0);
+    // The batch in the unanswered POST and the rest of the queue.
+    assert_eq!(load(&stats.dropped_shutdown), 100);
 }

@@ -3,9 +3,13 @@
 //! unplugged, a decoder errors) or stalls, it stops it and starts a new one
 //! after a jittered exponential backoff. A file source can loop. Each camera
 //! has its own supervisor, so one failing camera never holds up another.
+//! Starting and stopping a pipeline (which may block: an RTSP server that is
+//! slow to answer, a device slow to open) happen on tokio's blocking
+//! threads, never on an async worker.
 
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{
@@ -83,6 +87,8 @@ pub struct SupervisedCapture {
     is_file: bool,
     limits: Limits,
     current: Option<Capture>,
+    /// A pipeline being started on a blocking thread.
+    starting: Option<JoinHandle<Result<Capture, CaptureError>>>,
     next_seq: u64,
     restart_at: Option<Instant>,
     backoff: Backoff,
@@ -111,6 +117,7 @@ impl SupervisedCapture {
             is_file: matches!(source, SourceUri::File { .. }),
             limits,
             current: None,
+            starting: None,
             next_seq: options.capture.first_seq,
             restart_at: None,
             progress: (0, Instant::now()),
@@ -155,29 +162,51 @@ impl SupervisedCapture {
 
     /// The next frame, restarting the pipeline as often as needed. Returns
     /// an error only when the camera cannot go on (see [`CameraStopped`]).
-    /// Cancel-safe: a pending restart survives a dropped `recv`.
+    /// Cancel-safe: a pending restart, or a start in progress, survives a
+    /// dropped `recv`.
     pub async fn recv(&mut self) -> Result<CapturedFrame, CameraStopped> {
         loop {
             if self.current.is_none() {
-                if let Some(at) = self.restart_at {
-                    tokio::time::sleep_until(at).await;
-                    self.restart_at = None;
-                }
-                let options = CaptureOptions {
-                    first_seq: self.next_seq,
-                    ..self.options.capture
+                let start = match &mut self.starting {
+                    Some(start) => start,
+                    None => {
+                        if let Some(at) = self.restart_at {
+                            tokio::time::sleep_until(at).await;
+                            self.restart_at = None;
+                        }
+                        let spec = self.spec.clone();
+                        let options = CaptureOptions {
+                            first_seq: self.next_seq,
+                            ..self.options.capture
+                        };
+                        self.starting.insert(tokio::task::spawn_blocking(move || {
+                            Capture::start_with(spec, options)
+                        }))
+                    }
                 };
-                match Capture::start_with(self.spec.clone(), options) {
-                    Ok(c) => {
+                // Awaiting the handle by reference: dropping `recv` here
+                // leaves the start running, and the next `recv` picks it up.
+                let started = start.await;
+                self.starting = None;
+                match started {
+                    Ok(Ok(c)) => {
                         c.set_limits(self.limits);
                         self.progress = (0, Instant::now());
                         self.current = Some(c);
                     }
-                    Err(e) if e.retryable() => {
+                    Ok(Err(e)) if e.retryable() => {
                         self.schedule_restart(&e.to_string());
                         continue;
                     }
-                    Err(e) => return Err(CameraStopped::Start(e)),
+                    Ok(Err(e)) => return Err(CameraStopped::Start(e)),
+                    Err(e) => {
+                        let why = format!(
+                            "camera '{}': starting the pipeline for '{}' failed: {e}",
+                            self.spec.camera, self.spec.uri
+                        );
+                        self.schedule_restart(&why);
+                        continue;
+                    }
                 }
             }
             let Some(cap) = self.current.as_ref() else {
@@ -264,5 +293,8 @@ impl Drop for SupervisedCapture {
         if let Some(cap) = self.current.take() {
             stop_off_thread(cap);
         }
+        // A start still in progress finishes on its blocking thread, and the
+        // capture it returns is dropped (stopped) there, unread.
+        drop(self.starting.take());
     }
 }

@@ -1,14 +1,18 @@
 //! Where results go: JSON lines on stdout, appended to a file, or POSTed to
 //! an HTTP [`webhook`]. [`Sinks`] fans each result out to every one that is
-//! configured.
+//! configured; [`SinkWriter`] runs them on a thread of their own, so that
+//! serialising a result and writing it to stdout or a file never blocks an
+//! async worker.
 
 pub mod webhook;
 
 use std::io::Write;
-use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 use tidegate_protocol::{Detection, FrameResult, OutputTensor, Status, Timings};
+use tokio::sync::{mpsc, oneshot};
 
 /// One result as a JSON line.
 #[derive(Debug, Serialize)]
@@ -77,41 +81,6 @@ impl<'a> ResultLine<'a> {
     }
 }
 
-/// A result sink.
-#[derive(Debug)]
-pub enum Sink {
-    /// JSON lines on standard output.
-    Stdout,
-    /// JSON lines appended to a file.
-    File(std::fs::File),
-}
-
-impl Sink {
-    /// An append-only file sink.
-    pub fn file(path: &Path) -> std::io::Result<Sink> {
-        Ok(Sink::File(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)?,
-        ))
-    }
-
-    /// Writes one line.
-    pub fn write(&mut self, line: &ResultLine<'_>) -> std::io::Result<()> {
-        let mut text = serde_json::to_string(line).map_err(std::io::Error::other)?;
-        text.push('\n');
-        match self {
-            Sink::Stdout => {
-                let mut out = std::io::stdout().lock();
-                out.write_all(text.as_bytes())?;
-                out.flush()
-            }
-            Sink::File(f) => f.write_all(text.as_bytes()),
-        }
-    }
-}
-
 /// Every configured sink. A result is serialised once and handed to each.
 #[derive(Debug, Default)]
 pub struct Sinks {
@@ -124,8 +93,10 @@ pub struct Sinks {
 }
 
 impl Sinks {
-    /// Writes one result to every sink. The webhook never blocks: when its
-    /// queue is full the result is dropped for it and counted.
+    /// Writes one result to every sink. Writing to stdout and the file
+    /// blocks: call this from [`SinkWriter`]'s thread, not from an async
+    /// task. The webhook never blocks: when its queue is full the result is
+    /// dropped for it and counted.
     pub fn write(&mut self, line: &ResultLine<'_>) -> std::io::Result<()> {
         let text = serde_json::to_string(line).map_err(std::io::Error::other)?;
         if self.stdout {
@@ -144,6 +115,139 @@ impl Sinks {
             w.push(text);
         }
         Ok(())
+    }
+
+    /// Starts a thread that writes results to these sinks, in the order
+    /// they are queued, from a queue of `queue` results.
+    pub fn spawn(self, queue: usize) -> std::io::Result<SinkWriter> {
+        let (tx, mut rx) = mpsc::channel::<Queued>(queue.max(1));
+        let (done_tx, done) = oneshot::channel();
+        let mut sinks = self;
+        std::thread::Builder::new()
+            .name("tidegate-sinks".into())
+            .spawn(move || {
+                let mut written = 0u64;
+                let mut error = None;
+                // After the writer is finished this drains what is queued.
+                while let Some(q) = rx.blocking_recv() {
+                    if let Err(e) =
+                        sinks.write(&ResultLine::new(&q.result, q.received_at_us, &q.labels))
+                    {
+                        error = Some(e);
+                        break;
+                    }
+                    written += 1;
+                }
+                let unwritten = rx.len() as u64;
+                drop(rx);
+                let _ = done_tx.send(SinkReport {
+                    sinks,
+                    written,
+                    unwritten,
+                    error,
+                });
+            })?;
+        Ok(SinkWriter {
+            tx: Some(tx),
+            done,
+            report: None,
+        })
+    }
+}
+
+/// A result waiting for the sink thread.
+#[derive(Debug)]
+struct Queued {
+    result: FrameResult,
+    received_at_us: u64,
+    labels: Arc<Vec<String>>,
+}
+
+/// What the sink thread did, once it has stopped.
+#[derive(Debug)]
+pub struct SinkReport {
+    /// The sinks, handed back (the webhook still has to be closed).
+    pub sinks: Sinks,
+    /// Results written to every sink.
+    pub written: u64,
+    /// Results still queued when a write failed, never written.
+    pub unwritten: u64,
+    /// The write that failed and stopped the thread, if one did.
+    pub error: Option<std::io::Error>,
+}
+
+/// The sink thread stopped (a write failed): see [`SinkWriter::finish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the result sinks have stopped after a failed write")]
+pub struct SinksStopped;
+
+/// Why [`SinkWriter::finish`] has no report.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FinishError {
+    /// The thread was still writing (stdout or the file blocked) when the
+    /// time ran out; what it still held is not written.
+    #[error(
+        "the result sinks were still writing after {0:?}; results still queued are not written"
+    )]
+    Timeout(Duration),
+    /// The thread panicked.
+    #[error("the result sink thread panicked")]
+    Panicked,
+}
+
+/// [`Sinks`] running on a dedicated thread, fed by a bounded queue: results
+/// are serialised and written there one at a time, in order. See
+/// [`Sinks::spawn`].
+#[derive(Debug)]
+pub struct SinkWriter {
+    tx: Option<mpsc::Sender<Queued>>,
+    done: oneshot::Receiver<SinkReport>,
+    /// The thread's report, once [`SinkWriter::stopped`] has seen it.
+    report: Option<Result<SinkReport, FinishError>>,
+}
+
+impl SinkWriter {
+    /// Queues a result, received at `received_at_us` on the edge clock, with
+    /// the model's class names; waits while the queue is full. Fails once
+    /// the thread has stopped after a failed write.
+    pub async fn write(
+        &self,
+        result: FrameResult,
+        received_at_us: u64,
+        labels: Arc<Vec<String>>,
+    ) -> Result<(), SinksStopped> {
+        let tx = self.tx.as_ref().ok_or(SinksStopped)?;
+        tx.send(Queued {
+            result,
+            received_at_us,
+            labels,
+        })
+        .await
+        .map_err(|_| SinksStopped)
+    }
+
+    /// Resolves when the thread stops by itself: a write failed (or it
+    /// panicked). Pending for as long as it runs. Cancel-safe.
+    pub async fn stopped(&mut self) {
+        if self.report.is_none() {
+            let report = (&mut self.done).await.map_err(|_| FinishError::Panicked);
+            self.report = Some(report);
+        }
+    }
+
+    /// Ends the queue and waits up to `timeout` for the thread to write what
+    /// is queued; returns its report.
+    pub async fn finish(mut self, timeout: Duration) -> Result<SinkReport, FinishError> {
+        drop(self.tx.take());
+        if let Some(report) = self.report.take() {
+            return report;
+        }
+        match tokio::time::timeout(timeout, &mut self.done).await {
+            Ok(Ok(report)) => Ok(report),
+            Ok(Err(_)) => Err(FinishError::Panicked),
+            Err(_) => Err(FinishError::Timeout(timeout)),
+        }
     }
 }
 
@@ -186,6 +290,81 @@ mod tests {
         assert_eq!(lines.len(), 3, "appended after what was there: {text}");
         assert_eq!(lines[2]["seq"], 2);
         assert_eq!(lines[2]["status"], "ok");
+    }
+
+    fn ok_result(seq: u64) -> FrameResult {
+        FrameResult {
+            camera: "door".into(),
+            seq,
+            captured_at_us: 1_000,
+            status: Status::Ok,
+            detections: vec![],
+            timings: Timings::default(),
+            outputs: vec![],
+        }
+    }
+
+    #[tokio::test]
+    async fn sink_thread_writes_every_result_in_order_and_drains_its_queue_on_finish() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.jsonl");
+        let file = std::fs::File::create(&path).unwrap();
+        // A queue much shorter than the results: `write` waits for room.
+        let writer = Sinks {
+            file: Some(file),
+            ..Sinks::default()
+        }
+        .spawn(4)
+        .unwrap();
+        let labels = Arc::new(vec!["person".to_string()]);
+        for seq in 0..200 {
+            writer
+                .write(ok_result(seq), 2_000, labels.clone())
+                .await
+                .unwrap();
+        }
+        let report = writer.finish(Duration::from_secs(30)).await.unwrap();
+        assert!(report.error.is_none(), "{:?}", report.error);
+        assert_eq!((report.written, report.unwritten), (200, 0));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let seqs: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["seq"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(seqs, (0..200).collect::<Vec<_>>());
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_stops_the_sink_thread_and_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.jsonl");
+        std::fs::write(&path, "").unwrap();
+        // Opened for reading only: every write fails.
+        let file = std::fs::File::open(&path).unwrap();
+        let mut writer = Sinks {
+            file: Some(file),
+            ..Sinks::default()
+        }
+        .spawn(4)
+        .unwrap();
+        writer
+            .write(ok_result(1), 2_000, Arc::default())
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(30), writer.stopped())
+            .await
+            .expect("the thread stops on the failed write");
+        assert_eq!(
+            writer.write(ok_result(2), 2_000, Arc::default()).await,
+            Err(SinksStopped)
+        );
+        let report = writer.finish(Duration::from_secs(30)).await.unwrap();
+        assert!(report.error.is_some());
+        assert_eq!(report.written, 0);
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //!   with exponential backoff ([`RetryPolicy`]); other answers are final. A
 //!   batch that exhausts its attempts is dropped and counted
 //!   (`dropped_failed`).
+//! - **Accounted:** [`Webhook::close`] waits a bounded time for what is
+//!   queued to go out, then stops the task; what it still held is dropped
+//!   and counted (`dropped_shutdown`). Every result pushed ends up in exactly
+//!   one counter: `pushed = posted + dropped_full + dropped_failed +
+//!   dropped_shutdown`.
 //!
 //! The HTTP/1.1 client is a few lines over a tokio `TcpStream`
 //! (`Connection: close`), which keeps TLS stacks out of the edge's build.
@@ -20,12 +25,16 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
 /// Most results in one POST.
 pub const MAX_BATCH: usize = 64;
 /// Longest wait for one POST, connect to status line.
 pub const POST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long [`Webhook::close`] waits for the stopped task to count what it
+/// held before aborting it.
+const STOP_GRACE: Duration = Duration::from_secs(1);
 
 /// Why a webhook URL cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -39,8 +48,11 @@ pub enum WebhookError {
         /// The URL as configured.
         url: String,
     },
-    /// No host, or a port that is not a number.
-    #[error("'{url}' has no usable host:port; write it as http://host:port/path")]
+    /// No host, a port that is not a number, or brackets around something
+    /// other than an IPv6 address.
+    #[error(
+        "'{url}' has no usable host:port; write it as http://host:port/path (an IPv6 address in brackets: http://[::1]:8080/path)"
+    )]
     Authority {
         /// The URL as configured.
         url: String,
@@ -59,7 +71,8 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Parses `http://host[:port][/path]`.
+    /// Parses `http://host[:port][/path]`, where `host` is a name, an IPv4
+    /// address or an IPv6 address in brackets (`http://[::1]:8080/x`).
     pub fn parse(url: &str) -> Result<Self, WebhookError> {
         let rest = url
             .strip_prefix("http://")
@@ -69,14 +82,26 @@ impl Endpoint {
             None => (rest, "/"),
         };
         let bad = || WebhookError::Authority { url: url.into() };
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
-                (h, p.parse::<u16>().map_err(|_| bad())?)
+        let port_of = |p: &str| p.parse::<u16>().map_err(|_| bad());
+        let (host, port) = match authority.strip_prefix('[') {
+            // `[v6]` or `[v6]:port`.
+            Some(bracketed) => {
+                let (host, after) = bracketed.split_once(']').ok_or_else(bad)?;
+                if host.parse::<std::net::Ipv6Addr>().is_err() {
+                    return Err(bad());
+                }
+                let port = match after {
+                    "" => 80,
+                    _ => port_of(after.strip_prefix(':').ok_or_else(bad)?)?,
+                };
+                (host, port)
             }
-            _ => (authority, 80),
+            None => match authority.split_once(':') {
+                Some((h, p)) => (h, port_of(p)?),
+                None => (authority, 80),
+            },
         };
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        if host.is_empty() || authority.contains('@') {
+        if host.is_empty() || authority.contains('@') || host.contains(['[', ']']) {
             return Err(bad());
         }
         Ok(Endpoint {
@@ -139,25 +164,33 @@ pub fn delivered(outcome: &PostOutcome) -> bool {
     matches!(outcome, PostOutcome::Status(s) if (200..300).contains(s))
 }
 
-/// Counters of the webhook sink.
+/// Counters of the webhook sink. Once [`Webhook::close`] has returned,
+/// `pushed = posted + dropped_full + dropped_failed + dropped_shutdown`.
 #[derive(Debug, Default)]
 pub struct WebhookStats {
+    /// Results handed to [`Webhook::push`].
+    pub pushed: AtomicU64,
     /// Results accepted by the server (2xx).
     pub posted: AtomicU64,
     /// Results dropped because the queue was full.
     pub dropped_full: AtomicU64,
     /// Results dropped after a final failure or running out of attempts.
     pub dropped_failed: AtomicU64,
+    /// Results still queued or being posted when [`Webhook::close`] ran out
+    /// of time (or pushed after the task had stopped).
+    pub dropped_shutdown: AtomicU64,
     /// POSTs retried.
     pub retries: AtomicU64,
 }
 
-/// A running webhook sink. Dropping it (or [`Webhook::close`]) ends the
-/// queue; the task finishes what is queued, within its retry policy.
+/// A running webhook sink. Dropping it ends the queue, and the task finishes
+/// what is queued, within its retry policy; [`Webhook::close`] also bounds
+/// the time that takes.
 #[derive(Debug)]
 pub struct Webhook {
     tx: mpsc::Sender<String>,
     stats: Arc<WebhookStats>,
+    stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -166,15 +199,30 @@ impl Webhook {
     pub fn spawn(endpoint: Endpoint, queue: usize, policy: RetryPolicy) -> Webhook {
         let (tx, rx) = mpsc::channel(queue.max(1));
         let stats = Arc::new(WebhookStats::default());
+        let stop = CancellationToken::new();
         let span = info_span!("webhook", host = %endpoint.host, port = endpoint.port);
-        let task = tokio::spawn(run(endpoint, rx, policy, stats.clone()).instrument(span));
-        Webhook { tx, stats, task }
+        let task =
+            tokio::spawn(run(endpoint, rx, policy, stats.clone(), stop.clone()).instrument(span));
+        Webhook {
+            tx,
+            stats,
+            stop,
+            task,
+        }
     }
 
-    /// Queues one JSON result without waiting; counts it if the queue is full.
+    /// Queues one JSON result without waiting; counts it if the queue is
+    /// full. Works from any thread, inside a tokio runtime or not.
     pub fn push(&self, json: String) {
-        if self.tx.try_send(json).is_err() {
-            self.stats.dropped_full.fetch_add(1, Ordering::Relaxed);
+        self.stats.pushed.fetch_add(1, Ordering::Relaxed);
+        match self.tx.try_send(json) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.stats.dropped_full.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.stats.dropped_shutdown.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -183,12 +231,38 @@ impl Webhook {
         &self.stats
     }
 
-    /// Ends the queue and waits up to `timeout` for what is queued to go out.
+    /// Ends the queue and waits up to `timeout` for what is queued to go
+    /// out. Then it stops the task: results it still held (queued, or in a
+    /// POST not yet answered) are dropped and counted in `dropped_shutdown`.
     pub async fn close(self, timeout: Duration) -> Arc<WebhookStats> {
-        let Webhook { tx, stats, task } = self;
+        let Webhook {
+            tx,
+            stats,
+            stop,
+            mut task,
+        } = self;
         drop(tx);
-        if tokio::time::timeout(timeout, task).await.is_err() {
-            warn!("webhook still busy after {timeout:?}; its queued results are dropped");
+        if tokio::time::timeout(timeout, &mut task).await.is_err() {
+            stop.cancel();
+            // Every wait of the task watches `stop`: it counts what it held
+            // and returns at once. Abort it if it somehow does not.
+            if tokio::time::timeout(STOP_GRACE, &mut task).await.is_err() {
+                task.abort();
+                let _ = task.await;
+                let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+                let settled = load(&stats.posted)
+                    + load(&stats.dropped_full)
+                    + load(&stats.dropped_failed)
+                    + load(&stats.dropped_shutdown);
+                stats.dropped_shutdown.fetch_add(
+                    load(&stats.pushed).saturating_sub(settled),
+                    Ordering::Relaxed,
+                );
+            }
+            warn!(
+                dropped = stats.dropped_shutdown.load(Ordering::Relaxed),
+                "webhook still busy after {timeout:?}; the results it still held are dropped"
+            );
         }
         stats
     }
@@ -199,38 +273,73 @@ async fn run(
     mut rx: mpsc::Receiver<String>,
     policy: RetryPolicy,
     stats: Arc<WebhookStats>,
+    stop: CancellationToken,
 ) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
-    while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
+    loop {
+        let n = tokio::select! {
+            biased;
+            _ = stop.cancelled() => break,
+            n = rx.recv_many(&mut batch, MAX_BATCH) => n,
+        };
+        if n == 0 {
+            break;
+        }
         let body = format!("[{}]", batch.join(","));
         let n = batch.len() as u64;
         batch.clear();
-        let mut attempt = 1;
-        loop {
-            let outcome = match tokio::time::timeout(POST_TIMEOUT, post(&endpoint, &body)).await {
-                Ok(o) => o,
-                Err(_) => PostOutcome::Io(format!("no answer within {POST_TIMEOUT:?}")),
-            };
-            if delivered(&outcome) {
-                stats.posted.fetch_add(n, Ordering::Relaxed);
-                debug!(results = n, "posted");
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => {
+                stats.dropped_shutdown.fetch_add(n, Ordering::Relaxed);
                 break;
             }
-            match policy.retry_after(attempt, &outcome) {
-                Some(delay) => {
-                    debug!(?outcome, attempt, "POST failed; retrying in {delay:?}");
-                    stats.retries.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(delay).await;
-                    attempt += 1;
-                }
-                None => {
-                    warn!(
-                        ?outcome,
-                        attempt, "webhook POST failed for good; {n} results dropped"
-                    );
-                    stats.dropped_failed.fetch_add(n, Ordering::Relaxed);
-                    break;
-                }
+            _ = deliver(&endpoint, &body, n, &policy, &stats) => {}
+        }
+    }
+    // Stopped, or the queue ended: whatever is still queued is dropped.
+    rx.close();
+    let mut left = 0u64;
+    while rx.try_recv().is_ok() {
+        left += 1;
+    }
+    stats.dropped_shutdown.fetch_add(left, Ordering::Relaxed);
+}
+
+/// Posts one batch of `n` results, retrying within `policy`; counts it as
+/// posted or as dropped for good.
+async fn deliver(
+    endpoint: &Endpoint,
+    body: &str,
+    n: u64,
+    policy: &RetryPolicy,
+    stats: &WebhookStats,
+) {
+    let mut attempt = 1;
+    loop {
+        let outcome = match tokio::time::timeout(POST_TIMEOUT, post(endpoint, body)).await {
+            Ok(o) => o,
+            Err(_) => PostOutcome::Io(format!("no answer within {POST_TIMEOUT:?}")),
+        };
+        if delivered(&outcome) {
+            stats.posted.fetch_add(n, Ordering::Relaxed);
+            debug!(results = n, "posted");
+            return;
+        }
+        match policy.retry_after(attempt, &outcome) {
+            Some(delay) => {
+                debug!(?outcome, attempt, "POST failed; retrying in {delay:?}");
+                stats.retries.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(delay).await;
+                attempt += 1;
+            }
+            None => {
+                warn!(
+                    ?outcome,
+                    attempt, "webhook POST failed for good; {n} results dropped"
+                );
+                stats.dropped_failed.fetch_add(n, Ordering::Relaxed);
+                return;
             }
         }
     }
@@ -322,7 +431,6 @@ mod tests {
                 path: "/".into()
             }
         );
-        assert_eq!(Endpoint::parse("http://[::1]:9000/r").unwrap().host, "::1");
         assert!(matches!(
             Endpoint::parse("https://x/y"),
             Err(WebhookError::Scheme { .. })
@@ -332,10 +440,52 @@ mod tests {
             "http://host:port/x",
             "http://u:p@h/x",
             "http:///x",
+            "http://host:99999/x",
         ] {
             assert!(
                 matches!(Endpoint::parse(bad), Err(WebhookError::Authority { .. })),
                 "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn endpoint_takes_an_ipv6_address_in_brackets_with_or_without_a_port() {
+        let v6 = |host: &str, port, path: &str| Endpoint {
+            host: host.into(),
+            port,
+            path: path.into(),
+        };
+        for (url, want) in [
+            ("http://[::1]/x", v6("::1", 80, "/x")),
+            ("http://[::1]", v6("::1", 80, "/")),
+            ("http://[::1]:8080", v6("::1", 8080, "/")),
+            ("http://[::1]:9000/r?a=1", v6("::1", 9000, "/r?a=1")),
+            (
+                "http://[2001:db8::7]:443/hook",
+                v6("2001:db8::7", 443, "/hook"),
+            ),
+        ] {
+            assert_eq!(Endpoint::parse(url).unwrap(), want, "{url}");
+        }
+        for bad in [
+            "http://[::1/x",
+            "http://[::1]x/y",
+            "http://[::1]:/x",
+            "http://[::1]:port/x",
+            "http://[::1]:65536/x",
+            "http://[]/x",
+            "http://[collector]/x",
+            "http://[127.0.0.1]/x",
+            "http://[::1]]/x",
+            "http://::1/x",
+            "http://::1:80/x",
+            "http://u@[::1]/x",
+        ] {
+            assert!(
+                matches!(Endpoint::parse(bad), Err(WebhookError::Authority { .. })),
+                "{bad}: {:?}",
+                Endpoint::parse(bad)
             );
         }
     }
