@@ -69,16 +69,6 @@ impl ShedReason {
             _ => return None,
         })
     }
-
-    /// snake_case name, as used in JSON and metric labels.
-    pub fn name(self) -> &'static str {
-        match self {
-            ShedReason::Superseded => "superseded",
-            ShedReason::WouldMissDeadline => "would_miss_deadline",
-            ShedReason::Overloaded => "overloaded",
-            ShedReason::NoWorker => "no_worker",
-        }
-    }
 }
 
 /// The one outcome every admitted frame ends in.

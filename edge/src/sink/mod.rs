@@ -57,7 +57,7 @@ impl<'a> ResultLine<'a> {
     pub fn new(r: &'a FrameResult, now_us: u64, labels: &'a [String]) -> Self {
         let reason = match &r.status {
             Status::Ok | Status::Expired => None,
-            Status::Shed(reason) => Some(reason.name().to_string()),
+            Status::Shed(reason) => Some(reason.label().to_string()),
             Status::Failed(reason) => Some(reason.clone()),
         };
         ResultLine {
