@@ -401,6 +401,14 @@ pub async fn run(
     cancel.cancel();
     tracker.wait().await;
     let _ = link_task.await;
+    // The loop may have ended on another branch (the results channel
+    // closing with the link) while a refusal was waiting: it still decides
+    // the exit.
+    if outcome.is_ok()
+        && let Ok(e) = fatal_rx.try_recv()
+    {
+        outcome = Err(NodeError::Refused(e));
+    }
     // Everything queued for the sinks is written before the webhook closes.
     match sinks.finish(SINK_DRAIN).await {
         Ok(mut report) => {

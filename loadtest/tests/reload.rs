@@ -129,8 +129,8 @@ fn a_reload_revokes_what_was_removed_admits_what_was_added_and_keeps_the_rest() 
     let status = edge1
         .wait_exit(Duration::from_secs(30), "its credentials being revoked")
         .expect("edge-1 exits");
-    assert!(!status.success(), "{status}");
     let log = edge1.log();
+    assert!(!status.success(), "{status}; log:\n{log}");
     assert!(log.contains("revoked by a configuration reload"), "{log}");
     assert!(log.contains("refused"), "{log}");
 
