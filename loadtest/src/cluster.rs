@@ -9,9 +9,202 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
-
 use crate::sim::SimOptions;
+
+/// A tidegate binary is not where [`bin_dir`] says the binaries are.
+#[derive(Debug, thiserror::Error)]
+#[error("{path} not found; build the binaries first: cargo build --workspace --bins")]
+#[non_exhaustive]
+pub struct BinaryNotFound {
+    /// Where it was looked for.
+    pub path: PathBuf,
+}
+
+/// Why a [`Cluster`] operation (starting or restarting the gateway,
+/// starting, signalling or waiting for a worker, running an edge, stopping)
+/// failed. An error about a child process carries its log.
+#[derive(thiserror::Error)]
+#[non_exhaustive]
+pub enum ClusterError {
+    /// A tidegate binary is missing.
+    #[error(transparent)]
+    Binary(#[from] BinaryNotFound),
+    /// The temporary directory for certificates, configs and logs could
+    /// not be made.
+    #[error(
+        "creating a temporary directory for the cluster: {source}; check TMPDIR and free space"
+    )]
+    TempDir {
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A config, log or other file in the cluster's directory could not be
+    /// written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A file in the cluster's directory could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A child process could not be started.
+    #[error("cannot start {program}: {source}")]
+    Spawn {
+        /// What was started (`tidegate-worker`, `tidegate-gateway dev-certs`, ...).
+        program: &'static str,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `tidegate-gateway dev-certs` ran and failed (its stderr says why).
+    #[error("tidegate-gateway dev-certs failed ({status}); its stderr above says why")]
+    DevCerts {
+        /// How it exited.
+        status: std::process::ExitStatus,
+    },
+    /// The gateway did not print a usable listening line (it exited, hung
+    /// or printed something else); it has been killed.
+    #[error("{reason}; gateway log:\n{log}")]
+    GatewayStart {
+        /// What went wrong with the listening line.
+        reason: String,
+        /// The gateway's log.
+        log: String,
+    },
+    /// A restarted gateway did not get its old QUIC port back.
+    #[error(
+        "restarted gateway listens on {got}, expected {expected}; the old port was taken by another process"
+    )]
+    RestartedElsewhere {
+        /// Where it listens now.
+        got: SocketAddr,
+        /// Where it listened before.
+        expected: SocketAddr,
+    },
+    /// No worker of that name was started by this cluster.
+    #[error("no worker named {name} in this cluster; start it with spawn_worker first")]
+    NoWorker {
+        /// The name asked for.
+        name: String,
+    },
+    /// `kill` itself could not be run.
+    #[error("running kill -s {signal} {pid} ({who}): {source}")]
+    Kill {
+        /// The signal name.
+        signal: String,
+        /// The process id.
+        pid: u32,
+        /// Which process.
+        who: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `kill` ran and failed (the process is gone, say).
+    #[error("kill -s {signal} {pid} ({who}) failed: {status}; has it exited already?")]
+    KillFailed {
+        /// The signal name.
+        signal: String,
+        /// The process id.
+        pid: u32,
+        /// Which process.
+        who: String,
+        /// How `kill` exited.
+        status: std::process::ExitStatus,
+    },
+    /// The state of a child process could not be read.
+    #[error("waiting for {who}: {source}")]
+    Wait {
+        /// Which process.
+        who: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A worker exited while the cluster waited for it to register.
+    #[error("worker {name} exited with {status}; its log:\n{log}")]
+    WorkerExited {
+        /// The worker.
+        name: String,
+        /// How it exited.
+        status: std::process::ExitStatus,
+        /// Its log.
+        log: String,
+    },
+    /// The workers did not all register in time.
+    #[error("fewer than {n} workers registered after {timeout:?}; gateway log:\n{log}")]
+    WorkersNotRegistered {
+        /// Workers waited for.
+        n: usize,
+        /// How long.
+        timeout: Duration,
+        /// The gateway's log.
+        log: String,
+    },
+    /// `GET /api/v1/workers` answered 200 with something other than JSON.
+    #[error("GET /api/v1/workers answered 200 but not JSON ({source}): {body}")]
+    WorkersNotJson {
+        /// The JSON error.
+        source: serde_json::Error,
+        /// What it answered.
+        body: String,
+    },
+    /// The gateway did not exit after SIGTERM; it has been killed.
+    #[error(
+        "the gateway did not exit within {timeout:?} of SIGTERM (it was killed); gateway log:\n{log}"
+    )]
+    StopTimeout {
+        /// How long it was given.
+        timeout: Duration,
+        /// The gateway's log.
+        log: String,
+    },
+}
+
+debug_as_display!(ClusterError);
+
+/// Why a request to the gateway's HTTP API failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HttpError {
+    /// Connecting, sending or reading failed.
+    #[error("{method} {path} on the gateway at {addr}: {source}; is the gateway running?")]
+    Io {
+        /// The request method.
+        method: &'static str,
+        /// The request path.
+        path: String,
+        /// The gateway's HTTP address.
+        addr: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The answer has no HTTP status line.
+    #[error("{method} {path} on the gateway at {addr}: bad HTTP response: {text:?}")]
+    BadResponse {
+        /// The request method.
+        method: &'static str,
+        /// The request path.
+        path: String,
+        /// The gateway's HTTP address.
+        addr: SocketAddr,
+        /// What came back.
+        text: String,
+    },
+}
+
+/// `std::fs::write`, naming the file in the error.
+fn write_file(path: &Path, text: impl AsRef<[u8]>) -> Result<(), ClusterError> {
+    std::fs::write(path, text).map_err(|source| ClusterError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
 
 /// Where the tidegate binaries are: `TIDEGATE_BIN_DIR`, else next to the
 /// running executable (`target/<profile>/`, also from `deps/`).
@@ -28,15 +221,12 @@ pub fn bin_dir() -> PathBuf {
 }
 
 /// The path of binary `name`, or an error that says how to build it.
-pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
-    let p = bin_dir().join(name);
-    if !p.exists() {
-        bail!(
-            "{} not found; build the binaries first: cargo build --workspace --bins",
-            p.display()
-        );
+pub fn bin(name: &str) -> Result<PathBuf, BinaryNotFound> {
+    let path = bin_dir().join(name);
+    if !path.exists() {
+        return Err(BinaryNotFound { path });
     }
-    Ok(p)
+    Ok(path)
 }
 
 /// Environment variables that describe a deployment: where the gateway
@@ -62,7 +252,7 @@ const DEPLOYMENT_ENV: [&str; 12] = [
 
 /// A command for binary `name` (see [`bin`]) that does not inherit the
 /// caller's deployment variables ([`DEPLOYMENT_ENV`]).
-pub fn command(name: &str) -> anyhow::Result<Command> {
+pub fn command(name: &str) -> Result<Command, BinaryNotFound> {
     let mut cmd = Command::new(bin(name)?);
     for var in DEPLOYMENT_ENV {
         cmd.env_remove(var);
@@ -94,13 +284,23 @@ fn random_token() -> String {
 }
 
 /// `kill -s signal pid`; `who` names the process in the error.
-fn kill(pid: u32, signal: &str, who: &str) -> anyhow::Result<()> {
+fn kill(pid: u32, signal: &str, who: &str) -> Result<(), ClusterError> {
     let status = Command::new("kill")
         .args(["-s", signal, &pid.to_string()])
         .status()
-        .context("running kill")?;
+        .map_err(|source| ClusterError::Kill {
+            signal: signal.into(),
+            pid,
+            who: who.into(),
+            source,
+        })?;
     if !status.success() {
-        bail!("kill -s {signal} {who} failed: {status}");
+        return Err(ClusterError::KillFailed {
+            signal: signal.into(),
+            pid,
+            who: who.into(),
+            status,
+        });
     }
     Ok(())
 }
@@ -146,7 +346,7 @@ impl Default for ClusterOptions {
 
 impl Cluster {
     /// Starts a gateway (not yet any worker).
-    pub fn start(opts: &ClusterOptions) -> anyhow::Result<Cluster> {
+    pub fn start(opts: &ClusterOptions) -> Result<Cluster, ClusterError> {
         Self::launch(opts, |_| Ok(String::new()))
     }
 
@@ -155,17 +355,20 @@ impl Cluster {
     /// `[scheduler]`) and starts the gateway.
     fn launch(
         opts: &ClusterOptions,
-        extra: impl FnOnce(&Path) -> anyhow::Result<String>,
-    ) -> anyhow::Result<Cluster> {
-        let dir = tempfile::tempdir().context("creating a temp dir")?;
+        extra: impl FnOnce(&Path) -> Result<String, ClusterError>,
+    ) -> Result<Cluster, ClusterError> {
+        let dir = tempfile::tempdir().map_err(|source| ClusterError::TempDir { source })?;
         let status = command("tidegate-gateway")?
             .args(["dev-certs", "--out"])
             .arg(dir.path().join("certs"))
             .stdout(Stdio::null())
             .status()
-            .context("running tidegate-gateway dev-certs")?;
+            .map_err(|source| ClusterError::Spawn {
+                program: "tidegate-gateway dev-certs",
+                source,
+            })?;
         if !status.success() {
-            bail!("tidegate-gateway dev-certs failed");
+            return Err(ClusterError::DevCerts { status });
         }
         let edge_token = random_token();
         let worker_token = random_token();
@@ -190,8 +393,12 @@ impl Cluster {
             );
         }
         let cfg = dir.path().join("gateway.toml");
-        std::fs::write(&cfg, toml)?;
-        let log = std::fs::File::create(dir.path().join("gateway.log"))?;
+        write_file(&cfg, toml)?;
+        let log_path = dir.path().join("gateway.log");
+        let log = std::fs::File::create(&log_path).map_err(|source| ClusterError::Write {
+            path: log_path,
+            source,
+        })?;
         let (gateway, quic, http) = spawn_gateway(dir.path(), &cfg, log)?;
         Ok(Cluster {
             dir,
@@ -226,10 +433,10 @@ impl Cluster {
         name: &str,
         models_dir: &Path,
         models: &[&str],
-    ) -> anyhow::Result<PathBuf> {
+    ) -> Result<PathBuf, ClusterError> {
         let only: Vec<String> = models.iter().map(|m| format!("\"{m}\"")).collect();
         let path = self.dir.path().join(format!("{name}.toml"));
-        std::fs::write(
+        write_file(
             &path,
             format!(
                 "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [{}]\n[runtime]\nintra_threads = 1\n",
@@ -242,7 +449,7 @@ impl Cluster {
     }
 
     /// Starts a worker serving BlazeFace from the repository's models/.
-    pub fn spawn_worker(&mut self, name: &str) -> anyhow::Result<()> {
+    pub fn spawn_worker(&mut self, name: &str) -> Result<(), ClusterError> {
         self.spawn_worker_serving(name, &workspace_root().join("models"), &["blazeface"])
     }
 
@@ -252,9 +459,13 @@ impl Cluster {
         name: &str,
         models_dir: &Path,
         models: &[&str],
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), ClusterError> {
         let cfg = self.worker_config(name, models_dir, models)?;
-        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log")))?;
+        let log_path = self.dir.path().join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).map_err(|source| ClusterError::Write {
+            path: log_path,
+            source,
+        })?;
         let child = command("tidegate-worker")?
             .arg("--config")
             .arg(cfg)
@@ -263,7 +474,10 @@ impl Cluster {
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .context("starting tidegate-worker")?;
+            .map_err(|source| ClusterError::Spawn {
+                program: "tidegate-worker",
+                source,
+            })?;
         self.workers.push((name.to_string(), child));
         Ok(())
     }
@@ -279,17 +493,17 @@ impl Cluster {
     }
 
     /// Sends `signal` (a `kill -s` name: STOP, CONT, TERM, ...) to a worker.
-    pub fn signal_worker(&self, name: &str, signal: &str) -> anyhow::Result<()> {
+    pub fn signal_worker(&self, name: &str, signal: &str) -> Result<(), ClusterError> {
         let (_, c) = self
             .workers
             .iter()
             .find(|(n, _)| n == name)
-            .with_context(|| format!("no worker named {name}"))?;
-        kill(c.id(), signal, name)
+            .ok_or_else(|| ClusterError::NoWorker { name: name.into() })?;
+        kill(c.id(), signal, &format!("worker {name}"))
     }
 
     /// Sends `signal` (HUP reloads its config) to the gateway.
-    pub fn signal_gateway(&self, signal: &str) -> anyhow::Result<()> {
+    pub fn signal_gateway(&self, signal: &str) -> Result<(), ClusterError> {
         kill(self.gateway.id(), signal, "the gateway")
     }
 
@@ -307,29 +521,34 @@ impl Cluster {
     }
 
     /// Waits until `n` workers are registered, or fails with their logs.
-    pub fn wait_for_workers(&mut self, n: usize, timeout: Duration) -> anyhow::Result<()> {
+    pub fn wait_for_workers(&mut self, n: usize, timeout: Duration) -> Result<(), ClusterError> {
         let until = Instant::now() + timeout;
         loop {
             if let Ok((200, body)) = self.get("/api/v1/workers") {
-                let v: serde_json::Value = serde_json::from_str(&body)?;
+                let v: serde_json::Value = match serde_json::from_str(&body) {
+                    Ok(v) => v,
+                    Err(source) => return Err(ClusterError::WorkersNotJson { source, body }),
+                };
                 if v.as_array().map_or(0, Vec::len) >= n {
                     return Ok(());
                 }
             }
             for (name, c) in &mut self.workers {
                 if let Ok(Some(status)) = c.try_wait() {
-                    bail!(
-                        "worker {name} exited with {status}; its log:\n{}",
-                        std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
-                            .unwrap_or_default()
-                    );
+                    return Err(ClusterError::WorkerExited {
+                        name: name.clone(),
+                        status,
+                        log: std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
+                            .unwrap_or_default(),
+                    });
                 }
             }
             if Instant::now() > until {
-                bail!(
-                    "fewer than {n} workers registered after {timeout:?}; gateway log:\n{}",
-                    self.gateway_log()
-                );
+                return Err(ClusterError::WorkersNotRegistered {
+                    n,
+                    timeout,
+                    log: self.gateway_log(),
+                });
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -356,17 +575,19 @@ impl Cluster {
     }
 
     /// HTTP GET on the gateway's API: (status, body).
-    pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
-        http_get(self.http, path)
+    pub fn get(&self, path: &str) -> Result<(u16, String), HttpError> {
+        http_request(self.http, "GET", path, "")
     }
 
     /// `POST path` (empty body) on the gateway's HTTP API, with `token` as
     /// the bearer token: status and body.
-    pub fn post(&self, path: &str, token: Option<&str>) -> anyhow::Result<(u16, String)> {
+    pub fn post(&self, path: &str, token: Option<&str>) -> Result<(u16, String), HttpError> {
         let auth = token.map_or_else(String::new, |t| format!("Authorization: Bearer {t}\r\n"));
         http_request(
             self.http,
-            &format!("POST {path} HTTP/1.0\r\nContent-Length: 0\r\n{auth}"),
+            "POST",
+            path,
+            &format!("Content-Length: 0\r\n{auth}"),
         )
     }
 
@@ -377,7 +598,7 @@ impl Cluster {
     }
 
     /// Runs an edge to completion with `args` and returns its output.
-    pub fn run_edge(&self, config: &Path, args: &[&str]) -> anyhow::Result<Output> {
+    pub fn run_edge(&self, config: &Path, args: &[&str]) -> Result<Output, ClusterError> {
         command("tidegate-edge")?
             .arg("--config")
             .arg(config)
@@ -385,7 +606,10 @@ impl Cluster {
             .env("TIDEGATE_EDGE_TOKEN", &self.edge_token)
             .env("TIDEGATE_LOG", "warn")
             .output()
-            .context("running tidegate-edge")
+            .map_err(|source| ClusterError::Spawn {
+                program: "tidegate-edge",
+                source,
+            })
     }
 
     /// Kills the gateway abruptly (SIGKILL), as a crash would; its clients
@@ -398,9 +622,11 @@ impl Cluster {
     /// Starts the gateway again (killing it first if it still runs) on the
     /// same QUIC and HTTP ports, with the same certificates, edges, workers
     /// and tokens. Its log is appended to the same `gateway.log`.
-    pub fn restart_gateway(&mut self) -> anyhow::Result<()> {
+    pub fn restart_gateway(&mut self) -> Result<(), ClusterError> {
         self.kill_gateway();
-        let text = std::fs::read_to_string(self.dir.path().join("gateway.toml"))?;
+        let old = self.dir.path().join("gateway.toml");
+        let text = std::fs::read_to_string(&old)
+            .map_err(|source| ClusterError::Read { path: old, source })?;
         let text = text
             .replacen(
                 "listen = \"127.0.0.1:0\"",
@@ -413,18 +639,23 @@ impl Cluster {
                 1,
             );
         let cfg = self.dir.path().join("gateway-restarted.toml");
-        std::fs::write(&cfg, text)?;
+        write_file(&cfg, text)?;
+        let log_path = self.dir.path().join("gateway.log");
         let log = std::fs::OpenOptions::new()
             .append(true)
-            .open(self.dir.path().join("gateway.log"))?;
+            .open(&log_path)
+            .map_err(|source| ClusterError::Write {
+                path: log_path,
+                source,
+            })?;
         let (mut gateway, quic, _) = spawn_gateway(self.dir.path(), &cfg, log)?;
         if quic != self.quic {
             let _ = gateway.kill();
             let _ = gateway.wait();
-            bail!(
-                "restarted gateway listens on {quic}, expected {}",
-                self.quic
-            );
+            return Err(ClusterError::RestartedElsewhere {
+                got: quic,
+                expected: self.quic,
+            });
         }
         self.gateway = gateway;
         Ok(())
@@ -432,7 +663,7 @@ impl Cluster {
 
     /// Replaces worker `name` with a fresh process (a worker redials a
     /// restarted gateway by itself; this starts over from a clean one).
-    pub fn respawn_worker(&mut self, name: &str) -> anyhow::Result<()> {
+    pub fn respawn_worker(&mut self, name: &str) -> Result<(), ClusterError> {
         if let Some(i) = self.workers.iter().position(|(n, _)| n == name) {
             let (_, mut old) = self.workers.remove(i);
             let _ = old.kill();
@@ -453,7 +684,7 @@ impl Cluster {
         leasing: &str,
         process: &str,
         files: &[(&str, &str)],
-    ) -> anyhow::Result<Cluster> {
+    ) -> Result<Cluster, ClusterError> {
         Self::start_leasing_with(opts, leasing, "process", process, files)
     }
 
@@ -465,7 +696,7 @@ impl Cluster {
         leasing: &str,
         slurm: &str,
         files: &[(&str, &str)],
-    ) -> anyhow::Result<Cluster> {
+    ) -> Result<Cluster, ClusterError> {
         Self::start_leasing_with(opts, leasing, "slurm", slurm, files)
     }
 
@@ -475,16 +706,16 @@ impl Cluster {
         provider: &str,
         section: &str,
         files: &[(&str, &str)],
-    ) -> anyhow::Result<Cluster> {
+    ) -> Result<Cluster, ClusterError> {
         let worker = bin("tidegate-worker")?;
         Self::launch(opts, |dir| {
             for (name, text) in files {
-                std::fs::write(dir.join(name), text)?;
+                write_file(&dir.join(name), text)?;
             }
             // The gateway hands each worker its address (TIDEGATE_GATEWAY_ADDR)
             // and its lease (TIDEGATE_LEASE_ID / _TOKEN); the file holds the rest.
             let worker_cfg = dir.join("leased-worker.toml");
-            std::fs::write(
+            write_file(
                 &worker_cfg,
                 format!(
                     "name = \"leased\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"{}\"\n[models]\ndir = \"{}\"\nonly = [\"blazeface\"]\n[runtime]\nintra_threads = 1\n",
@@ -503,23 +734,29 @@ impl Cluster {
     /// Stops the gateway gracefully (SIGTERM) and waits up to `timeout`
     /// for it to exit (then kills it). A leasing gateway releases every
     /// lease, and so ends its workers, before it exits.
-    pub fn stop_gateway(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
-        let pid = self.gateway.id().to_string();
-        let status = Command::new("kill")
-            .args(["-s", "TERM", &pid])
-            .status()
-            .context("running kill")?;
-        if !status.success() {
-            bail!("kill -s TERM {pid} failed: {status}");
-        }
+    pub fn stop_gateway(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<std::process::ExitStatus, ClusterError> {
+        kill(self.gateway.id(), "TERM", "the gateway")?;
         let until = Instant::now() + timeout;
         loop {
-            if let Some(s) = self.gateway.try_wait()? {
+            let exited = self
+                .gateway
+                .try_wait()
+                .map_err(|source| ClusterError::Wait {
+                    who: "the gateway".into(),
+                    source,
+                })?;
+            if let Some(s) = exited {
                 return Ok(s);
             }
             if Instant::now() > until {
                 self.kill_gateway();
-                bail!("the gateway did not exit within {timeout:?} of SIGTERM");
+                return Err(ClusterError::StopTimeout {
+                    timeout,
+                    log: self.gateway_log(),
+                });
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -547,7 +784,7 @@ fn spawn_gateway(
     dir: &Path,
     cfg: &Path,
     log: std::fs::File,
-) -> anyhow::Result<(Child, SocketAddr, SocketAddr)> {
+) -> Result<(Child, SocketAddr, SocketAddr), ClusterError> {
     let mut gateway = command("tidegate-gateway")?
         .arg("--config")
         .arg(cfg)
@@ -556,7 +793,10 @@ fn spawn_gateway(
         .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
-        .context("starting tidegate-gateway")?;
+        .map_err(|source| ClusterError::Spawn {
+            program: "tidegate-gateway",
+            source,
+        })?;
     // Read the listening line on a thread of its own, so a gateway that
     // neither prints it nor exits cannot hang the caller.
     let stdout = gateway.stdout.take().expect("piped stdout");
@@ -580,47 +820,63 @@ fn spawn_gateway(
         ),
     };
     // "listening quic=127.0.0.1:PORT http=127.0.0.1:PORT"
-    let addr = |key: &str| -> anyhow::Result<SocketAddr> {
-        line.split_whitespace()
+    let addr = |key: &str| -> Result<SocketAddr, String> {
+        let value = line
+            .split_whitespace()
             .find_map(|w| w.strip_prefix(key))
-            .with_context(|| format!("gateway printed {line:?}, expected {key}ADDR"))?
+            .ok_or_else(|| format!("gateway printed {line:?}, expected {key}ADDR"))?;
+        value
             .parse()
-            .context("parsing the gateway address")
+            .map_err(|e| format!("gateway printed {line:?}: {key}{value} is not an address ({e})"))
     };
     match (read, addr("quic="), addr("http=")) {
         (Ok(_), Ok(q), Ok(h)) => Ok((gateway, q, h)),
         (read, q, h) => {
             let _ = gateway.kill();
             let _ = gateway.wait();
-            let why = match (read, q, h) {
-                (Err(e), _, _) => e,
-                (_, Err(e), _) | (_, _, Err(e)) => e.to_string(),
+            let reason = match (read, q, h) {
+                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => e,
                 _ => unreachable!("handled above"),
             };
             let log = std::fs::read_to_string(dir.join("gateway.log")).unwrap_or_default();
-            bail!("{why}; gateway log:\n{log}");
+            Err(ClusterError::GatewayStart { reason, log })
         }
     }
 }
 
-/// A minimal HTTP/1.0 GET (no chunking) against `addr`.
-fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    http_request(addr, &format!("GET {path} HTTP/1.0\r\n"))
-}
-
-/// One HTTP/1.0 request: `head` is the request line and any headers, each
-/// ending in CRLF; status and body.
-fn http_request(addr: SocketAddr, head: &str) -> anyhow::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(s, "{head}Host: {addr}\r\n\r\n")?;
+/// One minimal HTTP/1.0 request (no body, no chunking) against `addr`:
+/// `headers` are extra header lines, each ending in CRLF; status and body.
+fn http_request(
+    addr: SocketAddr,
+    method: &'static str,
+    path: &str,
+    headers: &str,
+) -> Result<(u16, String), HttpError> {
+    let io = |source| HttpError::Io {
+        method,
+        path: path.into(),
+        addr,
+        source,
+    };
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(io)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(io)?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.0\r\n{headers}Host: {addr}\r\n\r\n"
+    )
+    .map_err(io)?;
     let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("bad HTTP response: {text:?}"))?;
+    s.read_to_string(&mut text).map_err(io)?;
+    let status: Option<u16> = text.split_whitespace().nth(1).and_then(|c| c.parse().ok());
+    let Some(status) = status else {
+        return Err(HttpError::BadResponse {
+            method,
+            path: path.into(),
+            addr,
+            text,
+        });
+    };
     let body = text
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_string())

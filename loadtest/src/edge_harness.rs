@@ -8,13 +8,101 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use crate::cluster::{BinaryNotFound, Cluster, command};
 
-use crate::cluster::{Cluster, command};
+/// Why an edge-harness operation (making a test video, writing an edge
+/// config, starting an edge, reading its memory, waiting for its results or
+/// its exit) failed. An error about a running edge carries its log.
+#[derive(thiserror::Error)]
+#[non_exhaustive]
+pub enum EdgeHarnessError {
+    /// `gst-launch-1.0` could not be run.
+    #[error("running gst-launch-1.0 (install gstreamer1.0-tools: make setup): {source}")]
+    Gstreamer {
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `gst-launch-1.0` ran and did not write the video.
+    #[error(
+        "gst-launch-1.0 could not write {out}: {status}; check that x264enc (gstreamer1.0-plugins-ugly) is installed"
+    )]
+    Encode {
+        /// The video it was to write.
+        out: PathBuf,
+        /// How it exited.
+        status: ExitStatus,
+    },
+    /// A config or log file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `tidegate-edge` is not built.
+    #[error(transparent)]
+    Binary(#[from] BinaryNotFound),
+    /// `tidegate-edge` could not be started.
+    #[error("starting tidegate-edge: {source}")]
+    Spawn {
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The edge's /proc status could not be read (has it exited?).
+    #[error("reading /proc/{pid}/status of the edge: {source}; has it exited?")]
+    ProcStatus {
+        /// The edge's process id.
+        pid: u32,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The edge's /proc status has no VmRSS line.
+    #[error("no VmRSS line in /proc/{pid}/status of the edge; is it a zombie?")]
+    NoRss {
+        /// The edge's process id.
+        pid: u32,
+    },
+    /// The results waited for did not come in time.
+    #[error("{what}: not within {timeout:?} ({results} results); edge log:\n{log}")]
+    ResultsTimeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        timeout: Duration,
+        /// Results by then.
+        results: usize,
+        /// The edge's log.
+        log: String,
+    },
+    /// The edge's state could not be read.
+    #[error("waiting for the edge to exit: {source}")]
+    Wait {
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The edge did not exit in time; it has been killed.
+    #[error("edge did not exit within {timeout:?} of {what}; log:\n{log}")]
+    ExitTimeout {
+        /// What it should have exited on.
+        what: String,
+        /// How long it was given.
+        timeout: Duration,
+        /// The edge's log.
+        log: String,
+    },
+}
+
+debug_as_display!(EdgeHarnessError);
 
 /// Encodes `image` (a PNG) as an H.264 MP4 of `frames` frames at `fps`
 /// with `gst-launch-1.0` (x264enc from gst-plugins-ugly).
-pub fn h264_mp4_from_png(image: &Path, out: &Path, frames: u32, fps: u32) -> anyhow::Result<()> {
+pub fn h264_mp4_from_png(
+    image: &Path,
+    out: &Path,
+    frames: u32,
+    fps: u32,
+) -> Result<(), EdgeHarnessError> {
     let status = Command::new("gst-launch-1.0")
         .arg("-q")
         .args(["filesrc", &format!("location={}", image.display())])
@@ -27,12 +115,12 @@ pub fn h264_mp4_from_png(image: &Path, out: &Path, frames: u32, fps: u32) -> any
         .arg(format!("location={}", out.display()))
         .stdout(Stdio::null())
         .status()
-        .context("running gst-launch-1.0 (install gstreamer1.0-tools: make setup)")?;
+        .map_err(|source| EdgeHarnessError::Gstreamer { source })?;
     if !status.success() {
-        bail!(
-            "gst-launch-1.0 could not write {}: {status}; check that x264enc (gstreamer1.0-plugins-ugly) is installed",
-            out.display()
-        );
+        return Err(EdgeHarnessError::Encode {
+            out: out.to_path_buf(),
+            status,
+        });
     }
     Ok(())
 }
@@ -65,7 +153,7 @@ pub fn edge_config(
     cluster: &Cluster,
     name: &str,
     cameras: &[EdgeCamera],
-) -> anyhow::Result<PathBuf> {
+) -> Result<PathBuf, EdgeHarnessError> {
     let mut toml = format!(
         "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"{}\"\n",
         cluster.quic,
@@ -79,7 +167,10 @@ pub fn edge_config(
         }
     }
     let path = cluster.dir().join(format!("{name}.toml"));
-    std::fs::write(&path, toml)?;
+    std::fs::write(&path, toml).map_err(|source| EdgeHarnessError::Write {
+        path: path.clone(),
+        source,
+    })?;
     Ok(path)
 }
 
@@ -94,13 +185,21 @@ pub struct EdgeProcess {
 impl EdgeProcess {
     /// Starts the edge with `config`, results appended to a file in the
     /// cluster's directory and counters printed every second to its log.
-    pub fn spawn(cluster: &Cluster, config: &Path, args: &[&str]) -> anyhow::Result<Self> {
+    pub fn spawn(
+        cluster: &Cluster,
+        config: &Path,
+        args: &[&str],
+    ) -> Result<Self, EdgeHarnessError> {
         let stem = config
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "edge".into());
         let results = cluster.dir().join(format!("{stem}.results.jsonl"));
         let log = cluster.dir().join(format!("{stem}.log"));
+        let stderr = std::fs::File::create(&log).map_err(|source| EdgeHarnessError::Write {
+            path: log.clone(),
+            source,
+        })?;
         let child = command("tidegate-edge")?
             .arg("--config")
             .arg(config)
@@ -111,9 +210,9 @@ impl EdgeProcess {
             .env("TIDEGATE_EDGE_TOKEN", &cluster.edge_token)
             .env("TIDEGATE_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
+            .stderr(stderr)
             .spawn()
-            .context("starting tidegate-edge")?;
+            .map_err(|source| EdgeHarnessError::Spawn { source })?;
         Ok(EdgeProcess {
             child,
             results,
@@ -127,14 +226,15 @@ impl EdgeProcess {
     }
 
     /// Resident memory (VmRSS) in KiB, from /proc.
-    pub fn rss_kib(&self) -> anyhow::Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
-            .context("reading /proc/<edge>/status")?;
+    pub fn rss_kib(&self) -> Result<u64, EdgeHarnessError> {
+        let pid = self.pid();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .map_err(|source| EdgeHarnessError::ProcStatus { pid, source })?;
         status
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .context("no VmRSS line")
+            .ok_or(EdgeHarnessError::NoRss { pid })
     }
 
     /// Every result so far, one JSON value per line.
@@ -175,7 +275,7 @@ impl EdgeProcess {
         timeout: Duration,
         what: &str,
         pred: impl Fn(&[serde_json::Value]) -> bool,
-    ) -> anyhow::Result<Vec<serde_json::Value>> {
+    ) -> Result<Vec<serde_json::Value>, EdgeHarnessError> {
         let until = Instant::now() + timeout;
         loop {
             let r = self.results();
@@ -183,18 +283,19 @@ impl EdgeProcess {
                 return Ok(r);
             }
             if Instant::now() > until {
-                bail!(
-                    "{what}: not within {timeout:?} ({} results); edge log:\n{}",
-                    r.len(),
-                    self.log()
-                );
+                return Err(EdgeHarnessError::ResultsTimeout {
+                    what: what.into(),
+                    timeout,
+                    results: r.len(),
+                    log: self.log(),
+                });
             }
             std::thread::sleep(Duration::from_millis(200));
         }
     }
 
     /// Sends SIGTERM and waits (bounded) for the edge to exit.
-    pub fn terminate(&mut self, timeout: Duration) -> anyhow::Result<ExitStatus> {
+    pub fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus, EdgeHarnessError> {
         let _ = Command::new("kill")
             .args(["-TERM", &self.pid().to_string()])
             .status();
@@ -203,18 +304,27 @@ impl EdgeProcess {
 
     /// Waits (bounded) for the edge to exit by itself; on timeout it is
     /// killed and the error names `what` it was waiting for.
-    pub fn wait_exit(&mut self, timeout: Duration, what: &str) -> anyhow::Result<ExitStatus> {
+    pub fn wait_exit(
+        &mut self,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<ExitStatus, EdgeHarnessError> {
         let until = Instant::now() + timeout;
         loop {
-            if let Some(status) = self.child.try_wait()? {
+            let exited = self
+                .child
+                .try_wait()
+                .map_err(|source| EdgeHarnessError::Wait { source })?;
+            if let Some(status) = exited {
                 return Ok(status);
             }
             if Instant::now() > until {
                 let _ = self.child.kill();
-                bail!(
-                    "edge did not exit within {timeout:?} of {what}; log:\n{}",
-                    self.log()
-                );
+                return Err(EdgeHarnessError::ExitTimeout {
+                    what: what.into(),
+                    timeout,
+                    log: self.log(),
+                });
             }
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -23,21 +23,172 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use serde::Serialize;
-use tidegate_protocol::quic::{client_config, dial, handshake, read_message, server_config};
+use tidegate_protocol::quic::{
+    DialError, HandshakeError, ReadError, TlsError, client_config, dial, handshake, read_message,
+    server_config,
+};
 use tidegate_protocol::{
     BatchResult, CameraOpen, ColorOrder, DType, Frame, Geometry, Heartbeat, Hello, InputSpec,
     ItemResult, Layout, Limits, Message, ModelInfo, ProfilePoint, Register, Resize, Role, Status,
     Tensor, Timings, quic::write_message,
 };
 
-use crate::cluster::{Cluster, ClusterOptions};
+use crate::cluster::{Cluster, ClusterError, ClusterOptions};
 
 /// How long a frame may wait for its reply before the path fails.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the no-op worker may take to register.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the relay benchmark ([`run`]) failed. An error about the relay path
+/// or the no-op worker carries the end of the gateway's log.
+#[derive(thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// The local gateway did not start.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// The no-op worker did not register with the gateway.
+    #[error(
+        "the no-op worker did not register: {reason}; gateway log (last lines, newest first):\n{gateway_log}"
+    )]
+    NoopWorker {
+        /// Why: its error, or the time it was given.
+        reason: String,
+        /// The end of the gateway's log.
+        gateway_log: String,
+    },
+    /// The raw-quinn server could not load the cluster's certificate.
+    #[error("starting the raw quinn server: {0}")]
+    RawServerTls(#[source] TlsError),
+    /// The raw-quinn server could not bind its UDP socket.
+    #[error("starting the raw quinn server: binding 127.0.0.1:0: {0}")]
+    RawServerBind(#[source] std::io::Error),
+    /// The path through the gateway failed.
+    #[error(
+        "relay path ({payload_bytes} B payloads) failed: {source}; gateway log (last lines, newest first):\n{gateway_log}"
+    )]
+    RelayPath {
+        /// Payload size.
+        payload_bytes: usize,
+        /// What failed.
+        source: PathError,
+        /// The end of the gateway's log.
+        gateway_log: String,
+    },
+    /// The raw-quinn path failed.
+    #[error("raw quinn path ({payload_bytes} B payloads) failed: {source}")]
+    RawPath {
+        /// Payload size.
+        payload_bytes: usize,
+        /// What failed.
+        source: PathError,
+    },
+}
+
+debug_as_display!(RelayError);
+
+/// Why one path (relay or raw) of the benchmark failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PathError {
+    /// The client's TLS configuration could not be built from the CA.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The server could not be dialled.
+    #[error(transparent)]
+    Dial(#[from] DialError),
+    /// The gateway refused the edge or broke the handshake.
+    #[error("edge handshake: {0}")]
+    Handshake(#[from] HandshakeError),
+    /// The gateway did not accept a camera.
+    #[error("camera {camera} not accepted: {answer}")]
+    CameraNotAccepted {
+        /// The camera.
+        camera: String,
+        /// What the gateway answered instead, as debug text (`None`: it
+        /// closed the stream).
+        answer: String,
+    },
+    /// A stream could not be opened (the connection is gone).
+    #[error("opening a stream: {0}")]
+    Open(#[from] quinn::ConnectionError),
+    /// Writing a message or payload failed.
+    #[error("sending: {0}")]
+    Write(#[from] quinn::WriteError),
+    /// A stream was finished after it closed.
+    #[error("finishing a stream: {0}")]
+    Finish(#[from] quinn::ClosedStream),
+    /// Reading the gateway's answer failed.
+    #[error("reading the gateway's answer: {0}")]
+    Read(#[from] ReadError),
+    /// The raw server's address could not be read.
+    #[error("the raw server's local address: {0}")]
+    LocalAddr(#[source] std::io::Error),
+    /// A frame's reply did not come in time.
+    #[error("no reply to frame {seq} within {timeout:?}")]
+    NoReply {
+        /// The frame.
+        seq: u64,
+        /// How long it waited.
+        timeout: Duration,
+    },
+    /// The task routing replies stopped (the connection closed) before a
+    /// frame's reply came.
+    #[error("the reply reader stopped before frame {seq}'s reply came; the connection closed")]
+    ReaderStopped {
+        /// The frame.
+        seq: u64,
+    },
+    /// A frame was answered with something other than ok.
+    #[error("frame {seq} ended {status:?}")]
+    NotOk {
+        /// The frame.
+        seq: u64,
+        /// How it ended.
+        status: Status,
+    },
+    /// A round trip could not be recorded.
+    #[error("recording a round trip: {0}")]
+    Record(#[from] hdrhistogram::RecordError),
+    /// The senders' histograms could not be merged.
+    #[error("merging the senders' histograms: {0}")]
+    Merge(#[from] hdrhistogram::AdditionError),
+    /// A sender task panicked or was cancelled.
+    #[error("sender task: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Why the no-op worker stopped.
+#[derive(Debug, thiserror::Error)]
+enum NoopWorkerError {
+    /// Its TLS configuration could not be built from the CA.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The gateway could not be dialled.
+    #[error(transparent)]
+    Dial(#[from] DialError),
+    /// The gateway refused the worker or broke the handshake.
+    #[error("worker handshake: {0}")]
+    Handshake(#[from] HandshakeError),
+    /// Its registration could not be sent.
+    #[error("sending its registration: {0}")]
+    Register(#[from] quinn::WriteError),
+    /// The connection to the gateway ended.
+    #[error("connection to the gateway: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+}
+
+/// The last lines of the gateway's log, newest first.
+fn log_tail(cluster: &Cluster) -> String {
+    let log = cluster.gateway_log();
+    let tail: Vec<&str> = log.lines().rev().take(20).collect();
+    tail.join("\n")
+}
 
 /// Frames per second and latency of one path at one payload size.
 #[derive(Debug, Clone, Serialize)]
@@ -107,7 +258,7 @@ pub async fn run(
     frames: usize,
     concurrency: usize,
     time_limit: Duration,
-) -> anyhow::Result<RelayReport> {
+) -> Result<RelayReport, RelayError> {
     let cluster = Cluster::start(&ClusterOptions {
         edges: vec!["bench-edge".into()],
         workers: vec!["noop-worker".into()],
@@ -119,15 +270,30 @@ pub async fn run(
         cluster.worker_token().to_string(),
     ));
     // Wait for the registration to show up.
-    let until = Instant::now() + Duration::from_secs(10);
+    let until = Instant::now() + REGISTER_TIMEOUT;
     loop {
         if let Ok((200, body)) = cluster.get("/api/v1/workers")
             && body.contains("noop-worker")
         {
             break;
         }
-        if worker.is_finished() || Instant::now() > until {
-            bail!("the no-op worker did not register");
+        if worker.is_finished() {
+            let reason = match worker.await {
+                Ok(Ok(())) => "it stopped".to_string(),
+                Ok(Err(e)) => format!("it stopped: {e}"),
+                Err(e) => format!("its task ended: {e}"),
+            };
+            return Err(RelayError::NoopWorker {
+                reason,
+                gateway_log: log_tail(&cluster),
+            });
+        }
+        if Instant::now() > until {
+            worker.abort();
+            return Err(RelayError::NoopWorker {
+                reason: format!("not within {REGISTER_TIMEOUT:?}"),
+                gateway_log: log_tail(&cluster),
+            });
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -145,17 +311,18 @@ pub async fn run(
             time_limit,
         )
         .await
-        .map_err(|e| {
-            let log = cluster.gateway_log();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            e.context(format!(
-                "relay path failed; gateway log (last lines, newest first):\n{}",
-                tail.join("\n")
-            ))
+        .map_err(|source| RelayError::RelayPath {
+            payload_bytes: payload.len(),
+            source,
+            gateway_log: log_tail(&cluster),
         })?;
         let raw = raw_server
             .run(payload.clone(), frames, concurrency, time_limit)
-            .await?;
+            .await
+            .map_err(|source| RelayError::RawPath {
+                payload_bytes: payload.len(),
+                source,
+            })?;
         sizes.push(SizeResult {
             payload_bytes: payload.len(),
             fps_ratio: relay.fps / raw.fps,
@@ -177,7 +344,7 @@ async fn noop_worker(
     gateway: std::net::SocketAddr,
     ca: std::path::PathBuf,
     token: String,
-) -> anyhow::Result<()> {
+) -> Result<(), NoopWorkerError> {
     let conn = dial(gateway, "localhost", client_config(&ca)?).await?;
     let hello = Hello {
         role: Role::Worker,
@@ -272,10 +439,10 @@ async fn closed_loop<F, Fut>(
     per_sender: usize,
     time_limit: Duration,
     round_trip: F,
-) -> anyhow::Result<PathResult>
+) -> Result<PathResult, PathError>
 where
     F: Fn(usize, u64) -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = anyhow::Result<()>> + Send,
+    Fut: Future<Output = Result<(), PathError>> + Send,
 {
     let start = Instant::now();
     let stop_at = start + time_limit;
@@ -294,7 +461,7 @@ where
                 round_trip(sender, seq).await?;
                 hist.record(t.elapsed().as_micros().max(1) as u64)?;
             }
-            Ok::<_, anyhow::Error>((hist, stopped))
+            Ok::<_, PathError>((hist, stopped))
         }));
     }
     let mut hist = histogram();
@@ -316,11 +483,15 @@ where
 }
 
 /// Waits up to [`REPLY_TIMEOUT`] for the reply to frame `seq`.
-async fn reply<T>(rx: tokio::sync::oneshot::Receiver<T>, seq: u64) -> anyhow::Result<T> {
-    tokio::time::timeout(REPLY_TIMEOUT, rx)
-        .await
-        .with_context(|| format!("no reply to frame {seq} within {REPLY_TIMEOUT:?}"))?
-        .context("the reply reader stopped")
+async fn reply<T>(rx: tokio::sync::oneshot::Receiver<T>, seq: u64) -> Result<T, PathError> {
+    match tokio::time::timeout(REPLY_TIMEOUT, rx).await {
+        Ok(Ok(reply)) => Ok(reply),
+        Ok(Err(_)) => Err(PathError::ReaderStopped { seq }),
+        Err(_) => Err(PathError::NoReply {
+            seq,
+            timeout: REPLY_TIMEOUT,
+        }),
+    }
 }
 
 /// Closed loop through the gateway: `concurrency` cameras, each with one
@@ -333,7 +504,7 @@ async fn relay_path(
     frames: usize,
     concurrency: usize,
     time_limit: Duration,
-) -> anyhow::Result<PathResult> {
+) -> Result<PathResult, PathError> {
     let conn = dial(cluster.quic, "localhost", client_config(&cluster.ca())?).await?;
     let hello = Hello {
         role: Role::Edge,
@@ -343,15 +514,21 @@ async fn relay_path(
     let limits = Limits::default();
     let (mut send, mut recv, _) = handshake(&conn, hello, &limits).await?;
     for cam in 0..concurrency {
+        let camera = format!("cam{cam}");
         let open = CameraOpen {
-            camera: format!("cam{cam}"),
+            camera: camera.clone(),
             model: model_name(w),
             budget_ms: 80,
         };
         write_message(&mut send, &Message::CameraOpen(open)).await?;
         match read_message(&mut recv, &limits).await? {
             Some(Message::CameraAccepted(_)) => {}
-            other => bail!("camera not accepted: {other:?}"),
+            other => {
+                return Err(PathError::CameraNotAccepted {
+                    camera,
+                    answer: format!("{other:?}"),
+                });
+            }
         }
     }
     // Results arrive on their own streams; route them to the camera's task.
@@ -401,7 +578,9 @@ async fn relay_path(
                 write_message(&mut s, &Message::Frame(frame)).await?;
                 s.finish()?;
                 let status = reply(rx, seq).await?;
-                anyhow::ensure!(status == Status::Ok, "frame {seq} ended {status:?}");
+                if status != Status::Ok {
+                    return Err(PathError::NotOk { seq, status });
+                }
                 Ok(())
             }
         }
@@ -427,10 +606,12 @@ struct RawServer {
 }
 
 impl RawServer {
-    fn start(cluster: &Cluster) -> anyhow::Result<RawServer> {
+    fn start(cluster: &Cluster) -> Result<RawServer, RelayError> {
         let certs = cluster.dir().join("certs");
-        let cfg = server_config(&certs.join("gateway.pem"), &certs.join("gateway.key"))?;
-        let endpoint = quinn::Endpoint::server(cfg, "127.0.0.1:0".parse()?)?;
+        let cfg = server_config(&certs.join("gateway.pem"), &certs.join("gateway.key"))
+            .map_err(RelayError::RawServerTls)?;
+        let endpoint = quinn::Endpoint::server(cfg, (std::net::Ipv4Addr::LOCALHOST, 0).into())
+            .map_err(RelayError::RawServerBind)?;
         let ep = endpoint.clone();
         tokio::spawn(async move {
             while let Some(incoming) = ep.accept().await {
@@ -465,8 +646,8 @@ impl RawServer {
         frames: usize,
         concurrency: usize,
         time_limit: Duration,
-    ) -> anyhow::Result<PathResult> {
-        let addr = self.endpoint.local_addr()?;
+    ) -> Result<PathResult, PathError> {
+        let addr = self.endpoint.local_addr().map_err(PathError::LocalAddr)?;
         let conn = dial(addr, "localhost", client_config(&self.ca)?).await?;
         // Each request carries an id that its reply echoes; the reply goes
         // to the sender waiting for that id.

@@ -8,14 +8,74 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use tidegate_edge::clock;
-use tidegate_edge::uplink::{Incoming, Uplink};
+use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
 use tidegate_protocol::{DType, Frame, Geometry, InputSpec, Layout, Status, Tensor};
 
 use crate::report::Report;
+
+/// Why [`frame_pixels`] could not make the frame: the image would not open.
+#[derive(Debug, thiserror::Error)]
+#[error("opening the image {path}: {source}; give a PNG file")]
+#[non_exhaustive]
+pub struct FrameImageError {
+    /// The image.
+    pub path: PathBuf,
+    /// What the decoder said.
+    pub source: image::ImageError,
+}
+
+/// Why a simulation ([`run`], [`run_blocking`]) could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SimError {
+    /// The runtime of [`run_blocking`] could not be built.
+    #[error("building the simulation's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The gateway could not be reached, or refused the edge.
+    #[error("connecting to the gateway at {gateway} as edge {edge}: {source}")]
+    Connect {
+        /// Gateway address.
+        gateway: SocketAddr,
+        /// Edge name.
+        edge: String,
+        /// Why.
+        source: UplinkError,
+    },
+    /// The gateway did not accept a camera (unknown model, say).
+    #[error("opening camera {camera} for model '{model}': {source}")]
+    OpenCamera {
+        /// The camera.
+        camera: String,
+        /// Its model.
+        model: String,
+        /// Why.
+        source: UplinkError,
+    },
+    /// The options ask for no camera.
+    #[error("at least one camera is needed; set cameras to 1 or more")]
+    NoCameras,
+    /// The model takes frames the simulator cannot make.
+    #[error(
+        "model '{model}' does not take u8 NHWC frames (it takes {dtype:?} {layout:?}); simulate a model with u8 NHWC input"
+    )]
+    UnsupportedInput {
+        /// The model.
+        model: String,
+        /// Its input's element type.
+        dtype: DType,
+        /// Its input's layout.
+        layout: Layout,
+    },
+    /// The image to send would not open.
+    #[error(transparent)]
+    Image(#[from] FrameImageError),
+    /// A camera's sending task panicked or was cancelled.
+    #[error("camera task: {0}")]
+    CameraTask(#[from] tokio::task::JoinError),
+}
 
 /// What to simulate.
 #[derive(Debug, Clone)]
@@ -50,12 +110,15 @@ pub struct SimOptions {
 pub fn frame_pixels(
     input: &InputSpec,
     image: Option<&std::path::Path>,
-) -> anyhow::Result<(Bytes, Geometry)> {
+) -> Result<(Bytes, Geometry), FrameImageError> {
     let (w, h) = (input.width, input.height);
     match image {
         Some(path) => {
             let img = image::open(path)
-                .with_context(|| format!("opening {}", path.display()))?
+                .map_err(|source| FrameImageError {
+                    path: path.to_path_buf(),
+                    source,
+                })?
                 .to_rgb8();
             let (sw, sh) = img.dimensions();
             let g = match input.resize {
@@ -81,17 +144,17 @@ pub fn frame_pixels(
 
 /// [`run`] on a runtime of its own (two threads), for callers outside
 /// async code.
-pub fn run_blocking(opts: &SimOptions) -> anyhow::Result<Report> {
+pub fn run_blocking(opts: &SimOptions) -> Result<Report, SimError> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .context("building the simulation's runtime")?
+        .map_err(SimError::Runtime)?
         .block_on(run(opts))
 }
 
 /// Runs the simulation and returns its report.
-pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
+pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
     let (uplink, mut incoming) = Uplink::connect(
         opts.gateway,
         &opts.server_name,
@@ -100,19 +163,32 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
         &opts.token,
     )
     .await
-    .context("connecting to the gateway")?;
+    .map_err(|source| SimError::Connect {
+        gateway: opts.gateway,
+        edge: opts.edge.clone(),
+        source,
+    })?;
     let mut input = None;
     for i in 0..opts.cameras {
+        let camera = format!("sim-{i}");
         let spec = uplink
-            .open_camera(&format!("sim-{i}"), &opts.model, opts.budget_ms)
+            .open_camera(&camera, &opts.model, opts.budget_ms)
             .await
-            .with_context(|| format!("opening camera sim-{i}"))?
+            .map_err(|source| SimError::OpenCamera {
+                camera,
+                model: opts.model.clone(),
+                source,
+            })?
             .input;
         input = Some(spec);
     }
-    let input = input.context("at least one camera is needed")?;
+    let input = input.ok_or(SimError::NoCameras)?;
     if input.dtype != DType::U8 || input.layout != Layout::Nhwc {
-        anyhow::bail!("model '{}' does not take u8 NHWC frames", opts.model);
+        return Err(SimError::UnsupportedInput {
+            model: opts.model.clone(),
+            dtype: input.dtype,
+            layout: input.layout,
+        });
     }
     let (pixels, geometry) = frame_pixels(&input, opts.image.as_deref())?;
     let per_camera = (opts.fps * opts.duration.as_secs_f64()).round().max(1.0) as u64;
@@ -231,7 +307,7 @@ pub async fn run(opts: &SimOptions) -> anyhow::Result<Report> {
         }));
     }
     for s in senders {
-        s.await.context("camera task")?;
+        s.await?;
     }
     // Wait for outstanding results: at most the budget plus 2 s.
     let until = tokio::time::Instant::now()
