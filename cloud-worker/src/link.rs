@@ -80,7 +80,13 @@ impl LinkError {
     /// Whether dialling again can help: a refusal (bad token, a lease token
     /// already used) or unreadable TLS material will not change by itself.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, LinkError::Dial(_) | LinkError::Broken(_))
+        match self {
+            LinkError::Dial(_) | LinkError::Broken(_) => true,
+            // the protocol's classification: `unavailable` (try again
+            // later) is retryable, `unauthorized` is not
+            LinkError::Refused { code, .. } => code.class().1,
+            _ => false,
+        }
     }
 }
 
@@ -520,6 +526,11 @@ mod tests {
             message: "token was already used".into(),
         };
         assert!(!refused.is_retryable());
+        let busy = LinkError::Refused {
+            code: ErrorCode::Unavailable,
+            message: "already connected; retry once the old connection has ended".into(),
+        };
+        assert!(busy.is_retryable(), "unavailable means try again later");
         assert!(LinkError::Broken("reset".into()).is_retryable());
     }
 }

@@ -77,6 +77,10 @@ pub enum HubMsg {
         dispatch: mpsc::Sender<Dispatch>,
         /// The lease it serves, when it authenticated with a lease token.
         lease: Option<LeaseId>,
+        /// A listed static worker (`[[leasing.static_workers]]`), by name:
+        /// it serves the lease bound to that name ([`HubMsg::LeaseBound`]),
+        /// and takes no batch while none is (`lease` is then ignored).
+        static_worker: Option<String>,
         /// Cancelled by the hub to have the connection send the worker a
         /// `Drain` (an operator's drain).
         drain: CancellationToken,
@@ -112,6 +116,21 @@ pub enum HubMsg {
     /// so its frames are re-homed or failed at once rather than when its
     /// connection misses its heartbeats.
     LeaseEnded {
+        /// The lease.
+        lease: LeaseId,
+    },
+    /// A static worker was bound to a lease: once it is registered (now or
+    /// when it connects) it serves that lease and takes batches again.
+    LeaseBound {
+        /// The lease.
+        lease: LeaseId,
+        /// The static worker's name.
+        worker_name: String,
+    },
+    /// A static worker's lease ended other than by its disconnection
+    /// (released): it keeps its connection, unbound, and takes no new
+    /// batch; the batches it holds still finish, as in a drain.
+    LeaseUnbound {
         /// The lease.
         lease: LeaseId,
     },
@@ -194,8 +213,13 @@ pub struct WorkerView {
     pub models: Vec<String>,
     /// Measured latency per model and batch size (µs).
     pub profile: Vec<(String, u16, u32)>,
-    /// Takes no new batch (it is draining).
+    /// Takes no new batch (it is draining, or an unbound static worker).
     pub draining: bool,
+    /// The lease it serves, if any.
+    pub lease: Option<u64>,
+    /// A static worker bound to no lease: connected and registered, it
+    /// waits (no batch) until the autoscaler binds it.
+    pub unbound: bool,
 }
 
 /// A model in a [`Snapshot`].
@@ -339,8 +363,15 @@ struct EdgeEntry {
 struct WorkerEntry {
     register: Register,
     dispatch: mpsc::Sender<Dispatch>,
+    /// Takes no new batch: it retires, its lease drains, or it is an
+    /// unbound static worker.
     draining: bool,
+    /// It said `Drain`, or an operator drained it: it never takes a batch
+    /// again, whatever lease it is bound to.
+    retiring: bool,
     lease: Option<LeaseId>,
+    /// A static worker's name: it serves whichever lease is bound to it.
+    static_name: Option<String>,
     /// Cancelled to send the worker a `Drain`.
     drain_request: CancellationToken,
 }
@@ -370,6 +401,9 @@ struct State {
     served: HashMap<LeaseId, Served>,
     /// Leases told to drain (applied to their worker when it registers).
     draining_leases: std::collections::HashSet<LeaseId>,
+    /// The lease each static worker is bound to (applied to its worker
+    /// when it registers).
+    static_bindings: HashMap<String, LeaseId>,
     /// Edge-reported e2e latencies (ms) since the last load report.
     latencies: HashMap<String, Vec<f64>>,
     /// The latest frame budget per model (µs).
@@ -406,6 +440,7 @@ pub fn spawn(
         next_frame: 1,
         served: HashMap::new(),
         draining_leases: Default::default(),
+        static_bindings: HashMap::new(),
         latencies: HashMap::new(),
         budgets: HashMap::new(),
     };
@@ -463,6 +498,26 @@ impl State {
         self.last_done.remove(&worker);
         self.started.retain(|_, (w, _, _)| *w != worker);
         self.step(Event::WorkerLost { worker });
+    }
+
+    /// A worker whose entry stays (a static worker just bound) joins the
+    /// scheduler afresh as a serving worker: the scheduler has no way back
+    /// from draining, so it is lost there first (the batches it still held
+    /// are re-homed or failed; their late results are ignored) and joins
+    /// again.
+    fn rejoin_worker(&mut self, worker: WorkerId) {
+        let Some(w) = self.workers.get(&worker) else {
+            return;
+        };
+        let models = worker_models(&w.register);
+        let draining = w.draining;
+        self.last_done.remove(&worker);
+        self.started.retain(|_, (w, _, _)| *w != worker);
+        self.step(Event::WorkerLost { worker });
+        self.step(Event::WorkerJoined { worker, models });
+        if draining {
+            self.step(Event::WorkerDraining { worker });
+        }
     }
 
     fn step(&mut self, event: Event) {
@@ -594,30 +649,29 @@ impl State {
                 register,
                 dispatch,
                 lease,
+                static_worker,
                 drain: drain_request,
             } => {
-                let models = register
-                    .models
-                    .iter()
-                    .map(|m| WorkerModel {
-                        model: m.name.clone(),
-                        max_batch: m.max_batch,
-                        profile: register
-                            .profile
-                            .iter()
-                            .filter(|p| p.model == m.name)
-                            .map(|p| (p.batch, p.latency_us))
-                            .collect(),
-                    })
-                    .collect();
-                let drain = lease.is_some_and(|l| self.draining_leases.contains(&l));
+                let models = worker_models(&register);
+                // a static worker serves the lease bound to its name, if any
+                let lease = match &static_worker {
+                    Some(name) => self.static_bindings.get(name).copied(),
+                    None => lease,
+                };
+                let unbound = static_worker.is_some() && lease.is_none();
+                let drain = unbound || lease.is_some_and(|l| self.draining_leases.contains(&l));
+                if unbound {
+                    tracing::info!(worker = worker.0, name = %register.worker, "static worker registered unbound; no batch until a lease binds it");
+                }
                 self.workers.insert(
                     worker,
                     WorkerEntry {
                         register,
                         dispatch,
                         draining: drain,
+                        retiring: false,
                         lease,
+                        static_name: static_worker,
                         drain_request,
                     },
                 );
@@ -630,14 +684,29 @@ impl State {
                 // Run time, not time since dispatch: a pipelined batch waits
                 // on the worker for the one before it to finish.
                 let done = Instant::now();
-                let previous = self.last_done.insert(worker, done);
-                let (latency_us, size) = match self.started.remove(&BatchId(result.batch)) {
-                    Some((_, t, n)) => {
+                let batch = BatchId(result.batch);
+                let (latency_us, size) = match self.started.remove(&batch) {
+                    Some((w, t, n)) if w == worker => {
+                        let previous = self.last_done.insert(worker, done);
                         let began = previous.map_or(t, |p| p.max(t));
                         let us = done.saturating_duration_since(began).as_micros();
                         (us.min(u32::MAX as u128) as u32, n)
                     }
-                    None => (0, 0),
+                    other => {
+                        // Not (or no longer) this worker's batch: its frames
+                        // were re-homed or failed when the worker left the
+                        // scheduler (a rebound static worker); they end
+                        // there, so this late result is not theirs.
+                        if let Some(entry) = other {
+                            self.started.insert(batch, entry);
+                        }
+                        tracing::debug!(
+                            worker = worker.0,
+                            batch = batch.0,
+                            "result of a batch re-homed meanwhile; ignored"
+                        );
+                        return;
+                    }
                 };
                 let lease = self.workers.get(&worker).and_then(|w| w.lease);
                 if let Some(l) = lease {
@@ -674,6 +743,7 @@ impl State {
             HubMsg::WorkerDraining { worker } => {
                 if let Some(w) = self.workers.get_mut(&worker) {
                     w.draining = true;
+                    w.retiring = true;
                 }
                 self.step(Event::WorkerDraining { worker });
             }
@@ -687,6 +757,7 @@ impl State {
                 for worker in &ids {
                     if let Some(w) = self.workers.get_mut(worker) {
                         w.drain_request.cancel();
+                        w.retiring = true;
                         if !w.draining {
                             w.draining = true;
                             tracing::info!(worker = worker.0, %name, "operator drains the worker");
@@ -713,6 +784,7 @@ impl State {
             }
             HubMsg::LeaseEnded { lease } => {
                 self.draining_leases.remove(&lease);
+                self.static_bindings.retain(|_, l| *l != lease);
                 let ids: Vec<WorkerId> = self
                     .workers
                     .iter()
@@ -722,6 +794,59 @@ impl State {
                 for worker in ids {
                     tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
                     self.lose_worker(worker);
+                }
+            }
+            HubMsg::LeaseBound { lease, worker_name } => {
+                self.static_bindings.insert(worker_name.clone(), lease);
+                let ids: Vec<WorkerId> = self
+                    .workers
+                    .iter()
+                    .filter(|(_, w)| {
+                        w.static_name.as_deref() == Some(worker_name.as_str())
+                            && w.lease != Some(lease)
+                    })
+                    .map(|(id, _)| *id)
+                    .collect();
+                for worker in ids {
+                    let drain = self.draining_leases.contains(&lease);
+                    let Some(w) = self.workers.get_mut(&worker) else {
+                        continue;
+                    };
+                    w.lease = Some(lease);
+                    if w.retiring {
+                        // it drains and exits; its lease ends when it goes
+                        continue;
+                    }
+                    w.draining = drain;
+                    tracing::info!(worker = worker.0, name = %worker_name, %lease, "static worker bound; it serves the lease");
+                    self.rejoin_worker(worker);
+                }
+            }
+            HubMsg::LeaseUnbound { lease } => {
+                self.draining_leases.remove(&lease);
+                self.static_bindings.retain(|_, l| *l != lease);
+                let ids: Vec<WorkerId> = self
+                    .workers
+                    .iter()
+                    .filter(|(_, w)| w.lease == Some(lease))
+                    .map(|(id, _)| *id)
+                    .collect();
+                for worker in ids {
+                    let Some(w) = self.workers.get_mut(&worker) else {
+                        continue;
+                    };
+                    if w.static_name.is_none() {
+                        // only a static worker outlives its lease
+                        tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
+                        self.lose_worker(worker);
+                        continue;
+                    }
+                    w.lease = None;
+                    tracing::info!(worker = worker.0, %lease, "static worker unbound; it stays connected and takes no batch");
+                    if !w.draining {
+                        w.draining = true;
+                        self.step(Event::WorkerDraining { worker });
+                    }
                 }
             }
             HubMsg::LoadReport { models, reply } => {
@@ -893,6 +1018,7 @@ impl State {
     fn snapshot(&self) -> Snapshot {
         let mut models: HashMap<&str, ModelView> = HashMap::new();
         for w in self.workers.values() {
+            let serving = !(w.static_name.is_some() && w.lease.is_none());
             for m in &w.register.models {
                 let v = models.entry(m.name.as_str()).or_insert_with(|| ModelView {
                     name: m.name.clone(),
@@ -904,7 +1030,9 @@ impl State {
                     labels: m.labels.clone(),
                 });
                 v.max_batch = v.max_batch.max(m.max_batch);
-                v.workers += 1;
+                if serving {
+                    v.workers += 1;
+                }
             }
         }
         let mut snap = Snapshot {
@@ -944,6 +1072,8 @@ impl State {
                         .map(|p| (p.model.clone(), p.batch, p.latency_us))
                         .collect(),
                     draining: w.draining,
+                    lease: w.lease.map(|l| l.0),
+                    unbound: w.static_name.is_some() && w.lease.is_none(),
                 })
                 .collect(),
             models: models.into_values().collect(),
@@ -955,6 +1085,24 @@ impl State {
         snap.models.sort_by(|a, b| a.name.cmp(&b.name));
         snap
     }
+}
+
+/// What a worker serves, as the scheduler plans with it.
+fn worker_models(register: &Register) -> Vec<WorkerModel> {
+    register
+        .models
+        .iter()
+        .map(|m| WorkerModel {
+            model: m.name.clone(),
+            max_batch: m.max_batch,
+            profile: register
+                .profile
+                .iter()
+                .filter(|p| p.model == m.name)
+                .map(|p| (p.batch, p.latency_us))
+                .collect(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -1057,6 +1205,7 @@ mod tests {
             register: register(),
             dispatch,
             lease,
+            static_worker: None,
             drain: drain.clone(),
         })
         .await;
@@ -1180,6 +1329,164 @@ mod tests {
         // and a lease that ended takes its worker with it at once
         hub.send(HubMsg::LeaseEnded { lease: LeaseId(3) }).await;
         assert!(hub.snapshot().await.unwrap().workers.is_empty());
+        cancel.cancel();
+    }
+
+    /// Registers worker 1 as the static worker `gpu-a`; its batches.
+    async fn connect_static_worker(hub: &Hub) -> mpsc::Receiver<Dispatch> {
+        let (dispatch, batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: WorkerId(1),
+            register: register(),
+            dispatch,
+            lease: None,
+            static_worker: Some("gpu-a".into()),
+            drain: CancellationToken::new(),
+        })
+        .await;
+        batches
+    }
+
+    /// Sends frame `seq` of camera `cam`, due in `ms`.
+    async fn send_frame(hub: &Hub, seq: u64, ms: u64) {
+        hub.send(HubMsg::Frame {
+            edge: EdgeId(1),
+            frame: frame(seq),
+            deadline: Instant::now() + Duration::from_millis(ms),
+        })
+        .await;
+    }
+
+    /// Worker 1's lease and whether it is unbound, as the API shows it.
+    async fn static_view(hub: &Hub) -> (Option<u64>, bool, bool) {
+        let snap = hub.snapshot().await.unwrap();
+        assert_eq!(snap.workers.len(), 1, "{:?}", snap.workers);
+        let w = &snap.workers[0];
+        (w.lease, w.unbound, w.draining)
+    }
+
+    #[tokio::test]
+    async fn an_unbound_static_worker_waits_connected_serves_once_bound_and_keeps_its_link_when_unbound()
+     {
+        let (hub, cancel) = hub();
+        let mut batches = connect_static_worker(&hub).await;
+        let mut answers = connect_edge(&hub).await;
+        // unbound: registered (a camera may open), but no batch
+        assert_eq!(static_view(&hub).await, (None, true, true));
+        assert!(hub.model_info(MODEL).await.is_some());
+        assert_eq!(hub.snapshot().await.unwrap().models[0].workers, 0);
+        send_frame(&hub, 1, 50).await;
+        let r = recv(&mut answers).await;
+        assert_ne!(r.status, Status::Ok, "{r:?}");
+        assert!(batches.try_recv().is_err(), "no batch while unbound");
+
+        // bound: it serves the lease, and its frames count for it
+        hub.send(HubMsg::LeaseBound {
+            lease: LeaseId(5),
+            worker_name: "gpu-a".into(),
+        })
+        .await;
+        assert_eq!(static_view(&hub).await, (Some(5), false, false));
+        send_frame(&hub, 2, 500).await;
+        let d = recv(&mut batches).await;
+        answer(&hub, &d, ok_item).await;
+        assert_eq!(recv(&mut answers).await.status, Status::Ok);
+        let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert_eq!(r.served.len(), 1, "{r:?}");
+        assert_eq!(r.served[0].0, LeaseId(5));
+        assert_eq!(r.workers.len(), 1);
+
+        // released: drained, then unbound with a batch still out; the link
+        // stays, the batch still finishes, and nothing new is sent
+        send_frame(&hub, 3, 500).await;
+        let held = recv(&mut batches).await;
+        hub.send(HubMsg::LeaseDraining { lease: LeaseId(5) }).await;
+        hub.send(HubMsg::LeaseUnbound { lease: LeaseId(5) }).await;
+        assert_eq!(static_view(&hub).await, (None, true, true));
+        assert!(
+            matches!(batches.try_recv(), Err(mpsc::error::TryRecvError::Empty)),
+            "the dispatch channel is still open"
+        );
+        answer(&hub, &held, ok_item).await;
+        let r = recv(&mut answers).await;
+        assert_eq!((r.seq, r.status), (3, Status::Ok));
+        send_frame(&hub, 4, 50).await;
+        let r = recv(&mut answers).await;
+        assert_ne!(r.status, Status::Ok, "{r:?}");
+        assert!(batches.try_recv().is_err(), "no batch once unbound");
+        assert!(hub.load_report(vec![]).await.unwrap().workers.is_empty());
+
+        // bound again by a later lease: it serves again
+        hub.send(HubMsg::LeaseBound {
+            lease: LeaseId(6),
+            worker_name: "gpu-a".into(),
+        })
+        .await;
+        assert_eq!(static_view(&hub).await, (Some(6), false, false));
+        send_frame(&hub, 5, 500).await;
+        let d = recv(&mut batches).await;
+        answer(&hub, &d, ok_item).await;
+        let r = recv(&mut answers).await;
+        assert_eq!((r.seq, r.status), (5, Status::Ok));
+        let snap = hub.snapshot().await.unwrap();
+        assert!(snap.frames.balanced(), "{:?}", snap.frames);
+        assert_eq!(snap.frames.admitted, 5, "{:?}", snap.frames);
+        cancel.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_static_worker_rebound_with_a_batch_out_ends_each_frame_once() {
+        let (hub, cancel) = hub();
+        let bind = |lease| HubMsg::LeaseBound {
+            lease: LeaseId(lease),
+            worker_name: "gpu-a".into(),
+        };
+        // bound before it connects: it serves at once when it does
+        hub.send(bind(5)).await;
+        let mut batches = connect_static_worker(&hub).await;
+        let mut answers = connect_edge(&hub).await;
+        assert_eq!(static_view(&hub).await, (Some(5), false, false));
+        send_frame(&hub, 1, 2000).await;
+        let old = recv(&mut batches).await;
+        // unbound and bound again before it answers (a batch slower than
+        // the release's grace): the scheduler takes it back as a fresh
+        // worker, so the frame it held ends there (no other worker could
+        // take it: failed, worker lost) and the late answer is ignored
+        hub.send(HubMsg::LeaseUnbound { lease: LeaseId(5) }).await;
+        hub.send(bind(6)).await;
+        let r = recv(&mut answers).await;
+        assert_eq!(r.seq, 1);
+        assert!(matches!(r.status, Status::Failed(_)), "{r:?}");
+        answer(&hub, &old, ok_item).await;
+        // and it serves the new lease
+        send_frame(&hub, 2, 2000).await;
+        let new = recv(&mut batches).await;
+        assert_ne!(new.batch, old.batch);
+        answer(&hub, &new, ok_item).await;
+        let r = recv(&mut answers).await;
+        assert_eq!((r.seq, r.status), (2, Status::Ok));
+        let snap = hub.snapshot().await.unwrap();
+        assert!(snap.frames.balanced(), "{:?}", snap.frames);
+        assert_eq!(
+            (snap.frames.ok, snap.frames.failed),
+            (1, 1),
+            "{:?}",
+            snap.frames
+        );
+        assert!(answers.try_recv().is_err(), "one result per frame");
+        let r = hub.load_report(vec![]).await.unwrap();
+        assert_eq!(r.served.len(), 1, "{r:?}");
+        assert_eq!(
+            r.served[0].0,
+            LeaseId(6),
+            "the ignored answer counts for no lease"
+        );
+        assert_eq!((r.served[0].1.within_slo, r.served[0].1.late), (1, 0));
+        // a lease that ends by the worker's loss unbinds the name too
+        hub.send(HubMsg::LeaseEnded { lease: LeaseId(6) }).await;
+        assert!(hub.snapshot().await.unwrap().workers.is_empty());
+        let _batches = connect_static_worker(&hub).await;
+        assert_eq!(static_view(&hub).await, (None, true, true));
         cancel.cancel();
     }
 

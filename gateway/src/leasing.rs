@@ -26,6 +26,13 @@
 //!   or Slurm worker that went away while its lease lives gets its token
 //!   re-armed, so it may redial and register again (one connection at a
 //!   time);
+//! * static workers (`[[leasing.static_workers]]`) connect with their own
+//!   token whether bound or not (one connection each); the hub gives an
+//!   unbound one no batch. Binding one tells the hub (`LeaseBound`; the
+//!   lease is ready at once if the worker is registered); the end of its
+//!   lease other than by its disconnection unbinds it (`LeaseUnbound`: its
+//!   connection stays, it takes no batch); its disconnection ends the
+//!   lease as `lost`;
 //! * a ledger write that fails is kept and retried every tick, in lifecycle
 //!   order: a billing start or an end is never dropped.
 //!
@@ -51,7 +58,7 @@ use tidegate_lease::provider::static_workers::{StaticConfig, StaticProvider};
 use tidegate_lease::provider::{
     Acquired, LeaseSpec, Provider, ProviderError, ProviderEvent, wall_clock_ms,
 };
-use tidegate_lease::table::{LeaseEntry, TableError};
+use tidegate_lease::table::{ClaimError, LeaseEntry, TableError};
 use tidegate_lease::{
     Catalog, EndReason, LeaseId, LeaseState, LeaseTable, LeaseToken, Millis, Money, Tier,
 };
@@ -132,13 +139,19 @@ enum LeasingMsg {
     Authenticate {
         name: String,
         token: String,
-        reply: oneshot::Sender<Option<Result<LeaseId, String>>>,
+        reply: oneshot::Sender<Option<Result<WorkerPass, Refusal>>>,
     },
     Registered {
         lease: LeaseId,
     },
     Disconnected {
         lease: LeaseId,
+    },
+    StaticRegistered {
+        name: String,
+    },
+    StaticDisconnected {
+        name: String,
     },
     Leases {
         live_only: bool,
@@ -174,17 +187,69 @@ pub enum ReleaseRefused {
     Stopped,
 }
 
+/// What a worker's `Hello` proved ([`Leasing::authenticate`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WorkerPass {
+    /// A worker started for this lease (process, Slurm): it serves it.
+    Lease(LeaseId),
+    /// A listed static worker (`[[leasing.static_workers]]`), by name,
+    /// bound to a lease or not: it serves the lease bound to it, if any,
+    /// and waits connected otherwise.
+    Static(String),
+}
+
 /// A handle to the lease shell.
 #[derive(Debug, Clone)]
 pub struct Leasing {
     tx: mpsc::Sender<LeasingMsg>,
 }
 
+/// Why a worker's `Hello` was refused, and whether it should dial again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// What the worker is told.
+    pub message: String,
+    /// Its credentials hold, but the connection it would replace has not
+    /// been seen to end yet (or the lease manager is busy): it may dial
+    /// again after a backoff. Otherwise the refusal is final.
+    pub retry_later: bool,
+}
+
+impl Refusal {
+    fn later(message: String) -> Self {
+        Refusal {
+            message,
+            retry_later: true,
+        }
+    }
+}
+
+impl From<String> for Refusal {
+    fn from(message: String) -> Self {
+        Refusal {
+            message,
+            retry_later: false,
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 impl Leasing {
-    /// Checks a worker's `Hello`: `None` when the worker is not a leased one
-    /// (the `[[workers]]` list decides), else its lease or the reason it is
-    /// refused. A token is accepted once.
-    pub async fn authenticate(&self, name: &str, token: &str) -> Option<Result<LeaseId, String>> {
+    /// Checks a worker's `Hello`: `None` when the worker is neither a
+    /// leased one nor a listed static one (the `[[workers]]` list decides),
+    /// else what it proved or the reason it is refused. A lease token is
+    /// accepted once; a static worker's token, by one connection at a time.
+    pub async fn authenticate(
+        &self,
+        name: &str,
+        token: &str,
+    ) -> Option<Result<WorkerPass, Refusal>> {
         let (reply, rx) = oneshot::channel();
         let msg = LeasingMsg::Authenticate {
             name: name.to_string(),
@@ -192,10 +257,15 @@ impl Leasing {
             reply,
         };
         if self.tx.send(msg).await.is_err() {
-            return Some(Err("the gateway's lease manager has stopped".into()));
+            return Some(Err(Refusal::later(
+                "the gateway's lease manager has stopped".into(),
+            )));
         }
-        rx.await
-            .unwrap_or_else(|_| Some(Err("the gateway's lease manager has stopped".into())))
+        rx.await.unwrap_or_else(|_| {
+            Some(Err(Refusal::later(
+                "the gateway's lease manager has stopped".into(),
+            )))
+        })
     }
 
     /// The lease's worker registered (its models are warm): `ready`.
@@ -206,6 +276,20 @@ impl Leasing {
     /// The lease's worker disconnected.
     pub async fn disconnected(&self, lease: LeaseId) {
         let _ = self.tx.send(LeasingMsg::Disconnected { lease }).await;
+    }
+
+    /// The static worker `name` registered (its models are warm): the
+    /// lease bound to it, if any, is `ready`.
+    pub async fn static_registered(&self, name: &str) {
+        let name = name.to_string();
+        let _ = self.tx.send(LeasingMsg::StaticRegistered { name }).await;
+    }
+
+    /// The static worker `name` disconnected: the lease bound to it, if
+    /// any, ends as `lost`, and the worker may connect again.
+    pub async fn static_disconnected(&self, name: &str) {
+        let name = name.to_string();
+        let _ = self.tx.send(LeasingMsg::StaticDisconnected { name }).await;
     }
 
     /// Ledger leases, newest first (`/api/v1/leases`).
@@ -516,6 +600,7 @@ fn start(
         metrics,
         measured: HashMap::new(),
         static_names: HashMap::new(),
+        static_links: HashMap::new(),
         epoch,
         releases,
         backoff: AcquireBackoff::new(),
@@ -633,6 +718,9 @@ struct Shell {
     measured: HashMap<(String, String), f64>,
     /// Static provider: the worker name bound to each lease.
     static_names: HashMap<LeaseId, String>,
+    /// Static provider: the listed workers connected now, by name, and
+    /// whether each has registered.
+    static_links: HashMap<String, bool>,
     /// Start of the monotonic clock of the pacing decisions.
     epoch: tokio::time::Instant,
     /// Leases whose dispatch stopped, with when their provider release is
@@ -762,20 +850,37 @@ impl Shell {
             LeasingMsg::Authenticate { name, token, reply } => {
                 let _ = reply.send(self.authenticate(&name, &token));
             }
-            LeasingMsg::Registered { lease } => {
-                let now = wall_clock_ms();
-                if self.state(lease) == Some(LeaseState::Starting) {
-                    self.write(lease, Write::Ready { at: now });
-                    let _ = self.table.transition(lease, LeaseState::Ready);
-                    info!(%lease, "lease ready: its worker registered");
-                    self.backoff.reset();
+            LeasingMsg::Registered { lease } => self.lease_registered(lease),
+            LeasingMsg::StaticRegistered { name } => {
+                if let Some(registered) = self.static_links.get_mut(&name) {
+                    *registered = true;
                 }
-                if let Source::Static(p) = &self.source
-                    && let Err(e) = p.worker_registered(lease)
+                let bound = match &self.source {
+                    Source::Static(p) => p.bound_lease(&name),
+                    _ => None,
+                };
+                match bound {
+                    Some(lease) => self.lease_registered(lease),
+                    None => {
+                        info!(worker = %name, "static worker registered unbound; it waits for a lease")
+                    }
+                }
+            }
+            LeasingMsg::StaticDisconnected { name } => {
+                self.static_links.remove(&name);
+                if let Source::Static(p) = &mut self.source
+                    && let Some(lease) = p.bound_lease(&name)
                 {
-                    debug!(%lease, "static worker registered: {e}");
+                    // a static worker's link is all we know of it: losing
+                    // it ends the lease (the provider reports it lost), and
+                    // frees the worker to be bound again when it returns
+                    info!(%lease, worker = %name, "static worker disconnected; its lease is lost");
+                    if let Err(e) = p.worker_disconnected(lease) {
+                        debug!(%lease, "static worker disconnected: {e}");
+                    }
+                } else {
+                    info!(worker = %name, "unbound static worker disconnected");
                 }
-                self.update_metrics(now);
             }
             LeasingMsg::Disconnected { lease } => {
                 info!(%lease, "leased worker disconnected");
@@ -846,33 +951,88 @@ impl Shell {
         }
     }
 
-    fn authenticate(&mut self, name: &str, token: &str) -> Option<Result<LeaseId, String>> {
-        let id = if let Some(n) = name.strip_prefix("lease-") {
-            match n.parse::<u64>() {
-                Ok(n) => LeaseId(n),
-                Err(_) => {
-                    return Some(Err(format!(
-                        "a leased worker's name is lease-<id>; '{name}' is not"
-                    )));
-                }
-            }
-        } else {
-            let bound = self
-                .static_names
-                .iter()
-                .find(|(_, n)| n.as_str() == name)
-                .map(|(id, _)| *id);
-            bound?
+    /// The lease's worker registered (its models are warm): `ready`.
+    fn lease_registered(&mut self, lease: LeaseId) {
+        let now = wall_clock_ms();
+        if self.state(lease) == Some(LeaseState::Starting) {
+            self.write(lease, Write::Ready { at: now });
+            let _ = self.table.transition(lease, LeaseState::Ready);
+            info!(%lease, "lease ready: its worker registered");
+            self.backoff.reset();
+        }
+        if let Source::Static(p) = &self.source
+            && let Err(e) = p.worker_registered(lease)
+        {
+            debug!(%lease, "static worker registered: {e}");
+        }
+        self.update_metrics(now);
+    }
+
+    fn authenticate(&mut self, name: &str, token: &str) -> Option<Result<WorkerPass, Refusal>> {
+        let Some(n) = name.strip_prefix("lease-") else {
+            return self.authenticate_static(name, token);
         };
+        let Ok(n) = n.parse::<u64>() else {
+            return Some(Err(format!(
+                "a leased worker's name is lease-<id>; '{name}' is not"
+            )
+            .into()));
+        };
+        let id = LeaseId(n);
         match self.table.claim(id, &LeaseToken::from_secret(token)) {
             Ok(()) => {
                 if let Err(e) = self.ledger.set_token_claimed(id, true) {
                     warn!(lease = %id, "recording the token claim: {e}");
                 }
-                Some(Ok(id))
+                Some(Ok(WorkerPass::Lease(id)))
             }
-            Err(e) => Some(Err(e.to_string())),
+            // A second connection while the first still holds the claim:
+            // the first may be a dead link not yet noticed (heartbeats end
+            // it within seconds), so the worker may retry.
+            Err(e @ ClaimError::AlreadyClaimed(_)) => Some(Err(Refusal::later(e.to_string()))),
+            Err(e) => Some(Err(e.to_string().into())),
         }
+    }
+
+    /// A listed static worker connects with its own token, bound to a lease
+    /// or not, one connection at a time; `None` for a name not listed.
+    fn authenticate_static(
+        &mut self,
+        name: &str,
+        token: &str,
+    ) -> Option<Result<WorkerPass, Refusal>> {
+        let Source::Static(p) = &self.source else {
+            return None;
+        };
+        if !p.is_listed(name) {
+            return None;
+        }
+        let token = LeaseToken::from_secret(token);
+        if !p.token_matches(name, &token) {
+            return Some(Err(format!(
+                "static worker '{name}': its token does not match its token_sha256 in [[leasing.static_workers]]"
+            )
+            .into()));
+        }
+        if self.static_links.contains_key(name) {
+            return Some(Err(Refusal::later(format!(
+                "static worker '{name}' is already connected; one connection at a time (retry once the old connection has ended)"
+            ))));
+        }
+        let bound = p.bound_lease(name);
+        self.static_links.insert(name.to_string(), false);
+        if let Some(lease) = bound {
+            // its lease's token is the worker's own: claimed by this link
+            match self.table.claim(lease, &token) {
+                Ok(()) => {
+                    if let Err(e) = self.ledger.set_token_claimed(lease, true) {
+                        warn!(%lease, "recording the token claim: {e}");
+                    }
+                }
+                Err(e) => debug!(%lease, "static worker's claim: {e}"),
+            }
+        }
+        Some(Ok(WorkerPass::Static(name.to_string())))
     }
 
     fn state(&self, lease: LeaseId) -> Option<LeaseState> {
@@ -1251,21 +1411,25 @@ impl Shell {
         };
         match self.source.acquire(spec).await {
             Ok(acq) => {
+                let static_name = match &self.source {
+                    Source::Static(p) => p.worker_of(id).map(|w| w.name.clone()),
+                    _ => None,
+                };
+                // a static worker already connected holds its lease's
+                // (its own) token from now on; registered, it is ready
+                let link = static_name
+                    .as_ref()
+                    .and_then(|n| self.static_links.get(n).copied());
                 let entry = LeaseEntry {
                     id,
                     instance_type: instance.name.clone(),
                     tier,
                     state: LeaseState::Starting,
                     token: acq.token.unwrap_or_else(|| token.digest()),
-                    claimed: false,
+                    claimed: link.is_some(),
                 };
                 if let Err(e) = self.table.insert(entry) {
                     warn!(lease = %id, "lease table: {e}");
-                }
-                if let Source::Static(p) = &self.source
-                    && let Some(w) = p.worker_of(id)
-                {
-                    self.static_names.insert(id, w.name.clone());
                 }
                 // its worker runs: a billing start that fails to be written
                 // is retried, never dropped
@@ -1278,6 +1442,24 @@ impl Shell {
                     },
                 );
                 info!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, pid = ?acq.pid, "lease acquired");
+                if let Some(name) = static_name {
+                    self.static_names.insert(id, name.clone());
+                    if link.is_some()
+                        && let Err(e) = self.ledger.set_token_claimed(id, true)
+                    {
+                        warn!(lease = %id, "recording the token claim: {e}");
+                    }
+                    info!(lease = %id, worker = %name, connected = link.is_some(), "static worker bound");
+                    self.hub
+                        .send(HubMsg::LeaseBound {
+                            lease: id,
+                            worker_name: name,
+                        })
+                        .await;
+                    if link == Some(true) {
+                        self.lease_registered(id);
+                    }
+                }
                 false
             }
             Err(e) => {
@@ -1321,9 +1503,14 @@ impl Shell {
             match self.provider_release(lease).await {
                 Released::Gone => {
                     let reason = self.releases.done(lease).unwrap_or(EndReason::Released);
-                    self.static_names.remove(&lease);
-                    self.hub.send(HubMsg::LeaseEnded { lease }).await;
-                    // the worker is gone now
+                    if self.static_names.remove(&lease).is_some() {
+                        // a static worker is unbound, not gone: it keeps
+                        // its connection and waits for another lease
+                        self.hub.send(HubMsg::LeaseUnbound { lease }).await;
+                    } else {
+                        // the worker is gone now
+                        self.hub.send(HubMsg::LeaseEnded { lease }).await;
+                    }
                     self.end(lease, wall_clock_ms(), reason);
                 }
                 Released::Failed(e) => {
@@ -1683,19 +1870,27 @@ min_fps = {min_fps}
         let id = first_lease(&l).await;
         let name = id.to_string();
         let token = script.token(id).unwrap();
-        assert_eq!(l.authenticate(&name, &token).await, Some(Ok(id)));
+        assert_eq!(
+            l.authenticate(&name, &token).await,
+            Some(Ok(WorkerPass::Lease(id)))
+        );
         let again = l.authenticate(&name, &token).await.unwrap().unwrap_err();
-        assert!(again.contains("already used"), "{again}");
+        assert!(again.message.contains("already used"), "{again}");
+        assert!(again.retry_later, "the first link may be dead unnoticed");
         l.registered(id).await;
 
         // its link drops: the same worker redials with the same token
         l.disconnected(id).await;
         let wrong = l.authenticate(&name, "guess").await.unwrap().unwrap_err();
-        assert!(wrong.contains("does not match"), "{wrong}");
-        assert_eq!(l.authenticate(&name, &token).await, Some(Ok(id)));
+        assert!(wrong.message.contains("does not match"), "{wrong}");
+        assert!(!wrong.retry_later, "a wrong token is final");
+        assert_eq!(
+            l.authenticate(&name, &token).await,
+            Some(Ok(WorkerPass::Lease(id)))
+        );
         // still one connection at a time
         let again = l.authenticate(&name, &token).await.unwrap().unwrap_err();
-        assert!(again.contains("already used"), "{again}");
+        assert!(again.message.contains("already used"), "{again}");
 
         // once the lease has ended, a disconnect re-arms nothing
         l.release(id).await.unwrap();
@@ -1705,7 +1900,8 @@ min_fps = {min_fps}
         .await;
         l.disconnected(id).await;
         let gone = l.authenticate(&name, &token).await.unwrap().unwrap_err();
-        assert!(gone.contains("not a live lease"), "{gone}");
+        assert!(gone.message.contains("not a live lease"), "{gone}");
+        assert!(!gone.retry_later, "an ended lease is final");
         stop(cancel, tracker).await;
     }
 
@@ -1795,6 +1991,12 @@ reserved = 1
     }
 
     pub(super) async fn start(cfg: &LeasingConfig) -> (Leasing, CancellationToken, TaskTracker) {
+        let (l, _hub, cancel, tracker) = start_with_hub(cfg).await;
+        (l, cancel, tracker)
+    }
+
+    /// [`start`], with the hub the shell drives.
+    async fn start_with_hub(cfg: &LeasingConfig) -> (Leasing, Hub, CancellationToken, TaskTracker) {
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = Metrics::new();
@@ -1806,8 +2008,8 @@ reserved = 1
             &tracker,
         );
         let quic = "127.0.0.1:4433".parse().unwrap();
-        let l = spawn(cfg, quic, hub, metrics, cancel.clone(), &tracker).unwrap();
-        (l, cancel, tracker)
+        let l = spawn(cfg, quic, hub.clone(), metrics, cancel.clone(), &tracker).unwrap();
+        (l, hub, cancel, tracker)
     }
 
     async fn live(l: &Leasing) -> Vec<LeaseRecord> {
@@ -1834,23 +2036,27 @@ reserved = 1
         // not a leased worker: the [[workers]] list decides
         assert_eq!(l.authenticate("gpu-b", "x").await, None);
         let wrong = l.authenticate("gpu-a", "guess").await.unwrap().unwrap_err();
-        assert!(wrong.contains("does not match"), "{wrong}");
-        assert_eq!(l.authenticate("gpu-a", "gpu-a-secret").await, Some(Ok(id)));
+        assert!(wrong.message.contains("does not match"), "{wrong}");
+        assert_eq!(
+            l.authenticate("gpu-a", "gpu-a-secret").await,
+            Some(Ok(WorkerPass::Static("gpu-a".into())))
+        );
         let again = l
             .authenticate("gpu-a", "gpu-a-secret")
             .await
             .unwrap()
             .unwrap_err();
-        assert!(again.contains("already used"), "{again}");
+        assert!(again.message.contains("already connected"), "{again}");
         let bad = l.authenticate("lease-x", "t").await.unwrap().unwrap_err();
-        assert!(bad.contains("lease-<id>"), "{bad}");
+        assert!(bad.message.contains("lease-<id>"), "{bad}");
 
-        l.registered(id).await;
+        l.static_registered("gpu-a").await;
         let until = tokio::time::Instant::now() + Duration::from_secs(5);
         while live(&l).await[0].state != LeaseState::Ready {
             assert!(tokio::time::Instant::now() < until, "lease never ready");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        assert_eq!(live(&l).await[0].id, id, "the bound lease is ready");
         let costs = l.costs(0, wall_clock_ms() + 1).await.unwrap();
         assert!(costs.total > Money::ZERO, "{costs:?}");
 
@@ -1866,6 +2072,153 @@ reserved = 1
                 .all(|r| r.state == LeaseState::Ended(EndReason::Released)),
             "{all:?}"
         );
+    }
+
+    /// Polls `done` every 25 ms until it holds; fails after 10 s.
+    async fn until<F, Fut>(what: &str, mut done: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let until = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !done().await {
+            assert!(tokio::time::Instant::now() < until, "timed out: {what}");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Connects and registers the static worker `gpu-a` as worker `id`:
+    /// the batches the hub sends it.
+    async fn connect_static(
+        l: &Leasing,
+        hub: &Hub,
+        id: u64,
+    ) -> mpsc::Receiver<tidegate_protocol::Dispatch> {
+        assert_eq!(
+            l.authenticate("gpu-a", "gpu-a-secret").await,
+            Some(Ok(WorkerPass::Static("gpu-a".into())))
+        );
+        let (dispatch, batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: crate::scheduler::WorkerId(id),
+            register: tidegate_protocol::Register {
+                worker: "gpu-a".into(),
+                device: "cpu".into(),
+                models: Vec::new(),
+                profile: Vec::new(),
+            },
+            dispatch,
+            lease: None,
+            static_worker: Some("gpu-a".into()),
+            drain: CancellationToken::new(),
+        })
+        .await;
+        l.static_registered("gpu-a").await;
+        batches
+    }
+
+    /// The hub's view of worker `id`: its lease and whether it is unbound.
+    async fn worker_view(hub: &Hub, id: u64) -> Option<(Option<u64>, bool)> {
+        let snap = hub.snapshot().await?;
+        snap.workers
+            .iter()
+            .find(|w| w.id == id)
+            .map(|w| (w.lease, w.unbound))
+    }
+
+    #[tokio::test]
+    async fn a_released_static_lease_unbinds_its_worker_which_stays_connected_and_is_bound_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = static_config(dir.path());
+        let (l, hub, cancel, tracker) = start_with_hub(&cfg).await;
+        // the worker connects whether or not the reserved floor has bound
+        // it yet; either way its lease becomes ready and the hub serves it
+        let mut batches = connect_static(&l, &hub, 1).await;
+        let again = l
+            .authenticate("gpu-a", "gpu-a-secret")
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(again.message.contains("already connected"), "{again}");
+        until("the first lease ready", || async {
+            live(&l)
+                .await
+                .first()
+                .is_some_and(|r| r.state == LeaseState::Ready)
+        })
+        .await;
+        let first = live(&l).await[0].id;
+        until("the hub serves the first lease", || async {
+            worker_view(&hub, 1).await == Some((Some(first.0), false))
+        })
+        .await;
+
+        // an operator releases it: the lease ends released, the worker
+        // stays (its dispatch channel open) and the floor binds it again
+        // under a new lease, ready at once since it is registered
+        l.release(first).await.unwrap();
+        until("the first lease released", || async {
+            let all = l.leases(false, 100).await.unwrap();
+            all.iter()
+                .any(|r| r.id == first && r.state == LeaseState::Ended(EndReason::Released))
+        })
+        .await;
+        until("a second lease ready on the same worker", || async {
+            live(&l)
+                .await
+                .iter()
+                .any(|r| r.id != first && r.state == LeaseState::Ready)
+        })
+        .await;
+        let second = live(&l)
+            .await
+            .iter()
+            .find(|r| r.id != first && r.state == LeaseState::Ready)
+            .expect("the second lease")
+            .id;
+        until("the hub serves the second lease", || async {
+            worker_view(&hub, 1).await == Some((Some(second.0), false))
+        })
+        .await;
+        assert!(
+            matches!(batches.try_recv(), Err(mpsc::error::TryRecvError::Empty)),
+            "the worker's link was kept"
+        );
+        let all = l.leases(false, 100).await.unwrap();
+        for id in [first, second] {
+            let r = all.iter().find(|r| r.id == id).unwrap();
+            assert!(
+                r.provider_data
+                    .as_deref()
+                    .is_some_and(|d| d.contains("gpu-a")),
+                "both leases bound gpu-a: {r:?}"
+            );
+        }
+
+        // its disconnection ends the lease as lost; it may connect again,
+        // and the floor binds it once more
+        hub.send(HubMsg::WorkerGone {
+            worker: crate::scheduler::WorkerId(1),
+        })
+        .await;
+        l.static_disconnected("gpu-a").await;
+        until("the second lease lost", || async {
+            let all = l.leases(false, 100).await.unwrap();
+            all.iter()
+                .any(|r| r.id == second && r.state == LeaseState::Ended(EndReason::Lost))
+        })
+        .await;
+        let _batches = connect_static(&l, &hub, 2).await;
+        until("a third lease ready", || async {
+            live(&l)
+                .await
+                .iter()
+                .any(|r| r.id != second && r.id != first && r.state == LeaseState::Ready)
+        })
+        .await;
+        cancel.cancel();
+        tracker.close();
+        tracker.wait().await;
     }
 
     #[tokio::test]

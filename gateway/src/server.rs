@@ -19,10 +19,9 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::auth::Access;
 use crate::config::Config;
 use crate::hub::{Hub, HubMsg};
-use crate::leasing::Leasing;
+use crate::leasing::{Leasing, WorkerPass};
 use crate::metrics::Metrics;
 use crate::scheduler::{EdgeId, WorkerId};
-use tidegate_lease::LeaseId;
 
 /// Results buffered per edge connection before they are dropped (counted).
 const RESULT_QUEUE: usize = 1024;
@@ -137,17 +136,24 @@ impl Server {
             return;
         };
         let Hello { role, name, token } = &hello;
-        // A leased worker proves its lease with the lease's one-time token.
-        let mut lease = None;
+        // A leased worker proves its lease with the lease's one-time token;
+        // a listed static worker, bound or not, with its own token.
+        let mut pass = None;
         if *role == Role::Worker
             && let Some(leasing) = &self.leasing
         {
             match leasing.authenticate(name, token).await {
-                Some(Ok(id)) => lease = Some(id),
-                Some(Err(reason)) => {
-                    warn!(name, %reason, "worker refused");
-                    let msg = format!("worker '{name}' refused: {reason}");
-                    refuse(&conn, &mut send, ErrorCode::Unauthorized, msg).await;
+                Some(Ok(p)) => pass = Some(p),
+                Some(Err(refusal)) => {
+                    warn!(name, %refusal, retry_later = refusal.retry_later, "worker refused");
+                    let msg = format!("worker '{name}' refused: {refusal}");
+                    // `unavailable` is retryable: the worker dials again.
+                    let code = if refusal.retry_later {
+                        ErrorCode::Unavailable
+                    } else {
+                        ErrorCode::Unauthorized
+                    };
+                    refuse(&conn, &mut send, code, msg).await;
                     return;
                 }
                 None => {}
@@ -155,11 +161,11 @@ impl Server {
         }
         // Everyone else by name and token; the admission lasts as long as
         // the connection, and a reload that drops its credentials revokes it.
-        let admitted = match lease {
+        let admitted = match pass {
             Some(_) => None,
             None => self.access.admit(session, *role, name, token),
         };
-        if lease.is_none() && admitted.is_none() {
+        if pass.is_none() && admitted.is_none() {
             let role = role_name(*role);
             warn!(name, role, "refused: unknown name or wrong token");
             let msg = format!(
@@ -173,7 +179,7 @@ impl Server {
             heartbeat_ms: HEARTBEAT_MS,
         });
         if write_message(&mut send, &welcome).await.is_err() {
-            self.lease_link_closed(lease).await;
+            self.lease_link_closed(pass.as_ref()).await;
             return;
         }
         info!(name = %hello.name, role = ?hello.role, "authenticated");
@@ -192,17 +198,24 @@ impl Server {
         };
         match hello.role {
             Role::Edge => self.edge(EdgeId(session), link).await,
-            Role::Worker => self.worker(WorkerId(session), lease, link).await,
+            Role::Worker => self.worker(WorkerId(session), pass.as_ref(), link).await,
         }
         drop(admitted);
-        self.lease_link_closed(lease).await;
+        self.lease_link_closed(pass.as_ref()).await;
     }
 
-    /// A leased worker's connection ended, however it ended (even before
-    /// it registered): its lease's token may be used again to redial.
-    async fn lease_link_closed(&self, lease: Option<LeaseId>) {
-        if let (Some(leasing), Some(l)) = (&self.leasing, lease) {
-            leasing.disconnected(l).await;
+    /// A leased or static worker's connection ended, however it ended
+    /// (even before it registered): its lease's token may be used again to
+    /// redial; a static worker may connect again (its lease, if bound, is
+    /// lost).
+    async fn lease_link_closed(&self, pass: Option<&WorkerPass>) {
+        let Some(leasing) = &self.leasing else {
+            return;
+        };
+        match pass {
+            Some(WorkerPass::Lease(l)) => leasing.disconnected(*l).await,
+            Some(WorkerPass::Static(name)) => leasing.static_disconnected(name).await,
+            None => {}
         }
     }
 
@@ -424,7 +437,7 @@ impl Server {
         self.hub.send(HubMsg::EdgeGone { edge: id }).await;
     }
 
-    async fn worker(&self, id: WorkerId, lease: Option<LeaseId>, link: Link) {
+    async fn worker(&self, id: WorkerId, pass: Option<&WorkerPass>, link: Link) {
         let Link {
             name,
             conn,
@@ -457,15 +470,26 @@ impl Server {
                 worker: id,
                 register,
                 dispatch: dispatch_tx,
-                lease,
+                lease: match pass {
+                    Some(WorkerPass::Lease(l)) => Some(*l),
+                    _ => None,
+                },
+                static_worker: match pass {
+                    Some(WorkerPass::Static(name)) => Some(name.clone()),
+                    _ => None,
+                },
                 drain: drain_request.clone(),
             })
             .await
         {
             return;
         }
-        if let (Some(leasing), Some(l)) = (&self.leasing, lease) {
-            leasing.registered(l).await;
+        if let Some(leasing) = &self.leasing {
+            match pass {
+                Some(WorkerPass::Lease(l)) => leasing.registered(*l).await,
+                Some(WorkerPass::Static(name)) => leasing.static_registered(name).await,
+                None => {}
+            }
         }
 
         let writer = {

@@ -135,7 +135,12 @@ pub fn render(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) ->
                 escape(&w.name),
                 escape(&w.device),
                 escape(&w.models.join(", ")),
-                if w.draining { "draining" } else { "serving" }.into(),
+                match (w.unbound, w.draining, w.lease) {
+                    (true, _, _) => "unbound (waits for a lease)".into(),
+                    (false, true, _) => "draining".into(),
+                    (false, false, Some(l)) => format!("serving lease-{l}"),
+                    (false, false, None) => "serving".into(),
+                },
             ]
         })
         .collect();
@@ -257,6 +262,8 @@ mod tests {
                 models: vec!["blazeface".into()],
                 profile: Vec::new(),
                 draining: true,
+                lease: None,
+                unbound: false,
             }],
             ..Snapshot::default()
         };

@@ -3,11 +3,14 @@
 //!
 //! Acquiring binds a free listed worker of the requested type to a lease;
 //! releasing unbinds it (the machine keeps running; it is simply no longer
-//! ours to dispatch to). A static worker cannot be handed a fresh token at
-//! acquire time, so each listed worker carries the SHA-256 digest of its own
-//! provisioned token, which [`Acquired::token`] returns for the lease table.
-//! Readiness and loss are reported by the gateway, which sees the worker
-//! dial in and disconnect ([`StaticProvider::worker_registered`],
+//! ours to dispatch to, and it may be bound again by a later acquire). A
+//! static worker cannot be handed a fresh token at acquire time, so each
+//! listed worker carries the SHA-256 digest of its own provisioned token,
+//! which [`Acquired::token`] returns for the lease table and
+//! [`StaticProvider::token_matches`] checks whether it is bound or not: a
+//! listed worker may stay connected to the gateway while unbound, waiting to
+//! be bound. Readiness and loss are reported by the gateway, which sees the
+//! worker dial in and disconnect ([`StaticProvider::worker_registered`],
 //! [`StaticProvider::worker_disconnected`]).
 
 use std::collections::HashMap;
@@ -18,7 +21,7 @@ use tokio::sync::mpsc;
 use super::{Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent};
 use crate::catalog::Tier;
 use crate::lifecycle::EndReason;
-use crate::table::{LeaseId, TokenDigest};
+use crate::table::{LeaseId, LeaseToken, TokenDigest};
 
 /// Provider name in the ledger.
 pub const PROVIDER_NAME: &str = "static";
@@ -112,6 +115,29 @@ impl StaticProvider {
     /// The worker bound to `lease`.
     pub fn worker_of(&self, lease: LeaseId) -> Option<&StaticWorker> {
         self.by_lease.get(&lease).map(|&i| &self.slots[i].worker)
+    }
+
+    /// Whether `name` is a listed worker.
+    pub fn is_listed(&self, name: &str) -> bool {
+        self.slots.iter().any(|s| s.worker.name == name)
+    }
+
+    /// Whether `token` is the provisioned token of the listed worker
+    /// `name` (digests compared in constant time), bound or not; false for
+    /// a name that is not listed.
+    pub fn token_matches(&self, name: &str, token: &LeaseToken) -> bool {
+        self.slots
+            .iter()
+            .find(|s| s.worker.name == name)
+            .is_some_and(|s| s.digest.ct_eq(&token.digest()))
+    }
+
+    /// The lease the listed worker `name` is bound to now, if any.
+    pub fn bound_lease(&self, name: &str) -> Option<LeaseId> {
+        self.slots
+            .iter()
+            .find(|s| s.worker.name == name)
+            .and_then(|s| s.bound)
     }
 
     /// The gateway saw the lease's worker register and warm up.
@@ -255,6 +281,25 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[tokio::test]
+    async fn a_listed_worker_is_known_by_its_token_bound_or_not() {
+        let mut p = StaticProvider::new(cfg()).unwrap();
+        let mine = LeaseToken::from_secret("worker-a-secret");
+        assert!(p.is_listed("gpu-a") && !p.is_listed("gpu-b"));
+        assert!(p.token_matches("gpu-a", &mine), "unbound, its own token");
+        assert!(!p.token_matches("gpu-a", &LeaseToken::from_secret("guess")));
+        assert!(!p.token_matches("gpu-b", &mine), "not listed");
+        assert_eq!(p.bound_lease("gpu-a"), None);
+        p.acquire(spec(1)).await.unwrap();
+        assert_eq!(p.bound_lease("gpu-a"), Some(LeaseId(1)));
+        assert!(p.token_matches("gpu-a", &mine), "bound, the same token");
+        p.release(LeaseId(1)).await.unwrap();
+        assert_eq!(p.bound_lease("gpu-a"), None);
+        // bound again by a later acquire
+        p.acquire(spec(2)).await.unwrap();
+        assert_eq!(p.bound_lease("gpu-a"), Some(LeaseId(2)));
     }
 
     #[test]
