@@ -490,6 +490,18 @@ impl State {
         t.saturating_duration_since(self.origin).as_micros() as Micros
     }
 
+    /// A lease has ended or been unbound: forget its drain and its static
+    /// binding, and return the workers that served it.
+    fn forget_lease(&mut self, lease: LeaseId) -> Vec<WorkerId> {
+        self.draining_leases.remove(&lease);
+        self.static_bindings.retain(|_, l| *l != lease);
+        self.workers
+            .iter()
+            .filter(|(_, w)| w.lease == Some(lease))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// A worker has gone (disconnected, lease ended, or wedged): forget
     /// it and its batches' timings; the scheduler re-homes or fails the
     /// frames it held.
@@ -783,15 +795,7 @@ impl State {
                 }
             }
             HubMsg::LeaseEnded { lease } => {
-                self.draining_leases.remove(&lease);
-                self.static_bindings.retain(|_, l| *l != lease);
-                let ids: Vec<WorkerId> = self
-                    .workers
-                    .iter()
-                    .filter(|(_, w)| w.lease == Some(lease))
-                    .map(|(id, _)| *id)
-                    .collect();
-                for worker in ids {
+                for worker in self.forget_lease(lease) {
                     tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
                     self.lose_worker(worker);
                 }
@@ -823,15 +827,7 @@ impl State {
                 }
             }
             HubMsg::LeaseUnbound { lease } => {
-                self.draining_leases.remove(&lease);
-                self.static_bindings.retain(|_, l| *l != lease);
-                let ids: Vec<WorkerId> = self
-                    .workers
-                    .iter()
-                    .filter(|(_, w)| w.lease == Some(lease))
-                    .map(|(id, _)| *id)
-                    .collect();
-                for worker in ids {
+                for worker in self.forget_lease(lease) {
                     let Some(w) = self.workers.get_mut(&worker) else {
                         continue;
                     };
