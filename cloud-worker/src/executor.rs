@@ -281,6 +281,20 @@ mod tests {
 
     type Ran = Arc<Mutex<Vec<(String, usize, String)>>>;
 
+    /// A backend whose runs each wait for a token on the returned sender,
+    /// and which says on the returned receiver when a run starts.
+    fn gated_backend() -> (FakeBackend, Ran, Sender<()>, Receiver<()>) {
+        let (gate_tx, gate_rx) = mpsc::channel();
+        let (started_tx, started_rx) = mpsc::channel();
+        let ran = Ran::default();
+        let b = FakeBackend {
+            ran: ran.clone(),
+            gate: Some(gate_rx),
+            started: Some(started_tx),
+        };
+        (b, ran, gate_tx, started_rx)
+    }
+
     fn free_backend() -> (Box<dyn Backend + Send>, Ran) {
         let ran = Ran::default();
         let b = FakeBackend {
@@ -308,13 +322,7 @@ mod tests {
 
     #[test]
     fn full_queue_is_overloaded_immediately_and_gives_the_job_back() {
-        let (gate_tx, gate_rx) = mpsc::channel();
-        let (started_tx, started_rx) = mpsc::channel();
-        let backend = FakeBackend {
-            ran: Ran::default(),
-            gate: Some(gate_rx),
-            started: Some(started_tx),
-        };
+        let (backend, _ran, gate_tx, started_rx) = gated_backend();
         let exec = Executor::spawn(Box::new(backend), 1);
         // The first job occupies the backend, the second fills the queue.
         let first = exec.try_submit(job("a", &[1])).unwrap();
@@ -335,14 +343,7 @@ mod tests {
 
     #[test]
     fn shutdown_finishes_queued_jobs_before_joining() {
-        let (gate_tx, gate_rx) = mpsc::channel();
-        let (started_tx, started_rx) = mpsc::channel();
-        let ran = Ran::default();
-        let backend = FakeBackend {
-            ran: ran.clone(),
-            gate: Some(gate_rx),
-            started: Some(started_tx),
-        };
+        let (backend, ran, gate_tx, started_rx) = gated_backend();
         let exec = Executor::spawn(Box::new(backend), 4);
         let receivers: Vec<_> = ["a", "b", "c"]
             .iter()
@@ -362,14 +363,7 @@ mod tests {
 
     #[test]
     fn abandoned_job_is_skipped() {
-        let (gate_tx, gate_rx) = mpsc::channel();
-        let (started_tx, started_rx) = mpsc::channel();
-        let ran = Ran::default();
-        let backend = FakeBackend {
-            ran: ran.clone(),
-            gate: Some(gate_rx),
-            started: Some(started_tx),
-        };
+        let (backend, ran, gate_tx, started_rx) = gated_backend();
         let exec = Executor::spawn(Box::new(backend), 4);
         let first = exec.try_submit(job("kept", &[1])).unwrap();
         started_rx.recv().unwrap();
@@ -388,13 +382,7 @@ mod tests {
     /// passed.
     #[test]
     fn busy_time_counts_runs_on_the_backend_thread_not_queue_wait() {
-        let (gate_tx, gate_rx) = mpsc::channel();
-        let (started_tx, started_rx) = mpsc::channel();
-        let backend = FakeBackend {
-            ran: Ran::default(),
-            gate: Some(gate_rx),
-            started: Some(started_tx),
-        };
+        let (backend, _ran, gate_tx, started_rx) = gated_backend();
         let t0 = Instant::now();
         let exec = Executor::spawn(Box::new(backend), 4);
         assert_eq!(exec.busy_us(), 0);

@@ -271,16 +271,9 @@ mod tests {
             ..Sinks::default()
         };
         for seq in [1, 2] {
-            let r = FrameResult {
-                camera: "door".into(),
-                seq,
-                captured_at_us: 1_000,
-                status: Status::Ok,
-                detections: vec![],
-                timings: Timings::default(),
-                outputs: vec![],
-            };
-            sinks.write(&ResultLine::new(&r, 2_000, &[])).unwrap();
+            sinks
+                .write(&ResultLine::new(&ok_result(seq), 2_000, &[]))
+                .unwrap();
         }
         let text = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<serde_json::Value> = text

@@ -31,6 +31,17 @@ use crate::catalog::{InstanceType, Tier};
 use crate::lifecycle::EndReason;
 use crate::table::{LeaseId, LeaseToken, TokenDigest};
 
+/// What a provider's `adopt` did with the ledger's live leases after a
+/// gateway restart.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Adoption {
+    /// Leases whose worker (process or job) still runs and is watched again.
+    pub adopted: Vec<LeaseId>,
+    /// Leases ended in the ledger (worker gone, pid reused, job gone, or
+    /// never started).
+    pub ended: Vec<(LeaseId, EndReason)>,
+}
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct LeaseSpec {

@@ -30,8 +30,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::{
-    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider, ProviderError,
-    ProviderEvent, checked_secs, wall_clock_ms,
+    Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider,
+    ProviderError, ProviderEvent, checked_secs, wall_clock_ms,
 };
 use crate::billing::Millis;
 use crate::catalog::Tier;
@@ -116,15 +116,6 @@ impl ProcessConfig {
 pub struct ProcessData {
     /// The argv it was started with.
     pub cmdline: Vec<String>,
-}
-
-/// The outcome of [`ProcessProvider::adopt`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Adoption {
-    /// Leases whose worker was alive and is supervised again.
-    pub adopted: Vec<LeaseId>,
-    /// Leases ended in the ledger (worker gone, pid reused, never started).
-    pub ended: Vec<(LeaseId, EndReason)>,
 }
 
 #[derive(Debug)]

@@ -50,8 +50,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use super::{
-    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider, ProviderError,
-    ProviderEvent, checked_secs, wall_clock_ms,
+    Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider,
+    ProviderError, ProviderEvent, checked_secs, wall_clock_ms,
 };
 use crate::billing::{Millis, days_from_civil};
 use crate::catalog::{InstanceType, Tier};
@@ -700,15 +700,6 @@ impl Tools {
         }
         Tools::squeue_result(self.run_blocking("squeue", &Tools::squeue_args(jobs)))
     }
-}
-
-/// The outcome of [`SlurmProvider::adopt`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Adoption {
-    /// Leases whose job still runs (or waits) and is watched again.
-    pub adopted: Vec<LeaseId>,
-    /// Leases ended in the ledger (job gone, or never submitted).
-    pub ended: Vec<(LeaseId, EndReason)>,
 }
 
 #[derive(Debug)]
