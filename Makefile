@@ -45,8 +45,10 @@ bench: release
 	./target/release/tidegate-bench --report target/bench-relay-8.json relay --frames 4000 --concurrency 8
 	./target/release/tidegate-bench --report target/bench-hints.json hints --workers 1 --cameras 32 --fps 30 --seconds 5 --rounds 2
 
-## Run the protocol fuzzer for 60 s and the edge's webhook-answer fuzzer for
-## 30 s (needs cargo-fuzz and a nightly toolchain).
+## Run the protocol fuzzer for 60 s, the gateway-address parser's and the
+## edge's webhook-answer fuzzers for 30 s each (needs cargo-fuzz and a
+## nightly toolchain).
 fuzz:
 	cd protocol && $(CARGO) +nightly fuzz run decode -- -max_total_time=60
+	cd protocol && $(CARGO) +nightly fuzz run gateway_addr -- -max_total_time=30
 	cd edge && $(CARGO) +nightly fuzz run webhook_status -- -max_total_time=30

@@ -1,10 +1,10 @@
 //! The worker's configuration: a TOML file, with `TIDEGATE_*` environment
 //! variables and flags layered on top by the binary.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use tidegate_protocol::GatewayAddr;
 
 use crate::runtime::{ConvAlgoSearch, CudaOptions, Fallback, Provider};
 
@@ -50,8 +50,11 @@ impl std::fmt::Debug for WorkerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GatewayConfig {
-    /// QUIC address.
-    pub addr: SocketAddr,
+    /// QUIC address: an IP address or a host name, and the port
+    /// (`10.0.0.5:4433`, `tidegate-gateway.tidegate.svc:4433`). A name is
+    /// resolved at every dial.
+    #[serde(deserialize_with = "gateway_addr")]
+    pub addr: GatewayAddr,
     /// Name in the gateway's certificate.
     #[serde(default = "default_server_name")]
     pub server_name: String,
@@ -62,6 +65,12 @@ pub struct GatewayConfig {
     /// once).
     #[serde(default = "default_reconnect_secs")]
     pub reconnect_secs: u64,
+}
+
+/// `gateway.addr`, naming the field when the address is wrong.
+fn gateway_addr<'de, D: serde::Deserializer<'de>>(d: D) -> Result<GatewayAddr, D::Error> {
+    GatewayAddr::deserialize(d)
+        .map_err(|e| serde::de::Error::custom(format_args!("gateway.addr: {e}")))
 }
 
 fn default_reconnect_secs() -> u64 {
@@ -281,6 +290,48 @@ mod tests {
         let cfg = WorkerConfig::load(&p)?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    fn with_addr(addr: &str) -> Result<WorkerConfig, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("w.toml");
+        std::fs::write(
+            &p,
+            format!("name = \"w\"\ntoken = \"t\"\n[gateway]\naddr = \"{addr}\"\nca = \"ca.pem\"\n"),
+        )
+        .unwrap();
+        WorkerConfig::load(&p)
+    }
+
+    #[test]
+    fn gateway_addr_takes_a_host_name_or_an_ip_and_a_bad_one_names_the_field() {
+        let cfg = with_addr("gw.example.com:4433").unwrap();
+        assert_eq!(cfg.gateway.addr.name(), Some("gw.example.com"));
+        assert_eq!(cfg.gateway.addr.port(), 4433);
+        let cfg = with_addr("tidegate-gateway.tidegate.svc:4433").unwrap();
+        assert_eq!(
+            cfg.gateway.addr.to_string(),
+            "tidegate-gateway.tidegate.svc:4433"
+        );
+        let cfg = with_addr("127.0.0.1:4433").unwrap();
+        assert_eq!(
+            cfg.gateway.addr.ip(),
+            Some("127.0.0.1:4433".parse().unwrap())
+        );
+        for (addr, says) in [
+            ("gw example:1", "contains whitespace"),
+            ("gw.example.com", "has no port"),
+            ("::1:4433", "in brackets"),
+            ("quic://gw:4433", "has a scheme"),
+        ] {
+            let err = with_addr(addr).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{err:?}");
+            let text = err.to_string();
+            assert!(
+                text.contains("gateway.addr: gateway address") && text.contains(says),
+                "{addr}: {text}"
+            );
+        }
     }
 
     #[test]

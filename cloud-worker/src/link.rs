@@ -8,7 +8,6 @@
 //! on tokio's. A batch the executor has no room for is answered
 //! `Shed(Overloaded)`.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use tidegate_protocol::quic::{HandshakeError, handshake, read_message, write_message};
 use tidegate_protocol::{
-    BatchResult, Dispatch, Drain, ErrorCode, Heartbeat, Hello, ItemResult, Limits, Message,
-    Register, Role, ShedReason, Status,
+    BatchResult, Dispatch, Drain, ErrorCode, GatewayAddr, Heartbeat, Hello, ItemResult, Limits,
+    Message, Register, Role, ShedReason, Status,
 };
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -29,8 +28,8 @@ use crate::executor::{Executor, Job, SubmitError};
 /// Where and as whom to dial in.
 #[derive(Clone)]
 pub struct LinkConfig {
-    /// Gateway QUIC address.
-    pub gateway: SocketAddr,
+    /// Gateway QUIC address; a host name is resolved at every dial.
+    pub gateway: GatewayAddr,
     /// Name in the gateway's certificate.
     pub server_name: String,
     /// CA certificate to trust.
@@ -126,9 +125,10 @@ const DRAIN_QUIET: Duration = Duration::from_millis(250);
 /// A drain ends after this long even if the gateway keeps dispatching.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Dials the gateway, registers, and serves until the gateway drains or
-/// closes us, or `cancel` fires (then it drains: batches already taken are
-/// finished and answered before returning).
+/// Dials the gateway (resolving its name now, see
+/// [`tidegate_protocol::quic::dial_addr`]), registers, and serves until the
+/// gateway drains or closes us, or `cancel` fires (then it drains: batches
+/// already taken are finished and answered before returning).
 pub async fn run(
     cfg: &LinkConfig,
     executor: Arc<Executor>,
@@ -136,7 +136,8 @@ pub async fn run(
     cancel: CancellationToken,
 ) -> Result<LinkEnd, LinkError> {
     let client = tidegate_protocol::quic::client_config(&cfg.ca)?;
-    let conn = tidegate_protocol::quic::dial(cfg.gateway, &cfg.server_name, client).await?;
+    // Resolved now, not once at start: a redial follows a gateway that moved.
+    let conn = tidegate_protocol::quic::dial_addr(&cfg.gateway, &cfg.server_name, client).await?;
     let broken = |e: &dyn std::fmt::Display| LinkError::Broken(e.to_string());
     let limits = Limits::default();
     let hello = Hello {
@@ -155,7 +156,7 @@ pub async fn run(
     write_message(&mut ctl_send, &Message::Register(register))
         .await
         .map_err(|e| broken(&e))?;
-    info!(gateway = %cfg.gateway, "registered");
+    info!(gateway = %cfg.gateway, addr = %conn.remote_address(), "registered");
 
     let load = Arc::new(Load::default());
     // One task per dispatch stream, from its first byte to its answer, so

@@ -1,13 +1,14 @@
 //! `tidegate-worker`: serves ONNX models to a tidegate gateway.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use tidegate_protocol::{ColorOrder, DType, Layout, ModelInfo, ProfilePoint, Register};
+use tidegate_protocol::{
+    ColorOrder, DType, GatewayAddr, Layout, ModelInfo, ProfilePoint, Register,
+};
 use tidegate_worker::backend::{Backend, OrtBackend, Preprocessing};
 use tidegate_worker::config::WorkerConfig;
 use tidegate_worker::executor::Executor;
@@ -31,9 +32,11 @@ struct Cli {
     /// Config file (TOML): name, [gateway], [models], [runtime].
     #[arg(long, short, env = "TIDEGATE_WORKER_CONFIG")]
     config: PathBuf,
-    /// Gateway address (overrides `gateway.addr`).
+    /// Gateway address, host:port (overrides `gateway.addr`): an IP address
+    /// or a host name, resolved at every dial, e.g.
+    /// tidegate-gateway.tidegate.svc:4433 or 10.0.0.5:4433.
     #[arg(long, env = "TIDEGATE_GATEWAY_ADDR", global = true)]
-    gateway: Option<SocketAddr>,
+    gateway: Option<GatewayAddr>,
     /// CA certificate to trust (overrides `gateway.ca`).
     #[arg(long, env = "TIDEGATE_CA", global = true)]
     ca: Option<PathBuf>,
@@ -68,8 +71,8 @@ enum Command {
 
 fn load_config(cli: &Cli) -> anyhow::Result<WorkerConfig> {
     let mut cfg = WorkerConfig::load(&cli.config)?;
-    if let Some(a) = cli.gateway {
-        cfg.gateway.addr = a;
+    if let Some(a) = &cli.gateway {
+        cfg.gateway.addr = a.clone();
     }
     if let Some(ca) = &cli.ca {
         cfg.gateway.ca = ca.clone();
@@ -191,7 +194,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     let executor = Arc::new(Executor::spawn(Box::new(backend), EXECUTOR_QUEUE));
     let reconnect = Duration::from_secs(cfg.gateway.reconnect_secs);
     let link = LinkConfig {
-        gateway: cfg.gateway.addr,
+        gateway: cfg.gateway.addr.clone(),
         server_name: cfg.gateway.server_name.clone(),
         ca: cfg.gateway.ca.clone(),
         name: cfg.name.clone(),

@@ -1,6 +1,7 @@
 //! The worker's link against a scripted gateway on 127.0.0.1: a real QUIC
 //! connection (a throw-away CA and certificate made for the test), the real
-//! `link::run`, and a fake backend on the real executor.
+//! `link::run`, and a fake backend on the real executor; the gateway given
+//! by host name as well as by IP address.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,7 +69,7 @@ async fn drain_waits_for_a_dispatch_still_being_read() {
     let server = server_config(&tls.server_cert, &tls.server_key).unwrap();
     let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
     let cfg = LinkConfig {
-        gateway: endpoint.local_addr().unwrap(),
+        gateway: endpoint.local_addr().unwrap().into(),
         server_name: "localhost".into(),
         ca: tls.ca_cert.clone(),
         name: "w".into(),
@@ -159,4 +160,118 @@ async fn drain_waits_for_a_dispatch_still_being_read() {
         quinn::ConnectionError::ApplicationClosed(c) => assert_eq!(&c.reason[..], b"drained"),
         other => panic!("expected the worker to close with \"drained\", got {other:?}"),
     }
+}
+
+fn register() -> Register {
+    Register {
+        worker: "w".into(),
+        device: "test".into(),
+        models: Vec::new(),
+        profile: Vec::new(),
+    }
+}
+
+/// The gateway given by name (`localhost:<port>`, as Kubernetes gives
+/// `tidegate-gateway.tidegate.svc:4433`): the link resolves it, connects to
+/// the endpoint on 127.0.0.1, and registers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn link_dials_a_gateway_given_by_host_name() {
+    let limits = Limits::default();
+    let dir = tempfile::tempdir().unwrap();
+    let tls = tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()])
+        .expect("test certificates");
+    let server = server_config(&tls.server_cert, &tls.server_key).unwrap();
+    let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = endpoint.local_addr().unwrap().port();
+    let cfg = LinkConfig {
+        gateway: format!("localhost:{port}").parse().unwrap(),
+        server_name: "localhost".into(),
+        ca: tls.ca_cert.clone(),
+        name: "w".into(),
+        token: "t".into(),
+    };
+    assert_eq!(cfg.gateway.name(), Some("localhost"));
+    let executor = Arc::new(Executor::spawn(Box::new(OkBackend), 4));
+    let worker = tokio::spawn(async move {
+        link::run(&cfg, executor, register(), CancellationToken::new()).await
+    });
+
+    let script = async {
+        let conn = endpoint.accept().await.unwrap().await.unwrap();
+        assert!(conn.remote_address().ip().is_loopback());
+        let (mut ctl_send, mut ctl_recv) = conn.accept_bi().await.unwrap();
+        let hello = read_message(&mut ctl_recv, &limits).await.unwrap();
+        assert!(matches!(hello, Some(Message::Hello(_))), "{hello:?}");
+        let welcome = Message::Welcome(Welcome {
+            session: 1,
+            heartbeat_ms: 100,
+        });
+        tidegate_protocol::quic::write_message(&mut ctl_send, &welcome)
+            .await
+            .unwrap();
+        let register = read_message(&mut ctl_recv, &limits).await.unwrap();
+        assert!(
+            matches!(register, Some(Message::Register(_))),
+            "{register:?}"
+        );
+        let drain = Message::Drain(Drain { deadline_ms: 1000 });
+        tidegate_protocol::quic::write_message(&mut ctl_send, &drain)
+            .await
+            .unwrap();
+        // Kept open until the link has ended: a finished control stream
+        // would end it as closed rather than drained.
+        (conn, ctl_send, ctl_recv)
+    };
+    // Bounds a broken link so that the test fails instead of hanging.
+    let _gateway_side = tokio::time::timeout(Duration::from_secs(60), script)
+        .await
+        .expect("the worker did not dial in and register within 60 s");
+    let end = tokio::time::timeout(Duration::from_secs(60), worker)
+        .await
+        .expect("the link did not end within 60 s after the drain")
+        .unwrap()
+        .unwrap();
+    assert_eq!(end, LinkEnd::Drained);
+}
+
+/// A name that does not resolve (`.invalid` is reserved, RFC 6761) fails
+/// the dial at once, naming the host, as an error worth redialling (DNS may
+/// not know a new Service yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unresolvable_gateway_name_fails_the_dial_naming_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()])
+        .expect("test certificates");
+    let cfg = LinkConfig {
+        gateway: "gateway.invalid:4433".parse().unwrap(),
+        server_name: "localhost".into(),
+        ca: tls.ca_cert.clone(),
+        name: "w".into(),
+        token: "t".into(),
+    };
+    let executor = Arc::new(Executor::spawn(Box::new(OkBackend), 4));
+    // Resolving gives up after RESOLVE_TIMEOUT (10 s) at worst.
+    let err = tokio::time::timeout(
+        Duration::from_secs(30),
+        link::run(&cfg, executor, register(), CancellationToken::new()),
+    )
+    .await
+    .expect("the dial did not fail within 30 s")
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            link::LinkError::Dial(tidegate_protocol::quic::DialError::Resolve { host, .. })
+                if host == "gateway.invalid"
+        ),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+    let text = err.to_string();
+    assert!(
+        text.starts_with(
+            "cannot resolve gateway host \"gateway.invalid\" (of gateway.invalid:4433): "
+        ),
+        "{text}"
+    );
 }

@@ -1,10 +1,10 @@
 //! The edge's configuration: a TOML file, with `TIDEGATE_*` environment
 //! variables and flags layered on top by the binary.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use tidegate_protocol::GatewayAddr;
 
 /// Everything an edge needs.
 #[derive(Debug, Clone, Deserialize)]
@@ -68,13 +68,22 @@ fn default_webhook_queue() -> usize {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GatewayConfig {
-    /// Gateway QUIC address.
-    pub addr: SocketAddr,
+    /// Gateway QUIC address: an IP address or a host name, and the port
+    /// (`10.0.0.5:4433`, `gw.example.com:4433`). A name is resolved at
+    /// every dial.
+    #[serde(deserialize_with = "gateway_addr")]
+    pub addr: GatewayAddr,
     /// Name in the gateway's certificate.
     #[serde(default = "default_server_name")]
     pub server_name: String,
     /// CA certificate (PEM) to trust.
     pub ca: PathBuf,
+}
+
+/// `gateway.addr`, naming the field when the address is wrong.
+fn gateway_addr<'de, D: serde::Deserializer<'de>>(d: D) -> Result<GatewayAddr, D::Error> {
+    GatewayAddr::deserialize(d)
+        .map_err(|e| serde::de::Error::custom(format_args!("gateway.addr: {e}")))
 }
 
 fn default_server_name() -> String {
@@ -388,6 +397,42 @@ mod tests {
         ));
         cfg.validate().unwrap();
         assert_eq!(cfg.cameras[0].budget_ms, 80);
+    }
+
+    #[test]
+    fn gateway_addr_takes_a_host_name_or_an_ip_and_a_bad_one_names_the_field() {
+        let with = |addr: &str| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("edge.toml");
+            std::fs::write(
+                &path,
+                BASE.replace("addr = \"127.0.0.1:4433\"", &format!("addr = \"{addr}\"")),
+            )
+            .unwrap();
+            EdgeConfig::load(&path)
+        };
+        let cfg = with("gw.example.com:4433").unwrap();
+        assert_eq!(cfg.gateway.addr.name(), Some("gw.example.com"));
+        assert_eq!(cfg.gateway.addr.port(), 4433);
+        let cfg = with("[::1]:4433").unwrap();
+        assert_eq!(cfg.gateway.addr.ip(), Some("[::1]:4433".parse().unwrap()));
+        assert_eq!(
+            parse(BASE).gateway.addr.ip(),
+            Some("127.0.0.1:4433".parse().unwrap())
+        );
+        for (addr, says) in [
+            ("gw example:1", "contains whitespace"),
+            ("gw.example.com:0", "port 0"),
+            ("gw_1.example.com:4433", "not a valid host name"),
+        ] {
+            let err = with(addr).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{err:?}");
+            let text = err.to_string();
+            assert!(
+                text.contains("gateway.addr: gateway address") && text.contains(says),
+                "{addr}: {text}"
+            );
+        }
     }
 
     #[test]

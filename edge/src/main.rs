@@ -2,7 +2,6 @@
 //! to a tidegate gateway, and prints each result as a JSON line with its
 //! end-to-end latency measured on this machine's clock.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use tidegate_edge::config::{EdgeConfig, Secret};
 use tidegate_edge::node::NodeOptions;
 use tidegate_edge::sink::Sinks;
 use tidegate_edge::sink::webhook::{Endpoint, RetryPolicy, Webhook};
+use tidegate_protocol::GatewayAddr;
 
 /// tidegate edge node.
 ///
@@ -29,9 +29,11 @@ struct Cli {
     /// Config file (TOML): name, [gateway], [[cameras]].
     #[arg(long, short, env = "TIDEGATE_EDGE_CONFIG")]
     config: PathBuf,
-    /// Gateway address (overrides `gateway.addr`).
+    /// Gateway address, host:port (overrides `gateway.addr`): an IP address
+    /// or a host name, resolved at every dial, e.g. gw.example.com:4433 or
+    /// 10.0.0.5:4433.
     #[arg(long, env = "TIDEGATE_GATEWAY_ADDR", global = true)]
-    gateway: Option<SocketAddr>,
+    gateway: Option<GatewayAddr>,
     /// CA certificate to trust (overrides `gateway.ca`).
     #[arg(long, env = "TIDEGATE_CA", global = true)]
     ca: Option<PathBuf>,
@@ -75,8 +77,8 @@ enum Command {
 
 fn load_config(cli: &Cli) -> anyhow::Result<EdgeConfig> {
     let mut cfg = EdgeConfig::load(&cli.config)?;
-    if let Some(a) = cli.gateway {
-        cfg.gateway.addr = a;
+    if let Some(a) = &cli.gateway {
+        cfg.gateway.addr = a.clone();
     }
     if let Some(ca) = &cli.ca {
         cfg.gateway.ca = ca.clone();

@@ -473,8 +473,9 @@ async fn link(
         &cfg.name,
     );
     loop {
+        // Resolved at every dial: a redial follows a gateway that moved.
         let dial = Uplink::connect(
-            cfg.gateway.addr,
+            &cfg.gateway.addr,
             &cfg.gateway.server_name,
             &cfg.gateway.ca,
             &cfg.name,
@@ -500,7 +501,7 @@ async fn link(
                 return;
             }
         };
-        info!("connected");
+        info!(addr = %uplink.remote_address(), "connected");
         backoff.reset();
         hints_tx.send_modify(|h| *h = HintBoard::default());
         link_tx.send_replace(Some(uplink.clone()));

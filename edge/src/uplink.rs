@@ -26,8 +26,8 @@ use std::time::Duration;
 
 use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, CameraOpen, ControlHint, ErrorCode, ErrorMsg, Frame, FrameResult, Hello,
-    LatencyReport, Limits, Message, Role,
+    CameraAccepted, CameraOpen, ControlHint, ErrorCode, ErrorMsg, Frame, FrameResult, GatewayAddr,
+    Hello, LatencyReport, Limits, Message, Role,
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -55,11 +55,12 @@ pub enum UplinkError {
     /// The local UDP socket could not be bound.
     #[error("binding a UDP socket: {0}")]
     Bind(std::io::Error),
-    /// The QUIC connection could not be set up.
+    /// The gateway's name did not resolve, or the QUIC connection could not
+    /// be set up.
     #[error("connecting to gateway {addr}: {reason}")]
     Connect {
         /// Gateway address.
-        addr: SocketAddr,
+        addr: GatewayAddr,
         /// What failed.
         reason: String,
     },
@@ -124,18 +125,23 @@ impl std::fmt::Debug for Command {
 }
 
 impl Uplink {
-    /// Connects to the gateway at `addr`, trusting `ca`, and authenticates
-    /// as `name`. Returns the uplink and the stream of results and hints.
+    /// Connects to the gateway at `addr` (resolving a host name now, see
+    /// [`tidegate_protocol::quic::dial_addr`]), trusting `ca`, and
+    /// authenticates as `name`. Returns the uplink and the stream of results
+    /// and hints.
     pub async fn connect(
-        addr: SocketAddr,
+        addr: &GatewayAddr,
         server_name: &str,
         ca: &Path,
         name: &str,
         token: &str,
     ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
         let client = tidegate_protocol::quic::client_config(ca)?;
-        let connect_err = |reason: String| UplinkError::Connect { addr, reason };
-        let conn = tidegate_protocol::quic::dial(addr, server_name, client)
+        let connect_err = |reason: String| UplinkError::Connect {
+            addr: addr.clone(),
+            reason,
+        };
+        let conn = tidegate_protocol::quic::dial_addr(addr, server_name, client)
             .await
             .map_err(|e| match e {
                 tidegate_protocol::quic::DialError::Bind(e) => UplinkError::Bind(e),
@@ -159,7 +165,8 @@ impl Uplink {
 
         let (in_tx, in_rx) = mpsc::channel(INCOMING_QUEUE);
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
-        let span = info_span!("uplink", gateway = %addr, edge = name);
+        let span =
+            info_span!("uplink", gateway = %addr, addr = %conn.remote_address(), edge = name);
         tokio::spawn(
             control(conn.clone(), send, recv, cmd_rx, in_tx.clone()).instrument(span.clone()),
         );
@@ -233,6 +240,11 @@ impl Uplink {
             seq,
             e2e_us: e2e_us.min(u32::MAX as u64) as u32,
         }));
+    }
+
+    /// The gateway's address this connection reached (its name resolved).
+    pub fn remote_address(&self) -> SocketAddr {
+        self.conn.remote_address()
     }
 
     /// The connection's current round-trip estimate.

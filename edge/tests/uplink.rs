@@ -2,7 +2,9 @@
 //! real protocol, on 127.0.0.1): stale frames are reset instead of sent,
 //! hints change the frame rate live, a dropped connection is redialled with
 //! every camera re-opened, and a malformed control stream or result stream
-//! is answered as protocol §7.3 says. Every wait is bounded.
+//! is answered as protocol §7.3 says. The gateway is reached by IP address
+//! and by host name; a name that does not resolve is an error naming it.
+//! Every wait is bounded.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -12,8 +14,8 @@ use bytes::Bytes;
 use tidegate_edge::uplink::{Incoming, LaneStats, Uplink, UplinkError};
 use tidegate_protocol::quic::{read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, ColorOrder, ControlHint, DType, ErrorCode, Frame, FrameResult, Geometry,
-    InputSpec, Layout, Limits, Message, Resize, Status, Tensor, Timings, Welcome,
+    CameraAccepted, ColorOrder, ControlHint, DType, ErrorCode, Frame, FrameResult, GatewayAddr,
+    Geometry, InputSpec, Layout, Limits, Message, Resize, Status, Tensor, Timings, Welcome,
 };
 use tokio::sync::{Notify, mpsc, oneshot};
 
@@ -262,8 +264,23 @@ impl ScriptedGateway {
         mpsc::Receiver<Incoming>,
         (quinn::Connection, quinn::SendStream, quinn::RecvStream),
     ) {
-        let (up, incoming) = Uplink::connect(self.addr, "localhost", &self.ca, "edge-1", "t")
+        let addr = GatewayAddr::from(self.addr);
+        self.connect_to(&addr).await
+    }
+
+    /// [`Self::connect`], the edge given `addr` for the gateway.
+    async fn connect_to(
+        &mut self,
+        addr: &GatewayAddr,
+    ) -> (
+        Uplink,
+        mpsc::Receiver<Incoming>,
+        (quinn::Connection, quinn::SendStream, quinn::RecvStream),
+    ) {
+        let connect = Uplink::connect(addr, "localhost", &self.ca, "edge-1", "t");
+        let (up, incoming) = tokio::time::timeout(WAIT, connect)
             .await
+            .expect("the edge connects in time")
             .expect("edge connects");
         let side = tokio::time::timeout(WAIT, &mut self.accepted)
             .await
@@ -289,6 +306,47 @@ fn bytes_of(msg: &Message) -> Vec<u8> {
     let mut out = Vec::new();
     msg.encode(&mut out);
     out
+}
+
+/// The gateway given by name, as on the internet or in a cluster: the edge
+/// resolves `localhost:<port>` and reaches the gateway on 127.0.0.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uplink_connects_to_a_gateway_given_by_host_name() {
+    let mut gw = ScriptedGateway::start();
+    let addr: GatewayAddr = format!("localhost:{}", gw.addr.port()).parse().unwrap();
+    let (up, _incoming, (conn, _send, _recv)) = gw.connect_to(&addr).await;
+    assert_eq!(up.remote_address(), gw.addr);
+    assert!(conn.remote_address().ip().is_loopback());
+    assert!(!up.is_closed());
+}
+
+/// A name that does not resolve (`.invalid` is reserved, RFC 6761): the
+/// connect fails promptly, naming the host, and is retried by the node
+/// (DNS may not know the name yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unresolvable_gateway_name_is_a_retryable_error_naming_the_host() {
+    let (_dir, ca, _) = tls();
+    let addr: GatewayAddr = "gateway.invalid:4433".parse().unwrap();
+    // Resolving gives up after RESOLVE_TIMEOUT (10 s) at worst.
+    let err = tokio::time::timeout(
+        Duration::from_secs(30),
+        Uplink::connect(&addr, "localhost", &ca, "edge-1", "t"),
+    )
+    .await
+    .expect("the connect did not fail within 30 s")
+    .unwrap_err();
+    assert!(
+        matches!(&err, UplinkError::Connect { addr: a, .. } if *a == addr),
+        "{err:?}"
+    );
+    assert!(err.retryable());
+    let text = err.to_string();
+    assert!(
+        text.starts_with(
+            "connecting to gateway gateway.invalid:4433: cannot resolve gateway host \"gateway.invalid\""
+        ),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -482,7 +540,7 @@ async fn seqs_once_seen(gw: &FakeGateway, seq: u64) -> Vec<u64> {
 }
 
 async fn connect(gw: &FakeGateway) -> Uplink {
-    Uplink::connect(gw.addr, "localhost", &gw.ca, "edge-1", "token")
+    Uplink::connect(&gw.addr.into(), "localhost", &gw.ca, "edge-1", "token")
         .await
         .expect("edge connects")
         .0
@@ -557,7 +615,8 @@ mod node {
     }
 
     /// A node with one 20 fps test camera, publishing its counters every
-    /// 50 ms.
+    /// 50 ms. It is given the gateway by name (`localhost:<port>`), so each
+    /// redial resolves the name again.
     struct Node {
         stats: watch::Receiver<Vec<CameraSummary>>,
         stop: oneshot::Sender<()>,
@@ -567,9 +626,9 @@ mod node {
     impl Node {
         fn start(gw: &FakeGateway) -> Node {
             let cfg: EdgeConfig = toml::from_str(&format!(
-                "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"{}\"\nca = \"{}\"\n\
+                "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"localhost:{}\"\nca = \"{}\"\n\
                  [[cameras]]\nname = \"cam\"\nuri = \"test://ball?width=320&height=240\"\nmodel = \"m\"\nmax_fps = 20\n",
-                gw.addr,
+                gw.addr.port(),
                 gw.ca.display()
             ))
             .unwrap();

@@ -559,7 +559,7 @@ impl Cluster {
     /// 80 ms budget and obeying the gateway's frame-rate hints.
     pub fn sim_options(&self, edge: &str, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
         SimOptions {
-            gateway: self.quic,
+            gateway: self.quic.into(),
             server_name: "localhost".into(),
             ca: self.ca(),
             edge: edge.into(),

@@ -1,7 +1,6 @@
 //! `tidegate-loadtest`: simulated cameras against a tidegate gateway, with a
 //! JSON report and an SLO gate.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -11,6 +10,7 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
 use tidegate_loadtest::sim::{self, SimOptions};
+use tidegate_protocol::GatewayAddr;
 
 /// tidegate load generator.
 ///
@@ -32,9 +32,9 @@ struct Cli {
     /// Workers for --local.
     #[arg(long, default_value_t = 1)]
     workers: usize,
-    /// Gateway QUIC address.
+    /// Gateway QUIC address, host:port: an IP address or a host name.
     #[arg(long, env = "TIDEGATE_GATEWAY_ADDR", required_unless_present = "local")]
-    gateway: Option<SocketAddr>,
+    gateway: Option<GatewayAddr>,
     /// CA certificate to trust.
     #[arg(long, env = "TIDEGATE_CA", required_unless_present = "local")]
     ca: Option<PathBuf>,
@@ -149,7 +149,7 @@ fn main() -> anyhow::Result<()> {
             c.spawn_worker_serving(&format!("worker-{i}"), &models, &[&cli.model])?;
         }
         c.wait_for_workers(cli.workers, Duration::from_secs(60))?;
-        let out = (c.quic, c.ca(), c.edge_token.clone());
+        let out = (GatewayAddr::from(c.quic), c.ca(), c.edge_token.clone());
         cluster = Some(c);
         out
     } else {

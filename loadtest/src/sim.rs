@@ -3,7 +3,6 @@
 //! result's end-to-end latency is recorded on the edge clock.
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +11,7 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use tidegate_edge::clock;
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
-use tidegate_protocol::{DType, Frame, Geometry, InputSpec, Layout, Status, Tensor};
+use tidegate_protocol::{DType, Frame, GatewayAddr, Geometry, InputSpec, Layout, Status, Tensor};
 
 use crate::report::Report;
 
@@ -38,11 +37,11 @@ pub enum SimError {
     #[error("connecting to the gateway at {gateway} as edge {edge}: {source}")]
     Connect {
         /// Gateway address.
-        gateway: SocketAddr,
+        gateway: GatewayAddr,
         /// Edge name.
         edge: String,
-        /// Why.
-        source: UplinkError,
+        /// Why (boxed: it holds the gateway's address too).
+        source: Box<UplinkError>,
     },
     /// The gateway did not accept a camera (unknown model, say).
     #[error("opening camera {camera} for model '{model}': {source}")]
@@ -80,8 +79,9 @@ pub enum SimError {
 /// What to simulate.
 #[derive(Debug, Clone)]
 pub struct SimOptions {
-    /// Gateway QUIC address.
-    pub gateway: SocketAddr,
+    /// Gateway QUIC address (an IP address or a host name, resolved when
+    /// the simulation connects).
+    pub gateway: GatewayAddr,
     /// Name in the gateway's certificate.
     pub server_name: String,
     /// CA certificate.
@@ -156,7 +156,7 @@ pub fn run_blocking(opts: &SimOptions) -> Result<Report, SimError> {
 /// Runs the simulation and returns its report.
 pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
     let (uplink, mut incoming) = Uplink::connect(
-        opts.gateway,
+        &opts.gateway,
         &opts.server_name,
         &opts.ca,
         &opts.edge,
@@ -164,9 +164,9 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
     )
     .await
     .map_err(|source| SimError::Connect {
-        gateway: opts.gateway,
+        gateway: opts.gateway.clone(),
         edge: opts.edge.clone(),
-        source,
+        source: Box::new(source),
     })?;
     let mut input = None;
     for i in 0..opts.cameras {

@@ -162,9 +162,15 @@ async fn raw_model_outputs_travel_from_the_worker_to_the_edge() {
 }
 
 async fn connect(c: &Cluster) -> (Uplink, tokio::sync::mpsc::Receiver<Incoming>) {
-    Uplink::connect(c.quic, "localhost", &c.ca(), "edge-1", &c.edge_token)
-        .await
-        .expect("edge connects")
+    Uplink::connect(
+        &c.quic.into(),
+        "localhost",
+        &c.ca(),
+        "edge-1",
+        &c.edge_token,
+    )
+    .await
+    .expect("edge connects")
 }
 
 async fn next_result(rx: &mut tokio::sync::mpsc::Receiver<Incoming>) -> FrameResult {
@@ -271,9 +277,15 @@ async fn truncated_and_oversized_streams_close_only_that_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_with_wrong_token_is_refused_with_a_reason() {
     let c = started_cluster();
-    let err = Uplink::connect(c.quic, "localhost", &c.ca(), "edge-1", "not-the-token")
-        .await
-        .expect_err("a wrong token is refused");
+    let err = Uplink::connect(
+        &c.quic.into(),
+        "localhost",
+        &c.ca(),
+        "edge-1",
+        "not-the-token",
+    )
+    .await
+    .expect_err("a wrong token is refused");
     let UplinkError::Refused { code, message } = &err else {
         panic!("expected a refusal, got {err}");
     };

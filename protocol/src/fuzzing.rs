@@ -1,13 +1,18 @@
-//! The invariants that the cargo-fuzz target `decode` (protocol/fuzz) checks
-//! on arbitrary bytes. `tests/fuzz_corpus.rs` replays the fuzz corpus through
-//! the same [`check`], so `cargo test` exercises every corpus file without a
-//! fuzzer and the two never drift apart.
+//! The invariants that the cargo-fuzz targets (protocol/fuzz) check on
+//! arbitrary bytes: `decode` ([`check`]) and `gateway_addr`
+//! ([`check_gateway_addr`]). `tests/fuzz_corpus.rs` and
+//! `tests/gateway_addr.rs` replay the fuzz corpora through the same checks,
+//! so `cargo test` exercises every corpus file without a fuzzer and the two
+//! never drift apart.
 //!
 //! Not a stable API: hidden from the docs, for the fuzz target and tests only.
 //! Every function panics when an invariant does not hold.
 
+use std::net::SocketAddr;
+
 use bytes::{Buf, Bytes};
 
+use crate::addr::GatewayAddr;
 use crate::codec::{DecodeError, Header, Kind, MAGIC, VERSION};
 use crate::limits::Limits;
 use crate::message::Message;
@@ -237,6 +242,58 @@ pub fn check_roundtrip(msg: &Message, original: Option<&[u8]>, limits: &Limits) 
             assert_eq!(original[10..], encoded[10..]);
         } else {
             assert_eq!(original, &encoded[..], "encoding is not canonical");
+        }
+    }
+}
+
+/// [`GatewayAddr`]'s parser on arbitrary text (the bytes as UTF-8, invalid
+/// sequences replaced): it never panics; an accepted address has a port,
+/// displays as text that parses back to the same address, is an IP literal
+/// exactly when std reads the text as a [`SocketAddr`], and a name holds
+/// only letters, digits, '-' and '.'; a refusal quotes the input, and std
+/// reads no refused text as a socket address but one with port 0. This is
+/// the whole body of the fuzz target `gateway_addr`.
+pub fn check_gateway_addr(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let std = text.parse::<SocketAddr>().ok();
+    match text.parse::<GatewayAddr>() {
+        Ok(addr) => {
+            assert_ne!(addr.port(), 0, "{text:?} parsed with port 0");
+            let shown = addr.to_string();
+            let again: GatewayAddr = shown.parse().unwrap_or_else(|e| {
+                panic!("{text:?} displays as {shown:?}, which is refused: {e}")
+            });
+            assert_eq!(
+                again, addr,
+                "{text:?} does not round-trip through {shown:?}"
+            );
+            assert_eq!(again.to_string(), shown);
+            assert_eq!(addr.ip(), std, "{text:?}: IP literal or not, std disagrees");
+            assert_eq!(addr.ip().is_some(), addr.name().is_none());
+            if let Some(name) = addr.name() {
+                assert!(
+                    name.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'),
+                    "{text:?}: name {name:?}"
+                );
+                assert!(name.len() <= 254, "{text:?}: name of {} bytes", name.len());
+            }
+        }
+        Err(e) => {
+            let message = e.to_string();
+            if !text.is_empty() {
+                assert!(
+                    message.contains(&format!("{text:?}")),
+                    "{text:?}: the error does not quote the input: {message}"
+                );
+            }
+            if let Some(sa) = std {
+                assert_eq!(
+                    sa.port(),
+                    0,
+                    "std reads {text:?} but it is refused: {message}"
+                );
+            }
         }
     }
 }

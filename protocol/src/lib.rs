@@ -6,10 +6,15 @@
 //! ([`DecodeError::Incomplete`]) apart from "malformed" (every other variant).
 //! Tensor payloads are zero-copy [`bytes::Bytes`] slices of the received buffer.
 //!
+//! [`GatewayAddr`] is the gateway's address as edges and workers are given
+//! it: an IP literal or a DNS name, and a port.
+//!
 //! The optional `quic` feature adds the adapters that read and write these
-//! messages on quinn streams, and builds the rustls configurations.
+//! messages on quinn streams, builds the rustls configurations, and resolves
+//! and dials a [`GatewayAddr`].
 //! `docs/protocol.md` specifies the format for implementers in other languages.
 
+pub mod addr;
 #[cfg(feature = "dev-certs")]
 pub mod certs;
 pub mod codec;
@@ -23,6 +28,7 @@ pub mod quic;
 pub mod result;
 pub mod tensor;
 
+pub use addr::{GatewayAddr, GatewayAddrError};
 pub use codec::{DecodeError, Header, Kind, MAGIC, VERSION};
 pub use error::{ErrorCode, Fault};
 pub use limits::Limits;

@@ -1,13 +1,17 @@
 //! QUIC adapters over the sans-IO codec: rustls configurations (ring only,
-//! TLS 1.3) and reading/writing one message on a quinn stream. The body
-//! length is checked against [`Limits`] before the body is allocated.
+//! TLS 1.3), reading/writing one message on a quinn stream, and resolving and
+//! dialling a gateway. The body length is checked against [`Limits`] before
+//! the body is allocated.
 
+use std::future::Future;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
+use crate::addr::GatewayAddr;
 use crate::codec::{DecodeError, Header};
 use crate::limits::Limits;
 use crate::message::Message;
@@ -241,24 +245,79 @@ pub enum DialError {
     /// The local UDP socket could not be bound.
     #[error("binding a local UDP socket: {0}")]
     Bind(std::io::Error),
+    /// The gateway's host name did not resolve (no such name, no address
+    /// for it, or no answer from DNS in time).
+    #[error(
+        "cannot resolve gateway host {host:?} (of {addr}): {reason}; check the name and this machine's DNS"
+    )]
+    Resolve {
+        /// The host name.
+        host: String,
+        /// The address it is part of.
+        addr: GatewayAddr,
+        /// What failed.
+        reason: String,
+    },
     /// The connection could not be set up (unreachable, TLS, ALPN).
     #[error("connecting to {addr}: {reason}")]
     Connect {
         /// The address dialled.
-        addr: std::net::SocketAddr,
+        addr: SocketAddr,
         /// What failed.
         reason: String,
     },
 }
 
+/// Longest wait for DNS before a dial fails (and the caller's redial tries
+/// again): the QUIC idle timeout, the longest a handshake may take.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one address has to connect before the next one is tried
+/// alongside it (RFC 8305's connection attempt delay): a name with an IPv6
+/// and an IPv4 address, of which the gateway listens on one, costs this
+/// rather than a whole handshake timeout.
+pub const ATTEMPT_DELAY: Duration = Duration::from_millis(250);
+
+/// The socket addresses of `addr`, in the resolver's order of preference
+/// and without repeats. An IP literal is returned as is, without DNS; a name
+/// is looked up now (the system resolver, getaddrinfo), so every
+/// call sees where the name points at that moment.
+pub async fn resolve(addr: &GatewayAddr) -> Result<Vec<SocketAddr>, DialError> {
+    let Some(host) = addr.name() else {
+        return Ok(addr.ip().into_iter().collect());
+    };
+    let failed = |reason: String| DialError::Resolve {
+        host: host.to_string(),
+        addr: addr.clone(),
+        reason,
+    };
+    let found = tokio::time::timeout(
+        RESOLVE_TIMEOUT,
+        tokio::net::lookup_host((host, addr.port())),
+    )
+    .await
+    .map_err(|_| failed(format!("no answer within {RESOLVE_TIMEOUT:?}")))?
+    .map_err(|e| failed(e.to_string()))?;
+    let mut out: Vec<SocketAddr> = Vec::new();
+    for a in found {
+        if !out.contains(&a) {
+            out.push(a);
+        }
+    }
+    if out.is_empty() {
+        return Err(failed("the name has no address".into()));
+    }
+    Ok(out)
+}
+
 /// Opens a client endpoint on an ephemeral port and connects to `addr`,
 /// expecting `server_name` in its certificate.
 pub async fn dial(
-    addr: std::net::SocketAddr,
+    addr: SocketAddr,
     server_name: &str,
     config: quinn::ClientConfig,
 ) -> Result<quinn::Connection, DialError> {
-    let bind: std::net::SocketAddr = if addr.is_ipv4() {
+    let bind: SocketAddr = if addr.is_ipv4() {
         (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
@@ -271,6 +330,65 @@ pub async fn dial(
         .map_err(|e| connect(e.to_string()))?
         .await
         .map_err(|e| connect(e.to_string()))
+}
+
+/// Resolves `addr` (see [`resolve`]) and connects to one of its addresses,
+/// expecting `server_name` in the gateway's certificate. Resolving at every
+/// call is what lets a redial find a gateway that moved (a new Pod IP behind
+/// a headless Service).
+///
+/// The addresses are tried in order: each starts when the one before it
+/// fails, or after [`ATTEMPT_DELAY`] without connecting, while the earlier
+/// ones go on. The first to connect wins and the others are abandoned; when
+/// all fail, the error is the last failure's. The connection's
+/// `remote_address()` is the address that answered.
+pub async fn dial_addr(
+    addr: &GatewayAddr,
+    server_name: &str,
+    config: quinn::ClientConfig,
+) -> Result<quinn::Connection, DialError> {
+    let addrs = resolve(addr).await?;
+    dial_any(addrs, server_name, config).await
+}
+
+/// Connects to the first of `addrs` (at least one) that answers, as
+/// [`dial_addr`] describes.
+async fn dial_any(
+    addrs: Vec<SocketAddr>,
+    server_name: &str,
+    config: quinn::ClientConfig,
+) -> Result<quinn::Connection, DialError> {
+    let mut queue = addrs.into_iter();
+    let attempt = |to: SocketAddr| Box::pin(dial(to, server_name, config.clone()));
+    let mut attempts: Vec<_> = queue.next().map(attempt).into_iter().collect();
+    let mut last = None;
+    // Returning drops (abandons) the attempts still running.
+    while !attempts.is_empty() {
+        let first_done = std::future::poll_fn(|cx| {
+            for i in 0..attempts.len() {
+                if let std::task::Poll::Ready(r) = attempts[i].as_mut().poll(cx) {
+                    drop(attempts.swap_remove(i));
+                    return std::task::Poll::Ready(r);
+                }
+            }
+            std::task::Poll::Pending
+        });
+        tokio::select! {
+            done = first_done => match done {
+                Ok(conn) => return Ok(conn),
+                Err(e) => {
+                    last = Some(e);
+                    if attempts.is_empty() {
+                        attempts.extend(queue.next().map(attempt));
+                    }
+                }
+            },
+            _ = tokio::time::sleep(ATTEMPT_DELAY), if queue.len() > 0 => {
+                attempts.extend(queue.next().map(attempt));
+            }
+        }
+    }
+    Err(last.expect("dial_any is given at least one address, and ends after a failed attempt"))
 }
 
 /// Why the `Hello` handshake failed.
@@ -333,5 +451,93 @@ pub async fn handshake(
             }
             _ => lost(&e),
         }),
+    }
+}
+
+#[cfg(all(test, feature = "dev-certs"))]
+mod tests {
+    use super::*;
+
+    /// A listener for `localhost` on 127.0.0.1 that accepts connections
+    /// until dropped, and the client configuration that trusts it.
+    struct Listener {
+        addr: SocketAddr,
+        client: quinn::ClientConfig,
+        _endpoint: quinn::Endpoint,
+        _dir: tempfile::TempDir,
+    }
+
+    fn listener() -> Listener {
+        let dir = tempfile::tempdir().unwrap();
+        let tls = crate::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
+        let server = server_config(&tls.server_cert, &tls.server_key).unwrap();
+        let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let accepting = endpoint.clone();
+        tokio::spawn(async move {
+            while let Some(incoming) = accepting.accept().await {
+                if let Ok(conn) = incoming.await {
+                    tokio::spawn(async move { conn.closed().await });
+                }
+            }
+        });
+        Listener {
+            addr: endpoint.local_addr().unwrap(),
+            client: client_config(&tls.ca_cert).unwrap(),
+            _endpoint: endpoint,
+            _dir: dir,
+        }
+    }
+
+    /// Bounds every dial of these tests: far above what they need, below
+    /// the 10 s handshake timeout that a black hole costs.
+    const WAIT: Duration = Duration::from_secs(5);
+
+    #[tokio::test]
+    async fn an_address_that_fails_is_followed_by_the_next_in_order() {
+        let l = listener();
+        // Port 0 fails at once.
+        let dead: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let conn = tokio::time::timeout(
+            WAIT,
+            dial_any(vec![dead, l.addr], "localhost", l.client.clone()),
+        )
+        .await
+        .expect("connects in time")
+        .unwrap();
+        assert_eq!(conn.remote_address(), l.addr);
+    }
+
+    #[tokio::test]
+    async fn an_address_that_never_answers_does_not_hold_up_the_next() {
+        let l = listener();
+        // A UDP socket that never reads: the handshake to it would wait out
+        // the whole handshake timeout (10 s).
+        let hole = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let silent = hole.local_addr().unwrap();
+        let conn = tokio::time::timeout(
+            WAIT,
+            dial_any(vec![silent, l.addr], "localhost", l.client.clone()),
+        )
+        .await
+        .expect("the second address connects while the first is still silent")
+        .unwrap();
+        assert_eq!(conn.remote_address(), l.addr);
+    }
+
+    #[tokio::test]
+    async fn when_every_address_fails_the_error_is_the_last_ones() {
+        let l = listener();
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.2:0".parse().unwrap(),
+        );
+        let err = tokio::time::timeout(WAIT, dial_any(vec![a, b], "localhost", l.client.clone()))
+            .await
+            .expect("fails in time")
+            .unwrap_err();
+        assert!(
+            matches!(&err, DialError::Connect { addr, .. } if *addr == b),
+            "{err:?}"
+        );
     }
 }

@@ -1,0 +1,88 @@
+//! The `tidegate-worker` binary given the gateway by host name, as the
+//! gateway's Kubernetes provider gives it to worker Pods
+//! (`TIDEGATE_GATEWAY_ADDR = "tidegate-gateway.tidegate.svc:4433"`), and
+//! malformed addresses refused in one line naming where they came from.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// Variables of the caller's shell that would change what is tested.
+const ISOLATE: [&str; 6] = [
+    "TIDEGATE_GATEWAY_ADDR",
+    "TIDEGATE_WORKER_TOKEN",
+    "TIDEGATE_LEASE_ID",
+    "TIDEGATE_LEASE_TOKEN",
+    "TIDEGATE_MODELS",
+    "TIDEGATE_CA",
+];
+
+/// `tidegate-worker --config <file> check-config` serving BlazeFace on one
+/// CPU thread, with `gateway.addr = addr` in the file and `env` set.
+fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("w.toml");
+    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
+    std::fs::write(
+        &cfg,
+        format!(
+            "name = \"w\"\ntoken = \"t\"\n[gateway]\naddr = \"{addr}\"\nca = \"ca.pem\"\n[models]\ndir = \"{}\"\nonly = [\"blazeface\"]\n[runtime]\nintra_threads = 1\n",
+            models.display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tidegate-worker"));
+    cmd.arg("--config").arg(&cfg).arg("check-config");
+    for var in ISOLATE {
+        cmd.env_remove(var);
+    }
+    cmd.env("TIDEGATE_LOG", "warn").envs(env.iter().copied());
+    cmd.output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn gateway_host_names_from_the_environment_and_the_file_pass_check_config() {
+    let out = check_config(
+        "127.0.0.1:9",
+        &[(
+            "TIDEGATE_GATEWAY_ADDR",
+            "tidegate-gateway.tidegate.svc:4433",
+        )],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stdout.starts_with("config ok: 1 model(s)"), "{stdout}");
+
+    let out = check_config("gw.example.com:4433", &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
+#[test]
+fn malformed_gateway_addresses_are_refused_in_one_line_naming_the_source() {
+    // From the environment: a usage error (exit 2) naming the flag.
+    let out = check_config(
+        "127.0.0.1:9",
+        &[("TIDEGATE_GATEWAY_ADDR", "gw example:4433")],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--gateway") && stderr.contains("\"gw example:4433\" contains whitespace"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("invalid socket address"), "{stderr}");
+
+    // From the file: the config error names the field.
+    let out = check_config("::1:4433", &[]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("tidegate-worker: error: invalid config ")
+            && stderr.contains("gateway.addr: gateway address \"::1:4433\" has more than one ':'"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

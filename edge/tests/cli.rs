@@ -1,0 +1,78 @@
+//! The `tidegate-edge` binary given the gateway by host name, in the file
+//! or in `TIDEGATE_GATEWAY_ADDR`, and malformed addresses refused naming
+//! where they came from.
+#![cfg(feature = "capture")]
+
+use std::process::{Command, Output};
+
+/// `tidegate-edge --config <file> check-config`, with `gateway.addr = addr`
+/// in the file and `env` set.
+fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("edge.toml");
+    std::fs::write(
+        &cfg,
+        format!("name = \"e\"\ntoken = \"t\"\n[gateway]\naddr = \"{addr}\"\nca = \"ca.pem\"\n"),
+    )
+    .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tidegate-edge"));
+    cmd.arg("--config").arg(&cfg).arg("check-config");
+    for var in [
+        "TIDEGATE_GATEWAY_ADDR",
+        "TIDEGATE_EDGE_TOKEN",
+        "TIDEGATE_CA",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("TIDEGATE_LOG", "warn").envs(env.iter().copied());
+    cmd.output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn gateway_host_names_from_the_environment_and_the_file_pass_check_config() {
+    let out = check_config(
+        "127.0.0.1:4433",
+        &[("TIDEGATE_GATEWAY_ADDR", "gw.example.com:4433")],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stdout.contains("addr: GatewayAddr(gw.example.com:4433)")
+            && stdout.ends_with("config ok\n"),
+        "{stdout}"
+    );
+
+    let out = check_config("localhost:4433", &[]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        stdout.contains("addr: GatewayAddr(localhost:4433)"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn malformed_gateway_addresses_are_refused_naming_the_source() {
+    let out = check_config(
+        "127.0.0.1:4433",
+        &[("TIDEGATE_GATEWAY_ADDR", "quic://gw:4433")],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--gateway") && stderr.contains("has a scheme (quic://)"),
+        "{stderr}"
+    );
+
+    let out = check_config("gw example:4433", &[]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("gateway.addr: gateway address \"gw example:4433\" contains whitespace"),
+        "{stderr}"
+    );
+}
