@@ -42,6 +42,8 @@ pub enum ProviderKind {
     Static,
     /// Submit each lease as a Slurm batch job (`[leasing.slurm]`).
     Slurm,
+    /// Create each lease as a Kubernetes Pod (`[leasing.kubernetes]`).
+    Kubernetes,
 }
 
 /// `[leasing]`: the lease manager and its autoscaler. `Debug` leaves out
@@ -49,7 +51,7 @@ pub enum ProviderKind {
 #[derive(Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeasingConfig {
-    /// `process`, `static` or `slurm`.
+    /// `process`, `static`, `slurm` or `kubernetes`.
     pub provider: ProviderKind,
     /// Pricing catalog (TOML); default: the built-in one.
     #[serde(default)]
@@ -95,6 +97,9 @@ pub struct LeasingConfig {
     /// The Slurm provider (required with `provider = "slurm"`).
     #[serde(default)]
     pub slurm: Option<tidegate_lease::provider::slurm::SlurmConfig>,
+    /// The Kubernetes provider (required with `provider = "kubernetes"`).
+    #[serde(default)]
+    pub kubernetes: Option<tidegate_lease::provider::kubernetes::KubernetesConfig>,
     /// The models to scale.
     #[serde(default)]
     pub models: Vec<ScaledModel>,
@@ -126,6 +131,7 @@ impl std::fmt::Debug for LeasingConfig {
             .field("process", &self.process)
             .field("static_workers", &statics)
             .field("slurm", &self.slurm)
+            .field("kubernetes", &self.kubernetes)
             .field("models", &self.models)
             .finish()
     }
@@ -397,9 +403,15 @@ impl Config {
         }
         if let Some(l) = cfg.leasing.as_mut() {
             let slurm_conf = l.slurm.as_mut().and_then(|s| s.slurm_conf.as_mut());
-            for p in [Some(&mut l.ledger), l.catalog.as_mut(), slurm_conf]
-                .into_iter()
-                .flatten()
+            let kubeconfig = l.kubernetes.as_mut().and_then(|k| k.kubeconfig.as_mut());
+            for p in [
+                Some(&mut l.ledger),
+                l.catalog.as_mut(),
+                slurm_conf,
+                kubeconfig,
+            ]
+            .into_iter()
+            .flatten()
             {
                 if p.is_relative() {
                     *p = base.join(&*p);
@@ -556,6 +568,11 @@ impl LeasingConfig {
                 !self.static_workers.is_empty(),
             ),
             (ProviderKind::Slurm, "[leasing.slurm]", self.slurm.is_some()),
+            (
+                ProviderKind::Kubernetes,
+                "[leasing.kubernetes]",
+                self.kubernetes.is_some(),
+            ),
         ];
         for (kind, section, present) in sections {
             if present && kind != self.provider {
@@ -563,6 +580,7 @@ impl LeasingConfig {
                     ProviderKind::Process => "process",
                     ProviderKind::Static => "static",
                     ProviderKind::Slurm => "slurm",
+                    ProviderKind::Kubernetes => "kubernetes",
                 };
                 return bad(format!("{section} is only used with provider = \"{name}\""));
             }
@@ -626,6 +644,28 @@ impl LeasingConfig {
                     if catalog.get(t).is_none() {
                         return bad(format!(
                             "leasing.slurm.gres: instance type '{t}' is not in the catalog"
+                        ));
+                    }
+                }
+            }
+            ProviderKind::Kubernetes => {
+                let Some(k) = &self.kubernetes else {
+                    return bad(
+                        "leasing.provider = \"kubernetes\" needs a [leasing.kubernetes] section with the worker `image`".into(),
+                    );
+                };
+                k.validate()
+                    .map_err(|e| ConfigError::Invalid(format!("leasing.kubernetes.{e}")))?;
+                for (field, types) in [
+                    ("gpus", k.gpus.keys().collect::<Vec<_>>()),
+                    (
+                        "instance_node_selectors",
+                        k.instance_node_selectors.keys().collect(),
+                    ),
+                ] {
+                    if let Some(t) = types.into_iter().find(|t| catalog.get(t).is_none()) {
+                        return bad(format!(
+                            "leasing.kubernetes.{field}: instance type '{t}' is not in the catalog"
                         ));
                     }
                 }
@@ -935,6 +975,53 @@ mod tests {
         assert!(e.contains("partition"), "{e}");
     }
 
+    const KUBERNETES: &str = "[leasing.kubernetes]\nimage = \"w:1\"\nkubeconfig = \"kube/config\"\ngpus = { h100 = 1 }\n[leasing.kubernetes.tiers.on_demand]\n[leasing.kubernetes.tiers.spot]\nnode_selector = { \"cloud.google.com/gke-spot\" = \"true\" }\n";
+
+    #[test]
+    fn a_kubernetes_section_validates_and_its_errors_name_the_field() {
+        let kube = |extra: &str| -> Result<Config, ConfigError> {
+            let text = format!(
+                "[leasing]\nprovider = \"kubernetes\"\nledger = \"l.db\"\n{MODEL}{extra}\n"
+            );
+            let cfg: Config =
+                toml::from_str(&text).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+            cfg.validate().map(|()| cfg)
+        };
+        let cfg = kube(KUBERNETES).unwrap();
+        let k = cfg.leasing.unwrap().kubernetes.unwrap();
+        assert!(k.tiers.spot.is_some() && k.tiers.on_demand.is_some());
+        let e = kube("").unwrap_err().to_string();
+        assert!(
+            e.contains("[leasing.kubernetes]") && e.contains("image"),
+            "{e}"
+        );
+        let e = kube(&KUBERNETES.replace("h100 =", "tpu ="))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("leasing.kubernetes.gpus") && e.contains("'tpu'"),
+            "{e}"
+        );
+        let e = kube(&KUBERNETES.replace("\"true\"", "\"a b\""))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("leasing.kubernetes.tiers.spot.node_selector"),
+            "{e}"
+        );
+        let e = kube(&format!("{KUBERNETES}{SLURM}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("[leasing.slurm] is only used with provider = \"slurm\""),
+            "{e}"
+        );
+        let e = kube(&KUBERNETES.replace("image", "images"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("images"), "{e}");
+    }
+
     #[test]
     fn leasing_paths_resolve_against_the_file() {
         let dir = tempfile::tempdir().unwrap();
@@ -957,6 +1044,16 @@ mod tests {
         assert_eq!(
             l.slurm.unwrap().slurm_conf,
             Some(dir.path().join("slurm.conf"))
+        );
+        std::fs::write(
+            &p,
+            format!("[leasing]\nprovider = \"kubernetes\"\nledger = \"l.db\"\n{KUBERNETES}{MODEL}"),
+        )
+        .unwrap();
+        let l = Config::load(&p).unwrap().leasing.unwrap();
+        assert_eq!(
+            l.kubernetes.unwrap().kubeconfig,
+            Some(dir.path().join("kube/config"))
         );
     }
 

@@ -52,6 +52,7 @@ use tidegate_lease::ledger::{CostReport, LeaseRecord, Ledger, LedgerError, NewLe
 use tidegate_lease::pacing::{
     AcquireBackoff, ReleaseQueue, end_reason_while_releasing, start_timed_out,
 };
+use tidegate_lease::provider::kubernetes::KubernetesProvider;
 use tidegate_lease::provider::process::{ProcessConfig, ProcessProvider};
 use tidegate_lease::provider::slurm::SlurmProvider;
 use tidegate_lease::provider::static_workers::{StaticConfig, StaticProvider};
@@ -349,6 +350,7 @@ enum Source {
     },
     Static(StaticProvider),
     Slurm(Box<SlurmProvider>),
+    Kubernetes(Box<KubernetesProvider>),
     #[cfg(test)]
     Fake(fake::FakeProvider),
 }
@@ -359,6 +361,7 @@ impl Source {
             Source::Process { provider, .. } => provider.name(),
             Source::Static(p) => p.name(),
             Source::Slurm(p) => p.name(),
+            Source::Kubernetes(p) => p.name(),
             #[cfg(test)]
             Source::Fake(p) => p.name(),
         }
@@ -375,6 +378,7 @@ impl Source {
             }
             Source::Static(p) => p.acquire(spec).await,
             Source::Slurm(p) => p.acquire(spec).await,
+            Source::Kubernetes(p) => p.acquire(spec).await,
             #[cfg(test)]
             Source::Fake(p) => p.acquire(spec).await,
         }
@@ -385,6 +389,7 @@ impl Source {
             Source::Process { provider, .. } => provider.release(lease).await,
             Source::Static(p) => p.release(lease).await,
             Source::Slurm(p) => p.release(lease).await,
+            Source::Kubernetes(p) => p.release(lease).await,
             #[cfg(test)]
             Source::Fake(p) => p.release(lease).await,
         }
@@ -395,6 +400,7 @@ impl Source {
             Source::Process { provider, .. } => provider.take_events(),
             Source::Static(p) => p.take_events(),
             Source::Slurm(p) => p.take_events(),
+            Source::Kubernetes(p) => p.take_events(),
             #[cfg(test)]
             Source::Fake(p) => p.take_events(),
         }
@@ -475,6 +481,16 @@ pub fn spawn(
             s.env = with_dial(&s.env);
             Source::Slurm(Box::new(SlurmProvider::connect(s).map_err(provider_err)?))
         }
+        ProviderKind::Kubernetes => {
+            let mut k = cfg
+                .kubernetes
+                .clone()
+                .ok_or_else(|| LeasingError::Provider("[leasing.kubernetes] is missing".into()))?;
+            k.env = with_dial(&k.env);
+            Source::Kubernetes(Box::new(
+                KubernetesProvider::connect(k).map_err(provider_err)?,
+            ))
+        }
     };
     start(cfg, ledger, source, hub, metrics, cancel, tracker)
 }
@@ -507,6 +523,12 @@ fn start(
                 .adopted
         }
         Source::Slurm(provider) => {
+            provider
+                .adopt(&mut ledger, now)
+                .map_err(provider_err)?
+                .adopted
+        }
+        Source::Kubernetes(provider) => {
             provider
                 .adopt(&mut ledger, now)
                 .map_err(provider_err)?

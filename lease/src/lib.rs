@@ -8,7 +8,8 @@
 //! * [`lifecycle`]: requested → starting → ready → draining → ended, checked;
 //! * [`table`]: the live lease table and one-time lease tokens;
 //! * [`ledger`]: SQLite record of leases, charged blocks and frames served;
-//! * [`provider`]: where leases come from (`process`, `static`, `slurm`);
+//! * [`provider`]: where leases come from (`process`, `static`, `slurm`,
+//!   `kubernetes`);
 //! * [`autoscale`]: the pure, clock-injected scaling policy;
 //! * [`pacing`]: when the gateway's shell may act again (acquire backoff,
 //!   start timeout, provider releases due and retried), also pure;

@@ -198,6 +198,12 @@ pub enum HttpError {
     },
 }
 
+/// `s` as a TOML basic string: a JSON string's escapes (`\"`, `\\`,
+/// `\n`, `\uXXXX`) are TOML's too.
+fn toml_string(s: &str) -> String {
+    serde_json::Value::String(s.to_string()).to_string()
+}
+
 /// `std::fs::write`, naming the file in the error.
 fn write_file(path: &Path, text: impl AsRef<[u8]>) -> Result<(), ClusterError> {
     std::fs::write(path, text).map_err(|source| ClusterError::Write {
@@ -700,6 +706,21 @@ impl Cluster {
         Self::start_leasing_with(opts, leasing, "slurm", slurm, files)
     }
 
+    /// Like [`Cluster::start_leasing`] with the Kubernetes provider:
+    /// `kubernetes` holds the `[leasing.kubernetes]` keys besides the
+    /// worker `image` (`local/tidegate-worker`), `command` and `args` (its
+    /// `kubeconfig`, `namespace`, `tiers`, …). The worker environment of
+    /// this process (`ORT_DYLIB_PATH`, `TIDEGATE_CACHE`, `XDG_CACHE_HOME`)
+    /// is passed on, since a Pod's container inherits nothing.
+    pub fn start_leasing_kubernetes(
+        opts: &ClusterOptions,
+        leasing: &str,
+        kubernetes: &str,
+        files: &[(&str, &str)],
+    ) -> Result<Cluster, ClusterError> {
+        Self::start_leasing_with(opts, leasing, "kubernetes", kubernetes, files)
+    }
+
     fn start_leasing_with(
         opts: &ClusterOptions,
         leasing: &str,
@@ -723,10 +744,25 @@ impl Cluster {
                     workspace_root().join("models").display()
                 ),
             )?;
+            let worker = toml_string(&worker.display().to_string());
+            let args = format!(
+                "args = [\"--config\", {}]",
+                toml_string(&worker_cfg.display().to_string())
+            );
+            if provider == "kubernetes" {
+                let mut env = vec!["TIDEGATE_LOG = \"info\"".to_string()];
+                for var in ["ORT_DYLIB_PATH", "TIDEGATE_CACHE", "XDG_CACHE_HOME"] {
+                    if let Some(v) = std::env::var_os(var).filter(|v| !v.is_empty()) {
+                        env.push(format!("{var} = {}", toml_string(&v.to_string_lossy())));
+                    }
+                }
+                return Ok(format!(
+                    "[leasing]\nprovider = \"kubernetes\"\n{leasing}\n[leasing.kubernetes]\nimage = \"local/tidegate-worker\"\ncommand = [{worker}]\n{args}\nenv = {{ {} }}\n{section}\n",
+                    env.join(", ")
+                ));
+            }
             Ok(format!(
-                "[leasing]\nprovider = \"{provider}\"\n{leasing}\n[leasing.{provider}]\ncommand = \"{}\"\nargs = [\"--config\", \"{}\"]\nenv = {{ TIDEGATE_LOG = \"info\" }}\n{section}\n",
-                worker.display(),
-                worker_cfg.display(),
+                "[leasing]\nprovider = \"{provider}\"\n{leasing}\n[leasing.{provider}]\ncommand = {worker}\n{args}\nenv = {{ TIDEGATE_LOG = \"info\" }}\n{section}\n",
             ))
         })
     }

@@ -16,7 +16,11 @@
 //! * [`slurm::SlurmProvider`] submits each lease as a Slurm batch job with
 //!   `--gres=gpu`; Slurm's preemption of the spot partition is the spot
 //!   notice.
+//! * [`kubernetes::KubernetesProvider`] creates each lease as a Pod that
+//!   requests its GPUs; Kubernetes taking the Pod away (spot node
+//!   reclaimed, preemption, eviction) is the spot notice.
 
+pub mod kubernetes;
 pub mod process;
 pub mod slurm;
 pub mod static_workers;
@@ -154,6 +158,17 @@ pub enum ProviderError {
         /// Its exit status and stderr, or the cause.
         detail: String,
     },
+    /// A Kubernetes API call failed, or the provider cannot reach the
+    /// cluster.
+    #[error("kubernetes: {what}: {detail}")]
+    Kubernetes {
+        /// The lease, when the call was for one.
+        lease: Option<LeaseId>,
+        /// What the provider was doing.
+        what: String,
+        /// The API server's status (code, reason, message), or the cause.
+        detail: String,
+    },
     /// The ledger failed during adoption.
     #[error("adoption: {0}")]
     Ledger(#[from] crate::ledger::LedgerError),
@@ -161,7 +176,8 @@ pub enum ProviderError {
 
 /// A source of leases.
 pub trait Provider {
-    /// Name stored in the ledger (`process`, `static`, `slurm`).
+    /// Name stored in the ledger (`process`, `static`, `slurm`,
+    /// `kubernetes`).
     fn name(&self) -> &'static str;
 
     /// Starts a worker for `spec`.

@@ -1,0 +1,919 @@
+//! The `kubernetes` provider: each lease is a Pod that runs one
+//! `tidegate-worker` and requests its GPUs (`nvidia.com/gpu`).
+//!
+//! * **acquire** creates the lease's token Secret, then the Pod
+//!   (`<name_prefix>-<lease>`, `restartPolicy: Never`: a lease is one run of
+//!   a worker) on the tier's node pool: node selector, tolerations and
+//!   priority class per tier, node selector per instance type. The worker
+//!   reads its one-time token from the Secret (`secretKeyRef`), so the
+//!   token is in no Pod spec; the Secret is then made the Pod's dependent,
+//!   so Kubernetes deletes it with the Pod even while the gateway is down.
+//! * **watching**: one `watch` on the pool's Pods (label
+//!   `tidegate.io/pool=<name_prefix>`), re-listed by kube's watcher after
+//!   any break. A Pod that Kubernetes starts taking away (a deletion we did
+//!   not ask for, a `DisruptionTarget` condition: spot node reclaimed,
+//!   priority preemption, eviction, node drain; or `Evicted`) is the spot
+//!   notice, with its deletion time as the deadline; the worker gets
+//!   SIGTERM at the same moment and drains. When the Pod ends or goes, the
+//!   lease ends: `preempted` if it was taken, `failed` if it never ran,
+//!   `lost` otherwise; a finished Pod object is deleted. A Pod that cannot
+//!   start (unschedulable, image pull back-off) is logged, once per reason,
+//!   and ended by the gateway's `start_timeout_secs`; an invalid image
+//!   reference fails the lease at once.
+//! * **release** deletes the Pod with its grace period (SIGTERM, the worker
+//!   drains, then SIGKILL) and waits until it is gone; only then is it
+//!   forgotten. If the delete fails, or the Pod outlives
+//!   `release_timeout_secs`, the release fails and the Pod stays held: the
+//!   caller retries.
+//! * **adoption**: the ledger keeps each lease's namespace, Pod name and
+//!   uid. After a gateway restart a lease whose Pod still runs is watched
+//!   again; any other is ended. Pods and token Secrets of the pool that
+//!   belong to no live lease are deleted, so none bills unseen.
+//!
+//! The Kubernetes client runs on a runtime of its own ("tidegate-kube"),
+//! so the blocking start-up calls ([`KubernetesProvider::connect`],
+//! [`KubernetesProvider::adopt`]) and the async ones work from any thread
+//! or runtime. Readiness comes from the worker's registration, as with the
+//! other providers.
+
+pub mod config;
+pub mod watch;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, Config};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+pub use self::config::{
+    KubernetesConfig, KubernetesTiers, LABEL_LEASE, LABEL_POOL, Mount, Placement,
+    REQUIRED_PERMISSIONS, TolerationConfig, WorkerResources,
+};
+pub use self::watch::{PodView, PodWatch, Step};
+use super::{
+    Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
+    wall_clock_ms,
+};
+use crate::billing::Millis;
+use crate::ledger::Ledger;
+use crate::lifecycle::{EndReason, LeaseState};
+use crate::table::LeaseId;
+
+/// Provider name in the ledger.
+pub const PROVIDER_NAME: &str = "kubernetes";
+
+/// How often `release` checks whether the deleted Pod is gone.
+const RELEASE_POLL: Duration = Duration::from_millis(200);
+/// Uids of gone Pods remembered, so a late creation record cannot bring
+/// one back.
+const GONE_KEPT: usize = 4096;
+
+/// What the ledger keeps of a lease's Pod, for adoption.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KubernetesData {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub pod: String,
+    /// Its uid.
+    pub uid: String,
+}
+
+/// A held lease's Pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PodRef {
+    name: String,
+    uid: String,
+}
+
+type Held = Arc<Mutex<HashMap<LeaseId, PodRef>>>;
+
+fn lock(held: &Held) -> MutexGuard<'_, HashMap<LeaseId, PodRef>> {
+    // a panic while holding it cannot leave the map half-updated
+    held.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An API call that failed.
+fn api_error(lease: Option<LeaseId>, what: impl Into<String>, e: &kube::Error) -> ProviderError {
+    let detail = match e {
+        kube::Error::Api(s) => {
+            let mut d = format!("{} {}: {}", s.code, s.reason, s.message);
+            if s.is_forbidden() {
+                d.push_str(
+                    "; does the gateway's service account have the Role of deploy/kubernetes/rbac.yaml?",
+                );
+            }
+            d
+        }
+        other => other.to_string(),
+    };
+    ProviderError::Kubernetes {
+        lease,
+        what: what.into(),
+        detail,
+    }
+}
+
+fn kube_error(lease: Option<LeaseId>, what: impl Into<String>, detail: String) -> ProviderError {
+    ProviderError::Kubernetes {
+        lease,
+        what: what.into(),
+        detail,
+    }
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+/// The client's own runtime, on its own thread: kube's client and watcher
+/// live there, and every call goes through it.
+#[derive(Debug)]
+struct KubeRuntime {
+    handle: tokio::runtime::Handle,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl KubeRuntime {
+    fn start() -> Result<KubeRuntime, ProviderError> {
+        let err = |e: std::io::Error| kube_error(None, "starting its runtime", e.to_string());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(err)?;
+        let handle = rt.handle().clone();
+        let (stop, stopped) = oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("tidegate-kube".into())
+            .spawn(move || {
+                rt.block_on(async {
+                    let _ = stopped.await;
+                });
+            })
+            .map_err(err)?;
+        Ok(KubeRuntime {
+            handle,
+            stop: Some(stop),
+        })
+    }
+
+    /// Runs `f` there and waits for it, from any async context.
+    async fn run<T: Send + 'static>(
+        &self,
+        f: impl Future<Output = Result<T, ProviderError>> + Send + 'static,
+    ) -> Result<T, ProviderError> {
+        self.handle
+            .spawn(f)
+            .await
+            .map_err(|e| kube_error(None, "its runtime", e.to_string()))?
+    }
+
+    /// Runs `f` there and blocks the calling thread until it is done
+    /// (start-up only). Works inside another runtime too.
+    fn block<T: Send + 'static>(
+        &self,
+        f: impl Future<Output = Result<T, ProviderError>> + Send + 'static,
+    ) -> Result<T, ProviderError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.handle.spawn(async move {
+            let _ = tx.send(f.await);
+        });
+        rx.recv()
+            .map_err(|_| kube_error(None, "its runtime", "stopped".into()))?
+    }
+}
+
+impl Drop for KubeRuntime {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Cmd {
+    /// Watch a created or adopted Pod, as last seen.
+    Watch(Box<(PodWatch, PodView)>),
+    /// We are deleting it: its going is no news.
+    Releasing(LeaseId),
+    /// Stop watching (release, detach); the reply comes once no event for
+    /// it can follow.
+    Forget(LeaseId, oneshot::Sender<()>),
+}
+
+/// The Kubernetes provider.
+pub struct KubernetesProvider {
+    cfg: KubernetesConfig,
+    namespace: String,
+    client: Client,
+    held: Held,
+    cmds: mpsc::UnboundedSender<Cmd>,
+    events_rx: Option<mpsc::Receiver<ProviderEvent>>,
+    // last: dropping it stops the client's runtime and the watch
+    rt: KubeRuntime,
+}
+
+impl std::fmt::Debug for KubernetesProvider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubernetesProvider")
+            .field("namespace", &self.namespace)
+            .field("pool", &self.cfg.name_prefix)
+            .field("held", &self.held())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubernetesProvider {
+    /// Loads the client configuration, checks that the provider may list
+    /// Pods in its namespace, and starts watching the pool's Pods. Blocks
+    /// until the API server has answered; works from any thread.
+    pub fn connect(cfg: KubernetesConfig) -> Result<KubernetesProvider, ProviderError> {
+        cfg.validate()
+            .map_err(|e| kube_error(None, "leasing.kubernetes", e))?;
+        let rt = KubeRuntime::start()?;
+        let c = cfg.clone();
+        let (client, namespace) = rt.block(async move {
+            let config = client_config(&c).await?;
+            let namespace = c
+                .namespace
+                .clone()
+                .unwrap_or_else(|| config.default_namespace.clone());
+            let url = config.cluster_url.to_string();
+            let client = Client::try_from(config)
+                .map_err(|e| api_error(None, format!("building a client for {url}"), &e))?;
+            let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+            pods.list(&ListParams::default().labels(&c.selector()).limit(1))
+                .await
+                .map_err(|e| {
+                    api_error(
+                        None,
+                        format!("listing pods in namespace {namespace:?} at {url}"),
+                        &e,
+                    )
+                })?;
+            Ok((client, namespace))
+        })?;
+        let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
+        let (cmds, rx) = mpsc::unbounded_channel();
+        let held = Held::default();
+        let grace_ms = Millis::from(cfg.termination_grace_period_secs) * 1000;
+        rt.handle.spawn(watch_pods(
+            Api::namespaced(client.clone(), &namespace),
+            Api::namespaced(client.clone(), &namespace),
+            cfg.clone(),
+            grace_ms,
+            rx,
+            events_tx,
+            held.clone(),
+        ));
+        tracing::info!(%namespace, pool = %cfg.name_prefix, "Kubernetes provider connected");
+        Ok(KubernetesProvider {
+            cfg,
+            namespace,
+            client,
+            held,
+            cmds,
+            events_rx: Some(events_rx),
+            rt,
+        })
+    }
+
+    /// The namespace of the worker Pods.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The Pod of a held lease.
+    pub fn pod(&self, lease: LeaseId) -> Option<String> {
+        lock(&self.held).get(&lease).map(|p| p.name.clone())
+    }
+
+    /// Leases held: those whose Pod has not ended or gone.
+    pub fn held(&self) -> Vec<LeaseId> {
+        let mut v: Vec<LeaseId> = lock(&self.held).keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    fn secrets(&self) -> Api<Secret> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    /// Re-adopts the live `kubernetes` leases recorded in `ledger`, ending
+    /// the ones whose Pod is gone or finished, and deletes the pool's Pods
+    /// and token Secrets that belong to no live lease. Blocks on the API
+    /// server (it runs once, at start); an API server that cannot answer
+    /// fails it, since ending leases whose Pods may well run would leak
+    /// them.
+    pub fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
+        let (pods, secrets, selector) = (self.pods(), self.secrets(), self.cfg.selector());
+        let (listed, listed_secrets) = self.rt.block(async move {
+            let lp = ListParams::default().labels(&selector);
+            let p = pods
+                .list(&lp)
+                .await
+                .map_err(|e| api_error(None, "listing worker pods for adoption", &e))?;
+            let s = secrets
+                .list(&lp)
+                .await
+                .map_err(|e| api_error(None, "listing token secrets for adoption", &e))?;
+            Ok((p.items, s.items))
+        })?;
+        let views: Vec<PodView> = listed.iter().map(PodView::of).collect();
+        let mut out = Adoption::default();
+        let mut delete_pods = Vec::new();
+        for r in ledger.live_leases()? {
+            if r.provider != PROVIDER_NAME {
+                continue;
+            }
+            let data = r
+                .provider_data
+                .as_deref()
+                .and_then(|d| serde_json::from_str::<KubernetesData>(d).ok())
+                .filter(|d| d.namespace == self.namespace);
+            let view = data
+                .as_ref()
+                .and_then(|d| views.iter().find(|v| v.name == d.pod && v.uid == d.uid));
+            match view {
+                Some(v) if !v.is_terminal() && !v.is_disrupted() => {
+                    let w = PodWatch::new(r.id, v, v.phase == "Running");
+                    self.watch(w, v.clone())?;
+                    tracing::info!(lease = %r.id, pod = %v.name, "adopted worker pod after restart");
+                    out.adopted.push(r.id);
+                }
+                _ => {
+                    let reason = match view {
+                        _ if r.state == LeaseState::Requested => EndReason::Failed,
+                        Some(v) if v.is_disrupted() => EndReason::Preempted,
+                        _ => EndReason::Lost,
+                    };
+                    ledger.mark_ended(r.id, now, reason)?;
+                    tracing::warn!(lease = %r.id, pod = ?data.map(|d| d.pod), ?reason, "worker pod gone, finished or being deleted after restart; lease ended");
+                    out.ended.push((r.id, reason));
+                }
+            }
+        }
+        // everything of the pool that no adopted lease owns goes
+        let adopted_pods: HashSet<String> =
+            lock(&self.held).values().map(|p| p.uid.clone()).collect();
+        for v in &views {
+            if !adopted_pods.contains(&v.uid) && v.deleting_at.is_none() {
+                tracing::warn!(pod = %v.name, phase = %v.phase, "worker pod of this pool belongs to no live lease; deleting it so it does not bill");
+                delete_pods.push(v.name.clone());
+            }
+        }
+        let adopted_ids: HashSet<String> = out.adopted.iter().map(|l| l.0.to_string()).collect();
+        let delete_secrets: Vec<String> = listed_secrets
+            .iter()
+            .filter(|s| {
+                let lease = s.metadata.labels.as_ref().and_then(|l| l.get(LABEL_LEASE));
+                !lease.is_some_and(|l| adopted_ids.contains(l))
+            })
+            .filter_map(|s| s.metadata.name.clone())
+            .collect();
+        let (pods, secrets) = (self.pods(), self.secrets());
+        self.rt.block(async move {
+            for name in delete_pods {
+                match pods.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(e) if is_status(&e, 404) => {}
+                    Err(e) => {
+                        return Err(api_error(None, format!("deleting orphan pod {name}"), &e));
+                    }
+                }
+            }
+            for name in delete_secrets {
+                if let Err(e) = secrets.delete(&name, &DeleteParams::default()).await
+                    && !is_status(&e, 404)
+                {
+                    tracing::warn!(secret = %name, error = %e, "deleting an orphan token secret");
+                }
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn watch(&mut self, w: PodWatch, view: PodView) -> Result<(), ProviderError> {
+        let (lease, pod) = (
+            w.lease,
+            PodRef {
+                name: w.pod.clone(),
+                uid: w.uid.clone(),
+            },
+        );
+        self.cmds
+            .send(Cmd::Watch(Box::new((w, view))))
+            .map_err(|_| {
+                kube_error(
+                    Some(lease),
+                    "watching its pod",
+                    "the watch has stopped".into(),
+                )
+            })?;
+        lock(&self.held).insert(lease, pod);
+        Ok(())
+    }
+
+    async fn forget(&mut self, lease: LeaseId) {
+        let (tx, rx) = oneshot::channel();
+        if self.cmds.send(Cmd::Forget(lease, tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// Stops watching every Pod WITHOUT deleting it, as a crash of the
+    /// gateway would. The next provider over the same ledger adopts them.
+    pub async fn detach_all(mut self) {
+        for lease in self.held() {
+            self.forget(lease).await;
+        }
+        lock(&self.held).clear();
+    }
+
+    /// Releases every lease (deletes its Pod and waits until it is gone).
+    /// A Pod that cannot be deleted is logged: it outlives the provider,
+    /// and the next one over the same ledger adopts or deletes it.
+    pub async fn shutdown(mut self) {
+        for lease in self.held() {
+            if let Err(e) = self.release(lease).await {
+                let pod = self.pod(lease);
+                tracing::warn!(%lease, ?pod, error = %e, "release at shutdown failed; the pod may still run and bill");
+            }
+        }
+    }
+}
+
+/// The client configuration: the given kubeconfig (and context), else
+/// in-cluster, else `$KUBECONFIG` / `~/.kube/config`.
+async fn client_config(cfg: &KubernetesConfig) -> Result<Config, ProviderError> {
+    let opts = KubeConfigOptions {
+        context: cfg.context.clone(),
+        ..KubeConfigOptions::default()
+    };
+    let err = |what: String, e: &dyn std::fmt::Display| kube_error(None, what, e.to_string());
+    match &cfg.kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .map_err(|e| err(format!("reading kubeconfig {}", path.display()), &e))?;
+            Config::from_custom_kubeconfig(kc, &opts)
+                .await
+                .map_err(|e| err(format!("loading kubeconfig {}", path.display()), &e))
+        }
+        None if cfg.context.is_some() => Config::from_kubeconfig(&opts)
+            .await
+            .map_err(|e| err("loading the kubeconfig's context".into(), &e)),
+        None => Config::infer().await.map_err(|e| {
+            err(
+                "finding the cluster (in-cluster service account, $KUBECONFIG, ~/.kube/config)"
+                    .into(),
+                &e,
+            )
+        }),
+    }
+}
+
+impl Provider for KubernetesProvider {
+    fn name(&self) -> &'static str {
+        PROVIDER_NAME
+    }
+
+    async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+        let lease = spec.lease;
+        if lock(&self.held).contains_key(&lease) {
+            return Err(ProviderError::Duplicate(lease));
+        }
+        let pod = self.cfg.pod(&spec, &self.namespace)?;
+        let secret = self.cfg.token_secret(&spec, &self.namespace);
+        let (pods, secrets) = (self.pods(), self.secrets());
+        let (pod_name, secret_name) = (self.cfg.pod_name(lease), self.cfg.secret_name(lease));
+        let (instance, tier) = (spec.instance.name.clone(), spec.tier);
+        let created = self
+            .rt
+            .run(async move {
+                let pp = PostParams::default();
+                // the Secret first: the Pod reads it when it starts
+                match secrets.create(&pp, &secret).await {
+                    Ok(_) => {}
+                    Err(e) if is_status(&e, 409) => {
+                        // left by an earlier attempt for this lease id
+                        secrets
+                            .delete(&secret_name, &DeleteParams::default())
+                            .await
+                            .map_err(|e| {
+                                api_error(Some(lease), "replacing a stale token secret", &e)
+                            })?;
+                        secrets.create(&pp, &secret).await.map_err(|e| {
+                            api_error(Some(lease), "creating its token secret", &e)
+                        })?;
+                    }
+                    Err(e) => {
+                        return Err(api_error(Some(lease), "creating its token secret", &e));
+                    }
+                }
+                let created = match pods.create(&pp, &pod).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let _ = secrets.delete(&secret_name, &DeleteParams::default()).await;
+                        return Err(match &e {
+                            kube::Error::Api(s) if s.is_forbidden() && s.message.contains("quota") => {
+                                ProviderError::NoCapacity {
+                                    instance_type: instance.clone(),
+                                    tier,
+                                    detail: s.message.clone(),
+                                }
+                            }
+                            kube::Error::Api(s) if s.is_already_exists() => kube_error(
+                                Some(lease),
+                                format!("creating pod {pod_name}"),
+                                format!("{}; is another gateway using name_prefix in this namespace?", s.message),
+                            ),
+                            _ => api_error(Some(lease), format!("creating pod {pod_name}"), &e),
+                        });
+                    }
+                };
+                let uid = created.metadata.uid.clone().unwrap_or_default();
+                let owner = config::owned_by(&pod_name, &uid);
+                if let Err(e) = secrets
+                    .patch(&secret_name, &PatchParams::default(), &Patch::Merge(&owner))
+                    .await
+                {
+                    tracing::warn!(%lease, error = %e, "the token secret could not be given to its pod; it is deleted on release instead");
+                }
+                Ok(created)
+            })
+            .await?;
+        let view = PodView::of(&created);
+        let data = KubernetesData {
+            namespace: self.namespace.clone(),
+            pod: view.name.clone(),
+            uid: view.uid.clone(),
+        };
+        self.watch(PodWatch::new(lease, &view, false), view)?;
+        tracing::info!(%lease, pod = %data.pod, instance = %spec.instance.name, %tier, "worker pod created");
+        Ok(Acquired {
+            lease,
+            pid: None,
+            provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
+            token: None,
+        })
+    }
+
+    /// Deletes the lease's Pod and waits until it is gone; only then is it
+    /// forgotten. On an error the Pod is still held: it may still run (and
+    /// bill), so the caller must retry.
+    async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+        let pod = lock(&self.held)
+            .get(&lease)
+            .cloned()
+            .ok_or(ProviderError::UnknownLease(lease))?;
+        let _ = self.cmds.send(Cmd::Releasing(lease));
+        let (pods, secrets) = (self.pods(), self.secrets());
+        let grace = self.cfg.termination_grace_period_secs;
+        let timeout = Duration::try_from_secs_f64(self.cfg.release_timeout_secs)
+            .unwrap_or(Duration::from_secs(120));
+        let timeout_secs = self.cfg.release_timeout_secs;
+        let secret_name = self.cfg.secret_name(lease);
+        let name = pod.name.clone();
+        self.rt
+            .run(async move {
+                let dp = DeleteParams {
+                    grace_period_seconds: Some(grace),
+                    preconditions: Some(Preconditions {
+                        uid: Some(pod.uid.clone()),
+                        resource_version: None,
+                    }),
+                    ..DeleteParams::default()
+                };
+                match pods.delete(&pod.name, &dp).await {
+                    // gone already, or the name is another Pod's now
+                    Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
+                    Err(e) => {
+                        return Err(api_error(Some(lease), format!("deleting pod {}", pod.name), &e));
+                    }
+                    Ok(_) => {}
+                }
+                let give_up = tokio::time::Instant::now() + timeout;
+                loop {
+                    let current = pods.get_opt(&pod.name).await.map_err(|e| {
+                        api_error(Some(lease), format!("checking deleted pod {}", pod.name), &e)
+                    })?;
+                    match current {
+                        Some(p) if p.metadata.uid.as_deref() == Some(pod.uid.as_str()) => {
+                            if tokio::time::Instant::now() >= give_up {
+                                return Err(kube_error(
+                                    Some(lease),
+                                    format!("waiting for deleted pod {} to go", pod.name),
+                                    format!("still there after {timeout_secs} s; it is still held, and its release will be retried"),
+                                ));
+                            }
+                            tokio::time::sleep(RELEASE_POLL).await;
+                        }
+                        _ => break,
+                    }
+                }
+                // its owner reference would have it collected; not later
+                if let Err(e) = secrets.delete(&secret_name, &DeleteParams::default()).await
+                    && !is_status(&e, 404)
+                {
+                    tracing::warn!(%lease, secret = %secret_name, error = %e, "deleting the token secret; the garbage collector removes it with its pod");
+                }
+                Ok(())
+            })
+            .await?;
+        self.forget(lease).await;
+        lock(&self.held).remove(&lease);
+        tracing::info!(%lease, pod = %name, "worker pod deleted");
+        Ok(())
+    }
+
+    fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
+        self.events_rx.take()
+    }
+}
+
+/// What the watch loop knows: the pool's Pods as last seen, and the held
+/// leases' watches.
+struct WatchState {
+    pods: HashMap<String, PodView>,
+    init: Option<HashMap<String, PodView>>,
+    gone: HashSet<String>,
+    gone_order: VecDeque<String>,
+    watches: HashMap<LeaseId, PodWatch>,
+}
+
+impl WatchState {
+    fn mark_gone(&mut self, uid: &str) {
+        if self.gone.insert(uid.to_string()) {
+            self.gone_order.push_back(uid.to_string());
+            if self.gone_order.len() > GONE_KEPT
+                && let Some(old) = self.gone_order.pop_front()
+            {
+                self.gone.remove(&old);
+            }
+        }
+    }
+
+    /// The leases watching Pod `name`.
+    fn leases_of(&self, name: &str) -> Vec<LeaseId> {
+        self.watches
+            .values()
+            .filter(|w| w.pod == name)
+            .map(|w| w.lease)
+            .collect()
+    }
+}
+
+/// Watches the pool's Pods and turns what happens to held ones into
+/// provider events.
+async fn watch_pods(
+    pods: Api<Pod>,
+    secrets: Api<Secret>,
+    cfg: KubernetesConfig,
+    grace_ms: Millis,
+    mut cmds: mpsc::UnboundedReceiver<Cmd>,
+    events: mpsc::Sender<ProviderEvent>,
+    held: Held,
+) {
+    let stream = watcher::watcher(
+        pods.clone(),
+        watcher::Config::default().labels(&cfg.selector()),
+    )
+    .default_backoff();
+    let mut stream = std::pin::pin!(stream);
+    // a Pod missing from a re-list may have been created after it: its
+    // existence is checked by name before it counts as gone
+    let (checked_tx, mut checked) = mpsc::unbounded_channel::<(String, String, bool)>();
+    let mut st = WatchState {
+        pods: HashMap::new(),
+        init: None,
+        gone: HashSet::new(),
+        gone_order: VecDeque::new(),
+        watches: HashMap::new(),
+    };
+    let mut failures = 0u32;
+    loop {
+        let changed: Vec<LeaseId> = tokio::select! {
+            cmd = cmds.recv() => match cmd {
+                Some(Cmd::Watch(watch)) => {
+                    let (w, view) = *watch;
+                    let lease = w.lease;
+                    if !st.gone.contains(&view.uid) {
+                        st.pods.entry(view.name.clone()).or_insert(view);
+                    }
+                    st.watches.insert(lease, w);
+                    vec![lease]
+                }
+                Some(Cmd::Releasing(lease)) => {
+                    if let Some(w) = st.watches.get_mut(&lease) {
+                        w.releasing = true;
+                    }
+                    Vec::new()
+                }
+                Some(Cmd::Forget(lease, done)) => {
+                    st.watches.remove(&lease);
+                    let _ = done.send(());
+                    Vec::new()
+                }
+                None => return,
+            },
+            Some((name, uid, exists)) = checked.recv() => {
+                if exists {
+                    Vec::new()
+                } else {
+                    if st.pods.get(&name).is_some_and(|v| v.uid == uid) {
+                        st.pods.remove(&name);
+                    }
+                    st.mark_gone(&uid);
+                    st.leases_of(&name)
+                }
+            },
+            ev = stream.next() => match ev {
+                None => return,
+                Some(Err(e)) => {
+                    failures += 1;
+                    if failures == 1 || failures.is_multiple_of(30) {
+                        tracing::warn!(error = %e, failures, "watching worker pods failed; retrying, leases kept as they were");
+                    }
+                    Vec::new()
+                }
+                Some(Ok(ev)) => {
+                    failures = 0;
+                    match ev {
+                        Event::Apply(p) => {
+                            let v = PodView::of(&p);
+                            let name = v.name.clone();
+                            st.pods.insert(name.clone(), v);
+                            st.leases_of(&name)
+                        }
+                        Event::Delete(p) => {
+                            let v = PodView::of(&p);
+                            st.pods.remove(&v.name);
+                            st.mark_gone(&v.uid);
+                            st.leases_of(&v.name)
+                        }
+                        Event::Init => {
+                            st.init = Some(HashMap::new());
+                            Vec::new()
+                        }
+                        Event::InitApply(p) => {
+                            let v = PodView::of(&p);
+                            if let Some(init) = st.init.as_mut() {
+                                init.insert(v.name.clone(), v);
+                            }
+                            Vec::new()
+                        }
+                        Event::InitDone => {
+                            let listed = st.init.take().unwrap_or_default();
+                            for w in st.watches.values() {
+                                if !listed.contains_key(&w.pod) {
+                                    spawn_check(&pods, &w.pod, &w.uid, &checked_tx);
+                                }
+                            }
+                            // keep the unlisted held Pods until checked
+                            let mut next = listed;
+                            for w in st.watches.values() {
+                                if let Some(v) = st.pods.get(&w.pod) && !next.contains_key(&w.pod) {
+                                    next.insert(w.pod.clone(), v.clone());
+                                }
+                            }
+                            st.pods = next;
+                            st.watches.keys().copied().collect()
+                        }
+                    }
+                }
+            },
+        };
+        if !observe(
+            &mut st, &changed, grace_ms, &pods, &secrets, &cfg, &events, &held,
+        )
+        .await
+        {
+            return;
+        }
+    }
+}
+
+/// Checks whether Pod `name` (with `uid`) still exists; answers on `tx`.
+/// An API server that cannot answer keeps it: the next re-list decides.
+fn spawn_check(
+    pods: &Api<Pod>,
+    name: &str,
+    uid: &str,
+    tx: &mpsc::UnboundedSender<(String, String, bool)>,
+) {
+    let (pods, name, uid, tx) = (pods.clone(), name.to_string(), uid.to_string(), tx.clone());
+    tokio::spawn(async move {
+        let exists = match pods.get_opt(&name).await {
+            Ok(Some(p)) => p.metadata.uid.as_deref() == Some(uid.as_str()),
+            Ok(None) => false,
+            Err(e) => {
+                tracing::debug!(pod = %name, error = %e, "checking a pod missing from a re-list");
+                true
+            }
+        };
+        let _ = tx.send((name, uid, exists));
+    });
+}
+
+/// Folds the Pods of `leases` into their watches and sends what follows.
+/// `false` once the event channel is closed.
+#[allow(clippy::too_many_arguments)]
+async fn observe(
+    st: &mut WatchState,
+    leases: &[LeaseId],
+    grace_ms: Millis,
+    pods: &Api<Pod>,
+    secrets: &Api<Secret>,
+    cfg: &KubernetesConfig,
+    events: &mpsc::Sender<ProviderEvent>,
+    held: &Held,
+) -> bool {
+    let now = wall_clock_ms();
+    let mut out = Vec::new();
+    for lease in leases {
+        let Some(w) = st.watches.get_mut(lease) else {
+            continue;
+        };
+        let pod = st.pods.get(&w.pod);
+        match w.observe(pod, now, grace_ms) {
+            Step::Nothing => {}
+            Step::Waiting { detail } => {
+                tracing::warn!(%lease, pod = %w.pod, %detail, "worker pod cannot start yet");
+            }
+            Step::Notice { deadline } => {
+                let why = pod
+                    .and_then(|p| p.disruption.clone())
+                    .map(|(r, m)| format!("{r}: {m}"))
+                    .unwrap_or_else(|| "deleted".into());
+                tracing::info!(%lease, pod = %w.pod, deadline, %why, "Kubernetes is taking the worker pod: spot notice");
+                out.push(ProviderEvent::PreemptionNotice {
+                    lease: *lease,
+                    deadline,
+                });
+            }
+            Step::Ended {
+                reason,
+                detail,
+                late_notice,
+                delete,
+            } => {
+                if let Some(deadline) = late_notice {
+                    out.push(ProviderEvent::PreemptionNotice {
+                        lease: *lease,
+                        deadline,
+                    });
+                }
+                if delete {
+                    let (pods, secrets) = (pods.clone(), secrets.clone());
+                    let (name, uid) = (w.pod.clone(), w.uid.clone());
+                    let secret = cfg.secret_name(*lease);
+                    tokio::spawn(async move {
+                        let dp = DeleteParams {
+                            preconditions: Some(Preconditions {
+                                uid: Some(uid),
+                                resource_version: None,
+                            }),
+                            ..DeleteParams::default()
+                        };
+                        if let Err(e) = pods.delete(&name, &dp).await
+                            && !is_status(&e, 404)
+                            && !is_status(&e, 409)
+                        {
+                            tracing::warn!(pod = %name, error = %e, "deleting a finished worker pod");
+                        }
+                        let _ = secrets.delete(&secret, &DeleteParams::default()).await;
+                    });
+                }
+                tracing::info!(%lease, ?reason, %detail, "worker pod ended");
+                st.watches.remove(lease);
+                lock(held).remove(lease);
+                out.push(ProviderEvent::Ended {
+                    lease: *lease,
+                    reason,
+                    detail,
+                });
+            }
+        }
+    }
+    for ev in out {
+        if events.send(ev).await.is_err() {
+            return false;
+        }
+    }
+    true
+}

@@ -1,0 +1,467 @@
+//! The Kubernetes provider through kube's real client against
+//! `support/mini_kube.rs`: an in-process API server (core v1 Pods and
+//! Secrets, list/watch/create/delete/patch, garbage collection) whose
+//! "kubelet" runs each Pod's container as a local process on a node with 2
+//! GPUs. No Kubernetes API server can be installed on this machine, so this
+//! double is what the provider is tested against; see its module docs for
+//! what it simplifies. A shell script stands in for `tidegate-worker`: it
+//! writes its environment to a file, and on SIGTERM writes a `drained`
+//! file and exits 0, as the worker drains. Waits are bounded by timeouts
+//! that only guard against a hang; no test asserts how fast anything
+//! happens.
+
+#[path = "support/mini_kube.rs"]
+mod mini_kube;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use mini_kube::MiniKube;
+use serde_json::Value;
+use tidegate_lease::catalog::{Catalog, Tier};
+use tidegate_lease::ledger::{Ledger, NewLease};
+use tidegate_lease::lifecycle::{EndReason, LeaseState};
+use tidegate_lease::provider::kubernetes::{
+    KubernetesConfig, KubernetesData, KubernetesProvider, Placement, TolerationConfig,
+};
+use tidegate_lease::provider::{LeaseSpec, Provider, ProviderError, ProviderEvent, wall_clock_ms};
+use tidegate_lease::table::{LeaseId, LeaseToken};
+use tokio::sync::mpsc;
+
+const GUARD: Duration = Duration::from_secs(60);
+const NS: &str = "tidegate";
+
+/// The stand-in worker: on SIGTERM it finishes its work (half a second)
+/// and exits 0; the trap is set before it records its environment, which
+/// the tests wait for.
+const WORKER: &str = r#"trap 'sleep 0.5; echo drained > "$OUT/lease-$TIDEGATE_LEASE_ID.drained"; exit 0' TERM
+env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"
+while :; do sleep 0.1; done"#;
+
+fn config(kube: &MiniKube, out: &Path, script: &str) -> KubernetesConfig {
+    let mut cfg = KubernetesConfig::new("local/tidegate-worker");
+    cfg.kubeconfig = Some(kube.kubeconfig());
+    cfg.namespace = Some(NS.into());
+    cfg.command = vec!["sh".into(), "-c".into(), script.into()];
+    cfg.env.insert("OUT".into(), out.display().to_string());
+    cfg.termination_grace_period_secs = 5;
+    cfg.release_timeout_secs = 30.0;
+    // the test node is labelled as a spot node with H200s
+    cfg.tiers.spot = Some(Placement {
+        node_selector: [("tidegate.test/spot".to_string(), "true".to_string())].into(),
+        tolerations: vec![TolerationConfig {
+            key: Some("tidegate.test/spot".into()),
+            operator: Some("Exists".into()),
+            value: None,
+            effect: Some("NoSchedule".into()),
+        }],
+        priority_class: None,
+    });
+    cfg
+}
+
+fn spec(id: u64, tier: Tier, instance: &str) -> LeaseSpec {
+    LeaseSpec {
+        lease: LeaseId(id),
+        token: LeaseToken::generate().unwrap(),
+        instance: Catalog::default_catalog().get(instance).unwrap().clone(),
+        tier,
+        preempt_after: None,
+    }
+}
+
+async fn next_event(rx: &mut mpsc::Receiver<ProviderEvent>) -> ProviderEvent {
+    tokio::time::timeout(GUARD, rx.recv())
+        .await
+        .expect("a provider event within the guard")
+        .expect("the event channel is open")
+}
+
+/// The next event, which must be the end of `want`: its reason and detail.
+async fn ended(rx: &mut mpsc::Receiver<ProviderEvent>, want: LeaseId) -> (EndReason, String) {
+    match next_event(rx).await {
+        ProviderEvent::Ended {
+            lease,
+            reason,
+            detail,
+        } if lease == want => (reason, detail),
+        other => panic!("expected {want} to end, got {other:?}"),
+    }
+}
+
+async fn wait_for(what: &str, kube: &MiniKube, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + GUARD;
+    while !done() {
+        assert!(
+            Instant::now() < until,
+            "timed out waiting for {what}\npods: {:#?}\n{}",
+            kube.pods(NS),
+            kube.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn env_of(out: &Path, lease: u64) -> Option<String> {
+    std::fs::read_to_string(out.join(format!("lease-{lease}.env")))
+        .ok()
+        .filter(|s| s.contains("TIDEGATE_LEASE_TOKEN="))
+}
+
+fn var<'a>(env: &'a str, name: &str) -> Option<&'a str> {
+    env.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+}
+
+fn phase(pod: &Value) -> &str {
+    pod["status"]["phase"].as_str().unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_a_pod_with_its_gpus_and_token_secret_and_release_drains_it() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    assert_eq!(p.namespace(), NS);
+    let mut events = p.take_events().unwrap();
+    let s = spec(1, Tier::OnDemand, "h100");
+    let token = s.token.expose().to_string();
+    let acquired = p.acquire(s).await.unwrap();
+    let data: KubernetesData =
+        serde_json::from_str(acquired.provider_data.as_deref().unwrap()).unwrap();
+    assert_eq!(data.namespace, NS);
+    assert_eq!(data.pod, "tidegate-worker-1");
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    wait_for("the worker's environment", &kube, || {
+        env_of(out.path(), 1).is_some()
+    })
+    .await;
+    let env = env_of(out.path(), 1).unwrap();
+    assert_eq!(var(&env, "TIDEGATE_LEASE_TOKEN"), Some(token.as_str()));
+    assert_eq!(var(&env, "TIDEGATE_LEASE_ID"), Some("1"));
+    assert_eq!(var(&env, "TIDEGATE_INSTANCE_TYPE"), Some("h100"));
+    assert_eq!(var(&env, "TIDEGATE_LEASE_TIER"), Some("on_demand"));
+    assert_eq!(var(&env, "TIDEGATE_POD_NAME"), Some("tidegate-worker-1"));
+
+    let pod = kube.pod(NS, "tidegate-worker-1").unwrap();
+    assert_eq!(pod["metadata"]["uid"], data.uid.as_str());
+    assert_eq!(
+        pod["metadata"]["labels"]["tidegate.io/pool"],
+        "tidegate-worker"
+    );
+    assert_eq!(pod["spec"]["restartPolicy"], "Never");
+    let gpus = Catalog::default_catalog().get("h100").unwrap().gpus;
+    assert_eq!(
+        pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        gpus.to_string().as_str()
+    );
+    // the token is in no Pod spec: the worker read it from its Secret,
+    // which the Pod owns
+    assert!(!pod.to_string().contains(&token), "{pod:#}");
+    let secret = kube.secret(NS, "tidegate-worker-1-token").unwrap();
+    let owners = &secret["metadata"]["ownerReferences"];
+    assert_eq!(owners[0]["kind"], "Pod", "{secret:#}");
+    assert_eq!(owners[0]["uid"], data.uid.as_str());
+
+    p.release(LeaseId(1)).await.unwrap();
+    // the delete's SIGTERM reached the worker, which drained
+    assert!(out.path().join("lease-1.drained").exists());
+    assert!(kube.pod(NS, "tidegate-worker-1").is_none());
+    assert!(kube.secret(NS, "tidegate-worker-1-token").is_none());
+    assert!(p.held().is_empty());
+    // our own release is no news
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(events.try_recv().is_err());
+    assert!(matches!(
+        p.release(LeaseId(1)).await,
+        Err(ProviderError::UnknownLease(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubernetes_taking_a_spot_pod_is_the_notice_and_the_worker_drains() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
+    wait_for("the spot worker", &kube, || env_of(out.path(), 1).is_some()).await;
+    let pod = kube.pod(NS, "tidegate-worker-1").unwrap();
+    assert_eq!(
+        pod["spec"]["nodeSelector"]["tidegate.test/spot"], "true",
+        "{pod:#}"
+    );
+    assert_eq!(
+        pod["spec"]["tolerations"][0]["key"], "tidegate.test/spot",
+        "{pod:#}"
+    );
+
+    // the spot node is reclaimed: the taint manager marks and deletes it
+    let before = wall_clock_ms();
+    kube.evict(NS, "tidegate-worker-1", "DeletionByTaintManager", None);
+    match next_event(&mut events).await {
+        ProviderEvent::PreemptionNotice { lease, deadline } => {
+            assert_eq!(lease, LeaseId(1));
+            // the deletion time: now + the pod's 5 s grace (whole seconds)
+            assert!(deadline + 1000 >= before + 5000, "{deadline} vs {before}");
+            assert!(deadline <= wall_clock_ms() + 5000, "{deadline}");
+        }
+        other => panic!("expected the spot notice, got {other:?}"),
+    }
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Preempted, "{detail}");
+    // the worker got SIGTERM with the notice and drained
+    assert!(out.path().join("lease-1.drained").exists());
+    assert!(p.held().is_empty());
+    wait_for("the token secret to be collected", &kube, || {
+        kube.secret(NS, "tidegate-worker-1-token").is_none()
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_dies_ends_its_lease_lost_and_a_pod_that_never_ran_failed() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    wait_for("the worker", &kube, || env_of(out.path(), 1).is_some()).await;
+    kube.kill(NS, "tidegate-worker-1");
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Lost, "{detail}");
+    assert!(detail.contains("exited 137"), "{detail}");
+    // the finished Pod object is deleted, and its Secret with it
+    wait_for("the finished pod to be deleted", &kube, || {
+        kube.pod(NS, "tidegate-worker-1").is_none()
+            && kube.secret(NS, "tidegate-worker-1-token").is_none()
+    })
+    .await;
+
+    // a worker that exits at once, before anything saw it run
+    let mut cfg = config(&kube, out.path(), "exit 3");
+    cfg.name_prefix = "quick".into();
+    let mut q = KubernetesProvider::connect(cfg).unwrap();
+    let mut qevents = q.take_events().unwrap();
+    q.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    let (reason, detail) = ended(&mut qevents, LeaseId(2)).await;
+    assert!(
+        reason == EndReason::Failed || reason == EndReason::Lost,
+        "{reason:?} {detail}"
+    );
+    assert!(detail.contains("exited 3"), "{detail}");
+    assert!(p.held().is_empty() && q.held().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_cannot_start_waits_without_events_and_releases_at_once() {
+    let kube = MiniKube::start(1);
+    let out = tempfile::tempdir().unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    // the node has 1 GPU; an h100 lease asks for the catalog's count
+    let mut want_two = spec(1, Tier::OnDemand, "h100");
+    want_two.instance.gpus = 2;
+    p.acquire(want_two).await.unwrap();
+    wait_for("the scheduler to give up on it", &kube, || {
+        kube.pod(NS, "tidegate-worker-1").is_some_and(|pod| {
+            pod["status"]["conditions"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|c| c["reason"] == "Unschedulable"))
+        })
+    })
+    .await;
+    // a bad image: the kubelet cannot pull it
+    let mut cfg = config(&kube, out.path(), WORKER);
+    cfg.image = "registry.invalid/nope:1".into();
+    cfg.name_prefix = "badimage".into();
+    let mut q = KubernetesProvider::connect(cfg).unwrap();
+    let _qevents = q.take_events().unwrap();
+    let mut small = spec(2, Tier::OnDemand, "cpu-32");
+    small.instance.gpus = 0;
+    q.acquire(small).await.unwrap();
+    wait_for("the image pull to fail", &kube, || {
+        kube.pod(NS, "badimage-2").is_some_and(|pod| {
+            pod["status"]["containerStatuses"][0]["state"]["waiting"]["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("ImagePull"))
+        })
+    })
+    .await;
+    // neither is news: the gateway's start timeout decides
+    assert!(events.try_recv().is_err());
+    assert_eq!(
+        phase(&kube.pod(NS, "tidegate-worker-1").unwrap()),
+        "Pending"
+    );
+    p.release(LeaseId(1)).await.unwrap();
+    q.release(LeaseId(2)).await.unwrap();
+    assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));
+    assert!(kube.secrets(NS).is_empty(), "{:#?}", kube.secrets(NS));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orphans() {
+    let kube = MiniKube::start(4);
+    let out = tempfile::tempdir().unwrap();
+    let db = tempfile::tempdir().unwrap();
+    let mut ledger = Ledger::open(&db.path().join("leases.db")).unwrap();
+    let catalog = Catalog::default_catalog();
+    let h100 = catalog.get("h100").unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut pods = Vec::new();
+    for _ in 0..2 {
+        let token = LeaseToken::generate().unwrap();
+        let now = wall_clock_ms();
+        let id = ledger
+            .insert_requested(&NewLease {
+                provider: "kubernetes",
+                model: Some("blazeface"),
+                instance: h100,
+                tier: Tier::OnDemand,
+                currency: &catalog.currency,
+                requested_at: now,
+                token: Some(token.digest()),
+            })
+            .unwrap();
+        let mut s = spec(id.0, Tier::OnDemand, "h100");
+        s.instance.gpus = 1;
+        s.token = token;
+        let a = p.acquire(s).await.unwrap();
+        ledger
+            .mark_starting(a.lease, now, a.pid, a.provider_data.as_deref())
+            .unwrap();
+        let data: KubernetesData =
+            serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
+        pods.push(data.pod);
+    }
+    // a lease whose acquire never recorded its pod (the gateway died in
+    // between): its pod is an orphan
+    let mut orphan = spec(3, Tier::OnDemand, "h100");
+    orphan.instance.gpus = 1;
+    p.acquire(orphan).await.unwrap();
+    wait_for("three workers", &kube, || {
+        (1..=3).all(|l| env_of(out.path(), l).is_some())
+    })
+    .await;
+    // the gateway dies; while it is down, pod 2's worker dies
+    p.detach_all().await;
+    kube.kill(NS, &pods[1]);
+    wait_for("pod 2 to fail", &kube, || {
+        kube.pod(NS, &pods[1])
+            .is_some_and(|p| phase(&p) == "Failed")
+    })
+    .await;
+
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let adoption = p.adopt(&mut ledger, wall_clock_ms()).unwrap();
+    assert_eq!(adoption.adopted, vec![LeaseId(1)]);
+    assert_eq!(adoption.ended, vec![(LeaseId(2), EndReason::Lost)]);
+    assert_eq!(
+        ledger.lease(LeaseId(2)).unwrap().unwrap().state,
+        LeaseState::Ended(EndReason::Lost)
+    );
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    // the failed pod and the orphan are deleted, with their secrets
+    wait_for("the orphan and the failed pod to go", &kube, || {
+        kube.pods(NS).len() == 1 && kube.secrets(NS).len() == 1
+    })
+    .await;
+    assert!(out.path().join("lease-3.drained").exists());
+    assert_eq!(
+        kube.pods(NS)[0]["metadata"]["name"].as_str(),
+        Some(pods[0].as_str())
+    );
+    // the adopted pod is watched: its worker dying ends the lease
+    let mut events = p.take_events().unwrap();
+    kube.kill(NS, &pods[0]);
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Lost, "{detail}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_errors_are_clear_and_leave_nothing_behind() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    // RBAC refuses the list: connect says so, and where to look
+    kube.fail_next("GET", "/api/v1/namespaces/tidegate/pods", 403, 1);
+    let e = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("403") && msg.contains("rbac.yaml"), "{msg}");
+
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    // the API server fails the pod's creation: an error, and its token
+    // secret is gone again
+    kube.fail_next("POST", "/api/v1/namespaces/tidegate/pods", 500, 1);
+    let e = p
+        .acquire(spec(1, Tier::OnDemand, "h100"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProviderError::Kubernetes {
+                lease: Some(LeaseId(1)),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("500"), "{e}");
+    assert!(kube.secrets(NS).is_empty(), "{:#?}", kube.secrets(NS));
+    assert!(p.held().is_empty());
+    // a tier with no placement is no capacity, before any API call
+    let mut cfg = config(&kube, out.path(), WORKER);
+    cfg.tiers.spot = None;
+    cfg.name_prefix = "nospot".into();
+    let mut q = KubernetesProvider::connect(cfg).unwrap();
+    assert!(matches!(
+        q.acquire(spec(2, Tier::Spot, "h100")).await,
+        Err(ProviderError::NoCapacity {
+            tier: Tier::Spot,
+            ..
+        })
+    ));
+    // the same lease twice
+    p.acquire(spec(3, Tier::OnDemand, "cpu-32")).await.unwrap();
+    assert!(matches!(
+        p.acquire(spec(3, Tier::OnDemand, "cpu-32")).await,
+        Err(ProviderError::Duplicate(LeaseId(3)))
+    ));
+    // an unreachable API server
+    let mut cfg = config(&kube, out.path(), WORKER);
+    let dir = tempfile::tempdir().unwrap();
+    let kc = std::fs::read_to_string(kube.kubeconfig())
+        .unwrap()
+        .replace(&kube.url(), "http://127.0.0.1:9");
+    std::fs::write(dir.path().join("kubeconfig"), kc).unwrap();
+    cfg.kubeconfig = Some(dir.path().join("kubeconfig"));
+    let e = KubernetesProvider::connect(cfg).unwrap_err().to_string();
+    assert!(e.contains("127.0.0.1:9"), "{e}");
+    p.shutdown().await;
+    assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_watch_is_resumed_and_events_still_arrive() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    wait_for("the worker", &kube, || env_of(out.path(), 1).is_some()).await;
+    // the API server restarts: open watches break and the next requests
+    // fail; the watcher backs off and lists again
+    kube.fail_next("GET", "/api/v1/namespaces/tidegate/pods", 500, 3);
+    kube.break_watches();
+    kube.kill(NS, "tidegate-worker-1");
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Lost, "{detail}");
+    // it watched: no request polled the pod one by one
+    let gets = kube
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("GET /api/v1/namespaces/tidegate/pods/"))
+        .count();
+    assert_eq!(gets, 0, "{:#?}", kube.requests());
+}
