@@ -12,11 +12,14 @@
 
 #[path = "support/mini_kube.rs"]
 mod mini_kube;
+#[path = "support/provider.rs"]
+mod provider;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mini_kube::MiniKube;
+use provider::{WORKER, ended, env_of, next_event, spec, var, wait_for};
 use serde_json::Value;
 use tidegate_lease::catalog::{Catalog, Tier};
 use tidegate_lease::ledger::{Ledger, NewLease};
@@ -24,19 +27,10 @@ use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::provider::kubernetes::{
     KubernetesConfig, KubernetesData, KubernetesProvider, Placement, TolerationConfig,
 };
-use tidegate_lease::provider::{LeaseSpec, Provider, ProviderError, ProviderEvent, wall_clock_ms};
+use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
 use tidegate_lease::table::{LeaseId, LeaseToken};
-use tokio::sync::mpsc;
 
-const GUARD: Duration = Duration::from_secs(60);
 const NS: &str = "tidegate";
-
-/// The stand-in worker: on SIGTERM it finishes its work (half a second)
-/// and exits 0; the trap is set before it records its environment, which
-/// the tests wait for.
-const WORKER: &str = r#"trap 'sleep 0.5; echo drained > "$OUT/lease-$TIDEGATE_LEASE_ID.drained"; exit 0' TERM
-env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"
-while :; do sleep 0.1; done"#;
 
 fn config(kube: &MiniKube, out: &Path, script: &str) -> KubernetesConfig {
     let mut cfg = KubernetesConfig::new("local/tidegate-worker");
@@ -60,57 +54,9 @@ fn config(kube: &MiniKube, out: &Path, script: &str) -> KubernetesConfig {
     cfg
 }
 
-fn spec(id: u64, tier: Tier, instance: &str) -> LeaseSpec {
-    LeaseSpec {
-        lease: LeaseId(id),
-        token: LeaseToken::generate().unwrap(),
-        instance: Catalog::default_catalog().get(instance).unwrap().clone(),
-        tier,
-        preempt_after: None,
-    }
-}
-
-async fn next_event(rx: &mut mpsc::Receiver<ProviderEvent>) -> ProviderEvent {
-    tokio::time::timeout(GUARD, rx.recv())
-        .await
-        .expect("a provider event within the guard")
-        .expect("the event channel is open")
-}
-
-/// The next event, which must be the end of `want`: its reason and detail.
-async fn ended(rx: &mut mpsc::Receiver<ProviderEvent>, want: LeaseId) -> (EndReason, String) {
-    match next_event(rx).await {
-        ProviderEvent::Ended {
-            lease,
-            reason,
-            detail,
-        } if lease == want => (reason, detail),
-        other => panic!("expected {want} to end, got {other:?}"),
-    }
-}
-
-async fn wait_for(what: &str, kube: &MiniKube, mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + GUARD;
-    while !done() {
-        assert!(
-            Instant::now() < until,
-            "timed out waiting for {what}\npods: {:#?}\n{}",
-            kube.pods(NS),
-            kube.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn env_of(out: &Path, lease: u64) -> Option<String> {
-    std::fs::read_to_string(out.join(format!("lease-{lease}.env")))
-        .ok()
-        .filter(|s| s.contains("TIDEGATE_LEASE_TOKEN="))
-}
-
-fn var<'a>(env: &'a str, name: &str) -> Option<&'a str> {
-    env.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+/// The Pods and the containers' output, for a failure message.
+fn context(kube: &MiniKube) -> String {
+    format!("pods: {:#?}\n{}", kube.pods(NS), kube.logs())
 }
 
 fn phase(pod: &Value) -> &str {
@@ -132,9 +78,11 @@ async fn a_lease_is_a_pod_with_its_gpus_and_token_secret_and_release_drains_it()
     assert_eq!(data.namespace, NS);
     assert_eq!(data.pod, "tidegate-worker-1");
     assert_eq!(p.held(), vec![LeaseId(1)]);
-    wait_for("the worker's environment", &kube, || {
-        env_of(out.path(), 1).is_some()
-    })
+    wait_for(
+        "the worker's environment",
+        || context(&kube),
+        || env_of(out.path(), 1).is_some(),
+    )
     .await;
     let env = env_of(out.path(), 1).unwrap();
     assert_eq!(var(&env, "TIDEGATE_LEASE_TOKEN"), Some(token.as_str()));
@@ -185,7 +133,12 @@ async fn kubernetes_taking_a_spot_pod_is_the_notice_and_the_worker_drains() {
     let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
     let mut events = p.take_events().unwrap();
     p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
-    wait_for("the spot worker", &kube, || env_of(out.path(), 1).is_some()).await;
+    wait_for(
+        "the spot worker",
+        || context(&kube),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
     let pod = kube.pod(NS, "tidegate-worker-1").unwrap();
     assert_eq!(
         pod["spec"]["nodeSelector"]["tidegate.test/spot"], "true",
@@ -213,9 +166,11 @@ async fn kubernetes_taking_a_spot_pod_is_the_notice_and_the_worker_drains() {
     // the worker got SIGTERM with the notice and drained
     assert!(out.path().join("lease-1.drained").exists());
     assert!(p.held().is_empty());
-    wait_for("the token secret to be collected", &kube, || {
-        kube.secret(NS, "tidegate-worker-1-token").is_none()
-    })
+    wait_for(
+        "the token secret to be collected",
+        || context(&kube),
+        || kube.secret(NS, "tidegate-worker-1-token").is_none(),
+    )
     .await;
 }
 
@@ -226,16 +181,25 @@ async fn a_worker_that_dies_ends_its_lease_lost_and_a_pod_that_never_ran_failed(
     let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
     let mut events = p.take_events().unwrap();
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
-    wait_for("the worker", &kube, || env_of(out.path(), 1).is_some()).await;
+    wait_for(
+        "the worker",
+        || context(&kube),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
     kube.kill(NS, "tidegate-worker-1");
     let (reason, detail) = ended(&mut events, LeaseId(1)).await;
     assert_eq!(reason, EndReason::Lost, "{detail}");
     assert!(detail.contains("exited 137"), "{detail}");
     // the finished Pod object is deleted, and its Secret with it
-    wait_for("the finished pod to be deleted", &kube, || {
-        kube.pod(NS, "tidegate-worker-1").is_none()
-            && kube.secret(NS, "tidegate-worker-1-token").is_none()
-    })
+    wait_for(
+        "the finished pod to be deleted",
+        || context(&kube),
+        || {
+            kube.pod(NS, "tidegate-worker-1").is_none()
+                && kube.secret(NS, "tidegate-worker-1-token").is_none()
+        },
+    )
     .await;
 
     // a worker that exits at once, before anything saw it run
@@ -263,13 +227,17 @@ async fn a_pod_that_cannot_start_waits_without_events_and_releases_at_once() {
     let mut want_two = spec(1, Tier::OnDemand, "h100");
     want_two.instance.gpus = 2;
     p.acquire(want_two).await.unwrap();
-    wait_for("the scheduler to give up on it", &kube, || {
-        kube.pod(NS, "tidegate-worker-1").is_some_and(|pod| {
-            pod["status"]["conditions"]
-                .as_array()
-                .is_some_and(|c| c.iter().any(|c| c["reason"] == "Unschedulable"))
-        })
-    })
+    wait_for(
+        "the scheduler to give up on it",
+        || context(&kube),
+        || {
+            kube.pod(NS, "tidegate-worker-1").is_some_and(|pod| {
+                pod["status"]["conditions"]
+                    .as_array()
+                    .is_some_and(|c| c.iter().any(|c| c["reason"] == "Unschedulable"))
+            })
+        },
+    )
     .await;
     // a bad image: the kubelet cannot pull it
     let mut cfg = config(&kube, out.path(), WORKER);
@@ -280,13 +248,17 @@ async fn a_pod_that_cannot_start_waits_without_events_and_releases_at_once() {
     let mut small = spec(2, Tier::OnDemand, "cpu-32");
     small.instance.gpus = 0;
     q.acquire(small).await.unwrap();
-    wait_for("the image pull to fail", &kube, || {
-        kube.pod(NS, "badimage-2").is_some_and(|pod| {
-            pod["status"]["containerStatuses"][0]["state"]["waiting"]["reason"]
-                .as_str()
-                .is_some_and(|r| r.contains("ImagePull"))
-        })
-    })
+    wait_for(
+        "the image pull to fail",
+        || context(&kube),
+        || {
+            kube.pod(NS, "badimage-2").is_some_and(|pod| {
+                pod["status"]["containerStatuses"][0]["state"]["waiting"]["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("ImagePull"))
+            })
+        },
+    )
     .await;
     // neither is news: the gateway's start timeout decides
     assert!(events.try_recv().is_err());
@@ -340,17 +312,23 @@ async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orpha
     let mut orphan = spec(3, Tier::OnDemand, "h100");
     orphan.instance.gpus = 1;
     p.acquire(orphan).await.unwrap();
-    wait_for("three workers", &kube, || {
-        (1..=3).all(|l| env_of(out.path(), l).is_some())
-    })
+    wait_for(
+        "three workers",
+        || context(&kube),
+        || (1..=3).all(|l| env_of(out.path(), l).is_some()),
+    )
     .await;
     // the gateway dies; while it is down, pod 2's worker dies
     p.detach_all().await;
     kube.kill(NS, &pods[1]);
-    wait_for("pod 2 to fail", &kube, || {
-        kube.pod(NS, &pods[1])
-            .is_some_and(|p| phase(&p) == "Failed")
-    })
+    wait_for(
+        "pod 2 to fail",
+        || context(&kube),
+        || {
+            kube.pod(NS, &pods[1])
+                .is_some_and(|p| phase(&p) == "Failed")
+        },
+    )
     .await;
 
     let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
@@ -363,9 +341,11 @@ async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orpha
     );
     assert_eq!(p.held(), vec![LeaseId(1)]);
     // the failed pod and the orphan are deleted, with their secrets
-    wait_for("the orphan and the failed pod to go", &kube, || {
-        kube.pods(NS).len() == 1 && kube.secrets(NS).len() == 1
-    })
+    wait_for(
+        "the orphan and the failed pod to go",
+        || context(&kube),
+        || kube.pods(NS).len() == 1 && kube.secrets(NS).len() == 1,
+    )
     .await;
     assert!(out.path().join("lease-3.drained").exists());
     assert_eq!(
@@ -449,7 +429,12 @@ async fn a_broken_watch_is_resumed_and_events_still_arrive() {
     let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
     let mut events = p.take_events().unwrap();
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
-    wait_for("the worker", &kube, || env_of(out.path(), 1).is_some()).await;
+    wait_for(
+        "the worker",
+        || context(&kube),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
     // the API server restarts: open watches break and the next requests
     // fail; the watcher backs off and lists again
     kube.fail_next("GET", "/api/v1/namespaces/tidegate/pods", 500, 3);

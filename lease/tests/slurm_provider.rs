@@ -7,26 +7,20 @@
 
 #[path = "support/mini_slurm.rs"]
 mod mini_slurm;
+#[path = "support/provider.rs"]
+mod provider;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mini_slurm::{GRACE_SECS, MiniSlurm};
+use provider::{WORKER, ended, env_of, next_event, spec, var, wait_for};
 use tidegate_lease::catalog::{Catalog, Tier};
 use tidegate_lease::ledger::{Ledger, NewLease};
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::provider::slurm::{SlurmConfig, SlurmData, SlurmProvider};
-use tidegate_lease::provider::{LeaseSpec, Provider, ProviderError, ProviderEvent, wall_clock_ms};
+use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
 use tidegate_lease::table::{LeaseId, LeaseToken};
-use tokio::sync::mpsc;
-
-const GUARD: Duration = Duration::from_secs(60);
-
-/// The stand-in worker: records its environment; on SIGTERM it finishes
-/// its work (half a second) and exits 0.
-const WORKER: &str = r#"env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"
-trap 'sleep 0.5; echo drained > "$OUT/lease-$TIDEGATE_LEASE_ID.drained"; exit 0' TERM
-while :; do sleep 0.1; done"#;
 
 fn config(slurm: &MiniSlurm, out: &Path, script: &str) -> SlurmConfig {
     let mut cfg = SlurmConfig::new("sh", &["-c", script], "ondemand");
@@ -38,54 +32,6 @@ fn config(slurm: &MiniSlurm, out: &Path, script: &str) -> SlurmConfig {
     // a spot lease of type h200 takes both GPUs of the test node
     cfg.gres.insert("h200".into(), "gpu:2".into());
     cfg
-}
-
-fn spec(id: u64, tier: Tier, instance: &str) -> LeaseSpec {
-    LeaseSpec {
-        lease: LeaseId(id),
-        token: LeaseToken::generate().unwrap(),
-        instance: Catalog::default_catalog().get(instance).unwrap().clone(),
-        tier,
-        preempt_after: None,
-    }
-}
-
-async fn next_event(rx: &mut mpsc::Receiver<ProviderEvent>) -> ProviderEvent {
-    tokio::time::timeout(GUARD, rx.recv())
-        .await
-        .expect("a provider event within the guard")
-        .expect("the event channel is open")
-}
-
-/// The next event, which must be the end of `want`: its reason and detail.
-async fn ended(rx: &mut mpsc::Receiver<ProviderEvent>, want: LeaseId) -> (EndReason, String) {
-    match next_event(rx).await {
-        ProviderEvent::Ended {
-            lease,
-            reason,
-            detail,
-        } if lease == want => (reason, detail),
-        other => panic!("expected {want} to end, got {other:?}"),
-    }
-}
-
-async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + GUARD;
-    while !done() {
-        assert!(Instant::now() < until, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn env_of(out: &Path, lease: u64) -> Option<String> {
-    std::fs::read_to_string(out.join(format!("lease-{lease}.env")))
-        .ok()
-        .filter(|s| s.contains("TIDEGATE_LEASE_TOKEN="))
-}
-
-fn var<'a>(env: &'a str, name: &str) -> Option<&'a str> {
-    env.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -100,9 +46,11 @@ async fn a_lease_is_a_job_step_with_its_gpus_and_token_and_release_cancels_it() 
     let data: SlurmData = serde_json::from_str(acquired.provider_data.as_deref().unwrap()).unwrap();
     assert_eq!(data.partition, "ondemand");
     assert_eq!(p.job(LeaseId(1)), Some(data.job_id));
-    wait_for("the worker's environment", || {
-        env_of(out.path(), 1).is_some()
-    })
+    wait_for(
+        "the worker's environment",
+        || slurm.logs(),
+        || env_of(out.path(), 1).is_some(),
+    )
     .await;
     let env = env_of(out.path(), 1).unwrap();
     assert_eq!(var(&env, "TIDEGATE_LEASE_TOKEN"), Some(token.as_str()));
@@ -145,7 +93,12 @@ async fn slurm_preempting_a_spot_job_is_the_notice_and_the_worker_drains() {
     let spot = p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
     let spot_job: SlurmData = serde_json::from_str(spot.provider_data.as_deref().unwrap()).unwrap();
     assert_eq!(spot_job.partition, "spot");
-    wait_for("the spot worker", || env_of(out.path(), 1).is_some()).await;
+    wait_for(
+        "the spot worker",
+        || slurm.logs(),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
     let env = env_of(out.path(), 1).unwrap();
     assert_eq!(
         var(&env, "CUDA_VISIBLE_DEVICES").map(|v| v.split(',').count()),
@@ -175,7 +128,12 @@ async fn slurm_preempting_a_spot_job_is_the_notice_and_the_worker_drains() {
     assert_eq!(reason, EndReason::Preempted, "{detail}");
     // the worker got SIGTERM at the start of the grace time and drained
     assert!(out.path().join("lease-1.drained").exists());
-    wait_for("the on-demand worker", || env_of(out.path(), 2).is_some()).await;
+    wait_for(
+        "the on-demand worker",
+        || slurm.logs(),
+        || env_of(out.path(), 2).is_some(),
+    )
+    .await;
     // the preempted lease's job has ended: it is no longer held
     assert_eq!(p.held(), vec![LeaseId(2)]);
     p.shutdown().await;
@@ -197,7 +155,12 @@ while :; do sleep 0.1; done"#;
     let mut events = p.take_events().unwrap();
     let spot = p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
     let job: SlurmData = serde_json::from_str(spot.provider_data.as_deref().unwrap()).unwrap();
-    wait_for("the spot worker", || env_of(out.path(), 1).is_some()).await;
+    wait_for(
+        "the spot worker",
+        || slurm.logs(),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
     p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
     match next_event(&mut events).await {
         ProviderEvent::PreemptionNotice { lease, .. } => assert_eq!(lease, LeaseId(1)),
@@ -208,11 +171,18 @@ while :; do sleep 0.1; done"#;
     // Slurm put the job back in the queue; a lease is one run, so the
     // provider cancelled it rather than let it start again
     assert!(detail.contains("requeued"), "{detail}");
-    wait_for("the requeued job to be cancelled", || {
-        slurm.job_state(job.job_id.0).as_deref() == Some("CANCELLED")
-    })
+    wait_for(
+        "the requeued job to be cancelled",
+        || slurm.logs(),
+        || slurm.job_state(job.job_id.0).as_deref() == Some("CANCELLED"),
+    )
     .await;
-    wait_for("the on-demand worker", || env_of(out.path(), 2).is_some()).await;
+    wait_for(
+        "the on-demand worker",
+        || slurm.logs(),
+        || env_of(out.path(), 2).is_some(),
+    )
+    .await;
     p.shutdown().await;
     assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
 }
@@ -322,16 +292,20 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
         let data: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
         jobs.push(data.job_id);
     }
-    wait_for("both workers", || {
-        env_of(out.path(), 1).is_some() && env_of(out.path(), 2).is_some()
-    })
+    wait_for(
+        "both workers",
+        || slurm.logs(),
+        || env_of(out.path(), 1).is_some() && env_of(out.path(), 2).is_some(),
+    )
     .await;
     // the gateway dies; while it is down, job 2 is cancelled
     p.detach_all().await;
     slurm.tool("scancel", &[&jobs[1].to_string()]).unwrap();
-    wait_for("job 2 to end", || {
-        slurm.job_state(jobs[1].0).as_deref() == Some("CANCELLED")
-    })
+    wait_for(
+        "job 2 to end",
+        || slurm.logs(),
+        || slurm.job_state(jobs[1].0).as_deref() == Some("CANCELLED"),
+    )
     .await;
     assert_eq!(slurm.job_state(jobs[0].0).as_deref(), Some("RUNNING"));
 
@@ -385,7 +359,12 @@ async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
     let mut events = p.take_events().unwrap();
     let a = p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     let job: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
-    wait_for("the worker", || env_of(out.path(), 1).is_some()).await;
+    wait_for(
+        "the worker",
+        || slurm.logs(),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
 
     // the cancel fails: the release fails, and the job, which still runs
     // (and bills), is still held and watched rather than forgotten
@@ -408,7 +387,12 @@ async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
     // ended by the poller (it was still watched) and is no longer held
     let b = p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
     let job2: SlurmData = serde_json::from_str(b.provider_data.as_deref().unwrap()).unwrap();
-    wait_for("the second worker", || env_of(out.path(), 2).is_some()).await;
+    wait_for(
+        "the second worker",
+        || slurm.logs(),
+        || env_of(out.path(), 2).is_some(),
+    )
+    .await;
     std::fs::write(bin.join("scancel.fail"), "").unwrap();
     assert!(p.release(LeaseId(2)).await.is_err());
     slurm.tool("scancel", &[&job2.job_id.to_string()]).unwrap();

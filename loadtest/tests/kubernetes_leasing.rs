@@ -25,8 +25,7 @@ use std::time::Duration;
 use mini_kube::MiniKube;
 use serde_json::Value;
 use support::{
-    CATALOG, assert_every_frame_answered_once, leases, ok_frames, reason, settled_counters,
-    sim_opts, spawn_sim, state, wait_until_explained,
+    CATALOG, leases, settled_counters, spot_taken_and_replaced, state, wait_until_explained,
 };
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 
@@ -93,44 +92,11 @@ fn kubernetes_pods_serve_frames_and_a_reclaimed_spot_node_replaces_the_worker() 
     assert_eq!(pod["status"]["phase"], "Running", "{pod:#}");
     assert_eq!(pod["spec"]["nodeSelector"]["tidegate.test/spot"], "true");
 
-    let sim = spawn_sim(sim_opts(&c, 1, 10.0, 16.0));
-    wait_until_explained(
-        &c,
-        Duration::from_secs(10),
-        "10 frames served ok by the spot worker",
-        || kube_context(&kube),
-        || ok_frames(&c) >= 10,
-    );
     // the spot node is reclaimed under the serving worker
-    kube.evict(NS, &spot_pod, "DeletionByTaintManager", None);
-    wait_until_explained(
+    spot_taken_and_replaced(
         &c,
-        Duration::from_secs(60),
-        "spot lease preempted",
         || kube_context(&kube),
-        || {
-            leases(&c, false)
-                .iter()
-                .any(|l| state(l) == "ended" && reason(l) == "preempted")
-        },
-    );
-    wait_until_explained(
-        &c,
-        Duration::from_secs(90),
-        "on-demand replacement ready",
-        || kube_context(&kube),
-        || {
-            leases(&c, false)
-                .iter()
-                .any(|l| l["tier"] == "on_demand" && state(l) == "ready")
-        },
-    );
-    let report = sim.join().expect("sim thread");
-    assert_every_frame_answered_once(&report);
-    let log = c.gateway_log();
-    assert!(
-        log.contains("spot preemption notice"),
-        "the notice is logged"
+        || kube.evict(NS, &spot_pod, "DeletionByTaintManager", None),
     );
     assert!(kube.pod(NS, &spot_pod).is_none(), "the evicted pod is gone");
 

@@ -22,8 +22,7 @@ use std::time::Duration;
 use mini_slurm::MiniSlurm;
 use serde_json::Value;
 use support::{
-    CATALOG, assert_every_frame_answered_once, leases, ok_frames, reason, settled_counters,
-    sim_opts, spawn_sim, state, wait_until_explained,
+    CATALOG, leases, settled_counters, spot_taken_and_replaced, state, wait_until_explained,
 };
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 
@@ -93,56 +92,25 @@ fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
         );
     }
 
-    let sim = spawn_sim(sim_opts(&c, 1, 10.0, 16.0));
     // Once the spot worker serves (well inside the 16 s of sending), another
     // tenant's on-demand job needs both GPUs for a few seconds.
-    wait_until_explained(
+    let tenant = spot_taken_and_replaced(
         &c,
-        Duration::from_secs(10),
-        "10 frames served ok by the spot worker",
-        || slurm_context(&slurm),
-        || ok_frames(&c) >= 10,
-    );
-    let tenant = slurm
-        .tool(
-            "sbatch",
-            &[
-                "--parsable",
-                "--partition=ondemand",
-                "--gres=gpu:2",
-                "--output=/dev/null",
-                "--wrap=sleep 4",
-            ],
-        )
-        .expect("the other tenant's job is submitted");
-    wait_until_explained(
-        &c,
-        Duration::from_secs(60),
-        "spot lease preempted",
         || slurm_context(&slurm),
         || {
-            leases(&c, false)
-                .iter()
-                .any(|l| state(l) == "ended" && reason(l) == "preempted")
+            slurm
+                .tool(
+                    "sbatch",
+                    &[
+                        "--parsable",
+                        "--partition=ondemand",
+                        "--gres=gpu:2",
+                        "--output=/dev/null",
+                        "--wrap=sleep 4",
+                    ],
+                )
+                .expect("the other tenant's job is submitted")
         },
-    );
-    wait_until_explained(
-        &c,
-        Duration::from_secs(90),
-        "on-demand replacement ready",
-        || slurm_context(&slurm),
-        || {
-            leases(&c, false)
-                .iter()
-                .any(|l| l["tier"] == "on_demand" && state(l) == "ready")
-        },
-    );
-    let report = sim.join().expect("sim thread");
-    assert_every_frame_answered_once(&report);
-    let log = c.gateway_log();
-    assert!(
-        log.contains("spot preemption notice"),
-        "the notice is logged"
     );
     assert_eq!(
         slurm.job_state(spot_job).as_deref().map(|s| s == "RUNNING"),

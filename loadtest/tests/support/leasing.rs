@@ -1,4 +1,5 @@
-//! Helpers shared by the leasing tests (`leasing.rs`, `slurm_leasing.rs`):
+//! Helpers shared by the leasing tests (`leasing.rs`, `slurm_leasing.rs`,
+//! `kubernetes_leasing.rs`):
 //! the per-second test catalog, simulated cameras, and polling the
 //! gateway's API with its log on failure. `scheduling.rs` uses the polling
 //! and the settled frame counters too (its gateway leases nothing).
@@ -153,4 +154,55 @@ pub fn settled_counters(c: &Cluster) -> Value {
         "{v}"
     );
     v
+}
+
+/// A spot worker taken away under load, and its replacement: one camera
+/// sends 10 fps for 16 s; once the spot worker has served 10 frames,
+/// `take` takes it the cluster's own way (its result is returned). Then
+/// the spot lease must end `preempted`, an on-demand replacement must
+/// become ready, every frame sent must get exactly one result, and the
+/// notice must be in the gateway's log. `context` explains a timeout.
+pub fn spot_taken_and_replaced<T>(
+    c: &Cluster,
+    context: impl Fn() -> String,
+    take: impl FnOnce() -> T,
+) -> T {
+    let sim = spawn_sim(sim_opts(c, 1, 10.0, 16.0));
+    wait_until_explained(
+        c,
+        Duration::from_secs(10),
+        "10 frames served ok by the spot worker",
+        &context,
+        || ok_frames(c) >= 10,
+    );
+    let taken = take();
+    wait_until_explained(
+        c,
+        Duration::from_secs(60),
+        "spot lease preempted",
+        &context,
+        || {
+            leases(c, false)
+                .iter()
+                .any(|l| state(l) == "ended" && reason(l) == "preempted")
+        },
+    );
+    wait_until_explained(
+        c,
+        Duration::from_secs(90),
+        "on-demand replacement ready",
+        &context,
+        || {
+            leases(c, false)
+                .iter()
+                .any(|l| l["tier"] == "on_demand" && state(l) == "ready")
+        },
+    );
+    let report = sim.join().expect("sim thread");
+    assert_every_frame_answered_once(&report);
+    assert!(
+        c.gateway_log().contains("spot preemption notice"),
+        "the notice is logged"
+    );
+    taken
 }

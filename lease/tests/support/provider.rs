@@ -1,0 +1,82 @@
+//! Helpers shared by the provider tests that run a stand-in worker
+//! (`slurm_provider.rs`, `kubernetes_provider.rs`): the worker script,
+//! lease specs, bounded waits for provider events and files.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tidegate_lease::catalog::{Catalog, Tier};
+use tidegate_lease::lifecycle::EndReason;
+use tidegate_lease::provider::{LeaseSpec, ProviderEvent};
+use tidegate_lease::table::{LeaseId, LeaseToken};
+use tokio::sync::mpsc;
+
+/// Longest any wait may take: it only guards against a hang.
+pub const GUARD: Duration = Duration::from_secs(60);
+
+/// The stand-in worker: on SIGTERM it finishes its work (half a second),
+/// writes a `drained` file and exits 0, as the worker drains. The trap is
+/// set before it records its environment, which the tests wait for.
+pub const WORKER: &str = r#"trap 'sleep 0.5; echo drained > "$OUT/lease-$TIDEGATE_LEASE_ID.drained"; exit 0' TERM
+env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"
+while :; do sleep 0.1; done"#;
+
+/// A lease of the default catalog's `instance`, with a fresh token.
+pub fn spec(id: u64, tier: Tier, instance: &str) -> LeaseSpec {
+    LeaseSpec {
+        lease: LeaseId(id),
+        token: LeaseToken::generate().unwrap(),
+        instance: Catalog::default_catalog().get(instance).unwrap().clone(),
+        tier,
+        preempt_after: None,
+    }
+}
+
+/// The next provider event, within the guard.
+pub async fn next_event(rx: &mut mpsc::Receiver<ProviderEvent>) -> ProviderEvent {
+    tokio::time::timeout(GUARD, rx.recv())
+        .await
+        .expect("a provider event within the guard")
+        .expect("the event channel is open")
+}
+
+/// The next event, which must be the end of `want`: its reason and detail.
+pub async fn ended(rx: &mut mpsc::Receiver<ProviderEvent>, want: LeaseId) -> (EndReason, String) {
+    match next_event(rx).await {
+        ProviderEvent::Ended {
+            lease,
+            reason,
+            detail,
+        } if lease == want => (reason, detail),
+        other => panic!("expected {want} to end, got {other:?}"),
+    }
+}
+
+/// Polls `done` until it holds; past the guard, fails with `what` and
+/// `context()` (the cluster's state).
+pub async fn wait_for(what: &str, context: impl Fn() -> String, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + GUARD;
+    while !done() {
+        assert!(
+            Instant::now() < until,
+            "timed out waiting for {what}\n{}",
+            context()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The environment the stand-in worker of `lease` recorded, once complete.
+pub fn env_of(out: &Path, lease: u64) -> Option<String> {
+    std::fs::read_to_string(out.join(format!("lease-{lease}.env")))
+        .ok()
+        .filter(|s| s.contains("TIDEGATE_LEASE_TOKEN="))
+}
+
+/// The value of `name` in a recorded environment.
+pub fn var<'a>(env: &'a str, name: &str) -> Option<&'a str> {
+    env.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+}
