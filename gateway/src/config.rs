@@ -46,6 +46,18 @@ pub enum ProviderKind {
     Kubernetes,
 }
 
+/// What a clean stop does with the live leases (`[leasing] on_stop`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStop {
+    /// Release every lease: its worker is stopped and its billing ends.
+    #[default]
+    Release,
+    /// Keep every lease live, its worker running: the next start adopts
+    /// them (their workers redial within `gateway.reconnect_secs`).
+    Keep,
+}
+
 /// `[leasing]`: the lease manager and its autoscaler. `Debug` leaves out
 /// the static workers' token digests.
 #[derive(Clone, PartialEq, Deserialize)]
@@ -88,6 +100,11 @@ pub struct LeasingConfig {
     /// Reactive policy: release a lease idle this long (s); unset: 300.
     #[serde(default)]
     pub idle_timeout_secs: Option<u64>,
+    /// What a clean stop (SIGTERM) does with the live leases: `release`
+    /// them (default), or `keep` them for the next start to adopt, so a
+    /// restart (an upgrade, a config change) pays no new billing block.
+    #[serde(default)]
+    pub on_stop: OnStop,
     /// The process provider (required with `provider = "process"`).
     #[serde(default)]
     pub process: Option<ProcessProviderConfig>,
@@ -128,6 +145,7 @@ impl std::fmt::Debug for LeasingConfig {
             .field("down_window_secs", &self.down_window_secs)
             .field("release_window_secs", &self.release_window_secs)
             .field("idle_timeout_secs", &self.idle_timeout_secs)
+            .field("on_stop", &self.on_stop)
             .field("process", &self.process)
             .field("static_workers", &statics)
             .field("slurm", &self.slurm)
@@ -614,6 +632,9 @@ impl LeasingConfig {
                 }
             }
             ProviderKind::Static => {
+                if self.on_stop == OnStop::Keep {
+                    return bad("leasing.on_stop = \"keep\" needs workers that the next start adopts (process, slurm or kubernetes); static workers are bound again as they dial in".into());
+                }
                 if self.static_workers.is_empty() {
                     return bad("leasing.provider = \"static\" needs at least one [[leasing.static_workers]]".into());
                 }
@@ -1020,6 +1041,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("images"), "{e}");
+    }
+
+    #[test]
+    fn on_stop_keep_is_for_providers_whose_workers_are_adopted() {
+        let parse = |provider: &str, section: &str, on_stop: &str| -> Result<Config, ConfigError> {
+            let text = format!(
+                "[leasing]\nprovider = \"{provider}\"\nledger = \"l.db\"\n{on_stop}{MODEL}{section}\n"
+            );
+            let cfg: Config =
+                toml::from_str(&text).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+            cfg.validate().map(|()| cfg)
+        };
+        let cfg = parse("kubernetes", KUBERNETES, "").unwrap();
+        assert_eq!(cfg.leasing.unwrap().on_stop, OnStop::Release);
+        for (provider, section) in [
+            ("kubernetes", KUBERNETES),
+            ("slurm", SLURM),
+            ("process", PROCESS),
+        ] {
+            let cfg = parse(provider, section, "on_stop = \"keep\"\n").unwrap();
+            assert_eq!(cfg.leasing.unwrap().on_stop, OnStop::Keep, "{provider}");
+        }
+        let statics = format!(
+            "[[leasing.static_workers]]\nname = \"w\"\ninstance_type = \"h100\"\ntier = \"on_demand\"\ntoken_sha256 = \"{}\"\n",
+            "a".repeat(64)
+        );
+        parse("static", &statics, "").unwrap();
+        let e = parse("static", &statics, "on_stop = \"keep\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("on_stop") && e.contains("static"), "{e}");
+        let e = parse("process", PROCESS, "on_stop = \"hold\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hold"), "{e}");
     }
 
     #[test]

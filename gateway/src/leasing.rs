@@ -68,7 +68,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::config::{LeasingConfig, ProviderKind, ScaledModel};
+use crate::config::{LeasingConfig, OnStop, ProviderKind, ScaledModel};
 use crate::hub::{Hub, HubMsg, LoadReport};
 use crate::metrics::Metrics;
 
@@ -486,6 +486,11 @@ pub fn spawn(
                 .kubernetes
                 .clone()
                 .ok_or_else(|| LeasingError::Provider("[leasing.kubernetes] is missing".into()))?;
+            if !k.env.contains_key("TIDEGATE_GATEWAY_ADDR") {
+                warn!(
+                    "[leasing.kubernetes] env sets no TIDEGATE_GATEWAY_ADDR: worker Pods dial this gateway's own address, which only Pods on this host reach; set it to the gateway's Service"
+                );
+            }
             k.env = with_dial(&k.env);
             Source::Kubernetes(Box::new(
                 KubernetesProvider::connect(k).map_err(provider_err)?,
@@ -632,6 +637,7 @@ fn start(
         leased_ms: 0.0,
         cost_seen: BTreeMap::new(),
         start_timeout_ms: cfg.start_timeout_secs.saturating_mul(1000),
+        on_stop: cfg.on_stop,
     };
     shell.update_metrics(now);
     let tick = Duration::from_millis(cfg.tick_ms);
@@ -735,6 +741,8 @@ struct Shell {
     source: Source,
     hub: Hub,
     metrics: Metrics,
+    /// What a clean stop does with the live leases.
+    on_stop: OnStop,
     /// Throughput at the SLO measured from registered workers' profiles,
     /// by (model, instance type).
     measured: HashMap<(String, String), f64>,
@@ -824,7 +832,9 @@ impl Shell {
     /// would exit anyway once the gateway closes its connection). A lease
     /// whose provider release fails is left live in the ledger, since it
     /// may still bill: the next start adopts it (and releases it) or ends
-    /// it if its worker is gone.
+    /// it if its worker is gone. With `on_stop = "keep"` only the leases
+    /// already draining are released; the others stay live, their workers
+    /// running, for the next start to adopt.
     async fn shutdown(mut self) {
         self.flush_writes();
         let mut live: BTreeSet<LeaseId> = self
@@ -838,6 +848,19 @@ impl Shell {
             Ok(recs) => live.extend(recs.iter().map(|r| r.id)),
             Err(e) => warn!("reading live leases at shutdown: {e}; releasing the ones in memory"),
         }
+        let keep = self.on_stop == OnStop::Keep;
+        let mut held_on = Vec::new();
+        if keep {
+            // a lease on its way out (released, or under a spot notice) goes
+            live.retain(|id| {
+                let draining = self.table.get(*id).map(|e| e.state) == Some(LeaseState::Draining);
+                if !draining {
+                    held_on.push(*id);
+                }
+                draining
+            });
+        }
+        let released: Vec<LeaseId> = live.iter().copied().collect();
         let mut kept = Vec::new();
         for lease in live {
             match self.provider_release(lease).await {
@@ -856,7 +879,24 @@ impl Shell {
             warn!("accruing cost at shutdown: {e}");
         }
         let unwritten: Vec<LeaseId> = self.writes.by_lease.keys().copied().collect();
-        if kept.is_empty() && unwritten.is_empty() {
+        if keep {
+            // stop watching without ending anything: the workers run on
+            match self.source {
+                Source::Process { provider, .. } => provider.detach_all().await,
+                Source::Slurm(p) => p.detach_all().await,
+                Source::Kubernetes(p) => p.detach_all().await,
+                Source::Static(_) => {}
+                #[cfg(test)]
+                Source::Fake(_) => {}
+            }
+            info!(
+                kept = ?held_on,
+                released = ?released,
+                not_released = ?kept,
+                ?unwritten,
+                "lease manager stopped; leases kept live for the next start to adopt (on_stop = keep)"
+            );
+        } else if kept.is_empty() && unwritten.is_empty() {
             info!("lease manager stopped; every lease released");
         } else {
             warn!(

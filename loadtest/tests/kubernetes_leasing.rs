@@ -25,7 +25,8 @@ use std::time::Duration;
 use mini_kube::MiniKube;
 use serde_json::Value;
 use support::{
-    CATALOG, leases, settled_counters, spot_taken_and_replaced, state, wait_until_explained,
+    CATALOG, assert_every_frame_answered_once, leases, ok_frames, settled_counters, sim_opts,
+    spawn_sim, spot_taken_and_replaced, state, wait_until_explained,
 };
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 
@@ -109,4 +110,100 @@ fn kubernetes_pods_serve_frames_and_a_reclaimed_spot_node_replaces_the_worker() 
     assert!(status.success(), "gateway exit: {status}");
     assert!(kube.pods(NS).is_empty(), "{}", kube_context(&kube));
     assert!(kube.secrets(NS).is_empty(), "{:#?}", kube.secrets(NS));
+}
+
+#[test]
+fn with_on_stop_keep_a_restart_adopts_the_running_pods_and_pays_no_new_lease() {
+    let kube = MiniKube::start(2);
+    let leasing = "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"tidal\"\ntick_ms = 500\nheadroom = 0.0\non_stop = \"keep\"\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = 5\nworker_fps = 20\nmeasure = false\n";
+    let section = format!(
+        "kubeconfig = {}\nnamespace = \"{NS}\"\ntermination_grace_period_secs = 5\ngpus = {{ cpu-test = 1 }}\n",
+        serde_json::Value::String(kube.kubeconfig().display().to_string())
+    );
+    let mut c = Cluster::start_leasing_kubernetes(
+        &ClusterOptions {
+            edges: vec!["edge-1".into()],
+            workers: Vec::new(),
+            scheduler: String::new(),
+        },
+        leasing,
+        &section,
+        &[("catalog.toml", CATALOG)],
+    )
+    .expect("leasing gateway starts");
+    wait_until_explained(
+        &c,
+        Duration::from_secs(90),
+        "a lease ready",
+        || kube_context(&kube),
+        || leases(&c, false).iter().any(|l| state(l) == "ready"),
+    );
+    // (no spot tier is configured: the autoscaler's spot try is refused
+    // and it falls back to on-demand)
+    let before = leases(&c, true);
+    assert_eq!(before.len(), 1, "{before:#?}");
+    // leases ever billed (a refused spot try never starts billing)
+    let billed = |c: &Cluster| {
+        leases(c, false)
+            .into_iter()
+            .filter(|l| !l["billing_start"].is_null())
+            .count()
+    };
+    let billed_before = billed(&c);
+    let pod = pod_of(&before[0]);
+    let uid = kube.pod(NS, &pod).expect("its pod")["metadata"]["uid"].clone();
+
+    // a clean stop keeps the lease: the pod runs on, its token secret stays
+    let status = c
+        .stop_gateway(Duration::from_secs(60))
+        .expect("gateway stops on SIGTERM");
+    assert!(status.success(), "gateway exit: {status}");
+    let running = kube.pod(NS, &pod).expect("the pod outlives the gateway");
+    assert_eq!(running["status"]["phase"], "Running", "{running:#}");
+    assert_eq!(running["metadata"]["deletionTimestamp"], Value::Null);
+    assert_eq!(kube.secrets(NS).len(), 1, "{:#?}", kube.secrets(NS));
+    assert!(
+        c.gateway_log()
+            .contains("leases kept live for the next start"),
+        "the stop says what it kept"
+    );
+
+    // the next start adopts it; its worker redials and registers again
+    c.restart_gateway()
+        .expect("gateway restarts on the same ledger");
+    let id = before[0]["id"].clone();
+    wait_until_explained(
+        &c,
+        Duration::from_secs(60),
+        "the adopted worker registered again",
+        || kube_context(&kube),
+        || {
+            c.get("/api/v1/workers")
+                .is_ok_and(|(code, body)| code == 200 && body.contains(&format!("\"lease-{id}\"")))
+        },
+    );
+    let after = leases(&c, true);
+    assert_eq!(after.len(), 1, "{after:#?}");
+    assert_eq!(
+        billed(&c),
+        billed_before,
+        "no new lease was paid for: {:#?}",
+        leases(&c, false)
+    );
+    for k in ["id", "requested_at", "billing_start", "ready_at", "tier"] {
+        assert_eq!(after[0][k], before[0][k], "{k} changed");
+    }
+    assert_eq!(state(&after[0]), "ready", "{:#}", after[0]);
+    let same = kube.pod(NS, &pod).expect("the same pod");
+    assert_eq!(same["metadata"]["uid"], uid);
+    assert!(
+        c.gateway_log().contains("adopted worker pod after restart"),
+        "the adoption is logged"
+    );
+    // and it serves
+    let report = spawn_sim(sim_opts(&c, 1, 10.0, 3.0))
+        .join()
+        .expect("sim thread");
+    assert_every_frame_answered_once(&report);
+    assert!(ok_frames(&c) > 0, "{}", kube_context(&kube));
 }
