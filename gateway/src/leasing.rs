@@ -395,6 +395,18 @@ impl Source {
         }
     }
 
+    /// Starts releasing `leases` together where the provider can (its
+    /// workers drain at the same time); `release` then waits for each.
+    async fn begin_release(&mut self, leases: &[LeaseId]) {
+        match self {
+            Source::Slurm(p) => p.begin_release(leases).await,
+            Source::Kubernetes(p) => p.begin_release(leases).await,
+            Source::Process { .. } | Source::Static(_) => {}
+            #[cfg(test)]
+            Source::Fake(_) => {}
+        }
+    }
+
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
         match self {
             Source::Process { provider, .. } => provider.take_events(),
@@ -861,6 +873,8 @@ impl Shell {
             });
         }
         let released: Vec<LeaseId> = live.iter().copied().collect();
+        // every worker drains at once, then each release waits for its own
+        self.source.begin_release(&released).await;
         let mut kept = Vec::new();
         for lease in live {
             match self.provider_release(lease).await {

@@ -450,3 +450,66 @@ async fn a_broken_watch_is_resumed_and_events_still_arrive() {
         .count();
     assert_eq!(gets, 0, "{:#?}", kube.requests());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn begin_release_drains_every_worker_at_once_then_each_release_waits() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    for id in [1, 2] {
+        let mut s = spec(id, Tier::OnDemand, "h100");
+        s.instance.gpus = 1;
+        p.acquire(s).await.unwrap();
+    }
+    wait_for(
+        "both workers",
+        || context(&kube),
+        || env_of(out.path(), 1).is_some() && env_of(out.path(), 2).is_some(),
+    )
+    .await;
+    p.begin_release(&[LeaseId(1), LeaseId(2)]).await;
+    // both workers got SIGTERM and drained before any release waited
+    wait_for(
+        "both workers to drain",
+        || context(&kube),
+        || {
+            out.path().join("lease-1.drained").exists()
+                && out.path().join("lease-2.drained").exists()
+        },
+    )
+    .await;
+    p.release(LeaseId(1)).await.unwrap();
+    p.release(LeaseId(2)).await.unwrap();
+    assert!(p.held().is_empty());
+    assert!(kube.pods(NS).is_empty(), "{}", context(&kube));
+    // releasing is no news
+    assert!(events.try_recv().is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_delete_keeps_the_pod_held_and_its_end_is_news_again() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    wait_for(
+        "the worker",
+        || context(&kube),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
+    // the API server refuses the delete: the release fails, the pod (which
+    // still runs, and bills) is still held
+    kube.fail_next("DELETE", "/api/v1/namespaces/tidegate/pods/", 500, 1);
+    let e = p.release(LeaseId(1)).await.unwrap_err();
+    assert!(e.to_string().contains("500"), "{e}");
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    assert!(events.try_recv().is_err(), "no end while the pod runs");
+    // it is still watched: its worker dying ends the lease
+    kube.kill(NS, "tidegate-worker-1");
+    let (reason, detail) = ended(&mut events, LeaseId(1)).await;
+    assert_eq!(reason, EndReason::Lost, "{detail}");
+    assert!(p.held().is_empty());
+}

@@ -396,21 +396,8 @@ async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
     std::fs::write(bin.join("scancel.fail"), "").unwrap();
     assert!(p.release(LeaseId(2)).await.is_err());
     slurm.tool("scancel", &[&job2.job_id.to_string()]).unwrap();
-    let (reason, detail) = loop {
-        match next_event(&mut events).await {
-            ProviderEvent::Ended {
-                lease: LeaseId(2),
-                reason,
-                detail,
-            } => break (reason, detail),
-            // the poller may have seen lease 1's job end while it was
-            // being released
-            ProviderEvent::Ended {
-                lease: LeaseId(1), ..
-            } => continue,
-            other => panic!("expected lease-2 to end, got {other:?}"),
-        }
-    };
+    // (lease 1's end was its release's: no event came of it)
+    let (reason, detail) = ended(&mut events, LeaseId(2)).await;
     // lost if a poll saw it running, failed if none did: either way ended
     assert!(
         matches!(reason, EndReason::Lost | EndReason::Failed),
@@ -419,4 +406,39 @@ async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
     assert!(detail.contains("CANCELLED"), "{detail}");
     assert!(p.held().is_empty());
     assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn begin_release_drains_every_worker_at_once_then_each_release_waits() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut events = p.take_events().unwrap();
+    for id in [1, 2] {
+        p.acquire(spec(id, Tier::OnDemand, "h100")).await.unwrap();
+    }
+    wait_for(
+        "both workers",
+        || slurm.logs(),
+        || env_of(out.path(), 1).is_some() && env_of(out.path(), 2).is_some(),
+    )
+    .await;
+    p.begin_release(&[LeaseId(1), LeaseId(2)]).await;
+    // one scancel: both workers got SIGTERM and drained before any release
+    // waited
+    wait_for(
+        "both workers to drain",
+        || slurm.logs(),
+        || {
+            out.path().join("lease-1.drained").exists()
+                && out.path().join("lease-2.drained").exists()
+        },
+    )
+    .await;
+    p.release(LeaseId(1)).await.unwrap();
+    p.release(LeaseId(2)).await.unwrap();
+    assert!(p.held().is_empty());
+    assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
+    // releasing is no news
+    assert!(events.try_recv().is_err());
 }

@@ -204,8 +204,10 @@ impl Drop for KubeRuntime {
 enum Cmd {
     /// Watch a created or adopted Pod, as last seen.
     Watch(Box<(PodWatch, PodView)>),
-    /// We are deleting it: its going is no news.
-    Releasing(LeaseId),
+    /// We are deleting it (`true`): its going is no news; or our delete
+    /// was refused (`false`): it runs on, and what happens to it is news
+    /// again.
+    Releasing(LeaseId, bool),
     /// Stop watching (release, detach); the reply comes once no event for
     /// it can follow.
     Forget(LeaseId, oneshot::Sender<()>),
@@ -445,11 +447,59 @@ impl KubernetesProvider {
         lock(&self.held).clear();
     }
 
+    /// Starts releasing `leases` all at once: each held one's Pod is sent
+    /// its graceful delete (its worker gets SIGTERM and drains) without
+    /// waiting for it to go. [`Provider::release`] then only waits, so a
+    /// gateway stopping with many leases waits about one drain, not one per
+    /// lease. A delete that fails is logged; `release` sends it again.
+    pub async fn begin_release(&mut self, leases: &[LeaseId]) {
+        let pods: Vec<(LeaseId, PodRef)> = {
+            let held = lock(&self.held);
+            leases
+                .iter()
+                .filter_map(|l| held.get(l).map(|p| (*l, p.clone())))
+                .collect()
+        };
+        for (lease, _) in &pods {
+            let _ = self.cmds.send(Cmd::Releasing(*lease, true));
+        }
+        let api = self.pods();
+        let grace = self.cfg.termination_grace_period_secs;
+        let _ = self
+            .rt
+            .run(async move {
+                let deletes = pods.into_iter().map(|(lease, pod)| {
+                    let api = api.clone();
+                    async move {
+                        let dp = DeleteParams {
+                            grace_period_seconds: Some(grace),
+                            preconditions: Some(Preconditions {
+                                uid: Some(pod.uid.clone()),
+                                resource_version: None,
+                            }),
+                            ..DeleteParams::default()
+                        };
+                        if let Err(e) = api.delete(&pod.name, &dp).await
+                            && !is_status(&e, 404)
+                            && !is_status(&e, 409)
+                        {
+                            tracing::warn!(%lease, pod = %pod.name, error = %e, "deleting a worker pod; its release tries again");
+                        }
+                    }
+                });
+                futures::future::join_all(deletes).await;
+                Ok(())
+            })
+            .await;
+    }
+
     /// Releases every lease (deletes its Pod and waits until it is gone).
     /// A Pod that cannot be deleted is logged: it outlives the provider,
     /// and the next one over the same ledger adopts or deletes it.
     pub async fn shutdown(mut self) {
-        for lease in self.held() {
+        let held = self.held();
+        self.begin_release(&held).await;
+        for lease in held {
             if let Err(e) = self.release(lease).await {
                 let pod = self.pod(lease);
                 tracing::warn!(%lease, ?pod, error = %e, "release at shutdown failed; the pod may still run and bill");
@@ -581,7 +631,7 @@ impl Provider for KubernetesProvider {
             .get(&lease)
             .cloned()
             .ok_or(ProviderError::UnknownLease(lease))?;
-        let _ = self.cmds.send(Cmd::Releasing(lease));
+        let _ = self.cmds.send(Cmd::Releasing(lease, true));
         let (pods, secrets) = (self.pods(), self.secrets());
         let grace = self.cfg.termination_grace_period_secs;
         let timeout = Duration::try_from_secs_f64(self.cfg.release_timeout_secs)
@@ -589,24 +639,37 @@ impl Provider for KubernetesProvider {
         let timeout_secs = self.cfg.release_timeout_secs;
         let secret_name = self.cfg.secret_name(lease);
         let name = pod.name.clone();
-        self.rt
+        let (api, target) = (pods.clone(), pod.clone());
+        let deleted = self
+            .rt
             .run(async move {
                 let dp = DeleteParams {
                     grace_period_seconds: Some(grace),
                     preconditions: Some(Preconditions {
-                        uid: Some(pod.uid.clone()),
+                        uid: Some(target.uid.clone()),
                         resource_version: None,
                     }),
                     ..DeleteParams::default()
                 };
-                match pods.delete(&pod.name, &dp).await {
+                match api.delete(&target.name, &dp).await {
                     // gone already, or the name is another Pod's now
-                    Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
-                    Err(e) => {
-                        return Err(api_error(Some(lease), format!("deleting pod {}", pod.name), &e));
-                    }
-                    Ok(_) => {}
+                    Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+                    Err(e) => Err(api_error(
+                        Some(lease),
+                        format!("deleting pod {}", target.name),
+                        &e,
+                    )),
+                    Ok(_) => Ok(()),
                 }
+            })
+            .await;
+        if let Err(e) = deleted {
+            // not deleted: it runs on, and its end or preemption is news
+            let _ = self.cmds.send(Cmd::Releasing(lease, false));
+            return Err(e);
+        }
+        self.rt
+            .run(async move {
                 let give_up = tokio::time::Instant::now() + timeout;
                 loop {
                     let current = pods.get_opt(&pod.name).await.map_err(|e| {
@@ -718,11 +781,11 @@ async fn watch_pods(
                     st.watches.insert(lease, w);
                     vec![lease]
                 }
-                Some(Cmd::Releasing(lease)) => {
+                Some(Cmd::Releasing(lease, releasing)) => {
                     if let Some(w) = st.watches.get_mut(&lease) {
-                        w.releasing = true;
+                        w.releasing = releasing;
                     }
-                    Vec::new()
+                    if releasing { Vec::new() } else { vec![lease] }
                 }
                 Some(Cmd::Forget(lease, done)) => {
                     st.watches.remove(&lease);
