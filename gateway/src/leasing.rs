@@ -883,6 +883,7 @@ impl Shell {
                     self.end(lease, wall_clock_ms(), reason);
                 }
                 Released::Failed(e) => {
+                    self.metrics.lease_release_failures.inc();
                     warn!(%lease, "release at shutdown failed; the lease stays live in the ledger, and the next start adopts or ends it: {e}");
                     kept.push(lease);
                 }
@@ -1242,6 +1243,22 @@ impl Shell {
         if self.state(lease).is_some_and(|s| s.is_ended()) && !self.writes.is_pending(lease) {
             return;
         }
+        // counted once, when it ends: a lease whose acquire failed is in
+        // the ledger only
+        let tier = match self.table.get(lease) {
+            Some(e) if e.state.is_ended() => None,
+            Some(e) => Some(e.tier),
+            None => match self.ledger.lease(lease) {
+                Ok(Some(r)) if !r.state.is_ended() => Some(r.tier),
+                _ => None,
+            },
+        };
+        if let Some(tier) = tier {
+            self.metrics
+                .lease_ends
+                .with_label_values(&[tier.as_str(), reason.as_str()])
+                .inc();
+        }
         let _ = self.table.transition(lease, LeaseState::Ended(reason));
         self.write(lease, Write::Ended { at: now, reason });
     }
@@ -1518,6 +1535,10 @@ impl Shell {
                     },
                 );
                 info!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, pid = ?acq.pid, "lease acquired");
+                self.metrics
+                    .lease_acquires
+                    .with_label_values(&[tier.as_str(), "ok"])
+                    .inc();
                 if let Some(name) = static_name {
                     self.static_names.insert(id, name.clone());
                     if link.is_some()
@@ -1542,6 +1563,11 @@ impl Shell {
                 warn!(lease = %id, model, instance_type, tier = tier.as_str(), "acquire failed: {e}");
                 self.end(id, now, EndReason::Failed);
                 let refused = matches!(e, ProviderError::NoCapacity { .. });
+                let result = if refused { "no_capacity" } else { "error" };
+                self.metrics
+                    .lease_acquires
+                    .with_label_values(&[tier.as_str(), result])
+                    .inc();
                 if !refused {
                     self.start_failed();
                 }
@@ -1590,6 +1616,7 @@ impl Shell {
                     self.end(lease, wall_clock_ms(), reason);
                 }
                 Released::Failed(e) => {
+                    self.metrics.lease_release_failures.inc();
                     let now = self.mono();
                     let retry_ms = self
                         .releases
@@ -1796,6 +1823,14 @@ min_fps = {min_fps}
         cfg: &LeasingConfig,
         script: &Arc<Script>,
     ) -> (Leasing, CancellationToken, TaskTracker) {
+        let (l, cancel, tracker, _) = start_fake_metered(cfg, script);
+        (l, cancel, tracker)
+    }
+
+    fn start_fake_metered(
+        cfg: &LeasingConfig,
+        script: &Arc<Script>,
+    ) -> (Leasing, CancellationToken, TaskTracker, Metrics) {
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = Metrics::new();
@@ -1808,8 +1843,17 @@ min_fps = {min_fps}
         );
         let ledger = Ledger::open(&cfg.ledger).unwrap();
         let source = Source::Fake(FakeProvider::new(script.clone()));
-        let l = start(cfg, ledger, source, hub, metrics, cancel.clone(), &tracker).unwrap();
-        (l, cancel, tracker)
+        let l = start(
+            cfg,
+            ledger,
+            source,
+            hub,
+            metrics.clone(),
+            cancel.clone(),
+            &tracker,
+        )
+        .unwrap();
+        (l, cancel, tracker, metrics)
     }
 
     async fn stop(cancel: CancellationToken, tracker: TaskTracker) {
@@ -1836,7 +1880,7 @@ min_fps = {min_fps}
         let dir = tempfile::tempdir().unwrap();
         let cfg = config(dir.path(), "tidal", 10);
         let script = Arc::new(Script::default());
-        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        let (l, cancel, tracker, metrics) = start_fake_metered(&cfg, &script);
         let id = first_lease(&l).await;
 
         script.fail_releases(true);
@@ -1857,6 +1901,23 @@ min_fps = {min_fps}
         .await;
         let rec = lease(&l, id).await;
         assert_eq!(rec.state, LeaseState::Ended(EndReason::Released), "{rec:?}");
+        // counted: its acquisition, every failed release, its end
+        let tier = rec.tier.as_str();
+        assert!(
+            metrics
+                .lease_acquires
+                .with_label_values(&[tier, "ok"])
+                .get()
+                >= 1
+        );
+        assert!(metrics.lease_release_failures.get() >= 2);
+        assert_eq!(
+            metrics
+                .lease_ends
+                .with_label_values(&[tier, "released"])
+                .get(),
+            1
+        );
         let tries = script.releases_of(id);
         assert!(tries >= 3, "released on a retry: {tries} tries");
         stop(cancel, tracker).await;
@@ -2429,7 +2490,7 @@ min_fps = 10
             &cfg,
             "127.0.0.1:4433".parse().unwrap(),
             hub,
-            metrics,
+            metrics.clone(),
             cancel.clone(),
             &tracker,
         )
@@ -2443,6 +2504,22 @@ min_fps = 10
             all.iter()
                 .all(|r| r.state == LeaseState::Ended(EndReason::Failed)),
             "{all:?}"
+        );
+        // each try is an acquire error and a failed end, by its tier
+        let tiers: BTreeSet<&str> = all.iter().map(|r| r.tier.as_str()).collect();
+        let count = |c: &prometheus::IntCounterVec, result: &str| -> u64 {
+            tiers
+                .iter()
+                .map(|t| c.with_label_values(&[*t, result]).get())
+                .sum()
+        };
+        assert_eq!(count(&metrics.lease_acquires, "error"), all.len() as u64);
+        assert_eq!(count(&metrics.lease_acquires, "ok"), 0);
+        assert_eq!(count(&metrics.lease_ends, "failed"), all.len() as u64);
+        let text = metrics.render();
+        assert!(
+            text.contains("tidegate_lease_acquires_total{result=\"error\""),
+            "{text}"
         );
         cancel.cancel();
         tracker.close();

@@ -52,6 +52,16 @@ pub struct Metrics {
     /// `tidegate_gpu_utilization_ratio`: busy over leased GPU time since
     /// the gateway started.
     pub gpu_utilization: Gauge,
+    /// `tidegate_lease_acquires_total{tier,result}`: leases asked of the
+    /// provider, by result: `ok`, `no_capacity` (refused for capacity or
+    /// quota, e.g. no spot to be had) or `error` (the provider failed).
+    pub lease_acquires: IntCounterVec,
+    /// `tidegate_lease_ends_total{tier,reason}`: leases ended, by reason
+    /// (`released`, `preempted`, `lost`, `failed`).
+    pub lease_ends: IntCounterVec,
+    /// `tidegate_lease_release_failures_total`: provider releases that
+    /// failed; the lease stays draining (it may still bill) and is retried.
+    pub lease_release_failures: IntCounter,
     /// `tidegate_spend_cap_per_hour`: the configured hourly spend cap (no
     /// labels; absent without a cap), for spend alerts.
     pub spend_cap: GaugeVec,
@@ -155,6 +165,27 @@ impl Metrics {
                 "Time leased workers spent running batches over the time they were leased.",
             )
             .expect("valid gauge"),
+            lease_acquires: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_lease_acquires_total",
+                    "Leases asked of the provider, by tier and result (ok, no_capacity, error).",
+                ),
+                &["tier", "result"],
+            )
+            .expect("valid counter"),
+            lease_ends: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_lease_ends_total",
+                    "Leases ended, by tier and reason (released, preempted, lost, failed).",
+                ),
+                &["tier", "reason"],
+            )
+            .expect("valid counter"),
+            lease_release_failures: IntCounter::new(
+                "tidegate_lease_release_failures_total",
+                "Provider releases that failed; the lease stays draining, may still bill, and is retried.",
+            )
+            .expect("valid counter"),
             spend_cap: GaugeVec::new(
                 Opts::new(
                     "tidegate_spend_cap_per_hour",
@@ -214,6 +245,9 @@ impl Metrics {
             Box::new(self.cost_total.clone()),
             Box::new(self.cost_per_1k_within_slo.clone()),
             Box::new(self.gpu_utilization.clone()),
+            Box::new(self.lease_acquires.clone()),
+            Box::new(self.lease_ends.clone()),
+            Box::new(self.lease_release_failures.clone()),
             Box::new(self.spend_cap.clone()),
             Box::new(self.config_reloads.clone()),
             Box::new(self.config_last_reload_ok.clone()),
@@ -274,6 +308,6 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 18 + 4 * 2, "{names:?}");
+        assert_eq!(names.len(), 21 + 4 * 2, "{names:?}");
     }
 }
