@@ -54,6 +54,22 @@ fn config(kube: &MiniKube, out: &Path, script: &str) -> KubernetesConfig {
     cfg
 }
 
+/// A provider on `kube` holding one on-demand lease (1) whose worker runs,
+/// and its events.
+async fn one_running(
+    kube: &MiniKube,
+    out: &Path,
+) -> (
+    KubernetesProvider,
+    tokio::sync::mpsc::Receiver<ProviderEvent>,
+) {
+    let mut p = KubernetesProvider::connect(config(kube, out, WORKER)).unwrap();
+    let events = p.take_events().unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    wait_for("the worker", || context(kube), || env_of(out, 1).is_some()).await;
+    (p, events)
+}
+
 /// The Pods and the containers' output, for a failure message.
 fn context(kube: &MiniKube) -> String {
     format!("pods: {:#?}\n{}", kube.pods(NS), kube.logs())
@@ -178,15 +194,7 @@ async fn kubernetes_taking_a_spot_pod_is_the_notice_and_the_worker_drains() {
 async fn a_worker_that_dies_ends_its_lease_lost_and_a_pod_that_never_ran_failed() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
-    let mut events = p.take_events().unwrap();
-    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
-    wait_for(
-        "the worker",
-        || context(&kube),
-        || env_of(out.path(), 1).is_some(),
-    )
-    .await;
+    let (p, mut events) = one_running(&kube, out.path()).await;
     kube.kill(NS, "tidegate-worker-1");
     let (reason, detail) = ended(&mut events, LeaseId(1)).await;
     assert_eq!(reason, EndReason::Lost, "{detail}");
@@ -426,15 +434,7 @@ async fn api_errors_are_clear_and_leave_nothing_behind() {
 async fn a_broken_watch_is_resumed_and_events_still_arrive() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
-    let mut events = p.take_events().unwrap();
-    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
-    wait_for(
-        "the worker",
-        || context(&kube),
-        || env_of(out.path(), 1).is_some(),
-    )
-    .await;
+    let (_p, mut events) = one_running(&kube, out.path()).await;
     // the API server restarts: open watches break and the next requests
     // fail; the watcher backs off and lists again
     kube.fail_next("GET", "/api/v1/namespaces/tidegate/pods", 500, 3);
@@ -491,15 +491,7 @@ async fn begin_release_drains_every_worker_at_once_then_each_release_waits() {
 async fn a_refused_delete_keeps_the_pod_held_and_its_end_is_news_again() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
-    let mut events = p.take_events().unwrap();
-    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
-    wait_for(
-        "the worker",
-        || context(&kube),
-        || env_of(out.path(), 1).is_some(),
-    )
-    .await;
+    let (mut p, mut events) = one_running(&kube, out.path()).await;
     // the API server refuses the delete: the release fails, the pod (which
     // still runs, and bills) is still held
     kube.fail_next("DELETE", "/api/v1/namespaces/tidegate/pods/", 500, 1);

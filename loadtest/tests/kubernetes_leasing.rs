@@ -25,10 +25,11 @@ use std::time::Duration;
 use mini_kube::MiniKube;
 use serde_json::Value;
 use support::{
-    CATALOG, assert_every_frame_answered_once, leases, ok_frames, settled_counters, sim_opts,
-    spawn_sim, spot_taken_and_replaced, state, wait_until_explained,
+    CATALOG, assert_every_frame_answered_once, first_spot_lease, leases, ok_frames, one_edge,
+    one_worker_leasing, settled_counters, sim_opts, spawn_sim, spot_taken_and_replaced, state,
+    wait_until_explained,
 };
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::Cluster;
 
 const NS: &str = "tidegate";
 
@@ -54,41 +55,33 @@ fn kube_context(kube: &MiniKube) -> String {
     format!("pods: {pods:?}\n{}", kube.logs())
 }
 
-#[test]
-fn kubernetes_pods_serve_frames_and_a_reclaimed_spot_node_replaces_the_worker() {
-    let kube = MiniKube::start(2);
-    let leasing = "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"tidal\"\ntick_ms = 500\nheadroom = 0.0\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = 5\nworker_fps = 20\nmeasure = false\n";
+/// A leasing gateway whose Kubernetes provider talks to `kube`, with the
+/// `extra` `[leasing]` lines and `tiers` (`[leasing.kubernetes.tiers.*]`
+/// tables; none: on-demand only).
+fn start(kube: &MiniKube, extra: &str, tiers: &str) -> Cluster {
     let section = format!(
-        "kubeconfig = {}\nnamespace = \"{NS}\"\ntermination_grace_period_secs = 5\ngpus = {{ cpu-test = 1 }}\n[leasing.kubernetes.tiers.on_demand]\n[leasing.kubernetes.tiers.spot]\nnode_selector = {{ \"tidegate.test/spot\" = \"true\" }}\n",
+        "kubeconfig = {}\nnamespace = \"{NS}\"\ntermination_grace_period_secs = 5\ngpus = {{ cpu-test = 1 }}\n{tiers}",
         serde_json::Value::String(kube.kubeconfig().display().to_string())
     );
-    let mut c = Cluster::start_leasing_kubernetes(
-        &ClusterOptions {
-            edges: vec!["edge-1".into()],
-            workers: Vec::new(),
-            scheduler: String::new(),
-        },
-        leasing,
+    Cluster::start_leasing_kubernetes(
+        &one_edge(),
+        &one_worker_leasing(extra),
         &section,
         &[("catalog.toml", CATALOG)],
     )
-    .expect("leasing gateway starts");
+    .expect("leasing gateway starts")
+}
 
-    wait_until_explained(
-        &c,
-        Duration::from_secs(90),
-        "a spot lease ready",
-        || kube_context(&kube),
-        || {
-            leases(&c, false)
-                .iter()
-                .any(|l| state(l) == "ready" && l["tier"] == "spot")
-        },
+#[test]
+fn kubernetes_pods_serve_frames_and_a_reclaimed_spot_node_replaces_the_worker() {
+    let kube = MiniKube::start(2);
+    let mut c = start(
+        &kube,
+        "",
+        "[leasing.kubernetes.tiers.on_demand]\n[leasing.kubernetes.tiers.spot]\nnode_selector = { \"tidegate.test/spot\" = \"true\" }\n",
     );
-    let first = leases(&c, false);
-    assert_eq!(first.len(), 1, "{first:#?}");
-    assert_eq!(first[0]["provider"], "kubernetes");
-    let spot_pod = pod_of(&first[0]);
+    let first = first_spot_lease(&c, "kubernetes", || kube_context(&kube));
+    let spot_pod = pod_of(&first);
     let pod = kube.pod(NS, &spot_pod).expect("the spot lease's pod");
     assert_eq!(pod["status"]["phase"], "Running", "{pod:#}");
     assert_eq!(pod["spec"]["nodeSelector"]["tidegate.test/spot"], "true");
@@ -115,22 +108,7 @@ fn kubernetes_pods_serve_frames_and_a_reclaimed_spot_node_replaces_the_worker() 
 #[test]
 fn with_on_stop_keep_a_restart_adopts_the_running_pods_and_pays_no_new_lease() {
     let kube = MiniKube::start(2);
-    let leasing = "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"tidal\"\ntick_ms = 500\nheadroom = 0.0\non_stop = \"keep\"\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = 5\nworker_fps = 20\nmeasure = false\n";
-    let section = format!(
-        "kubeconfig = {}\nnamespace = \"{NS}\"\ntermination_grace_period_secs = 5\ngpus = {{ cpu-test = 1 }}\n",
-        serde_json::Value::String(kube.kubeconfig().display().to_string())
-    );
-    let mut c = Cluster::start_leasing_kubernetes(
-        &ClusterOptions {
-            edges: vec!["edge-1".into()],
-            workers: Vec::new(),
-            scheduler: String::new(),
-        },
-        leasing,
-        &section,
-        &[("catalog.toml", CATALOG)],
-    )
-    .expect("leasing gateway starts");
+    let mut c = start(&kube, "on_stop = \"keep\"\n", "");
     wait_until_explained(
         &c,
         Duration::from_secs(90),

@@ -22,9 +22,10 @@ use std::time::Duration;
 use mini_slurm::MiniSlurm;
 use serde_json::Value;
 use support::{
-    CATALOG, leases, settled_counters, spot_taken_and_replaced, state, wait_until_explained,
+    CATALOG, first_spot_lease, leases, one_edge, one_worker_leasing, settled_counters,
+    spot_taken_and_replaced,
 };
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::Cluster;
 
 fn job_of(l: &Value) -> u64 {
     let data: Value = serde_json::from_str(l["provider_data"].as_str().expect("provider data"))
@@ -44,39 +45,20 @@ fn slurm_context(slurm: &MiniSlurm) -> String {
 #[test]
 fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
     let slurm = MiniSlurm::start();
-    let leasing = "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"tidal\"\ntick_ms = 500\nheadroom = 0.0\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = 5\nworker_fps = 20\nmeasure = false\n";
     let section = format!(
         "slurm_conf = \"{}\"\noutput = \"{}/job-%j.out\"\npoll_interval_ms = 200\npartitions = {{ on_demand = \"ondemand\", spot = \"spot\" }}\ngres = {{ cpu-test = \"gpu:1\" }}\n",
         slurm.conf().display(),
         slurm.path().display()
     );
     let mut c = Cluster::start_leasing_slurm(
-        &ClusterOptions {
-            edges: vec!["edge-1".into()],
-            workers: Vec::new(),
-            scheduler: String::new(),
-        },
-        leasing,
+        &one_edge(),
+        &one_worker_leasing(""),
         &section,
         &[("catalog.toml", CATALOG)],
     )
     .expect("leasing gateway starts");
-
-    wait_until_explained(
-        &c,
-        Duration::from_secs(90),
-        "a spot lease ready",
-        || slurm_context(&slurm),
-        || {
-            leases(&c, false)
-                .iter()
-                .any(|l| state(l) == "ready" && l["tier"] == "spot")
-        },
-    );
-    let first = leases(&c, false);
-    assert_eq!(first.len(), 1, "{first:#?}");
-    assert_eq!(first[0]["provider"], "slurm");
-    let spot_job = job_of(&first[0]);
+    let first = first_spot_lease(&c, "slurm", || slurm_context(&slurm));
+    let spot_job = job_of(&first);
     assert_eq!(slurm.job_state(spot_job).as_deref(), Some("RUNNING"));
     // the status page lists the live lease and its worker
     let (code, page) = c.get("/").expect("GET /");
@@ -84,7 +66,7 @@ fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
     for want in [
         "<h2>Live leases</h2>",
         "<td>slurm</td><td>cpu-test</td><td>spot</td><td>ready</td>",
-        &format!("<td>lease-{}</td>", first[0]["id"]),
+        &format!("<td>lease-{}</td>", first["id"]),
     ] {
         assert!(
             page.contains(want),

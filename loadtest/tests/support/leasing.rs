@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tidegate_loadtest::cluster::Cluster;
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim::{self, SimOptions};
 
@@ -205,4 +205,42 @@ pub fn spot_taken_and_replaced<T>(
         "the notice is logged"
     );
     taken
+}
+
+/// `[leasing]` of the provider tests: one BlazeFace model on the test
+/// catalog's `cpu-test`, the tidal policy with a floor of 5 frames/s at 20
+/// per worker (one lease); `extra` lines are added to the section.
+pub fn one_worker_leasing(extra: &str) -> String {
+    format!(
+        "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"tidal\"\ntick_ms = 500\nheadroom = 0.0\n{extra}[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = 5\nworker_fps = 20\nmeasure = false\n"
+    )
+}
+
+/// One edge (`edge-1`), no listed workers.
+pub fn one_edge() -> ClusterOptions {
+    ClusterOptions {
+        edges: vec!["edge-1".into()],
+        workers: Vec::new(),
+        scheduler: String::new(),
+    }
+}
+
+/// Waits for the first lease, a spot one, to be ready, and returns it:
+/// the only lease so far, of `provider`.
+pub fn first_spot_lease(c: &Cluster, provider: &str, context: impl Fn() -> String) -> Value {
+    wait_until_explained(
+        c,
+        Duration::from_secs(90),
+        "a spot lease ready",
+        context,
+        || {
+            leases(c, false)
+                .iter()
+                .any(|l| state(l) == "ready" && l["tier"] == "spot")
+        },
+    );
+    let first = leases(c, false);
+    assert_eq!(first.len(), 1, "{first:#?}");
+    assert_eq!(first[0]["provider"], provider);
+    first[0].clone()
 }
