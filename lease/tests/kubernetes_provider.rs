@@ -19,16 +19,16 @@ use std::path::Path;
 use std::time::Duration;
 
 use mini_kube::MiniKube;
-use provider::{WORKER, ended, env_of, next_event, spec, var, wait_for};
+use provider::{WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
 use serde_json::Value;
 use tidegate_lease::catalog::{Catalog, Tier};
-use tidegate_lease::ledger::{Ledger, NewLease};
+use tidegate_lease::ledger::Ledger;
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::provider::kubernetes::{
     KubernetesConfig, KubernetesData, KubernetesProvider, Placement, TolerationConfig,
 };
 use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
-use tidegate_lease::table::{LeaseId, LeaseToken};
+use tidegate_lease::table::LeaseId;
 
 const NS: &str = "tidegate";
 
@@ -286,33 +286,11 @@ async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orpha
     let out = tempfile::tempdir().unwrap();
     let db = tempfile::tempdir().unwrap();
     let mut ledger = Ledger::open(&db.path().join("leases.db")).unwrap();
-    let catalog = Catalog::default_catalog();
-    let h100 = catalog.get("h100").unwrap();
     let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
     let mut pods = Vec::new();
     for _ in 0..2 {
-        let token = LeaseToken::generate().unwrap();
-        let now = wall_clock_ms();
-        let id = ledger
-            .insert_requested(&NewLease {
-                provider: "kubernetes",
-                model: Some("blazeface"),
-                instance: h100,
-                tier: Tier::OnDemand,
-                currency: &catalog.currency,
-                requested_at: now,
-                token: Some(token.digest()),
-            })
-            .unwrap();
-        let mut s = spec(id.0, Tier::OnDemand, "h100");
-        s.instance.gpus = 1;
-        s.token = token;
-        let a = p.acquire(s).await.unwrap();
-        ledger
-            .mark_starting(a.lease, now, a.pid, a.provider_data.as_deref())
-            .unwrap();
-        let data: KubernetesData =
-            serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
+        let data = acquire_recorded(&mut p, &mut ledger, "kubernetes", Some(1)).await;
+        let data: KubernetesData = serde_json::from_str(&data).unwrap();
         pods.push(data.pod);
     }
     // a lease whose acquire never recorded its pod (the gateway died in

@@ -14,13 +14,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use mini_slurm::{GRACE_SECS, MiniSlurm};
-use provider::{WORKER, ended, env_of, next_event, spec, var, wait_for};
-use tidegate_lease::catalog::{Catalog, Tier};
-use tidegate_lease::ledger::{Ledger, NewLease};
+use provider::{WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
+use tidegate_lease::catalog::Tier;
+use tidegate_lease::ledger::Ledger;
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::provider::slurm::{SlurmConfig, SlurmData, SlurmProvider};
 use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
-use tidegate_lease::table::{LeaseId, LeaseToken};
+use tidegate_lease::table::LeaseId;
 
 fn config(slurm: &MiniSlurm, out: &Path, script: &str) -> SlurmConfig {
     let mut cfg = SlurmConfig::new("sh", &["-c", script], "ondemand");
@@ -265,31 +265,11 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
     let out = tempfile::tempdir().unwrap();
     let db = tempfile::tempdir().unwrap();
     let mut ledger = Ledger::open(&db.path().join("leases.db")).unwrap();
-    let catalog = Catalog::default_catalog();
-    let h100 = catalog.get("h100").unwrap();
     let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
     let mut jobs = Vec::new();
     for _ in 0..2 {
-        let token = LeaseToken::generate().unwrap();
-        let now = wall_clock_ms();
-        let id = ledger
-            .insert_requested(&NewLease {
-                provider: "slurm",
-                model: Some("blazeface"),
-                instance: h100,
-                tier: Tier::OnDemand,
-                currency: &catalog.currency,
-                requested_at: now,
-                token: Some(token.digest()),
-            })
-            .unwrap();
-        let mut s = spec(id.0, Tier::OnDemand, "h100");
-        s.token = token;
-        let a = p.acquire(s).await.unwrap();
-        ledger
-            .mark_starting(a.lease, now, a.pid, a.provider_data.as_deref())
-            .unwrap();
-        let data: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
+        let data = acquire_recorded(&mut p, &mut ledger, "slurm", None).await;
+        let data: SlurmData = serde_json::from_str(&data).unwrap();
         jobs.push(data.job_id);
     }
     wait_for(

@@ -10,45 +10,10 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::{Path, PathBuf};
 
+use common::corpus::{files, fuzz_dir, replay};
 use tidegate_protocol::fuzzing::{all_kinds, check};
 use tidegate_protocol::{Header, Kind, Limits, Message};
-
-fn fuzz_dir(sub: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz")
-        .join(sub)
-        .join("decode")
-}
-
-/// Every file directly in `dir`, sorted; none when the folder is absent.
-fn files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out: Vec<_> = entries
-        .map(|e| e.expect("readable corpus entry").path())
-        .filter(|p| p.is_file())
-        .map(|p| {
-            let bytes = std::fs::read(&p).expect("readable corpus file");
-            (p, bytes)
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// Replays files through `check`, naming every file that fails.
-fn replay(files: &[(PathBuf, Vec<u8>)]) {
-    let failed: Vec<String> = files
-        .iter()
-        .filter(|(_, bytes)| catch_unwind(AssertUnwindSafe(|| check(bytes))).is_err())
-        .map(|(p, _)| p.display().to_string())
-        .collect();
-    assert!(failed.is_empty(), "fuzz check failed on: {failed:#?}");
-}
 
 /// The seed corpus: valid encodings of every sample, their bodies in the
 /// form `check_decode_body` reads (first byte picks the kind), and
@@ -156,7 +121,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
 
 #[test]
 fn seed_corpus_files_are_up_to_date() {
-    let dir = fuzz_dir("corpus");
+    let dir = fuzz_dir("corpus", "decode");
     let bless = std::env::var_os("TIDEGATE_BLESS_CORPUS").is_some();
     if bless {
         std::fs::create_dir_all(&dir).unwrap();
@@ -199,14 +164,14 @@ fn seeds_are_what_their_names_say() {
 
 #[test]
 fn corpus_replays_through_the_fuzz_check() {
-    let corpus = files(&fuzz_dir("corpus"));
+    let corpus = files(&fuzz_dir("corpus", "decode"));
     assert!(
         corpus.len() >= seeds().len(),
         "fuzz/corpus/decode holds {} files; expected the {} seeds",
         corpus.len(),
         seeds().len()
     );
-    replay(&corpus);
+    replay(&corpus, check);
 
     // The corpus holds a valid encoding of every kind.
     let decoded: BTreeSet<u8> = corpus
@@ -221,5 +186,5 @@ fn corpus_replays_through_the_fuzz_check() {
 #[test]
 fn crash_artifacts_replay_through_the_fuzz_check() {
     // Present only after a fuzz run found something; each must be fixed.
-    replay(&files(&fuzz_dir("artifacts")));
+    replay(&files(&fuzz_dir("artifacts", "decode")), check);
 }

@@ -6,10 +6,11 @@
 //! `fuzz/artifacts/gateway_addr/` after a fuzz run found something) replays
 //! through the same check.
 
-use std::net::{IpAddr, SocketAddr};
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::{Path, PathBuf};
+mod common;
 
+use std::net::{IpAddr, SocketAddr};
+
+use common::corpus::{files, fuzz_dir, replay};
 use proptest::prelude::*;
 use tidegate_protocol::GatewayAddr;
 use tidegate_protocol::fuzzing::check_gateway_addr;
@@ -91,49 +92,15 @@ proptest! {
     }
 }
 
-fn fuzz_dir(sub: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz")
-        .join(sub)
-        .join("gateway_addr")
-}
-
-/// Every file directly in `dir`; none when the folder is absent.
-fn files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out: Vec<_> = entries
-        .map(|e| e.expect("readable corpus entry").path())
-        .filter(|p| p.is_file())
-        .map(|p| {
-            let bytes = std::fs::read(&p).expect("readable corpus file");
-            (p, bytes)
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// Replays files through the fuzz check, naming every file that fails.
-fn replay(files: &[(PathBuf, Vec<u8>)]) {
-    let failed: Vec<String> = files
-        .iter()
-        .filter(|(_, bytes)| catch_unwind(AssertUnwindSafe(|| check_gateway_addr(bytes))).is_err())
-        .map(|(p, _)| p.display().to_string())
-        .collect();
-    assert!(failed.is_empty(), "fuzz check failed on: {failed:#?}");
-}
-
 #[test]
 fn corpus_replays_through_the_fuzz_check_and_seeds_are_what_their_names_say() {
-    let corpus = files(&fuzz_dir("corpus"));
+    let corpus = files(&fuzz_dir("corpus", "gateway_addr"));
     assert!(
         corpus.len() >= 10,
         "fuzz/corpus/gateway_addr holds {} files",
         corpus.len()
     );
-    replay(&corpus);
+    replay(&corpus, check_gateway_addr);
     for (path, bytes) in &corpus {
         let name = path.file_name().unwrap().to_string_lossy();
         let parsed = std::str::from_utf8(bytes)
@@ -150,5 +117,8 @@ fn corpus_replays_through_the_fuzz_check_and_seeds_are_what_their_names_say() {
 #[test]
 fn crash_artifacts_replay_through_the_fuzz_check() {
     // Present only after a fuzz run found something; each must be fixed.
-    replay(&files(&fuzz_dir("artifacts")));
+    replay(
+        &files(&fuzz_dir("artifacts", "gateway_addr")),
+        check_gateway_addr,
+    );
 }

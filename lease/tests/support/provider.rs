@@ -8,8 +8,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tidegate_lease::catalog::{Catalog, Tier};
+use tidegate_lease::ledger::{Ledger, NewLease};
 use tidegate_lease::lifecycle::EndReason;
-use tidegate_lease::provider::{LeaseSpec, ProviderEvent};
+use tidegate_lease::provider::{LeaseSpec, Provider, ProviderEvent, wall_clock_ms};
 use tidegate_lease::table::{LeaseId, LeaseToken};
 use tokio::sync::mpsc;
 
@@ -79,4 +80,40 @@ pub fn env_of(out: &Path, lease: u64) -> Option<String> {
 pub fn var<'a>(env: &'a str, name: &str) -> Option<&'a str> {
     env.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
+}
+
+/// Acquires an on-demand `h100` lease through `p` as the gateway does:
+/// recorded in `ledger` (as `provider`) with its token first, marked
+/// starting with the provider's data after. `gpus` overrides the type's
+/// count. Returns the provider data.
+pub async fn acquire_recorded(
+    p: &mut impl Provider,
+    ledger: &mut Ledger,
+    provider: &str,
+    gpus: Option<u32>,
+) -> String {
+    let catalog = Catalog::default_catalog();
+    let token = LeaseToken::generate().unwrap();
+    let now = wall_clock_ms();
+    let id = ledger
+        .insert_requested(&NewLease {
+            provider,
+            model: Some("blazeface"),
+            instance: catalog.get("h100").unwrap(),
+            tier: Tier::OnDemand,
+            currency: &catalog.currency,
+            requested_at: now,
+            token: Some(token.digest()),
+        })
+        .unwrap();
+    let mut s = spec(id.0, Tier::OnDemand, "h100");
+    if let Some(g) = gpus {
+        s.instance.gpus = g;
+    }
+    s.token = token;
+    let a = p.acquire(s).await.unwrap();
+    ledger
+        .mark_starting(a.lease, now, a.pid, a.provider_data.as_deref())
+        .unwrap();
+    a.provider_data.expect("provider data for adoption")
 }

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod corpus;
+
 use bytes::Bytes;
 use tidegate_protocol::*;
 
