@@ -7,7 +7,9 @@
 #   2. The ONNX Runtime shared library, extracted from a pinned PyPI wheel
 #      (sha256 checked) into the tidegate cache, where tidegate-worker finds it.
 #   3. promtool, from the pinned Debian prometheus package (sha256 checked).
-#   4. The models and test imagery (models/fetch.sh and scripts/test-video.sh,
+#   4. NVRTC (the CUDA runtime compiler, no GPU needed), from NVIDIA's pinned
+#      PyPI wheel (sha256 checked), for the GPU kernel's compile check.
+#   5. The models and test imagery (models/fetch.sh and scripts/test-video.sh,
 #      pinned and checksummed).
 # Re-running it is cheap: every step checks before it acts.
 set -euo pipefail
@@ -108,7 +110,43 @@ else
   say "promtool: $("$promtool_dir/promtool" --version 2>&1 | head -1) in $promtool_dir"
 fi
 
-# --- 4. Models and imagery --------------------------------------------------
+# --- 4. NVRTC ----------------------------------------------------------------
+# The worker's GPU preprocessing kernel is compiled by NVRTC at start. NVRTC
+# needs no GPU and no driver, so cloud-worker/tests/gpu_kernel.rs compiles the
+# kernel with it on any machine. It comes from NVIDIA's PyPI wheel, pinned by
+# version and sha256; only the two libraries are kept, in the cache.
+NVRTC_VERSION=12.9.86
+NVRTC_WHEEL="nvidia_cuda_nvrtc_cu12-${NVRTC_VERSION}-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl"
+NVRTC_WHEEL_SHA256=210cf05005a447e29214e9ce50851e83fc5f4358df8b453155d5e1918094dcb4
+NVRTC_LIB_SHA256=7c67c6b51ea0e0279634cebd676ff7efda1674806444520c84430ad5c35fe625
+NVRTC_BUILTINS="libnvrtc-builtins.so.${NVRTC_VERSION%.*}"
+NVRTC_BUILTINS_SHA256=6507cf33450cfb22970c2c1e7aa8e7c0a33e39d864720277b05f61a92791e2e8
+nvrtc_dir="$TIDEGATE_CACHE/cuda-nvrtc/$NVRTC_VERSION"
+if [ -f "$nvrtc_dir/libnvrtc.so.12" ] && [ -f "$nvrtc_dir/$NVRTC_BUILTINS" ] \
+  && [ "$(sha256sum "$nvrtc_dir/libnvrtc.so.12" | cut -d' ' -f1)" = "$NVRTC_LIB_SHA256" ]; then
+  say "NVRTC $NVRTC_VERSION: present in $nvrtc_dir"
+else
+  dl="$TIDEGATE_CACHE/downloads"
+  mkdir -p "$dl" "$nvrtc_dir"
+  if [ ! -f "$dl/$NVRTC_WHEEL" ]; then
+    say "downloading nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION from PyPI (90 MB)"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+      --platform manylinux_2_12_x86_64 -d "$dl" "nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION" \
+      || die "pip download nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION failed; check access to PyPI and re-run 'make setup'"
+  fi
+  verify_sha256 "$dl/$NVRTC_WHEEL" "$NVRTC_WHEEL_SHA256" || die "NVRTC wheel checksum mismatch"
+  tmp="$(mktemp -d)"
+  unzip -q -o -j "$dl/$NVRTC_WHEEL" "nvidia/cuda_nvrtc/lib/libnvrtc.so.12" \
+    "nvidia/cuda_nvrtc/lib/$NVRTC_BUILTINS" -d "$tmp"
+  verify_sha256 "$tmp/libnvrtc.so.12" "$NVRTC_LIB_SHA256" || die "libnvrtc checksum mismatch"
+  verify_sha256 "$tmp/$NVRTC_BUILTINS" "$NVRTC_BUILTINS_SHA256" || die "NVRTC builtins checksum mismatch"
+  mv "$tmp/$NVRTC_BUILTINS" "$nvrtc_dir/"
+  mv "$tmp/libnvrtc.so.12" "$nvrtc_dir/"
+  rmdir "$tmp"
+  say "NVRTC $NVRTC_VERSION: installed in $nvrtc_dir"
+fi
+
+# --- 5. Models and imagery --------------------------------------------------
 "$root/models/fetch.sh"
 bash "$root/scripts/test-video.sh"
 

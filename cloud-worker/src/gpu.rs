@@ -192,6 +192,45 @@ pub fn device(ordinal: usize) -> Result<GpuInfo, GpuError> {
     })
 }
 
+/// Compiles [`KERNEL_SOURCE`] to PTX, as [`GpuPreprocessor::new`] does, for
+/// the virtual architecture `arch` (e.g. `compute_90`; `None`: NVRTC's
+/// default, which the driver JIT-compiles for any later GPU). Needs NVRTC
+/// only: no driver, no GPU.
+pub fn compile_kernel(arch: Option<&'static str>) -> Result<cudarc::nvrtc::Ptx, GpuError> {
+    compile_source(KERNEL_SOURCE, arch)
+}
+
+/// Compiles CUDA `source` with the kernel's options: no fused multiply-add,
+/// so that the arithmetic rounds as the CPU path's does. A rejected source
+/// is [`GpuError::Compile`] with NVRTC's log (file, line and message).
+pub fn compile_source(
+    source: &str,
+    arch: Option<&'static str>,
+) -> Result<cudarc::nvrtc::Ptx, GpuError> {
+    use cudarc::nvrtc::CompileError;
+    if !nvrtc_present() {
+        return Err(GpuError::NoNvrtc);
+    }
+    cudarc::nvrtc::compile_ptx_with_opts(
+        source,
+        cudarc::nvrtc::CompileOptions {
+            fmad: Some(false),
+            arch,
+            name: Some(KERNEL_FILE.into()),
+            ..Default::default()
+        },
+    )
+    .map_err(|e| {
+        GpuError::Compile(match e {
+            CompileError::CompileError { log, .. } => log.to_string_lossy().trim_end().to_string(),
+            other => other.to_string(),
+        })
+    })
+}
+
+/// The file name NVRTC gives the kernel in its messages.
+pub const KERNEL_FILE: &str = "tidegate_preprocess.cu";
+
 /// Preprocessing of one model's batches on one GPU.
 pub struct GpuPreprocessor {
     stream: Arc<CudaStream>,
@@ -236,15 +275,7 @@ impl GpuPreprocessor {
             }
         };
         let ctx = CudaContext::new(ordinal).map_err(cuda("opening the device"))?;
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
-            KERNEL_SOURCE,
-            cudarc::nvrtc::CompileOptions {
-                fmad: Some(false),
-                name: Some("tidegate_preprocess.cu".into()),
-                ..Default::default()
-            },
-        )
-        .map_err(|e| GpuError::Compile(e.to_string()))?;
+        let ptx = compile_kernel(None)?;
         let module = ctx.load_module(ptx).map_err(cuda("loading the kernel"))?;
         let function = module
             .load_function(KERNEL_NAME)

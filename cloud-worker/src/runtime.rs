@@ -240,6 +240,26 @@ pub fn locate(library: Option<&Path>) -> Result<(PathBuf, LibrarySource), Runtim
     )
 }
 
+/// The tidegate cache, where `make setup` (scripts/cache.sh) puts what it
+/// downloads: `TIDEGATE_CACHE`, else `$XDG_CACHE_HOME/tidegate`, else
+/// `$HOME/.cache/tidegate`.
+pub fn cache_dir() -> Result<PathBuf, RuntimeError> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    cache_dir_with(var("TIDEGATE_CACHE"), var("XDG_CACHE_HOME"), var("HOME"))
+        .ok_or(RuntimeError::NoCacheDir)
+}
+
+fn cache_dir_with(
+    tidegate_cache: Option<OsString>,
+    xdg_cache: Option<OsString>,
+    home: Option<OsString>,
+) -> Option<PathBuf> {
+    tidegate_cache
+        .map(PathBuf::from)
+        .or_else(|| xdg_cache.map(|x| PathBuf::from(x).join("tidegate")))
+        .or_else(|| home.map(|h| PathBuf::from(h).join(".cache").join("tidegate")))
+}
+
 /// [`locate`] over given environment values (unset or empty as `None`).
 fn locate_with(
     library: Option<&Path>,
@@ -254,11 +274,7 @@ fn locate_with(
     if let Some(p) = ort_dylib {
         return Ok((PathBuf::from(p), LibrarySource::Env));
     }
-    let cache = tidegate_cache
-        .map(PathBuf::from)
-        .or_else(|| xdg_cache.map(|x| PathBuf::from(x).join("tidegate")))
-        .or_else(|| home.map(|h| PathBuf::from(h).join(".cache").join("tidegate")))
-        .ok_or(RuntimeError::NoCacheDir)?;
+    let cache = cache_dir_with(tidegate_cache, xdg_cache, home).ok_or(RuntimeError::NoCacheDir)?;
     Ok((
         cache.join("onnxruntime").join(ORT_VERSION).join(format!(
             "{}onnxruntime{}",
