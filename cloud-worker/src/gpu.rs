@@ -9,8 +9,9 @@
 //! panics when a symbol is first used from a library it cannot load).
 //!
 //! [`GpuPreprocessor`] compiles [`KERNEL_SOURCE`] with NVRTC once at start.
-//! Per batch, each u8 frame is copied to the device once, as u8 (a quarter of
-//! the f32 bytes), and the kernel writes the model's f32 input (layout,
+//! Per batch, the u8 frames are gathered into a page-locked staging buffer
+//! and copied to the device in one transfer, as u8 (a quarter of the f32
+//! bytes), and one kernel launch writes the model's f32 input (layout,
 //! channel order, `(p * scale - mean) / std`) into a device buffer that ONNX
 //! Runtime reads in place through IO binding ([`crate::backend`]).
 
@@ -21,7 +22,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use tidegate_protocol::{DType, Layout};
 
@@ -30,10 +31,11 @@ use crate::model::{ColorOrder, InputSpec};
 /// The kernel's entry point in [`KERNEL_SOURCE`].
 pub const KERNEL_NAME: &str = "tidegate_preprocess";
 
-/// u8 RGB frame (NHWC or NCHW) → f32 model input (NHWC or NCHW), one thread
-/// per pixel (grid-stride), the three channels each. The arithmetic is the
-/// CPU path's, in the same order and without fused multiply-add, so both give
-/// the same floats.
+/// u8 RGB frames (NHWC or NCHW) → f32 model input (NHWC or NCHW). Row
+/// `blockIdx.y` of the grid is frame `blockIdx.y` of the batch; within it,
+/// one thread per pixel (grid-stride), the three channels each. The
+/// arithmetic is the CPU path's, in the same order and without fused
+/// multiply-add, so both give the same floats.
 pub const KERNEL_SOURCE: &str = r#"
 extern "C" __global__ void tidegate_preprocess(
     const unsigned char* __restrict__ src, float* __restrict__ dst,
@@ -41,6 +43,9 @@ extern "C" __global__ void tidegate_preprocess(
     int c0, int c1, int c2, float scale,
     float m0, float m1, float m2, float s0, float s1, float s2)
 {
+    const long long frame = (long long)blockIdx.y * pixels * 3;
+    src += frame;
+    dst += frame;
     const int sc[3] = {c0, c1, c2};
     const float mean[3] = {m0, m1, m2};
     const float sd[3] = {s0, s1, s2};
@@ -58,12 +63,14 @@ extern "C" __global__ void tidegate_preprocess(
 /// Threads per block.
 pub const BLOCK: u32 = 256;
 
-/// Blocks and threads for `pixels` pixels: one thread each, at most 65535
-/// blocks (the kernel strides over the rest).
-pub fn launch_config(pixels: usize) -> LaunchConfig {
+/// Blocks and threads for `frames` frames of `pixels` pixels: a row of
+/// blocks per frame, one thread per pixel, at most 65535 blocks a row (the
+/// kernel strides over the rest). `frames` is at most a batch, far below
+/// the 65535 rows a grid may have.
+pub fn launch_config(pixels: usize, frames: usize) -> LaunchConfig {
     let blocks = pixels.div_ceil(BLOCK as usize).clamp(1, 65_535) as u32;
     LaunchConfig {
-        grid_dim: (blocks, 1, 1),
+        grid_dim: (blocks, frames.clamp(1, 65_535) as u32, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -231,11 +238,28 @@ pub fn compile_source(
 /// The file name NVRTC gives the kernel in its messages.
 pub const KERNEL_FILE: &str = "tidegate_preprocess.cu";
 
+/// The batch as runs of consecutive frames in the same layout, `(first
+/// frame, frames, layout)`: one kernel launch each (one for a batch from one
+/// edge).
+pub fn layout_runs(layouts: impl IntoIterator<Item = Layout>) -> Vec<(usize, usize, Layout)> {
+    let mut runs: Vec<(usize, usize, Layout)> = Vec::new();
+    for (k, layout) in layouts.into_iter().enumerate() {
+        match runs.last_mut() {
+            Some((_, n, l)) if *l == layout => *n += 1,
+            _ => runs.push((k, 1, layout)),
+        }
+    }
+    runs
+}
+
 /// Preprocessing of one model's batches on one GPU.
 pub struct GpuPreprocessor {
     stream: Arc<CudaStream>,
     function: CudaFunction,
     params: KernelParams,
+    /// Page-locked host memory the batch is gathered into, `max_batch`
+    /// frames, so that it crosses to the device in one DMA transfer.
+    staging: PinnedHostSlice<u8>,
     /// The frames as uploaded (u8), `max_batch` frames.
     frames: CudaSlice<u8>,
     /// The model input (f32), `max_batch` frames.
@@ -282,6 +306,20 @@ impl GpuPreprocessor {
             .map_err(cuda("finding the kernel"))?;
         let stream = ctx.default_stream();
         let len = params.pixels * 3 * max_batch.max(1);
+        // SAFETY: the memory is uninitialised until the write below, and
+        // nothing reads it before.
+        let mut staging = unsafe { ctx.alloc_pinned::<u8>(len) }
+            .map_err(cuda("allocating the page-locked staging buffer"))?;
+        // SAFETY: `staging` holds `len` bytes; this initialises all of them.
+        unsafe {
+            std::ptr::write_bytes(
+                staging
+                    .as_mut_ptr()
+                    .map_err(cuda("initialising the staging buffer"))?,
+                0,
+                len,
+            )
+        };
         let frames = stream
             .alloc_zeros::<u8>(len)
             .map_err(cuda("allocating the frame buffer"))?;
@@ -292,6 +330,7 @@ impl GpuPreprocessor {
             stream,
             function,
             params,
+            staging,
             frames,
             input,
             max_batch: max_batch.max(1),
@@ -303,9 +342,9 @@ impl GpuPreprocessor {
         &self.params
     }
 
-    /// Uploads `frames` (u8, each `pixels * 3` bytes in its own layout) and
-    /// converts them into the model input on the device; returns once the
-    /// input is ready.
+    /// Uploads `frames` (u8, each `pixels * 3` bytes in its own layout) in
+    /// one transfer and converts them into the model input on the device
+    /// (one launch per [`layout_runs`] run); returns once the input is ready.
     pub fn convert(&mut self, frames: &[(&[u8], Layout)]) -> Result<(), GpuError> {
         let len = self.params.pixels * 3;
         if frames.len() > self.max_batch || frames.iter().any(|(f, _)| f.len() != len) {
@@ -321,22 +360,34 @@ impl GpuPreprocessor {
                 message: e.to_string(),
             }
         };
-        let cfg = launch_config(self.params.pixels);
+        let batch = frames.len() * len;
+        {
+            let staging = self
+                .staging
+                .as_mut_slice()
+                .map_err(cuda("waiting for the staging buffer"))?;
+            for ((data, _), slot) in frames.iter().zip(staging.chunks_exact_mut(len)) {
+                slot.copy_from_slice(data);
+            }
+        }
+        let staged = &self
+            .staging
+            .as_slice()
+            .map_err(cuda("waiting for the staging buffer"))?[..batch];
+        self.stream
+            .memcpy_htod(staged, &mut self.frames.slice_mut(0..batch))
+            .map_err(cuda("uploading the batch"))?;
         let p = &self.params;
         let pixels = p.pixels as i64;
         let dst_planar = i32::from(p.dst_planar);
         let [c0, c1, c2] = p.source_channel;
         let [m0, m1, m2] = p.mean;
         let [s0, s1, s2] = p.std;
-        for (k, (data, layout)) in frames.iter().enumerate() {
-            let range = k * len..(k + 1) * len;
-            let mut dst = self.frames.slice_mut(range.clone());
-            self.stream
-                .memcpy_htod(*data, &mut dst)
-                .map_err(cuda("uploading a frame"))?;
+        for (first, count, layout) in layout_runs(frames.iter().map(|(_, l)| *l)) {
+            let range = first * len..(first + count) * len;
             let src = self.frames.slice(range.clone());
             let mut out = self.input.slice_mut(range);
-            let src_planar = i32::from(*layout == Layout::Nchw);
+            let src_planar = i32::from(layout == Layout::Nchw);
             let mut launch = self.stream.launch_builder(&self.function);
             launch
                 .arg(&src)
@@ -355,9 +406,11 @@ impl GpuPreprocessor {
                 .arg(&s1)
                 .arg(&s2);
             // SAFETY: the arguments match the kernel's signature in type and
-            // order; `src` and `out` hold `pixels * 3` elements each, which
-            // is every index the kernel touches.
-            unsafe { launch.launch(cfg) }.map_err(cuda("launching the kernel"))?;
+            // order; `src` and `out` hold `count` frames of `pixels * 3`
+            // elements, and the grid has `count` rows, one per frame, so
+            // every index the kernel touches is inside them.
+            unsafe { launch.launch(launch_config(p.pixels, count)) }
+                .map_err(cuda("launching the kernel"))?;
         }
         // ONNX Runtime reads the input on its own stream: finish ours first.
         self.stream
@@ -517,12 +570,24 @@ mod tests {
 
     #[test]
     fn launch_covers_every_pixel_within_grid_limits() {
-        let c = launch_config(128 * 128);
+        let c = launch_config(128 * 128, 8);
         assert_eq!(c.block_dim, (BLOCK, 1, 1));
         assert_eq!(c.grid_dim.0 as usize * BLOCK as usize, 128 * 128);
-        assert_eq!(launch_config(1).grid_dim.0, 1);
-        assert_eq!(launch_config(0).grid_dim.0, 1);
-        assert_eq!(launch_config(usize::MAX / 2).grid_dim.0, 65_535);
+        assert_eq!(c.grid_dim.1, 8, "a row of blocks per frame");
+        assert_eq!(launch_config(1, 1).grid_dim, (1, 1, 1));
+        assert_eq!(launch_config(0, 0).grid_dim, (1, 1, 1));
+        assert_eq!(launch_config(usize::MAX / 2, 32).grid_dim, (65_535, 32, 1));
+    }
+
+    #[test]
+    fn a_batch_launches_once_per_run_of_one_layout() {
+        use Layout::{Nchw, Nhwc};
+        assert_eq!(layout_runs([]), vec![]);
+        assert_eq!(layout_runs([Nhwc; 32]), vec![(0, 32, Nhwc)]);
+        assert_eq!(
+            layout_runs([Nhwc, Nhwc, Nchw, Nhwc, Nchw, Nchw]),
+            vec![(0, 2, Nhwc), (2, 1, Nchw), (3, 1, Nhwc), (4, 2, Nchw)]
+        );
     }
 
     #[test]

@@ -131,25 +131,23 @@ fn kernel_matches_the_cpu_preprocessor_for_every_layout_and_channel_order() {
                 },
             };
             let mut pre = GpuPreprocessor::new("m", 0, &spec, 2).unwrap();
-            for src_layout in [Layout::Nhwc, Layout::Nchw] {
-                let batch: Vec<(&[u8], Layout)> = src
-                    .chunks_exact(frame_len)
-                    .map(|f| (f, src_layout))
-                    .collect();
+            // One layout for the batch (one launch), and a mixed batch (a
+            // launch per run of one layout).
+            let (nhwc, nchw) = (Layout::Nhwc, Layout::Nchw);
+            for src_layouts in [[nhwc, nhwc], [nchw, nchw], [nhwc, nchw]] {
+                let batch: Vec<(&[u8], Layout)> =
+                    src.chunks_exact(frame_len).zip(src_layouts).collect();
                 pre.convert(&batch).unwrap();
                 let got = pre.download(2).unwrap();
                 let mut want = vec![f32::NAN; src.len()];
                 let cpu = Preprocessor::new(&spec);
-                for (f, out) in src
-                    .chunks_exact(frame_len)
-                    .zip(want.chunks_exact_mut(frame_len))
-                {
-                    cpu.to_f32(f, src_layout, out).unwrap();
+                for ((f, src_layout), out) in batch.iter().zip(want.chunks_exact_mut(frame_len)) {
+                    cpu.to_f32(f, *src_layout, out).unwrap();
                 }
                 let worst = max_diff(&got, &want);
                 assert!(
                     worst <= 1e-6,
-                    "model {layout}/{color:?}, frames {src_layout}: max |diff| {worst}"
+                    "model {layout}/{color:?}, frames {src_layouts:?}: max |diff| {worst}"
                 );
             }
         }

@@ -8,7 +8,8 @@
 //! - A kernel NVRTC rejects is reported with NVRTC's own message.
 //! - The same kernel source, compiled for this CPU by the system C++
 //!   compiler with CUDA's built-in variables defined, and run thread by
-//!   thread over the worker's launch configuration, gives the CPU
+//!   thread over the worker's launch configuration (one launch for the
+//!   batch, a row of blocks per frame), gives the CPU
 //!   preprocessor's floats for every layout and channel order. The kernel has
 //!   no shared memory, no synchronisation and no atomics, and each thread
 //!   writes its own pixels, so running its threads one after another is one
@@ -194,14 +195,15 @@ int main(int argc, char** argv) {
     fclose(in);
     // NaN marks what no thread wrote.
     for (auto& v : dst) { unsigned int u = 0x7fc00000u; memcpy(&v, &u, sizeof v); }
-    gridDim = {(unsigned int)atoi(argv[17]), 1, 1};
+    // One launch over the whole batch: a row of blocks per frame.
+    gridDim = {(unsigned int)atoi(argv[17]), (unsigned int)frames, 1};
     blockDim = {(unsigned int)atoi(argv[18]), 1, 1};
-    for (long long k = 0; k < frames; ++k)
+    for (unsigned int y = 0; y < gridDim.y; ++y)
         for (unsigned int b = 0; b < gridDim.x; ++b)
             for (unsigned int t = 0; t < blockDim.x; ++t) {
-                blockIdx = {b, 0, 0};
+                blockIdx = {b, y, 0};
                 threadIdx = {t, 0, 0};
-                tidegate_preprocess(src.data() + k * len, dst.data() + k * len, pixels,
+                tidegate_preprocess(src.data(), dst.data(), pixels,
                     atoi(argv[5]), atoi(argv[6]), atoi(argv[7]), atoi(argv[8]), atoi(argv[9]),
                     bits(argv[10]), bits(argv[11]), bits(argv[12]), bits(argv[13]),
                     bits(argv[14]), bits(argv[15]), bits(argv[16]));
@@ -241,8 +243,8 @@ impl HostKernel {
         Ok(HostKernel { exe, _dir: dir })
     }
 
-    /// Runs the kernel over `frames` (each `pixels * 3` bytes) with a grid
-    /// of `grid` blocks of `block` threads.
+    /// Runs the kernel once over `frames` (each `pixels * 3` bytes, one row
+    /// of the grid each) with rows of `grid` blocks of `block` threads.
     fn run(
         &self,
         params: &KernelParams,
@@ -331,7 +333,8 @@ fn the_kernel_run_on_the_host_gives_the_cpu_preprocessors_floats() {
                 let spec = spec(width, height, layout, color, n);
                 let params = KernelParams::new("m", &spec).unwrap();
                 let cpu = Preprocessor::new(&spec);
-                let launch = gpu::launch_config(params.pixels);
+                let launch = gpu::launch_config(params.pixels, 3);
+                assert_eq!(launch.grid_dim.1, 3, "a row per frame");
                 // The worker's launch, and a grid too small for the frame, so
                 // that each thread strides over several pixels.
                 let grids = [(launch.grid_dim.0, launch.block_dim.0), (2, 5)];
