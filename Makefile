@@ -37,13 +37,15 @@ loadtest: release
 	./target/release/tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10 \
 	  --report target/loadtest.json --svg target/loadtest.svg
 
-## Scheduler cost, relay overhead against raw quinn, and overload with and
-## without frame-rate hints; JSON in target/bench-*.json.
+## Scheduler cost, relay overhead against raw quinn, overload with and
+## without frame-rate hints, and a worker's time to ready; JSON in
+## target/bench-*.json.
 bench: release
 	./target/release/tidegate-bench --report target/bench-scheduler.json scheduler
 	./target/release/tidegate-bench --report target/bench-relay-1.json relay --frames 2000 --concurrency 1
 	./target/release/tidegate-bench --report target/bench-relay-8.json relay --frames 4000 --concurrency 8
 	./target/release/tidegate-bench --report target/bench-hints.json hints --workers 1 --cameras 32 --fps 30 --seconds 5 --rounds 2
+	./target/release/tidegate-bench --report target/bench-startup.json startup --runs 5
 
 ## Run the protocol fuzzer for 60 s, the gateway-address parser's and the
 ## edge's webhook-answer fuzzers for 30 s each (needs cargo-fuzz and a

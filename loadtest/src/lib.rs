@@ -28,4 +28,27 @@ pub mod relay;
 pub mod report;
 pub mod schedbench;
 pub mod sim;
+pub mod startup;
 pub mod svg;
+
+/// The median of `xs` (the mean of the middle two for an even count; NaN
+/// for none).
+pub(crate) fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(super::median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(super::median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(super::median(&[]).is_nan());
+    }
+}

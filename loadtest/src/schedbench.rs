@@ -123,11 +123,6 @@ impl Bench {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Measures `queued` frames with `workers` workers: `samples` samples of
 /// `per_sample` decisions of each kind.
 pub fn run(queued: usize, workers: usize, samples: usize, per_sample: usize) -> SchedResult {
@@ -174,8 +169,8 @@ pub fn run(queued: usize, workers: usize, samples: usize, per_sample: usize) -> 
     }
     assert!(b.s.counters().balanced());
     assert_eq!(b.s.queue_len(MODEL), queued, "the queue kept its length");
-    let arrival_ns = median(arrival);
-    let completion_ns = median(completion);
+    let arrival_ns = crate::median(&arrival);
+    let completion_ns = crate::median(&completion);
     SchedResult {
         queued,
         workers,

@@ -76,3 +76,15 @@ fn hints_benchmark_runs_both_kinds_and_loses_nothing() {
     }
     assert!(stderr.contains("obeying hints") && stderr.contains("ignoring hints"));
 }
+
+#[test]
+fn startup_benchmark_times_both_kinds_of_start() {
+    let r = tidegate_loadtest::startup::run(1, "blazeface").expect("startup benchmark runs");
+    assert_eq!((r.registered_ms.len(), r.check_config_ms.len()), (1, 1));
+    for ms in [r.registered_median_ms, r.check_config_median_ms] {
+        assert!(ms.is_finite() && ms > 0.0, "{r:?}");
+    }
+    assert!(r.ratio_registered_over_check_config > 0.0, "{r:?}");
+    let e = tidegate_loadtest::startup::run(0, "blazeface").unwrap_err();
+    assert!(e.to_string().contains("runs must be in 1..=20"), "{e}");
+}

@@ -10,6 +10,9 @@
 //!   BlazeFace workers), with cameras that obey the gateway's frame-rate
 //!   hints and with cameras that ignore them, alternating in the same run
 //!   (ratios obeyed / ignored).
+//! - `startup`: a worker's time from process start to registered with a
+//!   gateway, against its `check-config` (the same loading, warm-up and
+//!   profiling, no network), alternating (ratio registered / check-config).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -19,7 +22,7 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::report::Report;
-use tidegate_loadtest::{relay, schedbench, sim};
+use tidegate_loadtest::{relay, schedbench, sim, startup};
 
 /// tidegate benchmarks (JSON on stdout, and in --report).
 #[derive(Debug, Parser)]
@@ -76,6 +79,16 @@ enum Command {
         /// first in even ones (at most 10).
         #[arg(long, default_value_t = 2)]
         rounds: usize,
+    },
+    /// A worker's time to ready (registered with a gateway) against its
+    /// `check-config`, alternating.
+    Startup {
+        /// Runs of each (at most 20; medians reported).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// The model the worker serves, from the repository's models/.
+        #[arg(long, default_value = "blazeface")]
+        model: String,
     },
 }
 
@@ -142,6 +155,7 @@ fn main() -> anyhow::Result<()> {
             seconds,
             rounds,
         } => hints(workers, cameras, fps, seconds, rounds)?,
+        Command::Startup { runs, model } => serde_json::to_value(startup::run(runs, &model)?)?,
     };
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");
