@@ -18,18 +18,6 @@ die() { printf 'models: error: %s\n' "$*" >&2; exit 1; }
 dl="$TIDEGATE_CACHE/downloads"
 mkdir -p "$dl"
 
-# fetch_wheel SPEC WHEEL SHA256
-fetch_wheel() {
-  local spec="$1" wheel="$2" sha="$3"
-  if [ ! -f "$dl/$wheel" ]; then
-    say "downloading $spec from PyPI"
-    python3 -m pip download --quiet --no-deps --only-binary=:all: \
-      --python-version 3.11 --platform manylinux_2_28_x86_64 -d "$dl" "$spec" \
-      || die "pip download $spec failed; check access to PyPI and re-run 'make setup'"
-  fi
-  verify_sha256 "$dl/$wheel" "$sha"
-}
-
 # install_checked SRC DEST SHA256: copies SRC to DEST, then verifies DEST.
 install_checked() {
   cp "$1" "$2.tmp" && mv "$2.tmp" "$2"

@@ -33,6 +33,24 @@ fetch_npm() {
   verify_sha256 "$dl/$tarball" "$sha"
 }
 
+# fetch_wheel SPEC WHEEL SHA256 [PLATFORM]: `pip download`s SPEC (a wheel for
+# CPython 3.11 on PLATFORM, default manylinux_2_28_x86_64) into the downloads
+# folder of the cache unless WHEEL is already there, then checks its digest.
+fetch_wheel() {
+  local spec="$1" wheel="$2" sha="$3" platform="${4:-manylinux_2_28_x86_64}"
+  local dl="$TIDEGATE_CACHE/downloads"
+  mkdir -p "$dl"
+  if [ ! -f "$dl/$wheel" ]; then
+    printf 'downloading %s from PyPI\n' "$spec" >&2
+    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+      --python-version 3.11 --platform "$platform" -d "$dl" "$spec" || {
+      printf "pip download %s failed; check access to PyPI and re-run 'make setup'\n" "$spec" >&2
+      return 1
+    }
+  fi
+  verify_sha256 "$dl/$wheel" "$sha"
+}
+
 # npm @vladmandic/human@3.3.6 (MIT, 28 MB): the emotion classifier and CenterNet
 # (make setup, models/fetch.sh) are TF.js graph models in it.
 HUMAN_NPM="@vladmandic/human@3.3.6"

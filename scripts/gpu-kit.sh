@@ -66,13 +66,7 @@ say "ONNX Runtime's GPU build (pinned onnxruntime-gpu wheel)"
 ver=1.31.1
 wheel="onnxruntime_gpu-$ver-cp311-cp311-manylinux_2_28_x86_64.whl"
 wheel_sha=e26c475fe361b2015f45b4b824bd13f0bb20204e59b62814e6f0acd5f3d491a6
-mkdir -p "$TIDEGATE_CACHE/downloads"
-if [ ! -f "$TIDEGATE_CACHE/downloads/$wheel" ]; then
-  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
-    --platform manylinux_2_28_x86_64 -d "$TIDEGATE_CACHE/downloads" "onnxruntime-gpu==$ver" \
-    || die "cannot download onnxruntime-gpu==$ver from PyPI"
-fi
-verify_sha256 "$TIDEGATE_CACHE/downloads/$wheel" "$wheel_sha" || die "onnxruntime-gpu checksum mismatch"
+fetch_wheel "onnxruntime-gpu==$ver" "$wheel" "$wheel_sha" || die "cannot fetch onnxruntime-gpu==$ver (see above)"
 packed="$TIDEGATE_CACHE/onnxruntime-gpu/$ver.tar.xz"
 if [ ! -f "$packed" ]; then
   say "compressing the CUDA provider (xz, a few minutes, once)"

@@ -67,15 +67,9 @@ if [ -f "$ort_dir/libonnxruntime.so" ]; then
   say "ONNX Runtime $ORT_VERSION: present in $ort_dir"
 else
   dl="$TIDEGATE_CACHE/downloads"
-  mkdir -p "$dl" "$ort_dir"
-  if [ ! -f "$dl/$ORT_WHEEL" ]; then
-    say "downloading onnxruntime==$ORT_VERSION from PyPI"
-    python3 -m pip download --quiet --no-deps --only-binary=:all: \
-      --python-version 3.11 --platform manylinux_2_28_x86_64 \
-      -d "$dl" "onnxruntime==$ORT_VERSION" \
-      || die "pip download onnxruntime==$ORT_VERSION failed; check access to PyPI and re-run 'make setup'"
-  fi
-  verify_sha256 "$dl/$ORT_WHEEL" "$ORT_WHEEL_SHA256"
+  mkdir -p "$ort_dir"
+  fetch_wheel "onnxruntime==$ORT_VERSION" "$ORT_WHEEL" "$ORT_WHEEL_SHA256" \
+    || die "could not fetch onnxruntime==$ORT_VERSION (see above)"
   tmp="$(mktemp -d)"
   unzip -q -o -j "$dl/$ORT_WHEEL" "onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" \
     "onnxruntime/capi/libonnxruntime_providers_shared.so" -d "$tmp"
@@ -127,14 +121,9 @@ if [ -f "$nvrtc_dir/libnvrtc.so.12" ] && [ -f "$nvrtc_dir/$NVRTC_BUILTINS" ] \
   say "NVRTC $NVRTC_VERSION: present in $nvrtc_dir"
 else
   dl="$TIDEGATE_CACHE/downloads"
-  mkdir -p "$dl" "$nvrtc_dir"
-  if [ ! -f "$dl/$NVRTC_WHEEL" ]; then
-    say "downloading nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION from PyPI (90 MB)"
-    python3 -m pip download --quiet --no-deps --only-binary=:all: \
-      --platform manylinux_2_12_x86_64 -d "$dl" "nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION" \
-      || die "pip download nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION failed; check access to PyPI and re-run 'make setup'"
-  fi
-  verify_sha256 "$dl/$NVRTC_WHEEL" "$NVRTC_WHEEL_SHA256" || die "NVRTC wheel checksum mismatch"
+  mkdir -p "$nvrtc_dir"
+  fetch_wheel "nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION" "$NVRTC_WHEEL" "$NVRTC_WHEEL_SHA256" \
+    manylinux_2_12_x86_64 || die "could not fetch nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION (90 MB, see above)"
   tmp="$(mktemp -d)"
   unzip -q -o -j "$dl/$NVRTC_WHEEL" "nvidia/cuda_nvrtc/lib/libnvrtc.so.12" \
     "nvidia/cuda_nvrtc/lib/$NVRTC_BUILTINS" -d "$tmp"
