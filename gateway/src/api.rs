@@ -189,16 +189,22 @@ async fn status_page(State(s): State<ApiState>) -> Response {
     let leasing = match &s.leasing {
         Some(l) => match (
             l.leases(true, MAX_LEASES_LISTED).await,
-            l.costs(0, now + 1).await,
+            l.cost_totals(0, now + 1).await,
+            l.costs(now.saturating_sub(crate::status::RECENT_MS), now + 1)
+                .await,
         ) {
-            (Ok(live), Ok(costs)) => Some((live, costs)),
-            (Err(e), _) | (_, Err(e)) => return internal(e),
+            (Ok(live), Ok(costs), Ok(recent)) => Some((live, costs, recent)),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return internal(e),
         },
         None => None,
     };
     let view = leasing
         .as_ref()
-        .map(|(live, costs)| crate::status::LeasingView { live, costs });
+        .map(|(live, costs, recent)| crate::status::LeasingView {
+            live,
+            costs,
+            recent,
+        });
     Html(crate::status::render(&snap, view, now)).into_response()
 }
 

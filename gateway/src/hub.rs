@@ -4,6 +4,7 @@
 //! the gateway clock) and carries out the actions.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -15,6 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use tidegate_lease::LeaseId;
+use tidegate_lease::showback::Usage;
 
 use crate::backpressure::{Backpressure, BackpressureConfig, CameraLoad};
 use crate::metrics::Metrics;
@@ -250,6 +252,21 @@ pub struct LoadReport {
     pub workers: Vec<LeasedWorker>,
     /// Frames served per lease since the last report.
     pub served: Vec<(LeaseId, Served)>,
+    /// The same per lease, edge and model, for the ledger's showback.
+    pub usage: Vec<UsageReport>,
+}
+
+/// What one lease did for one edge on one model since the last report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageReport {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The edge.
+    pub edge: String,
+    /// The model.
+    pub model: String,
+    /// Frames and worker time.
+    pub usage: Usage,
 }
 
 /// One model's load in a [`LoadReport`].
@@ -346,15 +363,19 @@ impl Hub {
 
 struct Pending {
     edge: EdgeId,
+    /// The edge's name, kept for the showback after the edge has gone.
+    edge_name: Arc<str>,
     frame: Frame,
     /// Local deadline.
     deadline: Micros,
     /// The lease whose worker answered it, once one has.
     served_by: Option<LeaseId>,
+    /// Its share of its batch's run time on that worker (µs).
+    busy_us: u64,
 }
 
 struct EdgeEntry {
-    name: String,
+    name: Arc<str>,
     results: mpsc::Sender<FrameResult>,
     hints: mpsc::Sender<ControlHint>,
     cameras: HashMap<String, String>,
@@ -399,6 +420,8 @@ struct State {
     backpressure: Option<Backpressure>,
     /// Work per lease since the last load report.
     served: HashMap<LeaseId, Served>,
+    /// The same per lease, edge and model (the showback).
+    usage: HashMap<(LeaseId, Arc<str>, String), Usage>,
     /// Leases told to drain (applied to their worker when it registers).
     draining_leases: std::collections::HashSet<LeaseId>,
     /// The lease each static worker is bound to (applied to its worker
@@ -439,6 +462,7 @@ pub fn spawn(
         workers: HashMap::new(),
         next_frame: 1,
         served: HashMap::new(),
+        usage: HashMap::new(),
         draining_leases: Default::default(),
         static_bindings: HashMap::new(),
         latencies: HashMap::new(),
@@ -587,7 +611,7 @@ impl State {
                 self.edges.insert(
                     edge,
                     EdgeEntry {
-                        name,
+                        name: name.into(),
                         results,
                         hints,
                         cameras: HashMap::new(),
@@ -635,13 +659,19 @@ impl State {
                 if self.budgets.get(&frame.model) != Some(&frame.budget_us) {
                     self.budgets.insert(frame.model.clone(), frame.budget_us);
                 }
+                let edge_name = self
+                    .edges
+                    .get(&edge)
+                    .map_or_else(|| Arc::from(""), |e| e.name.clone());
                 self.pending.insert(
                     id,
                     Pending {
                         edge,
+                        edge_name,
                         frame,
                         deadline,
                         served_by: None,
+                        busy_us: 0,
                     },
                 );
                 self.step(Event::FrameArrived(arrival));
@@ -726,11 +756,13 @@ impl State {
                 }
                 let mut outcomes = Vec::with_capacity(result.items.len());
                 let mut inference_us = 0;
+                let share = u64::from(latency_us) / result.items.len().max(1) as u64;
                 for item in result.items {
                     inference_us = inference_us.max(item.timings.inference_us);
                     let id = FrameId(item.id);
                     if let Some(p) = self.pending.get_mut(&id) {
                         p.served_by = lease;
+                        p.busy_us = share;
                         outcomes.push((id, item.status.clone()));
                         self.outputs.insert(id, item);
                     }
@@ -919,11 +951,18 @@ impl State {
                 if let Some(l) = p.served_by {
                     let on_time = status == Status::Ok && self.now() <= p.deadline;
                     let s = self.served.entry(l).or_default();
+                    let u = self
+                        .usage
+                        .entry((l, p.edge_name.clone(), p.frame.model.clone()))
+                        .or_default();
                     if on_time {
                         s.within_slo += 1;
+                        u.within_slo += 1;
                     } else {
                         s.late += 1;
+                        u.late += 1;
                     }
+                    u.busy_us += p.busy_us;
                 }
                 let (detections, mut timings, outputs) = match self.outputs.remove(&frame) {
                     Some(item) => (item.detections, item.timings, item.outputs),
@@ -1004,10 +1043,22 @@ impl State {
         workers.sort_by_key(|w| w.lease);
         let mut served: Vec<(LeaseId, Served)> = self.served.drain().collect();
         served.sort_by_key(|(l, _)| *l);
+        let mut usage: Vec<UsageReport> = self
+            .usage
+            .drain()
+            .map(|((lease, edge, model), usage)| UsageReport {
+                lease,
+                edge: edge.to_string(),
+                model,
+                usage,
+            })
+            .collect();
+        usage.sort_by(|a, b| (a.lease, &a.edge, &a.model).cmp(&(b.lease, &b.edge, &b.model)));
         LoadReport {
             models,
             workers,
             served,
+            usage,
         }
     }
 
@@ -1038,7 +1089,7 @@ impl State {
                 .iter()
                 .map(|(id, e)| EdgeView {
                     id: id.0,
-                    name: e.name.clone(),
+                    name: e.name.to_string(),
                 })
                 .collect(),
             cameras: self
@@ -1269,9 +1320,21 @@ mod tests {
         assert_eq!(r.workers[0].profile, vec![(MODEL.to_string(), 1, 1000)]);
         assert_eq!(r.models[0].budget_ms, 80.0);
         assert!(r.models[0].arrival_fps > 0.0, "{r:?}");
+        // the same frame for the showback: lease, edge and model, with the
+        // batch's run time
+        assert_eq!(r.usage.len(), 1, "{r:?}");
+        let u = &r.usage[0];
+        assert_eq!(
+            (u.lease, u.edge.as_str(), u.model.as_str()),
+            (LeaseId(7), "e", MODEL)
+        );
+        assert_eq!((u.usage.within_slo, u.usage.late), (1, 0));
+        assert_eq!(u.usage.busy_us, s.busy_us, "one frame: the whole batch");
+        assert!(u.usage.busy_us > 0, "{u:?}");
         // counted once: the next report starts from zero
         let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
         assert!(r.served.is_empty(), "{r:?}");
+        assert!(r.usage.is_empty(), "{r:?}");
 
         // a drained lease's worker gets nothing; the frame still ends
         hub.send(HubMsg::LeaseDraining { lease: LeaseId(7) }).await;

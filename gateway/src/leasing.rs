@@ -162,6 +162,8 @@ enum LeasingMsg {
     Costs {
         from: Millis,
         to: Millis,
+        /// With the split by edge and model.
+        split: bool,
         reply: oneshot::Sender<Result<CostReport, String>>,
     },
     Release {
@@ -325,12 +327,32 @@ impl Leasing {
         rx.await.unwrap_or(Err(ReleaseRefused::Stopped))
     }
 
-    /// Cost charged in `[from, to)` (`/api/v1/costs`).
+    /// Cost charged in `[from, to)`, split by edge and model
+    /// (`/api/v1/costs`).
     pub async fn costs(&self, from: Millis, to: Millis) -> Result<CostReport, String> {
+        self.cost_report(from, to, true).await
+    }
+
+    /// [`Leasing::costs`] without the split (cheaper on a long ledger).
+    pub async fn cost_totals(&self, from: Millis, to: Millis) -> Result<CostReport, String> {
+        self.cost_report(from, to, false).await
+    }
+
+    async fn cost_report(
+        &self,
+        from: Millis,
+        to: Millis,
+        split: bool,
+    ) -> Result<CostReport, String> {
         let (reply, rx) = oneshot::channel();
         if self
             .tx
-            .send(LeasingMsg::Costs { from, to, reply })
+            .send(LeasingMsg::Costs {
+                from,
+                to,
+                split,
+                reply,
+            })
             .await
             .is_err()
         {
@@ -983,8 +1005,18 @@ impl Shell {
                         .map_err(|e| e.to_string()),
                 );
             }
-            LeasingMsg::Costs { from, to, reply } => {
-                let _ = reply.send(self.ledger.costs(from, to).map_err(|e| e.to_string()));
+            LeasingMsg::Costs {
+                from,
+                to,
+                split,
+                reply,
+            } => {
+                let report = if split {
+                    self.ledger.costs(from, to)
+                } else {
+                    self.ledger.cost_totals(from, to)
+                };
+                let _ = reply.send(report.map_err(|e| e.to_string()));
             }
             LeasingMsg::Release { lease, reply } => {
                 let in_ledger = self.ledger.lease(lease).ok().flatten().is_some();
@@ -1335,6 +1367,14 @@ impl Shell {
                 warn!(%lease, "recording frames: {e}");
             }
         }
+        for u in &report.usage {
+            if let Err(e) = self
+                .ledger
+                .record_usage(u.lease, now, &u.edge, &u.model, u.usage)
+            {
+                warn!(lease = %u.lease, edge = %u.edge, "recording usage: {e}");
+            }
+        }
         for w in &report.workers {
             let Some(entry) = self.table.get(w.lease) else {
                 continue;
@@ -1646,7 +1686,7 @@ impl Shell {
                 }
             }
         }
-        if let Ok(r) = self.ledger.costs(0, now + 1)
+        if let Ok(r) = self.ledger.cost_totals(0, now + 1)
             && let Some(c) = r.cost_per_1k_within_slo
         {
             m.cost_per_1k_within_slo.set(c);

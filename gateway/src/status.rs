@@ -54,6 +54,10 @@ fn table(out: &mut String, caption: &str, head: &[&str], rows: &[Vec<String>], n
     out.push_str("</table>\n");
 }
 
+/// How far back the status page's cost by edge reaches: a day (the split
+/// reads every usage row of the range).
+pub const RECENT_MS: u64 = 24 * 3600 * 1000;
+
 /// Leasing, when configured: the live leases and what all leases cost.
 #[derive(Debug, Clone, Copy)]
 pub struct LeasingView<'a> {
@@ -61,6 +65,8 @@ pub struct LeasingView<'a> {
     pub live: &'a [LeaseRecord],
     /// Cost of every lease so far.
     pub costs: &'a CostReport,
+    /// The last [`RECENT_MS`], split by edge.
+    pub recent: &'a CostReport,
 }
 
 /// The page. `now_ms` dates it.
@@ -228,6 +234,46 @@ pub fn render(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) ->
             "<p>All leases so far: <b>{} {currency}</b>; frames within the SLO {}, late {}; cost per 1000 frames within the SLO {per_1k}.</p>",
             c.total, c.frames_within_slo, c.frames_late
         );
+        let r = l.recent;
+        let rows: Vec<Vec<String>> = r
+            .by_edge
+            .iter()
+            .map(|(edge, s)| {
+                vec![
+                    escape(edge),
+                    format!("{} {currency}", s.cost),
+                    s.frames_within_slo.to_string(),
+                    s.frames_late.to_string(),
+                    format!("{:.1}", s.busy_seconds),
+                    s.cost_per_1k_within_slo
+                        .map_or_else(|| "—".into(), |v| format!("{v:.4} {currency}")),
+                ]
+            })
+            .chain((r.idle.0 > 0).then(|| {
+                vec![
+                    "<i>idle leases</i>".into(),
+                    format!("{} {currency}", r.idle),
+                    "0".into(),
+                    "0".into(),
+                    "0.0".into(),
+                    "—".into(),
+                ]
+            }))
+            .collect();
+        table(
+            &mut out,
+            "Cost by edge, last 24 hours (each lease's cost split by the worker time its frames took)",
+            &[
+                "edge",
+                "cost",
+                "within SLO",
+                "late",
+                "worker s",
+                "per 1000 within SLO",
+            ],
+            &rows,
+            "No lease has served a frame yet.",
+        );
     }
     out.push_str("</body></html>\n");
     out
@@ -237,6 +283,54 @@ pub fn render(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) ->
 mod tests {
     use super::*;
     use crate::hub::{CameraView, EdgeView, WorkerView};
+
+    #[test]
+    fn the_cost_by_edge_table_escapes_names_and_shows_idle_leases() {
+        use tidegate_lease::Money;
+        use tidegate_lease::showback::Share;
+        let mut costs = CostReport {
+            currency: Some("CNY".into()),
+            total: Money::from_units(30.0),
+            idle: Money::from_units(10.0),
+            ..CostReport::default()
+        };
+        costs.by_edge.insert(
+            "<b>lobby</b>".into(),
+            Share {
+                cost: Money::from_units(20.0),
+                frames_within_slo: 4000,
+                frames_late: 3,
+                busy_seconds: 12.5,
+                cost_per_1k_within_slo: Some(5.0),
+            },
+        );
+        let snap = Snapshot {
+            frames: crate::scheduler::Counters::default(),
+            edges: Vec::new(),
+            cameras: Vec::new(),
+            workers: Vec::new(),
+            models: Vec::new(),
+        };
+        let leasing = LeasingView {
+            live: &[],
+            costs: &CostReport {
+                currency: Some("CNY".into()),
+                ..CostReport::default()
+            },
+            recent: &costs,
+        };
+        let html = render(&snap, Some(leasing), 0);
+        assert!(html.contains("Cost by edge"), "{html}");
+        assert!(
+            html.contains("<td>&lt;b&gt;lobby&lt;/b&gt;</td><td>20.00 CNY</td><td>4000</td><td>3</td><td>12.5</td><td>5.0000 CNY</td>"),
+            "{html}"
+        );
+        assert!(
+            html.contains("<td><i>idle leases</i></td><td>10.00 CNY</td>"),
+            "{html}"
+        );
+        assert!(!html.contains("<b>lobby"), "unescaped: {html}");
+    }
 
     #[test]
     fn outside_strings_are_escaped() {

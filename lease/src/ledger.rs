@@ -22,6 +22,7 @@ use serde::Serialize;
 use crate::billing::{self, Granularity, HOUR_MS, Millis};
 use crate::catalog::{InstanceType, Money, Tier};
 use crate::lifecycle::{EndReason, LeaseState, TransitionError};
+use crate::showback::{self, Share, Usage};
 use crate::table::{LeaseEntry, LeaseId, LeaseTable, TokenDigest};
 
 /// Schema migrations; `user_version` = how many have been applied.
@@ -69,6 +70,18 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX frames_hour ON frames(hour_start);",
     // 3: the model a lease serves (the autoscaler scales per model)
     "ALTER TABLE leases ADD COLUMN model TEXT;",
+    // 4: who each lease served, per hour: the showback of /api/v1/costs
+    "CREATE TABLE usage (
+        lease_id   INTEGER NOT NULL REFERENCES leases(id),
+        hour_start INTEGER NOT NULL,
+        edge       TEXT    NOT NULL,
+        model      TEXT    NOT NULL,
+        within_slo INTEGER NOT NULL,
+        late       INTEGER NOT NULL,
+        busy_us    INTEGER NOT NULL,
+        PRIMARY KEY (lease_id, hour_start, edge, model)
+    );
+    CREATE INDEX usage_hour ON usage(hour_start);",
 ];
 
 /// Why a ledger operation failed.
@@ -207,7 +220,7 @@ impl LeaseRecord {
 }
 
 /// The answer to `/api/v1/costs?from=&to=`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct CostReport {
     /// Range start (inclusive, ms since epoch).
     pub from: Millis,
@@ -227,6 +240,13 @@ pub struct CostReport {
     pub frames_late: u64,
     /// Cost per 1000 frames served within the SLO (None without frames).
     pub cost_per_1k_within_slo: Option<f64>,
+    /// The cost split among the edges each lease served, by the worker time
+    /// their frames took in hours starting in the range ([`showback`]).
+    pub by_edge: BTreeMap<String, Share>,
+    /// The same split among models.
+    pub by_model: BTreeMap<String, Share>,
+    /// Cost of leases that served no frame in the range (in neither split).
+    pub idle: Money,
 }
 
 /// The SQLite ledger.
@@ -449,17 +469,39 @@ impl Ledger {
                    within_slo = within_slo + excluded.within_slo, late = late + excluded.late",
                 params![id.0 as i64, hour as i64, within_slo as i64, late as i64],
             )
-            .map_err(|source| match source {
-                rusqlite::Error::SqliteFailure(e, _)
-                    if e.code == rusqlite::ErrorCode::ConstraintViolation =>
-                {
-                    LedgerError::UnknownLease(id)
-                }
-                source => LedgerError::Sqlite {
-                    op: "record frames",
-                    source,
-                },
-            })?;
+            .map_err(|source| write_error(id, "record frames", source))?;
+        Ok(())
+    }
+
+    /// Adds what lease `id` did for edge `edge` on model `model` in the hour
+    /// containing `at` (the showback of [`Ledger::costs`]).
+    pub fn record_usage(
+        &mut self,
+        id: LeaseId,
+        at: Millis,
+        edge: &str,
+        model: &str,
+        u: Usage,
+    ) -> Result<(), LedgerError> {
+        let hour = at - at % HOUR_MS;
+        self.conn
+            .execute(
+                "INSERT INTO usage (lease_id, hour_start, edge, model, within_slo, late, busy_us)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+                 ON CONFLICT (lease_id, hour_start, edge, model) DO UPDATE SET
+                   within_slo = within_slo + excluded.within_slo, late = late + excluded.late,
+                   busy_us = busy_us + excluded.busy_us",
+                params![
+                    id.0 as i64,
+                    hour as i64,
+                    edge,
+                    model,
+                    u.within_slo as i64,
+                    u.late as i64,
+                    u.busy_us as i64
+                ],
+            )
+            .map_err(|source| write_error(id, "record usage", source))?;
         Ok(())
     }
 
@@ -552,11 +594,29 @@ impl Ledger {
 
     /// Total charged per tier since the beginning (`tidegate_cost_total{tier}`).
     pub fn cost_total_by_tier(&self) -> Result<BTreeMap<Tier, Money>, LedgerError> {
-        Ok(self.costs(0, Millis::MAX / 2)?.by_tier)
+        Ok(self.cost_totals(0, Millis::MAX / 2)?.by_tier)
     }
 
-    /// The cost report for `[from, to)` (`/api/v1/costs`).
+    /// The cost report for `[from, to)` (`/api/v1/costs`), with the split
+    /// by edge and by model.
     pub fn costs(&self, from: Millis, to: Millis) -> Result<CostReport, LedgerError> {
+        let mut report = self.cost_totals(from, to)?;
+        let (lease_costs, usage) = usage_in(&self.conn, from, to)?;
+        let by = |key: fn(&(LeaseId, String, String, Usage)) -> &String| {
+            let rows: Vec<(LeaseId, String, Usage)> =
+                usage.iter().map(|r| (r.0, key(r).clone(), r.3)).collect();
+            showback::attribute(&lease_costs, &rows)
+        };
+        let (edges, models) = (by(|r| &r.1), by(|r| &r.2));
+        report.by_edge = edges.shares;
+        report.by_model = models.shares;
+        report.idle = edges.idle;
+        Ok(report)
+    }
+
+    /// [`Ledger::costs`] without the split by edge and model (empty, idle
+    /// zero): cheaper, for the metrics each tick.
+    pub fn cost_totals(&self, from: Millis, to: Millis) -> Result<CostReport, LedgerError> {
         let mut by_tier = BTreeMap::new();
         let mut by_type = BTreeMap::new();
         let mut total = Money::ZERO;
@@ -614,8 +674,69 @@ impl Ledger {
             frames_within_slo: within as u64,
             frames_late: late as u64,
             cost_per_1k_within_slo: crate::metrics::cost_per_1k(total, within as u64),
+            ..CostReport::default()
         })
     }
+}
+
+/// A write about lease `id` that failed: a foreign-key violation means the
+/// lease is not in the ledger.
+fn write_error(id: LeaseId, op: &'static str, source: rusqlite::Error) -> LedgerError {
+    match source {
+        rusqlite::Error::SqliteFailure(e, _)
+            if e.code == rusqlite::ErrorCode::ConstraintViolation =>
+        {
+            LedgerError::UnknownLease(id)
+        }
+        source => LedgerError::Sqlite { op, source },
+    }
+}
+
+/// Each lease's cost charged in `[from, to)`, and its usage rows (per edge
+/// and model) in hours starting there.
+#[allow(clippy::type_complexity)]
+fn usage_in(
+    conn: &Connection,
+    from: Millis,
+    to: Millis,
+) -> Result<(Vec<(LeaseId, Money)>, Vec<(LeaseId, String, String, Usage)>), LedgerError> {
+    let range = params![from as i64, to as i64];
+    let mut st = conn
+        .prepare(
+            "SELECT lease_id, SUM(amount_micro) FROM cost_blocks
+             WHERE charged_at >= ?1 AND charged_at < ?2 GROUP BY lease_id",
+        )
+        .map_err(sql("prepare lease costs"))?;
+    let costs = st
+        .query_map(range, |r| {
+            Ok((LeaseId(r.get::<_, i64>(0)? as u64), Money(r.get(1)?)))
+        })
+        .map_err(sql("query lease costs"))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(sql("read lease costs"))?;
+    let mut st = conn
+        .prepare(
+            "SELECT lease_id, edge, model, SUM(within_slo), SUM(late), SUM(busy_us) FROM usage
+             WHERE hour_start >= ?1 AND hour_start < ?2 GROUP BY lease_id, edge, model",
+        )
+        .map_err(sql("prepare usage"))?;
+    let rows = st
+        .query_map(range, |r| {
+            Ok((
+                LeaseId(r.get::<_, i64>(0)? as u64),
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                Usage {
+                    within_slo: r.get::<_, i64>(3)? as u64,
+                    late: r.get::<_, i64>(4)? as u64,
+                    busy_us: r.get::<_, i64>(5)? as u64,
+                },
+            ))
+        })
+        .map_err(sql("query usage"))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(sql("read usage"))?;
+    Ok((costs, rows))
 }
 
 fn read_lease(conn: &Connection, id: LeaseId) -> Result<LeaseRecord, LedgerError> {

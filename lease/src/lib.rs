@@ -29,6 +29,7 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod pacing;
 pub mod provider;
+pub mod showback;
 pub mod sim;
 pub mod table;
 pub mod trace;

@@ -4,6 +4,7 @@ use tidegate_lease::billing::HOUR_MS;
 use tidegate_lease::catalog::{Catalog, Money, Tier};
 use tidegate_lease::ledger::{Ledger, LedgerError, NewLease};
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
+use tidegate_lease::showback::Usage;
 use tidegate_lease::table::{ClaimError, LeaseId, LeaseToken};
 
 const T0: u64 = 1_800_000_000_000; // some instant in 2027
@@ -36,7 +37,7 @@ fn file_ledger_is_wal_and_reopen_keeps_data_and_schema() {
     {
         let mut l = Ledger::open(&path).unwrap();
         assert_eq!(l.journal_mode().unwrap(), "wal");
-        assert_eq!(l.schema_version().unwrap(), 3);
+        assert_eq!(l.schema_version().unwrap(), 4);
         id = l
             .insert_requested(&new_lease(&catalog, "a100", Tier::Spot, T0, &token))
             .unwrap();
@@ -49,7 +50,7 @@ fn file_ledger_is_wal_and_reopen_keeps_data_and_schema() {
     // reopen twice: migrations are idempotent and the data is intact
     for _ in 0..2 {
         let l = Ledger::open(&path).unwrap();
-        assert_eq!(l.schema_version().unwrap(), 3);
+        assert_eq!(l.schema_version().unwrap(), 4);
         let r = l.lease(id).unwrap().unwrap();
         assert_eq!(r.state, LeaseState::Ready);
         assert_eq!(r.pid, Some(4242));
@@ -80,7 +81,7 @@ fn newer_schema_is_refused() {
     match Ledger::open(&path) {
         Err(LedgerError::NewerSchema {
             found: 99,
-            known: 3,
+            known: 4,
         }) => {}
         other => panic!("expected NewerSchema, got {other:?}"),
     }
@@ -167,6 +168,90 @@ fn lifecycle_is_enforced_by_the_ledger() {
         l.record_frames(LeaseId(999), T0, 1, 0),
         Err(LedgerError::UnknownLease(LeaseId(999)))
     ));
+    assert!(matches!(
+        l.record_usage(LeaseId(999), T0, "edge-1", "m", Usage::default()),
+        Err(LedgerError::UnknownLease(LeaseId(999)))
+    ));
+}
+
+#[test]
+fn costs_are_split_among_the_edges_and_models_each_lease_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.sqlite");
+    let c = Catalog::default_catalog();
+    let tok = LeaseToken::generate().unwrap();
+    let u = |busy_us, within_slo, late| Usage {
+        within_slo,
+        late,
+        busy_us,
+    };
+    let (a, b, idle) = {
+        let mut l = Ledger::open(&path).unwrap();
+        let mut lease = |ty| {
+            let id = l
+                .insert_requested(&new_lease(&c, ty, Tier::OnDemand, T0, &tok))
+                .unwrap();
+            l.mark_starting(id, T0, Some(7), None).unwrap();
+            l.mark_ready(id, T0 + 60_000).unwrap();
+            id
+        };
+        let (a, b, idle) = (lease("a100"), lease("h100"), lease("v100"));
+        // Lease a: the lobby edge took three times the worker time of the
+        // dock edge, over two hours and two models.
+        l.record_usage(a, T0 + 1_000, "lobby", "blazeface", u(200_000, 90, 1))
+            .unwrap();
+        l.record_usage(a, T0 + HOUR_MS + 5, "lobby", "centernet", u(100_000, 10, 0))
+            .unwrap();
+        l.record_usage(a, T0 + 2_000, "dock", "blazeface", u(100_000, 40, 0))
+            .unwrap();
+        // The same hour, edge and model again: added up.
+        l.record_usage(b, T0 + 3_000, "dock", "centernet", u(50_000, 5, 0))
+            .unwrap();
+        l.record_usage(b, T0 + 4_000, "dock", "centernet", u(50_000, 5, 2))
+            .unwrap();
+        l.accrue(T0 + HOUR_MS + 30_000).unwrap();
+        (a, b, idle)
+    };
+    let l = Ledger::open(&path).unwrap();
+    let r = l.costs(T0, T0 + 2 * HOUR_MS).unwrap();
+    let cost = |id| l.lease(id).unwrap().unwrap().cost;
+    let (cost_a, cost_b, cost_idle) = (cost(a), cost(b), cost(idle));
+    assert!(cost_a.0 > 0 && cost_b.0 > 0 && cost_idle.0 > 0);
+    assert_eq!(r.total, cost_a + cost_b + cost_idle);
+    assert_eq!(r.idle, cost_idle, "the v100 lease served no frame");
+    // Whole micro-units: a share is its exact value rounded either way.
+    let near = |got: Money, exact: f64| (got.0 as f64 - exact).abs() < 1.0;
+    let lobby = r.by_edge["lobby"];
+    let dock = r.by_edge["dock"];
+    assert!(near(lobby.cost, cost_a.0 as f64 * 0.75), "{lobby:?}");
+    assert!(
+        near(dock.cost, cost_a.0 as f64 * 0.25 + cost_b.0 as f64),
+        "{dock:?}"
+    );
+    assert_eq!((lobby.frames_within_slo, lobby.frames_late), (100, 1));
+    assert_eq!((dock.frames_within_slo, dock.frames_late), (50, 2));
+    assert!((lobby.busy_seconds - 0.3).abs() < 1e-9);
+    let (blaze, center) = (r.by_model["blazeface"], r.by_model["centernet"]);
+    assert!(near(blaze.cost, cost_a.0 as f64 * 0.75), "{blaze:?}");
+    assert!(
+        near(center.cost, cost_a.0 as f64 * 0.25 + cost_b.0 as f64),
+        "{center:?}"
+    );
+    for split in [&r.by_edge, &r.by_model] {
+        let shared: Money = split.values().map(|s| s.cost).sum();
+        assert_eq!(shared + r.idle, r.total);
+    }
+    // Only the first hour: its usage and the blocks charged in it.
+    let first = l.costs(T0, T0 + HOUR_MS).unwrap();
+    assert_eq!(first.by_edge["lobby"].frames_within_slo, 90);
+    // Lease b's two centernet rows; lease a's is in the second hour.
+    assert_eq!(first.by_model["centernet"].frames_within_slo, 10);
+    let shared: Money = first.by_edge.values().map(|s| s.cost).sum();
+    assert_eq!(shared + first.idle, first.total);
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(json["by_edge"]["lobby"]["frames_within_slo"], 100);
+    assert!(json["by_model"]["centernet"]["cost"].is_number());
+    assert!(json["idle"].is_number());
 }
 
 #[test]

@@ -220,6 +220,21 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
     let costs: Value = serde_json::from_str(&body).unwrap();
     assert!(costs["total"].as_f64().unwrap() > 0.0, "{costs}");
     assert_eq!(costs["by_tier"]["spot"], costs["total"], "{costs}");
+    // The showback: every answered frame is the one edge's and the one
+    // model's, and the leases' cost is theirs or idle, to the micro-unit.
+    let total = costs["total"].as_f64().unwrap();
+    let idle = costs["idle"].as_f64().unwrap();
+    for (split, key) in [("by_edge", "edge-1"), ("by_model", "blazeface")] {
+        let shares = costs[split].as_object().expect(split);
+        assert_eq!(shares.len(), 1, "{split}: {costs}");
+        let s = &shares[key];
+        let frames = s["frames_within_slo"].as_u64().unwrap() + s["frames_late"].as_u64().unwrap();
+        assert_eq!(frames, answered, "{split}: {costs}");
+        assert!(s["busy_seconds"].as_f64().unwrap() > 0.0, "{costs}");
+        let cost = s["cost"].as_f64().unwrap();
+        assert!((cost + idle - total).abs() < 1e-6, "{split}: {costs}");
+        assert!(cost > 0.0, "{costs}");
+    }
     let (_, metrics) = c.get("/metrics").unwrap();
     for name in [
         "tidegate_leases{",
