@@ -948,6 +948,12 @@ impl State {
                 let Some(p) = self.pending.remove(&frame) else {
                     return;
                 };
+                if p.busy_us > 0 {
+                    self.metrics
+                        .worker_busy
+                        .with_label_values(&[&*p.edge_name, p.frame.model.as_str()])
+                        .inc_by(p.busy_us as f64 / 1e6);
+                }
                 if let Some(l) = p.served_by {
                     let on_time = status == Status::Ok && self.now() <= p.deadline;
                     let s = self.served.entry(l).or_default();
@@ -1223,15 +1229,14 @@ mod tests {
 
     /// A hub with no hints, and the token that stops it.
     fn hub() -> (Hub, CancellationToken) {
+        hub_with(Metrics::new())
+    }
+
+    /// [`hub`] with `metrics` (a clone shares its series).
+    fn hub_with(metrics: Metrics) -> (Hub, CancellationToken) {
         let cancel = CancellationToken::new();
         let tracker = tokio_util::task::TaskTracker::new();
-        let hub = spawn(
-            Limits::default(),
-            None,
-            Metrics::new(),
-            cancel.clone(),
-            &tracker,
-        );
+        let hub = spawn(Limits::default(), None, metrics, cancel.clone(), &tracker);
         (hub, cancel)
     }
 
@@ -1297,7 +1302,8 @@ mod tests {
 
     #[tokio::test]
     async fn frames_are_counted_per_lease_and_a_drained_lease_gets_no_batch() {
-        let (hub, cancel) = hub();
+        let metrics = Metrics::new();
+        let (hub, cancel) = hub_with(metrics.clone());
         let mut batches = connect_worker(&hub, Some(LeaseId(7))).await;
         let mut answers = connect_edge(&hub).await;
         let deadline = Instant::now() + Duration::from_millis(500);
@@ -1331,6 +1337,8 @@ mod tests {
         assert_eq!((u.usage.within_slo, u.usage.late), (1, 0));
         assert_eq!(u.usage.busy_us, s.busy_us, "one frame: the whole batch");
         assert!(u.usage.busy_us > 0, "{u:?}");
+        let busy = metrics.worker_busy.with_label_values(&["e", MODEL]).get();
+        assert!((busy - u.usage.busy_us as f64 / 1e6).abs() < 1e-9, "{busy}");
         // counted once: the next report starts from zero
         let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
         assert!(r.served.is_empty(), "{r:?}");

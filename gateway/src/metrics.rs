@@ -75,6 +75,10 @@ pub struct Metrics {
     /// `tidegate_connections_revoked_total{role}`: connections closed
     /// because a reload took their credentials away.
     pub revoked: IntCounterVec,
+    /// `tidegate_worker_busy_seconds_total{edge,model}`: worker time spent
+    /// on each edge's frames (each batch's run time split evenly among its
+    /// frames): who uses the GPUs, the basis of the cost split by edge.
+    pub worker_busy: CounterVec,
 }
 
 impl Metrics {
@@ -215,6 +219,14 @@ impl Metrics {
                 &["role"],
             )
             .expect("valid counter"),
+            worker_busy: CounterVec::new(
+                Opts::new(
+                    "tidegate_worker_busy_seconds_total",
+                    "Worker time spent on each edge's frames: each batch's run time split evenly among its frames.",
+                ),
+                &["edge", "model"],
+            )
+            .expect("valid counter"),
             registry,
         };
         for c in m.collectors() {
@@ -252,6 +264,7 @@ impl Metrics {
             Box::new(self.config_reloads.clone()),
             Box::new(self.config_last_reload_ok.clone()),
             Box::new(self.revoked.clone()),
+            Box::new(self.worker_busy.clone()),
         ]
     }
 
@@ -308,6 +321,6 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 21 + 4 * 2, "{names:?}");
+        assert_eq!(names.len(), 22 + 4 * 2, "{names:?}");
     }
 }
