@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release demo test lint fmt loadtest bench fuzz clean-cache
+.PHONY: setup build release images demo test lint fmt loadtest bench fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -15,6 +15,11 @@ build: setup
 
 release: setup
 	$(CARGO) build --workspace --release --bins
+
+## Container images of the gateway and the (CPU) worker, as OCI archives:
+## target/images/tidegate-{gateway,worker}-<version>.oci.tar (scripts/image.py).
+images: release
+	python3 scripts/image.py --bin-dir $${CARGO_TARGET_DIR:-target}/release --out $${CARGO_TARGET_DIR:-target}/images
 
 ## Gateway, one worker and one edge with two cameras (faces in astronaut.png at
 ## 5 fps, people and cars in vtest.avi at 2 fps); prints results until Ctrl-C.
