@@ -18,6 +18,10 @@ does not read OCI layouts. Each image holds:
     and /etc/nsswitch.conf (glibc 2.34+ has the files and dns modules built
     in, so no libnss_*.so is needed);
   - the directories deploy/kubernetes/ mounts over, and /tmp;
+  - the licences of what it ships, in /usr/share/doc: tidegate's LICENSE,
+    the Debian copyright file of each package a shared library comes from,
+    and for the worker ONNX Runtime's LICENSE and ThirdPartyNotices.txt
+    (`make setup` puts them beside the library);
   - the worker: ONNX Runtime (libonnxruntime.so and
     libonnxruntime_providers_shared.so, from ORT_DYLIB_PATH or the tidegate
     cache where `make setup` puts them) and the models, both where the
@@ -68,6 +72,7 @@ WORKER_MOUNTS = ["/etc/tidegate/worker", "/etc/tidegate/ca"]
 WORKER_HOME = "/opt/tidegate"
 
 BIN = "/usr/local/bin"
+DOC = "/usr/share/doc"
 PATH_ENV = "PATH=/usr/local/bin:/usr/bin:/bin"
 
 # ELF e_machine values, with the machine names `uname -m` and OCI use.
@@ -323,11 +328,45 @@ def canonical(obj) -> bytes:
 # ------------------------------------------------------------------ images
 
 
+def owning_package(path: str) -> str:
+    """The Debian package that installed `path` (under either spelling of a
+    merged /usr)."""
+    spellings = [path, path[len("/usr"):] if path.startswith("/usr/") else "/usr" + path]
+    for p in spellings:
+        try:
+            out = subprocess.run(["dpkg-query", "-S", p], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise BuildError("dpkg-query is missing: the images take their shared libraries' "
+                             "copyright files from Debian's package database; build them on "
+                             "Debian or Ubuntu") from None
+        if out.returncode == 0:
+            # "libc6:amd64: /lib/x86_64-linux-gnu/libc.so.6"
+            return out.stdout.splitlines()[0].split(": ")[0].split(":")[0]
+    raise BuildError(f"no Debian package owns {path}, so its licence is unknown; "
+                     f"install it from a package, or keep it out of the image")
+
+
+def library_licences(libs: list[str]) -> list[Entry]:
+    """The copyright file of each Debian package the libraries come from."""
+    entries = {}
+    for lib in libs:
+        pkg = owning_package(lib)
+        copyright_file = Path(DOC) / pkg / "copyright"
+        if not copyright_file.is_file():
+            raise BuildError(f"{copyright_file} (the licence of {lib}) is missing; "
+                             f"reinstall {pkg} without excluding /usr/share/doc")
+        entries[pkg] = Entry(str(copyright_file), source=copyright_file)
+    return [entries[p] for p in sorted(entries)]
+
+
 def system_layer(binaries: list[Path], dirs: list[Entry]) -> list[Entry]:
-    """The loader and shared libraries of `binaries`, the user, NSS, and
-    the image's directories."""
+    """The loader and shared libraries of `binaries` with their packages'
+    copyright files, tidegate's licence, the user, NSS, and the image's
+    directories."""
     libs = sorted({lib for b in binaries for lib in shared_libraries(b)})
     entries = [Entry(lib, mode=0o755, source=os.path.realpath(lib)) for lib in libs]
+    entries += library_licences(libs)
+    entries.append(Entry(f"{DOC}/tidegate/LICENSE", source=ROOT / "LICENSE"))
     entries += [
         Entry("/etc/passwd", data=(f"root:x:0:0:root:/root:/sbin/nologin\n"
                                    f"{USER}:x:{UID}:{GID}:{USER}:/nonexistent:/sbin/nologin\n"
@@ -397,6 +436,13 @@ def ort_entries(library: Path, image_path: str) -> list[Entry]:
     if shared.is_file():
         entries.append(Entry(f"{dest}/{shared.name}", mode=0o755,
                              source=os.path.realpath(shared)))
+    notices = [real.parent / n for n in ("LICENSE", "ThirdPartyNotices.txt")]
+    missing = [str(n) for n in notices if not n.is_file()]
+    if missing:
+        raise BuildError(f"ONNX Runtime's licence files are missing ({', '.join(missing)}); "
+                         f"the image must carry them: run 'make setup', or put them beside "
+                         f"your library")
+    entries += [Entry(f"{DOC}/onnxruntime/{n.name}", source=n) for n in notices]
     return entries
 
 

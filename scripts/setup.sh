@@ -63,7 +63,10 @@ ort_dir="$TIDEGATE_CACHE/onnxruntime/$ORT_VERSION"
 if [ "$(uname -m)" != "x86_64" ]; then
   die "the pinned ONNX Runtime wheel is for x86_64; on $(uname -m) set ORT_DYLIB_PATH to your own libonnxruntime.so"
 fi
-if [ -f "$ort_dir/libonnxruntime.so" ]; then
+# Its licence and third-party notices go beside it: they ship with it in the
+# worker's container image (scripts/image.py).
+if [ -f "$ort_dir/libonnxruntime.so" ] && [ -f "$ort_dir/LICENSE" ] \
+  && [ -f "$ort_dir/ThirdPartyNotices.txt" ]; then
   say "ONNX Runtime $ORT_VERSION: present in $ort_dir"
 else
   dl="$TIDEGATE_CACHE/downloads"
@@ -72,9 +75,11 @@ else
     || die "could not fetch onnxruntime==$ORT_VERSION (see above)"
   tmp="$(mktemp -d)"
   unzip -q -o -j "$dl/$ORT_WHEEL" "onnxruntime/capi/libonnxruntime.so.$ORT_VERSION" \
-    "onnxruntime/capi/libonnxruntime_providers_shared.so" -d "$tmp"
+    "onnxruntime/capi/libonnxruntime_providers_shared.so" \
+    "onnxruntime/LICENSE" "onnxruntime/ThirdPartyNotices.txt" -d "$tmp"
   mv "$tmp/libonnxruntime.so.$ORT_VERSION" "$ort_dir/"
   mv "$tmp/libonnxruntime_providers_shared.so" "$ort_dir/"
+  mv "$tmp/LICENSE" "$tmp/ThirdPartyNotices.txt" "$ort_dir/"
   ln -sf "libonnxruntime.so.$ORT_VERSION" "$ort_dir/libonnxruntime.so"
   rmdir "$tmp"
   say "ONNX Runtime $ORT_VERSION: installed in $ort_dir"

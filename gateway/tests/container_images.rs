@@ -584,12 +584,69 @@ fn check_pod(
     problems
 }
 
+/// The Debian package that installed `path` on this machine (under either
+/// spelling of a merged /usr), as `dpkg-query -S` says.
+fn owning_package(path: &str) -> Option<String> {
+    let other = match path.strip_prefix("/usr") {
+        Some(rest) => rest.to_string(),
+        None => format!("/usr{path}"),
+    };
+    [path.to_string(), other].into_iter().find_map(|p| {
+        let out = Command::new("dpkg-query").args(["-S", &p]).output().ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let pkg = text.lines().next()?.split(": ").next()?.split(':').next()?;
+        (out.status.success() && !pkg.is_empty()).then(|| pkg.to_string())
+    })
+}
+
+/// Whether the image carries the licences of what it ships: tidegate's
+/// LICENSE, the Debian copyright file of every system library's package,
+/// and the `notices` (image paths) of what else it ships.
+fn check_licences(img: &Image, notices: &[&str], who: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let files = img.files();
+    let ours = std::fs::read(workspace_root().join("LICENSE")).expect("the repository's LICENSE");
+    if files.get("usr/share/doc/tidegate/LICENSE").map(|e| &e.data) != Some(&ours) {
+        problems.push(format!(
+            "{who}: /usr/share/doc/tidegate/LICENSE is not tidegate's LICENSE"
+        ));
+    }
+    let libraries = files.iter().filter(|(p, e)| {
+        e.kind == b'0'
+            && ["lib/", "lib64/", "usr/lib/"]
+                .iter()
+                .any(|d| p.starts_with(d))
+            && p.contains(".so")
+    });
+    for (path, _) in libraries {
+        match owning_package(&format!("/{path}")) {
+            Some(pkg) => {
+                let copyright = format!("usr/share/doc/{pkg}/copyright");
+                if files
+                    .get(copyright.as_str())
+                    .is_none_or(|e| e.data.is_empty())
+                {
+                    problems.push(format!("{who}: /{path} ships without /{copyright}"));
+                }
+            }
+            None => problems.push(format!("{who}: no Debian package here owns /{path}")),
+        }
+    }
+    for n in notices {
+        if resolve(&files, n).is_none_or(|e| e.kind != b'0' || e.data.is_empty()) {
+            problems.push(format!("{who}: {n} is missing or empty"));
+        }
+    }
+    problems
+}
+
 /// The gateway's image against its Deployment.
 fn check_gateway_image(img: &Image, d: &Deploy) -> Vec<String> {
     let c = d.container();
     let mounts = c["volumeMounts"].as_array().into_iter().flatten();
     let mounts: Vec<String> = mounts.map(|m| string(&m["mountPath"])).collect();
     let mut problems = check_pod(img, &c["command"], &c["args"], &mounts, "gateway");
+    problems.extend(check_licences(img, &[], "gateway"));
     let sc = &d.pod()["securityContext"];
     let want = (sc["runAsUser"].as_u64(), sc["runAsGroup"].as_u64());
     if img
@@ -643,6 +700,11 @@ fn check_worker_image(img: &Image, d: &Deploy) -> Vec<String> {
     let mounts = k8s["mounts"].as_array().into_iter().flatten();
     let mounts: Vec<String> = mounts.map(|m| string(&m["path"])).collect();
     let mut problems = check_pod(img, &k8s["command"], &k8s["args"], &mounts, "worker");
+    let ort_notices = [
+        "/usr/share/doc/onnxruntime/LICENSE",
+        "/usr/share/doc/onnxruntime/ThirdPartyNotices.txt",
+    ];
+    problems.extend(check_licences(img, &ort_notices, "worker"));
     let run_as = k8s["run_as_user"].as_u64();
     if let Some(u) = run_as
         && img.user().map(|(uid, _)| u64::from(uid)) != Some(u)
@@ -1326,6 +1388,24 @@ fn the_checks_fail_on_broken_archives_and_images() {
             &worker,
             drop("opt/tidegate/onnxruntime"),
             "is not a file of the image",
+        ),
+        (
+            "no glibc copyright",
+            &gateway,
+            drop("usr/share/doc/libc6"),
+            "ships without /usr/share/doc/libc6/copyright",
+        ),
+        (
+            "no tidegate LICENSE",
+            &worker,
+            drop("usr/share/doc/tidegate"),
+            "is not tidegate's LICENSE",
+        ),
+        (
+            "no ONNX Runtime notices",
+            &worker,
+            drop("usr/share/doc/onnxruntime/ThirdParty"),
+            "ThirdPartyNotices.txt is missing",
         ),
         (
             "ONNX Runtime elsewhere",
