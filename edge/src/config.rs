@@ -36,9 +36,16 @@ pub struct SinksConfig {
     /// config file).
     #[serde(default)]
     pub file: Option<PathBuf>,
-    /// `http://host:port/path`: results are POSTed there as JSON arrays.
+    /// `http[s]://host:port/path`: results are POSTed there as JSON arrays
+    /// (with `Authorization: Bearer $TIDEGATE_WEBHOOK_TOKEN` when that is
+    /// set).
     #[serde(default)]
     pub webhook: Option<String>,
+    /// For an `https://` webhook: the PEM CA certificate(s) to trust instead
+    /// of the system's roots (relative paths resolve against the config
+    /// file).
+    #[serde(default)]
+    pub webhook_ca: Option<PathBuf>,
     /// Results waiting for the webhook. When the queue is full a new result
     /// is dropped for the webhook (counted as `dropped_full`); the other
     /// sinks still get it.
@@ -52,6 +59,7 @@ impl Default for SinksConfig {
             stdout: true,
             file: None,
             webhook: None,
+            webhook_ca: None,
             webhook_queue: default_webhook_queue(),
         }
     }
@@ -256,10 +264,13 @@ impl EdgeConfig {
         if cfg.gateway.ca.is_relative() {
             cfg.gateway.ca = dir.join(&cfg.gateway.ca);
         }
-        if let Some(f) = &cfg.sinks.file
-            && f.is_relative()
+        for f in [&mut cfg.sinks.file, &mut cfg.sinks.webhook_ca]
+            .into_iter()
+            .flatten()
         {
-            cfg.sinks.file = Some(dir.join(f));
+            if f.is_relative() {
+                *f = dir.join(&*f);
+            }
         }
         Ok(cfg)
     }
@@ -288,9 +299,22 @@ impl EdgeConfig {
                 "sinks.webhook_queue must be at least 1".into(),
             ));
         }
-        if let Some(url) = &self.sinks.webhook {
-            crate::sink::webhook::Endpoint::parse(url)
-                .map_err(|e| ConfigError::Invalid(format!("sinks.webhook: {e}")))?;
+        match (&self.sinks.webhook, &self.sinks.webhook_ca) {
+            (Some(url), ca) => {
+                let e = crate::sink::webhook::Endpoint::parse(url)
+                    .map_err(|e| ConfigError::Invalid(format!("sinks.webhook: {e}")))?;
+                if ca.is_some() && !e.tls {
+                    return Err(ConfigError::Invalid(
+                        "sinks.webhook_ca is set, but sinks.webhook is not an https:// URL".into(),
+                    ));
+                }
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::Invalid(
+                    "sinks.webhook_ca is set, but there is no sinks.webhook".into(),
+                ));
+            }
+            (None, None) => {}
         }
         Ok(())
     }
@@ -362,17 +386,20 @@ mod tests {
     }
 
     #[test]
-    fn relative_ca_and_results_file_resolve_against_the_config_file() {
+    fn relative_ca_results_file_and_webhook_ca_resolve_against_the_config_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("edge.toml");
         std::fs::write(
             &path,
-            format!("{BASE}[sinks]\nstdout = false\nfile = \"out/results.jsonl\"\n"),
+            format!(
+                "{BASE}[sinks]\nstdout = false\nfile = \"out/results.jsonl\"\nwebhook = \"https://h/x\"\nwebhook_ca = \"hook-ca.pem\"\n"
+            ),
         )
         .unwrap();
         let cfg = EdgeConfig::load(&path).unwrap();
         assert_eq!(cfg.gateway.ca, dir.path().join("ca.pem"));
         assert_eq!(cfg.sinks.file, Some(dir.path().join("out/results.jsonl")));
+        assert_eq!(cfg.sinks.webhook_ca, Some(dir.path().join("hook-ca.pem")));
         assert!(!cfg.sinks.stdout);
     }
 
@@ -381,13 +408,26 @@ mod tests {
         let cfg = parse(BASE);
         assert!(cfg.sinks.stdout && cfg.sinks.file.is_none() && cfg.sinks.webhook.is_none());
         let cfg = parse(&format!(
-            "{BASE}[sinks]\nstdout = false\nwebhook = \"https://x/y\"\n"
+            "{BASE}[sinks]\nstdout = false\nwebhook = \"ftp://x/y\"\n"
         ));
         let err = cfg.validate().unwrap_err().to_string();
         assert!(
-            err.contains("sinks.webhook") && err.contains("http://"),
+            err.contains("sinks.webhook") && err.contains("https://"),
             "{err}"
         );
+        let ok = |sinks: &str| parse(&format!("{BASE}[sinks]\n{sinks}")).validate();
+        ok("webhook = \"https://x/y\"\nwebhook_ca = \"ca.pem\"\n").unwrap();
+        ok("webhook = \"http://x/y\"\n").unwrap();
+        for (sinks, says) in [
+            (
+                "webhook = \"http://x/y\"\nwebhook_ca = \"ca.pem\"\n",
+                "not an https://",
+            ),
+            ("webhook_ca = \"ca.pem\"\n", "no sinks.webhook"),
+        ] {
+            let err = ok(sinks).unwrap_err().to_string();
+            assert!(err.contains(says), "{sinks}: {err}");
+        }
     }
 
     #[test]

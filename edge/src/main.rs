@@ -10,7 +10,10 @@ use clap::{Parser, Subcommand};
 use tidegate_edge::config::{EdgeConfig, Secret};
 use tidegate_edge::node::NodeOptions;
 use tidegate_edge::sink::Sinks;
-use tidegate_edge::sink::webhook::{Endpoint, RetryPolicy, Webhook};
+use tidegate_edge::sink::webhook::{Client, Endpoint, RetryPolicy, Webhook};
+
+/// The bearer token sent to the webhook, when set.
+const WEBHOOK_TOKEN_ENV: &str = "TIDEGATE_WEBHOOK_TOKEN";
 use tidegate_protocol::GatewayAddr;
 
 /// tidegate edge node.
@@ -100,6 +103,9 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::CheckConfig) => {
             println!("{cfg:#?}");
+            if let Some(client) = webhook_client(&cfg)? {
+                println!("webhook client: {client:?}");
+            }
             let bad: Vec<String> = cfg
                 .cameras
                 .iter()
@@ -129,6 +135,26 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// The webhook's client (its TLS set up, the CA file read), when the config
+/// has a webhook.
+fn webhook_client(cfg: &EdgeConfig) -> anyhow::Result<Option<Client>> {
+    let Some(url) = &cfg.sinks.webhook else {
+        return Ok(None);
+    };
+    let endpoint = Endpoint::parse(url).context("sinks.webhook")?;
+    let token = std::env::var(WEBHOOK_TOKEN_ENV)
+        .ok()
+        .filter(|t| !t.is_empty());
+    if token.is_some() && !endpoint.tls {
+        tracing::warn!(
+            "{WEBHOOK_TOKEN_ENV} is sent to a plain http:// webhook, readable on the network; use https://"
+        );
+    }
+    let client =
+        Client::new(endpoint, cfg.sinks.webhook_ca.as_deref(), token).context("sinks.webhook")?;
+    Ok(Some(client))
+}
+
 async fn run(
     cfg: EdgeConfig,
     max_frames: Option<u64>,
@@ -156,10 +182,9 @@ async fn run(
                 .with_context(|| format!("opening results file {}", p.display()))?,
         );
     }
-    if let Some(url) = &cfg.sinks.webhook {
-        let endpoint = Endpoint::parse(url).context("sinks.webhook")?;
+    if let Some(client) = webhook_client(&cfg)? {
         sinks.webhook = Some(Webhook::spawn(
-            endpoint,
+            client,
             cfg.sinks.webhook_queue,
             RetryPolicy::default(),
         ));

@@ -1,6 +1,7 @@
 //! The `tidegate-edge` binary given the gateway by host name, in the file
 //! or in `TIDEGATE_GATEWAY_ADDR`, and malformed addresses refused naming
-//! where they came from.
+//! where they came from; an https:// webhook's TLS set up by
+//! `check-config`, and a CA file it cannot use refused naming the file.
 #![cfg(feature = "capture")]
 
 use std::process::{Command, Output};
@@ -8,11 +9,18 @@ use std::process::{Command, Output};
 /// `tidegate-edge --config <file> check-config`, with `gateway.addr = addr`
 /// in the file and `env` set.
 fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
+    check_config_with(addr, "", env)
+}
+
+/// [`check_config`] with `more` appended to the file.
+fn check_config_with(addr: &str, more: &str, env: &[(&str, &str)]) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("edge.toml");
     std::fs::write(
         &cfg,
-        format!("name = \"e\"\ntoken = \"t\"\n[gateway]\naddr = \"{addr}\"\nca = \"ca.pem\"\n"),
+        format!(
+            "name = \"e\"\ntoken = \"t\"\n[gateway]\naddr = \"{addr}\"\nca = \"ca.pem\"\n{more}"
+        ),
     )
     .unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tidegate-edge"));
@@ -21,6 +29,7 @@ fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
         "TIDEGATE_GATEWAY_ADDR",
         "TIDEGATE_EDGE_TOKEN",
         "TIDEGATE_CA",
+        "TIDEGATE_WEBHOOK_TOKEN",
     ] {
         cmd.env_remove(var);
     }
@@ -74,5 +83,32 @@ fn malformed_gateway_addresses_are_refused_naming_the_source() {
     assert!(
         stderr.contains("gateway.addr: gateway address \"gw example:4433\" contains whitespace"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn check_config_sets_up_an_https_webhook_and_refuses_a_ca_it_cannot_use() {
+    let ok = check_config_with(
+        "127.0.0.1:4433",
+        "[sinks]\nwebhook = \"https://collector.example/hook\"\n",
+        &[("TIDEGATE_WEBHOOK_TOKEN", "s3cret")],
+    );
+    let out = text(&ok.stdout);
+    assert!(ok.status.success(), "{out}{}", text(&ok.stderr));
+    assert!(
+        out.contains("tls: true") && out.contains("authorization: Some"),
+        "{out}"
+    );
+    assert!(!out.contains("s3cret"), "the token is printed: {out}");
+    let bad = check_config_with(
+        "127.0.0.1:4433",
+        "[sinks]\nwebhook = \"https://collector.example/hook\"\nwebhook_ca = \"nowhere/ca.pem\"\n",
+        &[],
+    );
+    let err = text(&bad.stderr);
+    assert!(!bad.status.success());
+    assert!(
+        err.contains("sinks.webhook") && err.contains("nowhere/ca.pem"),
+        "{err}"
     );
 }

@@ -1,19 +1,26 @@
 //! The webhook sink against a real HTTP server on 127.0.0.1: retries on 5xx,
 //! gives up on 4xx, drops (and counts) what its bounded queue cannot hold
 //! while the receiver is down, and on close stops a POST that never ends,
-//! counting what it still held. Every wait is bounded.
+//! counting what it still held. Over https:// (rustls on both sides, a CA
+//! made for the test) it delivers with the bearer token to a server whose
+//! certificate the configured CA signed, and refuses, counting the loss,
+//! one signed by another CA. Every wait is bounded.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tidegate_edge::sink::webhook::{Endpoint, RetryPolicy, Webhook};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tidegate_edge::sink::webhook::{Client, Endpoint, RetryPolicy, Webhook, WebhookError};
 use tokio::net::TcpListener;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+#[path = "support/receiver.rs"]
+mod receiver;
+use receiver::{Requests, answer, https_receiver};
 
 /// A server that answers the n-th request with `statuses[n]` (the last one
 /// repeats) and records each request's body.
-async fn server(statuses: Vec<u16>) -> (Endpoint, Arc<Mutex<Vec<String>>>) {
+async fn server(statuses: Vec<u16>) -> (Client, Arc<Mutex<Vec<String>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let bodies = Arc::new(Mutex::new(Vec::new()));
@@ -21,44 +28,44 @@ async fn server(statuses: Vec<u16>) -> (Endpoint, Arc<Mutex<Vec<String>>>) {
     tokio::spawn(async move {
         let mut n = 0usize;
         while let Ok((mut s, _)) = listener.accept().await {
-            let mut buf = Vec::new();
-            let mut chunk = [0u8; 4096];
-            // Read the head, then Content-Length bytes of body.
-            let (head_end, len) = loop {
-                let k = s.read(&mut chunk).await.unwrap();
-                assert!(k > 0, "client closed early");
-                buf.extend_from_slice(&chunk[..k]);
-                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                    let head = String::from_utf8_lossy(&buf[..i]).to_lowercase();
-                    assert!(head.starts_with("post /hook http/1.1"), "{head}");
-                    assert!(head.contains("content-type: application/json"), "{head}");
-                    let len = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length: "))
-                        .and_then(|v| v.trim().parse::<usize>().ok())
-                        .expect("content-length");
-                    break (i + 4, len);
-                }
-            };
-            while buf.len() < head_end + len {
-                let k = s.read(&mut chunk).await.unwrap();
-                assert!(k > 0);
-                buf.extend_from_slice(&chunk[..k]);
-            }
-            seen.lock()
-                .unwrap()
-                .push(String::from_utf8_lossy(&buf[head_end..head_end + len]).into_owned());
-            let status = statuses[n.min(statuses.len() - 1)];
+            let (_, body) = answer(&mut s, statuses[n.min(statuses.len() - 1)]).await;
+            seen.lock().unwrap().push(body);
             n += 1;
-            let answer =
-                format!("HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-            let _ = s.write_all(answer.as_bytes()).await;
         }
     });
-    (
-        Endpoint::parse(&format!("http://127.0.0.1:{port}/hook")).unwrap(),
-        bodies,
-    )
+    (http(&format!("http://127.0.0.1:{port}/hook")), bodies)
+}
+
+/// A plain http:// client.
+fn http(url: &str) -> Client {
+    Client::new(Endpoint::parse(url).unwrap(), None, None).unwrap()
+}
+
+/// A new CA (PEM) and a certificate for `localhost` and 127.0.0.1 signed by
+/// it (chain and PKCS#8 key, DER).
+fn certs() -> (String, Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()])
+        .unwrap()
+        .signed_by(&key, &Issuer::from_params(&ca, &ca_key))
+        .unwrap();
+    let chain = vec![leaf.der().clone(), ca_cert.der().clone()];
+    let key = PrivateKeyDer::Pkcs8(key.serialize_der().into());
+    (ca_cert.pem(), chain, key)
+}
+
+/// An https:// server on 127.0.0.1 with a certificate from a new CA,
+/// answering 200 and recording each request's head and body; its port and
+/// the CA's PEM.
+async fn tls_server() -> (u16, String, Requests) {
+    let (ca_pem, chain, key) = certs();
+    let (port, requests) = https_receiver(chain, key).await;
+    (port, ca_pem, requests)
 }
 
 fn fast_policy(max_attempts: u32) -> RetryPolicy {
@@ -71,8 +78,8 @@ fn fast_policy(max_attempts: u32) -> RetryPolicy {
 
 #[tokio::test]
 async fn server_errors_are_retried_until_the_results_are_accepted() {
-    let (endpoint, bodies) = server(vec![503, 500, 204]).await;
-    let hook = Webhook::spawn(endpoint, 16, fast_policy(5));
+    let (client, bodies) = server(vec![503, 500, 204]).await;
+    let hook = Webhook::spawn(client, 16, fast_policy(5));
     for seq in 0..3 {
         hook.push(format!("{{\"camera\":\"door\",\"seq\":{seq}}}"));
     }
@@ -103,8 +110,8 @@ async fn server_errors_are_retried_until_the_results_are_accepted() {
 
 #[tokio::test]
 async fn client_errors_are_not_retried_and_are_counted_as_dropped() {
-    let (endpoint, bodies) = server(vec![400]).await;
-    let hook = Webhook::spawn(endpoint, 16, fast_policy(5));
+    let (client, bodies) = server(vec![400]).await;
+    let hook = Webhook::spawn(client, 16, fast_policy(5));
     hook.push("{\"seq\":1}".into());
     let stats = hook.close(Duration::from_secs(10)).await;
     assert_eq!(stats.posted.load(Ordering::Relaxed), 0);
@@ -120,8 +127,11 @@ async fn unreachable_receiver_fills_the_bounded_queue_and_drops_are_counted() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let endpoint = Endpoint::parse(&format!("http://127.0.0.1:{port}/hook")).unwrap();
-    let hook = Webhook::spawn(endpoint, 8, fast_policy(3));
+    let hook = Webhook::spawn(
+        http(&format!("http://127.0.0.1:{port}/hook")),
+        8,
+        fast_policy(3),
+    );
     for seq in 0..200 {
         hook.push(format!("{{\"seq\":{seq}}}"));
     }
@@ -152,8 +162,11 @@ async fn close_stops_a_stuck_post_and_counts_what_it_still_held() {
             let _ = held_tx.send(s);
         }
     });
-    let endpoint = Endpoint::parse(&format!("http://127.0.0.1:{port}/hook")).unwrap();
-    let hook = Webhook::spawn(endpoint, 256, fast_policy(5));
+    let hook = Webhook::spawn(
+        http(&format!("http://127.0.0.1:{port}/hook")),
+        256,
+        fast_policy(5),
+    );
     for seq in 0..100 {
         hook.push(format!("{{\"seq\":{seq}}}"));
     }
@@ -170,4 +183,87 @@ async fn close_stops_a_stuck_post_and_counts_what_it_still_held() {
     assert_eq!(load(&stats.dropped_failed), 0);
     // The batch in the unanswered POST and the rest of the queue.
     assert_eq!(load(&stats.dropped_shutdown), 100);
+}
+
+#[tokio::test]
+async fn https_delivers_with_the_bearer_token_to_a_server_the_configured_ca_signed() {
+    let (port, ca_pem, requests) = tls_server().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("hook-ca.pem");
+    std::fs::write(&ca, ca_pem).unwrap();
+    // By name: the certificate is for localhost.
+    let endpoint = Endpoint::parse(&format!("https://localhost:{port}/hook")).unwrap();
+    let client = Client::new(endpoint, Some(&ca), Some("s3cret".into())).unwrap();
+    let hook = Webhook::spawn(client, 16, fast_policy(3));
+    for seq in 0..3 {
+        hook.push(format!("{{\"seq\":{seq}}}"));
+    }
+    let stats = hook.close(Duration::from_secs(10)).await;
+    assert_eq!(stats.posted.load(Ordering::Relaxed), 3);
+    assert_eq!(stats.dropped_failed.load(Ordering::Relaxed), 0);
+    let requests = requests.lock().unwrap();
+    assert!(!requests.is_empty());
+    for (head, _) in requests.iter() {
+        assert!(head.contains("authorization: bearer s3cret"), "{head}");
+        assert!(head.contains(&format!("host: localhost:{port}")), "{head}");
+    }
+    let seqs: usize = requests
+        .iter()
+        .map(|(_, b)| {
+            let v: serde_json::Value = serde_json::from_str(b).unwrap();
+            v.as_array().unwrap().len()
+        })
+        .sum();
+    assert_eq!(seqs, 3);
+}
+
+#[tokio::test]
+async fn https_refuses_a_certificate_another_ca_signed_and_counts_the_results_lost() {
+    let (port, _, requests) = tls_server().await;
+    let (other_ca, _, _) = certs();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("other-ca.pem");
+    std::fs::write(&ca, other_ca).unwrap();
+    let endpoint = Endpoint::parse(&format!("https://127.0.0.1:{port}/hook")).unwrap();
+    let hook = Webhook::spawn(
+        Client::new(endpoint, Some(&ca), None).unwrap(),
+        16,
+        fast_policy(2),
+    );
+    hook.push("{\"seq\":1}".into());
+    let stats = hook.close(Duration::from_secs(10)).await;
+    assert_eq!(stats.posted.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.dropped_failed.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        stats.retries.load(Ordering::Relaxed),
+        1,
+        "a handshake failure is retried"
+    );
+    assert!(requests.lock().unwrap().is_empty(), "no request went out");
+}
+
+#[test]
+fn a_client_says_what_is_wrong_with_its_tls_setup() {
+    let dir = tempfile::tempdir().unwrap();
+    let https = || Endpoint::parse("https://collector.example/hook").unwrap();
+    let missing = dir.path().join("missing.pem");
+    let e = Client::new(https(), Some(&missing), None).unwrap_err();
+    assert!(
+        matches!(&e, WebhookError::Tls(m) if m.contains("missing.pem")),
+        "{e}"
+    );
+    let empty = dir.path().join("empty.pem");
+    std::fs::write(&empty, "").unwrap();
+    let e = Client::new(https(), Some(&empty), None).unwrap_err();
+    assert!(e.to_string().contains("holds no PEM certificate"), "{e}");
+    let e = Client::new(
+        Endpoint::parse("http://collector.example/hook").unwrap(),
+        Some(&empty),
+        None,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("not https://"), "{e}");
+    // Without a CA file, the system's roots (ca-certificates, which make
+    // setup installs).
+    Client::new(https(), None, None).expect("the system's root certificates");
 }

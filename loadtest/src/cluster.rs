@@ -605,12 +605,23 @@ impl Cluster {
 
     /// Runs an edge to completion with `args` and returns its output.
     pub fn run_edge(&self, config: &Path, args: &[&str]) -> Result<Output, ClusterError> {
+        self.run_edge_with_env(config, args, &[])
+    }
+
+    /// [`Cluster::run_edge`] with `env` set too.
+    pub fn run_edge_with_env(
+        &self,
+        config: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Output, ClusterError> {
         command("tidegate-edge")?
             .arg("--config")
             .arg(config)
             .args(args)
             .env("TIDEGATE_EDGE_TOKEN", &self.edge_token)
             .env("TIDEGATE_LOG", "warn")
+            .envs(env.iter().copied())
             .output()
             .map_err(|source| ClusterError::Spawn {
                 program: "tidegate-edge",

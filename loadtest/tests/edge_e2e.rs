@@ -1,12 +1,15 @@
 //! The edge node end to end, as real processes on 127.0.0.1: an H.264 file
 //! made from astronaut.png goes through edge, gateway and worker with the
 //! face found in every frame (and bad camera entries disable only
-//! themselves); and a 10 s gateway outage, during which the edge's memory
+//! themselves), every result also POSTed to an https:// webhook with a
+//! bearer token; and a 10 s gateway outage, during which the edge's memory
 //! stays flat and its frames are dropped and counted, after which it
 //! reconnects by itself and results flow again.
 
 #[path = "support/astronaut.rs"]
 mod astronaut;
+#[path = "../../edge/tests/support/receiver.rs"]
+mod receiver;
 
 use std::time::Duration;
 
@@ -38,9 +41,44 @@ fn h264_file_streams_end_to_end_and_the_face_is_found_in_every_frame() {
         ],
     )
     .unwrap();
-    let out = c.run_edge(&cfg, &["--max-frames", "20"]).unwrap();
+    // Results also go to an https:// webhook, whose certificate the
+    // cluster's CA signed (the gateway's, for localhost), with a token.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (port, posted) = rt.block_on(https_hook(&c));
+    let mut toml = std::fs::read_to_string(&cfg).unwrap();
+    toml += &format!(
+        "[sinks]\nwebhook = \"https://localhost:{port}/hook\"\nwebhook_ca = \"{}\"\n",
+        c.ca().display()
+    );
+    std::fs::write(&cfg, toml).unwrap();
+    let out = c
+        .run_edge_with_env(
+            &cfg,
+            &["--max-frames", "20"],
+            &[("TIDEGATE_WEBHOOK_TOKEN", "hook-token")],
+        )
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "edge failed: {stderr}");
+    // Every result was POSTed over TLS, with the token, before the edge
+    // exited.
+    let hooked: Vec<serde_json::Value> = posted
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|(head, body)| {
+            assert!(head.contains("authorization: bearer hook-token"), "{head}");
+            let batch: Vec<serde_json::Value> = serde_json::from_str(body).unwrap();
+            batch
+        })
+        .collect();
+    assert_eq!(hooked.len(), 20, "{stderr}");
+    assert!(hooked.iter().all(|r| r["status"] == "ok"), "{hooked:?}");
+    drop(rt);
     for (camera, why) in [
         ("no-model", "has no model"),
         ("bad-uri", "gopher"),
@@ -218,4 +256,18 @@ fn gateway_outage_drops_frames_keeps_memory_flat_and_recovers() {
         "{}",
         edge.log()
     );
+}
+
+/// An https:// webhook receiver presenting the cluster gateway's
+/// certificate (for localhost, signed by the cluster's CA).
+async fn https_hook(c: &tidegate_loadtest::cluster::Cluster) -> (u16, receiver::Requests) {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = c.dir().join("certs");
+    let chain = CertificateDer::pem_file_iter(certs.join("gateway.pem"))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(certs.join("gateway.key")).unwrap();
+    receiver::https_receiver(chain, key).await
 }

@@ -1,5 +1,5 @@
-//! The HTTP webhook sink: results are POSTed as JSON arrays to a plain
-//! `http://` URL by one background task.
+//! The HTTP webhook sink: results are POSTed as JSON arrays to an `http://`
+//! or `https://` URL by one background task.
 //!
 //! - **Bounded:** results wait in a queue of fixed size; when it is full a
 //!   new result is dropped and counted (`dropped_full`), never blocking the
@@ -17,14 +17,21 @@
 //!   dropped_shutdown`.
 //!
 //! The HTTP/1.1 client is a few lines over a tokio `TcpStream`
-//! (`Connection: close`), which keeps TLS stacks out of the edge's build.
+//! (`Connection: close`). For `https://` it runs over rustls with ring, the
+//! TLS stack the edge's QUIC uplink already links (TLS 1.2 and 1.3), trusting
+//! the CA file configured (`sinks.webhook_ca`) or else the system's roots. A
+//! bearer token (`TIDEGATE_WEBHOOK_TOKEN`) goes in an `Authorization` header.
+
+use std::path::Path;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
@@ -40,18 +47,19 @@ const STOP_GRACE: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum WebhookError {
-    /// Not an `http://` URL.
-    #[error(
-        "'{url}' is not a plain http:// URL; write it as http://host:port/path (put TLS in a local proxy)"
-    )]
+    /// Neither an `http://` nor an `https://` URL.
+    #[error("'{url}' is not an http:// or https:// URL; write it as https://host:port/path")]
     Scheme {
         /// The URL as configured.
         url: String,
     },
+    /// The TLS client for an `https://` webhook cannot be set up.
+    #[error("webhook TLS: {0}")]
+    Tls(String),
     /// No host, a port that is not a number, or brackets around something
     /// other than an IPv6 address.
     #[error(
-        "'{url}' has no usable host:port; write it as http://host:port/path (an IPv6 address in brackets: http://[::1]:8080/path)"
+        "'{url}' has no usable host:port; write it as https://host:port/path (an IPv6 address in brackets: https://[::1]:8443/path)"
     )]
     Authority {
         /// The URL as configured.
@@ -59,24 +67,29 @@ pub enum WebhookError {
     },
 }
 
-/// Where to POST: host, port and path of an `http://` URL.
+/// Where to POST: host, port and path of an `http://` or `https://` URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
     /// Host name or address.
     pub host: String,
-    /// TCP port (80 when the URL gives none).
+    /// TCP port (80, or 443 for https, when the URL gives none).
     pub port: u16,
     /// Path and query, starting with `/`.
     pub path: String,
+    /// Whether it is `https://`.
+    pub tls: bool,
 }
 
 impl Endpoint {
-    /// Parses `http://host[:port][/path]`, where `host` is a name, an IPv4
-    /// address or an IPv6 address in brackets (`http://[::1]:8080/x`).
+    /// Parses `http[s]://host[:port][/path]`, where `host` is a name, an IPv4
+    /// address or an IPv6 address in brackets (`https://[::1]:8443/x`).
     pub fn parse(url: &str) -> Result<Self, WebhookError> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| WebhookError::Scheme { url: url.into() })?;
+        let (rest, tls) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+            (Some(rest), _) => (rest, false),
+            (_, Some(rest)) => (rest, true),
+            _ => return Err(WebhookError::Scheme { url: url.into() }),
+        };
+        let default_port = if tls { 443 } else { 80 };
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, "/"),
@@ -91,14 +104,14 @@ impl Endpoint {
                     return Err(bad());
                 }
                 let port = match after {
-                    "" => 80,
+                    "" => default_port,
                     _ => port_of(after.strip_prefix(':').ok_or_else(bad)?)?,
                 };
                 (host, port)
             }
             None => match authority.split_once(':') {
                 Some((h, p)) => (h, port_of(p)?),
-                None => (authority, 80),
+                None => (authority, default_port),
             },
         };
         if host.is_empty() || authority.contains('@') || host.contains(['[', ']']) {
@@ -108,8 +121,103 @@ impl Endpoint {
             host: host.to_string(),
             port,
             path: path.to_string(),
+            tls,
         })
     }
+}
+
+/// Where and how to POST: the endpoint, its TLS client when it is
+/// `https://`, and the `Authorization` header, if any.
+#[derive(Clone)]
+pub struct Client {
+    endpoint: Endpoint,
+    tls: Option<TlsConnector>,
+    authorization: Option<String>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("endpoint", &self.endpoint)
+            .field("tls", &self.tls.is_some())
+            .field("authorization", &self.authorization.as_ref().map(|_| "…"))
+            .finish()
+    }
+}
+
+impl Client {
+    /// A client for `endpoint`. For `https://` it trusts the PEM
+    /// certificates in `ca`, or else the system's roots (the
+    /// `ca-certificates` store); `bearer` is sent as `Authorization: Bearer`.
+    pub fn new(
+        endpoint: Endpoint,
+        ca: Option<&Path>,
+        bearer: Option<String>,
+    ) -> Result<Client, WebhookError> {
+        let tls = if endpoint.tls {
+            Some(tls_connector(ca)?)
+        } else {
+            if let Some(ca) = ca {
+                return Err(WebhookError::Tls(format!(
+                    "a CA ({}) is set, but the webhook is not https://",
+                    ca.display()
+                )));
+            }
+            None
+        };
+        Ok(Client {
+            endpoint,
+            tls,
+            authorization: bearer.map(|t| format!("Bearer {t}")),
+        })
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+}
+
+/// A TLS client trusting `ca` (PEM), or the system's roots.
+fn tls_connector(ca: Option<&Path>) -> Result<TlsConnector, WebhookError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
+        Some(path) => {
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+                .and_then(|it| it.collect())
+                .map_err(|e| WebhookError::Tls(format!("reading {}: {e}", path.display())))?;
+            if certs.is_empty() {
+                return Err(WebhookError::Tls(format!(
+                    "{} holds no PEM certificate",
+                    path.display()
+                )));
+            }
+            for c in certs {
+                roots
+                    .add(c)
+                    .map_err(|e| WebhookError::Tls(format!("{}: {e}", path.display())))?;
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                return Err(WebhookError::Tls(format!(
+                    "no trusted root certificates on this system ({} errors reading them); install ca-certificates or set sinks.webhook_ca",
+                    found.errors.len()
+                )));
+            }
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| WebhookError::Tls(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(TlsConnector::from(Arc::new(config)))
 }
 
 /// What one POST came to.
@@ -196,13 +304,14 @@ pub struct Webhook {
 
 impl Webhook {
     /// Starts the sink's task on the current tokio runtime.
-    pub fn spawn(endpoint: Endpoint, queue: usize, policy: RetryPolicy) -> Webhook {
+    pub fn spawn(client: Client, queue: usize, policy: RetryPolicy) -> Webhook {
         let (tx, rx) = mpsc::channel(queue.max(1));
         let stats = Arc::new(WebhookStats::default());
         let stop = CancellationToken::new();
-        let span = info_span!("webhook", host = %endpoint.host, port = endpoint.port);
+        let e = &client.endpoint;
+        let span = info_span!("webhook", host = %e.host, port = e.port, tls = e.tls);
         let task =
-            tokio::spawn(run(endpoint, rx, policy, stats.clone(), stop.clone()).instrument(span));
+            tokio::spawn(run(client, rx, policy, stats.clone(), stop.clone()).instrument(span));
         Webhook {
             tx,
             stats,
@@ -269,7 +378,7 @@ impl Webhook {
 }
 
 async fn run(
-    endpoint: Endpoint,
+    client: Client,
     mut rx: mpsc::Receiver<String>,
     policy: RetryPolicy,
     stats: Arc<WebhookStats>,
@@ -294,7 +403,7 @@ async fn run(
                 stats.dropped_shutdown.fetch_add(n, Ordering::Relaxed);
                 break;
             }
-            _ = deliver(&endpoint, &body, n, &policy, &stats) => {}
+            _ = deliver(&client, &body, n, &policy, &stats) => {}
         }
     }
     // Stopped, or the queue ended: whatever is still queued is dropped.
@@ -308,16 +417,10 @@ async fn run(
 
 /// Posts one batch of `n` results, retrying within `policy`; counts it as
 /// posted or as dropped for good.
-async fn deliver(
-    endpoint: &Endpoint,
-    body: &str,
-    n: u64,
-    policy: &RetryPolicy,
-    stats: &WebhookStats,
-) {
+async fn deliver(client: &Client, body: &str, n: u64, policy: &RetryPolicy, stats: &WebhookStats) {
     let mut attempt = 1;
     loop {
-        let outcome = match tokio::time::timeout(POST_TIMEOUT, post(endpoint, body)).await {
+        let outcome = match tokio::time::timeout(POST_TIMEOUT, post(client, body)).await {
             Ok(o) => o,
             Err(_) => PostOutcome::Io(format!("no answer within {POST_TIMEOUT:?}")),
         };
@@ -346,23 +449,51 @@ async fn deliver(
 }
 
 /// One POST; the connection is closed after the answer's status line.
-async fn post(endpoint: &Endpoint, body: &str) -> PostOutcome {
-    let io = |what: &str, e: std::io::Error| PostOutcome::Io(format!("{what}: {e}"));
-    let mut s = match tokio::net::TcpStream::connect((endpoint.host.as_str(), endpoint.port)).await
-    {
+async fn post(client: &Client, body: &str) -> PostOutcome {
+    let endpoint = &client.endpoint;
+    let s = match tokio::net::TcpStream::connect((endpoint.host.as_str(), endpoint.port)).await {
         Ok(s) => s,
-        Err(e) => return io("connect", e),
+        Err(e) => return PostOutcome::Io(format!("connect: {e}")),
     };
     let host = if endpoint.host.contains(':') {
         format!("[{}]:{}", endpoint.host, endpoint.port)
     } else {
         format!("{}:{}", endpoint.host, endpoint.port)
     };
+    let auth = client
+        .authorization
+        .as_ref()
+        .map_or_else(String::new, |a| format!("Authorization: {a}\r\n"));
     let head = format!(
-        "POST {} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: tidegate-edge\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "POST {} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: tidegate-edge\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         endpoint.path,
         body.len()
     );
+    let Some(tls) = &client.tls else {
+        return exchange(s, &head, body).await;
+    };
+    let name = match rustls::pki_types::ServerName::try_from(endpoint.host.clone()) {
+        Ok(n) => n,
+        Err(e) => {
+            return PostOutcome::Io(format!(
+                "tls: {:?} is not a server name: {e}",
+                endpoint.host
+            ));
+        }
+    };
+    match tls.connect(name, s).await {
+        Ok(s) => exchange(s, &head, body).await,
+        Err(e) => PostOutcome::Io(format!("tls: {e}")),
+    }
+}
+
+/// Writes the request and reads the answer's status line.
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    head: &str,
+    body: &str,
+) -> PostOutcome {
+    let io = |what: &str, e: std::io::Error| PostOutcome::Io(format!("{what}: {e}"));
     if let Err(e) = s.write_all(head.as_bytes()).await {
         return io("write", e);
     }
@@ -420,7 +551,8 @@ mod tests {
             Endpoint {
                 host: "127.0.0.1".into(),
                 port: 8080,
-                path: "/hooks/results?x=1".into()
+                path: "/hooks/results?x=1".into(),
+                tls: false,
             }
         );
         assert_eq!(
@@ -428,13 +560,26 @@ mod tests {
             Endpoint {
                 host: "collector".into(),
                 port: 80,
-                path: "/".into()
+                path: "/".into(),
+                tls: false,
             }
         );
-        assert!(matches!(
-            Endpoint::parse("https://x/y"),
-            Err(WebhookError::Scheme { .. })
-        ));
+        assert_eq!(
+            Endpoint::parse("https://collector/hook").unwrap(),
+            Endpoint {
+                host: "collector".into(),
+                port: 443,
+                path: "/hook".into(),
+                tls: true,
+            }
+        );
+        assert_eq!(Endpoint::parse("https://c:8443").unwrap().port, 8443);
+        for bad in ["ftp://x/y", "HTTPS://x/y", "x:80/y", "https:/x"] {
+            assert!(
+                matches!(Endpoint::parse(bad), Err(WebhookError::Scheme { .. })),
+                "{bad}"
+            );
+        }
         for bad in [
             "http://:80/x",
             "http://host:port/x",
@@ -455,6 +600,7 @@ mod tests {
             host: host.into(),
             port,
             path: path.into(),
+            tls: false,
         };
         for (url, want) in [
             ("http://[::1]/x", v6("::1", 80, "/x")),
@@ -464,6 +610,13 @@ mod tests {
             (
                 "http://[2001:db8::7]:443/hook",
                 v6("2001:db8::7", 443, "/hook"),
+            ),
+            (
+                "https://[::1]/x",
+                Endpoint {
+                    tls: true,
+                    ..v6("::1", 443, "/x")
+                },
             ),
         ] {
             assert_eq!(Endpoint::parse(url).unwrap(), want, "{url}");
