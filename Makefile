@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release images demo test lint fmt loadtest bench fuzz clean-cache
+.PHONY: setup build release images demo test lint fmt loadtest loadtest-scenario bench fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -41,6 +41,12 @@ fmt:
 loadtest: release
 	./target/release/tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10 \
 	  --report target/loadtest.json --svg target/loadtest.svg
+
+## The rush-hour scenario (loadtest/scenarios/): four phases of load, each
+## with its report and SLO gate; report in target/scenario.json.
+loadtest-scenario: release
+	./target/release/tidegate-loadtest --local --workers 2 --scenario loadtest/scenarios/rush-hour.toml \
+	  --report target/scenario.json --svg target/scenario.svg
 
 ## Scheduler cost, relay overhead against raw quinn, overload with and
 ## without frame-rate hints, and a worker's time to ready; JSON in

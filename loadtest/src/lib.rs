@@ -26,6 +26,7 @@ pub mod cluster;
 pub mod edge_harness;
 pub mod relay;
 pub mod report;
+pub mod scenario;
 pub mod schedbench;
 pub mod sim;
 pub mod startup;

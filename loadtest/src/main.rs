@@ -9,6 +9,7 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::scenario::{PhaseReport, Scenario, ScenarioReport};
 use tidegate_loadtest::sim::{self, SimOptions};
 use tidegate_protocol::GatewayAddr;
 
@@ -58,6 +59,13 @@ struct Cli {
     /// Seconds of sending (bounded: at most 600).
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
+    /// Run the phases of this scenario file (TOML, loadtest/scenarios/)
+    /// one after another instead of one run of --cameras × --fps for
+    /// --seconds; --model, --budget-ms, --ignore-hints and
+    /// --min-slo-attainment are the defaults of its phases. The report
+    /// has one entry per phase; --svg FILE draws each as FILE-<phase>.svg.
+    #[arg(long, conflicts_with_all = ["cameras", "fps", "seconds"])]
+    scenario: Option<PathBuf>,
     /// Model (with --local, the workers serve it from the repository's
     /// models/).
     #[arg(long, default_value = "blazeface")]
@@ -85,6 +93,70 @@ struct Cli {
     /// Log filter.
     #[arg(long, env = "TIDEGATE_LOG", default_value = "warn")]
     log: String,
+}
+
+/// Runs the phases of `s` in order with `base` (the command line's options)
+/// for what they leave out; writes the report (and a picture per phase);
+/// fails when a phase fails its gate.
+fn run_scenario(
+    runtime: &tokio::runtime::Runtime,
+    s: &Scenario,
+    base: &SimOptions,
+    cli: &Cli,
+) -> anyhow::Result<()> {
+    let name = s.name.clone().unwrap_or_default();
+    let mut phases = Vec::with_capacity(s.phases.len());
+    for p in &s.phases {
+        let opts = s.options(p, base);
+        tracing::warn!(
+            phase = %p.name,
+            cameras = opts.cameras,
+            fps = opts.fps,
+            seconds = p.seconds,
+            model = %opts.model,
+            "scenario {name:?}: phase starts"
+        );
+        let report = runtime
+            .block_on(sim::run(&opts))
+            .with_context(|| format!("phase {:?}", p.name))?;
+        let gate = s.gate(p, cli.min_slo_attainment);
+        phases.push(PhaseReport::new(&p.name, &opts.model, gate, report));
+    }
+    let report = ScenarioReport::new(&name, phases);
+    let json = serde_json::to_string_pretty(&report)?;
+    println!("{json}");
+    if let Some(path) = &cli.report {
+        std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(svg) = &cli.svg {
+        for p in &report.phases {
+            let path = phase_svg(svg, &p.name);
+            std::fs::write(&path, tidegate_loadtest::svg::render(&p.report))
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    let why = report.failures();
+    anyhow::ensure!(why.is_empty(), "SLO gate failed: {}", why.join("; "));
+    Ok(())
+}
+
+/// `dir/stem-<phase>.svg` for `--svg dir/stem.svg`, the phase name reduced
+/// to letters, digits, `-` and `_`.
+fn phase_svg(svg: &std::path::Path, phase: &str) -> PathBuf {
+    let safe: String = phase
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let stem = svg
+        .file_stem()
+        .map_or_else(|| "report".into(), |s| s.to_string_lossy());
+    svg.with_file_name(format!("{stem}-{safe}.svg"))
 }
 
 /// A fraction in [0, 1], for --min-slo-attainment.
@@ -137,6 +209,12 @@ fn main() -> anyhow::Result<()> {
         cli.fps > 0.0 && cli.fps <= 1000.0,
         "--fps must be in (0, 1000]"
     );
+    // Read before anything starts: a bad file costs no cluster.
+    let scenario = cli.scenario.as_deref().map(Scenario::load).transpose()?;
+    let models = match &scenario {
+        Some(s) => s.models(&cli.model),
+        None => vec![cli.model.clone()],
+    };
     let mut cluster = None;
     let (gateway, ca, token) = if cli.local {
         let mut c = Cluster::start(&ClusterOptions {
@@ -144,9 +222,10 @@ fn main() -> anyhow::Result<()> {
             workers: (1..=cli.workers).map(|i| format!("worker-{i}")).collect(),
             ..ClusterOptions::default()
         })?;
-        let models = workspace_root().join("models");
+        let repository = workspace_root().join("models");
+        let serve: Vec<&str> = models.iter().map(String::as_str).collect();
         for i in 1..=cli.workers {
-            c.spawn_worker_serving(&format!("worker-{i}"), &models, &[&cli.model])?;
+            c.spawn_worker_serving(&format!("worker-{i}"), &repository, &serve)?;
         }
         c.wait_for_workers(cli.workers, Duration::from_secs(60))?;
         let out = (GatewayAddr::from(c.quic), c.ca(), c.edge_token.clone());
@@ -154,7 +233,7 @@ fn main() -> anyhow::Result<()> {
         out
     } else {
         (
-            cli.gateway.context("--gateway is required")?,
+            cli.gateway.clone().context("--gateway is required")?,
             cli.ca.clone().context("--ca is required")?,
             cli.token.clone().context("--token is required")?,
         )
@@ -177,10 +256,15 @@ fn main() -> anyhow::Result<()> {
         ),
         obey_hints: !cli.ignore_hints,
     };
-    let report = tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?
-        .block_on(sim::run(&opts))?;
+        .build()?;
+    if let Some(s) = &scenario {
+        let result = run_scenario(&runtime, s, &opts, &cli);
+        drop(cluster);
+        return result;
+    }
+    let report = runtime.block_on(sim::run(&opts))?;
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
     if let Some(p) = &cli.report {

@@ -1,8 +1,9 @@
 //! `tidegate-loadtest --local` end to end: it starts its own cluster (a
 //! gateway and a worker on 127.0.0.1), runs 2 s of one camera, and writes
 //! the JSON report and its SVG picture; its SLO gate fails a run that
-//! cannot meet it; and flags it cannot honour are refused before anything
-//! starts (for `tidegate-bench` too). Bounded in frames and time; nothing
+//! cannot meet it; a scenario runs its phases in order, each with its
+//! report, picture and gate; and flags or scenarios it cannot honour are
+//! refused before anything starts (for `tidegate-bench` too). Bounded in frames and time; nothing
 //! asserts on speed.
 
 use std::process::Command;
@@ -150,4 +151,112 @@ fn flags_it_cannot_honour_are_refused_before_anything_starts() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("more than 10000000 decisions"), "{stderr}");
+}
+
+#[test]
+fn a_scenario_runs_its_phases_in_order_and_gates_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("two-phases.toml");
+    // The second phase's 1 ms budget cannot be met (see above): its gate
+    // fails, the first's passes.
+    std::fs::write(
+        &scenario,
+        "min_slo_attainment = 0.5\n\
+         [[phases]]\nname = \"quiet\"\nseconds = 1.5\ncameras = 1\nfps = 5\n\
+         [[phases]]\nname = \"too tight\"\nseconds = 1\ncameras = 2\nfps = 5\nbudget_ms = 1\n",
+    )
+    .unwrap();
+    let (json, svg) = (dir.path().join("r.json"), dir.path().join("s.svg"));
+    let out = Command::new(env!("CARGO_BIN_EXE_tidegate-loadtest"))
+        .args(["--local", "--scenario"])
+        .arg(&scenario)
+        .arg("--report")
+        .arg(&json)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .expect("tidegate-loadtest runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("SLO gate failed: phase \"too tight\": attainment 0.0000 < 0.5"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("phase \"quiet\":"), "{stderr}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("JSON report");
+    assert_eq!(report["scenario"], "two-phases");
+    assert_eq!(report["passed"], false);
+    let phases = report["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 2);
+    let (quiet, tight) = (&phases[0], &phases[1]);
+    assert_eq!(quiet["name"], "quiet");
+    assert_eq!(
+        quiet["slo_failures"].as_array().unwrap().len(),
+        0,
+        "{quiet}"
+    );
+    assert_eq!(quiet["report"]["cameras"], 1);
+    assert!(
+        quiet["report"]["ok_within_budget"].as_u64().unwrap() > 0,
+        "{quiet}"
+    );
+    assert_eq!(tight["report"]["budget_ms"], 1);
+    assert_eq!(tight["report"]["cameras"], 2);
+    assert_eq!(tight["min_slo_attainment"], 0.5);
+    for (p, r) in [("quiet", quiet), ("too_tight", tight)] {
+        // Every frame sent got exactly one result.
+        assert_eq!(r["report"]["missing"], 0, "{r}");
+        assert_eq!(r["report"]["duplicates"], 0, "{r}");
+        let picture = std::fs::read_to_string(dir.path().join(format!("s-{p}.svg"))).unwrap();
+        assert!(picture.starts_with("<svg"), "{p}");
+    }
+}
+
+#[test]
+fn a_bad_scenario_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("bad.toml");
+    std::fs::write(
+        &scenario,
+        "[[phases]]\nname = \"flood\"\nseconds = 1\ncameras = 5000\nfps = 5\n",
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_tidegate-loadtest"))
+            .args(["--local", "--scenario"])
+            .arg(&scenario)
+            .args(extra)
+            .output()
+            .expect("tidegate-loadtest runs")
+    };
+    let out = run(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("phase \"flood\": cameras = 5000"),
+        "{stderr}"
+    );
+    // A scenario sets its own cameras, rates and durations.
+    let out = run(&["--cameras", "3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--cameras") && stderr.contains("--scenario"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn the_shipped_scenarios_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let s =
+            tidegate_loadtest::scenario::Scenario::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert!(!s.phases.is_empty());
+        n += 1;
+    }
+    assert!(n >= 1, "no scenario in {}", dir.display());
 }
