@@ -50,6 +50,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/v1/models", get(models))
         .route("/api/v1/leases", get(leases))
         .route("/api/v1/costs", get(costs))
+        .route("/api/v1/costs.csv", get(costs_csv))
         .route("/api/v1/workers/{name}/drain", post(drain_worker))
         .route("/api/v1/leases/{id}/release", post(release_lease))
         .route("/api/v1/reload", post(reload))
@@ -287,23 +288,105 @@ struct CostsQuery {
 
 /// Cost charged in `[from, to)` (default: everything until now).
 async fn costs(State(s): State<ApiState>, Query(q): Query<CostsQuery>) -> Response {
+    match cost_report(&s, &q).await {
+        Ok(r) => Json(r).into_response(),
+        Err(answer) => answer,
+    }
+}
+
+/// The same as CSV, one row per edge, model, idle and the total: for a
+/// spreadsheet or a finance import.
+async fn costs_csv(State(s): State<ApiState>, Query(q): Query<CostsQuery>) -> Response {
+    match cost_report(&s, &q).await {
+        Ok(r) => (
+            [(axum::http::header::CONTENT_TYPE, "text/csv; charset=utf-8")],
+            render_costs_csv(&r),
+        )
+            .into_response(),
+        Err(answer) => answer,
+    }
+}
+
+/// The ledger's report for the query's range, or the answer that says why
+/// there is none.
+async fn cost_report(
+    s: &ApiState,
+    q: &CostsQuery,
+) -> Result<tidegate_lease::ledger::CostReport, Response> {
     let Some(l) = &s.leasing else {
-        return no_leasing();
+        return Err(no_leasing());
     };
     let from = match q.from.as_deref().map(parse_time).transpose() {
         Ok(t) => t.unwrap_or(0),
-        Err(e) => return bad_request(format!("from: {e}")),
+        Err(e) => return Err(bad_request(format!("from: {e}"))),
     };
     let to = match q.to.as_deref().map(parse_time).transpose() {
         Ok(t) => t.unwrap_or_else(|| tidegate_lease::provider::wall_clock_ms() + 1),
-        Err(e) => return bad_request(format!("to: {e}")),
+        Err(e) => return Err(bad_request(format!("to: {e}"))),
     };
     if to < from {
-        return bad_request(format!("to ({to}) is before from ({from})"));
+        return Err(bad_request(format!("to ({to}) is before from ({from})")));
     }
-    match l.costs(from, to).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => internal(e),
+    l.costs(from, to).await.map_err(internal)
+}
+
+/// `/api/v1/costs.csv`: a header, then `edge` and `model` rows (the two
+/// splits), an `idle` row and a `total` row. Amounts in currency units with
+/// six decimals (exact: the ledger counts micro-units).
+pub fn render_costs_csv(r: &tidegate_lease::ledger::CostReport) -> String {
+    use tidegate_lease::Money;
+    let currency = r.currency.as_deref().unwrap_or("");
+    let money = |m: Money| {
+        format!(
+            "{}.{:06}",
+            m.0.div_euclid(1_000_000),
+            m.0.rem_euclid(1_000_000)
+        )
+    };
+    let per_1k = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.6}"));
+    let mut out = String::from(
+        "split,name,cost,currency,frames_within_slo,frames_late,busy_seconds,cost_per_1k_within_slo\r\n",
+    );
+    for (split, shares) in [("edge", &r.by_edge), ("model", &r.by_model)] {
+        for (name, s) in shares {
+            out += &format!(
+                "{split},{},{},{},{},{},{:.6},{}\r\n",
+                csv_field(name),
+                money(s.cost),
+                csv_field(currency),
+                s.frames_within_slo,
+                s.frames_late,
+                s.busy_seconds,
+                per_1k(s.cost_per_1k_within_slo)
+            );
+        }
+    }
+    out += &format!("idle,,{},{},,,,\r\n", money(r.idle), csv_field(currency));
+    out += &format!(
+        "total,,{},{},{},{},,{}\r\n",
+        money(r.total),
+        csv_field(currency),
+        r.frames_within_slo,
+        r.frames_late,
+        per_1k(r.cost_per_1k_within_slo)
+    );
+    out
+}
+
+/// A CSV field (RFC 4180): quoted, with quotes doubled, when it holds a
+/// comma, a quote or a line break; and with a leading `'` when it starts
+/// like a formula (`=`, `+`, `-`, `@`), so a spreadsheet shows an edge's
+/// name rather than running it.
+fn csv_field(v: &str) -> String {
+    let v = if v.starts_with(['=', '+', '-', '@']) {
+        format!("'{v}")
+    } else {
+        v.to_string()
+    };
+    if v.contains([',', '"', '\r', '\n']) {
+        format!("\"{}\"", v.replace('"', "\"\""))
+    } else {
+        v
     }
 }
 
@@ -372,6 +455,47 @@ fn rfc3339_ms(s: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn costs_render_as_csv_with_names_quoted_and_formulas_defused() {
+        use tidegate_lease::Money;
+        use tidegate_lease::showback::Share;
+        let mut r = tidegate_lease::ledger::CostReport {
+            currency: Some("CNY".into()),
+            total: Money(31_500_001),
+            idle: Money(1_500_000),
+            frames_within_slo: 4000,
+            frames_late: 3,
+            cost_per_1k_within_slo: Some(7.875),
+            ..Default::default()
+        };
+        let share = |micro, frames| Share {
+            cost: Money(micro),
+            frames_within_slo: frames,
+            frames_late: 1,
+            busy_seconds: 1.25,
+            cost_per_1k_within_slo: Some(1.5),
+        };
+        r.by_edge
+            .insert("lobby, east \"A\"".into(), share(20_000_001, 3000));
+        r.by_edge.insert("=cmd()".into(), share(10_000_000, 1000));
+        r.by_model
+            .insert("blazeface".into(), share(30_000_001, 4000));
+        let csv = render_costs_csv(&r);
+        let lines: Vec<&str> = csv.split("\r\n").collect();
+        assert_eq!(
+            lines,
+            vec![
+                "split,name,cost,currency,frames_within_slo,frames_late,busy_seconds,cost_per_1k_within_slo",
+                "edge,'=cmd(),10.000000,CNY,1000,1,1.250000,1.500000",
+                "edge,\"lobby, east \"\"A\"\"\",20.000001,CNY,3000,1,1.250000,1.500000",
+                "model,blazeface,30.000001,CNY,4000,1,1.250000,1.500000",
+                "idle,,1.500000,CNY,,,,",
+                "total,,31.500001,CNY,4000,3,,7.875000",
+                "",
+            ]
+        );
+    }
 
     #[tokio::test]
     async fn mutating_routes_need_the_admin_token() {

@@ -235,6 +235,26 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
         assert!((cost + idle - total).abs() < 1e-6, "{split}: {costs}");
         assert!(cost > 0.0, "{costs}");
     }
+    // The same split as CSV, for a spreadsheet.
+    let (code, csv) = c
+        .get("/api/v1/costs.csv?from=0")
+        .expect("GET /api/v1/costs.csv");
+    assert_eq!(code, 200, "{csv}");
+    let rows: Vec<Vec<&str>> = csv.lines().map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows[0][0], "split", "{csv}");
+    let row = |split: &str, name: &str| {
+        rows.iter()
+            .find(|r| r[0] == split && r[1] == name)
+            .unwrap_or_else(|| panic!("no {split} row {name:?}: {csv}"))
+    };
+    for (split, name) in [("edge", "edge-1"), ("model", "blazeface")] {
+        let r = row(split, name);
+        let frames: u64 = r[4].parse::<u64>().unwrap() + r[5].parse::<u64>().unwrap();
+        assert_eq!(frames, answered, "{csv}");
+        assert!(r[2].parse::<f64>().unwrap() > 0.0, "{csv}");
+    }
+    assert!(row("total", "")[2].parse::<f64>().unwrap() > 0.0, "{csv}");
+    row("idle", "");
     let (_, metrics) = c.get("/metrics").unwrap();
     for name in [
         "tidegate_leases{",
