@@ -1,9 +1,10 @@
 //! Property tests of the webhook's status-line parser, which reads bytes
 //! from whatever answers on the configured address (also a fuzz target:
-//! `edge/fuzz`, `webhook_status`).
+//! `edge/fuzz`, `webhook_status`), and of its URL parser: every well-formed
+//! `http://` or `https://` URL reads back as its parts.
 
 use proptest::prelude::*;
-use tidegate_edge::sink::webhook::parse_status;
+use tidegate_edge::sink::webhook::{Endpoint, parse_status};
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
@@ -41,5 +42,36 @@ proptest! {
         // A prefix that stops before the CRLF is not an answer yet.
         let cut = cut.min(line.len() - 2);
         prop_assert_eq!(parse_status(&data[..cut]), None);
+    }
+
+    /// A URL built from a scheme, a host (a name, an IPv4 address, or an
+    /// IPv6 address in brackets), an optional port and a path parses back
+    /// to those parts, with the scheme's default port when none is given.
+    #[test]
+    fn well_formed_urls_parse_back_to_their_parts(
+        tls in any::<bool>(),
+        host in prop_oneof![
+            "[a-z][a-z0-9-]{0,20}(\\.[a-z][a-z0-9-]{0,10}){0,2}",
+            any::<std::net::Ipv4Addr>().prop_map(|a| a.to_string()),
+            any::<std::net::Ipv6Addr>().prop_map(|a| format!("[{a}]")),
+        ],
+        port in proptest::option::of(any::<u16>()),
+        path in "(/[A-Za-z0-9._~?=&-]{0,12}){0,3}",
+    ) {
+        let scheme = if tls { "https" } else { "http" };
+        let port_part = port.map_or_else(String::new, |p| format!(":{p}"));
+        let url = format!("{scheme}://{host}{port_part}{path}");
+        let e = Endpoint::parse(&url).map_err(|e| TestCaseError::fail(format!("{url}: {e}")))?;
+        prop_assert_eq!(e.tls, tls);
+        prop_assert_eq!(e.host, host.trim_start_matches('[').trim_end_matches(']'));
+        prop_assert_eq!(e.port, port.unwrap_or(if tls { 443 } else { 80 }));
+        let want_path = if path.is_empty() { "/" } else { path.as_str() };
+        prop_assert_eq!(e.path, want_path);
+    }
+
+    /// Any string is parsed or refused, never a panic.
+    #[test]
+    fn any_string_is_parsed_or_refused(url in "(https?://)?\\PC{0,40}") {
+        let _ = Endpoint::parse(&url);
     }
 }
