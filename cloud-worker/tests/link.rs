@@ -42,6 +42,46 @@ impl Backend for OkBackend {
     }
 }
 
+/// A scripted gateway's QUIC endpoint on 127.0.0.1, with a throw-away CA
+/// and a certificate for `localhost` (kept in the returned folder).
+fn gateway_endpoint() -> (
+    quinn::Endpoint,
+    tidegate_protocol::certs::DevCerts,
+    tempfile::TempDir,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()])
+        .expect("test certificates");
+    let server = server_config(&tls.server_cert, &tls.server_key).unwrap();
+    let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+    (endpoint, tls, dir)
+}
+
+/// Accepts the worker's connection and its control stream, reads its
+/// `Hello`, welcomes it and reads its `Register`.
+async fn accept_worker(
+    endpoint: &quinn::Endpoint,
+    limits: &Limits,
+) -> (quinn::Connection, quinn::SendStream, quinn::RecvStream) {
+    let conn = endpoint.accept().await.unwrap().await.unwrap();
+    let (mut ctl_send, mut ctl_recv) = conn.accept_bi().await.unwrap();
+    let hello = read_message(&mut ctl_recv, limits).await.unwrap();
+    assert!(matches!(hello, Some(Message::Hello(_))), "{hello:?}");
+    let welcome = Message::Welcome(Welcome {
+        session: 1,
+        heartbeat_ms: 100,
+    });
+    tidegate_protocol::quic::write_message(&mut ctl_send, &welcome)
+        .await
+        .unwrap();
+    let register = read_message(&mut ctl_recv, limits).await.unwrap();
+    assert!(
+        matches!(register, Some(Message::Register(_))),
+        "{register:?}"
+    );
+    (conn, ctl_send, ctl_recv)
+}
+
 fn item(id: u64) -> DispatchItem {
     DispatchItem {
         id,
@@ -63,11 +103,7 @@ fn item(id: u64) -> DispatchItem {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_waits_for_a_dispatch_still_being_read() {
     let limits = Limits::default();
-    let dir = tempfile::tempdir().unwrap();
-    let tls = tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()])
-        .expect("test certificates");
-    let server = server_config(&tls.server_cert, &tls.server_key).unwrap();
-    let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let (endpoint, tls, _dir) = gateway_endpoint();
     let cfg = LinkConfig {
         gateway: endpoint.local_addr().unwrap().into(),
         server_name: "localhost".into(),
@@ -90,22 +126,7 @@ async fn drain_waits_for_a_dispatch_still_being_read() {
     // Bounds a broken link so that the test fails instead of hanging; no
     // assertion depends on how fast anything runs.
     let script = async {
-        let conn = endpoint.accept().await.unwrap().await.unwrap();
-        let (mut ctl_send, mut ctl_recv) = conn.accept_bi().await.unwrap();
-        let hello = read_message(&mut ctl_recv, &limits).await.unwrap();
-        assert!(matches!(hello, Some(Message::Hello(_))), "{hello:?}");
-        let welcome = Message::Welcome(Welcome {
-            session: 1,
-            heartbeat_ms: 100,
-        });
-        tidegate_protocol::quic::write_message(&mut ctl_send, &welcome)
-            .await
-            .unwrap();
-        let register = read_message(&mut ctl_recv, &limits).await.unwrap();
-        assert!(
-            matches!(register, Some(Message::Register(_))),
-            "{register:?}"
-        );
+        let (conn, mut ctl_send, _ctl_recv) = accept_worker(&endpoint, &limits).await;
 
         // Half of a dispatch, then the drain.
         let dispatch = Message::Dispatch(Dispatch {
@@ -177,11 +198,7 @@ fn register() -> Register {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn link_dials_a_gateway_given_by_host_name() {
     let limits = Limits::default();
-    let dir = tempfile::tempdir().unwrap();
-    let tls = tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()])
-        .expect("test certificates");
-    let server = server_config(&tls.server_cert, &tls.server_key).unwrap();
-    let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let (endpoint, tls, _dir) = gateway_endpoint();
     let port = endpoint.local_addr().unwrap().port();
     let cfg = LinkConfig {
         gateway: format!("localhost:{port}").parse().unwrap(),
@@ -197,23 +214,8 @@ async fn link_dials_a_gateway_given_by_host_name() {
     });
 
     let script = async {
-        let conn = endpoint.accept().await.unwrap().await.unwrap();
+        let (conn, mut ctl_send, ctl_recv) = accept_worker(&endpoint, &limits).await;
         assert!(conn.remote_address().ip().is_loopback());
-        let (mut ctl_send, mut ctl_recv) = conn.accept_bi().await.unwrap();
-        let hello = read_message(&mut ctl_recv, &limits).await.unwrap();
-        assert!(matches!(hello, Some(Message::Hello(_))), "{hello:?}");
-        let welcome = Message::Welcome(Welcome {
-            session: 1,
-            heartbeat_ms: 100,
-        });
-        tidegate_protocol::quic::write_message(&mut ctl_send, &welcome)
-            .await
-            .unwrap();
-        let register = read_message(&mut ctl_recv, &limits).await.unwrap();
-        assert!(
-            matches!(register, Some(Message::Register(_))),
-            "{register:?}"
-        );
         let drain = Message::Drain(Drain { deadline_ms: 1000 });
         tidegate_protocol::quic::write_message(&mut ctl_send, &drain)
             .await
