@@ -421,7 +421,9 @@ struct State {
     /// Work per lease since the last load report.
     served: HashMap<LeaseId, Served>,
     /// The same per lease, edge and model (the showback).
-    usage: HashMap<(LeaseId, Arc<str>, String), Usage>,
+    /// Keyed by lease and edge, then model, so that a frame's completion
+    /// allocates nothing once its key has been seen.
+    usage: HashMap<(LeaseId, Arc<str>), HashMap<String, Usage>>,
     /// Leases told to drain (applied to their worker when it registers).
     draining_leases: std::collections::HashSet<LeaseId>,
     /// The lease each static worker is bound to (applied to its worker
@@ -957,10 +959,11 @@ impl State {
                 if let Some(l) = p.served_by {
                     let on_time = status == Status::Ok && self.now() <= p.deadline;
                     let s = self.served.entry(l).or_default();
-                    let u = self
-                        .usage
-                        .entry((l, p.edge_name.clone(), p.frame.model.clone()))
-                        .or_default();
+                    let models = self.usage.entry((l, p.edge_name.clone())).or_default();
+                    if !models.contains_key(&p.frame.model) {
+                        models.insert(p.frame.model.clone(), Usage::default());
+                    }
+                    let u = models.get_mut(&p.frame.model).expect("inserted above");
                     if on_time {
                         s.within_slo += 1;
                         u.within_slo += 1;
@@ -1052,11 +1055,13 @@ impl State {
         let mut usage: Vec<UsageReport> = self
             .usage
             .drain()
-            .map(|((lease, edge, model), usage)| UsageReport {
-                lease,
-                edge: edge.to_string(),
-                model,
-                usage,
+            .flat_map(|((lease, edge), models)| {
+                models.into_iter().map(move |(model, usage)| UsageReport {
+                    lease,
+                    edge: edge.to_string(),
+                    model,
+                    usage,
+                })
             })
             .collect();
         usage.sort_by(|a, b| (a.lease, &a.edge, &a.model).cmp(&(b.lease, &b.edge, &b.model)));
