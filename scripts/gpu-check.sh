@@ -15,8 +15,8 @@
 # onnxruntime-gpu install has them), and in TIDEGATE_CUDA_LIBS (extra
 # folders, colon-separated).
 #
-# Steps: 1. what the machine has, and a fast pre-check: the worker's
-# check-config on CUDA, which loads every library the later steps load at
+# Steps: 1. what the machine has, the worker's check-cuda (provider, driver,
+# devices, NVRTC), and a fast pre-check: the worker's check-config on CUDA, which loads every library the later steps load at
 # run time (ONNX Runtime's CUDA provider, cuBLAS, cuDNN, NVRTC) and must
 # report GPU preprocessing; 2. GPU tests with TIDEGATE_REQUIRE_GPU=1 (a skip
 # is a failure): kernel == CPU preprocessing, CUDA detections == CPU within
@@ -206,8 +206,12 @@ precheck() {
     return 1
   fi
 }
+if ((!rehearse)); then
+  say "1b. tidegate-worker check-cuda: ONNX Runtime's CUDA provider, the driver and devices, NVRTC"
+  step "check-cuda" "$kit/bin/tidegate-worker" --config "$kit/w-cuda.toml" --log warn check-cuda
+fi
 pre="${providers[-1]}"
-say "1b. pre-check: tidegate-worker check-config on $pre (loads every run-time library)"
+say "1c. pre-check: tidegate-worker check-config on $pre (loads every run-time library)"
 step "pre-check: check-config on $pre" precheck "$pre"
 
 say "2. GPU tests (a skip fails here)"

@@ -597,6 +597,13 @@ fn open_sessions(
         .collect()
 }
 
+/// Whether the ONNX Runtime library loaded in this process was built with
+/// the CUDA execution provider (the onnxruntime-gpu wheel's is, the CPU
+/// wheel's is not). Asks the library only: no driver or GPU is needed.
+pub fn cuda_provider_built() -> Result<bool, String> {
+    CUDA::is_available().map_err(|e| one_line(&e.to_string()))
+}
+
 /// Whether the CUDA provider can be used at all: ONNX Runtime was built with
 /// it, and (with the `cuda` feature, which can ask the driver) the device
 /// exists.

@@ -67,6 +67,11 @@ enum Command {
     Run,
     /// Validate the config, the ONNX Runtime library and every model, exit.
     CheckConfig,
+    /// Check, one line each, what serving on CUDA needs here, without
+    /// loading a model: ONNX Runtime's CUDA provider, the NVIDIA driver and
+    /// its devices, and NVRTC compiling the preprocessing kernel. Exits 0
+    /// only when all are there.
+    CheckCuda,
 }
 
 fn load_config(cli: &Cli) -> anyhow::Result<WorkerConfig> {
@@ -115,6 +120,9 @@ fn main() {
 fn real_main(cli: Cli) -> anyhow::Result<()> {
     let started = Instant::now();
     let cfg = load_config(&cli)?;
+    if matches!(cli.command, Some(Command::CheckCuda)) {
+        return check_cuda(&cfg);
+    }
     let options = RuntimeOptions {
         library: cfg.runtime.library.clone(),
         intra_threads: cfg.runtime.intra_threads,
@@ -317,6 +325,57 @@ fn device_name(backend: &OrtBackend) -> String {
 /// is answered `Shed(Overloaded)` at once rather than queued behind work it
 /// would wait for.
 const EXECUTOR_QUEUE: usize = 4;
+
+/// `check-cuda`: each thing serving on CUDA needs, found (`ok`) or not
+/// (`MISSING`, with why), on stdout; an error names what is missing.
+fn check_cuda(cfg: &WorkerConfig) -> anyhow::Result<()> {
+    let mut missing = Vec::new();
+    let mut report = |what: &str, found: Result<String, String>| match found {
+        Ok(found) => println!("ok       {what}: {found}"),
+        Err(why) => {
+            println!("MISSING  {what}: {why}");
+            missing.push(what.to_string());
+        }
+    };
+    let ort = Runtime::init(cfg.runtime.library.as_deref()).map_err(|e| e.to_string());
+    report(
+        "ONNX Runtime",
+        ort.as_ref()
+            .map(|rt| rt.path().display().to_string())
+            .map_err(Clone::clone),
+    );
+    let provider = ort.and_then(|_| match tidegate_worker::backend::cuda_provider_built()? {
+        true => Ok("built in".to_string()),
+        false => Err("a CPU build; use the onnxruntime-gpu wheel's libonnxruntime.so".into()),
+    });
+    report("its CUDA execution provider", provider);
+    #[cfg(feature = "cuda")]
+    {
+        use tidegate_worker::gpu;
+        let devices = gpu::probe().map_err(|e| e.to_string()).and_then(|all| {
+            let all: Vec<String> = all.iter().map(ToString::to_string).collect();
+            match all.is_empty() {
+                true => Err("the driver lists no device".to_string()),
+                false => Ok(all.join("; ")),
+            }
+        });
+        report("the NVIDIA driver and its devices", devices);
+        let kernel = gpu::compile_kernel(None)
+            .map(|ptx| format!("compiles ({} bytes of PTX)", ptx.to_src().len()))
+            .map_err(|e| e.to_string());
+        report("NVRTC and the preprocessing kernel", kernel);
+    }
+    #[cfg(not(feature = "cuda"))]
+    report(
+        "the NVIDIA driver and GPU preprocessing",
+        Err("this worker was built without the `cuda` feature".into()),
+    );
+    if !missing.is_empty() {
+        anyhow::bail!("cannot serve on CUDA here: {}", missing.join(", "));
+    }
+    println!("cuda ok");
+    Ok(())
+}
 
 fn cli_is_check(cli: &Cli) -> bool {
     matches!(cli.command, Some(Command::CheckConfig))

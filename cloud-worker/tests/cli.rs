@@ -1,7 +1,8 @@
 //! The `tidegate-worker` binary given the gateway by host name, as the
 //! gateway's Kubernetes provider gives it to worker Pods
 //! (`TIDEGATE_GATEWAY_ADDR = "tidegate-gateway.tidegate.svc:4433"`), and
-//! malformed addresses refused in one line naming where they came from.
+//! malformed addresses refused in one line naming where they came from;
+//! and `check-cuda` on this machine, which has no NVIDIA driver.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -19,6 +20,12 @@ const ISOLATE: [&str; 6] = [
 /// `tidegate-worker --config <file> check-config` serving BlazeFace on one
 /// CPU thread, with `gateway.addr = addr` in the file and `env` set.
 fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
+    worker(addr, env, &["check-config"])
+}
+
+/// `tidegate-worker --config <file> ARGS` with the config of
+/// [`check_config`].
+fn worker(addr: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("w.toml");
     let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
@@ -31,7 +38,7 @@ fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
     )
     .unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tidegate-worker"));
-    cmd.arg("--config").arg(&cfg).arg("check-config");
+    cmd.arg("--config").arg(&cfg).args(args);
     for var in ISOLATE {
         cmd.env_remove(var);
     }
@@ -85,4 +92,81 @@ fn malformed_gateway_addresses_are_refused_in_one_line_naming_the_source() {
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// The lines `check-cuda` prints, and its exit code.
+fn check_cuda(env: &[(&str, &str)], ort: Option<&Path>) -> (Option<i32>, String) {
+    let mut args = vec!["check-cuda".to_string()];
+    if let Some(lib) = ort {
+        args.push(format!("--ort-lib={}", lib.display()));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = worker("127.0.0.1:9", env, &args);
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (out.status.code(), format!("{}{stderr}", text(&out.stdout)))
+}
+
+#[test]
+fn check_cuda_names_each_thing_missing_on_a_machine_without_a_driver() {
+    // make setup's ONNX Runtime is the CPU build.
+    let (code, out) = check_cuda(&[], None);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("ok       ONNX Runtime: "), "{out}");
+    assert!(
+        out.contains("MISSING  its CUDA execution provider: a CPU build"),
+        "{out}"
+    );
+    if cfg!(feature = "cuda") {
+        assert!(
+            out.contains("MISSING  the NVIDIA driver and its devices: no CUDA driver"),
+            "{out}"
+        );
+    } else {
+        assert!(out.contains("built without the `cuda` feature"), "{out}");
+    }
+    assert!(
+        out.contains(
+            "tidegate-worker: error: cannot serve on CUDA here: its CUDA execution provider"
+        ),
+        "{out}"
+    );
+
+    // ONNX Runtime's GPU build and NVRTC, as the CUDA worker image has them
+    // (make test's setup fetches both): only the driver is missing.
+    let cache = tidegate_worker::runtime::cache_dir().unwrap();
+    let gpu_build = cache.join(format!(
+        "cuda-libs/onnxruntime-gpu-{}/onnxruntime/libonnxruntime.so",
+        tidegate_worker::runtime::ORT_VERSION
+    ));
+    let nvrtc = cache.join("cuda-nvrtc/12.9.86");
+    if !gpu_build.is_file() || !nvrtc.is_dir() {
+        eprintln!(
+            "SKIPPED the GPU build's half: no {} or {}",
+            gpu_build.display(),
+            nvrtc.display()
+        );
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI is set, but make test's setup (scripts/setup.sh --cuda) did not fetch them"
+        );
+        return;
+    }
+    let path = nvrtc.to_string_lossy().into_owned();
+    let (code, out) = check_cuda(&[("LD_LIBRARY_PATH", &path)], Some(&gpu_build));
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("ok       its CUDA execution provider: built in"),
+        "{out}"
+    );
+    if cfg!(feature = "cuda") {
+        assert!(
+            out.contains("ok       NVRTC and the preprocessing kernel: compiles"),
+            "{out}"
+        );
+        assert!(
+            out.contains("cannot serve on CUDA here: the NVIDIA driver and its devices\n"),
+            "{out}"
+        );
+    }
 }
