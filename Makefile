@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release images demo test lint fmt loadtest loadtest-scenario bench fuzz clean-cache
+.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -21,13 +21,25 @@ release: setup
 images: release
 	python3 scripts/image.py --bin-dir $${CARGO_TARGET_DIR:-target}/release --out $${CARGO_TARGET_DIR:-target}/images
 
+## The worker for leased GPUs (what deploy/kubernetes/ leases): built with the
+## cuda feature, with ONNX Runtime's GPU build, CUDA 13 and cuDNN 9 (pinned
+## wheels, 1.3 GB to fetch once): target/images/tidegate-worker-cuda-<version>.oci.tar.
+images-cuda: setup
+	@bash scripts/setup.sh --cuda
+	$(CARGO) build --release -p tidegate-worker --features cuda --bins
+	python3 scripts/image.py --bin-dir $${CARGO_TARGET_DIR:-target}/release --out $${CARGO_TARGET_DIR:-target}/images --only worker-cuda
+
 ## Gateway, one worker and one edge with two cameras (faces in astronaut.png at
 ## 5 fps, people and cars in vtest.avi at 2 fps); prints results until Ctrl-C.
 demo: release
 	@bash scripts/demo.sh
 
 ## Every test: unit, property, fuzz-corpus replay, and the multi-process integration tests.
-test: build
+## Its setup adds the CUDA worker image's libraries (setup.sh --cuda), which
+## gateway/tests/container_images.rs builds that image from.
+test:
+	@bash scripts/setup.sh --cuda
+	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --all-features --no-fail-fast
 
 lint: setup

@@ -51,6 +51,12 @@ fetch_wheel() {
   verify_sha256 "$dl/$wheel" "$sha"
 }
 
+# ONNX Runtime's GPU build (PyPI onnxruntime-gpu, MIT): the CUDA worker image
+# (scripts/cuda-libs.sh) and the GPU kit (scripts/gpu-kit.sh).
+ORT_GPU_VERSION=1.31.1
+ORT_GPU_WHEEL="onnxruntime_gpu-$ORT_GPU_VERSION-cp311-cp311-manylinux_2_28_x86_64.whl"
+ORT_GPU_SHA256=e26c475fe361b2015f45b4b824bd13f0bb20204e59b62814e6f0acd5f3d491a6
+
 # npm @vladmandic/human@3.3.6 (MIT, 28 MB): the emotion classifier and CenterNet
 # (make setup, models/fetch.sh) are TF.js graph models in it.
 HUMAN_NPM="@vladmandic/human@3.3.6"

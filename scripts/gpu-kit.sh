@@ -63,19 +63,27 @@ done
 cp models/testdata/astronaut.png "$kit/models/testdata/"
 
 say "ONNX Runtime's GPU build (pinned onnxruntime-gpu wheel)"
-ver=1.31.1
-wheel="onnxruntime_gpu-$ver-cp311-cp311-manylinux_2_28_x86_64.whl"
-wheel_sha=e26c475fe361b2015f45b4b824bd13f0bb20204e59b62814e6f0acd5f3d491a6
-fetch_wheel "onnxruntime-gpu==$ver" "$wheel" "$wheel_sha" || die "cannot fetch onnxruntime-gpu==$ver (see above)"
+ver="$ORT_GPU_VERSION"
 packed="$TIDEGATE_CACHE/onnxruntime-gpu/$ver.tar.xz"
 if [ ! -f "$packed" ]; then
   say "compressing the CUDA provider (xz, a few minutes, once)"
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
-  unzip -q -o -j "$TIDEGATE_CACHE/downloads/$wheel" \
-    "onnxruntime/capi/libonnxruntime.so.$ver" \
-    'onnxruntime/capi/libonnxruntime_providers_shared.so' \
-    'onnxruntime/capi/libonnxruntime_providers_cuda.so' -d "$tmp/ort"
+  mkdir "$tmp/ort"
+  # Unpacked by scripts/cuda-libs.sh (with the CUDA image's libraries) if it
+  # ran, else from the wheel alone.
+  unpacked="$TIDEGATE_CACHE/cuda-libs/onnxruntime-gpu-$ver"
+  if [ -f "$unpacked/complete" ]; then
+    cp "$unpacked/onnxruntime/libonnxruntime.so.$ver" \
+      "$unpacked"/onnxruntime/libonnxruntime_providers_{shared,cuda}.so "$tmp/ort/"
+  else
+    fetch_wheel "onnxruntime-gpu==$ver" "$ORT_GPU_WHEEL" "$ORT_GPU_SHA256" \
+      || die "cannot fetch onnxruntime-gpu==$ver (see above)"
+    unzip -q -o -j "$TIDEGATE_CACHE/downloads/$ORT_GPU_WHEEL" \
+      "onnxruntime/capi/libonnxruntime.so.$ver" \
+      'onnxruntime/capi/libonnxruntime_providers_shared.so' \
+      'onnxruntime/capi/libonnxruntime_providers_cuda.so' -d "$tmp/ort"
+  fi
   mkdir -p "$(dirname "$packed")"
   tar -C "$tmp/ort" -cf - . | xz -T0 -6 >"$packed.tmp"
   mv "$packed.tmp" "$packed"

@@ -6,7 +6,8 @@ image and no registry: an image is a few JSON files and gzip'd tar layers.
   python3 scripts/image.py --bin-dir target/release --out target/images \\
       [--tag 0.1.0] [--registry ghcr.io/example] [--only gateway|worker]
 
-writes OUT/tidegate-{gateway,worker}-TAG.oci.tar: an OCI image layout in a
+writes OUT/tidegate-{gateway,worker}-TAG.oci.tar (and, with --only
+worker-cuda, OUT/tidegate-worker-cuda-TAG.oci.tar): an OCI image layout in a
 tar (`oci-archive:`, for `podman load`, `skopeo copy` and `docker load`),
 with docker-archive's `manifest.json` beside it for a `docker load` that
 does not read OCI layouts. Each image holds:
@@ -27,6 +28,14 @@ does not read OCI layouts. Each image holds:
     cache where `make setup` puts them) and the models, both where the
     worker.toml of deploy/kubernetes/worker.yaml looks for them, and only the
     models it serves (`[models] only`).
+The CUDA worker (worker-cuda) is the worker for leased GPUs, the image
+deploy/kubernetes/gateway.yaml leases: a worker built with the `cuda`
+feature, ONNX Runtime's GPU build in place of the CPU one, and in
+/opt/tidegate/cuda/lib the CUDA 13 libraries and cuDNN 9 that its CUDA
+provider loads (scripts/cuda-libs.sh, pinned wheels) and the NVRTC 12 that
+compiles the worker's preprocessing kernel, each with NVIDIA's licence; all
+but the driver's libcuda.so.1, which the NVIDIA container toolkit mounts
+from the node (NVIDIA_DRIVER_CAPABILITIES and NVIDIA_REQUIRE_CUDA are set).
 Every mtime is SOURCE_DATE_EPOCH (default 0), every owner root but the
 gateway's ledger folder, entries are sorted and gzip carries no name or
 time: the same inputs give the same bytes, and so the same digests.
@@ -70,6 +79,13 @@ GATEWAY_PORTS = ["4433/udp", "9090/tcp"]
 WORKER_CONFIG = "/etc/tidegate/worker/worker.toml"
 WORKER_MOUNTS = ["/etc/tidegate/worker", "/etc/tidegate/ca"]
 WORKER_HOME = "/opt/tidegate"
+
+# The CUDA worker image: where its CUDA libraries go, the driver libraries
+# the node provides, and a string only a worker built with the `cuda`
+# feature holds (its GPU kernel, cloud-worker/src/gpu.rs).
+CUDA_HOME = f"{WORKER_HOME}/cuda"
+DRIVER_LIBRARIES = frozenset({"libcuda.so.1"})
+CUDA_KERNEL_MARKER = b'extern "C" __global__ void tidegate_preprocess('
 
 BIN = "/usr/local/bin"
 DOC = "/usr/share/doc"
@@ -153,6 +169,19 @@ def ort_version() -> str:
     return m.group(1)
 
 
+def cache_dir() -> Path:
+    """Where make setup keeps its downloads, as scripts/cache.sh and the
+    worker (cloud-worker/src/runtime.rs) find it."""
+    env = lambda name: os.environ.get(name) or None  # noqa: E731
+    cache = (env("TIDEGATE_CACHE")
+             or (env("XDG_CACHE_HOME") and os.path.join(env("XDG_CACHE_HOME"), "tidegate"))
+             or (env("HOME") and os.path.join(env("HOME"), ".cache", "tidegate")))
+    if not cache:
+        raise BuildError("no tidegate cache (TIDEGATE_CACHE, XDG_CACHE_HOME and HOME unset); "
+                         "run `make setup`, or pass the libraries' paths")
+    return Path(cache)
+
+
 def ort_library(explicit: str | None) -> Path:
     """libonnxruntime.so: --onnxruntime, else ORT_DYLIB_PATH, else the
     tidegate cache, as the worker itself looks (cloud-worker/src/runtime.rs)."""
@@ -161,13 +190,7 @@ def ort_library(explicit: str | None) -> Path:
         path = Path(explicit or env("ORT_DYLIB_PATH"))
         origin = "--onnxruntime" if explicit else "ORT_DYLIB_PATH"
     else:
-        cache = (env("TIDEGATE_CACHE")
-                 or (env("XDG_CACHE_HOME") and os.path.join(env("XDG_CACHE_HOME"), "tidegate"))
-                 or (env("HOME") and os.path.join(env("HOME"), ".cache", "tidegate")))
-        if not cache:
-            raise BuildError("no tidegate cache (TIDEGATE_CACHE, XDG_CACHE_HOME and HOME unset); "
-                             "run `make setup`, or pass --onnxruntime PATH/libonnxruntime.so")
-        path = Path(cache) / "onnxruntime" / ort_version() / "libonnxruntime.so"
+        path = cache_dir() / "onnxruntime" / ort_version() / "libonnxruntime.so"
         origin = "the tidegate cache"
     if not path.is_file():
         raise BuildError(f"ONNX Runtime not found at {path} ({origin}); run `make setup`, "
@@ -209,16 +232,23 @@ def check_arch(path: Path) -> str:
     return oci
 
 
-def shared_libraries(path: Path) -> list[str]:
+def shared_libraries(path: Path, search: list[Path] = (), absent: frozenset = frozenset()
+                     ) -> list[str]:
     """The absolute paths of the libraries `path` loads (the dynamic loader
-    included), as ldd reports them; none for a static binary."""
-    out = subprocess.run(["ldd", str(path)], capture_output=True, text=True)
+    included), as ldd reports them, with the folders `search` on the library
+    path; none for a static binary. Only the sonames in `absent` may be
+    missing (they are the host's, mounted into the container at run time)."""
+    env = dict(os.environ)
+    if search:
+        env["LD_LIBRARY_PATH"] = ":".join(str(d) for d in search)
+    out = subprocess.run(["ldd", str(path)], capture_output=True, text=True, env=env)
     text = out.stdout + out.stderr
     if "not a dynamic executable" in text or "statically linked" in text:
         return []
     if out.returncode != 0:
         raise BuildError(f"ldd {path} failed: {text.strip()}")
-    missing = [line.split()[0] for line in text.splitlines() if "=> not found" in line]
+    missing = [line.split()[0] for line in text.splitlines()
+               if "=> not found" in line and line.split()[0] not in absent]
     if missing:
         raise BuildError(f"{path} needs {', '.join(missing)}, which this machine does not "
                          f"have (ldd says not found); install them and build again")
@@ -286,13 +316,13 @@ def tar_info(name: str, mtime: int, **kw) -> tarfile.TarInfo:
     return info
 
 
-def write_layer(entries: list[Entry], blob_dir: Path, mtime: int) -> dict:
+def write_layer(entries: list[Entry], blob_dir: Path, mtime: int, level: int) -> dict:
     """Writes the layer's gzip'd tar into blob_dir under its digest; returns
     its descriptor, with the uncompressed digest (diff_id) beside it."""
     tmp = blob_dir / "layer.tmp"
     with open(tmp, "wb") as raw:
         packed = Hashing(raw)
-        with gzip.GzipFile(filename="", mode="wb", fileobj=packed, mtime=0, compresslevel=6) as gz:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=packed, mtime=0, compresslevel=level) as gz:
             plain = Hashing(gz)
             with tarfile.open(fileobj=plain, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
                 for e in with_parents(entries):
@@ -359,11 +389,14 @@ def library_licences(libs: list[str]) -> list[Entry]:
     return [entries[p] for p in sorted(entries)]
 
 
-def system_layer(binaries: list[Path], dirs: list[Entry]) -> list[Entry]:
-    """The loader and shared libraries of `binaries` with their packages'
-    copyright files, tidegate's licence, the user, NSS, and the image's
-    directories."""
-    libs = sorted({lib for b in binaries for lib in shared_libraries(b)})
+def system_libraries(binaries: list[Path]) -> list[str]:
+    """The loader and shared libraries `binaries` load from this system."""
+    return sorted({lib for b in binaries for lib in shared_libraries(b)})
+
+
+def system_layer(libs: list[str], dirs: list[Entry]) -> list[Entry]:
+    """The loader and system libraries `libs` with their packages' copyright
+    files, tidegate's licence, the user, NSS, and the image's directories."""
     entries = [Entry(lib, mode=0o755, source=os.path.realpath(lib)) for lib in libs]
     entries += library_licences(libs)
     entries.append(Entry(f"{DOC}/tidegate/LICENSE", source=ROOT / "LICENSE"))
@@ -426,16 +459,17 @@ def model_entries(models_dir: Path, image_dir: str, only: list[str]) -> list[Ent
 
 def ort_entries(library: Path, image_path: str) -> list[Entry]:
     """libonnxruntime.so at `image_path` (a symlink to its versioned file, if
-    it is one here) and libonnxruntime_providers_shared.so beside it."""
+    it is one here) and the provider libraries beside it
+    (libonnxruntime_providers_*.so)."""
     dest = os.path.dirname(image_path)
     real = Path(os.path.realpath(library))
     entries = [Entry(f"{dest}/{real.name}", mode=0o755, source=real)]
     if real.name != os.path.basename(image_path):
         entries.append(Entry(image_path, link=real.name))
-    shared = library.parent / "libonnxruntime_providers_shared.so"
-    if shared.is_file():
-        entries.append(Entry(f"{dest}/{shared.name}", mode=0o755,
-                             source=os.path.realpath(shared)))
+    # The providers' libraries: shared in every build, cuda in the GPU build.
+    for provider in sorted(library.parent.glob("libonnxruntime_providers_*.so")):
+        entries.append(Entry(f"{dest}/{provider.name}", mode=0o755,
+                             source=os.path.realpath(provider)))
     notices = [real.parent / n for n in ("LICENSE", "ThirdPartyNotices.txt")]
     missing = [str(n) for n in notices if not n.is_file()]
     if missing:
@@ -457,7 +491,8 @@ def gateway_image(args, scratch: Path) -> dict:
         "arch": arch,
         "description": crate_description("gateway"),
         "layers": [
-            ("the loader, shared libraries, user and directories", system_layer([exe], dirs)),
+            ("the loader, shared libraries, user and directories",
+             system_layer(system_libraries([exe]), dirs)),
             ("tidegate-gateway", [Entry(f"{BIN}/tidegate-gateway", mode=0o755,
                                         source=stripped(exe, scratch, args.strip))]),
         ],
@@ -472,9 +507,9 @@ def gateway_image(args, scratch: Path) -> dict:
     }
 
 
-def worker_image(args, scratch: Path) -> dict:
-    exe = binary(args.bin_dir, "tidegate-worker", "tidegate-worker")
-    arch = check_arch(exe)
+def worker_layout() -> tuple[str, str, list[str]]:
+    """Where deploy/kubernetes/worker.yaml's worker.toml looks for ONNX
+    Runtime and the models, and which models it serves."""
     cfg = worker_toml()
     runtime, models = cfg.get("runtime", {}), cfg.get("models", {})
     lib_path = runtime.get("library") or f"{WORKER_HOME}/onnxruntime/libonnxruntime.so"
@@ -482,11 +517,18 @@ def worker_image(args, scratch: Path) -> dict:
     if not (lib_path.startswith("/") and models_path.startswith("/")):
         raise BuildError("deploy/kubernetes/worker.yaml's worker.toml must give absolute "
                          "runtime.library and models.dir paths: they are the image's layout")
+    return lib_path, models_path, models.get("only", [])
+
+
+def worker_image(args, scratch: Path) -> dict:
+    exe = binary(args.bin_dir, "tidegate-worker", "tidegate-worker")
+    arch = check_arch(exe)
+    lib_path, models_path, only = worker_layout()
     ort = ort_library(args.onnxruntime)
     if check_arch(ort) != arch:
         raise BuildError(f"{ort} and {exe} are built for different machines")
     shipped = (ort_entries(ort, lib_path)
-               + model_entries(args.models_dir, models_path, models.get("only", [])))
+               + model_entries(args.models_dir, models_path, only))
     dirs = [Entry.dir(d) for d in WORKER_MOUNTS]
     return {
         "name": "tidegate-worker",
@@ -494,20 +536,118 @@ def worker_image(args, scratch: Path) -> dict:
         "description": crate_description("cloud-worker") + " (ONNX Runtime's CPU build)",
         "layers": [
             ("the loader, shared libraries, user and directories",
-             system_layer([exe, ort], dirs)),
+             system_layer(system_libraries([exe, ort]), dirs)),
             ("ONNX Runtime and the models", shipped),
-            ("tidegate-worker", [Entry(f"{BIN}/tidegate-worker", mode=0o755,
-                                       source=stripped(exe, scratch, args.strip))]),
+            worker_layer("tidegate-worker", exe, scratch, args),
         ],
-        "config": {
-            "User": f"{UID}:{GID}",
-            "Entrypoint": [f"{BIN}/tidegate-worker"],
-            "Cmd": ["--config", WORKER_CONFIG],
-            # The worker config's runtime.library wins; this is for a
-            # config without one.
-            "Env": [PATH_ENV, f"ORT_DYLIB_PATH={lib_path}"],
-            "WorkingDir": WORKER_HOME,
-        },
+        "config": worker_config(lib_path, []),
+    }
+
+
+def worker_layer(what: str, exe: Path, scratch: Path, args) -> tuple[str, list[Entry]]:
+    """The worker's binary, the image's last layer."""
+    return (what, [Entry(f"{BIN}/tidegate-worker", mode=0o755,
+                         source=stripped(exe, scratch, args.strip))])
+
+
+def worker_config(lib_path: str, env: list[str]) -> dict:
+    """A worker image's runtime settings, with `env` after PATH and
+    ORT_DYLIB_PATH (the worker config's runtime.library wins; that is for a
+    config without one)."""
+    return {
+        "User": f"{UID}:{GID}",
+        "Entrypoint": [f"{BIN}/tidegate-worker"],
+        "Cmd": ["--config", WORKER_CONFIG],
+        "Env": [PATH_ENV, f"ORT_DYLIB_PATH={lib_path}"] + env,
+        "WorkingDir": WORKER_HOME,
+    }
+
+
+def cuda_libs_dir(explicit: Path | None) -> Path:
+    """scripts/cuda-libs.sh's folder: ONNX Runtime's GPU build (of the
+    release the worker is built for) and the CUDA libraries."""
+    path = explicit or cache_dir() / "cuda-libs" / f"onnxruntime-gpu-{ort_version()}"
+    if not (path / "complete").is_file():
+        raise BuildError(f"ONNX Runtime's GPU build and the CUDA libraries are not in {path}; "
+                         f"run `bash scripts/setup.sh --cuda` (or scripts/cuda-libs.sh)")
+    return path
+
+
+def nvrtc_files(explicit: Path | None) -> tuple[list[Path], Path]:
+    """The pinned NVRTC the worker compiles its kernel with (make setup):
+    its library and builtins (which it loads by name), and its licence."""
+    src = (ROOT / "scripts/setup.sh").read_text()
+    m = re.search(r"^NVRTC_VERSION=(\S+)$", src, re.M)
+    if not m:
+        raise BuildError("NVRTC_VERSION not found in scripts/setup.sh")
+    version = m.group(1)
+    path = explicit or cache_dir() / "cuda-nvrtc" / version
+    libs = [path / "libnvrtc.so.12", path / f"libnvrtc-builtins.so.{version.rsplit('.', 1)[0]}"]
+    missing = [p.name for p in libs + [path / "License.txt"] if not p.is_file()]
+    if missing:
+        raise BuildError(f"NVRTC {version} is incomplete in {path} (no {', '.join(missing)}); "
+                         f"run `make setup`")
+    return libs, path / "License.txt"
+
+
+def worker_cuda_image(args, scratch: Path) -> dict:
+    """The worker for leased GPUs: built with the `cuda` feature, ONNX
+    Runtime's GPU build, and every library its CUDA provider and the GPU
+    preprocessing load, but the driver's (libcuda.so.1), which the NVIDIA
+    container toolkit (or Kubernetes' device plugin) mounts from the node."""
+    exe = binary(args.bin_dir, "tidegate-worker", "tidegate-worker")
+    arch = check_arch(exe)
+    with open(exe, "rb") as f:
+        if CUDA_KERNEL_MARKER not in f.read():
+            release = "--release " if args.bin_dir.name == "release" else ""
+            raise BuildError(f"{exe} was built without the `cuda` feature (no GPU kernel in it); "
+                             f"cargo build {release}-p tidegate-worker --features cuda "
+                             f"(make images-cuda does; make test builds with --all-features)")
+    lib_path, models_path, only = worker_layout()
+    cuda = cuda_libs_dir(args.cuda_libs)
+    nvrtc, nvrtc_licence = nvrtc_files(args.nvrtc)
+    ort = cuda / "onnxruntime" / "libonnxruntime.so"
+    if check_arch(ort) != arch:
+        raise BuildError(f"{ort} and {exe} are built for different machines")
+    libs = sorted(p for p in (cuda / "lib").iterdir() if ".so" in p.name) + nvrtc
+    here = [cuda / "lib", cuda / "onnxruntime", nvrtc[0].parent]
+    # What they all load from this system (libstdc++, zlib, …); the driver's
+    # library is the node's.
+    system = set(system_libraries([exe, ort]))
+    for lib in libs + sorted((cuda / "onnxruntime").glob("libonnxruntime_providers_*.so")):
+        for dep in shared_libraries(lib, here, DRIVER_LIBRARIES):
+            if not any(Path(dep).is_relative_to(d) for d in here):
+                system.add(dep)
+    lib_dir = f"{CUDA_HOME}/lib"
+    cuda_layer = [Entry(f"{lib_dir}/{p.name}", mode=0o755, source=p) for p in libs]
+    for pkg in sorted(p.name for p in (cuda / "licenses").iterdir()):
+        cuda_layer.append(Entry(f"{DOC}/{pkg}/License.txt",
+                                source=cuda / "licenses" / pkg / "License.txt"))
+    cuda_layer.append(Entry(f"{DOC}/nvidia-cuda-nvrtc-cu12/License.txt",
+                            source=nvrtc_licence))
+    shipped = (ort_entries(ort, lib_path)
+               + model_entries(args.models_dir, models_path, only))
+    dirs = [Entry.dir(d) for d in WORKER_MOUNTS]
+    return {
+        "name": "tidegate-worker-cuda",
+        "arch": arch,
+        "description": crate_description("cloud-worker")
+        + " (ONNX Runtime's GPU build, CUDA 13, cuDNN 9)",
+        "layers": [
+            ("the loader, shared libraries, user and directories",
+             system_layer(sorted(system), dirs)),
+            # Apart, so that a new worker reuses the big layer.
+            ("the CUDA 13 libraries, cuDNN 9 and NVRTC", cuda_layer),
+            ("ONNX Runtime's GPU build and the models", shipped),
+            worker_layer("tidegate-worker (cuda)", exe, scratch, args),
+        ],
+        "config": worker_config(lib_path, [
+            f"LD_LIBRARY_PATH={lib_dir}:{os.path.dirname(lib_path)}",
+            # What the NVIDIA container toolkit mounts and checks: the
+            # driver's compute libraries, and one new enough for CUDA 13 (a
+            # clear refusal at start otherwise).
+            "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+            "NVIDIA_REQUIRE_CUDA=cuda>=13.0"]),
     }
 
 
@@ -532,7 +672,8 @@ def build(spec: dict, args) -> dict:
     try:
         blobs = work / "blobs" / "sha256"
         blobs.mkdir(parents=True)
-        layers = [write_layer(entries, blobs, epoch) for _, entries in spec["layers"]]
+        layers = [write_layer(entries, blobs, epoch, args.compress_level)
+                  for _, entries in spec["layers"]]
         config = {
             "created": created,
             "architecture": spec["arch"],
@@ -602,13 +743,24 @@ def parse_args(argv):
     p.add_argument("--registry", default="ghcr.io/example",
                    help="registry and namespace of the image names (default: ghcr.io/example, "
                         "as deploy/kubernetes/ names them)")
-    p.add_argument("--only", choices=["gateway", "worker"], help="build one image")
+    p.add_argument("--only", choices=["gateway", "worker", "worker-cuda"],
+                   help="build one image (default: gateway and worker; worker-cuda, the "
+                        "worker for GPUs, only when asked for)")
     p.add_argument("--onnxruntime", help="libonnxruntime.so for the worker (default: "
                                          "ORT_DYLIB_PATH, then the tidegate cache)")
     p.add_argument("--models-dir", type=Path, default=ROOT / "models",
                    help="the model repository (default: models/)")
+    p.add_argument("--cuda-libs", type=Path,
+                   help="for worker-cuda: scripts/cuda-libs.sh's folder (default: in the "
+                        "tidegate cache)")
+    p.add_argument("--nvrtc", type=Path,
+                   help="for worker-cuda: the folder of NVRTC 12 (libnvrtc.so.12, its builtins "
+                        "and License.txt; default: in the tidegate cache)")
     p.add_argument("--no-strip", dest="strip", action="store_false",
                    help="keep the binaries' debug info")
+    p.add_argument("--compress-level", type=int, default=6, choices=range(1, 10),
+                   metavar="1-9", help="gzip level of the layers (default 6; the same level "
+                                       "gives the same bytes)")
     args = p.parse_args(argv)
     args.tag = args.tag or workspace()["version"]
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", args.tag):
@@ -624,7 +776,8 @@ def main(argv=None):
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = [args.only] if args.only else ["gateway", "worker"]
-    makers = {"gateway": gateway_image, "worker": worker_image}
+    makers = {"gateway": gateway_image, "worker": worker_image,
+              "worker-cuda": worker_cuda_image}
     try:
         with tempfile.TemporaryDirectory(prefix=".strip-", dir=args.out) as scratch:
             for kind in wanted:

@@ -11,8 +11,19 @@
 #      PyPI wheel (sha256 checked), for the GPU kernel's compile check.
 #   5. The models and test imagery (models/fetch.sh and scripts/test-video.sh,
 #      pinned and checksummed).
+#   6. With --cuda (make test, make images-cuda): ONNX Runtime's GPU build and
+#      the CUDA 13 libraries, for the CUDA worker image (scripts/cuda-libs.sh:
+#      pinned wheels, 1.3 GB to fetch; no GPU needed).
 # Re-running it is cheap: every step checks before it acts.
 set -euo pipefail
+
+cuda=0
+for arg in "$@"; do
+  case "$arg" in
+    --cuda) cuda=1 ;;
+    *) printf 'setup: error: unknown argument %s (usage: scripts/setup.sh [--cuda])\n' "$arg" >&2; exit 2 ;;
+  esac
+done
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -113,7 +124,8 @@ fi
 # The worker's GPU preprocessing kernel is compiled by NVRTC at start. NVRTC
 # needs no GPU and no driver, so cloud-worker/tests/gpu_kernel.rs compiles the
 # kernel with it on any machine. It comes from NVIDIA's PyPI wheel, pinned by
-# version and sha256; only the two libraries are kept, in the cache.
+# version and sha256; only the two libraries and NVIDIA's licence are kept, in
+# the cache (the CUDA worker image ships all three).
 NVRTC_VERSION=12.9.86
 NVRTC_WHEEL="nvidia_cuda_nvrtc_cu12-${NVRTC_VERSION}-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl"
 NVRTC_WHEEL_SHA256=210cf05005a447e29214e9ce50851e83fc5f4358df8b453155d5e1918094dcb4
@@ -122,7 +134,7 @@ NVRTC_BUILTINS="libnvrtc-builtins.so.${NVRTC_VERSION%.*}"
 NVRTC_BUILTINS_SHA256=6507cf33450cfb22970c2c1e7aa8e7c0a33e39d864720277b05f61a92791e2e8
 nvrtc_dir="$TIDEGATE_CACHE/cuda-nvrtc/$NVRTC_VERSION"
 if [ -f "$nvrtc_dir/libnvrtc.so.12" ] && [ -f "$nvrtc_dir/$NVRTC_BUILTINS" ] \
-  && [ "$(sha256sum "$nvrtc_dir/libnvrtc.so.12" | cut -d' ' -f1)" = "$NVRTC_LIB_SHA256" ]; then
+  && [ -f "$nvrtc_dir/License.txt" ] && [ "$(sha256sum "$nvrtc_dir/libnvrtc.so.12" | cut -d' ' -f1)" = "$NVRTC_LIB_SHA256" ]; then
   say "NVRTC $NVRTC_VERSION: present in $nvrtc_dir"
 else
   dl="$TIDEGATE_CACHE/downloads"
@@ -131,11 +143,11 @@ else
     manylinux_2_12_x86_64 || die "could not fetch nvidia-cuda-nvrtc-cu12==$NVRTC_VERSION (90 MB, see above)"
   tmp="$(mktemp -d)"
   unzip -q -o -j "$dl/$NVRTC_WHEEL" "nvidia/cuda_nvrtc/lib/libnvrtc.so.12" \
-    "nvidia/cuda_nvrtc/lib/$NVRTC_BUILTINS" -d "$tmp"
+    "nvidia/cuda_nvrtc/lib/$NVRTC_BUILTINS" '*.dist-info/licenses/License.txt' -d "$tmp"
   verify_sha256 "$tmp/libnvrtc.so.12" "$NVRTC_LIB_SHA256" || die "libnvrtc checksum mismatch"
   verify_sha256 "$tmp/$NVRTC_BUILTINS" "$NVRTC_BUILTINS_SHA256" || die "NVRTC builtins checksum mismatch"
   mv "$tmp/$NVRTC_BUILTINS" "$nvrtc_dir/"
-  mv "$tmp/libnvrtc.so.12" "$nvrtc_dir/"
+  mv "$tmp/libnvrtc.so.12" "$tmp/License.txt" "$nvrtc_dir/"
   rmdir "$tmp"
   say "NVRTC $NVRTC_VERSION: installed in $nvrtc_dir"
 fi
@@ -143,5 +155,10 @@ fi
 # --- 5. Models and imagery --------------------------------------------------
 "$root/models/fetch.sh"
 bash "$root/scripts/test-video.sh"
+
+# --- 6. The CUDA worker image's libraries (--cuda) -----------------------------
+if [ "$cuda" = 1 ]; then
+  bash "$here/cuda-libs.sh" >/dev/null
+fi
 
 say "done. Try 'make demo' or 'make test'."

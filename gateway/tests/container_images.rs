@@ -23,7 +23,16 @@
 //!   answers BlazeFace frames sent by `tidegate-loadtest`. What a runtime
 //!   or the kubelet adds, the test adds: the mounted files, /etc/hosts, and
 //!   /dev/{null,zero,random,urandom}. It mounts no /proc, so ONNX Runtime
-//!   logs that it cannot read /proc/cpuinfo, and runs on.
+//!   logs that it cannot read /proc/cpuinfo, and runs on;
+//! - the CUDA worker's image (`--only worker-cuda`, what deploy/kubernetes/
+//!   leases) holds a worker built with the `cuda` feature, ONNX Runtime's
+//!   CUDA provider, what that provider and the GPU preprocessing load by
+//!   name on its `LD_LIBRARY_PATH`, the NVIDIA licences and no driver
+//!   library; under `chroot` its own loader finds everything its libraries
+//!   and the worker link to but the driver's `libcuda.so.1`, and the worker
+//!   finds its CUDA provider and compiles its kernel with NVRTC there
+//!   (`check-cuda`), refuses to start without a driver, and with
+//!   `fallback = "cpu"` runs its models on the CPU.
 //!
 //! The last test breaks copies of an archive and of the images to show that
 //! each check can fail.
@@ -87,6 +96,11 @@ struct Archives {
 /// Starts `scripts/image.py` on [`bin_dir`]'s binaries, writing into `out`
 /// (`--only` one image, or both).
 fn start_build(out: &Path, only: Option<&str>) -> Child {
+    start_build_with(out, only, &[])
+}
+
+/// [`start_build`] with more arguments for image.py.
+fn start_build_with(out: &Path, only: Option<&str>, more: &[&str]) -> Child {
     bin("tidegate-gateway");
     bin("tidegate-worker");
     let mut cmd = Command::new("python3");
@@ -101,6 +115,7 @@ fn start_build(out: &Path, only: Option<&str>) -> Child {
     if let Some(only) = only {
         cmd.args(["--only", only]);
     }
+    cmd.args(more);
     cmd.spawn()
         .expect("python3 runs scripts/image.py (make setup installs python3)")
 }
@@ -257,7 +272,7 @@ fn unpack(layers: &[Vec<TarEntry>], root: &Path) -> Result<(), String> {
 // ---------------------------------------------------------------------- OCI
 
 /// An image read from its archive, every digest checked.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Image {
     /// The config blob.
     config: Value,
@@ -496,9 +511,20 @@ impl Deploy {
         string(&self.container()["image"])
     }
 
-    /// `[leasing.kubernetes] image`: the workers'.
+    /// `[leasing.kubernetes] image`: the workers', which run on CUDA
+    /// (`tidegate-worker-cuda`).
     fn worker_image(&self) -> String {
         string(&self.kubernetes()["image"])
+    }
+
+    /// The CPU worker's image: the same name without `-cuda`.
+    fn cpu_worker_image(&self) -> String {
+        let cuda = self.worker_image();
+        assert!(
+            cuda.contains("/tidegate-worker-cuda:"),
+            "[leasing.kubernetes] image {cuda:?} is not a tidegate-worker-cuda"
+        );
+        cuda.replacen("/tidegate-worker-cuda:", "/tidegate-worker:", 1)
     }
 
     /// `[leasing.kubernetes]` of gateway.toml: the worker Pods.
@@ -754,6 +780,113 @@ fn check_worker_image(img: &Image, d: &Deploy) -> Vec<String> {
     problems
 }
 
+/// What ONNX Runtime's CUDA provider and the worker's GPU preprocessing
+/// load by name at run time, so that no ELF header lists them: cuDNN 9 and
+/// its parts, cuFFT, NVRTC 12 (the kernel; cudarc is built for CUDA 12) and
+/// NVRTC 13 (cuDNN's runtime-compiled engines).
+const LOADED_BY_NAME: &[&str] = &[
+    "libcudnn.so.9",
+    "libcudnn_graph.so.9",
+    "libcudnn_ops.so.9",
+    "libcudnn_cnn.so.9",
+    "libcudnn_adv.so.9",
+    "libcudnn_heuristic.so.9",
+    "libcudnn_engines_precompiled.so.9",
+    "libcudnn_engines_runtime_compiled.so.9",
+    "libcufft.so.12",
+    "libnvrtc.so.12",
+    "libnvrtc.so.13",
+];
+
+/// The NVIDIA packages whose libraries the CUDA worker's image ships, each
+/// with its licence in /usr/share/doc/PACKAGE/License.txt.
+const NVIDIA_PACKAGES: &[&str] = &[
+    "nvidia-cuda-runtime",
+    "nvidia-cublas",
+    "nvidia-curand",
+    "nvidia-cufft",
+    "nvidia-nvjitlink",
+    "nvidia-cuda-nvrtc",
+    "nvidia-cudnn-cu13",
+    "nvidia-cuda-nvrtc-cu12",
+];
+
+/// The driver's library: the node's, mounted by the NVIDIA container
+/// toolkit; an image that shipped its own would not match the node's driver.
+const DRIVER_LIBRARY: &str = "libcuda.so.1";
+
+/// What only a worker built with the `cuda` feature holds: its kernel.
+const CUDA_KERNEL: &[u8] = b"extern \"C\" __global__ void tidegate_preprocess(";
+
+/// The CUDA worker's image, beyond what [`check_worker_image`] checks: a
+/// worker built with the `cuda` feature; ONNX Runtime's CUDA provider
+/// beside `runtime.library`; what is loaded by name ([`LOADED_BY_NAME`]) on
+/// `LD_LIBRARY_PATH`; no driver library; the NVIDIA container toolkit's
+/// variables; the NVIDIA licences.
+fn check_cuda_worker_image(img: &Image, d: &Deploy) -> Vec<String> {
+    let mut problems = Vec::new();
+    let files = img.files();
+    let env = img.env();
+    let entry = strings(img.run("Entrypoint"));
+    let exe = entry.first().and_then(|e| resolve(&files, e));
+    if !exe.is_some_and(|e| e.data.windows(CUDA_KERNEL.len()).any(|w| w == CUDA_KERNEL)) {
+        problems.push("worker-cuda: the worker is not built with the `cuda` feature".into());
+    }
+    let library = string(&d.worker_toml["runtime"]["library"]);
+    let provider = Path::new(&library).with_file_name("libonnxruntime_providers_cuda.so");
+    let provider = provider.to_string_lossy();
+    if resolve(&files, &provider).is_none_or(|e| e.kind != b'0') {
+        problems.push(format!("worker-cuda: no CUDA provider at {provider}"));
+    }
+    let path = env.get("LD_LIBRARY_PATH").cloned().unwrap_or_default();
+    let dirs: Vec<&str> = path.split(':').filter(|d| d.starts_with('/')).collect();
+    let on_path = |name: &str| {
+        dirs.iter()
+            .any(|d| resolve(&files, &format!("{d}/{name}")).is_some_and(|e| e.kind == b'0'))
+    };
+    for name in LOADED_BY_NAME {
+        if !on_path(name) {
+            problems.push(format!(
+                "worker-cuda: {name} is not on LD_LIBRARY_PATH {path:?}"
+            ));
+        }
+    }
+    // NVRTC loads its builtins, of its own release, by name too.
+    let builtins = dirs.iter().any(|d| {
+        let prefix = format!("{}/libnvrtc-builtins.so.12.", d.trim_start_matches('/'));
+        files.keys().any(|p| p.starts_with(&prefix))
+    });
+    if !builtins {
+        problems.push("worker-cuda: no libnvrtc-builtins.so.12.* beside NVRTC 12".into());
+    }
+    let driver: Vec<&&str> = files
+        .keys()
+        .filter(|p| p.rsplit('/').next() == Some(DRIVER_LIBRARY))
+        .collect();
+    if !driver.is_empty() {
+        problems.push(format!(
+            "worker-cuda: ships the driver's {DRIVER_LIBRARY} ({driver:?}), which must be the node's"
+        ));
+    }
+    let capabilities = env.get("NVIDIA_DRIVER_CAPABILITIES").cloned();
+    if !capabilities.is_some_and(|c| c.split(',').any(|c| c == "compute" || c == "all")) {
+        problems.push("worker-cuda: NVIDIA_DRIVER_CAPABILITIES lacks compute".into());
+    }
+    if !env
+        .get("NVIDIA_REQUIRE_CUDA")
+        .is_some_and(|r| r.starts_with("cuda>="))
+    {
+        problems.push("worker-cuda: no NVIDIA_REQUIRE_CUDA=cuda>=…".into());
+    }
+    let notices: Vec<String> = NVIDIA_PACKAGES
+        .iter()
+        .map(|p| format!("/usr/share/doc/{p}/License.txt"))
+        .collect();
+    let notices: Vec<&str> = notices.iter().map(String::as_str).collect();
+    problems.extend(check_licences(img, &notices, "worker-cuda"));
+    problems
+}
+
 /// The section names of a 64-bit little-endian ELF file.
 fn elf_sections(elf: &[u8]) -> Vec<String> {
     let num = |at: usize, len: usize| {
@@ -801,7 +934,7 @@ fn images_are_oci_archives_that_agree_with_the_manifests_and_rebuild_to_the_same
     };
     let d = Deploy::load();
     let gateway = open(&first.gateway, &d.gateway_image());
-    let worker = open(&first.worker, &d.worker_image());
+    let worker = open(&first.worker, &d.cpu_worker_image());
     for (img, binary) in [(&gateway, "tidegate-gateway"), (&worker, "tidegate-worker")] {
         assert_eq!(img.config["os"], "linux");
         assert_eq!(img.config["architecture"], arch);
@@ -832,6 +965,38 @@ fn images_are_oci_archives_that_agree_with_the_manifests_and_rebuild_to_the_same
     }
     assert_ok(check_gateway_image(&gateway, &d));
     assert_ok(check_worker_image(&worker, &d));
+    // The CPU worker is not one for GPUs, and the checks of the CUDA
+    // worker's image say why. (Under `--all-features` its binary has the
+    // kernel, so it is wiped from a copy.)
+    let mut cpu_only = worker.clone();
+    let exe = strings(worker.run("Entrypoint"))[0]
+        .trim_start_matches('/')
+        .to_string();
+    for e in cpu_only
+        .layers
+        .iter_mut()
+        .flatten()
+        .filter(|e| e.path == exe)
+    {
+        while let Some(at) = e
+            .data
+            .windows(CUDA_KERNEL.len())
+            .position(|w| w == CUDA_KERNEL)
+        {
+            e.data[at..at + CUDA_KERNEL.len()].fill(0);
+        }
+    }
+    let not_cuda = check_cuda_worker_image(&cpu_only, &d).join("\n");
+    for why in [
+        "not built with the `cuda` feature",
+        "no CUDA provider",
+        "libcudnn.so.9 is not on LD_LIBRARY_PATH",
+        "libnvrtc.so.12 is not on LD_LIBRARY_PATH",
+        "NVIDIA_DRIVER_CAPABILITIES",
+        "nvidia-cudnn-cu13/License.txt is missing",
+    ] {
+        assert!(not_cuda.contains(why), "no {why:?} in:\n{not_cuda}");
+    }
 }
 
 // ------------------------------------------------------------------ running
@@ -1114,7 +1279,7 @@ fn under_chroot_the_worker_image_registers_with_the_gateway_image_and_serves_fra
     let archives = finish_build(start_build(out.path(), None), out.path());
     let (gw, wk) = (
         open(&archives.gateway, &d.gateway_image()),
-        open(&archives.worker, &d.worker_image()),
+        open(&archives.worker, &d.cpu_worker_image()),
     );
     let (gw_root, wk_root) = (Rootfs::unpack(&gw), Rootfs::unpack(&wk));
     let logs = tempfile::tempdir().unwrap();
@@ -1254,6 +1419,185 @@ fn under_chroot_the_worker_image_registers_with_the_gateway_image_and_serves_fra
     );
 }
 
+/// What `path` links to, traced by the image's own loader in `root` as its
+/// image's user with its `Env` (`LD_TRACE_LOADED_OBJECTS=1 ld.so PATH`, as
+/// ldd does; `--list` stops at the first missing library): the sonames it
+/// cannot find. Python does the chroot, so that the variable reaches only
+/// the image's loader, not a dynamically linked chroot(1).
+fn not_found(root: &Rootfs<'_>, loader: &str, path: &str) -> BTreeSet<String> {
+    let (uid, gid) = root.img.user().expect("a numeric user");
+    let script = "import os, sys\n\
+        root, uid, gid, loader, path = sys.argv[1:]\n\
+        os.chroot(root); os.chdir('/')\n\
+        os.setgroups([]); os.setgid(int(gid)); os.setuid(int(uid))\n\
+        env = dict(os.environ, LD_TRACE_LOADED_OBJECTS='1')\n\
+        os.execve(loader, [loader, path], env)\n";
+    let mut cmd = Command::new("python3");
+    cmd.env_clear()
+        .envs(root.img.env())
+        .arg("-c")
+        .arg(script)
+        .arg(root.dir.path())
+        .args([uid.to_string(), gid.to_string()])
+        .args([loader, path])
+        .stdin(Stdio::null());
+    let out = cmd.output().expect("chroot runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let listed = text.lines().filter(|l| l.contains(" => ")).count();
+    assert!(listed > 0, "{loader} traced nothing of {path}: {out:?}");
+    text.lines()
+        .filter(|l| l.contains("=> not found"))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn the_cuda_worker_image_holds_all_that_its_cuda_path_loads_but_the_driver_and_refuses_clearly_without_one()
+ {
+    let test = "the_cuda_worker_image_holds_all_that_its_cuda_path_loads_but_the_driver_and_refuses_clearly_without_one";
+    let started = Instant::now();
+    let d = Deploy::load();
+    let out = tempfile::tempdir().unwrap();
+    // Level 1: the CUDA libraries are 2.6 GB; the level changes no check.
+    let build = start_build_with(out.path(), Some("worker-cuda"), &["--compress-level", "1"]);
+    finish_build(build, out.path());
+    let archive = out.path().join(format!(
+        "tidegate-worker-cuda-{}.oci.tar",
+        env!("CARGO_PKG_VERSION")
+    ));
+    let img = open(&archive, &d.worker_image());
+    std::fs::remove_file(&archive).unwrap();
+    drop(out);
+    let mut problems = check_worker_image(&img, &d);
+    problems.extend(check_cuda_worker_image(&img, &d));
+    assert_ok(problems);
+    if !is_root() {
+        return skip(test, "chroot needs root");
+    }
+    let root = Rootfs::unpack(&img);
+    let files = img.files();
+
+    // Every library on its LD_LIBRARY_PATH, ONNX Runtime's and the worker
+    // find all they link to in the image, as its user, with its loader
+    // (traced, not run);
+    // all but the driver's library, which the CUDA provider (and cuDNN's
+    // runtime-compiled engines) link to and the node provides.
+    let loader = ["/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1"]
+        .into_iter()
+        .find(|l| resolve(&files, l).is_some())
+        .expect("the image has its dynamic loader");
+    let env = img.env();
+    let library = string(&d.worker_toml["runtime"]["library"]);
+    let ort_dir = Path::new(&library)
+        .parent()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let mut dirs: Vec<String> = env["LD_LIBRARY_PATH"]
+        .split(':')
+        .map(String::from)
+        .collect();
+    dirs.push(ort_dir.clone());
+    let mut elves: Vec<String> = files
+        .iter()
+        .filter(|(p, e)| {
+            e.kind == b'0'
+                && p.contains(".so")
+                && dirs
+                    .iter()
+                    .any(|d| p.starts_with(&format!("{}/", d.trim_start_matches('/'))))
+        })
+        .map(|(p, _)| format!("/{p}"))
+        .collect();
+    elves.sort();
+    elves.dedup();
+    elves.extend(strings(img.run("Entrypoint")));
+    let mut needs_driver = BTreeSet::new();
+    for elf in &elves {
+        let missing = not_found(&root, loader, elf);
+        let other: Vec<&String> = missing.iter().filter(|m| *m != DRIVER_LIBRARY).collect();
+        assert!(
+            other.is_empty(),
+            "{elf} links to {other:?}, which the image does not have"
+        );
+        if !missing.is_empty() {
+            needs_driver.insert(elf.rsplit('/').next().unwrap().to_string());
+        }
+    }
+    assert!(
+        needs_driver.contains("libonnxruntime_providers_cuda.so"),
+        "the CUDA provider should link to {DRIVER_LIBRARY}, not in the image; of {} libraries, these do: {needs_driver:?}",
+        elves.len()
+    );
+
+    // The worker Pod's worker.toml, unchanged: provider "cuda",
+    // fallback "none".
+    let args = strings(&d.kubernetes()["args"]);
+    let config = args[1].clone();
+    root.mount(&config, toml::to_string(&d.worker_toml).unwrap().as_bytes());
+    let ca = string(&d.worker_toml["gateway"]["ca"]);
+    root.mount(&ca, b"");
+    let run = |more: &[&str]| {
+        let mut all = args.clone();
+        all.extend(more.iter().map(|s| s.to_string()));
+        // As a lease starts it: with its one-time token.
+        let token = [
+            ("TIDEGATE_LEASE_ID".to_string(), "7".to_string()),
+            ("TIDEGATE_LEASE_TOKEN".to_string(), WORKER_TOKEN.to_string()),
+        ];
+        let out = root.command(&all, &token).output().expect("chroot runs");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), text)
+    };
+
+    // check-cuda: ONNX Runtime's GPU build with its CUDA provider, NVRTC 12
+    // compiling the kernel in the image; no driver here.
+    let (code, text) = run(&["check-cuda"]);
+    assert_eq!(code, Some(1), "check-cuda without a driver:\n{text}");
+    for line in [
+        format!("ok       ONNX Runtime: {library}"),
+        "ok       its CUDA execution provider: built in".into(),
+        "MISSING  the NVIDIA driver and its devices: no CUDA driver".into(),
+        "ok       NVRTC and the preprocessing kernel: compiles".into(),
+    ] {
+        assert!(
+            text.contains(&line),
+            "no {line:?} in check-cuda's output:\n{text}"
+        );
+    }
+
+    // Started as a lease starts it, on a node without a driver: it refuses,
+    // saying why, rather than serving on the CPU at GPU prices.
+    let (code, text) = run(&[]);
+    assert_eq!(code, Some(1), "the worker without a driver:\n{text}");
+    assert!(
+        text.contains("no CUDA driver"),
+        "the worker's refusal does not say why:\n{text}"
+    );
+
+    // With fallback = "cpu", ONNX Runtime's GPU build serves the models on
+    // the CPU.
+    let mut fallback = d.worker_toml.clone();
+    fallback["runtime"]["fallback"] = "cpu".into();
+    root.mount(&config, toml::to_string(&fallback).unwrap().as_bytes());
+    let (code, text) = run(&["check-config"]);
+    assert_eq!(code, Some(0), "check-config with fallback = cpu:\n{text}");
+    assert!(
+        text.contains("load and run on cpu"),
+        "not served on the CPU:\n{text}"
+    );
+    eprintln!(
+        "{test}: {} libraries checked, {:.1} s in all",
+        elves.len(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
 // ------------------------------------------------- the checks can fail
 
 /// Rewrites the name of the tar header at `at` and its checksum.
@@ -1323,7 +1667,7 @@ fn the_checks_fail_on_broken_archives_and_images() {
     assert!(open_image(&broken, &name).unwrap_err().contains("checksum"));
 
     let gateway = open(&archives.gateway, &d.gateway_image());
-    let worker = open(&archives.worker, &d.worker_image());
+    let worker = open(&archives.worker, &d.cpu_worker_image());
     type Break = Box<dyn Fn(&mut Image)>;
     let set = |key: &'static str, v: Value| -> Break {
         Box::new(move |i| i.config["config"][key] = v.clone())
