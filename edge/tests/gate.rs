@@ -55,9 +55,15 @@ async fn collect_until_seen(capture: &Capture, seen: u64) -> Vec<CapturedFrame> 
             Err(_) => {}
         }
     }
-    // Whatever passed the gate is queued by now.
-    while let Ok(Ok(f)) = tokio::time::timeout(Duration::from_millis(50), capture.recv()).await {
-        frames.push(f);
+    // Whatever passed the gate is queued by now. Bounded: a stream that
+    // sends a frame every 50 ms or faster would keep the 50 ms wait from
+    // ever running out.
+    let drained_by = tokio::time::Instant::now() + Duration::from_secs(1);
+    while tokio::time::Instant::now() < drained_by {
+        match tokio::time::timeout(Duration::from_millis(50), capture.recv()).await {
+            Ok(Ok(f)) => frames.push(f),
+            _ => break,
+        }
     }
     frames
 }
