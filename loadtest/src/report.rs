@@ -45,7 +45,8 @@ pub struct Report {
     pub expired: u64,
     /// Failed.
     pub failed: u64,
-    /// Sent frames with no result by the end of the run.
+    /// Sent frames with no result by the end of the run: the budget plus
+    /// [`crate::sim::RESULT_GRACE`] after the last send.
     pub missing: u64,
     /// Ok results within the budget.
     pub ok_within_budget: u64,
