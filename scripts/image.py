@@ -4,7 +4,7 @@ reproducibly, from binaries already built. No container runtime, no base
 image and no registry: an image is a few JSON files and gzip'd tar layers.
 
   python3 scripts/image.py --bin-dir target/release --out target/images \\
-      [--tag 0.1.0] [--registry ghcr.io/example] [--only gateway|worker]
+      [--tag 0.1.0] [--registry ghcr.io/example] [--only gateway|worker|worker-cuda]
 
 writes OUT/tidegate-{gateway,worker}-TAG.oci.tar (and, with --only
 worker-cuda, OUT/tidegate-worker-cuda-TAG.oci.tar): an OCI image layout in a
@@ -520,16 +520,24 @@ def worker_layout() -> tuple[str, str, list[str]]:
     return lib_path, models_path, models.get("only", [])
 
 
-def worker_image(args, scratch: Path) -> dict:
-    exe = binary(args.bin_dir, "tidegate-worker", "tidegate-worker")
+def worker_parts(args, exe: Path, ort: Path) -> tuple[str, str, list[Entry], list[Entry]]:
+    """What both worker images hold around the binary `exe` and ONNX Runtime
+    `ort`: their architecture (which must be one), runtime.library's path,
+    ONNX Runtime and the models at worker.yaml's paths, and the mounted
+    directories."""
     arch = check_arch(exe)
-    lib_path, models_path, only = worker_layout()
-    ort = ort_library(args.onnxruntime)
     if check_arch(ort) != arch:
         raise BuildError(f"{ort} and {exe} are built for different machines")
+    lib_path, models_path, only = worker_layout()
     shipped = (ort_entries(ort, lib_path)
                + model_entries(args.models_dir, models_path, only))
-    dirs = [Entry.dir(d) for d in WORKER_MOUNTS]
+    return arch, lib_path, shipped, [Entry.dir(d) for d in WORKER_MOUNTS]
+
+
+def worker_image(args, scratch: Path) -> dict:
+    exe = binary(args.bin_dir, "tidegate-worker", "tidegate-worker")
+    ort = ort_library(args.onnxruntime)
+    arch, lib_path, shipped, dirs = worker_parts(args, exe, ort)
     return {
         "name": "tidegate-worker",
         "arch": arch,
@@ -596,19 +604,16 @@ def worker_cuda_image(args, scratch: Path) -> dict:
     preprocessing load, but the driver's (libcuda.so.1), which the NVIDIA
     container toolkit (or Kubernetes' device plugin) mounts from the node."""
     exe = binary(args.bin_dir, "tidegate-worker", "tidegate-worker")
-    arch = check_arch(exe)
     with open(exe, "rb") as f:
         if CUDA_KERNEL_MARKER not in f.read():
             release = "--release " if args.bin_dir.name == "release" else ""
             raise BuildError(f"{exe} was built without the `cuda` feature (no GPU kernel in it); "
                              f"cargo build {release}-p tidegate-worker --features cuda "
                              f"(make images-cuda does; make test builds with --all-features)")
-    lib_path, models_path, only = worker_layout()
     cuda = cuda_libs_dir(args.cuda_libs)
     nvrtc, nvrtc_licence = nvrtc_files(args.nvrtc)
     ort = cuda / "onnxruntime" / "libonnxruntime.so"
-    if check_arch(ort) != arch:
-        raise BuildError(f"{ort} and {exe} are built for different machines")
+    arch, lib_path, shipped, dirs = worker_parts(args, exe, ort)
     libs = sorted(p for p in (cuda / "lib").iterdir() if ".so" in p.name) + nvrtc
     here = [cuda / "lib", cuda / "onnxruntime", nvrtc[0].parent]
     # What they all load from this system (libstdc++, zlib, …); the driver's
@@ -625,9 +630,6 @@ def worker_cuda_image(args, scratch: Path) -> dict:
                                 source=cuda / "licenses" / pkg / "License.txt"))
     cuda_layer.append(Entry(f"{DOC}/nvidia-cuda-nvrtc-cu12/License.txt",
                             source=nvrtc_licence))
-    shipped = (ort_entries(ort, lib_path)
-               + model_entries(args.models_dir, models_path, only))
-    dirs = [Entry.dir(d) for d in WORKER_MOUNTS]
     return {
         "name": "tidegate-worker-cuda",
         "arch": arch,
