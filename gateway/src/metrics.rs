@@ -36,7 +36,8 @@ pub struct Metrics {
     pub edges_connected: IntGauge,
     /// `tidegate_frames_rejected_total{reason}`: frames refused before admission.
     pub rejected: IntCounterVec,
-    /// `tidegate_results_undeliverable_total`: results whose edge had gone.
+    /// `tidegate_results_undeliverable_total`: results whose edge had gone,
+    /// or had stopped taking them (its queue full).
     pub undeliverable: IntCounter,
     /// `tidegate_hints_total{direction}`: frame-rate hints sent to cameras,
     /// `set` (a cap, lowered or raised) or `lift`.
@@ -135,7 +136,7 @@ impl Metrics {
             .expect("valid counter"),
             undeliverable: IntCounter::new(
                 "tidegate_results_undeliverable_total",
-                "Results that could not be sent because their edge had disconnected.",
+                "Results that could not be sent: their edge had disconnected, or stopped taking results until its queue was full.",
             )
             .expect("valid counter"),
             hints: IntCounterVec::new(

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tidegate_protocol::quic::{read_message, write_message};
+use tidegate_protocol::quic::{read_message, read_message_of, write_message};
 use tidegate_protocol::{
-    CameraAccepted, ControlHint, Drain, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Limits,
-    Message, Role, Welcome,
+    CameraAccepted, ControlHint, Drain, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Kind,
+    Limits, Message, Role, Welcome,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -23,7 +23,8 @@ use crate::leasing::{Leasing, WorkerPass};
 use crate::metrics::Metrics;
 use crate::scheduler::{EdgeId, WorkerId};
 
-/// Results buffered per edge connection before they are dropped (counted).
+/// Results buffered per edge connection, and as many again being written,
+/// before they are dropped (counted as undeliverable).
 const RESULT_QUEUE: usize = 1024;
 /// Hints buffered per edge connection (the policy sends at most one per
 /// camera per window, so this only fills if the edge stops reading).
@@ -113,7 +114,10 @@ impl Server {
     async fn connection(&self, session: u64, conn: quinn::Connection, cancel: CancellationToken) {
         let hello = tokio::time::timeout(HELLO_TIMEOUT, async {
             let (mut send, mut recv) = conn.accept_bi().await.ok()?;
-            match read_message(&mut recv, &self.limits).await {
+            // Before login only a Hello is read: any other kind is refused
+            // from its header, so a stranger cannot make the gateway buffer
+            // or decode a tensor-sized body.
+            match read_message_of(&mut recv, &self.limits, &[Kind::Hello]).await {
                 Ok(Some(Message::Hello(h))) => Some((send, recv, h)),
                 Ok(other) => {
                     let msg = format!(
@@ -124,7 +128,8 @@ impl Server {
                     None
                 }
                 Err(e) => {
-                    refuse(&conn, &mut send, ErrorCode::Malformed, e.to_string()).await;
+                    // Malformed, or an unsupported version or size, by name.
+                    refuse(&conn, &mut send, e.code(), e.to_string()).await;
                     None
                 }
             }
@@ -260,14 +265,24 @@ impl Server {
         >::new()));
         let margin = Duration::from_millis(self.config.scheduler.return_margin_ms as u64);
 
-        // Results: one unidirectional stream each.
+        // Results: one unidirectional stream each, at most RESULT_QUEUE
+        // being written at once. An edge that stops taking its streams
+        // then fills the queue, and the hub drops and counts what follows
+        // instead of the gateway holding every result in a task.
         let writer = {
             let conn = conn.clone();
             let tracker = self.tracker.clone();
+            let writing = Arc::new(tokio::sync::Semaphore::new(RESULT_QUEUE));
             async move {
-                while let Some(r) = results_rx.recv().await {
+                // The permit first: a result waiting for one stays in the
+                // queue, where it counts.
+                while let Ok(permit) = writing.clone().acquire_owned().await {
+                    let Some(r) = results_rx.recv().await else {
+                        break;
+                    };
                     let conn = conn.clone();
                     tracker.spawn(async move {
+                        let _permit = permit;
                         let Ok(mut s) = conn.open_uni().await else {
                             return;
                         };
@@ -292,7 +307,7 @@ impl Server {
                     let limits = self.limits;
                     let metrics = self.metrics.clone();
                     self.tracker.spawn(async move {
-                        let frame: Frame = match read_message(&mut recv, &limits).await {
+                        let frame: Frame = match read_message_of(&mut recv, &limits, &[Kind::Frame]).await {
                             Ok(Some(Message::Frame(f))) => f,
                             Ok(Some(other)) => {
                                 warn!(kind = ?other.kind(), "frame stream carried a non-Frame message; stream closed");
@@ -446,7 +461,7 @@ impl Server {
             cancel,
             revoked,
         } = link;
-        let register = match read_message(&mut ctl_recv, &self.limits).await {
+        let register = match read_message_of(&mut ctl_recv, &self.limits, &[Kind::Register]).await {
             Ok(Some(Message::Register(r))) => r,
             other => {
                 let msg =

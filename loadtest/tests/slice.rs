@@ -250,6 +250,11 @@ async fn truncated_and_oversized_streams_close_only_that_stream() {
     let mut oversized = [&MAGIC[..], &[VERSION, Kind::Frame as u8]].concat();
     oversized.extend_from_slice(&u32::MAX.to_be_bytes());
     up.send_raw(&oversized).await.unwrap();
+    // A BatchResult (a worker's kind) promising 60 MiB on a frame stream:
+    // refused from its header, before the gateway reads its body.
+    let mut wrong_kind = [&MAGIC[..], &[VERSION, Kind::BatchResult as u8]].concat();
+    wrong_kind.extend_from_slice(&(60u32 << 20).to_be_bytes());
+    up.send_raw(&wrong_kind).await.unwrap();
 
     // The same connection keeps working.
     up.send_frame(frame(3, input.frame_shape(), pixels, geometry))
@@ -267,11 +272,50 @@ async fn truncated_and_oversized_streams_close_only_that_stream() {
         log.contains("exceeds the limit"),
         "oversize is logged clearly: {log}"
     );
+    assert!(
+        log.contains("bad frame stream closed: expected Frame, got BatchResult"),
+        "a wrong kind is refused from its header: {log}"
+    );
     let (_, metrics) = c.get("/metrics").unwrap();
     assert!(
-        metrics.contains("tidegate_frames_rejected_total{reason=\"malformed\"} 2"),
+        metrics.contains("tidegate_frames_rejected_total{reason=\"malformed\"} 3"),
         "{metrics}"
     );
+}
+
+/// Before login the gateway reads a `Hello` and nothing else: a stranger
+/// whose first message is a header promising a 60 MiB `BatchResult` is
+/// refused as soon as the header is in, not after the body or the Hello
+/// timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_message_other_than_hello_is_refused_from_its_header() {
+    use tidegate_protocol::Message;
+    use tidegate_protocol::quic::{client_config, dial, read_message};
+    let c = started_cluster();
+    let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+        .await
+        .expect("dial");
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let mut header = [&MAGIC[..], &[VERSION, Kind::BatchResult as u8]].concat();
+    header.extend_from_slice(&(60u32 << 20).to_be_bytes());
+    send.write_all(&header).await.unwrap();
+    // The stream stays open: the gateway has nothing more to wait for.
+    let reply = tokio::time::timeout(
+        Duration::from_secs(3),
+        read_message(&mut recv, &Default::default()),
+    )
+    .await
+    .expect("an answer before the 5 s Hello timeout");
+    let Ok(Some(Message::Error(e))) = reply else {
+        panic!("expected an Error message, got {reply:?}");
+    };
+    assert_eq!(e.code, ErrorCode::Malformed);
+    assert!(
+        e.message.contains("expected Hello, got BatchResult"),
+        "{}",
+        e.message
+    );
+    conn.close(0u32.into(), b"test done");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -351,4 +395,69 @@ fn missing_onnx_runtime_or_model_file_is_a_one_line_error_with_the_fix() {
         err.contains("blazeface") && err.contains("make setup"),
         "{err}"
     );
+}
+
+/// An edge that stops taking its result streams costs the gateway at most
+/// 1024 results being written and 1024 queued: what follows is dropped and
+/// counted as undeliverable, not held in a task per result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_an_edge_does_not_take_are_dropped_and_counted_not_piled_up() {
+    use std::sync::Arc;
+    use tidegate_protocol::quic::{client_config, dial, handshake, read_message, write_message};
+    use tidegate_protocol::{CameraOpen, Hello, Limits, Message, Role};
+    let c = started_cluster();
+    let mut config = client_config(&c.ca()).unwrap();
+    let mut transport = quinn::TransportConfig::default();
+    // The gateway may open no stream to us: every result write waits.
+    transport.max_concurrent_uni_streams(0u32.into());
+    transport.keep_alive_interval(Some(Duration::from_secs(2)));
+    config.transport_config(Arc::new(transport));
+    let conn = dial(c.quic, "localhost", config).await.expect("dial");
+    let hello = Hello {
+        role: Role::Edge,
+        name: "edge-1".into(),
+        token: c.edge_token.clone(),
+    };
+    let (mut ctl_send, mut ctl_recv, _) = handshake(&conn, hello, &Limits::default())
+        .await
+        .expect("welcome");
+    let open = CameraOpen {
+        camera: "cam".into(),
+        model: "blazeface".into(),
+        budget_ms: 80,
+    };
+    write_message(&mut ctl_send, &Message::CameraOpen(open))
+        .await
+        .unwrap();
+    let accepted = read_message(&mut ctl_recv, &Limits::default()).await;
+    let Ok(Some(Message::CameraAccepted(accepted))) = accepted else {
+        panic!("expected CameraAccepted, got {accepted:?}");
+    };
+    let shape = accepted.input.frame_shape();
+    let (pixels, geometry) = frame_pixels(&accepted.input, Some(astronaut().as_path())).unwrap();
+
+    // Every frame ends in a result (most are superseded by the next one).
+    const SENT: u64 = 2048 + 200;
+    for seq in 1..=SENT {
+        let mut s = conn.open_uni().await.unwrap();
+        let f = frame(seq, shape.clone(), pixels.clone(), geometry);
+        write_message(&mut s, &Message::Frame(f)).await.unwrap();
+        s.finish().unwrap();
+    }
+    let undeliverable = || {
+        let (_, metrics) = c.get("/metrics").unwrap();
+        metric(&metrics, "tidegate_results_undeliverable_total")
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while undeliverable() < 200.0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(undeliverable(), 200.0, "all beyond 2 × 1024 are dropped");
+    conn.close(0u32.into(), b"test done");
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
 }

@@ -231,6 +231,11 @@ pub struct Reader<'l> {
     limits: &'l Limits,
     /// Tensor metadata read so far, whose payloads follow all metadata.
     pending: Vec<Pending>,
+    /// The sum of `pending`'s payload lengths, kept as they are read so
+    /// that checking it stays constant-time: a `BatchResult` may list
+    /// 256 × 1024 empty outputs, and summing the list for each of them
+    /// would take minutes.
+    pending_bytes: usize,
 }
 
 /// The metadata of a tensor whose payload is still to be claimed.
@@ -256,6 +261,7 @@ impl<'l> Reader<'l> {
             body,
             limits,
             pending: Vec::new(),
+            pending_bytes: 0,
         }
     }
 
@@ -419,7 +425,8 @@ impl<'l> Reader<'l> {
             }
             .into());
         }
-        let total: usize = self.pending.iter().map(|p| p.len).sum::<usize>() + len;
+        // Both are at most `max`, so the sum cannot overflow.
+        let total = self.pending_bytes + len;
         if total > max {
             return Err(DecodeError::TooLarge {
                 what: "tensor payloads",
@@ -433,13 +440,14 @@ impl<'l> Reader<'l> {
             len,
             what,
         });
+        self.pending_bytes = total;
         Ok(len)
     }
 
     /// Claims every pending payload, in order, as zero-copy slices of the
     /// body. The payloads must be exactly the rest of the body.
     fn take_payloads(&mut self) -> Result<Vec<(Pending, Bytes)>, DecodeError> {
-        let total: usize = self.pending.iter().map(|p| p.len).sum();
+        let total = self.pending_bytes;
         let left = self.body.remaining();
         if left < total {
             return Err(DecodeError::Truncated {
@@ -450,6 +458,7 @@ impl<'l> Reader<'l> {
             return Err(DecodeError::TrailingBytes(left - total));
         }
         let pending = std::mem::take(&mut self.pending);
+        self.pending_bytes = 0;
         Ok(pending
             .into_iter()
             .map(|p| {

@@ -562,11 +562,26 @@ impl Message {
                 let n = r.count("models", max, 2 + 4 + INPUT_SPEC_LEN + 2 + 2)?;
                 let mut models = Vec::with_capacity(n);
                 for _ in 0..n {
+                    let name = r.string("model name")?;
+                    let version = r.u32("model version")?;
+                    let input = read_input(&mut r)?;
+                    // A batch the gateway could never dispatch (nor the
+                    // worker read back) is refused at registration.
+                    let max_batch = r.u16("max_batch")?;
+                    let limit = r.limits().max_batch;
+                    if max_batch == 0 || usize::from(max_batch) > limit {
+                        return Err(DecodeError::Invalid {
+                            what: "max_batch",
+                            detail: format!(
+                                "model '{name}' declares {max_batch}; it must be 1 to {limit}"
+                            ),
+                        });
+                    }
                     models.push(ModelInfo {
-                        name: r.string("model name")?,
-                        version: r.u32("model version")?,
-                        input: read_input(&mut r)?,
-                        max_batch: r.u16("max_batch")?,
+                        name,
+                        version,
+                        input,
+                        max_batch,
                         labels: read_labels(&mut r)?,
                     });
                 }

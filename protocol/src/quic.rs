@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 
 use crate::addr::GatewayAddr;
-use crate::codec::{DecodeError, Header};
+use crate::codec::{DecodeError, Header, Kind};
 use crate::limits::Limits;
 use crate::message::Message;
 
@@ -159,6 +159,20 @@ pub enum ReadError {
     /// The stream failed (reset, connection lost).
     #[error("stream failed: {0}")]
     Stream(#[from] quinn::ReadError),
+    /// A message of a kind this stream does not carry, refused from its
+    /// header before its body was read.
+    #[error("expected {}, got {got:?}", kinds(expected))]
+    Unexpected {
+        /// The kind the header named.
+        got: Kind,
+        /// The kinds this stream carries.
+        expected: &'static [Kind],
+    },
+}
+
+fn kinds(expected: &[Kind]) -> String {
+    let names: Vec<String> = expected.iter().map(|k| format!("{k:?}")).collect();
+    names.join(" or ")
 }
 
 impl ReadError {
@@ -173,7 +187,9 @@ impl ReadError {
     pub fn code(&self) -> crate::ErrorCode {
         match self {
             ReadError::Decode(e) => e.code(),
-            ReadError::Truncated { .. } => crate::ErrorCode::Malformed,
+            ReadError::Truncated { .. } | ReadError::Unexpected { .. } => {
+                crate::ErrorCode::Malformed
+            }
             ReadError::Stream(_) => crate::ErrorCode::Internal,
         }
     }
@@ -201,12 +217,41 @@ pub async fn read_message(
     recv: &mut quinn::RecvStream,
     limits: &Limits,
 ) -> Result<Option<Message>, ReadError> {
+    read_checked(recv, limits, None).await
+}
+
+/// Reads one message of one of the `expected` kinds, as [`read_message`]
+/// does. Any other kind is [`ReadError::Unexpected`] as soon as its 8-byte
+/// header is in, before a byte of its body is read or buffered: a peer that
+/// has not logged in can make the gateway read a `Hello` (at most
+/// `max_header_bytes`) and nothing larger.
+pub async fn read_message_of(
+    recv: &mut quinn::RecvStream,
+    limits: &Limits,
+    expected: &'static [Kind],
+) -> Result<Option<Message>, ReadError> {
+    read_checked(recv, limits, Some(expected)).await
+}
+
+async fn read_checked(
+    recv: &mut quinn::RecvStream,
+    limits: &Limits,
+    expected: Option<&'static [Kind]>,
+) -> Result<Option<Message>, ReadError> {
     let mut head = [0u8; Header::LEN];
     if !read_exact_or_eof(recv, &mut head, true).await? {
         return Ok(None);
     }
     // Checked before the body is allocated.
     let header = Header::peek(&head, limits)?;
+    if let Some(expected) = expected
+        && !expected.contains(&header.kind)
+    {
+        return Err(ReadError::Unexpected {
+            got: header.kind,
+            expected,
+        });
+    }
     // The buffer grows with the bytes that actually arrive, so a header that
     // merely declares a large body costs nothing (QUIC flow control bounds
     // what a peer can send).

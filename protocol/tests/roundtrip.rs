@@ -252,7 +252,7 @@ fn message() -> impl Strategy<Value = Message> {
             text(),
             text(),
             prop::collection::vec(
-                (text(), any::<u32>(), input_spec(), any::<u16>(), labels()).prop_map(
+                (text(), any::<u32>(), input_spec(), 1u16..=256, labels()).prop_map(
                     |(name, version, input, max_batch, labels)| ModelInfo {
                         name,
                         version,
@@ -578,6 +578,44 @@ fn outputs_of_one_result_are_bounded_by_max_output_bytes() {
         items: vec![item(1), item(2), item(3)],
     });
     assert_eq!(decode(&common::encode(&msg)).unwrap(), msg);
+}
+
+/// The most outputs one message can list: `max_batch` items of `max_list`
+/// empty outputs each, 12 bytes apiece on the wire (about 3 MB, well under
+/// the body limit). The decoder keeps a running total of the payloads it
+/// has seen; summing them again for every output made this one message
+/// cost 3.4·10¹⁰ steps, minutes of a gateway thread.
+#[test]
+fn the_largest_list_of_empty_outputs_decodes() {
+    let limits = Limits::default();
+    let empty = OutputTensor {
+        name: String::new(),
+        dtype: DType::U8,
+        shape: vec![0],
+        data: Bytes::new(),
+    };
+    let item = |id| ItemResult {
+        id,
+        status: Status::Ok,
+        detections: vec![],
+        timings: Timings::default(),
+        outputs: vec![empty.clone(); limits.max_list],
+    };
+    let msg = Message::BatchResult(BatchResult {
+        batch: 7,
+        items: (0..limits.max_batch as u64).map(item).collect(),
+    });
+    let bytes = common::encode(&msg);
+    assert!(bytes.len() < Kind::BatchResult.max_body(&limits));
+    let Message::BatchResult(back) = decode(&bytes).unwrap() else {
+        panic!("not a BatchResult");
+    };
+    assert_eq!(back.items.len(), limits.max_batch);
+    assert!(
+        back.items
+            .iter()
+            .all(|i| i.outputs.len() == limits.max_list)
+    );
 }
 
 #[test]
