@@ -655,7 +655,12 @@ impl State {
                     deadline,
                 };
                 let now = self.now();
-                if let Some(bp) = self.backpressure.as_mut() {
+                // A frame can trail its edge's EdgeGone (separate tasks):
+                // it is still admitted and accounted, but tracking its
+                // camera for hints would outlive the edge.
+                if let Some(bp) = self.backpressure.as_mut()
+                    && self.edges.contains_key(&edge)
+                {
                     bp.on_arrival(now, edge, &frame.camera);
                 }
                 if self.budgets.get(&frame.model) != Some(&frame.budget_us) {

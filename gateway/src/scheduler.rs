@@ -556,8 +556,13 @@ impl Scheduler {
         if self.by_camera.get(&key) == Some(&id) {
             self.by_camera.remove(&key);
         }
+        // An edge's entry goes with its last queued frame: every connection
+        // is a new edge id, so entries would otherwise pile up.
         if let Some(n) = self.per_edge.get_mut(&q.arrival.edge) {
             *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_edge.remove(&q.arrival.edge);
+            }
         }
         self.counters.queued -= 1;
         Some(q)
@@ -910,23 +915,29 @@ impl Scheduler {
             .filter(|(_, (w, _))| *w == worker)
             .map(|(b, _)| *b)
             .collect();
+        let mut frames = Vec::new();
         for b in lost {
-            let (_, frames) = self.batches.remove(&b).expect("listed above");
-            self.release(&frames);
-            for q in frames {
-                self.counters.dispatched -= 1;
-                let still_possible = self
-                    .best_latency(&q.arrival.model)
-                    .is_some_and(|l| now + l <= q.arrival.deadline);
-                let newer_queued = self
-                    .by_camera
-                    .contains_key(&(q.arrival.edge, q.arrival.camera.clone()));
-                if still_possible && !newer_queued {
-                    self.counters.requeued += 1;
-                    self.enqueue(q);
-                } else {
-                    self.complete(now, &q, Status::Failed("worker lost".into()), out);
-                }
+            let (_, batch) = self.batches.remove(&b).expect("listed above");
+            self.release(&batch);
+            frames.extend(batch);
+        }
+        // Newest first: a camera with frames in two lost batches gets its
+        // newest one back in the queue, and the older one is the one that
+        // fails.
+        frames.sort_unstable_by_key(|q| std::cmp::Reverse(q.arrival.id));
+        for q in frames {
+            self.counters.dispatched -= 1;
+            let still_possible = self
+                .best_latency(&q.arrival.model)
+                .is_some_and(|l| now + l <= q.arrival.deadline);
+            let newer_queued = self
+                .by_camera
+                .contains_key(&(q.arrival.edge, q.arrival.camera.clone()));
+            if still_possible && !newer_queued {
+                self.counters.requeued += 1;
+                self.enqueue(q);
+            } else {
+                self.complete(now, &q, Status::Failed("worker lost".into()), out);
             }
         }
     }
@@ -1119,6 +1130,39 @@ mod tests {
         assert_eq!(completes(&a), vec![(1, Status::Expired)]);
         assert!(s.counters().balanced());
         assert_eq!(s.counters().in_flight(), 0);
+    }
+
+    /// Two frames of one camera in two batches on one worker (pipeline
+    /// depth 2), the worker lost: the newer frame goes back in the queue
+    /// and the older one fails, whatever order the batches are found in
+    /// (a hash map's, so the scenario runs on many fresh schedulers).
+    #[test]
+    fn a_lost_worker_gives_each_camera_its_newest_frame_back() {
+        for _ in 0..32 {
+            let mut s = Scheduler::new(Limits::default());
+            s.on_event(0, worker(1, 1, 1_000));
+            assert_eq!(
+                dispatches(&s.on_event(0, frame(1, "c", 80_000))),
+                vec![vec![1]]
+            );
+            assert_eq!(
+                dispatches(&s.on_event(1, frame(2, "c", 80_000))),
+                vec![vec![2]]
+            );
+            s.on_event(2, worker(2, 1, 1_000));
+            let a = s.on_event(
+                3,
+                Event::WorkerLost {
+                    worker: WorkerId(1),
+                },
+            );
+            assert_eq!(
+                completes(&a),
+                vec![(1, Status::Failed("worker lost".into()))]
+            );
+            assert_eq!(dispatches(&a), vec![vec![2]], "the newest goes to worker 2");
+            assert!(s.counters().balanced());
+        }
     }
 
     fn dispatches(actions: &[Action]) -> Vec<Vec<u64>> {
