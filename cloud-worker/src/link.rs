@@ -8,12 +8,13 @@
 //! on tokio's. A batch the executor has no room for is answered
 //! `Shed(Overloaded)`.
 
+use std::future::Future;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use tidegate_protocol::quic::{HandshakeError, handshake, read_message, write_message};
+use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
     BatchResult, Dispatch, Drain, ErrorCode, GatewayAddr, Heartbeat, Hello, ItemResult, Limits,
     Message, Register, Role, ShedReason, Status,
@@ -102,7 +103,9 @@ pub fn redial_delay(attempt: u32, jitter: f64) -> Duration {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinkEnd {
     /// Drained on the gateway's request or on shutdown: every batch taken
-    /// was answered.
+    /// was answered, or, at the drain's deadline, handed back (a dispatch
+    /// stream still being read stopped, a batch still running left
+    /// unanswered when the connection closed; the gateway re-homes both).
     Drained,
     /// The gateway closed the connection.
     Closed,
@@ -122,7 +125,8 @@ struct Load {
 /// frames a second, so that a pause in the load, not a gap in it, ends it.
 const DRAIN_QUIET: Duration = Duration::from_millis(250);
 
-/// A drain ends after this long even if the gateway keeps dispatching.
+/// A drain ends after this long even if the gateway keeps dispatching, or
+/// sooner when the gateway's `Drain.deadline_ms` says so.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Dials the gateway (resolving its name now, see
@@ -145,7 +149,7 @@ pub async fn run(
         name: cfg.name.clone(),
         token: cfg.token.clone(),
     };
-    let (mut ctl_send, mut ctl_recv, welcome) =
+    let (mut ctl_send, ctl_recv, welcome) =
         handshake(&conn, hello, &limits)
             .await
             .map_err(|e| match e {
@@ -165,6 +169,8 @@ pub async fn run(
     // Stops the reads still waiting for their bytes when a drain gives up.
     let stop_reading = CancellationToken::new();
     let drain = CancellationToken::new();
+    // When the gateway's Drain says we must be done by.
+    let asked = Arc::new(OnceLock::new());
     let started = Instant::now();
 
     // Control stream: heartbeats out; Drain in; our own Drain out when
@@ -173,11 +179,17 @@ pub async fn run(
         let load = load.clone();
         let executor = executor.clone();
         let drain = drain.clone();
+        let asked = asked.clone();
         let cancel = cancel.clone();
         async move {
             let mut tick = tokio::time::interval(Duration::from_millis(heartbeat_ms as u64));
             let mut last = (Instant::now(), executor.busy_us());
             let mut told = false;
+            // One read stays in progress across the turns of the loop:
+            // `read_message` is not cancel-safe, and a read dropped when a
+            // tick wins half way through a message would desynchronise the
+            // stream (a Drain split across packets would be lost).
+            let mut read = Box::pin(read_control(ctl_recv));
             loop {
                 tokio::select! {
                     _ = cancel.cancelled(), if !told => {
@@ -205,15 +217,22 @@ pub async fn run(
                             break;
                         }
                     }
-                    msg = read_message(&mut ctl_recv, &limits) => match msg {
-                        Ok(Some(Message::Drain(d))) => {
-                            // Heartbeats go on while the batches taken finish.
-                            info!(deadline_ms = d.deadline_ms, "drain requested by the gateway");
-                            drain.cancel();
+                    (recv, msg) = &mut read => {
+                        match msg {
+                            Ok(Some(Message::Drain(d))) => {
+                                // Heartbeats go on while the batches taken finish.
+                                info!(deadline_ms = d.deadline_ms, "drain requested by the gateway");
+                                let by = tokio::time::Instant::now()
+                                    + Duration::from_millis(d.deadline_ms.into());
+                                // The first deadline stands; a later one may not extend it.
+                                let _ = asked.set(by);
+                                drain.cancel();
+                            }
+                            Ok(Some(other)) => warn!(kind = ?other.kind(), "unexpected control message"),
+                            Ok(None) | Err(_) => break,
                         }
-                        Ok(Some(other)) => warn!(kind = ?other.kind(), "unexpected control message"),
-                        Ok(None) | Err(_) => break,
-                    },
+                        read.set(read_control(recv));
+                    }
                 }
             }
         }
@@ -240,65 +259,170 @@ pub async fn run(
         }
     };
 
-    tokio::pin!(control, accept);
+    // Ends when the control stream or the connection does; polling it
+    // heartbeats and accepts dispatch streams.
+    let link = async {
+        tokio::select! {
+            _ = control => {},
+            _ = accept => {},
+        }
+    };
+    tokio::pin!(link);
     let end = tokio::select! {
         _ = cancel.cancelled() => LinkEnd::Drained,
         _ = drain.cancelled() => LinkEnd::Drained,
-        _ = &mut control => LinkEnd::Closed,
-        _ = &mut accept => LinkEnd::Closed,
+        _ = &mut link => LinkEnd::Closed,
     };
     batches.close();
+    let mut link = (end == LinkEnd::Drained).then_some(link);
+    let deadline = drain_deadline(tokio::time::Instant::now(), asked.get().copied());
     if end == LinkEnd::Drained {
         // The gateway stops dispatching once it has our Drain (or sent its
         // own), but batches it dispatched before that may still be on the
         // way, and one lost to an early close would never be answered. So
         // keep serving (accepting, reading, answering, heartbeating) until
         // every stream taken is read and answered and no new one has come
-        // for DRAIN_QUIET, or DRAIN_TIMEOUT has passed. A stream still being
-        // read is a task in `batches`, so it holds the drain open. A closed
-        // tracker still takes new tasks.
+        // for DRAIN_QUIET, or the deadline has passed.
         info!(
             in_flight = batches.len(),
+            budget_ms = deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+                .as_millis() as u64,
             "draining: finishing the batches taken"
         );
-        let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
-        loop {
-            let seen = load.taken.load(Ordering::Relaxed);
-            let gone = tokio::select! {
-                _ = batches.wait() => false,
-                _ = &mut accept => true,
-                _ = &mut control => true,
-                _ = tokio::time::sleep_until(deadline) => true,
-            };
-            if gone {
-                break;
-            }
-            let gone = tokio::select! {
-                _ = tokio::time::sleep(DRAIN_QUIET) => false,
-                _ = &mut accept => true,
-                _ = &mut control => true,
-            };
-            if gone || (load.taken.load(Ordering::Relaxed) == seen && batches.is_empty()) {
-                break;
-            }
-        }
-        if tokio::time::Instant::now() >= deadline {
+        if serve_drain(&batches, &load.taken, deadline, &mut link).await == DrainEnd::Deadline {
             warn!(
-                timeout_s = DRAIN_TIMEOUT.as_secs(),
                 in_flight = batches.len(),
-                "drain timed out while the gateway kept dispatching or a dispatch stream stalled"
+                "drain deadline reached while the gateway kept dispatching or a dispatch stream stalled"
             );
         }
     }
-    // Reads still waiting for bytes are abandoned (their streams stopped);
-    // every batch read is answered before leaving.
+    // Reads still waiting for bytes are abandoned (their streams stopped):
+    // the gateway re-homes those batches. Batches read are answered, by the
+    // drain's deadline when draining.
     stop_reading.cancel();
-    batches.wait().await;
+    let by = (end == LinkEnd::Drained).then_some(deadline);
+    if finish_batches(&batches, by, &mut link).await == Finish::HandedBack {
+        warn!(
+            in_flight = batches.len(),
+            "drain deadline reached with batches unanswered; closing the link hands them back to the gateway"
+        );
+    }
     if end == LinkEnd::Drained {
         conn.close(0u32.into(), b"drained");
     }
     info!(uptime_s = started.elapsed().as_secs(), ?end, "link ended");
     Ok(end)
+}
+
+/// Reads the next control message. It owns the stream while it reads and
+/// hands it back, so that one read can stay in progress across the turns of
+/// the control loop (as the edge's uplink does).
+async fn read_control(
+    mut recv: quinn::RecvStream,
+) -> (quinn::RecvStream, Result<Option<Message>, ReadError>) {
+    let msg = read_message(&mut recv, &Limits::default()).await;
+    (recv, msg)
+}
+
+/// When a drain that begins at `now` must be over: by the gateway's
+/// `Drain.deadline_ms` when it sent one (`asked`), and never later than
+/// [`DRAIN_TIMEOUT`] (what our own Drain announces).
+fn drain_deadline(
+    now: tokio::time::Instant,
+    asked: Option<tokio::time::Instant>,
+) -> tokio::time::Instant {
+    let ours = now + DRAIN_TIMEOUT;
+    asked.map_or(ours, |by| by.min(ours))
+}
+
+/// How [`serve_drain`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DrainEnd {
+    /// Every stream taken was answered and none came for [`DRAIN_QUIET`].
+    Quiet,
+    /// The deadline passed first.
+    Deadline,
+    /// The link (control stream or connection) ended first.
+    LinkGone,
+}
+
+/// Keeps serving while draining: `link` is polled throughout (heartbeats,
+/// new dispatch streams), until the batches in `batches` are done and no
+/// new stream has been `taken` for [`DRAIN_QUIET`], or `deadline`. A stream
+/// still being read is a task in `batches`, so it holds the drain open. A
+/// closed tracker still takes new tasks. `link` is set to `None` once it has
+/// ended.
+async fn serve_drain<L: Future<Output = ()> + Unpin>(
+    batches: &TaskTracker,
+    taken: &AtomicU64,
+    deadline: tokio::time::Instant,
+    link: &mut Option<L>,
+) -> DrainEnd {
+    loop {
+        let Some(live) = link.as_mut() else {
+            return DrainEnd::LinkGone;
+        };
+        let seen = taken.load(Ordering::Relaxed);
+        tokio::select! {
+            _ = batches.wait() => {}
+            _ = &mut *live => {
+                *link = None;
+                return DrainEnd::LinkGone;
+            }
+            _ = tokio::time::sleep_until(deadline) => return DrainEnd::Deadline,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(DRAIN_QUIET) => {}
+            _ = &mut *live => {
+                *link = None;
+                return DrainEnd::LinkGone;
+            }
+            _ = tokio::time::sleep_until(deadline) => return DrainEnd::Deadline,
+        }
+        if taken.load(Ordering::Relaxed) == seen && batches.is_empty() {
+            return DrainEnd::Quiet;
+        }
+    }
+}
+
+/// How [`finish_batches`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finish {
+    /// Every batch read was answered.
+    Answered,
+    /// The deadline passed first; the rest are left to the gateway.
+    HandedBack,
+}
+
+/// Waits for the batches already read to be answered, by `deadline` if
+/// there is one, while `link` is still polled: heartbeats go on, so that
+/// the gateway does not take a worker finishing its last batches for a
+/// lost one (it does after three missed heartbeats).
+async fn finish_batches<L: Future<Output = ()> + Unpin>(
+    batches: &TaskTracker,
+    deadline: Option<tokio::time::Instant>,
+    link: &mut Option<L>,
+) -> Finish {
+    let answered = async {
+        if let Some(live) = link.as_mut() {
+            tokio::select! {
+                _ = batches.wait() => return,
+                _ = live => *link = None,
+            }
+        }
+        batches.wait().await
+    };
+    match deadline {
+        Some(by) => match tokio::time::timeout_at(by, answered).await {
+            Ok(()) => Finish::Answered,
+            Err(_) => Finish::HandedBack,
+        },
+        None => {
+            answered.await;
+            Finish::Answered
+        }
+    }
 }
 
 /// Reads one dispatch stream and serves its batch, unless `stop_reading`
@@ -377,19 +501,16 @@ async fn serve_batch(
         }
     };
     load.in_flight.fetch_sub(1, Ordering::Relaxed);
-    let items = match answered {
-        Ok(outcomes) => item_results(&ids, outcomes, &Limits::default()),
-        Err(status) => ids
-            .iter()
-            .map(|&id| ItemResult {
-                id,
-                status: status.clone(),
-                detections: Vec::new(),
-                timings: Default::default(),
-                outputs: Vec::new(),
-            })
-            .collect(),
-    };
+    let outcomes = answered.unwrap_or_else(|status| {
+        let unrun = FrameOutcome {
+            status,
+            detections: Vec::new(),
+            timings: Default::default(),
+            outputs: Vec::new(),
+        };
+        vec![unrun; ids.len()]
+    });
+    let items = item_results(&ids, outcomes, &Limits::default());
     let result = Message::BatchResult(BatchResult { batch, items });
     match conn.open_uni().await {
         Ok(mut s) => {
@@ -419,12 +540,16 @@ fn unrun_status(submit: Option<&SubmitError>) -> Status {
     }
 }
 
-/// The batch's results for the gateway. Raw outputs of one frame are
-/// bounded by the decoder; those of the whole batch must fit one message
-/// (`max_tensor_bytes`), so a frame whose outputs would overflow it fails
-/// with the reason instead of breaking the message.
+/// The batch's results for the gateway; every outcome sent goes through
+/// here. Raw outputs of one frame are bounded by the decoder; those of the
+/// whole batch must fit one message (`max_tensor_bytes`), so a frame whose
+/// outputs would overflow it fails with the reason instead of breaking the
+/// message. A failure's reason (ONNX Runtime's or CUDA's text, a caught
+/// panic) is cut to `max_string_bytes`: the gateway refuses a longer string,
+/// and with it the whole result.
 fn item_results(ids: &[u64], outcomes: Vec<FrameOutcome>, limits: &Limits) -> Vec<ItemResult> {
     let mut total = 0usize;
+    let mut logged = false;
     ids.iter()
         .zip(outcomes)
         .map(|(&id, o)| {
@@ -446,9 +571,38 @@ fn item_results(ids: &[u64], outcomes: Vec<FrameOutcome>, limits: &Limits) -> Ve
             } else {
                 total += bytes;
             }
+            if let Status::Failed(reason) = &mut item.status
+                && reason.len() > limits.max_string_bytes
+            {
+                // Once a batch: its frames often fail for the same reason.
+                if !logged {
+                    warn!(id, %reason, "failure reason cut to the protocol's string limit for the gateway");
+                    logged = true;
+                }
+                cap_reason(reason, limits.max_string_bytes);
+            }
             item
         })
         .collect()
+}
+
+/// Cuts `reason` to at most `max` bytes on a char boundary, ending it with
+/// "…" to show that text is missing.
+fn cap_reason(reason: &mut String, max: usize) {
+    const MORE: &str = "…";
+    if reason.len() <= max {
+        return;
+    }
+    let (room, more) = match max.checked_sub(MORE.len()) {
+        Some(room) => (room, MORE),
+        None => (max, ""),
+    };
+    let mut end = room;
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason.truncate(end);
+    reason.push_str(more);
 }
 
 #[cfg(test)]
@@ -489,6 +643,129 @@ mod tests {
         msg.encode(&mut buf);
         let back = Message::decode(&mut buf.as_slice(), &limits).unwrap();
         assert_eq!(back, msg);
+    }
+
+    #[test]
+    fn long_multibyte_failure_reason_is_cut_so_the_gateway_reads_the_result() {
+        let limits = Limits::default();
+        // 5000 bytes of 2- and 3-byte characters, as ONNX Runtime's or
+        // CUDA's error text or a caught panic may run to.
+        let reason = "é€x".repeat(834)[..5000].to_string();
+        assert_eq!(reason.len(), 5000);
+        let ok = FrameOutcome {
+            status: Status::Ok,
+            detections: Vec::new(),
+            timings: Default::default(),
+            outputs: Vec::new(),
+        };
+        let items = item_results(
+            &[1, 2],
+            vec![FrameOutcome::failed(reason.clone()), ok],
+            &limits,
+        );
+        let msg = Message::BatchResult(BatchResult { batch: 3, items });
+        let mut buf = Vec::new();
+        msg.encode(&mut buf);
+        // What the gateway reads with.
+        let back = Message::decode(&mut buf.as_slice(), &Limits::default()).unwrap();
+        let Message::BatchResult(back) = back else {
+            panic!("{back:?}");
+        };
+        let Status::Failed(cut) = &back.items[0].status else {
+            panic!("{:?}", back.items[0].status);
+        };
+        assert!(cut.len() <= limits.max_string_bytes, "{} bytes", cut.len());
+        let kept = cut.strip_suffix('…').expect("a cut reason ends with …");
+        assert!(reason.starts_with(kept), "{kept}");
+        // At most one character (3 bytes) short of the room left by "…".
+        assert!(
+            kept.len() > limits.max_string_bytes - 3 - 3,
+            "{}",
+            kept.len()
+        );
+        assert_eq!(back.items[1].status, Status::Ok);
+    }
+
+    #[test]
+    fn reason_within_the_limit_is_kept_and_a_cut_one_stays_on_a_char_boundary() {
+        let mut short = "model 'm': fine".to_string();
+        cap_reason(&mut short, 15);
+        assert_eq!(short, "model 'm': fine");
+        // Cutting "€€€€" (12 bytes) to 8: two euros (6) and "…" (3) is 9,
+        // too many, so one euro and the ellipsis.
+        let mut euros = "€€€€".to_string();
+        cap_reason(&mut euros, 8);
+        assert_eq!(euros, "€…");
+        // No room for the ellipsis: just the cut.
+        let mut tiny = "abcdef".to_string();
+        cap_reason(&mut tiny, 2);
+        assert_eq!(tiny, "ab");
+    }
+
+    #[test]
+    fn drain_ends_by_the_gateways_deadline_and_never_after_the_workers_own() {
+        let now = tokio::time::Instant::now();
+        let soon = now + Duration::from_millis(300);
+        assert_eq!(drain_deadline(now, Some(soon)), soon);
+        let late = now + Duration::from_secs(60);
+        assert_eq!(drain_deadline(now, Some(late)), now + DRAIN_TIMEOUT);
+        assert_eq!(drain_deadline(now, None), now + DRAIN_TIMEOUT);
+        // A deadline already past (deadline_ms = 0, or read long ago).
+        assert_eq!(drain_deadline(now, Some(now)), now);
+    }
+
+    /// A batch that can only finish if the link is polled (as a batch
+    /// waiting on the gateway's acknowledgment can only finish while the
+    /// connection is kept alive by heartbeats): the final wait polls the
+    /// link, and a batch that does not finish by the deadline is handed back.
+    #[tokio::test]
+    async fn final_wait_keeps_polling_the_link_and_hands_back_at_the_deadline() {
+        let batches = TaskTracker::new();
+        let (polled, heard) = tokio::sync::oneshot::channel::<()>();
+        batches.spawn(async move {
+            let _ = heard.await;
+        });
+        batches.close();
+        let mut polled = Some(polled);
+        let link = std::future::poll_fn(move |_| {
+            if let Some(tx) = polled.take() {
+                let _ = tx.send(());
+            }
+            std::task::Poll::<()>::Pending
+        });
+        let mut link = Some(Box::pin(link));
+        let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+        // Bounds a wait that never polls the link; no assertion depends on
+        // how fast anything runs.
+        let finished = tokio::time::timeout(
+            Duration::from_secs(30),
+            finish_batches(&batches, Some(far), &mut link),
+        )
+        .await
+        .expect("the batch never finished: the final wait did not poll the link");
+        assert_eq!(finished, Finish::Answered);
+        assert!(link.is_some(), "the link is still up");
+
+        let stuck = TaskTracker::new();
+        stuck.spawn(std::future::pending::<()>());
+        stuck.close();
+        let now = tokio::time::Instant::now();
+        assert_eq!(
+            finish_batches(&stuck, Some(now), &mut link).await,
+            Finish::HandedBack
+        );
+        let (taken, mut gone) = (
+            AtomicU64::new(0),
+            None::<std::pin::Pin<Box<std::future::Pending<()>>>>,
+        );
+        assert_eq!(
+            serve_drain(&stuck, &taken, now, &mut gone).await,
+            DrainEnd::LinkGone
+        );
+        assert_eq!(
+            serve_drain(&stuck, &taken, now, &mut link).await,
+            DrainEnd::Deadline
+        );
     }
 
     #[test]

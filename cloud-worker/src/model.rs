@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use tidegate_protocol::{DType, Layout};
+use tidegate_protocol::{DType, Layout, Limits};
 
 /// The file name that marks a folder as a model.
 pub const SPEC_FILE: &str = "model.toml";
@@ -331,11 +331,32 @@ impl ModelSpec {
             field: field.to_string(),
             problem,
         };
+        // What the protocol carries (a receiver refuses more): results of
+        // this model must be readable by the gateway.
+        let limits = Limits::default();
         if self.name.is_empty() {
             return Err(invalid("name", "is empty; give the model a name".into()));
         }
-        if self.max_batch == 0 {
-            return Err(invalid("max_batch", "is 0; it must be at least 1".into()));
+        if self.name.len() > limits.max_string_bytes {
+            return Err(invalid(
+                "name",
+                format!(
+                    "is {} bytes long; the protocol carries strings of at most {} bytes \
+                     (max_string_bytes): shorten it",
+                    self.name.len(),
+                    limits.max_string_bytes
+                ),
+            ));
+        }
+        if self.max_batch == 0 || usize::from(self.max_batch) > limits.max_batch {
+            return Err(invalid(
+                "max_batch",
+                format!(
+                    "is {}; it must be in 1..={} (the protocol's max_batch: the most frames \
+                     one Dispatch or BatchResult carries)",
+                    self.max_batch, limits.max_batch
+                ),
+            ));
         }
         if let Some(cap) = self.cpu_max_batch
             && (cap == 0 || cap > self.max_batch)
@@ -404,8 +425,102 @@ impl ModelSpec {
             DecoderSpec::Blazeface(b) => self.check_blazeface(b),
             DecoderSpec::Boxes(b) => self.check_boxes(b),
             DecoderSpec::Classify(c) => self.check_classify(c),
-            DecoderSpec::Raw(_) => Ok(()),
+            DecoderSpec::Raw(_) => self.check_raw(&limits),
         }
+    }
+
+    /// Raw outputs travel by name, one tensor each, in every result.
+    fn check_raw(&self, limits: &Limits) -> Result<(), RepositoryError> {
+        let invalid = |field: String, problem: String| RepositoryError::Invalid {
+            model: self.name.clone(),
+            field,
+            problem,
+        };
+        if self.outputs.len() > limits.max_list {
+            return Err(invalid(
+                "outputs".into(),
+                format!(
+                    "has {} entries; a result carries at most {} outputs (the protocol's \
+                     max_list): list fewer",
+                    self.outputs.len(),
+                    limits.max_list
+                ),
+            ));
+        }
+        if let Some((i, out)) = self
+            .outputs
+            .iter()
+            .enumerate()
+            .find(|(_, o)| o.name.len() > limits.max_string_bytes)
+        {
+            return Err(invalid(
+                format!("outputs[{i}].name"),
+                format!(
+                    "is {} bytes long; the raw decoder returns it in every result, and the \
+                     protocol carries strings of at most {} bytes (max_string_bytes)",
+                    out.name.len(),
+                    limits.max_string_bytes
+                ),
+            ));
+        }
+        crate::decode::Decoder::new(self)?;
+        Ok(())
+    }
+
+    /// `decoder.max_detections`: at least 1, and no more than one result
+    /// carries.
+    fn check_max_detections(&self, n: usize) -> Result<(), RepositoryError> {
+        let max = Limits::default().max_detections;
+        if n == 0 || n > max {
+            return Err(RepositoryError::Invalid {
+                model: self.name.clone(),
+                field: "decoder.max_detections".into(),
+                problem: format!(
+                    "is {n}; it must be in 1..={max} (the protocol's max_detections: the most \
+                     one result carries)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// `decoder.labels`: registered with the gateway (`ModelInfo.labels`),
+    /// so within the protocol's list and string limits.
+    fn check_labels(&self, labels: &[String]) -> Result<(), RepositoryError> {
+        let limits = Limits::default();
+        let invalid = |field: String, problem: String| RepositoryError::Invalid {
+            model: self.name.clone(),
+            field,
+            problem,
+        };
+        if labels.len() > limits.max_list {
+            return Err(invalid(
+                "decoder.labels".into(),
+                format!(
+                    "has {} entries; the worker registers them with the gateway, and the \
+                     protocol carries at most {} (max_list): this model cannot be served",
+                    labels.len(),
+                    limits.max_list
+                ),
+            ));
+        }
+        if let Some((i, label)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.len() > limits.max_string_bytes)
+        {
+            let start: String = label.chars().take(24).collect();
+            return Err(invalid(
+                format!("decoder.labels[{i}]"),
+                format!(
+                    "({start:?}…) is {} bytes long; the protocol carries strings of at most \
+                     {} bytes (max_string_bytes): shorten it",
+                    label.len(),
+                    limits.max_string_bytes
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn check_boxes(&self, b: &BoxesSpec) -> Result<(), RepositoryError> {
@@ -426,18 +541,14 @@ impl ModelSpec {
                 format!("is {}; it must be in (0, 1]", b.iou_threshold),
             ));
         }
-        if b.max_detections == 0 {
-            return Err(invalid(
-                "decoder.max_detections",
-                "is 0; it must be at least 1".into(),
-            ));
-        }
+        self.check_max_detections(b.max_detections)?;
         if b.labels.is_empty() {
             return Err(invalid(
                 "decoder.labels",
                 "is empty; list the class names, in class-index order".into(),
             ));
         }
+        self.check_labels(&b.labels)?;
         crate::decode::Decoder::new(self)?;
         Ok(())
     }
@@ -454,16 +565,21 @@ impl ModelSpec {
                 "is empty; list the class names, one per score".into(),
             ));
         }
-        if c.top_k == 0 || c.top_k > c.labels.len() {
+        let max_detections = Limits::default().max_detections;
+        if c.top_k == 0 || c.top_k > c.labels.len().min(max_detections) {
+            let bound = if c.labels.len() <= max_detections {
+                format!("{} (the number of labels)", c.labels.len())
+            } else {
+                format!(
+                    "{max_detections} (the protocol's max_detections: the most one result carries)"
+                )
+            };
             return Err(invalid(
                 "decoder.top_k",
-                format!(
-                    "is {}; it must be in 1..={} (the number of labels)",
-                    c.top_k,
-                    c.labels.len()
-                ),
+                format!("is {}; it must be in 1..={bound}", c.top_k),
             ));
         }
+        self.check_labels(&c.labels)?;
         if !(0.0..=1.0).contains(&c.min_score) {
             return Err(invalid(
                 "decoder.min_score",
@@ -492,18 +608,14 @@ impl ModelSpec {
                 format!("is {}; it must be in (0, 1]", b.iou_threshold),
             ));
         }
-        if b.max_detections == 0 {
-            return Err(invalid(
-                "decoder.max_detections".into(),
-                "is 0; it must be at least 1".into(),
-            ));
-        }
+        self.check_max_detections(b.max_detections)?;
         if b.labels.is_empty() {
             return Err(invalid(
                 "decoder.labels".into(),
                 "is empty; BlazeFace needs one label, e.g. [\"face\"]".into(),
             ));
         }
+        self.check_labels(&b.labels)?;
         if b.layers.is_empty() {
             return Err(invalid(
                 "decoder.layers".into(),
@@ -1144,6 +1256,194 @@ mod tests {
             [
                 "angry", "disgust", "fear", "happy", "sad", "surprise", "neutral"
             ]
+        );
+    }
+
+    /// Loads a repository holding the shipped model `model` (its sha256 pin
+    /// dropped, its file a stand-in), with its model.toml edited by `edit`.
+    fn load_edited(
+        model: &str,
+        edit: impl Fn(String) -> String,
+    ) -> Result<Repository, RepositoryError> {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../models/{model}/model.toml"));
+        let text: String = fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("sha256"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join(model);
+        fs::create_dir(&folder).unwrap();
+        fs::write(folder.join(SPEC_FILE), edit(text)).unwrap();
+        fs::write(folder.join("model.onnx"), b"onnx").unwrap();
+        Repository::load(dir.path(), None)
+    }
+
+    fn load_error(model: &str, edit: impl Fn(String) -> String) -> String {
+        match load_edited(model, edit) {
+            Ok(_) => panic!("model '{model}' loaded; expected it to be refused"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// `n` labels `c0`, `c1`, … as a TOML array.
+    fn labels_toml(n: usize) -> String {
+        let names: Vec<String> = (0..n).map(|i| format!("\"c{i}\"")).collect();
+        format!("labels = [{}]", names.join(", "))
+    }
+
+    #[test]
+    fn max_batch_above_the_protocols_batch_limit_is_refused_at_load() {
+        let err = load_error("blazeface", |t| {
+            t.replace("max_batch = 32", "max_batch = 257")
+        });
+        assert!(
+            err.starts_with("model 'blazeface': max_batch is 257; it must be in 1..=256")
+                && err.contains("max_batch"),
+            "{err}"
+        );
+        assert!(
+            load_edited("blazeface", |t| t
+                .replace("max_batch = 32", "max_batch = 256"))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn max_detections_above_what_a_result_carries_is_refused_at_load() {
+        for (model, line) in [
+            ("blazeface", "max_detections = 64"),
+            ("centernet", "max_detections = 50"),
+        ] {
+            let err = load_error(model, |t| t.replace(line, "max_detections = 1025"));
+            assert!(
+                err.starts_with(&format!(
+                    "model '{model}': decoder.max_detections is 1025; it must be in 1..=1024 \
+                     (the protocol's max_detections"
+                )),
+                "{err}"
+            );
+            assert!(load_edited(model, |t| t.replace(line, "max_detections = 1024")).is_ok());
+        }
+    }
+
+    #[test]
+    fn blazeface_with_more_keypoints_than_a_detection_carries_is_refused_at_load() {
+        // 4 + 2k regressors: 134 is k = 65, one more than max_keypoints.
+        let with = |values: u32| {
+            move |t: String| {
+                t.replace("[-1, 512, 16]", &format!("[-1, 512, {values}]"))
+                    .replace("[-1, 384, 16]", &format!("[-1, 384, {values}]"))
+            }
+        };
+        let err = load_error("blazeface", with(134));
+        assert!(
+            err.contains("model 'blazeface'")
+                && err.contains("decoder.layers[0].boxes")
+                && err.contains("k = 65")
+                && err.contains("k ≤ 64 keypoints (the protocol's max_keypoints)"),
+            "{err}"
+        );
+        assert!(load_edited("blazeface", with(132)).is_ok());
+    }
+
+    #[test]
+    fn more_labels_than_the_protocol_lists_are_refused_at_load() {
+        // A 1100-class classifier (top_k within bounds) and a box detector.
+        let err = load_error("emotion", |t| {
+            let labels = t.lines().find(|l| l.starts_with("labels")).unwrap();
+            t.replace(labels, &labels_toml(1100))
+                .replace("shape = [-1, 7]", "shape = [-1, 1100]")
+        });
+        assert!(
+            err.starts_with("model 'emotion': decoder.labels has 1100 entries")
+                && err.contains("at most 1024 (max_list)"),
+            "{err}"
+        );
+        let err = load_error("centernet", |t| {
+            let labels = t.lines().find(|l| l.starts_with("labels")).unwrap();
+            t.replace(labels, &labels_toml(1025))
+        });
+        assert!(
+            err.starts_with("model 'centernet': decoder.labels has 1025 entries"),
+            "{err}"
+        );
+        let at_limit = load_edited("centernet", |t| {
+            let labels = t.lines().find(|l| l.starts_with("labels")).unwrap();
+            t.replace(labels, &labels_toml(1024))
+        });
+        assert!(at_limit.is_ok(), "{at_limit:?}");
+    }
+
+    #[test]
+    fn classifier_top_k_above_what_a_result_carries_is_refused_at_load() {
+        let err = load_error("emotion", |t| {
+            let labels = t.lines().find(|l| l.starts_with("labels")).unwrap();
+            t.replace(labels, &labels_toml(1100))
+                .replace("shape = [-1, 7]", "shape = [-1, 1100]")
+                .replace("top_k = 3", "top_k = 1100")
+        });
+        assert!(
+            err.starts_with(
+                "model 'emotion': decoder.top_k is 1100; it must be in 1..=1024 \
+                 (the protocol's max_detections"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn label_longer_than_the_protocols_string_limit_is_refused_at_load() {
+        // 513 two-byte characters: 1026 bytes.
+        let long = "é".repeat(513);
+        let err = load_error("centernet", |t| {
+            t.replace("\"bicycle\"", &format!("\"{long}\""))
+        });
+        assert!(
+            err.starts_with("model 'centernet': decoder.labels[1] (\"éééé")
+                && err.contains("is 1026 bytes long")
+                && err.contains("at most 1024 bytes (max_string_bytes)"),
+            "{err}"
+        );
+        let fits = "é".repeat(512);
+        assert!(
+            load_edited("centernet", |t| t
+                .replace("\"bicycle\"", &format!("\"{fits}\"")))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn raw_output_name_longer_than_the_protocols_string_limit_is_refused() {
+        let name = "o".repeat(1025);
+        let text = format!(
+            r#"
+            name = "probe"
+            version = 1
+            file = "probe.onnx"
+            max_batch = 8
+            [input]
+            name = "images"
+            layout = "nhwc"
+            width = 8
+            height = 8
+            channels = 3
+            color = "rgb"
+            resize = "stretch"
+            model_dtype = "u8"
+            [[outputs]]
+            name = "{name}"
+            shape = [-1, 10]
+            [decoder]
+            kind = "raw"
+        "#
+        );
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(
+            err.starts_with("model 'probe': outputs[0].name is 1025 bytes long"),
+            "{err}"
         );
     }
 

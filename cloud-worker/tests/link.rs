@@ -236,6 +236,57 @@ async fn link_dials_a_gateway_given_by_host_name() {
     assert_eq!(end, LinkEnd::Drained);
 }
 
+/// A `Drain` whose bytes arrive in two parts, with heartbeat ticks in
+/// between: the worker must read it whole. A read dropped when a tick won
+/// the worker's control loop would lose the first part, never see the
+/// Drain, and leave the control stream out of step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_split_across_heartbeat_ticks_is_still_read() {
+    let limits = Limits::default();
+    let (endpoint, tls, _dir) = gateway_endpoint();
+    let cfg = LinkConfig {
+        gateway: endpoint.local_addr().unwrap().into(),
+        server_name: "localhost".into(),
+        ca: tls.ca_cert.clone(),
+        name: "w".into(),
+        token: "t".into(),
+    };
+    let executor = Arc::new(Executor::spawn(Box::new(OkBackend), 4));
+    let worker = tokio::spawn(async move {
+        link::run(&cfg, executor, register(), CancellationToken::new()).await
+    });
+
+    let script = async {
+        let (conn, mut ctl_send, mut ctl_recv) = accept_worker(&endpoint, &limits).await;
+        let mut drain = Vec::new();
+        Message::Drain(Drain {
+            deadline_ms: 10_000,
+        })
+        .encode(&mut drain);
+        // Part of the header only, then several heartbeats (every 100 ms,
+        // as welcomed) while the worker waits for the rest.
+        ctl_send.write_all(&drain[..5]).await.unwrap();
+        for _ in 0..5 {
+            let msg = read_message(&mut ctl_recv, &limits).await.unwrap();
+            assert!(matches!(msg, Some(Message::Heartbeat(_))), "{msg:?}");
+        }
+        ctl_send.write_all(&drain[5..]).await.unwrap();
+        // Kept open until the link has ended: a finished control stream
+        // would end it as closed rather than drained.
+        (conn, ctl_send, ctl_recv)
+    };
+    // Bounds a broken link so that the test fails instead of hanging.
+    let _gateway_side = tokio::time::timeout(Duration::from_secs(60), script)
+        .await
+        .expect("the worker did not register and heartbeat within 60 s");
+    let end = tokio::time::timeout(Duration::from_secs(30), worker)
+        .await
+        .expect("the link did not end within 30 s of the split Drain: it was not read")
+        .unwrap()
+        .unwrap();
+    assert_eq!(end, LinkEnd::Drained);
+}
+
 /// A name that does not resolve (`.invalid` is reserved, RFC 6761) fails
 /// the dial at once, naming the host, as an error worth redialling (DNS may
 /// not know a new Service yet).

@@ -9,7 +9,7 @@
 //! 0..1 over the model input, y down, until the last step maps them to source
 //! pixels through the frame's [`Geometry`].
 
-use tidegate_protocol::{Detection, Geometry};
+use tidegate_protocol::{Detection, Geometry, Limits};
 
 use super::{DecodeError, DecoderError, OutputView};
 use crate::model::{BlazefaceSpec, ModelSpec};
@@ -140,6 +140,19 @@ impl BlazefaceDecoder {
                 ));
             }
             let k = (b[2] as usize - 4) / 2;
+            // A result carries at most `max_keypoints` per detection.
+            let max_k = Limits::default().max_keypoints;
+            if k > max_k {
+                return Err(shape_error(
+                    "boxes",
+                    &l.boxes,
+                    b,
+                    format!(
+                        "[batch,{n},4+2k] with k ≤ {max_k} keypoints (the protocol's max_keypoints); \
+                         this one has k = {k}"
+                    ),
+                ));
+            }
             if *keypoints.get_or_insert(k) != k {
                 return Err(shape_error(
                     "boxes",
@@ -160,7 +173,9 @@ impl BlazefaceDecoder {
             height: spec.input.height,
             score_threshold: params.score_threshold,
             iou_threshold: params.iou_threshold,
-            max_detections: params.max_detections,
+            // model.toml's check refuses more; capped here all the same, so
+            // that no result is one the gateway cannot read.
+            max_detections: params.max_detections.min(Limits::default().max_detections),
             keypoints: keypoints.unwrap_or(0),
             layers,
             labels: params.labels.clone(),

@@ -8,7 +8,7 @@
 //! order; they are mapped to source pixels through the frame's
 //! [`Geometry`] and clamped to the source frame.
 
-use tidegate_protocol::{Detection, Geometry};
+use tidegate_protocol::{Detection, Geometry, Limits};
 
 use super::{DecodeError, DecoderError, OutputView, iou};
 use crate::model::{BoxCoords, BoxOrder, BoxesSpec, ModelSpec};
@@ -59,7 +59,8 @@ impl BoxesDecoder {
             order: params.order,
             score_threshold: params.score_threshold,
             iou_threshold: params.iou_threshold,
-            max_detections: params.max_detections,
+            // model.toml's check refuses more; capped here all the same.
+            max_detections: params.max_detections.min(Limits::default().max_detections),
             labels: params.labels.clone(),
         })
     }

@@ -5,7 +5,7 @@
 //! [`Detection`] whose box is the whole source frame, whose `score` is the
 //! class probability and whose `class` indexes the model's labels.
 
-use tidegate_protocol::{Detection, Geometry};
+use tidegate_protocol::{Detection, Geometry, Limits};
 
 use super::{DecodeError, DecoderError, OutputView};
 use crate::model::{ClassifySpec, ModelSpec};
@@ -70,7 +70,8 @@ impl ClassifyDecoder {
         Ok(ClassifyDecoder {
             output: params.output.clone(),
             softmax: params.softmax,
-            top_k: params.top_k,
+            // model.toml's check refuses more; capped here all the same.
+            top_k: params.top_k.min(Limits::default().max_detections),
             min_score: params.min_score,
             labels: params.labels.clone(),
         })
