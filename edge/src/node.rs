@@ -28,7 +28,8 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::backoff::Backoff;
 use crate::capture::{
-    CameraStopped, CaptureOptions, CaptureSpec, SourceUri, SupervisedCapture, SupervisorOptions,
+    CameraStopped, CaptureCounters, CaptureOptions, CaptureSpec, SourceUri, SupervisedCapture,
+    SupervisorOptions,
 };
 use crate::config::{CameraConfig, EdgeConfig};
 use crate::gate::{Hint, Limits};
@@ -582,12 +583,61 @@ fn preflight(cam: &CameraConfig) -> Result<(), String> {
     }
 }
 
-async fn recv_frame(
-    capture: &mut Option<SupervisedCapture>,
-) -> Result<crate::capture::CapturedFrame, CameraStopped> {
-    match capture {
-        Some(c) => c.recv().await,
-        None => std::future::pending().await,
+/// A camera's capture, and what the captures it replaced left behind. A
+/// gateway that announces another input on a new connection gets a new
+/// capture, which goes on from the old one: its `seq` continues, and the
+/// camera's counters keep counting up.
+#[derive(Debug, Default)]
+struct CameraCapture {
+    current: Option<SupervisedCapture>,
+    /// Counters of the captures stopped so far, summed.
+    stopped: CaptureCounters,
+    /// The `seq` the next capture starts at.
+    next_seq: u64,
+}
+
+impl CameraCapture {
+    /// The camera's counters, over every capture it has had.
+    fn counters(&self) -> CaptureCounters {
+        let mut c = self.stopped;
+        if let Some(current) = &self.current {
+            c.accumulate(&current.counters());
+        }
+        c
+    }
+
+    /// Stops the current capture, if any, keeping its counters (frames it
+    /// still queued count as `dropped_queue`) and where its `seq` got to.
+    async fn stop(&mut self) {
+        if let Some(old) = self.current.take() {
+            let (counters, next_seq) = old.stop().await;
+            self.stopped.accumulate(&counters);
+            self.next_seq = next_seq;
+        }
+    }
+
+    /// Replaces the capture with `start(first_seq)`.
+    async fn replace<E>(
+        &mut self,
+        start: impl FnOnce(u64) -> Result<SupervisedCapture, E>,
+    ) -> Result<(), E> {
+        self.stop().await;
+        self.current = Some(start(self.next_seq)?);
+        Ok(())
+    }
+
+    fn set_limits(&mut self, limits: Limits) {
+        if let Some(c) = &mut self.current {
+            c.set_limits(limits);
+        }
+    }
+
+    /// The next frame; pending for ever without a capture.
+    async fn recv(&mut self) -> Result<crate::capture::CapturedFrame, CameraStopped> {
+        match &mut self.current {
+            Some(c) => c.recv().await,
+            None => std::future::pending().await,
+        }
     }
 }
 
@@ -616,7 +666,7 @@ async fn camera(
     let mut limits = configured.with_hint(hints_rx.borrow_and_update().for_camera(&cam.name));
     stats.snapshot().limits = Some(limits);
     stats.set_state("waiting");
-    let mut capture: Option<SupervisedCapture> = None;
+    let mut capture = CameraCapture::default();
     let mut input: Option<InputSpec> = None;
     let mut lane: Option<Lane> = None;
     // The connection the camera should be opened on, and when to try again.
@@ -654,13 +704,11 @@ async fn camera(
                         "limits changed by the gateway's hint"
                     );
                     limits = now;
+                    capture.set_limits(limits);
                     let mut snap = stats.snapshot();
-                    if let Some(c) = &mut capture {
-                        c.set_limits(limits);
-                        // Counters as of the change, so that a reader sees
-                        // the new limits with the counts they start from.
-                        snap.capture = c.counters();
-                    }
+                    // Counters as of the change, so that a reader sees the
+                    // new limits with the counts they start from.
+                    snap.capture = capture.counters();
                     snap.limits = Some(limits);
                 }
             }
@@ -687,8 +735,14 @@ async fn camera(
                             (i.width, i.height, i.resize) == (spec.width, spec.height, spec.resize)
                         });
                         if !same {
-                            match start_capture(&cam, &spec, limits) {
-                                Ok(c) => capture = Some(c),
+                            // Frames go on from the old capture's `seq`;
+                            // its counters stay in the camera's.
+                            let started = capture
+                                .replace(|first_seq| start_capture(&cam, &spec, limits, first_seq))
+                                .await;
+                            stats.snapshot().capture = capture.counters();
+                            match started {
+                                Ok(()) => {}
                                 Err(e) => {
                                     error!("{e}; this camera is disabled, the others run");
                                     stats.set_state("failed");
@@ -702,10 +756,12 @@ async fn camera(
                         stats.set_state("running");
                     }
                     Err(e) if e.retryable() => {
-                        warn!("{e}; retrying in 1 s");
                         if uplink.is_closed() {
+                            warn!("{e}; opening the camera again once the gateway is redialled");
                             open_on = None;
+                            stats.set_state("waiting");
                         } else {
+                            warn!("{e}; retrying in 1 s");
                             open_at = Some(Instant::now() + Duration::from_secs(1));
                         }
                     }
@@ -717,15 +773,11 @@ async fn camera(
                 }
             }
             _ = refresh.tick() => {
-                if let Some(c) = &capture {
-                    stats.snapshot().capture = c.counters();
-                }
+                stats.snapshot().capture = capture.counters();
             }
-            frame = recv_frame(&mut capture) => match frame {
+            frame = capture.recv() => match frame {
                 Ok(frame) => {
-                    if let Some(c) = &capture {
-                        stats.snapshot().capture = c.counters();
-                    }
+                    stats.snapshot().capture = capture.counters();
                     let Some(l) = &lane else {
                         stats.dropped_outage.fetch_add(1, Ordering::Relaxed);
                         continue;
@@ -768,10 +820,8 @@ async fn camera(
                             stats.set_state("failed");
                         }
                     }
-                    if let Some(c) = &capture {
-                        stats.snapshot().capture = c.counters();
-                    }
-                    capture = None;
+                    capture.stop().await;
+                    stats.snapshot().capture = capture.counters();
                     break;
                 }
             },
@@ -780,9 +830,7 @@ async fn camera(
     if let Some(l) = &lane {
         l.settle(SETTLE).await;
     }
-    if let Some(c) = &capture {
-        stats.snapshot().capture = c.counters();
-    }
+    stats.snapshot().capture = capture.counters();
     let mut snap = stats.snapshot();
     if matches!(snap.state, "running" | "waiting" | "") {
         snap.state = "stopped";
@@ -790,10 +838,13 @@ async fn camera(
     info!(handed, "camera stopped");
 }
 
+/// A capture of `cam` at the model's `input`, its first frame numbered
+/// `first_seq`.
 fn start_capture(
     cam: &CameraConfig,
     input: &InputSpec,
     limits: Limits,
+    first_seq: u64,
 ) -> Result<SupervisedCapture, crate::capture::CaptureError> {
     let spec = CaptureSpec {
         camera: cam.name.clone(),
@@ -808,6 +859,7 @@ fn start_capture(
             rtsp_transport: cam.rtsp_transport,
             motion_threshold: cam.motion_threshold,
             keepalive_fps: cam.keepalive_fps,
+            first_seq,
             ..CaptureOptions::default()
         },
         loop_file: cam.loop_file,
@@ -870,6 +922,80 @@ mod tests {
             "name = \"c\"\nuri = \"{uri}\"\nmodel = \"{model}\"\n"
         ))
         .unwrap()
+    }
+
+    fn square(side: u32) -> InputSpec {
+        InputSpec {
+            width: side,
+            height: side,
+            channels: 3,
+            dtype: DType::U8,
+            layout: Layout::Nhwc,
+            color: tidegate_protocol::ColorOrder::Rgb,
+            resize: tidegate_protocol::Resize::Stretch,
+        }
+    }
+
+    /// A new input (the gateway announced another size on a reconnect)
+    /// replaces the capture: the new one numbers its frames on from the old
+    /// one, and the camera's counters keep the old one's, frames it still
+    /// had queued counted as dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replaced_capture_goes_on_from_the_old_ones_seq_and_counters() {
+        const WAIT: Duration = Duration::from_secs(20);
+        let mut cam = cam("test://ball?width=320&height=240", "m");
+        cam.max_fps = 20.0;
+        let limits = configured_limits(&cam);
+        let mut capture = CameraCapture::default();
+        capture
+            .replace(|first| start_capture(&cam, &square(64), limits, first))
+            .await
+            .unwrap();
+        let mut received = 0u64;
+        let mut last_seq = 0;
+        while received < 5 {
+            let f = tokio::time::timeout(WAIT, capture.recv())
+                .await
+                .expect("a frame from the first capture")
+                .unwrap();
+            assert_eq!(f.width, 64);
+            last_seq = f.seq;
+            received += 1;
+        }
+        // Leave frames unread in the queue (2 at most; older ones evicted).
+        let deadline = Instant::now() + WAIT;
+        while capture.counters().passed < received + 2 {
+            assert!(Instant::now() < deadline, "{:?}", capture.counters());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let old = capture.counters();
+        capture
+            .replace(|first| start_capture(&cam, &square(32), limits, first))
+            .await
+            .unwrap();
+        let carried = capture.counters();
+        assert!(
+            carried.seen >= old.seen && carried.passed >= old.passed,
+            "{old:?} then {carried:?}"
+        );
+        // Every frame that passed the old gate was read here or dropped
+        // (evicted, or still queued when the capture stopped).
+        assert_eq!(
+            carried.passed,
+            received + carried.dropped_queue,
+            "{carried:?}"
+        );
+        assert!(carried.dropped_queue >= 2, "{carried:?}");
+        let f = tokio::time::timeout(WAIT, capture.recv())
+            .await
+            .expect("a frame from the new capture")
+            .unwrap();
+        assert_eq!(f.width, 32);
+        // The old capture numbered its frames 0..passed.
+        assert!(f.seq > last_seq, "seq {last_seq} then {}", f.seq);
+        assert_eq!(f.seq, carried.passed, "{carried:?}");
+        let now = capture.counters();
+        assert!(now.passed > carried.passed, "{carried:?} then {now:?}");
     }
 
     #[test]

@@ -14,6 +14,12 @@
 //! fails (malformed bytes, a reset) closes the connection with its error
 //! code (protocol §7.3), so the caller sees the loss and redials.
 //!
+//! The gateway has [`HANDSHAKE_TIMEOUT`] to answer `Hello` and
+//! [`OPEN_TIMEOUT`] to answer each `CameraOpen`. The client's keep-alives
+//! keep a connection alive for as long as the gateway's QUIC stack answers
+//! them, even when the gateway itself is wedged; these deadlines are what
+//! make the edge give up on such a gateway, close the connection and redial.
+//!
 //! This module has no GStreamer dependency, so `tidegate-loadtest`'s
 //! simulated cameras use it too.
 
@@ -44,6 +50,15 @@ const RESULT_READERS: usize = 64;
 /// How long a failing control stream waits for its `Error` to be
 /// acknowledged before the connection is closed anyway.
 const ERROR_LINGER: Duration = Duration::from_secs(1);
+/// How long [`Uplink::connect`] waits for the gateway's `Welcome` (or
+/// `Error`) once the QUIC connection is up. Past it the connection is
+/// closed and the connect fails with [`UplinkError::Unresponsive`].
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long [`Uplink::open_camera`] waits for the gateway's answer. Answers
+/// come in order, so a missing one holds back every later one: past it the
+/// connection is closed and the open fails with
+/// [`UplinkError::Unresponsive`].
+pub const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why the uplink failed.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +93,21 @@ pub enum UplinkError {
     /// The connection is gone.
     #[error("connection to the gateway lost: {0}")]
     Lost(String),
+    /// The gateway's QUIC stack is alive but the gateway did not answer in
+    /// time; the connection has been closed so that the caller redials.
+    #[error(
+        "the gateway at {remote} did not answer {waiting_for} within {after:?} although \
+         its QUIC stack is up; the connection was closed so that a redial starts afresh \
+         (if this repeats, the gateway is stuck: check its logs)"
+    )]
+    Unresponsive {
+        /// What the edge was waiting for, e.g. "Hello with Welcome".
+        waiting_for: String,
+        /// How long it waited.
+        after: Duration,
+        /// The gateway's address.
+        remote: SocketAddr,
+    },
 }
 
 impl UplinkError {
@@ -85,7 +115,9 @@ impl UplinkError {
     pub fn retryable(&self) -> bool {
         match self {
             UplinkError::Refused { code, .. } => code.retryable(),
-            UplinkError::Connect { .. } | UplinkError::Lost(_) => true,
+            UplinkError::Connect { .. }
+            | UplinkError::Lost(_)
+            | UplinkError::Unresponsive { .. } => true,
             _ => false,
         }
     }
@@ -113,6 +145,39 @@ enum Command {
 pub struct Uplink {
     conn: quinn::Connection,
     commands: mpsc::Sender<Command>,
+    open_timeout: Duration,
+}
+
+/// Deadlines of an [`Uplink`]. [`Default`] is what the edge uses:
+/// [`HANDSHAKE_TIMEOUT`] and [`OPEN_TIMEOUT`]; tests shorten them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UplinkOptions {
+    /// Longest wait for `Welcome` once the QUIC connection is up.
+    pub handshake_timeout: Duration,
+    /// Longest wait for the answer to a `CameraOpen`.
+    pub open_timeout: Duration,
+}
+
+impl Default for UplinkOptions {
+    fn default() -> Self {
+        UplinkOptions {
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+            open_timeout: OPEN_TIMEOUT,
+        }
+    }
+}
+
+/// Closes `conn` because the gateway did not answer in time, and says so.
+fn unresponsive(conn: &quinn::Connection, waiting_for: &str, after: Duration) -> UplinkError {
+    let err = UplinkError::Unresponsive {
+        waiting_for: waiting_for.to_string(),
+        after,
+        remote: conn.remote_address(),
+    };
+    // Code 0: not an error in anything the gateway sent (protocol §7.1).
+    let reason = format!("no answer to {waiting_for} within {after:?}");
+    conn.close(0u32.into(), reason.as_bytes());
+    err
 }
 
 impl std::fmt::Debug for Command {
@@ -128,13 +193,27 @@ impl Uplink {
     /// Connects to the gateway at `addr` (resolving a host name now, see
     /// [`tidegate_protocol::quic::dial_addr`]), trusting `ca`, and
     /// authenticates as `name`. Returns the uplink and the stream of results
-    /// and hints.
+    /// and hints. Uses [`UplinkOptions::default`].
     pub async fn connect(
         addr: &GatewayAddr,
         server_name: &str,
         ca: &Path,
         name: &str,
         token: &str,
+    ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
+        Self::connect_with(addr, server_name, ca, name, token, UplinkOptions::default()).await
+    }
+
+    /// [`Uplink::connect`] with explicit deadlines. A gateway that does not
+    /// answer `Hello` within `options.handshake_timeout` fails the connect
+    /// with [`UplinkError::Unresponsive`] (retryable), its connection closed.
+    pub async fn connect_with(
+        addr: &GatewayAddr,
+        server_name: &str,
+        ca: &Path,
+        name: &str,
+        token: &str,
+        options: UplinkOptions,
     ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
         let client = tidegate_protocol::quic::client_config(ca)?;
         let connect_err = |reason: String| UplinkError::Connect {
@@ -152,16 +231,19 @@ impl Uplink {
             name: name.to_string(),
             token: token.to_string(),
         };
-        let (send, recv, _welcome) =
-            handshake(&conn, hello, &Limits::default())
-                .await
-                .map_err(|e| match e {
-                    HandshakeError::Refused { code, message } => {
-                        UplinkError::Refused { code, message }
-                    }
-                    HandshakeError::Protocol(m) => UplinkError::Protocol(m),
-                    other => UplinkError::Lost(other.to_string()),
-                })?;
+        // The keep-alives hold the connection open while the gateway's QUIC
+        // stack answers, however long the gateway itself takes: bound it.
+        let answered = tokio::time::timeout(
+            options.handshake_timeout,
+            handshake(&conn, hello, &Limits::default()),
+        )
+        .await
+        .map_err(|_| unresponsive(&conn, "Hello with Welcome", options.handshake_timeout))?;
+        let (send, recv, _welcome) = answered.map_err(|e| match e {
+            HandshakeError::Refused { code, message } => UplinkError::Refused { code, message },
+            HandshakeError::Protocol(m) => UplinkError::Protocol(m),
+            other => UplinkError::Lost(other.to_string()),
+        })?;
 
         let (in_tx, in_rx) = mpsc::channel(INCOMING_QUEUE);
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
@@ -175,13 +257,17 @@ impl Uplink {
             Uplink {
                 conn,
                 commands: cmd_tx,
+                open_timeout: options.open_timeout,
             },
             in_rx,
         ))
     }
 
     /// Opens a camera and returns the gateway's answer: the input the model
-    /// expects and its class names.
+    /// expects and its class names. Without an answer within the open
+    /// timeout ([`OPEN_TIMEOUT`] by default) the connection is closed and
+    /// the open fails with [`UplinkError::Unresponsive`]: the answers that
+    /// should follow would wait behind the missing one.
     pub async fn open_camera(
         &self,
         camera: &str,
@@ -194,12 +280,22 @@ impl Uplink {
             model: model.to_string(),
             budget_ms,
         };
-        self.commands
-            .send(Command::Open(open, tx))
+        let opened = async {
+            self.commands
+                .send(Command::Open(open, tx))
+                .await
+                .map_err(|_| UplinkError::Lost("control stream closed".into()))?;
+            rx.await
+                .map_err(|_| UplinkError::Lost("control stream closed".into()))?
+        };
+        // A late answer, if one ever comes, goes to the dropped reply: the
+        // control task keeps answers matched to opens in order.
+        tokio::time::timeout(self.open_timeout, opened)
             .await
-            .map_err(|_| UplinkError::Lost("control stream closed".into()))?;
-        rx.await
-            .map_err(|_| UplinkError::Lost("control stream closed".into()))?
+            .unwrap_or_else(|_| {
+                let what = format!("CameraOpen for camera '{camera}'");
+                Err(unresponsive(&self.conn, &what, self.open_timeout))
+            })
     }
 
     /// Sends a frame on its own stream. Newer frames (higher `seq`) get a

@@ -3,7 +3,8 @@
 //! hints change the frame rate live, a dropped connection is redialled with
 //! every camera re-opened, and a malformed control stream or result stream
 //! is answered as protocol §7.3 says. The gateway is reached by IP address
-//! and by host name; a name that does not resolve is an error naming it.
+//! and by host name; a name that does not resolve is an error naming it. A
+//! gateway that is connected but never answers is given up on and closed.
 //! Every wait is bounded.
 
 use std::net::SocketAddr;
@@ -11,7 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tidegate_edge::uplink::{Incoming, LaneStats, Uplink, UplinkError};
+use tidegate_edge::uplink::{
+    HANDSHAKE_TIMEOUT, Incoming, LaneStats, Uplink, UplinkError, UplinkOptions,
+};
 use tidegate_protocol::quic::{read_message, write_message};
 use tidegate_protocol::{
     CameraAccepted, ColorOrder, ControlHint, DType, ErrorCode, Frame, FrameResult, GatewayAddr,
@@ -52,6 +55,10 @@ struct FakeGateway {
     closes: Arc<Mutex<Vec<quinn::ConnectionError>>>,
 }
 
+/// The model input side (square) a [`FakeGateway`] announces on its
+/// `n`th connection (1 for the first).
+type SideOf = fn(usize) -> u32;
+
 /// A test certificate and the server config that uses it.
 fn tls() -> (tempfile::TempDir, std::path::PathBuf, quinn::ServerConfig) {
     let dir = tempfile::tempdir().unwrap();
@@ -65,6 +72,12 @@ fn tls() -> (tempfile::TempDir, std::path::PathBuf, quinn::ServerConfig) {
 
 impl FakeGateway {
     fn start() -> FakeGateway {
+        FakeGateway::start_with(|_| 64)
+    }
+
+    /// A gateway that announces a `side(n)`×`side(n)` input on its `n`th
+    /// connection.
+    fn start_with(side: SideOf) -> FakeGateway {
         let (dir, ca, config) = tls();
         let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().unwrap()).unwrap();
         let gw = FakeGateway {
@@ -84,6 +97,7 @@ impl FakeGateway {
             hints: gw.hints.clone(),
             kick: gw.kick.clone(),
             poison: gw.poison.clone(),
+            side,
         };
         let closes = gw.closes.clone();
         tokio::spawn(async move {
@@ -131,6 +145,7 @@ struct Shared {
     hints: Arc<Mutex<Option<mpsc::UnboundedSender<ControlHint>>>>,
     kick: Arc<Notify>,
     poison: Arc<Notify>,
+    side: SideOf,
 }
 
 async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
@@ -140,6 +155,7 @@ async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
         hints,
         kick,
         poison,
+        side,
     } = shared;
     let limits = Limits::default();
     let Ok((mut send, mut recv)) = conn.accept_bi().await else {
@@ -182,8 +198,8 @@ async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
                         camera: o.camera,
                         model: o.model,
                         input: InputSpec {
-                            width: 64,
-                            height: 64,
+                            width: side(n),
+                            height: side(n),
                             channels: 3,
                             dtype: DType::U8,
                             layout: Layout::Nhwc,
@@ -288,6 +304,130 @@ impl ScriptedGateway {
             .unwrap();
         (up, incoming, side)
     }
+}
+
+/// A gateway whose QUIC stack is alive, so the edge's keep-alives hold the
+/// connection open, but which never answers: it reads `Hello` and (with
+/// `welcome`) sends `Welcome`, then reads on without a word. It reports how
+/// the connection ended.
+struct SilentGateway {
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+    ca: std::path::PathBuf,
+    closed: oneshot::Receiver<quinn::ConnectionError>,
+    _endpoint: quinn::Endpoint,
+}
+
+impl SilentGateway {
+    fn start(welcome: bool) -> SilentGateway {
+        let (dir, ca, config) = tls();
+        let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let (tx, closed) = oneshot::channel();
+        let ep = endpoint.clone();
+        tokio::spawn(async move {
+            let conn = ep.accept().await.unwrap().await.unwrap();
+            let (mut send, mut recv) = conn.accept_bi().await.unwrap();
+            let hello = read_message(&mut recv, &Limits::default()).await.unwrap();
+            assert!(matches!(hello, Some(Message::Hello(_))), "{hello:?}");
+            if welcome {
+                let welcome = Message::Welcome(Welcome {
+                    session: 1,
+                    heartbeat_ms: 1000,
+                });
+                write_message(&mut send, &welcome).await.unwrap();
+            }
+            // Read and ignore (a `CameraOpen`) until the edge gives up.
+            while let Ok(Some(_)) = read_message(&mut recv, &Limits::default()).await {}
+            let _ = tx.send(conn.closed().await);
+        });
+        SilentGateway {
+            addr: endpoint.local_addr().unwrap(),
+            _dir: dir,
+            ca,
+            closed,
+            _endpoint: endpoint,
+        }
+    }
+
+    /// How the edge ended the connection: a close with code 0 and a reason
+    /// that names what went unanswered.
+    async fn assert_closed_by_the_edge(self, unanswered: &str) {
+        let why = tokio::time::timeout(WAIT, self.closed)
+            .await
+            .expect("the edge closes the connection")
+            .unwrap();
+        match &why {
+            quinn::ConnectionError::ApplicationClosed(c) => {
+                assert_eq!(u64::from(c.error_code), 0, "{why:?}");
+                let reason = String::from_utf8_lossy(&c.reason);
+                assert!(reason.contains(unanswered), "{reason}");
+            }
+            other => panic!("closed with {other:?}"),
+        }
+    }
+}
+
+/// The gateway's QUIC stack answers the keep-alives, so the idle timeout
+/// never fires; only the edge's own deadline ends the wait for `Welcome`.
+/// The bound below is the deadline plus slack, not a measure of speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_never_welcomes_fails_the_connect_retryably_and_is_closed() {
+    let gw = SilentGateway::start(false);
+    let addr = GatewayAddr::from(gw.addr);
+    let connect = Uplink::connect(&addr, "localhost", &gw.ca, "edge-1", "t");
+    let err = tokio::time::timeout(HANDSHAKE_TIMEOUT + WAIT, connect)
+        .await
+        .expect("the connect gives up on a gateway that never answers Hello")
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            UplinkError::Unresponsive { waiting_for, after, remote }
+                if waiting_for.contains("Welcome") && *after == HANDSHAKE_TIMEOUT && *remote == gw.addr
+        ),
+        "{err:?}"
+    );
+    assert!(err.retryable(), "the node redials after {err}");
+    assert!(err.to_string().contains("did not answer"), "{err}");
+    gw.assert_closed_by_the_edge("Welcome").await;
+}
+
+/// Answers to `CameraOpen` come in order: one that never comes holds back
+/// every later one, so the edge closes the connection (its owner redials).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_camera_open_never_answered_fails_retryably_and_closes_the_connection() {
+    let gw = SilentGateway::start(true);
+    let options = UplinkOptions {
+        open_timeout: Duration::from_millis(300),
+        ..UplinkOptions::default()
+    };
+    let addr = GatewayAddr::from(gw.addr);
+    let connect = Uplink::connect_with(&addr, "localhost", &gw.ca, "edge-1", "t", options);
+    let (up, mut incoming) = tokio::time::timeout(WAIT, connect)
+        .await
+        .expect("the edge connects in time")
+        .expect("edge connects");
+    let err = tokio::time::timeout(WAIT, up.open_camera("door", "m", 80))
+        .await
+        .expect("the open gives up on a gateway that never answers it")
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            UplinkError::Unresponsive { waiting_for, after, .. }
+                if waiting_for.contains("CameraOpen") && waiting_for.contains("'door'")
+                    && *after == options.open_timeout
+        ),
+        "{err:?}"
+    );
+    assert!(err.retryable(), "{err}");
+    assert!(up.is_closed(), "the connection is closed for a redial");
+    // The owner (the node's link task) sees the end and redials.
+    let end = tokio::time::timeout(WAIT, incoming.recv())
+        .await
+        .expect("the incoming stream ends");
+    assert!(end.is_none(), "{end:?}");
+    gw.assert_closed_by_the_edge("CameraOpen").await;
 }
 
 fn result(seq: u64) -> FrameResult {
@@ -735,6 +875,71 @@ mod node {
         // the frames in flight when the connection dropped (2 at most) may
         // be read without the edge seeing the ack.
         assert!(cam.delivered >= 28, "{cam:?}");
+    }
+
+    /// The gateway announces 64×64 on the first connection and 32×32 on the
+    /// second: the edge starts a new capture at the new size, and the
+    /// camera's `seq` and counters go on from the old capture's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_input_on_reconnect_keeps_seq_increasing_and_counters_counting() {
+        let gw = FakeGateway::start_with(|n| if n == 1 { 64 } else { 32 });
+        let node = Node::start(&gw);
+        // Every counter the node publishes, checked against the one before.
+        let mut published = node.stats.clone();
+        let watcher = tokio::spawn(async move {
+            let mut last: Option<CameraSummary> = None;
+            let mut backwards = Vec::new();
+            while published.changed().await.is_ok() {
+                let Some(now) = published.borrow_and_update().first().cloned() else {
+                    continue;
+                };
+                if let Some(before) = &last {
+                    let pairs = [
+                        ("seen", before.seen, now.seen),
+                        ("passed", before.passed, now.passed),
+                        ("dropped_queue", before.dropped_queue, now.dropped_queue),
+                        ("restarts", before.restarts, now.restarts),
+                    ];
+                    for (what, was, is) in pairs {
+                        if is < was {
+                            backwards.push(format!("{what} {was} -> {is}"));
+                        }
+                    }
+                }
+                last = Some(now);
+            }
+            backwards
+        });
+        until(&gw, "frames on the first connection", |f| {
+            on_conn(f, 1) >= 5
+        })
+        .await;
+        gw.kick.notify_one();
+        until(&gw, "frames on the second connection", |f| {
+            on_conn(f, 2) >= 5
+        })
+        .await;
+        let frames = gw.frames();
+        let last_first = frames.iter().filter(|f| f.conn == 1).map(|f| f.seq).max();
+        let first_second = frames.iter().filter(|f| f.conn == 2).map(|f| f.seq).min();
+        assert!(
+            first_second > last_first,
+            "seq went back on the new input: {last_first:?} then {first_second:?}"
+        );
+        let summary = node.stop().await;
+        let backwards = tokio::time::timeout(WAIT, watcher)
+            .await
+            .expect("the node's counters end with it")
+            .unwrap();
+        assert!(
+            backwards.is_empty(),
+            "counters went backwards: {backwards:?}"
+        );
+        let cam = &summary.cameras[0];
+        // Every frame the gateway read passed the gate of one capture or the
+        // other, and the summary counts both.
+        let read = gw.frames().len() as u64;
+        assert!(cam.passed >= read, "{read} frames read: {cam:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

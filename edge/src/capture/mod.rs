@@ -468,6 +468,18 @@ impl Capture {
         self.shared.mailbox.dropped()
     }
 
+    /// Frames that passed the gate and wait in the queue, not yet read.
+    pub fn frames_queued(&self) -> u64 {
+        self.shared.mailbox.queued() as u64
+    }
+
+    /// Stops the pipeline now, as dropping it would, joining its streaming
+    /// threads (so it may block): no frame is produced after it returns,
+    /// and the counters are final. Dropping it later does nothing more.
+    fn halt(&self) {
+        stop(&self.pipeline, &self.spec.camera);
+    }
+
     /// Sequence number the next frame will get; pass it as
     /// [`CaptureOptions::first_seq`] when restarting the camera.
     pub fn next_seq(&self) -> u64 {

@@ -145,6 +145,11 @@ impl<T, E: Clone> Mailbox<T, E> {
     pub(crate) fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
     }
+
+    /// Items queued now, not yet delivered.
+    pub(crate) fn queued(&self) -> usize {
+        self.lock().queue.items.len()
+    }
 }
 
 #[cfg(test)]

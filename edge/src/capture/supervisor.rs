@@ -79,6 +79,20 @@ pub struct CaptureCounters {
     pub limits: Option<Limits>,
 }
 
+impl CaptureCounters {
+    /// Adds the counts of a later capture of the same camera (one that
+    /// replaced this one); its limits, the later ones, are kept.
+    pub fn accumulate(&mut self, later: &CaptureCounters) {
+        self.seen += later.seen;
+        self.passed += later.passed;
+        self.skipped_rate += later.skipped_rate;
+        self.skipped_static += later.skipped_static;
+        self.dropped_queue += later.dropped_queue;
+        self.restarts += later.restarts;
+        self.limits = later.limits.or(self.limits);
+    }
+}
+
 /// A [`Capture`] that restarts on failure. See the module docs.
 #[derive(Debug)]
 pub struct SupervisedCapture {
@@ -249,6 +263,46 @@ impl SupervisedCapture {
                 }
             }
         }
+    }
+
+    /// Stops the camera for good to hand over to a successor (a capture of
+    /// the same camera at another input size), and returns what carries
+    /// over: the counters summed over every capture so far, with the frames
+    /// still queued unread counted in `dropped_queue` (they are dropped
+    /// here), and the `seq` the successor starts at
+    /// ([`CaptureOptions::first_seq`]), so that `seq` keeps increasing.
+    ///
+    /// The pipeline is stopped on a blocking thread and awaited, so that
+    /// the counters are final. A start still in progress is abandoned as on
+    /// drop: it never delivered a frame.
+    pub async fn stop(mut self) -> (CaptureCounters, u64) {
+        drop(self.starting.take());
+        let Some(cap) = self.current.take() else {
+            return (self.counters(), self.next_seq);
+        };
+        let mut before = self.past;
+        add(&mut before, &cap);
+        let before = (before, cap.next_seq());
+        let past = self.past;
+        let stopped = tokio::task::spawn_blocking(move || {
+            cap.halt();
+            let mut c = past;
+            add(&mut c, &cap);
+            c.dropped_queue += cap.frames_queued();
+            (c, cap.next_seq())
+        })
+        .await;
+        let (mut counters, next_seq) = match stopped {
+            Ok(done) => done,
+            // Stopping panicked: the counters as of the stop are the best
+            // there is, and the seq it had reached.
+            Err(e) => {
+                tracing::warn!(camera = %self.spec.camera, "stopping the capture failed: {e}");
+                before
+            }
+        };
+        counters.limits = Some(self.limits);
+        (counters, next_seq)
     }
 
     fn schedule_restart(&mut self, why: &str) {
