@@ -30,6 +30,12 @@
 //! start-up time, because releasing a lease that will be needed sooner than
 //! a replacement could start saves nothing.
 //!
+//! A lease whose model has no [`ModelLoad`] in the observation (its model
+//! was removed from the configuration, or it has none recorded) serves no
+//! load: it is surplus as a whole, released by each policy's own rule (see
+//! `Autoscaler::release_orphans`), so it does not bill and count against
+//! the spend cap for ever.
+//!
 //! On a spot preemption notice: stop dispatching to the lease at once and
 //! acquire an on-demand replacement at once. Paid-block-aware then hands
 //! such on-demand leases back to spot: a start-up before an on-demand
@@ -405,6 +411,9 @@ pub struct Autoscaler {
     stopped: BTreeSet<LeaseId>,
     /// Reactive: when each lease became idle.
     idle_since: HashMap<LeaseId, Millis>,
+    /// Since when each lease whose model had no [`ModelLoad`] has been seen
+    /// so (see [`Autoscaler::release_orphans`]).
+    orphan_since: HashMap<LeaseId, Millis>,
     /// Hourly price of acquisitions made since the last observation (they
     /// are not in its lease list yet).
     pending_burn: Money,
@@ -429,6 +438,7 @@ impl Autoscaler {
             replaced: BTreeSet::new(),
             stopped: BTreeSet::new(),
             idle_since: HashMap::new(),
+            orphan_since: HashMap::new(),
             pending_burn: Money::ZERO,
         }
     }
@@ -571,8 +581,60 @@ impl Autoscaler {
             st.learner.observe(now, load.arrival_fps);
             self.scale_model(now, load, &mut burn, &mut budget, &mut actions);
         }
+        self.release_orphans(now, &obs.models, &mut actions);
         self.pending_burn = burn - self.burn();
         actions
+    }
+
+    /// Scale-down of the leases whose model has no [`ModelLoad`] in this
+    /// observation: the model was removed from (or renamed in) the
+    /// configuration while its leases were kept and adopted, or the lease
+    /// has no model recorded (a ledger from before models were). No load
+    /// needs them, so each is surplus as a whole, released by the policy's
+    /// own rule: `paid-block-aware` within `release_window` of its paid
+    /// block's end (an hourly one not with less than `release_lead` left);
+    /// `tidal` once it has been surplus for `surplus_hold`;
+    /// `reactive-idle-timeout` once it has been idle (it gets no frames)
+    /// for `idle_timeout`; `static-peak`, whose fleet is sized per model,
+    /// has no fleet for such a model and releases them at once. A reserved
+    /// lease is kept only while a floor names its model.
+    fn release_orphans(&mut self, now: Millis, models: &[ModelLoad], actions: &mut Vec<Action>) {
+        let observed: BTreeSet<&str> = models.iter().map(|m| m.model.as_str()).collect();
+        let floors: BTreeSet<&str> = self.cfg.reserved.iter().map(|f| f.model.as_str()).collect();
+        let mut orphans: Vec<&LeaseView> = self
+            .leases
+            .values()
+            .filter(|l| !observed.contains(l.model.as_str()))
+            .filter(|l| l.state != LeaseState::Draining && !self.stopped.contains(&l.id))
+            .filter(|l| !(l.tier == Tier::Reserved && floors.contains(l.model.as_str())))
+            .collect();
+        orphans.sort_by_key(|l| l.id);
+        self.orphan_since
+            .retain(|id, _| orphans.iter().any(|l| l.id == *id));
+        let hold = match self.cfg.policy {
+            PolicyName::StaticPeak => Some(0),
+            PolicyName::ReactiveIdleTimeout => Some(self.cfg.idle_timeout_ms),
+            PolicyName::Tidal => Some(self.cfg.surplus_hold_ms),
+            PolicyName::PaidBlockAware => None,
+        };
+        for l in orphans {
+            let release = match hold {
+                Some(hold) => {
+                    let since = *self.orphan_since.entry(l.id).or_insert(now);
+                    now >= since.saturating_add(hold)
+                }
+                None => {
+                    let left = l.paid_until(now).saturating_sub(now);
+                    left <= self.cfg.release_window_ms
+                        && !(l.granularity == Granularity::Hour && left < self.cfg.release_lead_ms)
+                }
+            };
+            if release {
+                tracing::info!(lease = %l.id, model = %l.model, "releasing a lease of a model with no load observed");
+                self.orphan_since.remove(&l.id);
+                actions.push(Action::Release { lease: l.id });
+            }
+        }
     }
 
     fn scale_model(
@@ -888,12 +950,13 @@ impl Autoscaler {
 
 /// Least-squares slope (fps per ms) of the rate over the last
 /// [`TREND_MS`]; a fit rather than two points, so per-minute noise does
-/// not read as a ramp.
+/// not read as a ramp. Points later than `now` (the wall clock stepped
+/// back) are not part of the last [`TREND_MS`] and are left out.
 fn trend(history: &VecDeque<(Millis, f64)>, now: Millis) -> f64 {
     let pts: Vec<(f64, f64)> = history
         .iter()
-        .filter(|(t, _)| *t + TREND_MS >= now)
-        .map(|(t, r)| ((now - t) as f64, *r))
+        .filter(|(t, _)| *t <= now && *t + TREND_MS >= now)
+        .map(|(t, r)| (now.saturating_sub(*t) as f64, *r))
         .collect();
     if pts.len() < 3 {
         return 0.0;
@@ -1269,6 +1332,118 @@ mod tests {
         // 32 does not fit 30 ms; 16 / 20 ms = 800 fps is the best
         assert_eq!(throughput_from_profile(&profile, 30_000), 800.0);
         assert_eq!(throughput_from_profile(&profile, 3_000), 0.0);
+    }
+
+    fn of_model(model: &str, v: LeaseView) -> LeaseView {
+        LeaseView {
+            model: model.into(),
+            ..v
+        }
+    }
+
+    #[test]
+    fn paid_block_aware_releases_leases_of_an_unobserved_model_at_their_block_end() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let leases = vec![
+            // needed by model m (50 fps on a 100 fps lease)
+            view(1, Tier::Spot, 0, LeaseState::Ready),
+            // a model removed from the configuration, adopted after a restart
+            of_model("renamed", view(2, Tier::Spot, 0, LeaseState::Ready)),
+            // migrated from a ledger with no model column: model ""
+            of_model("", view(3, Tier::OnDemand, 10 * 60_000, LeaseState::Ready)),
+        ];
+        let tick = || {
+            Event::Tick(Observation {
+                models: vec![load(50.0)],
+                leases: leases.clone(),
+            })
+        };
+        // mid-block, both are paid for: kept
+        let acts = a.on_event(30 * 60_000, tick());
+        assert!(acts.is_empty(), "{acts:?}");
+        // within the release window of lease 2's block end (60 min)
+        let acts = a.on_event(58 * 60_000, tick());
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(2) }]);
+        // and of lease 3's (70 min); lease 1 serves m and stays
+        let acts = a.on_event(68 * 60_000, tick());
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(3) }]);
+    }
+
+    #[test]
+    fn every_policy_releases_leases_of_an_unobserved_model_by_its_own_rule() {
+        let orphan = || of_model("gone", view(7, Tier::OnDemand, 0, LeaseState::Ready));
+        let tick = |l: Vec<LeaseView>| {
+            Event::Tick(Observation {
+                models: vec![load(0.0)],
+                leases: l,
+            })
+        };
+        // (policy, the last minute after it is first seen that keeps it,
+        // None: kept by none); one tick a minute
+        for (policy, keep_until) in [
+            (PolicyName::StaticPeak, None),
+            (PolicyName::Tidal, Some(60_000)),
+            (PolicyName::ReactiveIdleTimeout, Some(4 * 60_000)),
+        ] {
+            let mut a = Autoscaler::new(cfg(policy), Catalog::default_catalog());
+            let mut released_at = None;
+            for minute in 0..10u64 {
+                let now = 10 * 60_000 + minute * 60_000;
+                let acts = a.on_event(now, tick(vec![orphan()]));
+                if acts.contains(&Action::Release { lease: LeaseId(7) }) {
+                    released_at = Some(now - 10 * 60_000);
+                    break;
+                }
+            }
+            let expected = keep_until.map_or(0, |k| k + 60_000);
+            assert_eq!(released_at, Some(expected), "{policy}");
+        }
+        // a reserved lease is kept while a floor names its model, and goes
+        // once none does
+        let reserved = || of_model("gone", view(8, Tier::Reserved, 0, LeaseState::Ready));
+        let mut c = cfg(PolicyName::Tidal);
+        c.reserved.push(ReservedFloor {
+            model: "gone".into(),
+            instance_type: "a100".into(),
+            count: 1,
+        });
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        for minute in 0..10u64 {
+            let acts = a.on_event(minute * 60_000, tick(vec![reserved()]));
+            assert!(acts.is_empty(), "{acts:?}");
+        }
+        let mut a = Autoscaler::new(cfg(PolicyName::Tidal), Catalog::default_catalog());
+        assert!(a.on_event(0, tick(vec![reserved()])).is_empty());
+        assert_eq!(
+            a.on_event(2 * 60_000, tick(vec![reserved()])),
+            vec![Action::Release { lease: LeaseId(8) }]
+        );
+    }
+
+    #[test]
+    fn a_wall_clock_step_back_neither_panics_nor_reads_later_points_as_a_trend() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let lease = vec![view(1, Tier::Spot, 0, LeaseState::Ready)];
+        let tick = |fps: f64| {
+            Event::Tick(Observation {
+                models: vec![load(fps)],
+                leases: lease.clone(),
+            })
+        };
+        // a steep ramp observed at 20..23 min
+        for (minute, fps) in [(20, 40.0), (21, 60.0), (22, 80.0), (23, 100.0)] {
+            a.on_event(minute * 60_000, tick(fps));
+        }
+        // the clock steps back 15 minutes: those points lie in the future
+        // and are no trend; 100 fps fits the one lease
+        let acts = a.on_event(8 * 60_000, tick(100.0));
+        assert_eq!(acquires(&acts), 0, "{acts:?}");
+        let mut h = VecDeque::new();
+        for (t, r) in [(600_000, 1.0), (660_000, 2.0), (720_000, 3.0)] {
+            h.push_back((t, r));
+        }
+        assert_eq!(trend(&h, 300_000), 0.0);
+        assert!(trend(&h, 720_000) > 0.0);
     }
 
     #[test]

@@ -435,7 +435,10 @@ impl Ledger {
         )
         .map_err(sql("mark ended"))?;
         let rec = read_lease(&tx, id)?;
-        let added = accrue_lease(&tx, &rec, at)?;
+        // charged up to its end, which is never before its billing start:
+        // a lease ended before (by this clock) its billing start still owes
+        // its first block, and accrue() skips it once it has ended
+        let added = accrue_lease(&tx, &rec, rec.ended_at.unwrap_or(at))?;
         tx.commit().map_err(sql("commit end"))?;
         Ok(added)
     }
@@ -911,5 +914,36 @@ mod tests {
         // and once more: nothing to migrate, nothing lost
         let l = Ledger::open(&path).unwrap();
         assert_eq!(l.lease(LeaseId(1)).unwrap().unwrap().cost, Money(7_700_000));
+    }
+
+    #[test]
+    fn a_lease_ended_before_its_billing_start_is_charged_its_first_block() {
+        let catalog = crate::catalog::Catalog::default_catalog();
+        let mut l = Ledger::open_in_memory().unwrap();
+        let id = l
+            .insert_requested(&NewLease {
+                provider: "process",
+                model: Some("m"),
+                instance: catalog.get("a100").unwrap(),
+                tier: Tier::Spot,
+                currency: &catalog.currency,
+                requested_at: 1_000,
+                token: None,
+            })
+            .unwrap();
+        // the provider's billing start is ahead of the clock that ends it
+        l.mark_starting(id, 10_000, None, None).unwrap();
+        let block = Money(7_700_000);
+        assert_eq!(l.mark_ended(id, 5_000, EndReason::Lost).unwrap(), block);
+        let r = l.lease(id).unwrap().unwrap();
+        assert_eq!(r.ended_at, Some(10_000));
+        assert_eq!(r.cost, block);
+        // nothing more later, and the ledger agrees with its recomputation
+        assert_eq!(l.accrue(HOUR_MS * 3).unwrap(), Money::ZERO);
+        assert_eq!(l.accrued_cost(0, HOUR_MS * 3).unwrap(), block);
+        assert_eq!(
+            l.recompute_cost(0, HOUR_MS * 3, HOUR_MS * 3).unwrap(),
+            block
+        );
     }
 }

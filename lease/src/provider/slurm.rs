@@ -449,6 +449,9 @@ pub struct JobWatch {
     pub noticed: bool,
     /// Polls in a row it was missing from `squeue`.
     pub misses: u32,
+    /// It was requeued and is being cancelled: every poll that still
+    /// shows it live cancels it again, until Slurm reports it ended.
+    pub cancelling: bool,
 }
 
 /// What one poll means for a job.
@@ -461,7 +464,9 @@ pub enum Step {
         /// When Slurm kills it (ms since epoch).
         deadline: Millis,
     },
-    /// Preempted and requeued: cancel it, then it ended as preempted.
+    /// Preempted and requeued: cancel it; once `scancel` succeeds it
+    /// ended as preempted. If `scancel` fails the watch stays, and the next
+    /// poll that shows the job live says `CancelRequeued` again.
     CancelRequeued {
         /// The notice to send first, if no poll saw the preemption coming.
         late_notice: Option<Millis>,
@@ -488,6 +493,7 @@ impl JobWatch {
             ran,
             noticed: false,
             misses: 0,
+            cancelling: false,
         }
     }
 
@@ -511,6 +517,11 @@ impl JobWatch {
         let notice_ms = Millis::try_from(notice.as_millis()).unwrap_or(Millis::MAX);
         let deadline = info.preempt_time.unwrap_or(now).saturating_add(notice_ms);
         let late_notice = (preempted && !self.noticed).then_some(deadline);
+        if self.cancelling && !matches!(info.state, JobState::Ended(_)) {
+            // a cancel that failed: try again, even if Slurm started it
+            // once more meanwhile; its notice was sent the first time
+            return Step::CancelRequeued { late_notice: None };
+        }
         match &info.state {
             JobState::Ended(state) => Step::Ended {
                 reason: self.end_reason(preempted),
@@ -523,6 +534,8 @@ impl JobWatch {
             JobState::Pending if self.ran || self.noticed || preempted => {
                 // requeued after preemption (or after a node failure): a
                 // lease is one run, and its worker is gone
+                self.cancelling = true;
+                self.noticed |= late_notice.is_some();
                 Step::CancelRequeued { late_notice }
             }
             JobState::Pending | JobState::Configuring => Step::Nothing,
@@ -541,7 +554,7 @@ impl JobWatch {
     }
 
     fn end_reason(&self, preempted: bool) -> EndReason {
-        if preempted || self.noticed {
+        if preempted || self.noticed || self.cancelling {
             EndReason::Preempted
         } else if self.ran {
             EndReason::Lost
@@ -1168,13 +1181,17 @@ async fn poll_once(
                 notice_first(Some(deadline), &mut out);
             }
             Step::CancelRequeued { late_notice } => {
+                // the notice first: the worker is gone either way
+                notice_first(late_notice, &mut out);
                 let r = tools
                     .run(Some(lease), "scancel", &[job.to_string()], None, &[])
                     .await;
                 if let Err(e) = r {
-                    tracing::warn!(%lease, %job, error = %e, "cancelling a requeued job");
+                    // Slurm may start it again: keep it held and watched,
+                    // and cancel again at the next poll (or see it end)
+                    tracing::warn!(%lease, %job, error = %e, "cancelling a requeued job failed; retrying at the next poll");
+                    continue;
                 }
-                notice_first(late_notice, &mut out);
                 ended.push(lease);
                 out.push(ProviderEvent::Ended {
                     lease,
@@ -1404,6 +1421,126 @@ mod tests {
                 late_notice: Some(34_000)
             }
         );
+    }
+
+    #[test]
+    fn a_requeued_job_is_cancelled_again_until_slurm_reports_it_ended() {
+        let mut w = JobWatch::new(LeaseId(1), JobId(7), true);
+        let late = Step::CancelRequeued {
+            late_notice: Some(34_000),
+        };
+        let again = Step::CancelRequeued { late_notice: None };
+        assert_eq!(
+            w.observe(Some(&info("PENDING", Some(4000))), 9000, NOTICE),
+            late
+        );
+        // the scancel failed: the next polls cancel again, the notice once
+        assert_eq!(
+            w.observe(Some(&info("PENDING", Some(4000))), 10_000, NOTICE),
+            again
+        );
+        // Slurm started the requeued job meanwhile: still cancelled
+        assert_eq!(
+            w.observe(Some(&info("RUNNING", None)), 11_000, NOTICE),
+            again
+        );
+        match w.observe(Some(&info("CANCELLED", None)), 12_000, NOTICE) {
+            Step::Ended {
+                reason,
+                late_notice,
+                ..
+            } => {
+                assert_eq!(reason, EndReason::Preempted);
+                assert_eq!(late_notice, None);
+            }
+            other => panic!("{other:?}"),
+        }
+        // requeued after a node failure (no preemption), gone from squeue
+        let mut w = JobWatch::new(LeaseId(1), JobId(7), true);
+        assert_eq!(w.observe(Some(&info("PENDING", None)), 0, NOTICE), again);
+        assert_eq!(w.observe(None, 0, NOTICE), Step::Nothing);
+        match w.observe(None, 0, NOTICE) {
+            Step::Ended { reason, .. } => assert_eq!(reason, EndReason::Preempted),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Points the provider's `scancel` at `true` or `false` (a symlink:
+    /// nothing is written that a forked child could hold open).
+    fn fake_scancel(dir: &std::path::Path, works: bool) {
+        let target = ["/bin", "/usr/bin"]
+            .iter()
+            .map(|d| std::path::Path::new(d).join(if works { "true" } else { "false" }))
+            .find(|p| p.exists())
+            .expect("true and false are installed");
+        let link = dir.join("scancel");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(target, link).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_requeued_job_whose_scancel_fails_stays_held_and_watched() {
+        let dir = tempfile::tempdir().unwrap();
+        let tools = Tools {
+            bin_dir: Some(dir.path().to_path_buf()),
+            slurm_conf: None,
+        };
+        let lease = LeaseId(1);
+        let mut watches = HashMap::from([(lease, JobWatch::new(lease, JobId(7), true))]);
+        let held = HeldJobs::default();
+        lock(&held).insert(lease, JobId(7));
+        let (tx, mut rx) = mpsc::channel(16);
+        let requeued = [info("PENDING", Some(4000))];
+        let releasing = HashSet::new();
+
+        fake_scancel(dir.path(), false);
+        assert!(
+            poll_once(
+                &tools,
+                &mut watches,
+                &releasing,
+                &requeued,
+                NOTICE,
+                &tx,
+                &held
+            )
+            .await
+        );
+        // the notice goes out (its worker is gone), but the lease does not end
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(ProviderEvent::PreemptionNotice { lease: l, deadline: 34_000 }) if l == lease
+        ));
+        assert!(rx.try_recv().is_err());
+        assert!(watches.contains_key(&lease));
+        assert_eq!(lock(&held).get(&lease), Some(&JobId(7)));
+
+        // the next poll cancels again; this time it works, and it ends
+        fake_scancel(dir.path(), true);
+        assert!(
+            poll_once(
+                &tools,
+                &mut watches,
+                &releasing,
+                &requeued,
+                NOTICE,
+                &tx,
+                &held
+            )
+            .await
+        );
+        match rx.try_recv() {
+            Ok(ProviderEvent::Ended {
+                lease: l, reason, ..
+            }) => {
+                assert_eq!(l, lease);
+                assert_eq!(reason, EndReason::Preempted);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(rx.try_recv().is_err());
+        assert!(watches.is_empty());
+        assert!(lock(&held).is_empty());
     }
 
     #[test]
