@@ -67,6 +67,15 @@ async fn one_running(
     let events = p.take_events().unwrap();
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     wait_for("the worker", || context(kube), || env_of(out, 1).is_some()).await;
+    // The kubelet reports the container running a moment after it has
+    // started it: a pod killed before that never ran as far as the API
+    // says, and its lease would end `failed`, not `lost`.
+    wait_for(
+        "the pod running",
+        || context(kube),
+        || kube.pods(NS).iter().any(|p| phase(p) == "Running"),
+    )
+    .await;
     (p, events)
 }
 
