@@ -318,6 +318,10 @@ pub struct SchedulerConfig {
     /// Fraction of a window's frames lost to overload that lowers the rate.
     #[serde(default = "default_hint_shed_ratio")]
     pub hint_shed_ratio: f64,
+    /// How long past its expected end a worker's running batch may go
+    /// unanswered before the worker counts as stalled and is dropped (ms).
+    #[serde(default = "default_stall_timeout_ms")]
+    pub stall_timeout_ms: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -330,8 +334,13 @@ impl Default for SchedulerConfig {
             hints: true,
             hint_window_ms: default_hint_window_ms(),
             hint_shed_ratio: default_hint_shed_ratio(),
+            stall_timeout_ms: default_stall_timeout_ms(),
         }
     }
+}
+
+fn default_stall_timeout_ms() -> u32 {
+    10_000
 }
 
 fn default_pipeline_depth() -> usize {
@@ -480,6 +489,12 @@ impl Config {
             return Err(ConfigError::Invalid(format!(
                 "scheduler.pipeline_depth = {} must be 1..=4",
                 self.scheduler.pipeline_depth
+            )));
+        }
+        if self.scheduler.stall_timeout_ms < 1000 {
+            return Err(ConfigError::Invalid(format!(
+                "scheduler.stall_timeout_ms = {} would drop workers over a slow batch; use at least 1000",
+                self.scheduler.stall_timeout_ms
             )));
         }
         if self.scheduler.hint_window_ms < 100 {

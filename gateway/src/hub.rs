@@ -947,6 +947,21 @@ impl State {
                     self.lose_worker(worker);
                 }
             }
+            Action::DropWorker { worker, reason } => {
+                // The scheduler has already re-homed or failed its frames.
+                // Dropping its entry drops its dispatch channel, which ends
+                // the connection's writer and so the connection.
+                let name = self
+                    .workers
+                    .get(&worker)
+                    .map(|w| w.register.worker.clone())
+                    .unwrap_or_default();
+                tracing::warn!(worker = worker.0, %name, "{reason}; dropping it");
+                self.metrics.workers_stalled.inc();
+                self.workers.remove(&worker);
+                self.last_done.remove(&worker);
+                self.started.retain(|_, (w, _, _)| *w != worker);
+            }
             Action::Complete {
                 frame,
                 status,
@@ -1308,6 +1323,39 @@ mod tests {
             timings: Timings::default(),
             outputs: Vec::new(),
         }
+    }
+
+    /// A worker that takes a batch and never answers (a hung GPU) while
+    /// its connection lives: once the batch is the stall timeout past due,
+    /// its frame ends `failed: worker stalled`, its dispatch channel is
+    /// closed (which closes the connection) and the drop is counted.
+    #[tokio::test]
+    async fn a_stalled_worker_is_dropped_and_its_frame_ends() {
+        let metrics = Metrics::new();
+        let cancel = CancellationToken::new();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let limits = Limits {
+            stall_us: 300_000,
+            ..Limits::default()
+        };
+        let hub = spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
+        let mut batches = connect_worker(&hub, None).await;
+        let mut answers = connect_edge(&hub).await;
+        send_frame(&hub, 1, 5_000).await;
+        let d = recv(&mut batches).await;
+        assert_eq!(d.items.len(), 1);
+        let r = recv(&mut answers).await;
+        assert_eq!(r.status, Status::Failed("worker stalled".into()));
+        let closed = tokio::time::timeout(Duration::from_secs(2), batches.recv()).await;
+        assert!(
+            matches!(closed, Ok(None)),
+            "dispatch channel closed: {closed:?}"
+        );
+        assert_eq!(metrics.workers_stalled.get(), 1);
+        // Its late answer changes nothing; the hub goes on.
+        answer(&hub, &d, ok_item).await;
+        assert!(hub.snapshot().await.unwrap().workers.is_empty());
+        cancel.cancel();
     }
 
     #[tokio::test]

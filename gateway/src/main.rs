@@ -194,6 +194,7 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
         max_queued: cfg.scheduler.max_queued,
         max_queued_per_edge: cfg.scheduler.max_queued_per_edge,
         pipeline_depth: cfg.scheduler.pipeline_depth,
+        stall_us: u64::from(cfg.scheduler.stall_timeout_ms) * 1000,
         ..scheduler::Limits::default()
     };
     let hints = cfg

@@ -39,6 +39,9 @@ pub struct Metrics {
     /// `tidegate_results_undeliverable_total`: results whose edge had gone,
     /// or had stopped taking them (its queue full).
     pub undeliverable: IntCounter,
+    /// `tidegate_workers_stalled_total`: workers dropped because a batch
+    /// went unanswered long past when it was due.
+    pub workers_stalled: IntCounter,
     /// `tidegate_hints_total{direction}`: frame-rate hints sent to cameras,
     /// `set` (a cap, lowered or raised) or `lift`.
     pub hints: IntCounterVec,
@@ -132,6 +135,11 @@ impl Metrics {
                     "Frames refused before admission (malformed, unknown camera).",
                 ),
                 &["reason"],
+            )
+            .expect("valid counter"),
+            workers_stalled: IntCounter::new(
+                "tidegate_workers_stalled_total",
+                "Workers dropped because a batch went unanswered long past when it was due (a hung GPU or runtime).",
             )
             .expect("valid counter"),
             undeliverable: IntCounter::new(
@@ -253,6 +261,7 @@ impl Metrics {
             Box::new(self.edges_connected.clone()),
             Box::new(self.rejected.clone()),
             Box::new(self.undeliverable.clone()),
+            Box::new(self.workers_stalled.clone()),
             Box::new(self.hints.clone()),
             Box::new(self.leases.clone()),
             Box::new(self.cost_total.clone()),
@@ -322,6 +331,6 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 22 + 4 * 2, "{names:?}");
+        assert_eq!(names.len(), 23 + 4 * 2, "{names:?}");
     }
 }

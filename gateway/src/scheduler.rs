@@ -30,7 +30,12 @@
 //!   never wait; the batch is always cut so that its earliest deadline
 //!   holds; up to `Limits::pipeline_depth` batches are in flight per worker;
 //! - a lost worker's in-flight frames are queued again if their deadline
-//!   allows, otherwise they fail with `worker lost`.
+//!   allows, otherwise they fail with `worker lost`;
+//! - a worker whose running batch is `Limits::stall_us` past when its
+//!   profile said it would be done is stalled (a hung GPU or runtime, while
+//!   its connection and heartbeats go on): it is dropped
+//!   ([`Action::DropWorker`]) and its frames are handled as a lost worker's,
+//!   failing with `worker stalled`, so that no frame waits for ever.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -133,6 +138,15 @@ pub enum Action {
         /// Frames, earliest deadline first.
         frames: Vec<FrameId>,
     },
+    /// The worker is stalled: close its connection. Its frames are
+    /// already re-homed or failed, and it is no longer scheduled; a late
+    /// result from it is ignored.
+    DropWorker {
+        /// The worker.
+        worker: WorkerId,
+        /// Why, for the log.
+        reason: String,
+    },
     /// The frame is finished: send this result to its edge.
     Complete {
         /// The frame.
@@ -191,6 +205,9 @@ pub struct Limits {
     /// Batches sent to a worker before the previous ones return: 2 hides the
     /// gateway ↔ worker round trip behind the batch that is running.
     pub pipeline_depth: usize,
+    /// How long past its expected end a running batch may go unanswered
+    /// before its worker counts as stalled and is dropped (µs).
+    pub stall_us: Micros,
 }
 
 /// Time constant of the arrival-rate estimate (µs).
@@ -222,6 +239,7 @@ impl Default for Limits {
             max_queued_per_edge: 256,
             default_latency_us: 20_000,
             pipeline_depth: 2,
+            stall_us: 10_000_000,
         }
     }
 }
@@ -467,6 +485,7 @@ impl Scheduler {
             .values()
             .filter_map(|q| q.first().map(|(d, _)| *d))
             .chain(self.hold_until)
+            .chain(self.workers.values().filter_map(|w| self.stalled_at(w)))
             .min()
     }
 
@@ -520,9 +539,10 @@ impl Scheduler {
                     w.draining = true;
                 }
             }
-            Event::WorkerLost { worker } => self.lose(now, worker, &mut out),
+            Event::WorkerLost { worker } => self.lose(now, worker, "worker lost", &mut out),
             Event::Tick => {}
         }
+        self.drop_stalled(now, &mut out);
         self.expire(now, &mut out);
         self.dispatch(now, &mut out);
         out
@@ -907,7 +927,33 @@ impl Scheduler {
         }
     }
 
-    fn lose(&mut self, now: Micros, worker: WorkerId, out: &mut Vec<Action>) {
+    /// When `w` counts as stalled if its running batch is still unanswered.
+    fn stalled_at(&self, w: &Worker) -> Option<Micros> {
+        w.running
+            .first()
+            .map(|r| r.done_at.saturating_add(self.limits.stall_us))
+    }
+
+    fn drop_stalled(&mut self, now: Micros, out: &mut Vec<Action>) {
+        let mut stalled: Vec<(WorkerId, BatchId, Micros)> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| self.stalled_at(w).is_some_and(|at| at <= now))
+            .filter_map(|(id, w)| w.running.first().map(|r| (*id, r.batch, r.done_at)))
+            .collect();
+        stalled.sort_unstable();
+        for (worker, batch, due) in stalled {
+            let reason = format!(
+                "batch {} unanswered {} ms after it was due; the worker is stalled",
+                batch.0,
+                now.saturating_sub(due) / 1000
+            );
+            out.push(Action::DropWorker { worker, reason });
+            self.lose(now, worker, "worker stalled", out);
+        }
+    }
+
+    fn lose(&mut self, now: Micros, worker: WorkerId, why: &str, out: &mut Vec<Action>) {
         self.workers.remove(&worker);
         let lost: Vec<BatchId> = self
             .batches
@@ -937,7 +983,7 @@ impl Scheduler {
                 self.counters.requeued += 1;
                 self.enqueue(q);
             } else {
-                self.complete(now, &q, Status::Failed("worker lost".into()), out);
+                self.complete(now, &q, Status::Failed(why.into()), out);
             }
         }
     }
@@ -1130,6 +1176,111 @@ mod tests {
         assert_eq!(completes(&a), vec![(1, Status::Expired)]);
         assert!(s.counters().balanced());
         assert_eq!(s.counters().in_flight(), 0);
+    }
+
+    fn drops(actions: &[Action]) -> Vec<u64> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::DropWorker { worker, .. } => Some(worker.0),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A worker that stops answering while its connection lives (a hung
+    /// GPU): once its running batch is `stall_us` past due, it is dropped
+    /// and its frames fail, or go to another worker if their deadline
+    /// still allows; its late answer changes nothing.
+    #[test]
+    fn a_worker_that_never_answers_is_dropped_and_its_frames_do_not_wait_for_ever() {
+        let limits = Limits {
+            stall_us: 1_000_000,
+            ..one_deep()
+        };
+        let mut s = Scheduler::new(limits);
+        s.on_event(0, worker(1, 1, 5_000));
+        s.on_event(0, frame(1, "a", 80_000));
+        s.on_event(0, worker(2, 1, 5_000));
+        // A frame with a long budget: still possible after the stall.
+        assert_eq!(
+            dispatches(&s.on_event(0, frame(2, "b", 10_000_000))),
+            vec![vec![2]]
+        );
+        // Frame 1 is on worker 1 (due at 5 ms), frame 2 on worker 2; worker
+        // 2 answers, worker 1 never does.
+        let batch2 = BatchId(2);
+        s.on_event(
+            5_000,
+            Event::BatchFinished {
+                worker: WorkerId(2),
+                batch: batch2,
+                outcomes: vec![(FrameId(2), Status::Ok)],
+                latency_us: 5_000,
+            },
+        );
+        assert_eq!(s.next_wakeup(), Some(1_005_000));
+        let a = s.on_event(1_004_999, Event::Tick);
+        assert!(a.is_empty(), "{a:?}");
+        let a = s.on_event(1_005_000, Event::Tick);
+        assert_eq!(drops(&a), vec![1]);
+        assert_eq!(
+            completes(&a),
+            vec![(1, Status::Failed("worker stalled".into()))]
+        );
+        assert_eq!(s.worker_counts(), (1, 0));
+        // A long-budget frame on a stalled worker goes to the other one.
+        assert_eq!(
+            dispatches(&s.on_event(1_006_000, frame(3, "c", 10_000_000))),
+            vec![vec![3]]
+        );
+        let a = s.on_event(
+            1_006_000,
+            Event::BatchFinished {
+                worker: WorkerId(2),
+                batch: BatchId(3),
+                outcomes: vec![(FrameId(3), Status::Ok)],
+                latency_us: 5_000,
+            },
+        );
+        assert_eq!(completes(&a), vec![(3, Status::Ok)]);
+        // Worker 1's answer, late: ignored.
+        let a = s.on_event(
+            1_100_000,
+            Event::BatchFinished {
+                worker: WorkerId(1),
+                batch: BatchId(1),
+                outcomes: vec![(FrameId(1), Status::Ok)],
+                latency_us: 5_000,
+            },
+        );
+        assert!(completes(&a).is_empty());
+        assert!(s.counters().balanced());
+        assert_eq!(s.counters().in_flight(), 0);
+        assert_eq!(s.counters().failed, 1);
+        assert_eq!(s.next_wakeup(), None);
+    }
+
+    /// A frame of a stalled worker whose deadline allows is queued again.
+    #[test]
+    fn a_stalled_workers_frame_with_time_left_is_queued_again() {
+        let limits = Limits {
+            stall_us: 1_000_000,
+            ..one_deep()
+        };
+        let mut s = Scheduler::new(limits);
+        s.on_event(0, worker(1, 1, 5_000));
+        assert_eq!(
+            dispatches(&s.on_event(0, frame(1, "a", 10_000_000))),
+            vec![vec![1]]
+        );
+        s.on_event(500_000, worker(2, 1, 5_000));
+        let a = s.on_event(1_005_000, Event::Tick);
+        assert_eq!(drops(&a), vec![1]);
+        assert!(completes(&a).is_empty(), "{a:?}");
+        assert_eq!(dispatches(&a), vec![vec![1]], "re-homed on worker 2");
+        assert_eq!(s.counters().requeued, 1);
+        assert!(s.counters().balanced());
     }
 
     /// Two frames of one camera in two batches on one worker (pipeline

@@ -1,6 +1,7 @@
 //! Property tests of the pure scheduler over random event sequences on the
 //! injected clock: arrivals, worker joins and losses, batch completions,
-//! drains, ticks and clock jumps.
+//! drains, ticks and clock jumps (which also stall workers: a batch long
+//! past due drops its worker, whose late answers must change nothing).
 
 use std::collections::{HashMap, HashSet};
 
@@ -67,6 +68,8 @@ struct World {
     workers: Vec<WorkerId>,
     /// Workers told to drain: they must get no new batch.
     draining: HashSet<WorkerId>,
+    /// Workers the scheduler dropped as stalled: no batch ever again.
+    dropped: HashSet<WorkerId>,
     /// Outstanding batches: (worker, batch, frames).
     batches: Vec<(WorkerId, BatchId, Vec<FrameId>)>,
 }
@@ -86,6 +89,10 @@ impl World {
                         !self.draining.contains(&worker),
                         "dispatched to a draining worker"
                     );
+                    prop_assert!(
+                        !self.dropped.contains(&worker),
+                        "dispatched to a dropped worker"
+                    );
                     let ds: Vec<Micros> = frames.iter().map(|f| self.deadlines[f]).collect();
                     prop_assert!(
                         ds.windows(2).all(|w| w[0] <= w[1]),
@@ -100,6 +107,13 @@ impl World {
                         );
                     }
                     self.batches.push((worker, batch, frames));
+                }
+                Action::DropWorker { worker, .. } => {
+                    prop_assert!(self.workers.contains(&worker), "dropped an unknown worker");
+                    prop_assert!(self.dropped.insert(worker), "dropped twice");
+                    // Gone for the scheduler; its batches stay in `batches`
+                    // so that some are answered late (and must be ignored).
+                    self.workers.retain(|w| *w != worker);
                 }
                 Action::Complete { frame, status, .. } => {
                     prop_assert!(self.completed.insert(frame), "{:?} completed twice", frame);
@@ -132,12 +146,14 @@ proptest! {
     fn every_frame_ends_exactly_once_in_edf_order_and_never_late(
         steps in prop::collection::vec(step(), 1..200),
         pipeline_depth in 1usize..4,
+        stall_us in 50_000u64..3_000_000,
     ) {
         let mut s = Scheduler::new(Limits {
             max_queued: 64,
             max_queued_per_edge: 16,
             default_latency_us: 10_000,
             pipeline_depth,
+            stall_us,
         });
         let mut w = World::default();
         let models = ["a", "b", "c"];

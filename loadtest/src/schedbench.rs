@@ -58,6 +58,7 @@ impl Bench {
             max_queued_per_edge: queued * 2 + 64,
             default_latency_us: 5_000,
             pipeline_depth: 1,
+            ..Limits::default()
         });
         for w in 0..workers {
             s.on_event(
