@@ -425,7 +425,7 @@ impl Source {
             Source::Kubernetes(p) => p.begin_release(leases).await,
             Source::Process { .. } | Source::Static(_) => {}
             #[cfg(test)]
-            Source::Fake(_) => {}
+            Source::Fake(p) => p.begin_release(leases),
         }
     }
 
@@ -1319,9 +1319,14 @@ impl Shell {
         }
         self.last_tick = Some(now);
         // A worker that never registers must not count as capacity forever.
+        // By the table's state: the ledger's lags while a write waits for a
+        // retry, and a lease already ready (or ended) there is not stuck.
         let stuck: Vec<LeaseId> = live
             .iter()
-            .filter(|r| start_timed_out(r.state, r.requested_at, now, self.start_timeout_ms))
+            .filter(|r| {
+                let state = self.state(r.id).unwrap_or(r.state);
+                start_timed_out(state, r.requested_at, now, self.start_timeout_ms)
+            })
             .filter(|r| !self.releases.contains(r.id))
             .map(|r| r.id)
             .collect();
@@ -1636,12 +1641,19 @@ impl Shell {
         }
     }
 
-    /// Releases the leases whose release is due. One the provider fails to
-    /// release stays draining (in the ledger and the hub) and in the queue,
-    /// retried with backoff: it may still bill, so it is never ended while
-    /// its worker may run.
+    /// Releases the leases whose release is due. Their workers all begin
+    /// to drain first (a Pod deleted, a job cancelled), then each release
+    /// waits for its own: one after another, the last of a batch would end
+    /// only after every drain before it, past the paid block it was timed
+    /// to end in. One the provider fails to release stays draining (in the
+    /// ledger and the hub) and in the queue, retried with backoff: it may
+    /// still bill, so it is never ended while its worker may run.
     async fn release_due(&mut self) {
-        for lease in self.releases.due(self.mono()) {
+        let due = self.releases.due(self.mono());
+        if !due.is_empty() {
+            self.source.begin_release(&due).await;
+        }
+        for lease in due {
             match self.provider_release(lease).await {
                 Released::Gone => {
                     let reason = self.releases.done(lease).unwrap_or(EndReason::Released);
@@ -1703,7 +1715,7 @@ mod fake {
     //! its releases while told to, and adopts the ledger's live `fake`
     //! leases.
     use std::collections::{BTreeSet, HashMap};
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 
     use tidegate_lease::ledger::Ledger;
@@ -1720,6 +1732,10 @@ mod fake {
         pub fail_releases: AtomicBool,
         /// Every release asked for, in order.
         pub release_calls: Mutex<Vec<LeaseId>>,
+        /// Leases whose release was begun (`begin_release`), in order.
+        pub begun: Mutex<Vec<LeaseId>>,
+        /// Releases asked for before the lease's release was begun.
+        pub unbegun_releases: AtomicUsize,
         /// The token handed to each acquired lease's worker.
         pub tokens: Mutex<HashMap<LeaseId, LeaseToken>>,
     }
@@ -1759,6 +1775,11 @@ mod fake {
             }
         }
 
+        /// Starts the drain of every lease in `leases` at once.
+        pub fn begin_release(&mut self, leases: &[LeaseId]) {
+            self.script.begun.lock().unwrap().extend(leases);
+        }
+
         /// Every live `fake` lease's worker "still runs".
         pub fn adopt(&mut self, ledger: &mut Ledger) -> Result<Vec<LeaseId>, ProviderError> {
             let ids: Vec<LeaseId> = ledger
@@ -1794,6 +1815,9 @@ mod fake {
 
         async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
             self.script.release_calls.lock().unwrap().push(lease);
+            if !self.script.begun.lock().unwrap().contains(&lease) {
+                self.script.unbegun_releases.fetch_add(1, Ordering::SeqCst);
+            }
             if !self.held.contains(&lease) {
                 return Err(ProviderError::UnknownLease(lease));
             }
@@ -1915,6 +1939,39 @@ min_fps = {min_fps}
         l.leases(true, 100).await.unwrap().last().unwrap().id
     }
 
+    /// A lease whose worker registered while the ledger could not be
+    /// written (another writer holds its lock; a full disk does the same)
+    /// is ready in the table while the ledger still says starting: the
+    /// start timeout goes by the table and does not end it as stuck.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_ready_lease_whose_ledger_write_waits_is_not_ended_by_the_start_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), "static-peak", 10);
+        cfg.start_timeout_secs = 1;
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        let id = first_lease(&l).await;
+        // Another writer holds the lock: the shell's writes wait out the
+        // busy timeout (5 s) and fail, to be retried.
+        let blocker = rusqlite::Connection::open(&cfg.ledger).unwrap();
+        blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+        l.registered(id).await;
+        // The registration's write waits 5 s and fails; the next tick's
+        // retry does the same, then that tick checks the start timeout
+        // (1 s, long past) with the ledger still saying `starting`.
+        tokio::time::sleep(Duration::from_secs(12)).await;
+        blocker.execute_batch("ROLLBACK").unwrap();
+        eventually(Duration::from_secs(30), "ready in the ledger", || async {
+            lease(&l, id).await.state == LeaseState::Ready
+        })
+        .await;
+        // Longer than a release's lead: nothing was scheduled.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(script.releases_of(id), 0);
+        assert_eq!(lease(&l, id).await.state, LeaseState::Ready);
+        stop(cancel, tracker).await;
+    }
+
     #[tokio::test]
     async fn a_release_the_provider_fails_keeps_the_lease_draining_and_is_retried() {
         let dir = tempfile::tempdir().unwrap();
@@ -1960,6 +2017,13 @@ min_fps = {min_fps}
         );
         let tries = script.releases_of(id);
         assert!(tries >= 3, "released on a retry: {tries} tries");
+        // each release waited only after every due lease began to drain
+        assert_eq!(
+            script
+                .unbegun_releases
+                .load(std::sync::atomic::Ordering::SeqCst),
+            0
+        );
         stop(cancel, tracker).await;
         // the replacement the floor needed was released at shutdown; the
         // first lease was not released again
