@@ -9,8 +9,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tidegate_edge::config::{EdgeConfig, Secret};
 use tidegate_edge::node::NodeOptions;
-use tidegate_edge::sink::Sinks;
 use tidegate_edge::sink::webhook::{Client, Endpoint, RetryPolicy, Webhook};
+use tidegate_edge::sink::{Sinks, open_results_file};
 
 /// The bearer token sent to the webhook, when set.
 const WEBHOOK_TOKEN_ENV: &str = "TIDEGATE_WEBHOOK_TOKEN";
@@ -175,10 +175,7 @@ async fn run(
     };
     if let Some(p) = &file {
         sinks.file = Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
+            open_results_file(p)
                 .with_context(|| format!("opening results file {}", p.display()))?,
         );
     }

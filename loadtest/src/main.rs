@@ -9,6 +9,7 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::report::write_atomically;
 use tidegate_loadtest::scenario::{PhaseReport, Scenario, ScenarioReport};
 use tidegate_loadtest::sim::{self, SimOptions};
 use tidegate_protocol::GatewayAddr;
@@ -126,12 +127,12 @@ fn run_scenario(
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
     if let Some(path) = &cli.report {
-        std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;
+        write_atomically(path, &json).with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(svg) = &cli.svg {
         for p in &report.phases {
             let path = phase_svg(svg, &p.name);
-            std::fs::write(&path, tidegate_loadtest::svg::render(&p.report))
+            write_atomically(&path, tidegate_loadtest::svg::render(&p.report))
                 .with_context(|| format!("writing {}", path.display()))?;
         }
     }
@@ -206,8 +207,11 @@ fn main() -> anyhow::Result<()> {
         "--seconds must be in (0, 600]"
     );
     anyhow::ensure!(
-        cli.fps > 0.0 && cli.fps <= 1000.0,
-        "--fps must be in (0, 1000]"
+        sim::FPS_RANGE.contains(&cli.fps),
+        "--fps {} is not in [{}, {}]; give a rate in that range",
+        cli.fps,
+        sim::FPS_RANGE.start(),
+        sim::FPS_RANGE.end()
     );
     // Read before anything starts: a bad file costs no cluster.
     let scenario = cli.scenario.as_deref().map(Scenario::load).transpose()?;
@@ -268,10 +272,10 @@ fn main() -> anyhow::Result<()> {
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
     if let Some(p) = &cli.report {
-        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+        write_atomically(p, &json).with_context(|| format!("writing {}", p.display()))?;
     }
     if let Some(p) = &cli.svg {
-        std::fs::write(p, tidegate_loadtest::svg::render(&report))
+        write_atomically(p, tidegate_loadtest::svg::render(&report))
             .with_context(|| format!("writing {}", p.display()))?;
     }
     drop(cluster);

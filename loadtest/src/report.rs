@@ -1,6 +1,9 @@
 //! The load-test report: counts by status, latency percentiles, and the
 //! SLO verdict, serialisable as JSON.
 
+use std::io::Write;
+use std::path::Path;
+
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use tidegate_protocol::Status;
@@ -156,6 +159,37 @@ impl Report {
     }
 }
 
+/// Writes `contents` to `path` whole or not at all: to a temporary file
+/// beside it (`.<name>.<pid>.tmp`), synced, then renamed over `path`. A
+/// reader never sees a half-written report, and one interrupted run leaves
+/// the previous report in place. The temporary file is removed on failure.
+pub fn write_atomically(path: &Path, contents: impl AsRef<[u8]>) -> std::io::Result<()> {
+    let name = path.file_name().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} names no file", path.display()),
+        )
+    })?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(contents.as_ref())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,5 +247,46 @@ mod tests {
         let why = r.slo_failures(0.0);
         assert_eq!(why.len(), 1, "{why:?}");
         assert!(why[0].contains("exactly one"), "{why:?}");
+    }
+
+    #[test]
+    fn a_report_replaces_the_old_one_whole_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("report.json");
+        std::fs::write(&path, "old report").unwrap();
+        // A reader that opened the old report before the write.
+        let reader = std::fs::File::open(&path).unwrap();
+        write_atomically(&path, "new report").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new report");
+        // The old file was replaced, not truncated and rewritten in place.
+        assert_eq!(
+            std::io::read_to_string(reader).unwrap(),
+            "old report",
+            "the reader sees the old report, whole"
+        );
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["report.json"]);
+        // A new file too.
+        let fresh = dir.path().join("fresh.svg");
+        write_atomically(&fresh, "<svg/>").unwrap();
+        assert_eq!(std::fs::read_to_string(&fresh).unwrap(), "<svg/>");
+    }
+
+    #[test]
+    fn a_failed_report_write_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory where the report should go: the rename fails.
+        let path = dir.path().join("report.json");
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("keep"), "").unwrap();
+        assert!(write_atomically(&path, "r").is_err());
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["report.json"]);
     }
 }

@@ -32,7 +32,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::report::Report;
-use crate::sim::SimOptions;
+use crate::sim::{FPS_RANGE, SimOptions};
 
 /// Most phases in a scenario.
 pub const MAX_PHASES: usize = 32;
@@ -165,8 +165,13 @@ impl Scenario {
                     p.seconds
                 ));
             }
-            if !(p.fps > 0.0 && p.fps <= 1000.0) {
-                return Err(format!("phase {n:?}: fps = {} is not in (0, 1000]", p.fps));
+            if !FPS_RANGE.contains(&p.fps) {
+                return Err(format!(
+                    "phase {n:?}: fps = {} is not in [{}, {}]",
+                    p.fps,
+                    FPS_RANGE.start(),
+                    FPS_RANGE.end()
+                ));
             }
             if !(1..=MAX_CAMERAS).contains(&p.cameras) {
                 return Err(format!(
@@ -364,6 +369,10 @@ mod tests {
                 "seconds = 601",
             ),
             (phase("").replace("fps = 1", "fps = 1001"), "fps = 1001"),
+            (
+                phase("").replace("fps = 1", "fps = 0.0001"),
+                "fps = 0.0001 is not in [0.001, 1000]",
+            ),
             (
                 phase("").replace("cameras = 1", "cameras = 0"),
                 "cameras = 0",

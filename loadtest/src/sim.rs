@@ -56,6 +56,9 @@ pub enum SimError {
     /// The options ask for no camera.
     #[error("at least one camera is needed; set cameras to 1 or more")]
     NoCameras,
+    /// The options ask for a frame rate outside [`FPS_RANGE`].
+    #[error("fps = {0} is not in [{min}, {max}]; give a rate in that range", min = FPS_RANGE.start(), max = FPS_RANGE.end())]
+    Fps(f64),
     /// The model takes frames the simulator cannot make.
     #[error(
         "model '{model}' does not take u8 NHWC frames (it takes {dtype:?} {layout:?}); simulate a model with u8 NHWC input"
@@ -142,6 +145,27 @@ pub fn frame_pixels(
     }
 }
 
+/// The frame rates a simulated camera can send at (frames per second): at
+/// least one frame in 1000 s, at most one a millisecond.
+pub const FPS_RANGE: std::ops::RangeInclusive<f64> = 0.001..=1000.0;
+
+/// A frame's budget in µs for a budget of `budget_ms`, saturating at what
+/// the frame header holds (`u32::MAX` µs, about 71 minutes).
+fn frame_budget_us(budget_ms: u32) -> u32 {
+    (u64::from(budget_ms) * 1000).min(u64::from(u32::MAX)) as u32
+}
+
+/// The least time between two frames a camera sending every `period` may
+/// leave under a hinted cap of `cap` fps: one frame per `1 / cap`, less half
+/// a period of slack so a cap equal to the send rate does not drop every
+/// other frame. Zero (no throttling) when the cap is above twice the rate;
+/// `cap` must be positive.
+fn min_send_gap(cap: f32, period: Duration) -> Duration {
+    Duration::try_from_secs_f64(1.0 / f64::from(cap))
+        .unwrap_or(Duration::MAX)
+        .saturating_sub(period / 2)
+}
+
 /// [`run`] on a runtime of its own (two threads), for callers outside
 /// async code.
 pub fn run_blocking(opts: &SimOptions) -> Result<Report, SimError> {
@@ -159,6 +183,9 @@ pub const RESULT_GRACE: Duration = Duration::from_secs(10);
 
 /// Runs the simulation and returns its report.
 pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
+    if !FPS_RANGE.contains(&opts.fps) {
+        return Err(SimError::Fps(opts.fps));
+    }
     let (uplink, mut incoming) = Uplink::connect(
         &opts.gateway,
         &opts.server_name,
@@ -250,7 +277,7 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
         let pixels = pixels.clone();
         let model = opts.model.clone();
         let shape = input.frame_shape();
-        let budget_us = opts.budget_ms * 1000;
+        let budget_us = frame_budget_us(opts.budget_ms);
         let report = report.clone();
         let caps = caps.clone();
         let obey = opts.obey_hints;
@@ -271,14 +298,11 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
                         caps.get(&camera).or_else(|| caps.get("")).copied()
                     };
                     let now = tokio::time::Instant::now();
-                    if let (Some(cap), Some(last)) = (cap.filter(|c| *c > 0.0), last_sent) {
-                        // Half a period of slack so a cap equal to the send
-                        // rate does not drop every other frame.
-                        let min_gap = Duration::from_secs_f64(1.0 / cap as f64) - period / 2;
-                        if now.duration_since(last) < min_gap {
-                            report.lock().expect("report lock").throttled += 1;
-                            continue;
-                        }
+                    if let (Some(cap), Some(last)) = (cap.filter(|c| *c > 0.0), last_sent)
+                        && now.duration_since(last) < min_send_gap(cap, period)
+                    {
+                        report.lock().expect("report lock").throttled += 1;
+                        continue;
                     }
                     last_sent = Some(now);
                 }
@@ -336,4 +360,67 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
     let mut rep = report.lock().expect("report lock").clone();
     rep.finish(&hist.lock().expect("histogram lock"));
     Ok(rep)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cap_above_twice_the_send_rate_does_not_throttle() {
+        // A camera at 0.25 fps hinted down to the gateway's floor of 1 fps:
+        // 1 s - 2 s would underflow.
+        let period = Duration::from_secs(4);
+        assert_eq!(min_send_gap(1.0, period), Duration::ZERO);
+        // A cap equal to the rate keeps half a period of slack; a lower cap
+        // spaces frames by its own period less that slack.
+        assert_eq!(min_send_gap(0.25, period), Duration::from_secs(2));
+        assert_eq!(
+            min_send_gap(0.125, period),
+            Duration::from_secs(6),
+            "8 s per frame less 2 s"
+        );
+        // A vanishing cap throttles everything rather than panicking.
+        assert_eq!(
+            min_send_gap(f32::MIN_POSITIVE, period),
+            Duration::MAX - period / 2
+        );
+    }
+
+    #[test]
+    fn a_budget_too_long_for_the_frame_header_saturates() {
+        assert_eq!(frame_budget_us(80), 80_000);
+        assert_eq!(frame_budget_us(4_294_967), 4_294_967_000);
+        assert_eq!(frame_budget_us(4_294_968), u32::MAX);
+        assert_eq!(frame_budget_us(u32::MAX), u32::MAX);
+    }
+
+    #[tokio::test]
+    async fn a_rate_outside_the_range_is_refused_before_connecting() {
+        let opts = SimOptions {
+            // Nothing listens here: a connection attempt would fail otherwise.
+            gateway: GatewayAddr::from(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
+            server_name: "localhost".into(),
+            ca: PathBuf::from("/nonexistent/ca.pem"),
+            edge: "edge-1".into(),
+            token: "t".into(),
+            cameras: 1,
+            fps: 1e-300,
+            duration: Duration::from_secs(1),
+            model: "blazeface".into(),
+            budget_ms: 80,
+            image: None,
+            obey_hints: true,
+        };
+        for fps in [1e-300, 0.0, -1.0, f64::NAN, 1001.0] {
+            let err = run(&SimOptions {
+                fps,
+                ..opts.clone()
+            })
+            .await
+            .unwrap_err();
+            assert!(matches!(err, SimError::Fps(_)), "{fps}: {err}");
+            assert!(err.to_string().contains("0.001"), "{err}");
+        }
+    }
 }

@@ -6,7 +6,8 @@
 
 pub mod webhook;
 
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,6 +80,28 @@ impl<'a> ResultLine<'a> {
             outputs: &r.outputs,
         }
     }
+}
+
+/// Opens (creating it if missing) the results file at `path` for appending.
+/// A file that does not end in a newline (a write cut short, by a full disk
+/// say, before the edge stopped) gets one first, so the next result starts
+/// a line of its own instead of running on from the fragment.
+pub fn open_results_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .create(true)
+        .append(true)
+        .open(path)?;
+    if f.metadata()?.len() > 0 {
+        let mut last = [0u8; 1];
+        f.seek(SeekFrom::End(-1))?;
+        f.read_exact(&mut last)?;
+        if last[0] != b'\n' {
+            // Append mode: this goes to the end whatever the position.
+            f.write_all(b"\n")?;
+        }
+    }
+    Ok(f)
 }
 
 /// Every configured sink. A result is serialised once and handed to each.
@@ -283,6 +306,39 @@ mod tests {
         assert_eq!(lines.len(), 3, "appended after what was there: {text}");
         assert_eq!(lines[2]["seq"], 2);
         assert_eq!(lines[2]["status"], "ok");
+    }
+
+    #[test]
+    fn reopened_file_ending_in_a_fragment_gets_a_newline_before_new_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.jsonl");
+        // A line cut short by a failed write before a restart.
+        std::fs::write(&path, "{\"seq\":0}\n{\"camera\":\"do").unwrap();
+        let mut sinks = Sinks {
+            file: Some(open_results_file(&path).unwrap()),
+            ..Sinks::default()
+        };
+        sinks
+            .write(&ResultLine::new(&ok_result(1), 2_000, &[]))
+            .unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[1], "{\"camera\":\"do", "the fragment stays alone");
+        let last: serde_json::Value = serde_json::from_str(lines[2]).unwrap();
+        assert_eq!(last["seq"], 1);
+    }
+
+    #[test]
+    fn opening_a_whole_or_new_results_file_adds_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = dir.path().join("whole.jsonl");
+        std::fs::write(&whole, "{\"seq\":0}\n").unwrap();
+        drop(open_results_file(&whole).unwrap());
+        assert_eq!(std::fs::read_to_string(&whole).unwrap(), "{\"seq\":0}\n");
+        let new = dir.path().join("new.jsonl");
+        drop(open_results_file(&new).unwrap());
+        assert_eq!(std::fs::read(&new).unwrap(), b"");
     }
 
     fn ok_result(seq: u64) -> FrameResult {

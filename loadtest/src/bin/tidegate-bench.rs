@@ -21,7 +21,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
-use tidegate_loadtest::report::Report;
+use tidegate_loadtest::report::{Report, write_atomically};
 use tidegate_loadtest::{relay, schedbench, sim, startup};
 
 /// tidegate benchmarks (JSON on stdout, and in --report).
@@ -160,7 +160,7 @@ fn main() -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");
     if let Some(p) = &cli.report {
-        std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
+        write_atomically(p, &text).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
 }
@@ -176,6 +176,7 @@ struct HintTotals {
     failed: u64,
     missing: u64,
     throttled: u64,
+    send_errors: u64,
     hints: u64,
     /// ok within budget over the frames the cameras captured (sent +
     /// held back by a hint + send errors): what reached the user in time.
@@ -194,9 +195,10 @@ impl HintTotals {
         self.failed += r.failed;
         self.missing += r.missing;
         self.throttled += r.throttled;
+        self.send_errors += r.send_errors;
         self.hints += r.hints;
         self.e2e_p95_ms.push(r.e2e_ms.p95);
-        let captured = self.sent + self.throttled;
+        let captured = self.sent + self.throttled + self.send_errors;
         self.served_share = if captured == 0 {
             0.0
         } else {
@@ -216,9 +218,10 @@ fn hints(
         (1..=8).contains(&workers) && (1..=256).contains(&cameras),
         "--workers must be in 1..=8 and --cameras in 1..=256"
     );
+    let min_fps = *sim::FPS_RANGE.start();
     anyhow::ensure!(
-        fps > 0.0 && fps <= 120.0 && seconds > 0.0 && seconds <= 120.0,
-        "--fps must be in (0, 120] and --seconds in (0, 120]"
+        (min_fps..=120.0).contains(&fps) && seconds > 0.0 && seconds <= 120.0,
+        "--fps must be in [{min_fps}, 120] and --seconds in (0, 120]"
     );
     anyhow::ensure!((1..=10).contains(&rounds), "--rounds must be in 1..=10");
     let names: Vec<String> = (1..=workers).map(|i| format!("worker-{i}")).collect();
@@ -290,5 +293,33 @@ fn settle(cluster: &Cluster) -> anyhow::Result<()> {
             "frames still in flight 30 s after a run: {v}"
         );
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn served_share_counts_send_errors_as_captured_frames() {
+        let mut t = HintTotals::default();
+        t.add(&Report {
+            sent: 6,
+            throttled: 2,
+            send_errors: 2,
+            ok_within_budget: 5,
+            ..Report::default()
+        });
+        assert_eq!(t.send_errors, 2);
+        assert!((t.served_share - 0.5).abs() < 1e-9, "{}", t.served_share);
+        // Totals accumulate across runs.
+        t.add(&Report {
+            sent: 4,
+            send_errors: 6,
+            ok_within_budget: 5,
+            ..Report::default()
+        });
+        assert_eq!(t.send_errors, 8);
+        assert!((t.served_share - 0.5).abs() < 1e-9, "{}", t.served_share);
     }
 }
