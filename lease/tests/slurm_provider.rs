@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use mini_slurm::{GRACE_SECS, MiniSlurm};
 use provider::{WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
-use tidegate_lease::catalog::Tier;
-use tidegate_lease::ledger::Ledger;
+use tidegate_lease::catalog::{Catalog, Tier};
+use tidegate_lease::ledger::{Ledger, NewLease};
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::provider::slurm::{SlurmConfig, SlurmData, SlurmProvider};
 use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
@@ -278,6 +278,25 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
         || env_of(out.path(), 1).is_some() && env_of(out.path(), 2).is_some(),
     )
     .await;
+    // lease 3's job is submitted, but the gateway dies before it records it
+    let catalog = Catalog::default_catalog();
+    let third = ledger
+        .insert_requested(&NewLease {
+            provider: "slurm",
+            model: Some("blazeface"),
+            instance: catalog.get("h100").unwrap(),
+            tier: Tier::OnDemand,
+            currency: &catalog.currency,
+            requested_at: wall_clock_ms(),
+            token: None,
+        })
+        .unwrap();
+    let unrecorded = p
+        .acquire(spec(third.0, Tier::OnDemand, "h100"))
+        .await
+        .unwrap();
+    let unrecorded: SlurmData =
+        serde_json::from_str(unrecorded.provider_data.as_deref().unwrap()).unwrap();
     // the gateway dies; while it is down, job 2 is cancelled
     p.detach_all().await;
     slurm.tool("scancel", &[&jobs[1].to_string()]).unwrap();
@@ -292,7 +311,17 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
     let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
     let adoption = p.adopt(&mut ledger, wall_clock_ms()).unwrap();
     assert_eq!(adoption.adopted, vec![LeaseId(1)]);
-    assert_eq!(adoption.ended, vec![(LeaseId(2), EndReason::Lost)]);
+    assert_eq!(
+        adoption.ended,
+        vec![(LeaseId(2), EndReason::Lost), (third, EndReason::Failed)]
+    );
+    // the job it never recorded is found by its name and cancelled
+    wait_for(
+        "the unrecorded job cancelled",
+        || slurm.logs(),
+        || !slurm.live_jobs().contains(&unrecorded.job_id.0),
+    )
+    .await;
     assert_eq!(
         ledger.lease(LeaseId(2)).unwrap().unwrap().state,
         LeaseState::Ended(EndReason::Lost)

@@ -876,6 +876,20 @@ impl SlurmProvider {
                 } else {
                     EndReason::Lost
                 };
+                if job.is_none() {
+                    // The gateway stopped between sbatch and recording the
+                    // job id: a job may be queued under the lease's name,
+                    // to hold GPUs and start a worker for an ended lease.
+                    let name = format!("--name={}-{}", self.cfg.job_name, r.id.0);
+                    match self.tools.run_blocking("scancel", &[name]) {
+                        Ok(_) => {
+                            tracing::info!(lease = %r.id, "cancelled any job submitted for it before the restart")
+                        }
+                        Err(e) => {
+                            tracing::warn!(lease = %r.id, "cancelling a job it may have been given: {e}")
+                        }
+                    }
+                }
                 ledger.mark_ended(r.id, now, reason)?;
                 tracing::warn!(lease = %r.id, job = ?job, "Slurm job gone after restart; lease ended");
                 out.ended.push((r.id, reason));
