@@ -77,10 +77,23 @@ fn sample_until<T>(
     }
 }
 
-/// Every frame sent got exactly one result.
-fn assert_nothing_lost(r: &Report) {
+/// Every frame sent got exactly one result. On a failure the gateway's own
+/// frame counters are shown with the report: whether it admitted every
+/// frame and answered it (a result lost on the way back, or late), or not.
+fn assert_nothing_lost(c: &Cluster, r: &Report) {
     assert!(r.sent > 0, "nothing was sent: {r:?}");
-    assert_eq!(r.missing, 0, "frames without a result: {r:?}");
+    if r.missing > 0 {
+        let frames = get_json(c, "/api/v1/frames");
+        let (_, metrics) = c.get("/metrics").unwrap_or_default();
+        let undeliverable = metrics
+            .lines()
+            .find(|l| l.starts_with("tidegate_results_undeliverable_total "))
+            .unwrap_or("tidegate_results_undeliverable_total absent");
+        panic!(
+            "{} frames without a result: {r:?}\nthe gateway's frames: {frames}\n{undeliverable}",
+            r.missing
+        );
+    }
     assert_eq!(r.duplicates, 0, "frames with two results: {r:?}");
     assert_eq!(r.results(), r.sent, "{r:?}");
 }
@@ -91,7 +104,7 @@ fn a_light_load_is_served_ok_within_budget() {
     let c = cluster(2, "");
     // 4 cameras × 5 fps for 3 s: 60 frames, far below two workers' capacity.
     let r = run_sim(c.sim_options("edge-1", 4, 5.0, 3.0));
-    assert_nothing_lost(&r);
+    assert_nothing_lost(&c, &r);
     assert_eq!(r.ok, r.sent, "not every frame was ok: {:?}", r.outcomes);
     // Latency on the edge clock is reported, not asserted: this machine
     // is shared and noisy (docs/benchmarks.md has the measured runs).
@@ -145,7 +158,7 @@ fn an_operator_drain_needs_the_admin_token_and_ends_the_worker_cleanly() {
     assert!(status.success(), "a drained worker exits 0: {status}");
     // the other worker serves every frame
     let r = run_sim(c.sim_options("edge-1", 2, 5.0, 2.0));
-    assert_nothing_lost(&r);
+    assert_nothing_lost(&c, &r);
     assert_eq!(r.ok, r.sent, "{:?}", r.outcomes);
     let (_, workers) = c.get("/api/v1/workers").expect("GET /api/v1/workers");
     assert!(
@@ -211,7 +224,7 @@ fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
     }
     let rows = page.matches("</td></tr>").count();
     assert!(rows >= 16 + 2, "a row per camera and per worker:\n{page}");
-    assert_nothing_lost(&r);
+    assert_nothing_lost(&c, &r);
     let shed: u64 = r
         .outcomes
         .iter()
@@ -405,7 +418,7 @@ fn a_worker_lost_mid_batch_loses_no_frame() {
     }
     c.signal_worker("worker-2", "KILL").expect("SIGKILL");
     let r = load.join().expect("load thread");
-    assert_nothing_lost(&r);
+    assert_nothing_lost(&c, &r);
     let v = settled_counters(&c);
     assert_eq!(v["admitted"].as_u64(), Some(r.sent), "{v}");
     // The frozen worker held a batch: its frames were re-dispatched (if
@@ -455,7 +468,7 @@ fn an_edge_with_a_wrong_token_is_refused_while_others_are_served() {
         "refusal without a reason: {msg}"
     );
     let r = load.join().expect("load thread");
-    assert_nothing_lost(&r);
+    assert_nothing_lost(&c, &r);
     assert_eq!(r.ok, r.sent, "{:?}", r.outcomes);
     let (_, edges) = c.get("/api/v1/edges").expect("GET /api/v1/edges");
     assert!(!edges.contains("edge-2"), "refused edge is listed: {edges}");
