@@ -533,9 +533,15 @@ impl State {
     /// frames it held.
     fn lose_worker(&mut self, worker: WorkerId) {
         self.workers.remove(&worker);
+        self.forget_batches(worker);
+        self.step(Event::WorkerLost { worker });
+    }
+
+    /// Drops the timing of `worker`'s batches: the scheduler re-homes or
+    /// fails them, and a late result is not timed.
+    fn forget_batches(&mut self, worker: WorkerId) {
         self.last_done.remove(&worker);
         self.started.retain(|_, (w, _, _)| *w != worker);
-        self.step(Event::WorkerLost { worker });
     }
 
     /// A worker whose entry stays (a static worker just bound) joins the
@@ -549,8 +555,7 @@ impl State {
         };
         let models = worker_models(&w.register);
         let draining = w.draining;
-        self.last_done.remove(&worker);
-        self.started.retain(|_, (w, _, _)| *w != worker);
+        self.forget_batches(worker);
         self.step(Event::WorkerLost { worker });
         self.step(Event::WorkerJoined { worker, models });
         if draining {
@@ -959,8 +964,7 @@ impl State {
                 tracing::warn!(worker = worker.0, %name, "{reason}; dropping it");
                 self.metrics.workers_stalled.inc();
                 self.workers.remove(&worker);
-                self.last_done.remove(&worker);
-                self.started.retain(|_, (w, _, _)| *w != worker);
+                self.forget_batches(worker);
             }
             Action::Complete {
                 frame,
