@@ -107,7 +107,7 @@ fn default_models_dir() -> PathBuf {
 }
 
 /// ONNX Runtime settings.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuntimeConfig {
     /// Path of libonnxruntime.so (default: ORT_DYLIB_PATH, then the cache).
@@ -126,7 +126,36 @@ pub struct RuntimeConfig {
     /// CUDA settings, read when `provider = "cuda"`.
     #[serde(default)]
     pub cuda: CudaConfig,
+    /// A batch still running after this long (seconds) means ONNX Runtime
+    /// or the device is wedged: the worker exits with status 3
+    /// ([`crate::watchdog::EXIT_WEDGED`]) for its supervisor to replace it.
+    /// [`WEDGED_AFTER_SECS`] bounds it.
+    #[serde(default = "default_wedged_after_secs")]
+    pub wedged_after_secs: u64,
 }
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            library: None,
+            intra_threads: 0,
+            provider: ProviderKind::default(),
+            fallback: Fallback::default(),
+            cuda: CudaConfig::default(),
+            wedged_after_secs: default_wedged_after_secs(),
+        }
+    }
+}
+
+fn default_wedged_after_secs() -> u64 {
+    60
+}
+
+/// The `runtime.wedged_after_secs` accepted: at least 5 s, so that a slow
+/// batch (a first run of a new batch size while cuDNN searches its
+/// algorithms) is not taken for a wedge; at most an hour, so that a wedged
+/// worker does not hold its GPU for longer.
+pub const WEDGED_AFTER_SECS: std::ops::RangeInclusive<u64> = 5..=3600;
 
 /// Which execution provider, as written in the config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -247,6 +276,14 @@ impl WorkerConfig {
             }
             _ => {}
         }
+        let wedged = self.runtime.wedged_after_secs;
+        if !WEDGED_AFTER_SECS.contains(&wedged) {
+            return Err(ConfigError::Invalid(format!(
+                "runtime.wedged_after_secs is {wedged}; give {}..={} seconds (default 60): how long one batch may run before the worker takes ONNX Runtime or the device for wedged and exits",
+                WEDGED_AFTER_SECS.start(),
+                WEDGED_AFTER_SECS.end()
+            )));
+        }
         if self.token.is_empty() {
             return Err(ConfigError::Invalid(format!(
                 "worker '{}' has no token: set TIDEGATE_WORKER_TOKEN or `token` in the config",
@@ -277,6 +314,7 @@ mod tests {
         cfg.validate().unwrap();
         assert_eq!(cfg.runtime.provider(), Provider::Cpu);
         assert_eq!(cfg.runtime.fallback, Fallback::None);
+        assert_eq!(cfg.runtime.wedged_after_secs, 60);
     }
 
     fn parse(runtime: &str) -> Result<WorkerConfig, ConfigError> {
@@ -366,6 +404,37 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("runtime.cuda.arena_limit_mb"), "{err}");
+    }
+
+    #[test]
+    fn wedged_after_defaults_to_a_minute_and_out_of_range_names_the_field() {
+        assert_eq!(parse("").unwrap().runtime.wedged_after_secs, 60);
+        assert_eq!(
+            parse("[runtime]\nintra_threads = 1\n")
+                .unwrap()
+                .runtime
+                .wedged_after_secs,
+            60
+        );
+        assert_eq!(RuntimeConfig::default().wedged_after_secs, 60);
+        for secs in [5, 3600] {
+            let cfg = parse(&format!("[runtime]\nwedged_after_secs = {secs}\n")).unwrap();
+            assert_eq!(cfg.runtime.wedged_after_secs, secs);
+        }
+        for secs in [0, 4, 3601] {
+            let err = parse(&format!("[runtime]\nwedged_after_secs = {secs}\n")).unwrap_err();
+            assert!(matches!(err, ConfigError::Invalid(_)), "{err:?}");
+            let text = err.to_string();
+            assert!(
+                text.contains(&format!("runtime.wedged_after_secs is {secs}"))
+                    && text.contains("5..=3600 seconds"),
+                "{text}"
+            );
+        }
+        let err = parse("[runtime]\nwedged_after_secs = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("wedged_after_secs"), "{err}");
     }
 
     #[test]

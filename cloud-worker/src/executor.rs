@@ -8,18 +8,23 @@
 //! back-pressure. Each job is answered through a `oneshot`, and runs inside
 //! its caller's tracing span. [`Executor::busy_us`] counts the time the
 //! backend spends running jobs, measured on its thread (queue wait is not
-//! busy time), for the heartbeat's utilization. Dropping the executor (or
-//! [`Executor::shutdown`]) finishes the queued jobs and joins the thread.
+//! busy time), for the heartbeat's utilization. Its [`Activity`] says which
+//! job runs and for how long, set and cleared on the backend thread, so
+//! that the [`watchdog`](crate::watchdog) can tell a wedged runtime or
+//! device (a job that never returns) from a busy one, and whether every job
+//! taken is done ([`Activity::is_idle`]). Dropping the executor (or
+//! [`Executor::shutdown`]) finishes the queued jobs and joins the thread;
+//! a thread wedged in a job never joins, which the watchdog bounds.
 
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
 use crate::backend::{Backend, FrameInput, FrameOutcome};
 use crate::model::ModelSpec;
@@ -50,6 +55,106 @@ pub struct Executor {
     models: Vec<ModelSpec>,
     capacity: usize,
     busy_us: Arc<AtomicU64>,
+    activity: Arc<Activity>,
+}
+
+/// What the backend thread is doing: the job it runs (set when the run
+/// starts and cleared when it ends, on that thread) and how many jobs are
+/// queued or running. Shared, so that the watchdog reads it without
+/// holding the executor.
+#[derive(Debug, Default)]
+pub struct Activity {
+    /// Jobs queued or running: counted at submission, uncounted when the
+    /// backend has answered (or skipped) them.
+    pending: AtomicUsize,
+    /// The job being run, and since when.
+    running: Mutex<Option<Current>>,
+    /// Woken when `pending` falls to 0.
+    idle: Notify,
+}
+
+/// The job being run, as recorded on the backend thread.
+#[derive(Debug)]
+struct Current {
+    model: String,
+    frames: usize,
+    since: Instant,
+}
+
+/// The job the backend is running, as seen now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningJob {
+    /// Its model.
+    pub model: String,
+    /// Its batch size (frames).
+    pub frames: usize,
+    /// How long it has been running.
+    pub running_for: Duration,
+}
+
+impl Activity {
+    /// The job the backend is running, if any.
+    pub fn running(&self) -> Option<RunningJob> {
+        let current = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        current.as_ref().map(|c| RunningJob {
+            model: c.model.clone(),
+            frames: c.frames,
+            running_for: c.since.elapsed(),
+        })
+    }
+
+    /// How long the job the backend is running has been running; `None`
+    /// when it runs none.
+    pub fn running_for(&self) -> Option<Duration> {
+        let current = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        current.as_ref().map(|c| c.since.elapsed())
+    }
+
+    /// Jobs queued or running.
+    pub fn pending(&self) -> usize {
+        self.pending.load(Ordering::SeqCst)
+    }
+
+    /// Whether every job submitted has been answered (or skipped): none
+    /// runs and none waits in the queue.
+    pub fn is_idle(&self) -> bool {
+        self.pending() == 0
+    }
+
+    /// Resolves once the executor is idle ([`Activity::is_idle`]); at once
+    /// when it is. Never, while a job is wedged.
+    pub async fn idle(&self) {
+        loop {
+            let woken = self.idle.notified();
+            tokio::pin!(woken);
+            // Registered before the check, so a wake between the two is not
+            // lost.
+            woken.as_mut().enable();
+            if self.is_idle() {
+                return;
+            }
+            woken.await;
+        }
+    }
+
+    fn start(&self, model: &str, frames: usize, since: Instant) {
+        *self.running.lock().unwrap_or_else(PoisonError::into_inner) = Some(Current {
+            model: model.to_string(),
+            frames,
+            since,
+        });
+    }
+
+    fn end(&self) {
+        *self.running.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// A job was answered or skipped.
+    fn done(&self) {
+        if self.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
 }
 
 impl Executor {
@@ -60,10 +165,11 @@ impl Executor {
         let models = backend.models().to_vec();
         let (tx, rx) = mpsc::sync_channel::<Envelope>(capacity);
         let busy_us = Arc::new(AtomicU64::new(0));
-        let busy = busy_us.clone();
+        let activity = Arc::new(Activity::default());
+        let (busy, doing) = (busy_us.clone(), activity.clone());
         let thread = thread::Builder::new()
             .name("tidegate-backend".into())
-            .spawn(move || serve(backend, rx, &busy))
+            .spawn(move || serve(backend, rx, &busy, &doing))
             .expect("the OS refused to start the backend thread");
         Executor {
             queue: Some(tx),
@@ -71,7 +177,36 @@ impl Executor {
             models,
             capacity,
             busy_us,
+            activity,
         }
+    }
+
+    /// What the backend is doing, to watch from another thread without
+    /// keeping the executor alive.
+    pub fn activity(&self) -> Arc<Activity> {
+        self.activity.clone()
+    }
+
+    /// The job the backend is running (model, batch size, for how long);
+    /// `None` when it runs none.
+    pub fn running(&self) -> Option<RunningJob> {
+        self.activity.running()
+    }
+
+    /// How long the backend's current job has been running; `None` when it
+    /// runs none.
+    pub fn running_for(&self) -> Option<Duration> {
+        self.activity.running_for()
+    }
+
+    /// Whether no job runs and none is queued.
+    pub fn is_idle(&self) -> bool {
+        self.activity.is_idle()
+    }
+
+    /// Resolves once no job runs and none is queued.
+    pub async fn idle(&self) {
+        self.activity.idle().await
     }
 
     /// The models the backend serves.
@@ -104,17 +239,24 @@ impl Executor {
         let Some(queue) = &self.queue else {
             return Err(SubmitError::Stopped { job });
         };
-        match queue.try_send(Envelope { job, reply }) {
-            Ok(()) => Ok(rx),
-            Err(TrySendError::Full(e)) => Err(SubmitError::Overloaded {
+        // Counted before it is queued, so that the backend never uncounts
+        // a job not yet counted.
+        self.activity.pending.fetch_add(1, Ordering::SeqCst);
+        let unqueued = match queue.try_send(Envelope { job, reply }) {
+            Ok(()) => return Ok(rx),
+            Err(TrySendError::Full(e)) => SubmitError::Overloaded {
                 job: e.job,
                 capacity: self.capacity,
-            }),
-            Err(TrySendError::Disconnected(e)) => Err(SubmitError::Stopped { job: e.job }),
-        }
+            },
+            Err(TrySendError::Disconnected(e)) => SubmitError::Stopped { job: e.job },
+        };
+        self.activity.done();
+        Err(unqueued)
     }
 
     /// Stops taking jobs, finishes the queued ones, and joins the thread.
+    /// A thread wedged in a job never joins: the
+    /// [`watchdog`](crate::watchdog) ends the process then.
     pub fn shutdown(mut self) {
         self.stop();
     }
@@ -137,15 +279,23 @@ impl Drop for Executor {
 }
 
 /// The backend thread: answer jobs until the queue closes and is empty,
-/// adding the time each run takes to `busy_us`.
-fn serve(mut backend: Box<dyn Backend + Send>, rx: mpsc::Receiver<Envelope>, busy_us: &AtomicU64) {
+/// adding the time each run takes to `busy_us`, and recording in `activity`
+/// the job being run.
+fn serve(
+    mut backend: Box<dyn Backend + Send>,
+    rx: mpsc::Receiver<Envelope>,
+    busy_us: &AtomicU64,
+    activity: &Activity,
+) {
     while let Ok(Envelope { job, reply }) = rx.recv() {
         if reply.is_closed() {
             // The caller gave up (deadline passed, connection gone): skip it.
+            activity.done();
             continue;
         }
         let _entered = job.span.enter();
         let started = Instant::now();
+        activity.start(&job.model, job.frames.len(), started);
         let outcomes = catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, &job.frames)))
             .unwrap_or_else(|panic| {
                 let reason = format!(
@@ -157,9 +307,11 @@ fn serve(mut backend: Box<dyn Backend + Send>, rx: mpsc::Receiver<Envelope>, bus
                 vec![FrameOutcome::failed(reason); job.frames.len()]
             });
         let ran = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        activity.end();
         busy_us.fetch_add(ran, Ordering::Relaxed);
         // The caller may have gone meanwhile; nothing to do then.
         let _ = reply.send(outcomes);
+        activity.done();
     }
 }
 
@@ -406,6 +558,75 @@ mod tests {
             busy <= elapsed,
             "busy {busy} µs is more than the {elapsed} µs that passed"
         );
+    }
+
+    /// Bounds a wait that would hang if the behaviour under test were
+    /// broken; no assertion depends on how fast anything runs.
+    const BOUND: Duration = Duration::from_secs(10);
+
+    /// Whether `fut` is ready when polled once, now.
+    async fn ready_now(fut: impl std::future::Future<Output = ()>) -> bool {
+        tokio::select! {
+            biased;
+            _ = fut => true,
+            _ = std::future::ready(()) => false,
+        }
+    }
+
+    #[tokio::test]
+    async fn running_job_is_reported_while_it_runs_and_not_before_or_after() {
+        let (backend, _ran, gate_tx, started_rx) = gated_backend();
+        let exec = Executor::spawn(Box::new(backend), 4);
+        assert_eq!(exec.running_for(), None);
+        assert_eq!(exec.running(), None);
+        assert!(exec.is_idle());
+        let rx = exec.try_submit(job("blazeface", &[1, 1, 1])).unwrap();
+        assert!(!exec.is_idle(), "a queued job is pending");
+        started_rx.recv().unwrap();
+        assert!(exec.running_for().is_some());
+        let running = exec.running().unwrap();
+        assert_eq!((running.model.as_str(), running.frames), ("blazeface", 3));
+        assert!(!exec.is_idle());
+        // The watchdog reads the same through the shared activity.
+        let activity = exec.activity();
+        assert_eq!(activity.running().map(|r| r.frames), Some(3));
+        gate_tx.send(()).unwrap();
+        assert_eq!(rx.await.unwrap().len(), 3);
+        assert_eq!(exec.running_for(), None, "cleared before the answer");
+        tokio::time::timeout(BOUND, exec.idle())
+            .await
+            .expect("idle once the job is answered");
+        assert!(exec.is_idle() && activity.is_idle());
+    }
+
+    #[tokio::test]
+    async fn idle_waits_for_the_running_and_queued_jobs_only() {
+        let (backend, _ran, gate_tx, started_rx) = gated_backend();
+        let exec = Executor::spawn(Box::new(backend), 2);
+        assert!(ready_now(exec.idle()).await, "idle at start");
+        let first = exec.try_submit(job("a", &[1])).unwrap();
+        started_rx.recv().unwrap();
+        let second = exec.try_submit(job("b", &[1])).unwrap();
+        drop(exec.try_submit(job("abandoned", &[1])).unwrap());
+        // Refused jobs are not pending: the queue is full.
+        let refused = exec.try_submit(job("c", &[1])).unwrap_err();
+        assert!(matches!(refused, SubmitError::Overloaded { .. }));
+        assert_eq!(exec.activity().pending(), 3);
+        let idle = exec.idle();
+        tokio::pin!(idle);
+        assert!(!ready_now(&mut idle).await, "a job runs");
+        gate_tx.send(()).unwrap();
+        first.await.unwrap();
+        started_rx.recv().unwrap();
+        assert!(!ready_now(&mut idle).await, "the queued job runs now");
+        assert_eq!(exec.running().unwrap().model, "b");
+        gate_tx.send(()).unwrap();
+        second.await.unwrap();
+        // The abandoned job is skipped without running, and uncounted.
+        tokio::time::timeout(BOUND, idle)
+            .await
+            .expect("idle once the running and queued jobs are done");
+        assert_eq!(exec.activity().pending(), 0);
     }
 
     #[test]

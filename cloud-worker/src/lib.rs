@@ -11,6 +11,9 @@
 //!    pixels.
 //! 4. [`executor`] runs the backend on its own thread behind a bounded queue,
 //!    so that async code (the QUIC link) submits jobs without blocking.
+//!
+//! Beside the data path, [`watchdog`] watches the executor's running job
+//! and ends the process when ONNX Runtime or the device is wedged.
 
 pub mod backend;
 pub mod config;
@@ -22,3 +25,4 @@ pub mod link;
 pub mod model;
 pub mod preprocess;
 pub mod runtime;
+pub mod watchdog;

@@ -99,6 +99,47 @@ pub fn redial_delay(attempt: u32, jitter: f64) -> Duration {
         .mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
 }
 
+/// How [`settle`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// The executor is idle: register again.
+    Idle,
+    /// `cancel` fired first.
+    Cancelled,
+}
+
+/// Before dialling again after the link was lost: waits until the executor
+/// has finished the batches taken on the old connection (their answers go
+/// nowhere), so that a new registration's batches do not queue behind them,
+/// or until `cancel` fires. Says in the log why it waits. A wedged job never
+/// finishes; the [`watchdog`](crate::watchdog) ends the process then.
+pub async fn settle(executor: &Executor, cancel: &CancellationToken) -> Settled {
+    if executor.is_idle() {
+        return Settled::Idle;
+    }
+    let pending = executor.activity().pending();
+    match executor.running() {
+        Some(job) => warn!(
+            pending,
+            model = %job.model,
+            frames = job.frames,
+            running_ms = job.running_for.as_millis() as u64,
+            "the backend is still running batches of the lost link; waiting for them to finish before registering again"
+        ),
+        None => warn!(
+            pending,
+            "the backend still has batches of the lost link queued; waiting for them to finish before registering again"
+        ),
+    }
+    tokio::select! {
+        _ = executor.idle() => {
+            info!("the backend has finished the lost link's batches");
+            Settled::Idle
+        }
+        _ = cancel.cancelled() => Settled::Cancelled,
+    }
+}
+
 /// How a link ended without error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinkEnd {
@@ -790,6 +831,120 @@ mod tests {
                 "{status:?}"
             );
         }
+    }
+
+    /// Runs each batch once the test releases it, and says when a run
+    /// starts.
+    struct GatedBackend {
+        started: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl crate::backend::Backend for GatedBackend {
+        fn models(&self) -> &[crate::model::ModelSpec] {
+            &[]
+        }
+
+        fn run(&mut self, _: &str, frames: &[FrameInput]) -> Vec<FrameOutcome> {
+            let _ = self.started.send(());
+            let _ = self.release.recv();
+            vec![FrameOutcome::failed("released"); frames.len()]
+        }
+
+        fn profile(
+            &mut self,
+            _: &str,
+            _: &[u16],
+        ) -> Result<Vec<(u16, u32)>, crate::backend::BackendError> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// An executor whose first job is running and held until the returned
+    /// sender releases it.
+    fn executor_with_a_held_batch() -> (
+        Executor,
+        tokio::sync::oneshot::Receiver<Vec<FrameOutcome>>,
+        std::sync::mpsc::Sender<()>,
+    ) {
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel();
+        let executor = Executor::spawn(
+            Box::new(GatedBackend {
+                started: started_tx,
+                release: release_rx,
+            }),
+            4,
+        );
+        let answer = executor
+            .try_submit(Job {
+                model: "m".into(),
+                frames: Vec::new(),
+                span: tracing::Span::none(),
+            })
+            .unwrap();
+        started_rx.recv().unwrap();
+        (executor, answer, release_tx)
+    }
+
+    /// Bounds a wait that would hang if the behaviour under test were
+    /// broken; no assertion depends on how fast anything runs.
+    const BOUND: Duration = Duration::from_secs(10);
+
+    /// Polls `fut` once: its output if it is ready now.
+    async fn now<T>(fut: impl Future<Output = T>) -> Option<T> {
+        tokio::select! {
+            biased;
+            out = fut => Some(out),
+            _ = std::future::ready(()) => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn registering_again_waits_until_the_old_links_batches_are_done() {
+        let idle = Executor::spawn(
+            Box::new(GatedBackend {
+                started: std::sync::mpsc::channel().0,
+                release: std::sync::mpsc::channel().1,
+            }),
+            4,
+        );
+        let cancel = CancellationToken::new();
+        assert_eq!(now(settle(&idle, &cancel)).await, Some(Settled::Idle));
+
+        let (executor, answer, release) = executor_with_a_held_batch();
+        let settled = settle(&executor, &cancel);
+        tokio::pin!(settled);
+        assert_eq!(
+            now(&mut settled).await,
+            None,
+            "a batch of the old link runs"
+        );
+        release.send(()).unwrap();
+        // Its answer goes nowhere: the link that wanted it is gone.
+        drop(answer);
+        let settled = tokio::time::timeout(BOUND, settled)
+            .await
+            .expect("settle never saw the executor idle");
+        assert_eq!(settled, Settled::Idle);
+        assert!(executor.is_idle());
+    }
+
+    #[tokio::test]
+    async fn waiting_on_a_wedged_batch_ends_on_cancel() {
+        let (executor, _answer, release) = executor_with_a_held_batch();
+        let cancel = CancellationToken::new();
+        let settled = settle(&executor, &cancel);
+        tokio::pin!(settled);
+        assert_eq!(now(&mut settled).await, None);
+        cancel.cancel();
+        let settled = tokio::time::timeout(BOUND, settled)
+            .await
+            .expect("cancel did not end the wait");
+        assert_eq!(settled, Settled::Cancelled);
+        assert!(!executor.is_idle(), "the batch still runs");
+        // Unwedge it, so that the executor joins its thread when dropped.
+        release.send(()).unwrap();
     }
 
     #[test]

@@ -15,6 +15,7 @@ use tidegate_worker::executor::Executor;
 use tidegate_worker::link::{self, LinkConfig};
 use tidegate_worker::model::Repository;
 use tidegate_worker::runtime::{Runtime, RuntimeOptions};
+use tidegate_worker::watchdog;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
@@ -23,7 +24,10 @@ use tracing::info;
 /// Loads the model repository, opens an ONNX Runtime session per model,
 /// measures each model's latency per batch size, then dials the gateway,
 /// registers, and runs the batches it is sent. SIGTERM drains: batches
-/// already taken are finished and answered, then the worker exits 0.
+/// already taken are finished and answered, then the worker exits 0. A
+/// batch still running after `runtime.wedged_after_secs` (ONNX Runtime or
+/// the GPU is wedged) ends the worker with exit status 3, for its
+/// supervisor to replace it.
 ///
 /// Example: TIDEGATE_WORKER_TOKEN=... tidegate-worker --config worker.toml
 #[derive(Debug, Parser)]
@@ -200,6 +204,13 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         profile,
     };
     let executor = Arc::new(Executor::spawn(Box::new(backend), EXECUTOR_QUEUE));
+    // For the rest of the process, drain and shutdown included: a job that
+    // never returns ends the process with EXIT_WEDGED.
+    watchdog::spawn(
+        executor.activity(),
+        Duration::from_secs(cfg.runtime.wedged_after_secs),
+    )
+    .context("starting the watchdog thread")?;
     let reconnect = Duration::from_secs(cfg.gateway.reconnect_secs);
     let link = LinkConfig {
         gateway: cfg.gateway.addr.clone(),
@@ -227,6 +238,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         serve(&link, executor.clone(), register, cancel, reconnect).await
     })?;
     info!(?end, "exiting");
+    // Joins the backend thread; should a job be wedged, the watchdog ends
+    // the process instead.
     if let Ok(executor) = Arc::try_unwrap(executor) {
         executor.shutdown();
     }
@@ -235,9 +248,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
 
 /// Keeps the worker linked to its gateway: when the link breaks (the
 /// gateway restarted or the network failed) it redials with jittered
-/// backoff and registers again, for up to `reconnect` since the link was
-/// last up. A drain ends it; so does a refusal (a wrong or spent token),
-/// which no retry can fix.
+/// backoff and, once the backend has finished the old link's batches,
+/// registers again, for up to `reconnect` since the link was last up. A
+/// drain ends it; so does a refusal (a wrong or spent token), which no
+/// retry can fix.
 async fn serve(
     link: &LinkConfig,
     executor: Arc<Executor>,
@@ -288,6 +302,12 @@ async fn serve(
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = cancel.cancelled() => return Ok(link::LinkEnd::Closed),
+        }
+        // Batches of the lost link still on the backend would hold up the
+        // new link's; a wedged one never ends, and the watchdog ends the
+        // process instead of this worker registering again.
+        if link::settle(&executor, &cancel).await == link::Settled::Cancelled {
+            return Ok(link::LinkEnd::Closed);
         }
     }
 }
