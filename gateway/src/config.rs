@@ -81,6 +81,14 @@ pub struct LeasingConfig {
     /// requested is ended as `failed` and released (s).
     #[serde(default = "default_start_timeout_secs")]
     pub start_timeout_secs: u64,
+    /// A ready lease whose worker's connection has been gone this long
+    /// (it died, hung, or lost its network) is ended as `lost` and
+    /// released, so that a new lease replaces it; also counted from a
+    /// restart for the leases adopted (s). Longer than the worker's own
+    /// `gateway.reconnect_secs` (60), so that a worker that can redial
+    /// does.
+    #[serde(default = "default_rejoin_timeout_secs")]
+    pub rejoin_timeout_secs: u64,
     /// Most the leases not ended may cost together, per hour, in the
     /// catalog's currency; unset: no cap.
     #[serde(default)]
@@ -140,6 +148,8 @@ impl std::fmt::Debug for LeasingConfig {
             .field("ledger", &self.ledger)
             .field("policy", &self.policy)
             .field("tick_ms", &self.tick_ms)
+            .field("start_timeout_secs", &self.start_timeout_secs)
+            .field("rejoin_timeout_secs", &self.rejoin_timeout_secs)
             .field("spend_cap_per_hour", &self.spend_cap_per_hour)
             .field("headroom", &self.headroom)
             .field("down_window_secs", &self.down_window_secs)
@@ -209,6 +219,9 @@ fn default_tick_ms() -> u64 {
 }
 fn default_start_timeout_secs() -> u64 {
     600
+}
+fn default_rejoin_timeout_secs() -> u64 {
+    120
 }
 fn default_notice_period_secs() -> f64 {
     120.0
@@ -572,6 +585,7 @@ impl LeasingConfig {
         }
         for (field, secs) in [
             ("start_timeout_secs", Some(self.start_timeout_secs)),
+            ("rejoin_timeout_secs", Some(self.rejoin_timeout_secs)),
             ("down_window_secs", self.down_window_secs),
             ("release_window_secs", self.release_window_secs),
             ("idle_timeout_secs", self.idle_timeout_secs),
@@ -927,6 +941,7 @@ mod tests {
                 "start_timeout_secs = 18446744073709551615",
                 "start_timeout_secs",
             ),
+            ("rejoin_timeout_secs = 0", "rejoin_timeout_secs"),
             ("spend_cap_per_hour = 1e300", "spend_cap_per_hour"),
         ] {
             let e = leasing(&format!("{extra}\n{PROCESS}{MODEL}"))

@@ -254,6 +254,11 @@ pub struct LoadReport {
     pub served: Vec<(LeaseId, Served)>,
     /// The same per lease, edge and model, for the ledger's showback.
     pub usage: Vec<UsageReport>,
+    /// Leases whose worker the hub dropped as stalled since the last
+    /// report (a batch far past due while its connection lived). Their
+    /// dispatch is already stopped; the lease shell releases them so that
+    /// new leases replace them.
+    pub stalled: Vec<LeaseId>,
 }
 
 /// What one lease did for one edge on one model since the last report.
@@ -426,6 +431,9 @@ struct State {
     usage: HashMap<(LeaseId, Arc<str>), HashMap<String, Usage>>,
     /// Leases told to drain (applied to their worker when it registers).
     draining_leases: std::collections::HashSet<LeaseId>,
+    /// Leases whose worker was dropped as stalled, for the next load
+    /// report.
+    stalled_leases: std::collections::BTreeSet<LeaseId>,
     /// The lease each static worker is bound to (applied to its worker
     /// when it registers).
     static_bindings: HashMap<String, LeaseId>,
@@ -466,6 +474,7 @@ pub fn spawn(
         served: HashMap::new(),
         usage: HashMap::new(),
         draining_leases: Default::default(),
+        stalled_leases: Default::default(),
         static_bindings: HashMap::new(),
         latencies: HashMap::new(),
         budgets: HashMap::new(),
@@ -963,8 +972,15 @@ impl State {
                     .unwrap_or_default();
                 tracing::warn!(worker = worker.0, %name, "{reason}; dropping it");
                 self.metrics.workers_stalled.inc();
-                self.workers.remove(&worker);
+                let lease = self.workers.remove(&worker).and_then(|w| w.lease);
                 self.forget_batches(worker);
+                if let Some(lease) = lease {
+                    // Its process lives on and may redial with its token:
+                    // it gets no batch again, and the lease shell replaces
+                    // the lease (a wedged GPU does not heal by itself).
+                    self.draining_leases.insert(lease);
+                    self.stalled_leases.insert(lease);
+                }
             }
             Action::Complete {
                 frame,
@@ -1094,6 +1110,9 @@ impl State {
             workers,
             served,
             usage,
+            stalled: std::mem::take(&mut self.stalled_leases)
+                .into_iter()
+                .collect(),
         }
     }
 
@@ -1188,7 +1207,7 @@ fn worker_models(register: &Register) -> Vec<WorkerModel> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use bytes::Bytes;
     use tidegate_protocol::{
@@ -1196,9 +1215,11 @@ mod tests {
         Timings,
     };
 
-    const MODEL: &str = "m";
+    /// The model of [`register`] and [`frame`].
+    pub(crate) const MODEL: &str = "m";
 
-    fn register() -> Register {
+    /// A worker serving [`MODEL`], batch 1 at 1 ms.
+    pub(crate) fn register() -> Register {
         Register {
             worker: "lease-7".into(),
             device: "cpu".into(),
@@ -1225,7 +1246,8 @@ mod tests {
         }
     }
 
-    fn frame(seq: u64) -> Frame {
+    /// A 2×2 frame of camera `cam` for [`MODEL`], 80 ms budget.
+    pub(crate) fn frame(seq: u64) -> Frame {
         Frame {
             camera: "cam".into(),
             seq,
@@ -1332,9 +1354,11 @@ mod tests {
     /// A worker that takes a batch and never answers (a hung GPU) while
     /// its connection lives: once the batch is the stall timeout past due,
     /// its frame ends `failed: worker stalled`, its dispatch channel is
-    /// closed (which closes the connection) and the drop is counted.
+    /// closed (which closes the connection) and the drop is counted. Its
+    /// lease is reported stalled once, for the lease shell to replace, and
+    /// the same worker redialling with the lease's token gets no batch.
     #[tokio::test]
-    async fn a_stalled_worker_is_dropped_and_its_frame_ends() {
+    async fn a_stalled_worker_is_dropped_its_frame_ends_and_its_lease_is_reported() {
         let metrics = Metrics::new();
         let cancel = CancellationToken::new();
         let tracker = tokio_util::task::TaskTracker::new();
@@ -1343,7 +1367,7 @@ mod tests {
             ..Limits::default()
         };
         let hub = spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
-        let mut batches = connect_worker(&hub, None).await;
+        let mut batches = connect_worker(&hub, Some(LeaseId(4))).await;
         let mut answers = connect_edge(&hub).await;
         send_frame(&hub, 1, 5_000).await;
         let d = recv(&mut batches).await;
@@ -1359,6 +1383,27 @@ mod tests {
         // Its late answer changes nothing; the hub goes on.
         answer(&hub, &d, ok_item).await;
         assert!(hub.snapshot().await.unwrap().workers.is_empty());
+        let report = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert_eq!(report.stalled, vec![LeaseId(4)]);
+        let report = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert!(report.stalled.is_empty(), "reported once: {report:?}");
+
+        // The same process redials with its lease's token: it registers,
+        // and its frame goes unserved rather than into its queue.
+        let (dispatch, mut again) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: WorkerId(2),
+            register: register(),
+            dispatch,
+            lease: Some(LeaseId(4)),
+            static_worker: None,
+            drain: CancellationToken::new(),
+        })
+        .await;
+        send_frame(&hub, 2, 50).await;
+        let r = recv(&mut answers).await;
+        assert_ne!(r.status, Status::Ok, "{r:?}");
+        assert!(again.try_recv().is_err(), "no batch to a stalled lease");
         cancel.cancel();
     }
 

@@ -591,6 +591,13 @@ fn start(
     let mut table = ledger.load_table().map_err(ledger_err)?;
     let epoch = tokio::time::Instant::now();
     let mut releases = ReleaseQueue::new();
+    // An adopted lease's worker must redial this gateway: until it
+    // registers, it is absent.
+    let absent: HashMap<LeaseId, Millis> = adopted
+        .iter()
+        .filter(|id| table.get(**id).map(|e| e.state) == Some(LeaseState::Ready))
+        .map(|id| (*id, 0))
+        .collect();
     for id in &adopted {
         // the adopted worker registers again with the token it was given
         table.rearm_claim(*id)?;
@@ -671,6 +678,8 @@ fn start(
         leased_ms: 0.0,
         cost_seen: BTreeMap::new(),
         start_timeout_ms: cfg.start_timeout_secs.saturating_mul(1000),
+        absent,
+        rejoin_timeout_ms: cfg.rejoin_timeout_secs.saturating_mul(1000),
         on_stop: cfg.on_stop,
     };
     shell.update_metrics(now);
@@ -804,6 +813,12 @@ struct Shell {
     /// A lease whose worker has not registered this long after it was
     /// requested is ended as `failed` and released (ms).
     start_timeout_ms: Millis,
+    /// Ready leases whose worker's connection is gone, with since when
+    /// (monotonic clock; adopted leases from the start).
+    absent: HashMap<LeaseId, Millis>,
+    /// A ready lease whose worker has been gone this long is ended as
+    /// `lost` and released (ms).
+    rejoin_timeout_ms: Millis,
 }
 
 /// What a provider release came to.
@@ -992,6 +1007,10 @@ impl Shell {
                     }
                 } else {
                     self.rearm(lease);
+                    if self.state(lease) == Some(LeaseState::Ready) {
+                        let now = self.mono();
+                        self.absent.entry(lease).or_insert(now);
+                    }
                 }
             }
             LeasingMsg::Leases {
@@ -1062,6 +1081,7 @@ impl Shell {
 
     /// The lease's worker registered (its models are warm): `ready`.
     fn lease_registered(&mut self, lease: LeaseId) {
+        self.absent.remove(&lease);
         let now = wall_clock_ms();
         if self.state(lease) == Some(LeaseState::Starting) {
             self.write(lease, Write::Ready { at: now });
@@ -1293,6 +1313,7 @@ impl Shell {
         }
         let _ = self.table.transition(lease, LeaseState::Ended(reason));
         self.write(lease, Write::Ended { at: now, reason });
+        self.absent.remove(&lease);
     }
 
     async fn tick(&mut self) {
@@ -1337,6 +1358,7 @@ impl Shell {
                 .schedule(*lease, self.mono(), EndReason::Failed);
             self.start_failed();
         }
+        self.replace_unserving(&report.stalled).await;
         // the table is the truth (a ledger write may be pending retry)
         let leases = live
             .iter()
@@ -1360,6 +1382,45 @@ impl Shell {
             warn!("accruing cost: {e}");
         }
         self.update_metrics(now);
+    }
+
+    /// Ends as `lost`, and releases, the live leases that serve nothing
+    /// and never will: those whose worker the hub dropped as stalled (a
+    /// wedged GPU; its process may redial but gets no batch), and the
+    /// ready ones whose worker has been gone for the rejoin timeout (a
+    /// process that hangs or lost its network is never reported ended by
+    /// its provider, and would be paid for while serving nothing). The
+    /// release stops them at the provider; the autoscaler, no longer
+    /// counting them, leases replacements.
+    async fn replace_unserving(&mut self, stalled: &[LeaseId]) {
+        let mono = self.mono();
+        let live = |shell: &Self, lease: &LeaseId| {
+            matches!(
+                shell.state(*lease),
+                Some(LeaseState::Starting | LeaseState::Ready)
+            ) && !shell.releases.contains(*lease)
+        };
+        let stalled: Vec<LeaseId> = stalled.iter().filter(|l| live(self, l)).copied().collect();
+        let gone: Vec<(LeaseId, Millis)> = self
+            .absent
+            .iter()
+            .filter(|(lease, since)| {
+                mono.saturating_sub(**since) >= self.rejoin_timeout_ms && live(self, lease)
+            })
+            .map(|(lease, since)| (*lease, mono.saturating_sub(*since)))
+            .collect();
+        for lease in stalled {
+            warn!(%lease, "its worker stalled (a batch far past due); ending the lease as lost and releasing it so that a new one replaces it");
+            self.absent.remove(&lease);
+            self.drain(lease).await;
+            self.releases.schedule(lease, mono, EndReason::Lost);
+        }
+        for (lease, gone_ms) in gone {
+            warn!(%lease, gone_secs = gone_ms / 1000, "its worker has not redialled; ending the lease as lost and releasing it so that a new one replaces it");
+            self.absent.remove(&lease);
+            self.drain(lease).await;
+            self.releases.schedule(lease, mono, EndReason::Lost);
+        }
     }
 
     /// Frames served per lease into the ledger; profiles into throughput.
@@ -1895,29 +1956,35 @@ min_fps = {min_fps}
         cfg: &LeasingConfig,
         script: &Arc<Script>,
     ) -> (Leasing, CancellationToken, TaskTracker, Metrics) {
+        let (l, _, cancel, tracker, metrics) =
+            start_fake_with_hub(cfg, script, crate::scheduler::Limits::default());
+        (l, cancel, tracker, metrics)
+    }
+
+    /// [`start_fake_metered`] with the hub's scheduler `limits`, and the
+    /// hub.
+    fn start_fake_with_hub(
+        cfg: &LeasingConfig,
+        script: &Arc<Script>,
+        limits: crate::scheduler::Limits,
+    ) -> (Leasing, Hub, CancellationToken, TaskTracker, Metrics) {
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = Metrics::new();
-        let hub = crate::hub::spawn(
-            crate::scheduler::Limits::default(),
-            None,
-            metrics.clone(),
-            cancel.clone(),
-            &tracker,
-        );
+        let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
         let ledger = Ledger::open(&cfg.ledger).unwrap();
         let source = Source::Fake(FakeProvider::new(script.clone()));
         let l = start(
             cfg,
             ledger,
             source,
-            hub,
+            hub.clone(),
             metrics.clone(),
             cancel.clone(),
             &tracker,
         )
         .unwrap();
-        (l, cancel, tracker, metrics)
+        (l, hub, cancel, tracker, metrics)
     }
 
     async fn stop(cancel: CancellationToken, tracker: TaskTracker) {
@@ -2099,6 +2166,140 @@ min_fps = {min_fps}
         assert_eq!(rec.state, LeaseState::Ready, "{rec:?}");
         assert!(!rec.token_claimed, "{rec:?}");
         assert_eq!(script.releases_of(ready), 0);
+        stop(cancel, tracker).await;
+    }
+
+    /// After a restart, an adopted ready lease whose worker never redials
+    /// this gateway is ended `lost` after the rejoin timeout and released;
+    /// one whose worker registers again is kept.
+    #[tokio::test]
+    async fn an_adopted_lease_whose_worker_never_redials_is_ended_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), "static-peak", 0);
+        cfg.rejoin_timeout_secs = 1;
+        let back = recorded(&cfg, false);
+        let gone = recorded(&cfg, false);
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        l.registered(back).await;
+        eventually(GUARD, "the absent worker's lease ended", || async {
+            lease(&l, gone).await.state.is_ended()
+        })
+        .await;
+        assert_eq!(
+            lease(&l, gone).await.state,
+            LeaseState::Ended(EndReason::Lost)
+        );
+        assert_eq!(script.releases_of(gone), 1);
+        assert_eq!(lease(&l, back).await.state, LeaseState::Ready);
+        assert_eq!(script.releases_of(back), 0);
+        stop(cancel, tracker).await;
+    }
+
+    /// A ready lease whose worker's link dropped and never came back (a
+    /// hung process, a lost network: its provider reports nothing) is
+    /// ended `lost` after the rejoin timeout, released at the provider,
+    /// and replaced; one whose worker redials in time is kept.
+    #[tokio::test]
+    async fn a_lease_whose_worker_never_redials_is_ended_lost_released_and_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), "static-peak", 10);
+        cfg.rejoin_timeout_secs = 1;
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        let id = first_lease(&l).await;
+        l.registered(id).await;
+        // back in time: kept
+        l.disconnected(id).await;
+        l.registered(id).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(lease(&l, id).await.state, LeaseState::Ready);
+        assert_eq!(script.releases_of(id), 0);
+
+        // gone for good
+        l.disconnected(id).await;
+        eventually(GUARD, "the absent worker's lease ended", || async {
+            lease(&l, id).await.state.is_ended()
+        })
+        .await;
+        assert_eq!(
+            lease(&l, id).await.state,
+            LeaseState::Ended(EndReason::Lost)
+        );
+        assert_eq!(script.releases_of(id), 1, "stopped at the provider");
+        eventually(GUARD, "a new lease replaces it", || async {
+            l.leases(true, 100)
+                .await
+                .unwrap()
+                .iter()
+                .any(|r| r.id != id)
+        })
+        .await;
+        stop(cancel, tracker).await;
+    }
+
+    /// The hub drops a worker whose batch is far past due while its link
+    /// lives (a wedged GPU): its lease is ended `lost`, released at the
+    /// provider (which stops the process) and replaced.
+    #[tokio::test]
+    async fn a_lease_whose_worker_stalls_is_ended_lost_released_and_replaced() {
+        use crate::hub::tests::{frame, register};
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        let limits = crate::scheduler::Limits {
+            stall_us: 200_000,
+            ..Default::default()
+        };
+        let (l, hub, cancel, tracker, metrics) = start_fake_with_hub(&cfg, &script, limits);
+        let id = first_lease(&l).await;
+        l.registered(id).await;
+        let (dispatch, mut batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: crate::scheduler::WorkerId(1),
+            register: register(),
+            dispatch,
+            lease: Some(id),
+            static_worker: None,
+            drain: CancellationToken::new(),
+        })
+        .await;
+        let (results, _answers) = mpsc::channel(8);
+        let (hints, _hints) = mpsc::channel(8);
+        hub.send(HubMsg::EdgeConnected {
+            edge: crate::scheduler::EdgeId(1),
+            name: "e".into(),
+            results,
+            hints,
+        })
+        .await;
+        hub.send(HubMsg::Frame {
+            edge: crate::scheduler::EdgeId(1),
+            frame: frame(1),
+            deadline: std::time::Instant::now() + Duration::from_secs(5),
+        })
+        .await;
+        // taken, never answered
+        let taken = tokio::time::timeout(GUARD, batches.recv()).await.unwrap();
+        assert!(taken.is_some());
+        eventually(GUARD, "the stalled worker's lease ended", || async {
+            lease(&l, id).await.state.is_ended()
+        })
+        .await;
+        assert_eq!(metrics.workers_stalled.get(), 1);
+        assert_eq!(
+            lease(&l, id).await.state,
+            LeaseState::Ended(EndReason::Lost)
+        );
+        assert_eq!(script.releases_of(id), 1, "stopped at the provider");
+        eventually(GUARD, "a new lease replaces it", || async {
+            l.leases(true, 100)
+                .await
+                .unwrap()
+                .iter()
+                .any(|r| r.id != id)
+        })
+        .await;
         stop(cancel, tracker).await;
     }
 
