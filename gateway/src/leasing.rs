@@ -406,14 +406,16 @@ impl Source {
         }
     }
 
-    async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+    /// Starts the release of `lease`; the future waits until its worker is
+    /// gone, and holds no borrow of the provider.
+    fn release(&mut self, lease: LeaseId) -> ReleaseFuture {
         match self {
-            Source::Process { provider, .. } => provider.release(lease).await,
-            Source::Static(p) => p.release(lease).await,
-            Source::Slurm(p) => p.release(lease).await,
-            Source::Kubernetes(p) => p.release(lease).await,
+            Source::Process { provider, .. } => Box::pin(provider.release(lease)),
+            Source::Static(p) => Box::pin(p.release(lease)),
+            Source::Slurm(p) => Box::pin(p.release(lease)),
+            Source::Kubernetes(p) => Box::pin(p.release(lease)),
             #[cfg(test)]
-            Source::Fake(p) => p.release(lease).await,
+            Source::Fake(p) => Box::pin(p.release(lease)),
         }
     }
 
@@ -440,6 +442,13 @@ impl Source {
         }
     }
 }
+
+/// A provider release under way: it ends when the worker is gone.
+type ReleaseFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ProviderError>> + Send>>;
+
+/// A provider release's lease and how it ended.
+type ReleaseOutcome = (LeaseId, Result<(), ProviderError>);
 
 /// Capacity of the shell's inbox.
 const INBOX: usize = 256;
@@ -680,6 +689,8 @@ fn start(
         start_timeout_ms: cfg.start_timeout_secs.saturating_mul(1000),
         absent,
         rejoin_timeout_ms: cfg.rejoin_timeout_secs.saturating_mul(1000),
+        in_flight: tokio::task::JoinSet::new(),
+        in_flight_leases: HashMap::new(),
         on_stop: cfg.on_stop,
     };
     shell.update_metrics(now);
@@ -819,6 +830,13 @@ struct Shell {
     /// A ready lease whose worker has been gone this long is ended as
     /// `lost` and released (ms).
     rejoin_timeout_ms: Millis,
+    /// Provider releases under way, each on a task of its own: a Pod's
+    /// grace period or a job's drain never holds up the shell (worker
+    /// logins, the API, ticks, spot notices and the acquisitions that
+    /// replace a preempted lease).
+    in_flight: tokio::task::JoinSet<ReleaseOutcome>,
+    /// The lease of each task in `in_flight`.
+    in_flight_leases: HashMap<tokio::task::Id, LeaseId>,
 }
 
 /// What a provider release came to.
@@ -826,7 +844,20 @@ enum Released {
     /// The worker is gone (or the provider no longer holds the lease).
     Gone,
     /// The provider failed: the worker may still run, and bill.
-    Failed(ProviderError),
+    Failed(String),
+}
+
+impl Released {
+    fn of(lease: LeaseId, result: Result<(), ProviderError>) -> Released {
+        match result {
+            Ok(()) => Released::Gone,
+            Err(ProviderError::UnknownLease(_)) => {
+                debug!(%lease, "the provider no longer holds it; nothing to release");
+                Released::Gone
+            }
+            Err(e) => Released::Failed(e.to_string()),
+        }
+    }
 }
 
 impl Shell {
@@ -872,6 +903,10 @@ impl Shell {
                     self.release_due().await;
                     self.update_metrics(wall_clock_ms());
                 }
+                Some(joined) = self.in_flight.join_next_with_id(), if !self.in_flight.is_empty() => {
+                    self.release_finished(joined).await;
+                    self.update_metrics(wall_clock_ms());
+                }
             }
         }
         self.shutdown().await;
@@ -885,6 +920,11 @@ impl Shell {
     /// already draining are released; the others stay live, their workers
     /// running, for the next start to adopt.
     async fn shutdown(mut self) {
+        // the releases under way end first (each within its provider's
+        // release timeout); one that failed is tried again below
+        while let Some(joined) = self.in_flight.join_next_with_id().await {
+            self.release_finished(joined).await;
+        }
         self.flush_writes();
         let mut live: BTreeSet<LeaseId> = self
             .table
@@ -1692,51 +1732,78 @@ impl Shell {
     /// it (its worker ended, and the provider dropped it) has nothing to
     /// release: that is `Gone` too.
     async fn provider_release(&mut self, lease: LeaseId) -> Released {
-        match self.source.release(lease).await {
-            Ok(()) => Released::Gone,
-            Err(ProviderError::UnknownLease(_)) => {
-                debug!(%lease, "the provider no longer holds it; nothing to release");
-                Released::Gone
-            }
-            Err(e) => Released::Failed(e),
-        }
+        Released::of(lease, self.source.release(lease).await)
     }
 
     /// Releases the leases whose release is due. Their workers all begin
     /// to drain first (a Pod deleted, a job cancelled), then each release
-    /// waits for its own: one after another, the last of a batch would end
-    /// only after every drain before it, past the paid block it was timed
-    /// to end in. One the provider fails to release stays draining (in the
-    /// ledger and the hub) and in the queue, retried with backoff: it may
-    /// still bill, so it is never ended while its worker may run.
+    /// waits for its own on a task of its own (`in_flight`): one after
+    /// another, the last of a batch would end only after every drain
+    /// before it, past the paid block it was timed to end in, and the
+    /// shell would wait for them all. One the provider fails to release
+    /// stays draining (in the ledger and the hub) and in the queue,
+    /// retried with backoff: it may still bill, so it is never ended while
+    /// its worker may run.
     async fn release_due(&mut self) {
         let due = self.releases.due(self.mono());
         if !due.is_empty() {
             self.source.begin_release(&due).await;
         }
         for lease in due {
-            match self.provider_release(lease).await {
-                Released::Gone => {
-                    let reason = self.releases.done(lease).unwrap_or(EndReason::Released);
-                    if self.static_names.remove(&lease).is_some() {
-                        // a static worker is unbound, not gone: it keeps
-                        // its connection and waits for another lease
-                        self.hub.send(HubMsg::LeaseUnbound { lease }).await;
-                    } else {
-                        // the worker is gone now
-                        self.hub.send(HubMsg::LeaseEnded { lease }).await;
-                    }
-                    self.end(lease, wall_clock_ms(), reason);
+            self.releases.start(lease);
+            let release = self.source.release(lease);
+            let task = self.in_flight.spawn(async move { (lease, release.await) });
+            self.in_flight_leases.insert(task.id(), lease);
+        }
+    }
+
+    /// A provider release under way has ended: the lease ends, or its
+    /// release is retried with backoff.
+    async fn release_finished(
+        &mut self,
+        joined: Result<(tokio::task::Id, ReleaseOutcome), tokio::task::JoinError>,
+    ) {
+        let (lease, released) = match joined {
+            Ok((task, (lease, result))) => {
+                self.in_flight_leases.remove(&task);
+                (lease, Released::of(lease, result))
+            }
+            Err(e) => {
+                let Some(lease) = self.in_flight_leases.remove(&e.id()) else {
+                    return;
+                };
+                (
+                    lease,
+                    Released::Failed(format!("the release task failed: {e}")),
+                )
+            }
+        };
+        if !self.releases.contains(lease) {
+            // its provider reported the end meanwhile, and it has ended
+            debug!(%lease, "release finished for a lease already ended");
+            return;
+        }
+        match released {
+            Released::Gone => {
+                let reason = self.releases.done(lease).unwrap_or(EndReason::Released);
+                if self.static_names.remove(&lease).is_some() {
+                    // a static worker is unbound, not gone: it keeps its
+                    // connection and waits for another lease
+                    self.hub.send(HubMsg::LeaseUnbound { lease }).await;
+                } else {
+                    // the worker is gone now
+                    self.hub.send(HubMsg::LeaseEnded { lease }).await;
                 }
-                Released::Failed(e) => {
-                    self.metrics.lease_release_failures.inc();
-                    let now = self.mono();
-                    let retry_ms = self
-                        .releases
-                        .failed(lease, now)
-                        .map_or(0, |at| at.saturating_sub(now));
-                    warn!(%lease, retry_ms, "provider release failed; the lease stays draining (it may still bill) and is retried: {e}");
-                }
+                self.end(lease, wall_clock_ms(), reason);
+            }
+            Released::Failed(e) => {
+                self.metrics.lease_release_failures.inc();
+                let now = self.mono();
+                let retry_ms = self
+                    .releases
+                    .failed(lease, now)
+                    .map_or(0, |at| at.saturating_sub(now));
+                warn!(%lease, retry_ms, "provider release failed; the lease stays draining (it may still bill) and is retried: {e}");
             }
         }
     }
@@ -1799,6 +1866,8 @@ mod fake {
         pub unbegun_releases: AtomicUsize,
         /// The token handed to each acquired lease's worker.
         pub tokens: Mutex<HashMap<LeaseId, LeaseToken>>,
+        /// While true, releases wait (a Pod's grace period, a job's drain).
+        pub hold_releases: tokio::sync::watch::Sender<bool>,
     }
 
     impl Script {
@@ -1814,6 +1883,10 @@ mod fake {
 
         pub fn fail_releases(&self, fail: bool) {
             self.fail_releases.store(fail, Ordering::SeqCst);
+        }
+
+        pub fn hold_releases(&self, hold: bool) {
+            self.hold_releases.send_replace(hold);
         }
     }
 
@@ -1874,23 +1947,31 @@ mod fake {
             })
         }
 
-        async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+        fn release(
+            &mut self,
+            lease: LeaseId,
+        ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
             self.script.release_calls.lock().unwrap().push(lease);
             if !self.script.begun.lock().unwrap().contains(&lease) {
                 self.script.unbegun_releases.fetch_add(1, Ordering::SeqCst);
             }
-            if !self.held.contains(&lease) {
-                return Err(ProviderError::UnknownLease(lease));
-            }
-            if self.script.fail_releases.load(Ordering::SeqCst) {
-                return Err(ProviderError::Slurm {
+            let result = if !self.held.contains(&lease) {
+                Err(ProviderError::UnknownLease(lease))
+            } else if self.script.fail_releases.load(Ordering::SeqCst) {
+                Err(ProviderError::Slurm {
                     lease: Some(lease),
                     what: "scancel".into(),
                     detail: "the controller does not answer (scripted)".into(),
-                });
+                })
+            } else {
+                self.held.remove(&lease);
+                Ok(())
+            };
+            let mut hold = self.script.hold_releases.subscribe();
+            async move {
+                let _ = hold.wait_for(|held| !held).await;
+                result
             }
-            self.held.remove(&lease);
-            Ok(())
         }
 
         fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
@@ -2036,6 +2117,60 @@ min_fps = {min_fps}
         tokio::time::sleep(Duration::from_secs(4)).await;
         assert_eq!(script.releases_of(id), 0);
         assert_eq!(lease(&l, id).await.state, LeaseState::Ready);
+        stop(cancel, tracker).await;
+    }
+
+    /// A release that takes long (a Pod's grace period, a job's drain)
+    /// holds up nothing else: while it waits, the shell answers, and the
+    /// replacement the floor needs is leased and its worker logs in. The
+    /// lease ends only once its worker is gone.
+    #[tokio::test]
+    async fn a_long_release_holds_up_neither_the_shell_nor_the_replacement() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        let id = first_lease(&l).await;
+        l.registered(id).await;
+
+        script.hold_releases(true);
+        l.release(id).await.unwrap();
+        eventually(GUARD, "the release under way", || async {
+            script.releases_of(id) == 1
+        })
+        .await;
+        eventually(GUARD, "a replacement leased meanwhile", || async {
+            l.leases(true, 100)
+                .await
+                .unwrap()
+                .iter()
+                .any(|r| r.id != id)
+        })
+        .await;
+        let next = l.leases(true, 100).await.unwrap();
+        let next = next.iter().find(|r| r.id != id).unwrap().id;
+        let token = script.token(next).unwrap();
+        let name = next.to_string();
+        let login = tokio::time::timeout(GUARD, l.authenticate(&name, &token)).await;
+        assert_eq!(login.unwrap(), Some(Ok(WorkerPass::Lease(next))));
+        let rec = lease(&l, id).await;
+        assert_eq!(
+            rec.state,
+            LeaseState::Draining,
+            "not ended before its worker is gone"
+        );
+        assert_eq!(script.releases_of(id), 1, "one try at a time");
+
+        script.hold_releases(false);
+        eventually(GUARD, "the lease released", || async {
+            lease(&l, id).await.state.is_ended()
+        })
+        .await;
+        assert_eq!(
+            lease(&l, id).await.state,
+            LeaseState::Ended(EndReason::Released)
+        );
+        assert_eq!(script.releases_of(id), 1);
         stop(cancel, tracker).await;
     }
 

@@ -86,6 +86,9 @@ pub struct PendingRelease {
     pub reason: EndReason,
     /// Tries that failed so far.
     pub failures: u32,
+    /// A try is under way ([`ReleaseQueue::start`]): not due again until
+    /// it has ended, by [`ReleaseQueue::done`] or [`ReleaseQueue::failed`].
+    pub running: bool,
 }
 
 /// The leases whose dispatch has stopped and whose provider release is due
@@ -104,7 +107,8 @@ impl ReleaseQueue {
     /// Releases `lease` at `due`, to end it as `reason`. When it is
     /// already queued this returns `false`: the first reason stands, and
     /// the release only moves earlier (an operator's release of a lease
-    /// under a spot notice, or of one whose retry waits).
+    /// under a spot notice, or of one whose retry waits); a try under way
+    /// goes on.
     pub fn schedule(&mut self, lease: LeaseId, due: Millis, reason: EndReason) -> bool {
         if let Some(p) = self.pending.get_mut(&lease) {
             p.due = p.due.min(due);
@@ -116,9 +120,28 @@ impl ReleaseQueue {
                 due,
                 reason,
                 failures: 0,
+                running: false,
             },
         );
         true
+    }
+
+    /// A try at releasing `lease` starts: it is not due again until the
+    /// try ends ([`ReleaseQueue::done`] or [`ReleaseQueue::failed`]).
+    /// False when it is not queued, or a try is already under way.
+    pub fn start(&mut self, lease: LeaseId) -> bool {
+        match self.pending.get_mut(&lease) {
+            Some(p) if !p.running => {
+                p.running = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether a try at releasing `lease` is under way.
+    pub fn is_running(&self, lease: LeaseId) -> bool {
+        self.pending.get(&lease).is_some_and(|p| p.running)
     }
 
     /// Whether `lease` is queued.
@@ -146,21 +169,26 @@ impl ReleaseQueue {
         self.pending.is_empty()
     }
 
-    /// The leases due by `now`, soonest first.
+    /// The leases due by `now`, soonest first; none whose try is under
+    /// way.
     pub fn due(&self, now: Millis) -> Vec<LeaseId> {
         let mut due: Vec<(Millis, LeaseId)> = self
             .pending
             .iter()
-            .filter(|(_, p)| p.due <= now)
+            .filter(|(_, p)| p.due <= now && !p.running)
             .map(|(l, p)| (p.due, *l))
             .collect();
         due.sort_unstable();
         due.into_iter().map(|(_, l)| l).collect()
     }
 
-    /// When the soonest release is due.
+    /// When the soonest release not under way is due.
     pub fn next_due(&self) -> Option<Millis> {
-        self.pending.values().map(|p| p.due).min()
+        self.pending
+            .values()
+            .filter(|p| !p.running)
+            .map(|p| p.due)
+            .min()
     }
 
     /// The lease is gone (released, or ended by its provider): it leaves
@@ -174,6 +202,7 @@ impl ReleaseQueue {
     /// queued).
     pub fn failed(&mut self, lease: LeaseId, now: Millis) -> Option<Millis> {
         let p = self.pending.get_mut(&lease)?;
+        p.running = false;
         p.failures = p.failures.saturating_add(1);
         let wait = RELEASE_RETRY_MS
             .saturating_mul(1u64 << (p.failures - 1).min(16))
@@ -249,7 +278,8 @@ mod tests {
             PendingRelease {
                 due: 1800,
                 reason: EndReason::Released,
-                failures: 0
+                failures: 0,
+                running: false,
             },
             "sooner"
         );
@@ -259,10 +289,22 @@ mod tests {
         assert!(q.due(1499).is_empty());
         assert_eq!(q.due(2000), vec![LeaseId(2), LeaseId(1)]);
         assert_eq!(q.due(1600), vec![LeaseId(2)]);
+        // a try under way is not due again, and a schedule leaves it be
+        assert!(q.start(LeaseId(2)));
+        assert!(!q.start(LeaseId(2)), "one try at a time");
+        assert!(q.is_running(LeaseId(2)));
+        assert_eq!(q.due(2000), vec![LeaseId(1)]);
+        assert_eq!(q.next_due(), Some(1800));
+        assert!(!q.schedule(LeaseId(2), 0, EndReason::Released));
+        assert!(q.is_running(LeaseId(2)));
+        assert_eq!(q.due(2000), vec![LeaseId(1)]);
         assert_eq!(q.done(LeaseId(2)), Some(EndReason::Failed));
+        assert!(!q.start(LeaseId(2)), "not queued");
         // lease 1's provider cannot release it: it stays, retried later
+        assert!(q.start(LeaseId(1)));
         assert_eq!(q.failed(LeaseId(1), 2000), Some(3000));
         assert!(q.contains(LeaseId(1)));
+        assert!(!q.is_running(LeaseId(1)), "a failed try has ended");
         assert!(q.due(2999).is_empty());
         assert_eq!(q.due(3000), vec![LeaseId(1)]);
         assert_eq!(q.failed(LeaseId(1), 3000), Some(5000));
@@ -292,10 +334,10 @@ mod tests {
         /// Over any sequence of schedules, failures and completions: a
         /// lease leaves the queue only by `done`, every queued lease is due
         /// within the longest retry wait, and `due` never returns a lease
-        /// whose time has not come.
+        /// whose time has not come, nor one whose try is under way.
         #[test]
         fn no_queued_release_is_lost_or_left_without_a_due_time(
-            ops in prop::collection::vec((0u8..3, 0u64..6, 0u64..5_000), 1..200)
+            ops in prop::collection::vec((0u8..4, 0u64..6, 0u64..5_000), 1..200)
         ) {
             let mut q = ReleaseQueue::new();
             let mut expected = std::collections::BTreeSet::new();
@@ -311,6 +353,13 @@ mod tests {
                     1 => {
                         let r = q.failed(lease, now);
                         prop_assert_eq!(r.is_some(), expected.contains(&lease));
+                        prop_assert!(!q.is_running(lease));
+                    }
+                    3 => {
+                        let was = q.is_running(lease);
+                        let started = q.start(lease);
+                        prop_assert_eq!(started, expected.contains(&lease) && !was);
+                        prop_assert_eq!(q.is_running(lease), expected.contains(&lease));
                     }
                     _ => {
                         let r = q.done(lease);
@@ -324,6 +373,14 @@ mod tests {
                 }
                 for l in q.due(now) {
                     prop_assert!(q.get(l).unwrap().due <= now);
+                    prop_assert!(!q.is_running(l));
+                }
+                if let Some(next) = q.next_due() {
+                    let soonest = q.leases().iter().any(|l| {
+                        let p = q.get(*l).unwrap();
+                        p.due == next && !p.running
+                    });
+                    prop_assert!(soonest);
                 }
             }
         }

@@ -186,9 +186,17 @@ pub trait Provider {
         spec: LeaseSpec,
     ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send;
 
-    /// Stops the lease's worker and waits until it is gone.
-    fn release(&mut self, lease: LeaseId)
-    -> impl Future<Output = Result<(), ProviderError>> + Send;
+    /// Stops the lease's worker; the future it returns waits until the
+    /// worker is gone. What needs the provider is done in the call; the
+    /// future owns the rest (`'static`), so a caller can wait for several
+    /// releases (a Pod's grace period, a job's drain) while it goes on
+    /// with other work, acquisitions included. On an error the lease is
+    /// still held, since its worker may still run and bill: the caller
+    /// retries, once this future has ended.
+    fn release(
+        &mut self,
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static;
 
     /// The event stream; `None` after the first call. It is bounded
     /// ([`EVENT_CHANNEL_CAPACITY`]): the shell must keep draining it, or

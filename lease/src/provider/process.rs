@@ -309,21 +309,24 @@ impl Provider for ProcessProvider {
         })
     }
 
-    async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+    fn release(
+        &mut self,
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
         // a lease whose worker already ended (not yet pruned) releases at
         // once: its supervisor has returned
-        let h = self
-            .leases
-            .remove(&lease)
-            .ok_or(ProviderError::UnknownLease(lease))?;
-        let (tx, rx) = oneshot::channel();
-        if h.cmds.send(Cmd::Release(tx)).await.is_ok() {
-            let _ = rx.await;
+        let held = self.leases.remove(&lease);
+        async move {
+            let h = held.ok_or(ProviderError::UnknownLease(lease))?;
+            let (tx, rx) = oneshot::channel();
+            if h.cmds.send(Cmd::Release(tx)).await.is_ok() {
+                let _ = rx.await;
+            }
+            // the supervisor returns only after the child is reaped
+            let _ = h.task.await;
+            tracing::info!(%lease, pid = h.pid, "worker released");
+            Ok(())
         }
-        // the supervisor returns only after the child is reaped
-        let _ = h.task.await;
-        tracing::info!(%lease, pid = h.pid, "worker released");
-        Ok(())
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {

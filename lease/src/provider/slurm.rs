@@ -911,18 +911,11 @@ impl SlurmProvider {
         Ok(())
     }
 
-    async fn forget(&mut self, lease: LeaseId) {
-        let (tx, rx) = oneshot::channel();
-        if self.cmds.send(Cmd::Forget(lease, tx)).is_ok() {
-            let _ = rx.await;
-        }
-    }
-
     /// Stops watching every job WITHOUT cancelling it, as a crash of the
     /// gateway would. The next provider over the same ledger adopts them.
-    pub async fn detach_all(mut self) {
+    pub async fn detach_all(self) {
         for lease in self.held() {
-            self.forget(lease).await;
+            forget(&self.cmds, lease).await;
         }
         lock(&self.jobs).clear();
         self.poller.abort();
@@ -962,18 +955,6 @@ impl SlurmProvider {
             }
         }
         self.poller.abort();
-    }
-
-    /// The state of `job` while Slurm reports it live; `None` once it has
-    /// ended (or Slurm no longer knows it); `Err` when `squeue` cannot
-    /// answer.
-    async fn live_state(&self, job: JobId) -> Result<Option<JobState>, ProviderError> {
-        let infos = self.tools.squeue(&[job]).await?;
-        Ok(match infos.into_iter().find(|i| i.id == job) {
-            None => None,
-            Some(i) if matches!(i.state, JobState::Ended(_)) => None,
-            Some(i) => Some(i.state),
-        })
     }
 }
 
@@ -1045,13 +1026,27 @@ impl Provider for SlurmProvider {
     /// Cancels the lease's job and waits until Slurm reports it ended;
     /// only then is it forgotten. On an error the job is still held and
     /// watched: it may still run (and bill), so the caller must retry.
-    async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
+    fn release(
+        &mut self,
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
         let _ = self.cmds.send(Cmd::Releasing(lease, true));
-        let r = self.cancel_and_wait(lease).await;
-        if r.is_err() {
-            let _ = self.cmds.send(Cmd::Releasing(lease, false));
+        let release = JobRelease {
+            lease,
+            job: self.job(lease),
+            tools: self.tools.clone(),
+            cmds: self.cmds.clone(),
+            jobs: self.jobs.clone(),
+            timeout_secs: self.cfg.release_timeout_secs,
+        };
+        async move {
+            let cmds = release.cmds.clone();
+            let r = release.cancel_and_wait().await;
+            if r.is_err() {
+                let _ = cmds.send(Cmd::Releasing(lease, false));
+            }
+            r
         }
-        r
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
@@ -1059,29 +1054,41 @@ impl Provider for SlurmProvider {
     }
 }
 
-impl SlurmProvider {
-    /// `release`'s work: cancel, wait for the end, forget.
-    async fn cancel_and_wait(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
-        let job = self.job(lease).ok_or(ProviderError::UnknownLease(lease))?;
+/// One release's work, owning what it needs so that the shell can wait
+/// for it while it goes on with other work.
+struct JobRelease {
+    lease: LeaseId,
+    job: Option<JobId>,
+    tools: Tools,
+    cmds: mpsc::UnboundedSender<Cmd>,
+    jobs: HeldJobs,
+    timeout_secs: f64,
+}
+
+impl JobRelease {
+    /// Cancel, wait for the end, forget.
+    async fn cancel_and_wait(self) -> Result<(), ProviderError> {
+        let lease = self.lease;
+        let job = self.job.ok_or(ProviderError::UnknownLease(lease))?;
         if let Err(e) = self
             .tools
             .run(Some(lease), "scancel", &[job.to_string()], None, &[])
             .await
         {
             // a job that has ended cannot be cancelled, and need not be
-            if !matches!(self.live_state(job).await, Ok(None)) {
+            if !matches!(live_state(&self.tools, job).await, Ok(None)) {
                 return Err(e);
             }
         }
         let timeout = checked_secs(
             "release_timeout_secs",
-            self.cfg.release_timeout_secs,
+            self.timeout_secs,
             MAX_RELEASE_TIMEOUT_SECS,
         )
         .unwrap_or(Duration::from_secs_f64(default_release_timeout_secs()));
         let give_up = tokio::time::Instant::now() + timeout;
         loop {
-            match self.live_state(job).await? {
+            match live_state(&self.tools, job).await? {
                 None => break,
                 Some(state) if tokio::time::Instant::now() >= give_up => {
                     return Err(tool_error(
@@ -1089,18 +1096,37 @@ impl SlurmProvider {
                         format!("waiting for cancelled job {job} to end"),
                         format!(
                             "still {state:?} after {} s; it is still held and watched, and its release will be retried",
-                            self.cfg.release_timeout_secs
+                            self.timeout_secs
                         ),
                     ));
                 }
                 Some(_) => tokio::time::sleep(RELEASE_POLL).await,
             }
         }
-        self.forget(lease).await;
+        forget(&self.cmds, lease).await;
         lock(&self.jobs).remove(&lease);
         tracing::info!(%lease, %job, "Slurm job cancelled");
         Ok(())
     }
+}
+
+/// Has the poller stop watching `lease`; returns once it has.
+async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
+    let (tx, rx) = oneshot::channel();
+    if cmds.send(Cmd::Forget(lease, tx)).is_ok() {
+        let _ = rx.await;
+    }
+}
+
+/// The state of `job` while Slurm reports it live; `None` once it has
+/// ended (or Slurm no longer knows it); `Err` when `squeue` cannot answer.
+async fn live_state(tools: &Tools, job: JobId) -> Result<Option<JobState>, ProviderError> {
+    let infos = tools.squeue(&[job]).await?;
+    Ok(match infos.into_iter().find(|i| i.id == job) {
+        None => None,
+        Some(i) if matches!(i.state, JobState::Ended(_)) => None,
+        Some(i) => Some(i.state),
+    })
 }
 
 /// The poller: owns the watches, polls `squeue`, sends events.

@@ -210,13 +210,18 @@ impl Provider for StaticProvider {
         })
     }
 
-    async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
-        let i = self
-            .by_lease
-            .remove(&lease)
-            .ok_or(ProviderError::UnknownLease(lease))?;
-        self.slots[i].bound = None;
-        Ok(())
+    fn release(
+        &mut self,
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
+        let unbound = match self.by_lease.remove(&lease) {
+            Some(i) => {
+                self.slots[i].bound = None;
+                Ok(())
+            }
+            None => Err(ProviderError::UnknownLease(lease)),
+        };
+        std::future::ready(unbound)
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {

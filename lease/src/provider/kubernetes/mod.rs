@@ -143,6 +143,26 @@ struct KubeRuntime {
     stop: Option<oneshot::Sender<()>>,
 }
 
+/// Runs `f` on the client's runtime (`handle`) and waits for it from any
+/// runtime.
+async fn run_on<T: Send + 'static>(
+    handle: &tokio::runtime::Handle,
+    f: impl Future<Output = Result<T, ProviderError>> + Send + 'static,
+) -> Result<T, ProviderError> {
+    handle
+        .spawn(f)
+        .await
+        .map_err(|e| kube_error(None, "its runtime", e.to_string()))?
+}
+
+/// Has the watch stop watching `lease`; returns once it has.
+async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
+    let (tx, rx) = oneshot::channel();
+    if cmds.send(Cmd::Forget(lease, tx)).is_ok() {
+        let _ = rx.await;
+    }
+}
+
 impl KubeRuntime {
     fn start() -> Result<KubeRuntime, ProviderError> {
         let err = |e: std::io::Error| kube_error(None, "starting its runtime", e.to_string());
@@ -171,10 +191,7 @@ impl KubeRuntime {
         &self,
         f: impl Future<Output = Result<T, ProviderError>> + Send + 'static,
     ) -> Result<T, ProviderError> {
-        self.handle
-            .spawn(f)
-            .await
-            .map_err(|e| kube_error(None, "its runtime", e.to_string()))?
+        run_on(&self.handle, f).await
     }
 
     /// Runs `f` there and blocks the calling thread until it is done
@@ -431,18 +448,11 @@ impl KubernetesProvider {
         Ok(())
     }
 
-    async fn forget(&mut self, lease: LeaseId) {
-        let (tx, rx) = oneshot::channel();
-        if self.cmds.send(Cmd::Forget(lease, tx)).is_ok() {
-            let _ = rx.await;
-        }
-    }
-
     /// Stops watching every Pod WITHOUT deleting it, as a crash of the
     /// gateway would. The next provider over the same ledger adopts them.
-    pub async fn detach_all(mut self) {
+    pub async fn detach_all(self) {
         for lease in self.held() {
-            self.forget(lease).await;
+            forget(&self.cmds, lease).await;
         }
         lock(&self.held).clear();
     }
@@ -626,23 +636,26 @@ impl Provider for KubernetesProvider {
     /// Deletes the lease's Pod and waits until it is gone; only then is it
     /// forgotten. On an error the Pod is still held: it may still run (and
     /// bill), so the caller must retry.
-    async fn release(&mut self, lease: LeaseId) -> Result<(), ProviderError> {
-        let pod = lock(&self.held)
-            .get(&lease)
-            .cloned()
-            .ok_or(ProviderError::UnknownLease(lease))?;
-        let _ = self.cmds.send(Cmd::Releasing(lease, true));
+    fn release(
+        &mut self,
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
+        let pod = lock(&self.held).get(&lease).cloned();
+        if pod.is_some() {
+            let _ = self.cmds.send(Cmd::Releasing(lease, true));
+        }
         let (pods, secrets) = (self.pods(), self.secrets());
         let grace = self.cfg.termination_grace_period_secs;
         let timeout = Duration::try_from_secs_f64(self.cfg.release_timeout_secs)
             .unwrap_or(Duration::from_secs(120));
         let timeout_secs = self.cfg.release_timeout_secs;
         let secret_name = self.cfg.secret_name(lease);
-        let name = pod.name.clone();
-        let (api, target) = (pods.clone(), pod.clone());
-        let deleted = self
-            .rt
-            .run(async move {
+        let (cmds, held, rt) = (self.cmds.clone(), self.held.clone(), self.rt.handle.clone());
+        async move {
+            let pod = pod.ok_or(ProviderError::UnknownLease(lease))?;
+            let name = pod.name.clone();
+            let (api, target) = (pods.clone(), pod.clone());
+            let deleted = run_on(&rt, async move {
                 let dp = DeleteParams {
                     grace_period_seconds: Some(grace),
                     preconditions: Some(Preconditions {
@@ -663,13 +676,12 @@ impl Provider for KubernetesProvider {
                 }
             })
             .await;
-        if let Err(e) = deleted {
-            // not deleted: it runs on, and its end or preemption is news
-            let _ = self.cmds.send(Cmd::Releasing(lease, false));
-            return Err(e);
-        }
-        self.rt
-            .run(async move {
+            if let Err(e) = deleted {
+                // not deleted: it runs on, and its end or preemption is news
+                let _ = cmds.send(Cmd::Releasing(lease, false));
+                return Err(e);
+            }
+            let gone = run_on(&rt, async move {
                 let give_up = tokio::time::Instant::now() + timeout;
                 loop {
                     let current = pods.get_opt(&pod.name).await.map_err(|e| {
@@ -697,11 +709,15 @@ impl Provider for KubernetesProvider {
                 }
                 Ok(())
             })
-            .await?;
-        self.forget(lease).await;
-        lock(&self.held).remove(&lease);
-        tracing::info!(%lease, pod = %name, "worker pod deleted");
-        Ok(())
+            .await;
+            // deleted but not gone yet: still held, and still on its way
+            // out (its end is no news)
+            gone?;
+            forget(&cmds, lease).await;
+            lock(&held).remove(&lease);
+            tracing::info!(%lease, pod = %name, "worker pod deleted");
+            Ok(())
+        }
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
