@@ -315,6 +315,7 @@ async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orpha
     .await;
     // the gateway dies; while it is down, pod 2's worker dies
     p.detach_all().await;
+    let before_kill = wall_clock_ms();
     kube.kill(NS, &pods[1]);
     wait_for(
         "pod 2 to fail",
@@ -325,14 +326,23 @@ async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orpha
         },
     )
     .await;
+    let failed_by = wall_clock_ms();
+    // the gateway stays down a while longer
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
 
     let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
-    let adoption = p.adopt(&mut ledger, wall_clock_ms()).unwrap();
+    let restart = wall_clock_ms();
+    let adoption = p.adopt(&mut ledger, restart).unwrap();
     assert_eq!(adoption.adopted, vec![LeaseId(1)]);
     assert_eq!(adoption.ended, vec![(LeaseId(2), EndReason::Lost)]);
-    assert_eq!(
-        ledger.lease(LeaseId(2)).unwrap().unwrap().state,
-        LeaseState::Ended(EndReason::Lost)
+    let gone = ledger.lease(LeaseId(2)).unwrap().unwrap();
+    assert_eq!(gone.state, LeaseState::Ended(EndReason::Lost));
+    // billed to its container's finishedAt (whole seconds), not to the
+    // restart
+    let ended_at = gone.ended_at.unwrap();
+    assert!(
+        (before_kill.saturating_sub(1000)..=failed_by).contains(&ended_at),
+        "ended at {ended_at}, killed in {before_kill}..={failed_by}, restart {restart}"
     );
     assert_eq!(p.held(), vec![LeaseId(1)]);
     // the failed pod and the orphan are deleted, with their secrets

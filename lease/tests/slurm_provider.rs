@@ -299,6 +299,7 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
         serde_json::from_str(unrecorded.provider_data.as_deref().unwrap()).unwrap();
     // the gateway dies; while it is down, job 2 is cancelled
     p.detach_all().await;
+    let before_cancel = wall_clock_ms();
     slurm.tool("scancel", &[&jobs[1].to_string()]).unwrap();
     wait_for(
         "job 2 to end",
@@ -306,10 +307,14 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
         || slurm.job_state(jobs[1].0).as_deref() == Some("CANCELLED"),
     )
     .await;
+    let ended_by = wall_clock_ms();
     assert_eq!(slurm.job_state(jobs[0].0).as_deref(), Some("RUNNING"));
+    // the gateway stays down a while longer
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
 
     let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
-    let adoption = p.adopt(&mut ledger, wall_clock_ms()).unwrap();
+    let restart = wall_clock_ms();
+    let adoption = p.adopt(&mut ledger, restart).unwrap();
     assert_eq!(adoption.adopted, vec![LeaseId(1)]);
     assert_eq!(
         adoption.ended,
@@ -322,9 +327,14 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
         || !slurm.live_jobs().contains(&unrecorded.job_id.0),
     )
     .await;
-    assert_eq!(
-        ledger.lease(LeaseId(2)).unwrap().unwrap().state,
-        LeaseState::Ended(EndReason::Lost)
+    let gone = ledger.lease(LeaseId(2)).unwrap().unwrap();
+    assert_eq!(gone.state, LeaseState::Ended(EndReason::Lost));
+    // billed to the job's end as Slurm recorded it (whole seconds), not to
+    // the restart
+    let ended_at = gone.ended_at.unwrap();
+    assert!(
+        (before_cancel.saturating_sub(1000)..=ended_by).contains(&ended_at),
+        "ended at {ended_at}, cancelled in {before_cancel}..={ended_by}, restart {restart}"
     );
     assert_eq!(p.job(LeaseId(1)), Some(jobs[0]));
     // the adopted job is watched: cancelling it ends the lease

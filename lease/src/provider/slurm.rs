@@ -371,12 +371,15 @@ pub struct JobInfo {
     pub state: JobState,
     /// When Slurm chose to preempt it (ms since epoch).
     pub preempt_time: Option<Millis>,
+    /// When it ended, for an ended job (ms since epoch); for a live one
+    /// Slurm prints when its time limit runs out, which is not read.
+    pub end_time: Option<Millis>,
     /// Slurm's reason (why pending, why it failed).
     pub reason: String,
 }
 
 /// The `squeue -O` format [`parse_squeue`] reads, times in UTC.
-pub const SQUEUE_FORMAT: &str = "JobID:|,State:|,PreemptTime:|,Reason:|";
+pub const SQUEUE_FORMAT: &str = "JobID:|,State:|,PreemptTime:|,EndTime:|,Reason:|";
 
 /// Parses `squeue --noheader -O` [`SQUEUE_FORMAT`] output. Lines that do
 /// not parse are skipped (and counted in the second value).
@@ -385,7 +388,9 @@ pub fn parse_squeue(stdout: &str) -> (Vec<JobInfo>, usize) {
     let mut bad = 0;
     for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
         let mut f = line.split('|');
-        let (Some(id), Some(state), Some(preempt)) = (f.next(), f.next(), f.next()) else {
+        let (Some(id), Some(state), Some(preempt), Some(end)) =
+            (f.next(), f.next(), f.next(), f.next())
+        else {
             bad += 1;
             continue;
         };
@@ -395,10 +400,16 @@ pub fn parse_squeue(stdout: &str) -> (Vec<JobInfo>, usize) {
             bad += 1;
             continue;
         };
+        let state = JobState::parse(state);
+        let end_time = match state {
+            JobState::Ended(_) => parse_utc(end.trim()),
+            _ => None,
+        };
         jobs.push(JobInfo {
             id: JobId(id),
-            state: JobState::parse(state),
+            state,
             preempt_time: parse_utc(preempt.trim()),
+            end_time,
             reason,
         });
     }
@@ -842,7 +853,8 @@ impl SlurmProvider {
     }
 
     /// Re-adopts the live `slurm` leases recorded in `ledger`, ending the
-    /// ones whose job is gone. Blocks on `squeue` (it runs once, at start);
+    /// ones whose job is gone: at the job's end when `squeue` still shows
+    /// it, otherwise at `now`. Blocks on `squeue` (it runs once, at start);
     /// a controller that cannot answer fails it, since ending leases whose
     /// jobs may well run would leak them.
     pub fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
@@ -862,9 +874,8 @@ impl SlurmProvider {
                 .as_deref()
                 .and_then(|d| serde_json::from_str::<SlurmData>(d).ok())
                 .map(|d| d.job_id);
-            let live = job
-                .and_then(|j| infos.iter().find(|i| i.id == j))
-                .filter(|i| !matches!(i.state, JobState::Ended(_)));
+            let info = job.and_then(|j| infos.iter().find(|i| i.id == j));
+            let live = info.filter(|i| !matches!(i.state, JobState::Ended(_)));
             if let (Some(job), Some(info)) = (job, live) {
                 let ran = !matches!(info.state, JobState::Pending | JobState::Configuring);
                 self.watch(JobWatch::new(r.id, job, ran))?;
@@ -890,8 +901,11 @@ impl SlurmProvider {
                         }
                     }
                 }
-                ledger.mark_ended(r.id, now, reason)?;
-                tracing::warn!(lease = %r.id, job = ?job, "Slurm job gone after restart; lease ended");
+                // billed to when the job ended, where Slurm still says
+                // (`MinJobAge`, 300 s by default); otherwise to now
+                let at = info.and_then(|i| i.end_time).map_or(now, |t| t.min(now));
+                ledger.mark_ended(r.id, at, reason)?;
+                tracing::warn!(lease = %r.id, job = ?job, ended_at = at, "Slurm job gone after restart; lease ended");
                 out.ended.push((r.id, reason));
             }
         }
@@ -1290,6 +1304,7 @@ mod tests {
             id: JobId(7),
             state: JobState::parse(state),
             preempt_time: preempt,
+            end_time: None,
             reason: "None".into(),
         }
     }
@@ -1307,19 +1322,27 @@ mod tests {
 
     #[test]
     fn squeue_rows_parse_and_bad_rows_are_counted() {
-        let text = "3|COMPLETED|2026-12-03T03:38:56|None|\n\
-                    4|PENDING|N/A|Resources|\n\
-                    12_3|RUNNING|N/A|None|\n\
+        let text = "3|COMPLETED|2026-12-03T03:38:56|2026-12-03T03:39:01|None|\n\
+                    4|PENDING|N/A|2026-12-04T03:39:01|Resources|\n\
+                    12_3|RUNNING|N/A|N/A|None|\n\
+                    5|RUNNING|N/A|\n\
                     garbage\n\n";
         let (jobs, bad) = parse_squeue(text);
         assert_eq!(bad, 2);
-        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs.len(), 3);
         assert_eq!(jobs[0].id, JobId(3));
         assert_eq!(jobs[0].state, JobState::Ended("COMPLETED".into()));
         assert_eq!(jobs[0].preempt_time, Some(1_796_269_136_000));
+        assert_eq!(
+            jobs[0].end_time,
+            Some(1_796_269_141_000),
+            "an ended job's end"
+        );
         assert_eq!(jobs[1].state, JobState::Pending);
         assert_eq!(jobs[1].preempt_time, None);
+        assert_eq!(jobs[1].end_time, None, "a live job's time limit is no end");
         assert_eq!(jobs[1].reason, "Resources");
+        assert_eq!((jobs[2].id, jobs[2].reason.as_str()), (JobId(5), ""));
     }
 
     #[test]

@@ -380,8 +380,11 @@ impl KubernetesProvider {
                         Some(v) if v.is_disrupted() => EndReason::Preempted,
                         _ => EndReason::Lost,
                     };
-                    ledger.mark_ended(r.id, now, reason)?;
-                    tracing::warn!(lease = %r.id, pod = ?data.map(|d| d.pod), ?reason, "worker pod gone, finished or being deleted after restart; lease ended");
+                    // billed to when its worker stopped, where the Pod
+                    // still says; a Pod gone says nothing: to now
+                    let at = view.map_or(now, |v| v.ended_at(now));
+                    ledger.mark_ended(r.id, at, reason)?;
+                    tracing::warn!(lease = %r.id, pod = ?data.map(|d| d.pod), ?reason, ended_at = at, "worker pod gone, finished or being deleted after restart; lease ended");
                     out.ended.push((r.id, reason));
                 }
             }

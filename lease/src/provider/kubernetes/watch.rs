@@ -36,6 +36,8 @@ pub struct PodView {
     pub waiting: Option<(String, String)>,
     /// The worker container ended: exit code and reason.
     pub terminated: Option<(i32, String)>,
+    /// When the worker container ended (ms since epoch).
+    pub finished_at: Option<Millis>,
     /// The worker container has started (it runs, or it ended after a
     /// start): an end is then a loss, even if no event showed it running.
     pub started: bool,
@@ -92,6 +94,10 @@ impl PodView {
             terminated: state
                 .and_then(|s| s.terminated.as_ref())
                 .map(|t| (t.exit_code, t.reason.clone().unwrap_or_default())),
+            finished_at: state
+                .and_then(|s| s.terminated.as_ref())
+                .and_then(|t| t.finished_at.as_ref())
+                .map(ms),
             started: state.is_some_and(|s| {
                 s.running.is_some()
                     || s.terminated
@@ -105,6 +111,17 @@ impl PodView {
     /// Has the Pod run to its end?
     pub fn is_terminal(&self) -> bool {
         self.phase == "Succeeded" || self.phase == "Failed"
+    }
+
+    /// When the Pod's worker stopped running, as far as the Pod says, no
+    /// later than `now`: its container's end, or for a Pod being deleted
+    /// the time it is killed; `now` when the Pod says neither. A lease
+    /// found ended after a gateway restart is billed to this, not to the
+    /// restart.
+    pub fn ended_at(&self, now: Millis) -> Millis {
+        self.finished_at
+            .or(self.deleting_at)
+            .map_or(now, |t| t.min(now))
     }
 
     /// Is Kubernetes taking the Pod away (not at our request: the watch of
@@ -509,5 +526,43 @@ mod tests {
         assert_eq!(v.waiting, None);
         assert!(v.started);
         assert!(!v.is_terminal());
+        assert_eq!(v.finished_at, None);
+        assert_eq!(
+            v.ended_at(1_796_292_040_000),
+            1_796_292_030_000,
+            "killed then"
+        );
+        assert_eq!(
+            v.ended_at(1_796_292_020_000),
+            1_796_292_020_000,
+            "never after now"
+        );
+    }
+
+    #[test]
+    fn a_finished_pod_ended_when_its_container_finished() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "tidegate-worker-4", "uid": "def"},
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [{
+                    "name": "worker", "ready": false, "restartCount": 0,
+                    "image": "w", "imageID": "",
+                    "state": {"terminated": {
+                        "exitCode": 3, "reason": "Error",
+                        "startedAt": "2026-12-03T10:00:00Z",
+                        "finishedAt": "2026-12-03T10:20:00Z"
+                    }}
+                }]
+            }
+        }))
+        .unwrap();
+        let v = PodView::of(&pod);
+        assert!(v.is_terminal());
+        assert_eq!(v.terminated, Some((3, "Error".into())));
+        assert_eq!(v.finished_at, Some(1_796_292_000_000 + 20 * 60_000));
+        assert_eq!(v.ended_at(1_796_300_000_000), 1_796_293_200_000);
+        // a Pod that says nothing of its end: now
+        assert_eq!(PodView::default().ended_at(5), 5);
     }
 }
