@@ -354,6 +354,81 @@ impl SubmitError {
     }
 }
 
+/// Test support shared with the link's and the watchdog's tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use std::sync::mpsc::{self, Receiver, Sender};
+
+    use tokio::sync::oneshot;
+
+    use super::{Executor, Job};
+    use crate::backend::{Backend, BackendError, FrameInput, FrameOutcome};
+    use crate::model::ModelSpec;
+
+    /// Runs each batch only once the test releases it, and says when a run
+    /// starts: until then, a wedged runtime.
+    pub(crate) struct GatedBackend {
+        started: Sender<()>,
+        release: Receiver<()>,
+    }
+
+    impl Backend for GatedBackend {
+        fn models(&self) -> &[ModelSpec] {
+            &[]
+        }
+
+        fn run(&mut self, _: &str, frames: &[FrameInput]) -> Vec<FrameOutcome> {
+            let _ = self.started.send(());
+            let _ = self.release.recv();
+            vec![FrameOutcome::failed("released"); frames.len()]
+        }
+
+        fn profile(&mut self, _: &str, _: &[u16]) -> Result<Vec<(u16, u32)>, BackendError> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// An executor (queue of `capacity`) over a [`GatedBackend`] that runs
+    /// nothing yet.
+    pub(crate) fn idle_executor(capacity: usize) -> Executor {
+        Executor::spawn(
+            Box::new(GatedBackend {
+                started: mpsc::channel().0,
+                release: mpsc::channel().1,
+            }),
+            capacity,
+        )
+    }
+
+    /// An executor (queue of `capacity`) whose first job, `frames` of
+    /// `model`, is running and held until the returned sender sends (or
+    /// is dropped); with its answer.
+    pub(crate) fn executor_with_a_held_job(
+        model: &str,
+        frames: Vec<FrameInput>,
+        capacity: usize,
+    ) -> (Executor, oneshot::Receiver<Vec<FrameOutcome>>, Sender<()>) {
+        let (started_tx, started_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel();
+        let executor = Executor::spawn(
+            Box::new(GatedBackend {
+                started: started_tx,
+                release: release_rx,
+            }),
+            capacity,
+        );
+        let answer = executor
+            .try_submit(Job {
+                model: model.into(),
+                frames,
+                span: tracing::Span::none(),
+            })
+            .unwrap();
+        started_rx.recv().unwrap();
+        (executor, answer, release_tx)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::mpsc::{Receiver, Sender};

@@ -833,33 +833,6 @@ mod tests {
         }
     }
 
-    /// Runs each batch once the test releases it, and says when a run
-    /// starts.
-    struct GatedBackend {
-        started: std::sync::mpsc::Sender<()>,
-        release: std::sync::mpsc::Receiver<()>,
-    }
-
-    impl crate::backend::Backend for GatedBackend {
-        fn models(&self) -> &[crate::model::ModelSpec] {
-            &[]
-        }
-
-        fn run(&mut self, _: &str, frames: &[FrameInput]) -> Vec<FrameOutcome> {
-            let _ = self.started.send(());
-            let _ = self.release.recv();
-            vec![FrameOutcome::failed("released"); frames.len()]
-        }
-
-        fn profile(
-            &mut self,
-            _: &str,
-            _: &[u16],
-        ) -> Result<Vec<(u16, u32)>, crate::backend::BackendError> {
-            Ok(Vec::new())
-        }
-    }
-
     /// An executor whose first job is running and held until the returned
     /// sender releases it.
     fn executor_with_a_held_batch() -> (
@@ -867,24 +840,7 @@ mod tests {
         tokio::sync::oneshot::Receiver<Vec<FrameOutcome>>,
         std::sync::mpsc::Sender<()>,
     ) {
-        let (started_tx, started_rx) = std::sync::mpsc::channel();
-        let (release_tx, release_rx) = std::sync::mpsc::channel();
-        let executor = Executor::spawn(
-            Box::new(GatedBackend {
-                started: started_tx,
-                release: release_rx,
-            }),
-            4,
-        );
-        let answer = executor
-            .try_submit(Job {
-                model: "m".into(),
-                frames: Vec::new(),
-                span: tracing::Span::none(),
-            })
-            .unwrap();
-        started_rx.recv().unwrap();
-        (executor, answer, release_tx)
+        crate::executor::test_support::executor_with_a_held_job("m", Vec::new(), 4)
     }
 
     /// Bounds a wait that would hang if the behaviour under test were
@@ -902,13 +858,7 @@ mod tests {
 
     #[tokio::test]
     async fn registering_again_waits_until_the_old_links_batches_are_done() {
-        let idle = Executor::spawn(
-            Box::new(GatedBackend {
-                started: std::sync::mpsc::channel().0,
-                release: std::sync::mpsc::channel().1,
-            }),
-            4,
-        );
+        let idle = crate::executor::test_support::idle_executor(4);
         let cancel = CancellationToken::new();
         assert_eq!(now(settle(&idle, &cancel)).await, Some(Settled::Idle));
 

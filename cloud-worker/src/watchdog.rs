@@ -123,14 +123,13 @@ fn exit_wedged() -> ! {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::mpsc::{self, Receiver, Sender};
+    use std::sync::mpsc;
 
     use tidegate_protocol::{DType, Geometry, Layout, Tensor};
 
     use super::*;
-    use crate::backend::{Backend, BackendError, FrameInput, FrameOutcome};
-    use crate::executor::{Executor, Job};
-    use crate::model::ModelSpec;
+    use crate::backend::FrameInput;
+    use crate::executor::test_support::executor_with_a_held_job;
 
     fn job(model: &str, frames: usize, secs: f64) -> RunningJob {
         RunningJob {
@@ -168,28 +167,6 @@ mod tests {
         }
     }
 
-    /// Runs nothing until the test releases it: a wedged runtime.
-    struct StuckBackend {
-        started: Sender<()>,
-        release: Receiver<()>,
-    }
-
-    impl Backend for StuckBackend {
-        fn models(&self) -> &[ModelSpec] {
-            &[]
-        }
-
-        fn run(&mut self, _: &str, frames: &[FrameInput]) -> Vec<FrameOutcome> {
-            let _ = self.started.send(());
-            let _ = self.release.recv();
-            vec![FrameOutcome::failed("released"); frames.len()]
-        }
-
-        fn profile(&mut self, _: &str, _: &[u16]) -> Result<Vec<(u16, u32)>, BackendError> {
-            Ok(Vec::new())
-        }
-    }
-
     fn frame() -> FrameInput {
         FrameInput {
             tensor: Tensor {
@@ -204,23 +181,8 @@ mod tests {
 
     #[test]
     fn watch_returns_wedged_for_a_job_that_never_returns() {
-        let (started_tx, started_rx) = mpsc::channel();
-        let (release_tx, release_rx) = mpsc::channel();
-        let exec = Executor::spawn(
-            Box::new(StuckBackend {
-                started: started_tx,
-                release: release_rx,
-            }),
-            2,
-        );
-        let answer = exec
-            .try_submit(Job {
-                model: "blazeface".into(),
-                frames: vec![frame(), frame()],
-                span: tracing::Span::none(),
-            })
-            .unwrap();
-        started_rx.recv().unwrap();
+        let (exec, answer, release_tx) =
+            executor_with_a_held_job("blazeface", vec![frame(), frame()], 2);
         let limit = Duration::from_millis(50);
         let activity = exec.activity();
         let (verdict_tx, verdict_rx) = mpsc::channel();
@@ -255,23 +217,9 @@ mod tests {
         tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
             .init();
-        let (started_tx, started_rx) = mpsc::channel();
-        let (_release_tx, release_rx) = mpsc::channel();
-        let exec = Executor::spawn(
-            Box::new(StuckBackend {
-                started: started_tx,
-                release: release_rx,
-            }),
-            2,
-        );
-        let _answer = exec
-            .try_submit(Job {
-                model: "blazeface".into(),
-                frames: vec![frame(); 4],
-                span: tracing::Span::none(),
-            })
-            .unwrap();
-        started_rx.recv().unwrap();
+        // held for good: the sender lives until the process ends
+        let (exec, _answer, _release_tx) =
+            executor_with_a_held_job("blazeface", vec![frame(); 4], 2);
         spawn(exec.activity(), Duration::from_millis(50)).unwrap();
         // Never returns: the backend thread never ends.
         exec.shutdown();

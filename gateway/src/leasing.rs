@@ -2139,14 +2139,7 @@ min_fps = {min_fps}
             script.releases_of(id) == 1
         })
         .await;
-        eventually(GUARD, "a replacement leased meanwhile", || async {
-            l.leases(true, 100)
-                .await
-                .unwrap()
-                .iter()
-                .any(|r| r.id != id)
-        })
-        .await;
+        replaced(&l, id).await;
         let next = l.leases(true, 100).await.unwrap();
         let next = next.iter().find(|r| r.id != id).unwrap().id;
         let token = script.token(next).unwrap();
@@ -2317,15 +2310,7 @@ min_fps = {min_fps}
         let script = Arc::new(Script::default());
         let (l, cancel, tracker) = start_fake(&cfg, &script);
         l.registered(back).await;
-        eventually(GUARD, "the absent worker's lease ended", || async {
-            lease(&l, gone).await.state.is_ended()
-        })
-        .await;
-        assert_eq!(
-            lease(&l, gone).await.state,
-            LeaseState::Ended(EndReason::Lost)
-        );
-        assert_eq!(script.releases_of(gone), 1);
+        ended_lost_and_released(&l, &script, gone).await;
         assert_eq!(lease(&l, back).await.state, LeaseState::Ready);
         assert_eq!(script.releases_of(back), 0);
         stop(cancel, tracker).await;
@@ -2353,15 +2338,30 @@ min_fps = {min_fps}
 
         // gone for good
         l.disconnected(id).await;
-        eventually(GUARD, "the absent worker's lease ended", || async {
-            lease(&l, id).await.state.is_ended()
+        ended_lost_released_and_replaced(&l, &script, id).await;
+        stop(cancel, tracker).await;
+    }
+
+    /// Waits for `id` to end, checks that it ended `lost` and was
+    /// released at the provider once, and waits for a new lease.
+    async fn ended_lost_released_and_replaced(l: &Leasing, script: &Script, id: LeaseId) {
+        ended_lost_and_released(l, script, id).await;
+        replaced(l, id).await;
+    }
+
+    /// Waits for `id` to end, and checks that it ended `lost` and was
+    /// released at the provider once.
+    async fn ended_lost_and_released(l: &Leasing, script: &Script, id: LeaseId) {
+        eventually(GUARD, "the lease ended", || async {
+            lease(l, id).await.state.is_ended()
         })
         .await;
-        assert_eq!(
-            lease(&l, id).await.state,
-            LeaseState::Ended(EndReason::Lost)
-        );
+        assert_eq!(lease(l, id).await.state, LeaseState::Ended(EndReason::Lost));
         assert_eq!(script.releases_of(id), 1, "stopped at the provider");
+    }
+
+    /// Waits for a live lease other than `id`.
+    async fn replaced(l: &Leasing, id: LeaseId) {
         eventually(GUARD, "a new lease replaces it", || async {
             l.leases(true, 100)
                 .await
@@ -2370,7 +2370,6 @@ min_fps = {min_fps}
                 .any(|r| r.id != id)
         })
         .await;
-        stop(cancel, tracker).await;
     }
 
     /// The hub drops a worker whose batch is far past due while its link
@@ -2417,24 +2416,8 @@ min_fps = {min_fps}
         // taken, never answered
         let taken = tokio::time::timeout(GUARD, batches.recv()).await.unwrap();
         assert!(taken.is_some());
-        eventually(GUARD, "the stalled worker's lease ended", || async {
-            lease(&l, id).await.state.is_ended()
-        })
-        .await;
+        ended_lost_released_and_replaced(&l, &script, id).await;
         assert_eq!(metrics.workers_stalled.get(), 1);
-        assert_eq!(
-            lease(&l, id).await.state,
-            LeaseState::Ended(EndReason::Lost)
-        );
-        assert_eq!(script.releases_of(id), 1, "stopped at the provider");
-        eventually(GUARD, "a new lease replaces it", || async {
-            l.leases(true, 100)
-                .await
-                .unwrap()
-                .iter()
-                .any(|r| r.id != id)
-        })
-        .await;
         stop(cancel, tracker).await;
     }
 
