@@ -255,9 +255,8 @@ pub struct LoadReport {
     /// The same per lease, edge and model, for the ledger's showback.
     pub usage: Vec<UsageReport>,
     /// Leases whose worker the hub dropped as stalled since the last
-    /// report (a batch far past due while its connection lived). Their
-    /// dispatch is already stopped; the lease shell releases them so that
-    /// new leases replace them.
+    /// report (a batch far past due while its connection lived); the
+    /// lease shell replaces those that stall twice.
     pub stalled: Vec<LeaseId>,
 }
 
@@ -975,10 +974,9 @@ impl State {
                 let lease = self.workers.remove(&worker).and_then(|w| w.lease);
                 self.forget_batches(worker);
                 if let Some(lease) = lease {
-                    // Its process lives on and may redial with its token:
-                    // it gets no batch again, and the lease shell replaces
-                    // the lease (a wedged GPU does not heal by itself).
-                    self.draining_leases.insert(lease);
+                    // The lease shell decides: a worker that registers
+                    // again once its slow batch is done serves again; one
+                    // that stalls twice, or never comes back, is replaced.
                     self.stalled_leases.insert(lease);
                 }
             }
@@ -1355,8 +1353,8 @@ pub(crate) mod tests {
     /// its connection lives: once the batch is the stall timeout past due,
     /// its frame ends `failed: worker stalled`, its dispatch channel is
     /// closed (which closes the connection) and the drop is counted. Its
-    /// lease is reported stalled once, for the lease shell to replace, and
-    /// the same worker redialling with the lease's token gets no batch.
+    /// lease is reported stalled once, for the lease shell to judge; the
+    /// same worker registering again (its batch done) serves again.
     #[tokio::test]
     async fn a_stalled_worker_is_dropped_its_frame_ends_and_its_lease_is_reported() {
         let metrics = Metrics::new();
@@ -1388,8 +1386,8 @@ pub(crate) mod tests {
         let report = hub.load_report(vec![MODEL.into()]).await.unwrap();
         assert!(report.stalled.is_empty(), "reported once: {report:?}");
 
-        // The same process redials with its lease's token: it registers,
-        // and its frame goes unserved rather than into its queue.
+        // The same process registers again once its batch is done: it
+        // serves again.
         let (dispatch, mut again) = mpsc::channel(8);
         hub.send(HubMsg::WorkerConnected {
             worker: WorkerId(2),
@@ -1400,10 +1398,17 @@ pub(crate) mod tests {
             drain: CancellationToken::new(),
         })
         .await;
-        send_frame(&hub, 2, 50).await;
-        let r = recv(&mut answers).await;
-        assert_ne!(r.status, Status::Ok, "{r:?}");
-        assert!(again.try_recv().is_err(), "no batch to a stalled lease");
+        send_frame(&hub, 2, 5_000).await;
+        let d = recv(&mut again).await;
+        hub.send(HubMsg::BatchDone {
+            worker: WorkerId(2),
+            result: BatchResult {
+                batch: d.batch,
+                items: d.items.iter().map(|i| ok_item(i.id)).collect(),
+            },
+        })
+        .await;
+        assert_eq!(recv(&mut answers).await.status, Status::Ok);
         cancel.cancel();
     }
 

@@ -88,6 +88,11 @@ pub const RELEASE_LEAD: Duration = Duration::from_secs(3);
 /// reported ended is released by the gateway.
 pub const NOTICE_OVERRUN: Duration = Duration::from_secs(30);
 
+/// A lease whose worker is dropped as stalled twice within this is ended
+/// `lost` and replaced; after one stall it is kept (see
+/// `Shell::replace_unserving`).
+pub const STALL_WINDOW: Duration = Duration::from_secs(15 * 60);
+
 /// Network and return time taken from the budget when turning a latency
 /// profile into throughput at the SLO (as the simulator does).
 const NETWORK_MS: f64 = 20.0;
@@ -689,6 +694,7 @@ fn start(
         start_timeout_ms: cfg.start_timeout_secs.saturating_mul(1000),
         absent,
         rejoin_timeout_ms: cfg.rejoin_timeout_secs.saturating_mul(1000),
+        stalls: HashMap::new(),
         in_flight: tokio::task::JoinSet::new(),
         in_flight_leases: HashMap::new(),
         on_stop: cfg.on_stop,
@@ -830,6 +836,9 @@ struct Shell {
     /// A ready lease whose worker has been gone this long is ended as
     /// `lost` and released (ms).
     rejoin_timeout_ms: Millis,
+    /// When each live lease's worker was last dropped as stalled
+    /// (monotonic clock).
+    stalls: HashMap<LeaseId, Millis>,
     /// Provider releases under way, each on a task of its own: a Pod's
     /// grace period or a job's drain never holds up the shell (worker
     /// logins, the API, ticks, spot notices and the acquisitions that
@@ -1218,6 +1227,12 @@ impl Shell {
                 }
             }
             ProviderEvent::PreemptionNotice { lease, deadline } => {
+                if self.state(lease).is_none_or(|s| s.is_ended()) {
+                    // a late notice for a lease that ended (its release
+                    // may still be finishing): nothing to drain or replace
+                    debug!(%lease, deadline, "spot preemption notice for a lease not live; ignored");
+                    return;
+                }
                 warn!(%lease, deadline, "spot preemption notice: draining, replacing");
                 let actions = self
                     .autoscaler
@@ -1354,6 +1369,7 @@ impl Shell {
         let _ = self.table.transition(lease, LeaseState::Ended(reason));
         self.write(lease, Write::Ended { at: now, reason });
         self.absent.remove(&lease);
+        self.stalls.remove(&lease);
     }
 
     async fn tick(&mut self) {
@@ -1364,6 +1380,8 @@ impl Shell {
             return;
         };
         self.record(now, &report);
+        // before anything that may fail: the hub reports a stall once
+        self.replace_unserving(&report.stalled).await;
         let live = match self.ledger.live_leases() {
             Ok(l) => l,
             Err(e) => {
@@ -1398,7 +1416,6 @@ impl Shell {
                 .schedule(*lease, self.mono(), EndReason::Failed);
             self.start_failed();
         }
-        self.replace_unserving(&report.stalled).await;
         // the table is the truth (a ledger write may be pending retry)
         let leases = live
             .iter()
@@ -1425,13 +1442,20 @@ impl Shell {
     }
 
     /// Ends as `lost`, and releases, the live leases that serve nothing
-    /// and never will: those whose worker the hub dropped as stalled (a
-    /// wedged GPU; its process may redial but gets no batch), and the
-    /// ready ones whose worker has been gone for the rejoin timeout (a
-    /// process that hangs or lost its network is never reported ended by
-    /// its provider, and would be paid for while serving nothing). The
-    /// release stops them at the provider; the autoscaler, no longer
-    /// counting them, leases replacements.
+    /// and never will, so that the autoscaler, no longer counting them,
+    /// leases replacements; the release stops them at the provider:
+    /// - the ready ones whose worker has been gone for the rejoin timeout
+    ///   (a process that hangs or lost its network is never reported ended
+    ///   by its provider, and would be paid for while serving nothing);
+    /// - those whose worker the hub dropped as stalled (a batch far past
+    ///   due) a second time within [`STALL_WINDOW`]. A first stall may be
+    ///   a slow first batch of a size the worker never ran (cuDNN's
+    ///   algorithm search), and replacing the lease would pay a cold start
+    ///   and perhaps a new billing block: the lease is kept, its worker
+    ///   registers again once the batch is done. A wedged worker never
+    ///   does (it waits for its batch, and its watchdog ends it), so it is
+    ///   then absent and replaced by the rejoin timeout, if its provider
+    ///   has not reported its end first.
     async fn replace_unserving(&mut self, stalled: &[LeaseId]) {
         let mono = self.mono();
         let live = |shell: &Self, lease: &LeaseId| {
@@ -1440,7 +1464,17 @@ impl Shell {
                 Some(LeaseState::Starting | LeaseState::Ready)
             ) && !shell.releases.contains(*lease)
         };
+        let window = STALL_WINDOW.as_millis() as Millis;
+        let mut again = Vec::new();
         let stalled: Vec<LeaseId> = stalled.iter().filter(|l| live(self, l)).copied().collect();
+        for lease in stalled {
+            match self.stalls.insert(lease, mono) {
+                Some(first) if mono.saturating_sub(first) <= window => again.push(lease),
+                _ => {
+                    warn!(%lease, "its worker stalled (a batch far past due); the lease is kept while the worker recovers, and replaced should it stall again within {} min or not register again within rejoin_timeout_secs", window / 60_000)
+                }
+            }
+        }
         let gone: Vec<(LeaseId, Millis)> = self
             .absent
             .iter()
@@ -1449,8 +1483,8 @@ impl Shell {
             })
             .map(|(lease, since)| (*lease, mono.saturating_sub(*since)))
             .collect();
-        for lease in stalled {
-            warn!(%lease, "its worker stalled (a batch far past due); ending the lease as lost and releasing it so that a new one replaces it");
+        for lease in again {
+            warn!(%lease, "its worker stalled again; ending the lease as lost and releasing it so that a new one replaces it");
             self.absent.remove(&lease);
             self.drain(lease).await;
             self.releases.schedule(lease, mono, EndReason::Lost);
@@ -1778,8 +1812,9 @@ impl Shell {
                 )
             }
         };
-        if !self.releases.contains(lease) {
+        if !self.releases.is_running(lease) {
             // its provider reported the end meanwhile, and it has ended
+            // (or it was queued again since: that is another try's to say)
             debug!(%lease, "release finished for a lease already ended");
             return;
         }
@@ -2373,11 +2408,12 @@ min_fps = {min_fps}
     }
 
     /// The hub drops a worker whose batch is far past due while its link
-    /// lives (a wedged GPU): its lease is ended `lost`, released at the
-    /// provider (which stops the process) and replaced.
+    /// lives. Once, the lease is kept (a slow first batch of a new size);
+    /// when the worker, registered again, stalls a second time (a wedged
+    /// GPU), its lease is ended `lost`, released at the provider (which
+    /// stops the process) and replaced.
     #[tokio::test]
-    async fn a_lease_whose_worker_stalls_is_ended_lost_released_and_replaced() {
-        use crate::hub::tests::{frame, register};
+    async fn a_lease_whose_worker_stalls_twice_is_ended_lost_released_and_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = config(dir.path(), "static-peak", 10);
         let script = Arc::new(Script::default());
@@ -2388,16 +2424,6 @@ min_fps = {min_fps}
         let (l, hub, cancel, tracker, metrics) = start_fake_with_hub(&cfg, &script, limits);
         let id = first_lease(&l).await;
         l.registered(id).await;
-        let (dispatch, mut batches) = mpsc::channel(8);
-        hub.send(HubMsg::WorkerConnected {
-            worker: crate::scheduler::WorkerId(1),
-            register: register(),
-            dispatch,
-            lease: Some(id),
-            static_worker: None,
-            drain: CancellationToken::new(),
-        })
-        .await;
         let (results, _answers) = mpsc::channel(8);
         let (hints, _hints) = mpsc::channel(8);
         hub.send(HubMsg::EdgeConnected {
@@ -2407,18 +2433,43 @@ min_fps = {min_fps}
             hints,
         })
         .await;
+        stall_once(&hub, id, 1).await;
+        eventually(GUARD, "the first stall counted", || async {
+            metrics.workers_stalled.get() == 1
+        })
+        .await;
+        // ten ticks later: kept
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(lease(&l, id).await.state, LeaseState::Ready);
+        assert_eq!(script.releases_of(id), 0);
+
+        stall_once(&hub, id, 2).await;
+        ended_lost_released_and_replaced(&l, &script, id).await;
+        assert_eq!(metrics.workers_stalled.get(), 2);
+        stop(cancel, tracker).await;
+    }
+
+    /// Worker `n` registers for `lease` with the hub and takes frame `n`
+    /// of edge 1, which it never answers.
+    async fn stall_once(hub: &Hub, lease: LeaseId, n: u64) {
+        let (dispatch, mut batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: crate::scheduler::WorkerId(n),
+            register: crate::hub::tests::register(),
+            dispatch,
+            lease: Some(lease),
+            static_worker: None,
+            drain: CancellationToken::new(),
+        })
+        .await;
         hub.send(HubMsg::Frame {
             edge: crate::scheduler::EdgeId(1),
-            frame: frame(1),
+            frame: crate::hub::tests::frame(n),
             deadline: std::time::Instant::now() + Duration::from_secs(5),
         })
         .await;
-        // taken, never answered
         let taken = tokio::time::timeout(GUARD, batches.recv()).await.unwrap();
-        assert!(taken.is_some());
-        ended_lost_released_and_replaced(&l, &script, id).await;
-        assert_eq!(metrics.workers_stalled.get(), 1);
-        stop(cancel, tracker).await;
+        assert!(taken.is_some(), "worker {n} took the frame");
     }
 
     #[tokio::test]
