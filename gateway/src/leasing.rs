@@ -1903,6 +1903,8 @@ mod fake {
         pub tokens: Mutex<HashMap<LeaseId, LeaseToken>>,
         /// While true, releases wait (a Pod's grace period, a job's drain).
         pub hold_releases: tokio::sync::watch::Sender<bool>,
+        /// The provider's event channel, for a test to report events.
+        pub events: Mutex<Option<mpsc::Sender<ProviderEvent>>>,
     }
 
     impl Script {
@@ -1923,6 +1925,15 @@ mod fake {
         pub fn hold_releases(&self, hold: bool) {
             self.hold_releases.send_replace(hold);
         }
+
+        /// Reports `ev` as the provider would.
+        pub async fn report(&self, ev: ProviderEvent) {
+            let tx = self.events.lock().unwrap().clone();
+            tx.expect("a FakeProvider was made")
+                .send(ev)
+                .await
+                .expect("the shell reads events");
+        }
     }
 
     #[derive(Debug)]
@@ -1930,17 +1941,16 @@ mod fake {
         script: Arc<Script>,
         held: BTreeSet<LeaseId>,
         events: Option<mpsc::Receiver<ProviderEvent>>,
-        _events_tx: mpsc::Sender<ProviderEvent>,
     }
 
     impl FakeProvider {
         pub fn new(script: Arc<Script>) -> FakeProvider {
             let (tx, rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
+            *script.events.lock().unwrap() = Some(tx);
             FakeProvider {
                 script,
                 held: BTreeSet::new(),
                 events: Some(rx),
-                _events_tx: tx,
             }
         }
 
@@ -2199,6 +2209,69 @@ min_fps = {min_fps}
             LeaseState::Ended(EndReason::Released)
         );
         assert_eq!(script.releases_of(id), 1);
+        stop(cancel, tracker).await;
+    }
+
+    /// The provider reports the end of a lease whose release is under way
+    /// (its worker exited first): the lease ends once, as released, and
+    /// the release's own result, coming later, changes nothing; a spot
+    /// notice arriving for it after its end neither drains nor replaces
+    /// anything.
+    #[tokio::test]
+    async fn an_end_reported_during_a_release_ends_the_lease_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        let (l, cancel, tracker, metrics) = start_fake_metered(&cfg, &script);
+        let id = first_lease(&l).await;
+        l.registered(id).await;
+        script.hold_releases(true);
+        l.release(id).await.unwrap();
+        eventually(GUARD, "the release under way", || async {
+            script.releases_of(id) == 1
+        })
+        .await;
+        script
+            .report(ProviderEvent::Ended {
+                lease: id,
+                reason: EndReason::Lost,
+                detail: "worker exited: exit status: 0".into(),
+            })
+            .await;
+        eventually(GUARD, "the lease ended", || async {
+            lease(&l, id).await.state.is_ended()
+        })
+        .await;
+        let rec = lease(&l, id).await;
+        assert_eq!(
+            rec.state,
+            LeaseState::Ended(EndReason::Released),
+            "as meant"
+        );
+        script
+            .report(ProviderEvent::PreemptionNotice {
+                lease: id,
+                deadline: wall_clock_ms(),
+            })
+            .await;
+        script.hold_releases(false);
+        replaced(&l, id).await;
+        // a few ticks for anything left to happen
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(lease(&l, id).await, rec, "ended once");
+        assert_eq!(script.releases_of(id), 1);
+        let tier = rec.tier.as_str();
+        let ends = |reason: &str| metrics.lease_ends.with_label_values(&[tier, reason]).get();
+        assert_eq!(
+            (ends("released"), ends("lost"), ends("preempted")),
+            (1, 0, 0)
+        );
+        let live = l.leases(true, 100).await.unwrap();
+        assert_eq!(
+            live.len(),
+            1,
+            "one replacement, none for the late notice: {live:?}"
+        );
         stop(cancel, tracker).await;
     }
 
