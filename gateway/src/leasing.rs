@@ -2175,15 +2175,7 @@ min_fps = {min_fps}
         let cfg = config(dir.path(), "static-peak", 10);
         let script = Arc::new(Script::default());
         let (l, cancel, tracker) = start_fake(&cfg, &script);
-        let id = first_lease(&l).await;
-        l.registered(id).await;
-
-        script.hold_releases(true);
-        l.release(id).await.unwrap();
-        eventually(GUARD, "the release under way", || async {
-            script.releases_of(id) == 1
-        })
-        .await;
+        let id = a_release_held_under_way(&l, &script).await;
         replaced(&l, id).await;
         let next = l.leases(true, 100).await.unwrap();
         let next = next.iter().find(|r| r.id != id).unwrap().id;
@@ -2212,6 +2204,20 @@ min_fps = {min_fps}
         stop(cancel, tracker).await;
     }
 
+    /// The first lease, ready, whose release an operator asked for and
+    /// the provider holds under way (`Script::hold_releases`).
+    async fn a_release_held_under_way(l: &Leasing, script: &Script) -> LeaseId {
+        let id = first_lease(l).await;
+        l.registered(id).await;
+        script.hold_releases(true);
+        l.release(id).await.unwrap();
+        eventually(GUARD, "the release under way", || async {
+            script.releases_of(id) == 1
+        })
+        .await;
+        id
+    }
+
     /// The provider reports the end of a lease whose release is under way
     /// (its worker exited first): the lease ends once, as released, and
     /// the release's own result, coming later, changes nothing; a spot
@@ -2223,14 +2229,7 @@ min_fps = {min_fps}
         let cfg = config(dir.path(), "static-peak", 10);
         let script = Arc::new(Script::default());
         let (l, cancel, tracker, metrics) = start_fake_metered(&cfg, &script);
-        let id = first_lease(&l).await;
-        l.registered(id).await;
-        script.hold_releases(true);
-        l.release(id).await.unwrap();
-        eventually(GUARD, "the release under way", || async {
-            script.releases_of(id) == 1
-        })
-        .await;
+        let id = a_release_held_under_way(&l, &script).await;
         script
             .report(ProviderEvent::Ended {
                 lease: id,
