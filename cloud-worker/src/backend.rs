@@ -5,14 +5,18 @@
 //! the ONNX Runtime implementation: one session per model, on the CPU or on
 //! ONNX Runtime's CUDA execution provider, checked against its model.toml
 //! when opened, warmed up, and then fed preprocessed batches whose outputs
-//! the model's decoder turns into detections. On CUDA, with the `cuda`
-//! feature, f32 models are preprocessed on the GPU ([`crate::gpu`]); where
+//! the model's decoder turns into detections. Its warm-up and profiling
+//! runs are recorded in an [`Activity`] ([`OrtBackend::open_watched`]), so
+//! that the [`watchdog`](crate::watchdog) ends a worker wedged in them as
+//! it does one wedged in a batch. On CUDA, with the `cuda`
+//! feature, f32 models are preprocessed on the GPU (`gpu` module); where
 //! that cannot start, [`OrtBackend::preprocessing`] says so and why.
 //!
 //! A bad frame fails alone, with a [`Status::Failed`] that says what was
 //! wrong; the frames around it, and every later call, are served as usual.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -25,6 +29,7 @@ use tidegate_protocol::{
 };
 
 use crate::decode::{Decoder, DecoderError, OutputView};
+use crate::executor::{Activity, Phase};
 use crate::model::{DimsDisplay, Model, ModelSpec, Repository};
 use crate::preprocess::Preprocessor;
 use crate::runtime::{
@@ -487,6 +492,8 @@ pub struct OrtBackend {
     options: RuntimeOptions,
     provider: Provider,
     fallback_reason: Option<String>,
+    /// Where warm-up and profiling runs are recorded.
+    activity: Arc<Activity>,
 }
 
 impl OrtBackend {
@@ -499,11 +506,28 @@ impl OrtBackend {
     /// up on it although it can on the CPU), this is
     /// [`BackendError::ProviderUnavailable`] with the reason, or, with
     /// `fallback = "cpu"`, a warning and every model on the CPU.
+    ///
+    /// Its runs are recorded in an activity nobody watches; the worker uses
+    /// [`OrtBackend::open_watched`].
     pub fn open(repo: &Repository, options: &RuntimeOptions) -> Result<Self, BackendError> {
+        OrtBackend::open_watched(repo, options, Arc::new(Activity::default()))
+    }
+
+    /// [`OrtBackend::open`], recording each warm-up run (here) and each
+    /// profiling run (in [`Backend::profile`]) in `activity`, with its model
+    /// and batch size ([`Phase::WarmUp`], [`Phase::Profiling`]), for a
+    /// [`watchdog`](crate::watchdog) started before to end the process
+    /// should one never return. Opening a session (reading and optimising
+    /// the graph) is not a run and is not recorded.
+    pub fn open_watched(
+        repo: &Repository,
+        options: &RuntimeOptions,
+        activity: Arc<Activity>,
+    ) -> Result<Self, BackendError> {
         let runtime = Runtime::init(options.library.as_deref())?;
         let requested = options.provider.clone();
         let (provider, sessions, fallback_reason) =
-            match open_sessions(runtime, repo, options, &requested) {
+            match open_sessions(runtime, repo, options, &requested, &activity) {
                 Ok(sessions) => (requested, sessions, None),
                 Err(err @ BackendError::ProviderUnavailable { .. })
                     if options.fallback == Fallback::Cpu && requested != Provider::Cpu =>
@@ -512,7 +536,8 @@ impl OrtBackend {
                     let BackendError::ProviderUnavailable { reason, .. } = err else {
                         unreachable!("matched above")
                     };
-                    let sessions = open_sessions(runtime, repo, options, &Provider::Cpu)?;
+                    let sessions =
+                        open_sessions(runtime, repo, options, &Provider::Cpu, &activity)?;
                     (Provider::Cpu, sessions, Some(reason))
                 }
                 Err(err) => return Err(err),
@@ -523,6 +548,7 @@ impl OrtBackend {
             options: options.clone(),
             provider,
             fallback_reason,
+            activity,
         })
     }
 
@@ -580,20 +606,22 @@ impl OrtBackend {
     }
 }
 
-/// Opens every model of `repo` on `provider`. A CUDA provider that cannot
-/// serve them is [`BackendError::ProviderUnavailable`].
+/// Opens every model of `repo` on `provider`, recording the warm-up runs in
+/// `activity`. A CUDA provider that cannot serve them is
+/// [`BackendError::ProviderUnavailable`].
 fn open_sessions(
     runtime: &Runtime,
     repo: &Repository,
     options: &RuntimeOptions,
     provider: &Provider,
+    activity: &Activity,
 ) -> Result<Vec<ModelSession>, BackendError> {
     if let Provider::Cuda(cuda) = provider {
         check_cuda(runtime, provider, cuda)?;
     }
     repo.models()
         .iter()
-        .map(|model| open_model(runtime, model, options, provider))
+        .map(|model| open_model(runtime, model, options, provider, activity))
         .collect()
 }
 
@@ -648,13 +676,14 @@ fn open_model(
     model: &Model,
     options: &RuntimeOptions,
     provider: &Provider,
+    activity: &Activity,
 ) -> Result<ModelSession, BackendError> {
-    match open_model_on(runtime, model, options, provider) {
+    match open_model_on(runtime, model, options, provider, activity) {
         Err(e @ (BackendError::Session { .. } | BackendError::WarmUp { .. }))
             if *provider != Provider::Cpu =>
         {
             tracing::debug!(model = %model.spec.name, "failed on {provider}: {e}; trying the CPU to tell whose fault it is");
-            let on_cpu = open_model_on(runtime, model, options, &Provider::Cpu).map(drop);
+            let on_cpu = open_model_on(runtime, model, options, &Provider::Cpu, activity).map(drop);
             Err(attribute_failure(provider, e, on_cpu))
         }
         other => other,
@@ -693,12 +722,14 @@ fn attribute_failure(
     }
 }
 
-/// Opens, checks and warms up one model's session on `provider`.
+/// Opens, checks and warms up one model's session on `provider`, recording
+/// each warm-up run in `activity`.
 fn open_model_on(
     runtime: &Runtime,
     model: &Model,
     options: &RuntimeOptions,
     provider: &Provider,
+    activity: &Activity,
 ) -> Result<ModelSession, BackendError> {
     let session_error = |e: &dyn std::fmt::Display| BackendError::Session {
         model: model.spec.name.clone(),
@@ -794,7 +825,11 @@ fn open_model_on(
         let which: Vec<usize> = (0..size).collect();
         for _ in 0..options.warmup_runs.max(1) {
             let mut outcomes = vec![FrameOutcome::failed(UNPROCESSED); size];
+            // The model's first runs on the device: the watchdog ends the
+            // process should one never return.
+            let run = activity.record(Phase::WarmUp, &spec.name, size);
             ms.run_batch(&frames, &which, &mut outcomes);
+            drop(run);
             if let Some(Status::Failed(reason)) = outcomes
                 .into_iter()
                 .map(|o| o.status)
@@ -848,6 +883,7 @@ impl Backend for OrtBackend {
         let index = self.session_index(model)?;
         let max_batch = self.sessions[index].spec.max_batch;
         let (warmup, runs) = (self.options.warmup_runs, self.options.profile_runs.max(1));
+        let activity = self.activity.clone();
         let mut points = Vec::new();
         for &batch in batch_sizes {
             if batch == 0 || batch > max_batch {
@@ -857,9 +893,11 @@ impl Backend for OrtBackend {
             let frames = grey_frames(&self.sessions[index].spec, batch as usize);
             let mut samples = Vec::with_capacity(runs as usize);
             for round in 0..warmup + runs {
+                let run = activity.record(Phase::Profiling, model, batch as usize);
                 let start = Instant::now();
                 let outcomes = self.run(model, &frames);
                 let elapsed = micros(start.elapsed());
+                drop(run);
                 if let Some(Status::Failed(reason)) = outcomes
                     .into_iter()
                     .map(|o| o.status)

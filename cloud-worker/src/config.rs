@@ -7,6 +7,7 @@ use serde::Deserialize;
 use tidegate_protocol::GatewayAddr;
 
 use crate::runtime::{ConvAlgoSearch, CudaOptions, Fallback, Provider};
+use crate::watchdog::Limits;
 
 /// Everything a worker needs.
 #[derive(Clone, Deserialize)]
@@ -132,6 +133,15 @@ pub struct RuntimeConfig {
     /// [`WEDGED_AFTER_SECS`] bounds it.
     #[serde(default = "default_wedged_after_secs")]
     pub wedged_after_secs: u64,
+    /// A warm-up or profiling run (before the worker registers) still
+    /// running after this long (seconds) means ONNX Runtime or the device
+    /// is wedged: the worker exits with status 3 as for a batch. Unset:
+    /// [`DEFAULT_WARMUP_WEDGED_AFTER_SECS`], or `wedged_after_secs` when
+    /// that is longer ([`RuntimeConfig::watchdog_limits`]).
+    /// [`WARMUP_WEDGED_AFTER_SECS`] bounds it, and it may not be below
+    /// `wedged_after_secs`.
+    #[serde(default)]
+    pub warmup_wedged_after_secs: Option<u64>,
 }
 
 impl Default for RuntimeConfig {
@@ -143,6 +153,7 @@ impl Default for RuntimeConfig {
             fallback: Fallback::default(),
             cuda: CudaConfig::default(),
             wedged_after_secs: default_wedged_after_secs(),
+            warmup_wedged_after_secs: None,
         }
     }
 }
@@ -156,6 +167,23 @@ fn default_wedged_after_secs() -> u64 {
 /// algorithms) is not taken for a wedge; at most an hour, so that a wedged
 /// worker does not hold its GPU for longer.
 pub const WEDGED_AFTER_SECS: std::ops::RangeInclusive<u64> = 5..=3600;
+
+/// `runtime.warmup_wedged_after_secs` when unset (and `wedged_after_secs`
+/// is shorter): five minutes. A model's first run on a GPU creates the CUDA
+/// context and, with cuDNN's exhaustive algorithm search (the default),
+/// benchmarks the algorithms of every convolution, which takes seconds on
+/// the models here and can take minutes on a large one; steady-state
+/// batches take milliseconds, so the batch limit would be too tight for
+/// start-up, and start-up's too loose for serving. A separate, generous
+/// limit still ends a worker wedged before it registers, which nothing else
+/// does for a static or systemd worker.
+pub const DEFAULT_WARMUP_WEDGED_AFTER_SECS: u64 = 300;
+
+/// The `runtime.warmup_wedged_after_secs` accepted: as for
+/// `wedged_after_secs` (5 s to an hour), and never below that (checked in
+/// [`WorkerConfig::validate`]): a model's first runs are not faster than a
+/// batch later.
+pub const WARMUP_WEDGED_AFTER_SECS: std::ops::RangeInclusive<u64> = 5..=3600;
 
 /// Which execution provider, as written in the config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -193,6 +221,20 @@ pub struct CudaConfig {
 pub const MAX_ARENA_LIMIT_MB: u64 = 1 << 20;
 
 impl RuntimeConfig {
+    /// The watchdog's limits: `wedged_after_secs` for a batch, and for a
+    /// warm-up or profiling run `warmup_wedged_after_secs`, or when unset
+    /// [`DEFAULT_WARMUP_WEDGED_AFTER_SECS`] or `wedged_after_secs`,
+    /// whichever is longer.
+    pub fn watchdog_limits(&self) -> Limits {
+        let start_up = self
+            .warmup_wedged_after_secs
+            .unwrap_or(DEFAULT_WARMUP_WEDGED_AFTER_SECS.max(self.wedged_after_secs));
+        Limits {
+            serving: std::time::Duration::from_secs(self.wedged_after_secs),
+            start_up: std::time::Duration::from_secs(start_up),
+        }
+    }
+
     /// The provider these settings ask for. An arena limit beyond
     /// [`MAX_ARENA_LIMIT_MB`] (which [`WorkerConfig::validate`] refuses)
     /// saturates instead of overflowing.
@@ -283,6 +325,20 @@ impl WorkerConfig {
                 WEDGED_AFTER_SECS.start(),
                 WEDGED_AFTER_SECS.end()
             )));
+        }
+        if let Some(warmup) = self.runtime.warmup_wedged_after_secs {
+            if !WARMUP_WEDGED_AFTER_SECS.contains(&warmup) {
+                return Err(ConfigError::Invalid(format!(
+                    "runtime.warmup_wedged_after_secs is {warmup}; give {}..={} seconds, at least runtime.wedged_after_secs (unset: {DEFAULT_WARMUP_WEDGED_AFTER_SECS}, or runtime.wedged_after_secs if longer): how long one warm-up or profiling run before the worker registers may take before the worker takes ONNX Runtime or the device for wedged and exits",
+                    WARMUP_WEDGED_AFTER_SECS.start(),
+                    WARMUP_WEDGED_AFTER_SECS.end()
+                )));
+            }
+            if warmup < wedged {
+                return Err(ConfigError::Invalid(format!(
+                    "runtime.warmup_wedged_after_secs is {warmup}, below runtime.wedged_after_secs ({wedged}): a model's first runs at start-up (CUDA context, cuDNN's algorithm search) take at least as long as a batch later; give it {wedged} or more, or leave it unset"
+                )));
+            }
         }
         if self.token.is_empty() {
             return Err(ConfigError::Invalid(format!(
@@ -435,6 +491,88 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("wedged_after_secs"), "{err}");
+    }
+
+    #[test]
+    fn warmup_wedged_after_defaults_to_five_minutes_or_the_batch_limit_if_longer() {
+        use std::time::Duration;
+        let secs = |s| Duration::from_secs(s);
+        let cfg = parse("").unwrap();
+        assert_eq!(cfg.runtime.warmup_wedged_after_secs, None);
+        assert_eq!(
+            cfg.runtime.watchdog_limits(),
+            Limits {
+                serving: secs(60),
+                start_up: secs(300)
+            }
+        );
+        assert_eq!(
+            RuntimeConfig::default().watchdog_limits(),
+            cfg.runtime.watchdog_limits()
+        );
+        // Unset, it never falls below a longer batch limit.
+        let cfg = parse("[runtime]\nwedged_after_secs = 900\n").unwrap();
+        assert_eq!(
+            cfg.runtime.watchdog_limits(),
+            Limits {
+                serving: secs(900),
+                start_up: secs(900)
+            }
+        );
+        let cfg = parse("[runtime]\nwedged_after_secs = 5\n").unwrap();
+        assert_eq!(cfg.runtime.watchdog_limits().start_up, secs(300));
+        // Set, it is taken as given.
+        for (wedged, warmup) in [(5, 5), (60, 60), (60, 1200), (3600, 3600)] {
+            let cfg = parse(&format!(
+                "[runtime]\nwedged_after_secs = {wedged}\nwarmup_wedged_after_secs = {warmup}\n"
+            ))
+            .unwrap();
+            assert_eq!(
+                cfg.runtime.watchdog_limits(),
+                Limits {
+                    serving: secs(wedged),
+                    start_up: secs(warmup)
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn warmup_wedged_after_out_of_range_or_below_the_batch_limit_names_the_field() {
+        for secs in [0, 4, 3601, u64::MAX >> 1] {
+            let err = parse(&format!(
+                "[runtime]\nwedged_after_secs = 5\nwarmup_wedged_after_secs = {secs}\n"
+            ))
+            .unwrap_err();
+            assert!(matches!(err, ConfigError::Invalid(_)), "{err:?}");
+            let text = err.to_string();
+            assert!(
+                text.contains(&format!("runtime.warmup_wedged_after_secs is {secs};"))
+                    && text.contains("5..=3600 seconds")
+                    && text.contains("warm-up or profiling run"),
+                "{text}"
+            );
+        }
+        let err = parse("[runtime]\nwarmup_wedged_after_secs = 30\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "runtime.warmup_wedged_after_secs is 30, below runtime.wedged_after_secs (60)"
+            ) && err.contains("give it 60 or more, or leave it unset"),
+            "{err}"
+        );
+        let err = parse("[runtime]\nwarmup_wedged_after_secs = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("warmup_wedged_after_secs"), "{err}");
+        let err = parse("[runtime]\nwarmup_wedged_after = 300\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("warmup_wedged_after") && err.contains("unknown field"),
+            "{err}"
+        );
     }
 
     #[test]

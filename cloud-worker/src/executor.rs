@@ -12,7 +12,11 @@
 //! job runs and for how long, set and cleared on the backend thread, so
 //! that the [`watchdog`](crate::watchdog) can tell a wedged runtime or
 //! device (a job that never returns) from a busy one, and whether every job
-//! taken is done ([`Activity::is_idle`]). Dropping the executor (or
+//! taken is done ([`Activity::is_idle`]). The same [`Activity`] also
+//! records the runs before serving ([`Phase::WarmUp`], [`Phase::Profiling`]:
+//! [`Activity::record`]), so that one watchdog, started before the first
+//! model runs, guards those too ([`Executor::spawn_with`] takes it over).
+//! Dropping the executor (or
 //! [`Executor::shutdown`]) finishes the queued jobs and joins the thread;
 //! a thread wedged in a job never joins, which the watchdog bounds.
 
@@ -73,17 +77,52 @@ pub struct Activity {
     idle: Notify,
 }
 
-/// The job being run, as recorded on the backend thread.
+/// The job being run, as recorded on the thread running it.
 #[derive(Debug)]
 struct Current {
+    phase: Phase,
     model: String,
     frames: usize,
     since: Instant,
 }
 
+/// What a run of a model is for. The watchdog gives the runs before the
+/// worker registers their own limit: a model's first runs on a device
+/// (CUDA context, cuDNN's algorithm search) can take far longer than a
+/// batch later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// A batch the gateway sent, run by the executor.
+    Serving,
+    /// A warm-up run of grey frames, as a session opens.
+    WarmUp,
+    /// A run of grey frames measuring a batch size's latency, before the
+    /// worker registers.
+    Profiling,
+}
+
+impl Phase {
+    /// Whether the run comes before serving (warm-up or profiling).
+    pub fn is_start_up(self) -> bool {
+        !matches!(self, Phase::Serving)
+    }
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Serving => "batch",
+            Phase::WarmUp => "warm-up run",
+            Phase::Profiling => "profiling run",
+        })
+    }
+}
+
 /// The job the backend is running, as seen now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunningJob {
+    /// What it is for: a batch, or a run at start-up.
+    pub phase: Phase,
     /// Its model.
     pub model: String,
     /// Its batch size (frames).
@@ -92,11 +131,26 @@ pub struct RunningJob {
     pub running_for: Duration,
 }
 
+/// A run recorded by [`Activity::record`]; dropping it (when the run
+/// returns, or unwinds) clears it.
+#[derive(Debug)]
+#[must_use = "the run is recorded only while this lives"]
+pub struct RecordedRun<'a> {
+    activity: &'a Activity,
+}
+
+impl Drop for RecordedRun<'_> {
+    fn drop(&mut self) {
+        self.activity.end();
+    }
+}
+
 impl Activity {
     /// The job the backend is running, if any.
     pub fn running(&self) -> Option<RunningJob> {
         let current = self.running.lock().unwrap_or_else(PoisonError::into_inner);
         current.as_ref().map(|c| RunningJob {
+            phase: c.phase,
             model: c.model.clone(),
             frames: c.frames,
             running_for: c.since.elapsed(),
@@ -137,8 +191,20 @@ impl Activity {
         }
     }
 
-    fn start(&self, model: &str, frames: usize, since: Instant) {
+    /// Records a run of `frames` frames of `model`, for `phase`, as the
+    /// running job from now until the returned guard is dropped, for the
+    /// watchdog to judge. For the runs outside the executor: a session's
+    /// warm-up and the profiling before the worker registers, on the thread
+    /// that runs them. One run at a time: the executor's own jobs come
+    /// after start-up.
+    pub fn record(&self, phase: Phase, model: &str, frames: usize) -> RecordedRun<'_> {
+        self.start(phase, model, frames, Instant::now());
+        RecordedRun { activity: self }
+    }
+
+    fn start(&self, phase: Phase, model: &str, frames: usize, since: Instant) {
         *self.running.lock().unwrap_or_else(PoisonError::into_inner) = Some(Current {
+            phase,
             model: model.to_string(),
             frames,
             since,
@@ -161,11 +227,21 @@ impl Executor {
     /// Moves `backend` onto a new thread named `tidegate-backend`, with a
     /// queue of `capacity` jobs (at least 1) in front of it.
     pub fn spawn(backend: Box<dyn Backend + Send>, capacity: usize) -> Executor {
+        Executor::spawn_with(backend, capacity, Arc::new(Activity::default()))
+    }
+
+    /// [`Executor::spawn`], recording its jobs in `activity`: the one the
+    /// backend's warm-up and profiling were recorded in, which a watchdog
+    /// has watched since before the first model ran.
+    pub fn spawn_with(
+        backend: Box<dyn Backend + Send>,
+        capacity: usize,
+        activity: Arc<Activity>,
+    ) -> Executor {
         let capacity = capacity.max(1);
         let models = backend.models().to_vec();
         let (tx, rx) = mpsc::sync_channel::<Envelope>(capacity);
         let busy_us = Arc::new(AtomicU64::new(0));
-        let activity = Arc::new(Activity::default());
         let (busy, doing) = (busy_us.clone(), activity.clone());
         let thread = thread::Builder::new()
             .name("tidegate-backend".into())
@@ -295,7 +371,7 @@ fn serve(
         }
         let _entered = job.span.enter();
         let started = Instant::now();
-        activity.start(&job.model, job.frames.len(), started);
+        activity.start(Phase::Serving, &job.model, job.frames.len(), started);
         let outcomes = catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, &job.frames)))
             .unwrap_or_else(|panic| {
                 let reason = format!(
@@ -660,7 +736,10 @@ mod tests {
         started_rx.recv().unwrap();
         assert!(exec.running_for().is_some());
         let running = exec.running().unwrap();
-        assert_eq!((running.model.as_str(), running.frames), ("blazeface", 3));
+        assert_eq!(
+            (running.phase, running.model.as_str(), running.frames),
+            (Phase::Serving, "blazeface", 3)
+        );
         assert!(!exec.is_idle());
         // The watchdog reads the same through the shared activity.
         let activity = exec.activity();
@@ -702,6 +781,45 @@ mod tests {
             .await
             .expect("idle once the running and queued jobs are done");
         assert_eq!(exec.activity().pending(), 0);
+    }
+
+    #[test]
+    fn start_up_run_is_recorded_until_its_guard_drops_and_serving_jobs_follow_in_the_same_activity()
+    {
+        let activity = Arc::new(Activity::default());
+        assert_eq!(activity.running(), None);
+        {
+            let _run = activity.record(Phase::WarmUp, "blazeface", 1);
+            let running = activity.running().unwrap();
+            assert_eq!(
+                (running.phase, running.model.as_str(), running.frames),
+                (Phase::WarmUp, "blazeface", 1)
+            );
+            assert!(
+                activity.is_idle(),
+                "a start-up run is no job taken from the gateway"
+            );
+        }
+        assert_eq!(activity.running(), None, "cleared when the guard drops");
+        let unwound = catch_unwind(AssertUnwindSafe(|| {
+            let _run = activity.record(Phase::Profiling, "centernet", 2);
+            panic!("the profiling run failed");
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(activity.running(), None, "cleared when the run unwinds");
+        // The executor takes the activity over: the watchdog watching it
+        // since start-up sees the batches too.
+        let (backend, _ran, gate_tx, started_rx) = gated_backend();
+        let exec = Executor::spawn_with(Box::new(backend), 2, activity.clone());
+        let rx = exec.try_submit(job("m", &[1, 1])).unwrap();
+        started_rx.recv().unwrap();
+        assert_eq!(
+            activity.running().map(|r| (r.phase, r.frames)),
+            Some((Phase::Serving, 2))
+        );
+        assert!(!activity.is_idle());
+        gate_tx.send(()).unwrap();
+        assert_eq!(rx.blocking_recv().unwrap().len(), 2);
     }
 
     #[test]

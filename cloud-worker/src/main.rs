@@ -11,7 +11,7 @@ use tidegate_protocol::{
 };
 use tidegate_worker::backend::{Backend, OrtBackend, Preprocessing};
 use tidegate_worker::config::WorkerConfig;
-use tidegate_worker::executor::Executor;
+use tidegate_worker::executor::{Activity, Executor};
 use tidegate_worker::link::{self, LinkConfig};
 use tidegate_worker::model::Repository;
 use tidegate_worker::runtime::{Runtime, RuntimeOptions};
@@ -26,8 +26,9 @@ use tracing::info;
 /// registers, and runs the batches it is sent. SIGTERM drains: batches
 /// already taken are finished and answered, then the worker exits 0. A
 /// batch still running after `runtime.wedged_after_secs` (ONNX Runtime or
-/// the GPU is wedged) ends the worker with exit status 3, for its
-/// supervisor to replace it.
+/// the GPU is wedged), or a warm-up or profiling run at start still running
+/// after `runtime.warmup_wedged_after_secs` (300 s by default), ends the
+/// worker with exit status 3, for its supervisor to replace it.
 ///
 /// Example: TIDEGATE_WORKER_TOKEN=... tidegate-worker --config worker.toml
 #[derive(Debug, Parser)]
@@ -114,8 +115,25 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
         .with_writer(std::io::stderr)
         .init();
+    let result = real_main(cli);
+    if watchdog::is_exiting() {
+        // The watchdog is ending the process with EXIT_WEDGED, and its exit
+        // can make the wedged run fail (ONNX Runtime torn down under it):
+        // whatever came back is that. Leave the exit to the watchdog (only
+        // one thread may exit; std blocks any other), never report it as a
+        // start-up error or end with another status.
+        if let Err(e) = result {
+            eprintln!(
+                "tidegate-worker: exiting with status {} (wedged, see above); the run it was stuck in ended as the process exits: {e:#}",
+                watchdog::EXIT_WEDGED
+            );
+        }
+        loop {
+            std::thread::park();
+        }
+    }
     // Errors are one line that says what to do, not a backtrace.
-    if let Err(e) = real_main(cli) {
+    if let Err(e) = result {
         eprintln!("tidegate-worker: error: {e:#}");
         std::process::exit(1);
     }
@@ -137,7 +155,17 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     let only = (!cfg.models.only.is_empty()).then_some(cfg.models.only.as_slice());
     let repo = Repository::load(&cfg.models.dir, only)?;
     Runtime::init(options.library.as_deref())?;
-    let mut backend = OrtBackend::open(&repo, &options)?;
+    // Started before the first model runs and kept for the rest of the
+    // process (drain and shutdown included): a warm-up or profiling run, or
+    // later a batch, that never returns ends the process with EXIT_WEDGED.
+    // Opening a session (reading, checking and optimising the graph) is not
+    // a run and is not watched: it can legitimately take long on a large
+    // model or a slow disk; only the supervisor bounds it (a leased
+    // worker's start timeout).
+    let activity = Arc::new(Activity::default());
+    watchdog::spawn(activity.clone(), cfg.runtime.watchdog_limits())
+        .context("starting the watchdog thread")?;
+    let mut backend = OrtBackend::open_watched(&repo, &options, activity.clone())?;
     let mut models = Vec::new();
     let mut profile = Vec::new();
     for spec in backend.models().to_vec() {
@@ -203,14 +231,12 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         models,
         profile,
     };
-    let executor = Arc::new(Executor::spawn(Box::new(backend), EXECUTOR_QUEUE));
-    // For the rest of the process, drain and shutdown included: a job that
-    // never returns ends the process with EXIT_WEDGED.
-    watchdog::spawn(
-        executor.activity(),
-        Duration::from_secs(cfg.runtime.wedged_after_secs),
-    )
-    .context("starting the watchdog thread")?;
+    // The executor records its batches where the watchdog looks.
+    let executor = Arc::new(Executor::spawn_with(
+        Box::new(backend),
+        EXECUTOR_QUEUE,
+        activity,
+    ));
     let reconnect = Duration::from_secs(cfg.gateway.reconnect_secs);
     let link = LinkConfig {
         gateway: cfg.gateway.addr.clone(),

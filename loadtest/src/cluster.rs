@@ -257,7 +257,7 @@ const DEPLOYMENT_ENV: [&str; 12] = [
 ];
 
 /// A command for binary `name` (see [`bin`]) that does not inherit the
-/// caller's deployment variables ([`DEPLOYMENT_ENV`]).
+/// caller's deployment variables (`DEPLOYMENT_ENV`).
 pub fn command(name: &str) -> Result<Command, BinaryNotFound> {
     let mut cmd = Command::new(bin(name)?);
     for var in DEPLOYMENT_ENV {
