@@ -48,6 +48,7 @@ use tidegate_lease::autoscale::{
     self, Action, Autoscaler, Event, ModelLoad, Observation, PolicyConfig, ReservedFloor,
     ScheduleEntry,
 };
+use tidegate_lease::catalog::InstanceType;
 use tidegate_lease::ledger::{CostReport, LeaseRecord, Ledger, LedgerError, NewLease};
 use tidegate_lease::pacing::{
     AcquireBackoff, ReleaseQueue, end_reason_while_releasing, start_timed_out,
@@ -394,20 +395,22 @@ impl Source {
         }
     }
 
-    async fn acquire(&mut self, mut spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+    /// Starts the acquire of `spec`; the future waits for the provider's
+    /// answer, and holds no borrow of the provider.
+    fn acquire(&mut self, mut spec: LeaseSpec) -> AcquireFuture {
         match self {
             Source::Process {
                 provider,
                 preempt_spot_after,
             } => {
                 spec.preempt_after = *preempt_spot_after;
-                provider.acquire(spec).await
+                Box::pin(provider.acquire(spec))
             }
-            Source::Static(p) => p.acquire(spec).await,
-            Source::Slurm(p) => p.acquire(spec).await,
-            Source::Kubernetes(p) => p.acquire(spec).await,
+            Source::Static(p) => Box::pin(p.acquire(spec)),
+            Source::Slurm(p) => Box::pin(p.acquire(spec)),
+            Source::Kubernetes(p) => Box::pin(p.acquire(spec)),
             #[cfg(test)]
-            Source::Fake(p) => p.acquire(spec).await,
+            Source::Fake(p) => Box::pin(p.acquire(spec)),
         }
     }
 
@@ -451,6 +454,8 @@ impl Source {
 /// A provider release under way: it ends when the worker is gone.
 type ReleaseFuture =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ProviderError>> + Send>>;
+type AcquireFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Acquired, ProviderError>> + Send>>;
 
 /// A provider release's lease and how it ended.
 type ReleaseOutcome = (LeaseId, Result<(), ProviderError>);
@@ -697,6 +702,10 @@ fn start(
         stalls: HashMap::new(),
         in_flight: tokio::task::JoinSet::new(),
         in_flight_leases: HashMap::new(),
+        acquiring: tokio::task::JoinSet::new(),
+        acquiring_tasks: HashMap::new(),
+        acquiring_leases: HashMap::new(),
+        stopping: false,
         on_stop: cfg.on_stop,
     };
     shell.update_metrics(now);
@@ -846,6 +855,33 @@ struct Shell {
     in_flight: tokio::task::JoinSet<ReleaseOutcome>,
     /// The lease of each task in `in_flight`.
     in_flight_leases: HashMap<tokio::task::Id, LeaseId>,
+    /// Provider acquisitions under way, each on a task of its own, as the
+    /// releases: an API server or `sbatch` slow to answer holds up nothing
+    /// else (each provider bounds its calls).
+    acquiring: tokio::task::JoinSet<Result<Acquired, ProviderError>>,
+    /// The lease of each task in `acquiring`.
+    acquiring_tasks: HashMap<tokio::task::Id, LeaseId>,
+    /// What each lease under way was asked for.
+    acquiring_leases: HashMap<LeaseId, Acquiring>,
+    /// Shutting down: the autoscaler's acquisitions are no longer made.
+    stopping: bool,
+}
+
+/// An acquire under way: the lease is `requested` in the ledger, and not in
+/// the table until the provider has answered.
+struct Acquiring {
+    model: String,
+    instance: InstanceType,
+    tier: Tier,
+    reason: autoscale::AcquireReason,
+    token: LeaseToken,
+    /// Its place in a chain of refusals (`AcquireRefused`).
+    depth: u32,
+    /// Its provider's events that came before the answer (its worker may
+    /// end, or its spot node be reclaimed, that soon): handled after it.
+    early: Vec<ProviderEvent>,
+    /// The autoscaler released it before the answer: released after it.
+    release_wanted: bool,
 }
 
 /// What a provider release came to.
@@ -912,6 +948,10 @@ impl Shell {
                     self.release_due().await;
                     self.update_metrics(wall_clock_ms());
                 }
+                Some(joined) = self.acquiring.join_next_with_id(), if !self.acquiring.is_empty() => {
+                    self.acquire_answered(joined).await;
+                    self.update_metrics(wall_clock_ms());
+                }
                 Some(joined) = self.in_flight.join_next_with_id(), if !self.in_flight.is_empty() => {
                     self.release_finished(joined).await;
                     self.update_metrics(wall_clock_ms());
@@ -929,6 +969,12 @@ impl Shell {
     /// already draining are released; the others stay live, their workers
     /// running, for the next start to adopt.
     async fn shutdown(mut self) {
+        // the acquisitions under way are answered first (each within its
+        // provider's deadline): a worker that was started is released below
+        self.stopping = true;
+        while let Some(joined) = self.acquiring.join_next_with_id().await {
+            self.acquire_answered(joined).await;
+        }
         // the releases under way end first (each within its provider's
         // release timeout); one that failed is tried again below
         while let Some(joined) = self.in_flight.join_next_with_id().await {
@@ -1079,6 +1125,14 @@ impl Shell {
                 split,
                 reply,
             } => {
+                // up to the moment asked, not the last tick; not while a
+                // write waits for a retry (the ledger may be locked), which
+                // the next tick makes
+                if self.writes.by_lease.is_empty()
+                    && let Err(e) = self.ledger.accrue(wall_clock_ms())
+                {
+                    warn!("accruing cost: {e}");
+                }
                 let report = if split {
                     self.ledger.costs(from, to)
                 } else {
@@ -1089,6 +1143,9 @@ impl Shell {
             LeasingMsg::Release { lease, reply } => {
                 let in_ledger = self.ledger.lease(lease).ok().flatten().is_some();
                 let answer = match self.state(lease) {
+                    None if self.acquiring_leases.contains_key(&lease) => {
+                        Err(ReleaseRefused::NotYetStarted(lease))
+                    }
                     None if in_ledger => Err(ReleaseRefused::Ended(lease)),
                     None => Err(ReleaseRefused::Unknown(lease)),
                     Some(LeaseState::Ended(_)) => Err(ReleaseRefused::Ended(lease)),
@@ -1157,6 +1214,12 @@ impl Shell {
             .into()));
         };
         let id = LeaseId(n);
+        if self.acquiring_leases.contains_key(&id) {
+            // its worker came up before its provider's answer did
+            return Some(Err(Refusal::later(format!(
+                "lease {id} is still being acquired"
+            ))));
+        }
         match self.table.claim(id, &LeaseToken::from_secret(token)) {
             Ok(()) => {
                 if let Err(e) = self.ledger.set_token_claimed(id, true) {
@@ -1218,6 +1281,15 @@ impl Shell {
     }
 
     async fn on_provider_event(&mut self, ev: ProviderEvent) {
+        let lease = match &ev {
+            ProviderEvent::Ready { lease }
+            | ProviderEvent::PreemptionNotice { lease, .. }
+            | ProviderEvent::Ended { lease, .. } => *lease,
+        };
+        if let Some(a) = self.acquiring_leases.get_mut(&lease) {
+            a.early.push(ev);
+            return;
+        }
         let now = wall_clock_ms();
         match ev {
             ProviderEvent::Ready { lease } => {
@@ -1407,6 +1479,8 @@ impl Shell {
                 start_timed_out(state, r.requested_at, now, self.start_timeout_ms)
             })
             .filter(|r| !self.releases.contains(r.id))
+            // its provider has not answered yet (within its own deadline)
+            .filter(|r| !self.acquiring_leases.contains_key(&r.id))
             .map(|r| r.id)
             .collect();
         for lease in &stuck {
@@ -1584,6 +1658,9 @@ impl Shell {
                     tier,
                     reason,
                 } => {
+                    if self.stopping {
+                        continue;
+                    }
                     if !self.backoff.allows(self.mono()) {
                         debug!(
                             model,
@@ -1591,19 +1668,13 @@ impl Shell {
                         );
                         continue;
                     }
-                    let refused = self
-                        .acquire(now, &model, &instance_type, tier, reason)
-                        .await;
-                    if refused && depth < 2 {
-                        let more = self.autoscaler.on_event(
-                            now,
-                            Event::AcquireRefused {
-                                model,
-                                instance_type,
-                                tier,
-                            },
-                        );
-                        Box::pin(self.execute(now, more, depth + 1)).await;
+                    self.acquire(now, model, &instance_type, tier, reason, depth);
+                }
+                Action::Release { lease } if self.acquiring_leases.contains_key(&lease) => {
+                    // not the provider's yet: released once it is
+                    debug!(%lease, "release of a lease still being acquired put off until its answer");
+                    if let Some(a) = self.acquiring_leases.get_mut(&lease) {
+                        a.release_wanted = true;
                     }
                 }
                 Action::Release { lease } => {
@@ -1637,32 +1708,34 @@ impl Shell {
         }
     }
 
-    /// One acquire; true when the provider refused it for lack of capacity.
-    async fn acquire(
+    /// Asks the provider for a lease: recorded `requested`, then answered
+    /// on a task of its own ([`Shell::acquire_answered`]).
+    fn acquire(
         &mut self,
         now: Millis,
-        model: &str,
+        model: String,
         instance_type: &str,
         tier: Tier,
         reason: autoscale::AcquireReason,
-    ) -> bool {
+        depth: u32,
+    ) {
         let Some(instance) = self.catalog.get(instance_type).cloned() else {
             warn!(
                 instance_type,
                 "autoscaler asked for a type not in the catalog"
             );
-            return false;
+            return;
         };
         let token = match LeaseToken::generate() {
             Ok(t) => t,
             Err(e) => {
                 warn!("cannot generate a lease token: {e}");
-                return false;
+                return;
             }
         };
         let id = match self.ledger.insert_requested(&NewLease {
             provider: self.source.name(),
-            model: Some(model),
+            model: Some(&model),
             instance: &instance,
             tier,
             currency: &self.catalog.currency,
@@ -1672,7 +1745,7 @@ impl Shell {
             Ok(id) => id,
             Err(e) => {
                 warn!("recording a lease request: {e}");
-                return false;
+                return;
             }
         };
         let spec = LeaseSpec {
@@ -1682,7 +1755,59 @@ impl Shell {
             tier,
             preempt_after: None,
         };
-        match self.source.acquire(spec).await {
+        let answer = self.source.acquire(spec);
+        let task = self.acquiring.spawn(answer);
+        self.acquiring_tasks.insert(task.id(), id);
+        debug!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, "lease requested");
+        self.acquiring_leases.insert(
+            id,
+            Acquiring {
+                model,
+                instance,
+                tier,
+                reason,
+                token,
+                depth,
+                early: Vec::new(),
+                release_wanted: false,
+            },
+        );
+    }
+
+    /// The provider's answer to an acquire: the lease starts (billing from
+    /// now), or it ends `failed`; a refusal for lack of capacity lets the
+    /// autoscaler choose another type or tier.
+    async fn acquire_answered(
+        &mut self,
+        joined: Result<(tokio::task::Id, Result<Acquired, ProviderError>), tokio::task::JoinError>,
+    ) {
+        let (task, answer) = match joined {
+            Ok((task, answer)) => (task, Ok(answer)),
+            Err(e) => (e.id(), Err(e.to_string())),
+        };
+        let Some(id) = self.acquiring_tasks.remove(&task) else {
+            return;
+        };
+        let Some(a) = self.acquiring_leases.remove(&id) else {
+            return;
+        };
+        let now = wall_clock_ms();
+        let (model, instance_type, tier, reason) =
+            (a.model.as_str(), a.instance.name.as_str(), a.tier, a.reason);
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(panicked) => {
+                warn!(lease = %id, model, instance_type, "acquire task failed: {panicked}");
+                self.metrics
+                    .lease_acquires
+                    .with_label_values(&[tier.as_str(), "error"])
+                    .inc();
+                self.end(id, now, EndReason::Failed);
+                self.start_failed();
+                return;
+            }
+        };
+        match answer {
             Ok(acq) => {
                 let static_name = match &self.source {
                     Source::Static(p) => p.worker_of(id).map(|w| w.name.clone()),
@@ -1695,10 +1820,10 @@ impl Shell {
                     .and_then(|n| self.static_links.get(n).copied());
                 let entry = LeaseEntry {
                     id,
-                    instance_type: instance.name.clone(),
+                    instance_type: a.instance.name.clone(),
                     tier,
                     state: LeaseState::Starting,
-                    token: acq.token.unwrap_or_else(|| token.digest()),
+                    token: acq.token.unwrap_or_else(|| a.token.digest()),
                     claimed: link.is_some(),
                 };
                 if let Err(e) = self.table.insert(entry) {
@@ -1737,10 +1862,18 @@ impl Shell {
                         self.lease_registered(id);
                     }
                 }
-                false
+                for ev in a.early {
+                    Box::pin(self.on_provider_event(ev)).await;
+                }
+                if a.release_wanted && !self.stopping {
+                    Box::pin(self.execute(now, vec![Action::Release { lease: id }], 0)).await;
+                }
             }
             Err(e) => {
                 warn!(lease = %id, model, instance_type, tier = tier.as_str(), "acquire failed: {e}");
+                if !a.early.is_empty() {
+                    debug!(lease = %id, events = ?a.early, "events for a lease whose acquire failed dropped");
+                }
                 self.end(id, now, EndReason::Failed);
                 let refused = matches!(e, ProviderError::NoCapacity { .. });
                 let result = if refused { "no_capacity" } else { "error" };
@@ -1750,8 +1883,17 @@ impl Shell {
                     .inc();
                 if !refused {
                     self.start_failed();
+                } else if a.depth < 2 {
+                    let more = self.autoscaler.on_event(
+                        now,
+                        Event::AcquireRefused {
+                            model: a.model.clone(),
+                            instance_type: a.instance.name.clone(),
+                            tier,
+                        },
+                    );
+                    Box::pin(self.execute(now, more, a.depth + 1)).await;
                 }
-                refused
             }
         }
     }
@@ -1846,7 +1988,15 @@ impl Shell {
     fn update_metrics(&mut self, now: Millis) {
         let m = &self.metrics;
         m.leases.reset();
-        for ((ty, tier, state), n) in self.table.counts() {
+        let mut counts = self.table.counts();
+        // asked of the provider, not answered yet
+        for a in self.acquiring_leases.values() {
+            let label = LeaseState::Requested.label();
+            *counts
+                .entry((a.instance.name.clone(), a.tier, label))
+                .or_insert(0) += 1;
+        }
+        for ((ty, tier, state), n) in counts {
             m.leases
                 .with_label_values(&[ty.as_str(), tier.as_str(), state])
                 .set(n as i64);
@@ -1903,6 +2053,8 @@ mod fake {
         pub tokens: Mutex<HashMap<LeaseId, LeaseToken>>,
         /// While true, releases wait (a Pod's grace period, a job's drain).
         pub hold_releases: tokio::sync::watch::Sender<bool>,
+        /// While true, acquisitions wait (an API server slow to answer).
+        pub hold_acquires: tokio::sync::watch::Sender<bool>,
         /// The provider's event channel, for a test to report events.
         pub events: Mutex<Option<mpsc::Sender<ProviderEvent>>>,
     }
@@ -1924,6 +2076,17 @@ mod fake {
 
         pub fn hold_releases(&self, hold: bool) {
             self.hold_releases.send_replace(hold);
+        }
+
+        pub fn hold_acquires(&self, hold: bool) {
+            self.hold_acquires.send_replace(hold);
+        }
+
+        /// Whether the shell has taken every event reported.
+        pub fn events_taken(&self) -> bool {
+            let tx = self.events.lock().unwrap();
+            tx.as_ref()
+                .is_some_and(|tx| tx.capacity() == tx.max_capacity())
         }
 
         /// Reports `ev` as the provider would.
@@ -1977,19 +2140,27 @@ mod fake {
             "fake"
         }
 
-        async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+        fn acquire(
+            &mut self,
+            spec: LeaseSpec,
+        ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
             self.held.insert(spec.lease);
             self.script
                 .tokens
                 .lock()
                 .unwrap()
                 .insert(spec.lease, spec.token.clone());
-            Ok(Acquired {
-                lease: spec.lease,
-                pid: None,
-                provider_data: None,
-                token: None,
-            })
+            let mut hold = self.script.hold_acquires.subscribe();
+            async move {
+                // held while the script says so
+                let _ = hold.wait_for(|held| !held).await;
+                Ok(Acquired {
+                    lease: spec.lease,
+                    pid: None,
+                    provider_data: None,
+                    token: None,
+                })
+            }
         }
 
         fn release(
@@ -2124,9 +2295,13 @@ min_fps = {min_fps}
         all.into_iter().find(|r| r.id == id).expect("in the ledger")
     }
 
+    /// The first lease, once its provider has answered.
     async fn first_lease(l: &Leasing) -> LeaseId {
         eventually(GUARD, "a lease acquired", || async {
-            !l.leases(true, 100).await.unwrap().is_empty()
+            let leases = l.leases(true, 100).await.unwrap();
+            leases
+                .last()
+                .is_some_and(|r| r.state != LeaseState::Requested)
         })
         .await;
         l.leases(true, 100).await.unwrap().last().unwrap().id
@@ -2201,6 +2376,64 @@ min_fps = {min_fps}
             LeaseState::Ended(EndReason::Released)
         );
         assert_eq!(script.releases_of(id), 1);
+        stop(cancel, tracker).await;
+    }
+
+    /// An acquire the provider takes long to answer (an API server that
+    /// does not answer, an `sbatch` waiting on its controller) holds up
+    /// nothing else: the shell answers, the lease is `requested` (counted,
+    /// so the autoscaler asks for no other), its worker's login is put off
+    /// until the answer, and an operator cannot release it yet; a provider
+    /// event for it that comes before the answer is handled after it.
+    #[tokio::test]
+    async fn a_slow_acquire_holds_up_nothing_and_its_early_events_wait_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        script.hold_acquires(true);
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        eventually(GUARD, "a lease requested", || async {
+            !l.leases(true, 100).await.unwrap().is_empty()
+        })
+        .await;
+        let id = l.leases(true, 100).await.unwrap()[0].id;
+        // a few ticks: still one lease asked for, and the shell answers
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let live = tokio::time::timeout(GUARD, l.leases(true, 100))
+            .await
+            .expect("the shell answers while the provider does not")
+            .unwrap();
+        assert_eq!(live.len(), 1, "{live:#?}");
+        assert_eq!(live[0].state, LeaseState::Requested);
+        let token = script.token(id).unwrap();
+        let login = l.authenticate(&id.to_string(), &token).await;
+        assert!(
+            matches!(&login, Some(Err(r)) if r.to_string().contains("still being acquired")),
+            "{login:?}"
+        );
+        assert_eq!(l.release(id).await, Err(ReleaseRefused::NotYetStarted(id)));
+        // its spot node is reclaimed before the answer comes
+        script
+            .report(ProviderEvent::PreemptionNotice {
+                lease: id,
+                deadline: wall_clock_ms() + 60_000,
+            })
+            .await;
+        eventually(GUARD, "the notice taken before the answer", || async {
+            script.events_taken()
+        })
+        .await;
+        assert_eq!(
+            lease(&l, id).await.state,
+            LeaseState::Requested,
+            "kept for after the answer"
+        );
+        script.hold_acquires(false);
+        eventually(GUARD, "the notice drains it once acquired", || async {
+            lease(&l, id).await.state == LeaseState::Draining
+        })
+        .await;
+        replaced(&l, id).await;
         stop(cancel, tracker).await;
     }
 
@@ -2468,13 +2701,14 @@ min_fps = {min_fps}
     }
 
     /// Waits for a live lease other than `id`.
+    /// Waits for a lease other than `id`, acquired.
     async fn replaced(l: &Leasing, id: LeaseId) {
         eventually(GUARD, "a new lease replaces it", || async {
             l.leases(true, 100)
                 .await
                 .unwrap()
                 .iter()
-                .any(|r| r.id != id)
+                .any(|r| r.id != id && r.state != LeaseState::Requested)
         })
         .await;
     }
@@ -2706,7 +2940,11 @@ reserved = 1
         let (l, cancel, tracker) = start(&cfg).await;
         // the reserved floor binds gpu-a at the first tick
         let until = tokio::time::Instant::now() + Duration::from_secs(5);
-        while live(&l).await.is_empty() {
+        while live(&l)
+            .await
+            .iter()
+            .all(|r| r.state == LeaseState::Requested)
+        {
             assert!(tokio::time::Instant::now() < until, "no lease acquired");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -3044,6 +3282,13 @@ min_fps = 10
         // 15 ticks: without the pause, 15 spawn attempts; with it, the
         // first, one after 1 s, none before 3 s.
         tokio::time::sleep(Duration::from_millis(1500)).await;
+        // (the last try's answer may still be on its way)
+        let until = tokio::time::Instant::now() + Duration::from_secs(20);
+        while (l.leases(false, 100).await.unwrap().iter()).any(|r| r.state == LeaseState::Requested)
+        {
+            assert!(tokio::time::Instant::now() < until, "a try never answered");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
         let all = l.leases(false, 100).await.unwrap();
         assert!((1..=2).contains(&all.len()), "{all:?}");
         assert!(

@@ -45,7 +45,15 @@ impl AcquireBackoff {
     }
 
     /// A lease failed to start at `now`: pause; returns the pause (ms).
+    /// A failure while already paused came from an acquisition made
+    /// before the pause (several are made and answered together): it
+    /// tells nothing new, and the pause stays as it is.
     pub fn start_failed(&mut self, now: Millis) -> Millis {
+        if let Some((until, _)) = self.paused
+            && now < until
+        {
+            return until - now;
+        }
         let pause = self.paused.map_or(ACQUIRE_BACKOFF_MS, |(_, next)| next);
         let next = pause.saturating_mul(2).min(ACQUIRE_BACKOFF_MAX_MS);
         self.paused = Some((now.saturating_add(pause), next));
@@ -237,14 +245,17 @@ mod tests {
         assert!(b.allows(11_000));
         assert_eq!(b.start_failed(11_000), 2000);
         assert!(!b.allows(12_999));
-        let mut pauses = Vec::new();
-        for _ in 0..8 {
-            pauses.push(b.start_failed(20_000));
+        // the failures of acquisitions made together: one pause
+        assert_eq!(b.start_failed(11_500), 1500);
+        assert!(!b.allows(12_999));
+        assert!(b.allows(13_000));
+        let (mut now, mut pauses) = (13_000, Vec::new());
+        for _ in 0..7 {
+            let pause = b.start_failed(now);
+            pauses.push(pause);
+            now += pause;
         }
-        assert_eq!(
-            pauses,
-            [4000, 8000, 16_000, 32_000, 60_000, 60_000, 60_000, 60_000]
-        );
+        assert_eq!(pauses, [4000, 8000, 16_000, 32_000, 60_000, 60_000, 60_000]);
         b.reset();
         assert!(b.allows(20_000));
         assert_eq!(b.start_failed(20_000), 1000);

@@ -19,7 +19,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use mini_kube::MiniKube;
-use provider::{WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
+use provider::{GUARD, WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
 use serde_json::Value;
 use tidegate_lease::catalog::{Catalog, Tier};
 use tidegate_lease::ledger::Ledger;
@@ -501,4 +501,96 @@ async fn a_refused_delete_keeps_the_pod_held_and_its_end_is_news_again() {
     let (reason, detail) = ended(&mut events, LeaseId(1)).await;
     assert_eq!(reason, EndReason::Lost, "{detail}");
     assert!(p.held().is_empty());
+}
+
+/// An API server that takes a Pod's creation and does not answer within
+/// `api_timeout_secs` holds the acquire (and so the lease shell) no
+/// longer: the acquire fails, and the Pod the server made anyway is
+/// deleted with its token Secret, so nothing runs that no lease holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_creation_answered_too_late_fails_the_acquire_and_leaves_nothing_behind() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg = config(&kube, out.path(), WORKER);
+    cfg.api_timeout_secs = 1.0;
+    let mut p = KubernetesProvider::connect(cfg).unwrap();
+    let an_hour = Duration::from_secs(3600);
+    kube.answer_late("POST", "/api/v1/namespaces/tidegate/pods", an_hour, 1);
+    let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
+        .await
+        .expect("the acquire waited for the answer")
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ProviderError::Kubernetes {
+                lease: Some(LeaseId(1)),
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains("api_timeout_secs") && msg.contains("deleted in case"),
+        "{msg}"
+    );
+    assert!(p.held().is_empty());
+    assert_eq!(
+        kube.request_count("POST", "/api/v1/namespaces/tidegate/pods"),
+        1,
+        "the pod was created once"
+    );
+    wait_for(
+        "the pod made without an answer to go",
+        || context(&kube),
+        || kube.pods(NS).is_empty() && kube.secrets(NS).is_empty(),
+    )
+    .await;
+    // answered in time again: the next acquire holds its Pod
+    p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    assert_eq!(p.held(), vec![LeaseId(2)]);
+    p.shutdown().await;
+    assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));
+}
+
+/// A release whose check that the Pod is gone is not answered within
+/// `api_timeout_secs` fails, and the Pod stays held; the retry finishes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_the_api_server_does_not_answer_fails_and_is_retried() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg = config(&kube, out.path(), WORKER);
+    cfg.api_timeout_secs = 1.0;
+    let mut p = KubernetesProvider::connect(cfg).unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    wait_for(
+        "the worker",
+        || context(&kube),
+        || env_of(out.path(), 1).is_some(),
+    )
+    .await;
+    let an_hour = Duration::from_secs(3600);
+    kube.answer_late(
+        "GET",
+        "/api/v1/namespaces/tidegate/pods/tidegate-worker-1",
+        an_hour,
+        1,
+    );
+    let e = tokio::time::timeout(GUARD, p.release(LeaseId(1)))
+        .await
+        .expect("the release waited for the answer")
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("checking deleted pod") && msg.contains("api_timeout_secs"),
+        "{msg}"
+    );
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    tokio::time::timeout(GUARD, p.release(LeaseId(1)))
+        .await
+        .expect("the retried release waited too long")
+        .unwrap();
+    assert!(p.held().is_empty());
+    assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));
 }

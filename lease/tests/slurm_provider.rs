@@ -2,8 +2,10 @@
 //! (`support/mini_slurm.rs`: munged + slurmctld + slurmd on 127.0.0.1). A
 //! shell script stands in for `tidegate-worker`: it writes its environment
 //! to a file, and on SIGTERM writes a `drained` file and exits 0, as the
-//! worker drains. Waits are bounded by timeouts that only guard against a
-//! hang; no test asserts how fast anything happens.
+//! worker drains. The tests of the tools' deadlines (a slurmctld that does
+//! not answer) run stand-in tools, shell scripts written into a temporary
+//! folder, with or without the cluster. Waits are bounded by timeouts that
+//! only guard against a hang; no test asserts how fast anything happens.
 
 #[path = "support/mini_slurm.rs"]
 mod mini_slurm;
@@ -14,11 +16,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use mini_slurm::{GRACE_SECS, MiniSlurm};
-use provider::{WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
+use provider::{GUARD, WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
 use tidegate_lease::catalog::{Catalog, Tier};
 use tidegate_lease::ledger::{Ledger, NewLease};
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
-use tidegate_lease::provider::slurm::{SlurmConfig, SlurmData, SlurmProvider};
+use tidegate_lease::provider::slurm::{JobId, SlurmConfig, SlurmData, SlurmProvider};
 use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
 use tidegate_lease::table::LeaseId;
 
@@ -366,12 +368,10 @@ async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
         std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
     }
     let scancel = format!(
-        "#!/bin/sh\nif [ -e \"$(dirname \"$0\")/scancel.fail\" ]; then\n  echo 'scancel: error: Unable to contact slurm controller' >&2\n  exit 1\nfi\nexec {} \"$@\"\n",
+        "if [ -e \"$(dirname \"$0\")/scancel.fail\" ]; then\n  echo 'scancel: error: Unable to contact slurm controller' >&2\n  exit 1\nfi\nexec {} \"$@\"",
         installed("scancel").display()
     );
-    std::fs::write(bin.join("scancel"), scancel).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(bin.join("scancel"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    fake_tool(&bin, "scancel", &scancel);
     let mut cfg = config(&slurm, out.path(), WORKER);
     cfg.bin_dir = Some(bin.clone());
     let mut p = SlurmProvider::connect(cfg).unwrap();
@@ -460,4 +460,267 @@ async fn begin_release_drains_every_worker_at_once_then_each_release_waits() {
     assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
     // releasing is no news
     assert!(events.try_recv().is_err());
+}
+
+/// Writes the stand-in tool `name` into `dir`: a `/bin/sh` script of
+/// `body`. `install` writes it, not this process: a file this process held
+/// open for writing could be inherited by a process another test forks
+/// meanwhile, and running the script would then fail (`ETXTBSY`).
+fn fake_tool(dir: &Path, name: &str, body: &str) {
+    let src = dir.join(format!("{name}.sh"));
+    std::fs::write(&src, format!("#!/bin/sh\n{body}\n")).unwrap();
+    let status = std::process::Command::new("install")
+        .args(["-m", "755"])
+        .arg(&src)
+        .arg(dir.join(name))
+        .status()
+        .expect("install runs");
+    assert!(status.success(), "installing the stand-in {name}");
+}
+
+/// The body of a stand-in tool that never answers (a hung slurmctld):
+/// it records its pid in `<name>.pids` next to it, then sleeps for ten
+/// minutes as that same process.
+fn hung(name: &str) -> String {
+    format!("echo $$ >> \"$(dirname \"$0\")/{name}.pids\"\nexec sleep 600")
+}
+
+/// A folder of stand-in Slurm tools that answer at once: `scontrol`
+/// knows every partition, `sbatch` queues job 4242, `squeue` shows it
+/// running, and `scancel` records its arguments in `scancel.args` (a line
+/// a call). Each test replaces the one it makes hang.
+fn fake_tools() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    fake_tool(d, "scontrol", r#"echo "PartitionName=$4 GraceTime=0""#);
+    fake_tool(d, "sbatch", "cat > /dev/null\necho 4242");
+    fake_tool(d, "squeue", "echo '4242|RUNNING|N/A|N/A|None|'");
+    fake_tool(
+        d,
+        "scancel",
+        r#"echo "$*" >> "$(dirname "$0")/scancel.args""#,
+    );
+    dir
+}
+
+/// A provider config running the stand-in tools in `bin`. The poller
+/// polls every ten minutes, so that it runs no tool during a test.
+fn fake_config(bin: &Path) -> SlurmConfig {
+    let mut cfg = SlurmConfig::new("tidegate-worker", &[], "ondemand");
+    cfg.bin_dir = Some(bin.to_path_buf());
+    cfg.poll_interval_ms = 600_000;
+    cfg
+}
+
+/// What the stand-in `scancel` in `bin` was called with, a line a call.
+fn scancel_calls(bin: &Path) -> String {
+    std::fs::read_to_string(bin.join("scancel.args")).unwrap_or_default()
+}
+
+/// Waits until every process recorded in `pids` is gone: killed and
+/// reaped (a zombie keeps its `/proc` entry).
+async fn wait_gone(pids: &Path) {
+    let text = std::fs::read_to_string(pids)
+        .unwrap_or_else(|e| panic!("the hung tool recorded its pid in {}: {e}", pids.display()));
+    assert!(!text.trim().is_empty(), "no pid in {}", pids.display());
+    for pid in text.split_whitespace() {
+        let proc = Path::new("/proc").join(pid);
+        wait_for(
+            &format!("the hung tool (pid {pid}) to be killed and reaped"),
+            || std::fs::read_to_string(proc.join("status")).unwrap_or_default(),
+            || !proc.exists(),
+        )
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sbatch_that_does_not_answer_is_killed_and_any_job_of_its_name_cancelled() {
+    let bin = fake_tools();
+    fake_tool(bin.path(), "sbatch", &hung("sbatch"));
+    let mut cfg = fake_config(bin.path());
+    cfg.job_name = "tg-test".into();
+    cfg.tool_timeout_secs = 2.0;
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let e = tokio::time::timeout(GUARD, p.acquire(spec(7, Tier::OnDemand, "h100")))
+        .await
+        .expect("the acquire gives up at the tool's deadline")
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        matches!(
+            e,
+            ProviderError::Slurm {
+                lease: Some(LeaseId(7)),
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("sbatch --parsable --job-name=tg-test-7"),
+        "{text}"
+    );
+    assert!(
+        text.contains("did not answer within 2 s (tool_timeout_secs)"),
+        "{text}"
+    );
+    wait_gone(&bin.path().join("sbatch.pids")).await;
+    // Slurm may have queued the job and lost the answer: any job of the
+    // lease's name is cancelled, once
+    assert_eq!(scancel_calls(bin.path()), "--name=tg-test-7\n");
+    assert!(p.held().is_empty());
+    assert_eq!(p.job(LeaseId(7)), None);
+
+    // a refusal is no timeout: no job was queued, and none is cancelled
+    fake_tool(
+        bin.path(),
+        "sbatch",
+        "cat > /dev/null\necho 'sbatch: error: Batch job submission failed: Invalid partition name specified' >&2\nexit 1",
+    );
+    let e = tokio::time::timeout(GUARD, p.acquire(spec(8, Tier::OnDemand, "h100")))
+        .await
+        .expect("a refusal within the guard")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Invalid partition name"), "{e}");
+    assert!(!e.contains("did not answer"), "{e}");
+    assert_eq!(scancel_calls(bin.path()), "--name=tg-test-7\n");
+
+    // the provider goes on: once sbatch answers, leases are acquired
+    fake_tool(bin.path(), "sbatch", "cat > /dev/null\necho 4242");
+    tokio::time::timeout(GUARD, p.acquire(spec(9, Tier::OnDemand, "h100")))
+        .await
+        .expect("an acquire within the guard")
+        .unwrap();
+    assert_eq!(p.held(), vec![LeaseId(9)]);
+    assert_eq!(p.job(LeaseId(9)), Some(JobId(4242)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_whose_squeue_hangs_fails_at_the_release_deadline_and_keeps_the_job() {
+    let bin = fake_tools();
+    let mut cfg = fake_config(bin.path());
+    cfg.release_timeout_secs = 2.0;
+    // no tool deadline within the test: only the release's can end it
+    cfg.tool_timeout_secs = 600.0;
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    fake_tool(bin.path(), "squeue", &hung("squeue"));
+    let e = tokio::time::timeout(GUARD, p.release(LeaseId(1)))
+        .await
+        .expect("the release gives up at its deadline")
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        matches!(
+            e,
+            ProviderError::Slurm {
+                lease: Some(LeaseId(1)),
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(text.contains("squeue"), "{text}");
+    assert!(text.contains("release_timeout_secs"), "{text}");
+    wait_gone(&bin.path().join("squeue.pids")).await;
+    assert_eq!(scancel_calls(bin.path()), "4242\n");
+    // the job may still run (and bill): still held, its release retried
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    assert_eq!(p.job(LeaseId(1)), Some(JobId(4242)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_whose_scancel_hangs_fails_at_the_tool_deadline_and_keeps_the_job() {
+    let bin = fake_tools();
+    let mut cfg = fake_config(bin.path());
+    cfg.release_timeout_secs = 600.0;
+    cfg.tool_timeout_secs = 1.0;
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
+    fake_tool(bin.path(), "scancel", &hung("scancel"));
+    let e = tokio::time::timeout(GUARD, p.release(LeaseId(1)))
+        .await
+        .expect("the release gives up at the tool's deadline")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("scancel 4242") && e.contains("did not answer within 1 s (tool_timeout_secs)"),
+        "{e}"
+    );
+    wait_gone(&bin.path().join("scancel.pids")).await;
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_up_check_whose_scontrol_hangs_fails_at_the_tool_deadline() {
+    let bin = fake_tools();
+    fake_tool(bin.path(), "scontrol", &hung("scontrol"));
+    let mut cfg = fake_config(bin.path());
+    cfg.tool_timeout_secs = 1.0;
+    // connect blocks (it runs at start-up): on a thread of its own here,
+    // which a hung connect cannot keep the test waiting for
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let rt = tokio::runtime::Handle::current();
+    std::thread::spawn(move || {
+        let _rt = rt.enter();
+        let _ = tx.send(SlurmProvider::connect(cfg).map(|_| ()));
+    });
+    let e = tokio::time::timeout(GUARD, rx)
+        .await
+        .expect("the start-up check gives up at the tool's deadline")
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("scontrol show partition --oneliner ondemand")
+            && e.contains("did not answer within 1 s (tool_timeout_secs)"),
+        "{e}"
+    );
+    wait_gone(&bin.path().join("scontrol.pids")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_queued_by_an_sbatch_whose_answer_was_lost_is_cancelled_by_name() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let bin = out.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for tool in ["squeue", "scontrol", "scancel"] {
+        std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
+    }
+    // Slurm's sbatch queues the job; then its answer never comes
+    let sbatch = format!(
+        "{} \"$@\" > \"$(dirname \"$0\")/sbatch.out\"\n{}",
+        installed("sbatch").display(),
+        hung("sbatch")
+    );
+    fake_tool(&bin, "sbatch", &sbatch);
+    let mut cfg = config(&slurm, out.path(), WORKER);
+    cfg.bin_dir = Some(bin.clone());
+    cfg.tool_timeout_secs = 5.0;
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
+        .await
+        .expect("the acquire gives up at the tool's deadline")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("did not answer within 5 s (tool_timeout_secs)"),
+        "{e}"
+    );
+    let queued = std::fs::read_to_string(bin.join("sbatch.out"))
+        .expect("Slurm's sbatch answered the stand-in within the deadline");
+    let job: u64 = queued.trim().split(';').next().unwrap().parse().unwrap();
+    wait_gone(&bin.join("sbatch.pids")).await;
+    // nobody knows its id, but its name says whose it is
+    wait_for(
+        "the job whose answer was lost to be cancelled",
+        || slurm.logs(),
+        || !slurm.live_jobs().contains(&job),
+    )
+    .await;
+    assert!(p.held().is_empty());
+    assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
 }

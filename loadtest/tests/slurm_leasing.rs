@@ -23,7 +23,7 @@ use mini_slurm::MiniSlurm;
 use serde_json::Value;
 use support::{
     CATALOG, first_spot_lease, leases, one_edge, one_worker_leasing, settled_counters,
-    spot_taken_and_replaced,
+    spot_taken_and_replaced, state,
 };
 use tidegate_loadtest::cluster::Cluster;
 
@@ -104,7 +104,12 @@ fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
     settled_counters(&c);
 
     // a clean stop cancels every job the gateway holds
-    let jobs: Vec<u64> = leases(&c, false).iter().map(job_of).collect();
+    // (a lease still being acquired has no job yet)
+    let jobs: Vec<u64> = leases(&c, false)
+        .iter()
+        .filter(|l| state(l) != "requested")
+        .map(job_of)
+        .collect();
     let status = c
         .stop_gateway(Duration::from_secs(60))
         .expect("gateway stops on SIGTERM");

@@ -180,11 +180,16 @@ pub trait Provider {
     /// `kubernetes`).
     fn name(&self) -> &'static str;
 
-    /// Starts a worker for `spec`.
+    /// Starts a worker for `spec`. As with [`Provider::release`], what
+    /// needs the provider is done in the call, and the future it returns
+    /// owns the rest (`'static`: an API call, an `sbatch`), so a caller can
+    /// go on with other work while the provider answers; the lease is held
+    /// once the future has succeeded. Each provider bounds its calls (its
+    /// `api_timeout_secs`, `tool_timeout_secs`).
     fn acquire(
         &mut self,
         spec: LeaseSpec,
-    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send;
+    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static;
 
     /// Stops the lease's worker; the future it returns waits until the
     /// worker is gone. What needs the provider is done in the call; the

@@ -253,12 +253,9 @@ impl ProcessProvider {
     }
 }
 
-impl Provider for ProcessProvider {
-    fn name(&self) -> &'static str {
-        PROVIDER_NAME
-    }
-
-    async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+impl ProcessProvider {
+    /// Spawns the lease's worker and supervises it.
+    fn spawn(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
         self.prune();
         if self.leases.contains_key(&spec.lease) {
             return Err(ProviderError::Duplicate(spec.lease));
@@ -307,6 +304,20 @@ impl Provider for ProcessProvider {
             provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
             token: None,
         })
+    }
+}
+
+impl Provider for ProcessProvider {
+    fn name(&self) -> &'static str {
+        PROVIDER_NAME
+    }
+
+    /// Spawns the worker in the call.
+    fn acquire(
+        &mut self,
+        spec: LeaseSpec,
+    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
+        std::future::ready(self.spawn(spec))
     }
 
     fn release(

@@ -26,9 +26,19 @@
 //! * **release** cancels the job (`scancel`: SIGTERM to the worker, then
 //!   SIGKILL after Slurm's `KillWait`) and waits until Slurm reports it
 //!   ended; only then is the job forgotten. If `scancel` fails, or the job
-//!   outlives `release_timeout_secs`, the release fails and the job stays
-//!   held and watched (it may still bill): the caller retries, and if it
-//!   ends meanwhile the poller reports it like any end.
+//!   (or a tool that does not answer) outlives `release_timeout_secs`, the
+//!   release fails and the job stays held and watched (it may still bill):
+//!   the caller retries, and if it ends meanwhile the poller reports it
+//!   like any end.
+//! * **deadlines**: every run of a tool is bounded by
+//!   `tool_timeout_secs`; past it the tool is killed (and reaped) and the
+//!   call fails, saying which command did not answer within how long, so a
+//!   hung slurmctld cannot stall the gateway. An `sbatch` that timed out
+//!   may have queued its job all the same (the controller got it, the
+//!   answer was lost), so any job of the lease's name (`<job_name>-<lease>`)
+//!   is then cancelled, best effort, before the acquire fails. A release
+//!   takes at most `release_timeout_secs` in all: each tool it runs gets the
+//!   smaller of `tool_timeout_secs` and the time the release has left.
 //! * a job that ended is no longer held: [`SlurmProvider::held`] lists live
 //!   jobs only, and a shutdown cancels nothing that has already ended.
 //! * **adoption**: the ledger keeps each lease's job id. After a gateway
@@ -43,7 +53,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -71,6 +81,12 @@ const RELEASE_POLL: Duration = Duration::from_millis(200);
 const STDERR_KEPT: usize = 400;
 /// Longest `release_timeout_secs` accepted: an hour.
 pub const MAX_RELEASE_TIMEOUT_SECS: f64 = 3600.0;
+/// Longest `tool_timeout_secs` accepted: ten minutes.
+pub const MAX_TOOL_TIMEOUT_SECS: f64 = 600.0;
+/// How often a blocking tool run checks whether its tool has exited.
+const BLOCKING_POLL: Duration = Duration::from_millis(10);
+/// What bounds a tool run, for its timeout error.
+const TOOL_TIMEOUT: &str = "tool_timeout_secs";
 
 /// Configuration of the Slurm provider (`[leasing.slurm]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -122,6 +138,11 @@ pub struct SlurmConfig {
     /// Longest `release` waits for a cancelled job to end (s).
     #[serde(default = "default_release_timeout_secs")]
     pub release_timeout_secs: f64,
+    /// Longest one run of a Slurm tool (`sbatch`, `squeue`, `scancel`,
+    /// `scontrol`) may take (s); past it the tool is killed and the call
+    /// fails, so a hung slurmctld cannot stall the gateway.
+    #[serde(default = "default_tool_timeout_secs")]
+    pub tool_timeout_secs: f64,
 }
 
 /// `[leasing.slurm.partitions]`: where each tier's jobs go.
@@ -149,6 +170,9 @@ fn default_poll_ms() -> u64 {
 fn default_release_timeout_secs() -> f64 {
     60.0
 }
+fn default_tool_timeout_secs() -> f64 {
+    30.0
+}
 
 impl SlurmConfig {
     /// A config running `command args…` with on-demand jobs in `on_demand`.
@@ -172,6 +196,7 @@ impl SlurmConfig {
             poll_interval_ms: default_poll_ms(),
             notice_period_secs: None,
             release_timeout_secs: default_release_timeout_secs(),
+            tool_timeout_secs: default_tool_timeout_secs(),
         }
     }
 
@@ -193,6 +218,11 @@ impl SlurmConfig {
         checked_secs("release_timeout_secs", t, MAX_RELEASE_TIMEOUT_SECS)?;
         if t <= 0.0 {
             return Err(format!("release_timeout_secs = {t} must be > 0"));
+        }
+        let t = self.tool_timeout_secs;
+        checked_secs("tool_timeout_secs", t, MAX_TOOL_TIMEOUT_SECS)?;
+        if t <= 0.0 {
+            return Err(format!("tool_timeout_secs = {t} must be > 0"));
         }
         let name_ok = |s: &str| {
             !s.is_empty()
@@ -575,11 +605,14 @@ impl JobWatch {
     }
 }
 
-/// The Slurm tools, with this provider's `SLURM_CONF` and `TZ=UTC`.
+/// The Slurm tools, with this provider's `SLURM_CONF` and `TZ=UTC`, each
+/// run bounded by `tool_timeout_secs`.
 #[derive(Debug, Clone)]
 struct Tools {
     bin_dir: Option<PathBuf>,
     slurm_conf: Option<PathBuf>,
+    /// Longest one run of a tool may take.
+    timeout: Duration,
 }
 
 /// A Slurm tool that failed.
@@ -591,7 +624,95 @@ fn tool_error(lease: Option<LeaseId>, what: String, detail: String) -> ProviderE
     }
 }
 
+/// `d` in seconds, to the millisecond: `30`, `1.5`.
+fn secs(d: Duration) -> String {
+    format!("{}", (d.as_secs_f64() * 1000.0).round() / 1000.0)
+}
+
+/// A tool that did not answer within `limit` (set by `bound`, the
+/// setting named in the error) and was killed.
+fn timeout_error(
+    lease: Option<LeaseId>,
+    what: String,
+    limit: Duration,
+    bound: &str,
+) -> ProviderError {
+    tool_error(
+        lease,
+        what,
+        format!(
+            "did not answer within {} s ({bound}) and was killed; is slurmctld up and answering?",
+            secs(limit)
+        ),
+    )
+}
+
+/// Why a tool run failed.
+#[derive(Debug)]
+struct ToolFailure {
+    /// The error to return.
+    error: ProviderError,
+    /// The tool did not answer in time and was killed: what it was asked
+    /// may have been done all the same.
+    timed_out: bool,
+}
+
+impl From<ProviderError> for ToolFailure {
+    fn from(error: ProviderError) -> ToolFailure {
+        ToolFailure {
+            error,
+            timed_out: false,
+        }
+    }
+}
+
+/// All of `pipe`, read on the current task.
+async fn read_all(pipe: Option<impl tokio::io::AsyncRead + Unpin>) -> std::io::Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    if let Some(mut p) = pipe {
+        p.read_to_end(&mut buf).await?;
+    }
+    Ok(buf)
+}
+
+/// All of `pipe`, read on a thread of its own (so that a tool printing
+/// much never blocks on a full pipe); the answer comes on the receiver.
+fn read_all_blocking(
+    pipe: Option<impl std::io::Read + Send + 'static>,
+) -> std::io::Result<std::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    match pipe {
+        Some(mut p) => {
+            std::thread::Builder::new()
+                .name("slurm-tool-pipe".into())
+                .spawn(move || {
+                    let mut buf = Vec::new();
+                    let _ = tx.send(p.read_to_end(&mut buf).map(|_| buf));
+                })?;
+        }
+        None => {
+            let _ = tx.send(Ok(Vec::new()));
+        }
+    }
+    Ok(rx)
+}
+
 impl Tools {
+    fn new(cfg: &SlurmConfig) -> Result<Tools, ProviderError> {
+        let timeout = checked_secs(
+            "tool_timeout_secs",
+            cfg.tool_timeout_secs,
+            MAX_TOOL_TIMEOUT_SECS,
+        )
+        .map_err(|e| tool_error(None, "leasing.slurm".into(), e))?;
+        Ok(Tools {
+            bin_dir: cfg.bin_dir.clone(),
+            slurm_conf: cfg.slurm_conf.clone(),
+            timeout,
+        })
+    }
+
     fn program(&self, tool: &str) -> PathBuf {
         match &self.bin_dir {
             Some(d) => d.join(tool),
@@ -634,17 +755,80 @@ impl Tools {
         Err(tool_error(lease, what, format!("{}: {detail}", out.status)))
     }
 
-    /// Runs a tool, blocking (start-up checks and adoption only).
+    /// Runs a tool, blocking (start-up checks and adoption only), for at
+    /// most `tool_timeout_secs`: past it the tool is killed and reaped.
     fn run_blocking(&self, tool: &str, args: &[String]) -> Result<String, ProviderError> {
-        let out = std::process::Command::new(self.program(tool))
-            .args(args)
-            .envs(self.env())
-            .stdin(std::process::Stdio::null())
-            .output();
-        Tools::check(None, format!("{tool} {}", args.join(" ")), out)
+        self.run_blocking_timed(tool, args).map_err(|f| f.error)
     }
 
-    /// Runs a tool; `stdin` is written to it; `env` is added.
+    /// [`Tools::run_blocking`], saying whether a failure timed out.
+    fn run_blocking_timed(&self, tool: &str, args: &[String]) -> Result<String, ToolFailure> {
+        use std::process::Stdio;
+        let what = format!("{tool} {}", args.join(" "));
+        let give_up = Instant::now() + self.timeout;
+        let mut child = std::process::Command::new(self.program(tool))
+            .args(args)
+            .envs(self.env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| tool_error(None, what.clone(), e.to_string()))?;
+        let kill = |child: &mut std::process::Child| {
+            // an error here is a child that has exited: wait reaps it
+            let _ = child.kill();
+            let _ = child.wait();
+        };
+        let pipes = read_all_blocking(child.stdout.take())
+            .and_then(|out| Ok((out, read_all_blocking(child.stderr.take())?)));
+        let (out, err) = match pipes {
+            Ok(p) => p,
+            Err(e) => {
+                kill(&mut child);
+                return Err(tool_error(None, what, format!("reading its output: {e}")).into());
+            }
+        };
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) => {
+                    let now = Instant::now();
+                    if now >= give_up {
+                        kill(&mut child);
+                        return Err(ToolFailure {
+                            error: timeout_error(None, what, self.timeout, TOOL_TIMEOUT),
+                            timed_out: true,
+                        });
+                    }
+                    std::thread::sleep(BLOCKING_POLL.min(give_up - now));
+                }
+                Err(e) => {
+                    kill(&mut child);
+                    return Err(tool_error(None, what, e.to_string()).into());
+                }
+            }
+        };
+        // it exited; its output ends unless something it started holds it
+        let read = |rx: std::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>| {
+            rx.recv_timeout(give_up.saturating_duration_since(Instant::now()))
+                .map_err(|_| ToolFailure {
+                    error: timeout_error(None, what.clone(), self.timeout, TOOL_TIMEOUT),
+                    timed_out: true,
+                })
+        };
+        let (stdout, stderr) = (read(out)?, read(err)?);
+        let output = stdout.and_then(|stdout| {
+            Ok(std::process::Output {
+                status,
+                stdout,
+                stderr: stderr?,
+            })
+        });
+        Ok(Tools::check(None, what, output)?)
+    }
+
+    /// Runs a tool for at most `tool_timeout_secs`; `stdin` is written to
+    /// it; `env` is added.
     async fn run(
         &self,
         lease: Option<LeaseId>,
@@ -653,6 +837,25 @@ impl Tools {
         stdin: Option<&str>,
         env: &[(String, String)],
     ) -> Result<String, ProviderError> {
+        self.run_within(lease, tool, args, stdin, env, self.timeout, TOOL_TIMEOUT)
+            .await
+            .map_err(|f| f.error)
+    }
+
+    /// Runs a tool for at most `limit` (set by `bound`, named in the
+    /// error): past it the tool is killed and reaped, and the failure says
+    /// it timed out.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_within(
+        &self,
+        lease: Option<LeaseId>,
+        tool: &str,
+        args: &[String],
+        stdin: Option<&str>,
+        env: &[(String, String)],
+        limit: Duration,
+        bound: &str,
+    ) -> Result<String, ToolFailure> {
         use tokio::io::AsyncWriteExt;
         let what = format!("{tool} {}", args.join(" "));
         let mut cmd = tokio::process::Command::new(self.program(tool));
@@ -666,16 +869,44 @@ impl Tools {
             })
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
+            // a run dropped half way (its caller gave up) kills the tool
             .kill_on_drop(true);
         let mut child = cmd
             .spawn()
             .map_err(|e| tool_error(lease, what.clone(), e.to_string()))?;
-        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(text.as_bytes())
-                .await
-                .map_err(|e| tool_error(lease, what.clone(), format!("writing stdin: {e}")))?;
-        }
-        Tools::check(lease, what, child.wait_with_output().await)
+        let (pipe_in, pipe_out, pipe_err) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take());
+        let feed = async move {
+            match (stdin, pipe_in) {
+                // dropping the pipe after it closes the tool's stdin
+                (Some(text), Some(mut pipe)) => pipe.write_all(text.as_bytes()).await,
+                _ => Ok(()),
+            }
+        };
+        let talk =
+            async { tokio::join!(feed, read_all(pipe_out), read_all(pipe_err), child.wait()) };
+        let talked = tokio::time::timeout(limit, talk).await;
+        let Ok((fed, stdout, stderr, status)) = talked else {
+            // kill it and reap it: no tool left talking to slurmctld, and
+            // no zombie (an error is a tool that has exited meanwhile)
+            let _ = child.kill().await;
+            return Err(ToolFailure {
+                error: timeout_error(lease, what, limit, bound),
+                timed_out: true,
+            });
+        };
+        let output = status.and_then(|status| {
+            Ok(std::process::Output {
+                status,
+                stdout: stdout?,
+                stderr: stderr?,
+            })
+        });
+        let out = Tools::check(lease, what.clone(), output)?;
+        // a tool that succeeded without reading all its input did not
+        // get what it was asked
+        fed.map_err(|e| tool_error(lease, what, format!("writing stdin: {e}")))?;
+        Ok(out)
     }
 
     fn squeue_args(jobs: &[JobId]) -> Vec<String> {
@@ -709,12 +940,27 @@ impl Tools {
     }
 
     async fn squeue(&self, jobs: &[JobId]) -> Result<Vec<JobInfo>, ProviderError> {
+        self.squeue_within(None, jobs, self.timeout, TOOL_TIMEOUT)
+            .await
+    }
+
+    /// [`Tools::squeue`] for `lease` (when it asks for one lease's job),
+    /// for at most `limit` (see [`Tools::run_within`]).
+    async fn squeue_within(
+        &self,
+        lease: Option<LeaseId>,
+        jobs: &[JobId],
+        limit: Duration,
+        bound: &str,
+    ) -> Result<Vec<JobInfo>, ProviderError> {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
+        let args = Tools::squeue_args(jobs);
         let out = self
-            .run(None, "squeue", &Tools::squeue_args(jobs), None, &[])
-            .await;
+            .run_within(lease, "squeue", &args, None, &[], limit, bound)
+            .await
+            .map_err(|f| f.error);
         Tools::squeue_result(out)
     }
 
@@ -768,10 +1014,7 @@ impl SlurmProvider {
     pub fn connect(cfg: SlurmConfig) -> Result<SlurmProvider, ProviderError> {
         cfg.validate()
             .map_err(|e| tool_error(None, "leasing.slurm".into(), e))?;
-        let tools = Tools {
-            bin_dir: cfg.bin_dir.clone(),
-            slurm_conf: cfg.slurm_conf.clone(),
-        };
+        let tools = Tools::new(&cfg)?;
         let mut grace = None;
         let parts = &cfg.partitions;
         for (tier, p) in [
@@ -781,7 +1024,7 @@ impl SlurmProvider {
         ] {
             let Some(p) = p else { continue };
             let out = tools
-                .run_blocking(
+                .run_blocking_timed(
                     "scontrol",
                     &[
                         "show".into(),
@@ -790,7 +1033,10 @@ impl SlurmProvider {
                         p.clone(),
                     ],
                 )
-                .map_err(|e| match e {
+                .map_err(|f| match f.error {
+                    // a controller that does not answer: no hint about
+                    // the partition would help
+                    e if f.timed_out => e,
                     ProviderError::Slurm { detail, .. } => tool_error(
                         None,
                         format!("checking the {tier} partition {p:?}"),
@@ -913,16 +1159,7 @@ impl SlurmProvider {
     }
 
     fn watch(&mut self, w: JobWatch) -> Result<(), ProviderError> {
-        let (lease, job) = (w.lease, w.job);
-        self.cmds.send(Cmd::Watch(w)).map_err(|_| {
-            tool_error(
-                Some(lease),
-                "watching its job".into(),
-                "the poller has stopped".into(),
-            )
-        })?;
-        lock(&self.jobs).insert(lease, job);
-        Ok(())
+        watch(&self.cmds, &self.jobs, w)
     }
 
     /// Stops watching every job WITHOUT cancelling it, as a crash of the
@@ -985,11 +1222,18 @@ impl Provider for SlurmProvider {
         PROVIDER_NAME
     }
 
-    async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
-        if self.job(spec.lease).is_some() {
-            return Err(ProviderError::Duplicate(spec.lease));
-        }
-        let args = self.cfg.sbatch_args(&spec)?;
+    /// Builds the job in the call; the future submits it (within
+    /// `tool_timeout_secs`) and watches it.
+    fn acquire(
+        &mut self,
+        spec: LeaseSpec,
+    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
+        let lease = spec.lease;
+        let args = if self.job(lease).is_some() {
+            Err(ProviderError::Duplicate(lease))
+        } else {
+            self.cfg.sbatch_args(&spec)
+        };
         let mut env: Vec<(String, String)> = self
             .cfg
             .env
@@ -997,7 +1241,7 @@ impl Provider for SlurmProvider {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         env.extend([
-            ("TIDEGATE_LEASE_ID".to_string(), spec.lease.0.to_string()),
+            ("TIDEGATE_LEASE_ID".to_string(), lease.0.to_string()),
             (
                 "TIDEGATE_LEASE_TOKEN".into(),
                 spec.token.expose().to_string(),
@@ -1007,34 +1251,55 @@ impl Provider for SlurmProvider {
             ("TIDEGATE_LEASE_TIER".into(), spec.tier.as_str().to_string()),
         ]);
         let script = self.cfg.script();
-        let out = self
-            .tools
-            .run(Some(spec.lease), "sbatch", &args, Some(&script), &env)
-            .await?;
-        let job = parse_job_id(&out).ok_or_else(|| {
-            tool_error(
-                Some(spec.lease),
-                "sbatch".into(),
-                format!("no job id in its output {:?}", out.trim()),
-            )
-        })?;
         let partition = self
             .cfg
             .partition(spec.tier)
             .unwrap_or_default()
             .to_string();
-        self.watch(JobWatch::new(spec.lease, job, false))?;
-        tracing::info!(lease = %spec.lease, %job, %partition, instance = %spec.instance.name, tier = %spec.tier, "Slurm job submitted");
-        let data = SlurmData {
-            job_id: job,
-            partition,
-        };
-        Ok(Acquired {
-            lease: spec.lease,
-            pid: None,
-            provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
-            token: None,
-        })
+        let (tools, job_name) = (self.tools.clone(), self.cfg.job_name.clone());
+        let (cmds, jobs) = (self.cmds.clone(), self.jobs.clone());
+        async move {
+            let args = args?;
+            let sbatch = tools
+                .run_within(
+                    Some(lease),
+                    "sbatch",
+                    &args,
+                    Some(&script),
+                    &env,
+                    tools.timeout,
+                    TOOL_TIMEOUT,
+                )
+                .await;
+            let out = match sbatch {
+                Ok(out) => out,
+                Err(f) => {
+                    if f.timed_out {
+                        cancel_unanswered(&tools, &job_name, lease).await;
+                    }
+                    return Err(f.error);
+                }
+            };
+            let job = parse_job_id(&out).ok_or_else(|| {
+                tool_error(
+                    Some(lease),
+                    "sbatch".into(),
+                    format!("no job id in its output {:?}", out.trim()),
+                )
+            })?;
+            watch(&cmds, &jobs, JobWatch::new(lease, job, false))?;
+            tracing::info!(%lease, %job, %partition, instance = %spec.instance.name, tier = %spec.tier, "Slurm job submitted");
+            let data = SlurmData {
+                job_id: job,
+                partition,
+            };
+            Ok(Acquired {
+                lease,
+                pid: None,
+                provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
+                token: None,
+            })
+        }
     }
 
     /// Cancels the lease's job and waits until Slurm reports it ended;
@@ -1080,20 +1345,10 @@ struct JobRelease {
 }
 
 impl JobRelease {
-    /// Cancel, wait for the end, forget.
+    /// Cancel, wait for the end, forget; all within `release_timeout_secs`.
     async fn cancel_and_wait(self) -> Result<(), ProviderError> {
         let lease = self.lease;
         let job = self.job.ok_or(ProviderError::UnknownLease(lease))?;
-        if let Err(e) = self
-            .tools
-            .run(Some(lease), "scancel", &[job.to_string()], None, &[])
-            .await
-        {
-            // a job that has ended cannot be cancelled, and need not be
-            if !matches!(live_state(&self.tools, job).await, Ok(None)) {
-                return Err(e);
-            }
-        }
         let timeout = checked_secs(
             "release_timeout_secs",
             self.timeout_secs,
@@ -1101,26 +1356,126 @@ impl JobRelease {
         )
         .unwrap_or(Duration::from_secs_f64(default_release_timeout_secs()));
         let give_up = tokio::time::Instant::now() + timeout;
-        loop {
-            match live_state(&self.tools, job).await? {
-                None => break,
-                Some(state) if tokio::time::Instant::now() >= give_up => {
-                    return Err(tool_error(
-                        Some(lease),
-                        format!("waiting for cancelled job {job} to end"),
-                        format!(
-                            "still {state:?} after {} s; it is still held and watched, and its release will be retried",
-                            self.timeout_secs
-                        ),
-                    ));
-                }
-                Some(_) => tokio::time::sleep(RELEASE_POLL).await,
+        let cancel = [job.to_string()];
+        if let Err(e) = self.tool("scancel", &cancel, give_up).await {
+            // a job that has ended cannot be cancelled, and need not be
+            if !matches!(self.live_state(job, give_up).await, Ok(None)) {
+                return Err(e);
             }
+        }
+        loop {
+            let state = match self.live_state(job, give_up).await? {
+                None => break,
+                Some(state) => state,
+            };
+            let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+            if left < RELEASE_POLL {
+                // no time for another look
+                return Err(tool_error(
+                    Some(lease),
+                    format!("waiting for cancelled job {job} to end"),
+                    format!(
+                        "still {state:?} after {} s; it is still held and watched, and its release will be retried",
+                        self.timeout_secs
+                    ),
+                ));
+            }
+            tokio::time::sleep(RELEASE_POLL).await;
         }
         forget(&self.cmds, lease).await;
         lock(&self.jobs).remove(&lease);
         tracing::info!(%lease, %job, "Slurm job cancelled");
         Ok(())
+    }
+
+    /// How long a tool may run, given the release ends at `give_up`: the
+    /// smaller of the tool's own deadline and the time left; and which
+    /// setting that is. `None` when no time is left.
+    fn limit(&self, give_up: tokio::time::Instant) -> Option<(Duration, &'static str)> {
+        let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            None
+        } else if left < self.tools.timeout {
+            Some((left, "what was left of release_timeout_secs"))
+        } else {
+            Some((self.tools.timeout, TOOL_TIMEOUT))
+        }
+    }
+
+    /// The error of a release out of time before it could run `what`.
+    fn out_of_time(&self, what: String) -> ProviderError {
+        tool_error(
+            Some(self.lease),
+            what,
+            format!(
+                "not run: release_timeout_secs ({} s) ran out; the job is still held and watched, and its release will be retried",
+                self.timeout_secs
+            ),
+        )
+    }
+
+    /// Runs `tool` for this release, within its deadline.
+    async fn tool(
+        &self,
+        tool: &str,
+        args: &[String],
+        give_up: tokio::time::Instant,
+    ) -> Result<String, ProviderError> {
+        let Some((limit, bound)) = self.limit(give_up) else {
+            return Err(self.out_of_time(format!("{tool} {}", args.join(" "))));
+        };
+        self.tools
+            .run_within(Some(self.lease), tool, args, None, &[], limit, bound)
+            .await
+            .map_err(|f| f.error)
+    }
+
+    /// [`live_state`], within the release's deadline.
+    async fn live_state(
+        &self,
+        job: JobId,
+        give_up: tokio::time::Instant,
+    ) -> Result<Option<JobState>, ProviderError> {
+        let Some((limit, bound)) = self.limit(give_up) else {
+            return Err(self.out_of_time(format!("squeue --jobs={job}")));
+        };
+        live_state(&self.tools, self.lease, job, limit, bound).await
+    }
+}
+
+/// Has the poller watch `w`'s job, and holds it.
+fn watch(
+    cmds: &mpsc::UnboundedSender<Cmd>,
+    jobs: &HeldJobs,
+    w: JobWatch,
+) -> Result<(), ProviderError> {
+    let (lease, job) = (w.lease, w.job);
+    cmds.send(Cmd::Watch(w)).map_err(|_| {
+        tool_error(
+            Some(lease),
+            "watching its job".into(),
+            "the poller has stopped".into(),
+        )
+    })?;
+    lock(jobs).insert(lease, job);
+    Ok(())
+}
+
+/// After an `sbatch` for `lease` that did not answer in time: the
+/// controller may have queued the job all the same (the answer was lost),
+/// and nobody knows its id, so any job of the lease's name is cancelled,
+/// as adoption does for a lease whose job id was never recorded. Best
+/// effort: a failure is logged.
+async fn cancel_unanswered(tools: &Tools, job_name: &str, lease: LeaseId) {
+    let name = format!("{job_name}-{}", lease.0);
+    let args = [format!("--name={name}")];
+    match tools.run(Some(lease), "scancel", &args, None, &[]).await {
+        Ok(_) => {
+            tracing::info!(%lease, job_name = %name, "sbatch did not answer; cancelled any job it may have queued")
+        }
+        Err(e) => {
+            tracing::warn!(%lease, job_name = %name, error = %e, "sbatch did not answer, and cancelling any job it may have queued failed; such a job runs unwatched: cancel it with `scancel --name={name}`")
+        }
     }
 }
 
@@ -1132,10 +1487,19 @@ async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
     }
 }
 
-/// The state of `job` while Slurm reports it live; `None` once it has
-/// ended (or Slurm no longer knows it); `Err` when `squeue` cannot answer.
-async fn live_state(tools: &Tools, job: JobId) -> Result<Option<JobState>, ProviderError> {
-    let infos = tools.squeue(&[job]).await?;
+/// The state of `lease`'s `job` while Slurm reports it live; `None` once
+/// it has ended (or Slurm no longer knows it); `Err` when `squeue` cannot
+/// answer within `limit` (set by `bound`).
+async fn live_state(
+    tools: &Tools,
+    lease: LeaseId,
+    job: JobId,
+    limit: Duration,
+    bound: &str,
+) -> Result<Option<JobState>, ProviderError> {
+    let infos = tools
+        .squeue_within(Some(lease), &[job], limit, bound)
+        .await?;
     Ok(match infos.into_iter().find(|i| i.id == job) {
         None => None,
         Some(i) if matches!(i.state, JobState::Ended(_)) => None,
@@ -1547,6 +1911,7 @@ mod tests {
         let tools = Tools {
             bin_dir: Some(dir.path().to_path_buf()),
             slurm_conf: None,
+            timeout: Duration::from_secs(30),
         };
         let lease = LeaseId(1);
         let mut watches = HashMap::from([(lease, JobWatch::new(lease, JobId(7), true))]);
@@ -1689,6 +2054,41 @@ mod tests {
         cfg.command = "w".into();
         cfg.job_name = "a b".into();
         assert!(cfg.validate().unwrap_err().contains("job_name"));
+    }
+
+    #[test]
+    fn a_tool_timeout_must_be_positive_finite_and_at_most_ten_minutes() {
+        let mut cfg = SlurmConfig::new("w", &[], "gpu");
+        assert_eq!(cfg.tool_timeout_secs, 30.0);
+        for ok in [0.5, 30.0, MAX_TOOL_TIMEOUT_SECS] {
+            cfg.tool_timeout_secs = ok;
+            assert_eq!(cfg.validate(), Ok(()), "{ok}");
+            assert!(Tools::new(&cfg).is_ok(), "{ok}");
+        }
+        for bad in [
+            0.0,
+            -1.0,
+            f64::NAN,
+            f64::INFINITY,
+            MAX_TOOL_TIMEOUT_SECS + 1.0,
+            1e20,
+        ] {
+            cfg.tool_timeout_secs = bad;
+            let e = cfg.validate().unwrap_err();
+            assert!(e.contains("tool_timeout_secs"), "{bad}: {e}");
+            // the provider refuses it too, before it runs any tool
+            let e = SlurmProvider::connect(cfg.clone()).unwrap_err().to_string();
+            assert!(e.contains("tool_timeout_secs"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_tool_timeout_is_read_from_the_config_file_and_defaults_to_30_s() {
+        let file = "command = \"w\"\npartitions = { on_demand = \"gpu\" }\n";
+        let cfg: SlurmConfig = toml::from_str(file).unwrap();
+        assert_eq!(cfg.tool_timeout_secs, 30.0);
+        let cfg: SlurmConfig = toml::from_str(&format!("{file}tool_timeout_secs = 5\n")).unwrap();
+        assert_eq!(cfg.tool_timeout_secs, 5.0);
     }
 
     fn leap(y: i64) -> bool {

@@ -176,12 +176,9 @@ impl StaticProvider {
     }
 }
 
-impl Provider for StaticProvider {
-    fn name(&self) -> &'static str {
-        PROVIDER_NAME
-    }
-
-    async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+impl StaticProvider {
+    /// Binds a free configured worker of the spec's type and tier.
+    fn bind(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
         if self.by_lease.contains_key(&spec.lease) {
             return Err(ProviderError::Duplicate(spec.lease));
         }
@@ -208,6 +205,20 @@ impl Provider for StaticProvider {
             ),
             token: Some(self.slots[i].digest),
         })
+    }
+}
+
+impl Provider for StaticProvider {
+    fn name(&self) -> &'static str {
+        PROVIDER_NAME
+    }
+
+    /// Binds a free worker in the call.
+    fn acquire(
+        &mut self,
+        spec: LeaseSpec,
+    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
+        std::future::ready(self.bind(spec))
     }
 
     fn release(

@@ -24,7 +24,8 @@
 //! ownerReferences with background garbage collection, finalizers.
 //!
 //! For tests of failure handling: [`MiniKube::fail_next`] injects HTTP
-//! errors with the apiserver's `Status` bodies, [`MiniKube::break_watches`]
+//! errors with the apiserver's `Status` bodies, [`MiniKube::answer_late`]
+//! carries a request out but answers it late, [`MiniKube::break_watches`]
 //! drops every open watch as an apiserver restart does, and
 //! [`MiniKube::compact`] makes old resourceVersions expire (410).
 //!
@@ -433,6 +434,19 @@ impl MiniKube {
         });
     }
 
+    /// Makes the next `count` requests with this method whose `/path?query`
+    /// starts with `prefix` take effect but be answered only after
+    /// `delay`, as from an overloaded apiserver or a lost answer: a client
+    /// that gives up first does not know whether they took effect.
+    pub fn answer_late(&self, method: &str, prefix: &str, delay: Duration, count: u32) {
+        self.shared.lock().late.push(Late {
+            method: method.to_ascii_uppercase(),
+            prefix: prefix.to_string(),
+            delay,
+            remaining: count,
+        });
+    }
+
     /// Breaks every open watch, as an apiserver restart does: each watch
     /// connection is dropped mid-stream (the client sees the chunked body
     /// end with an error) and clients must watch again. The history is
@@ -646,6 +660,14 @@ struct Event {
 }
 
 #[derive(Debug)]
+struct Late {
+    method: String,
+    prefix: String,
+    delay: Duration,
+    remaining: u32,
+}
+
+#[derive(Debug)]
 struct Failure {
     method: String,
     prefix: String,
@@ -708,6 +730,7 @@ struct State {
     kubelet: HashMap<String, Kubelet>,
     requests: VecDeque<String>,
     failures: Vec<Failure>,
+    late: Vec<Late>,
     /// Bumped by [`MiniKube::break_watches`]: older watches end.
     watch_epoch: u64,
     stopping: bool,
@@ -743,6 +766,7 @@ impl State {
             kubelet: HashMap::new(),
             requests: VecDeque::new(),
             failures: Vec::new(),
+            late: Vec::new(),
             watch_epoch: 0,
             stopping: false,
         }
@@ -763,6 +787,16 @@ impl State {
         let status = f.status;
         self.failures.retain(|f| f.remaining > 0);
         Some(status)
+    }
+
+    fn take_late(&mut self, method: &Method, target: &str) -> Option<Duration> {
+        let l = self.late.iter_mut().find(|l| {
+            l.remaining > 0 && l.method == method.as_str() && target.starts_with(&l.prefix)
+        })?;
+        l.remaining -= 1;
+        let delay = l.delay;
+        self.late.retain(|l| l.remaining > 0);
+        Some(delay)
     }
 
     fn get(&self, kind: Kind, ns: &str, name: &str) -> Option<Arc<Value>> {
@@ -3189,10 +3223,13 @@ async fn handle(AxState(sh): AxState<Arc<Shared>>, req: Request) -> Response {
         Some(q) => format!("{path}?{q}"),
         None => path.clone(),
     };
-    let injected = {
+    let (injected, late) = {
         let mut st = sh.lock();
         st.record(&parts.method, &target);
-        st.take_failure(&parts.method, &target)
+        (
+            st.take_failure(&parts.method, &target),
+            st.take_late(&parts.method, &target),
+        )
     };
     let query = match Query::<HashMap<String, String>>::try_from_uri(&parts.uri) {
         Ok(Query(q)) => q,
@@ -3232,7 +3269,11 @@ async fn handle(AxState(sh): AxState<Arc<Shared>>, req: Request) -> Response {
         meta_only,
         body,
     };
-    route(&sh, &req).unwrap_or_else(ApiError::into_response)
+    let answer = route(&sh, &req).unwrap_or_else(ApiError::into_response);
+    if let Some(delay) = late {
+        tokio::time::sleep(delay).await;
+    }
+    answer
 }
 
 fn route(sh: &Arc<Shared>, r: &Req) -> Result<Response, ApiError> {

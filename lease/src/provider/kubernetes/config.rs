@@ -42,6 +42,8 @@ pub const REQUIRED_PERMISSIONS: &[(&str, &str, &[&str])] = &[
 
 /// Longest `release_timeout_secs` accepted: an hour.
 pub const MAX_RELEASE_TIMEOUT_SECS: f64 = 3600.0;
+/// Longest `api_timeout_secs` accepted: ten minutes.
+pub const MAX_API_TIMEOUT_SECS: f64 = 600.0;
 /// Longest `termination_grace_period_secs` accepted: an hour.
 pub const MAX_GRACE_SECS: u32 = 3600;
 
@@ -125,6 +127,12 @@ pub struct KubernetesConfig {
     /// the release fails, the Pod stays held, and the release is retried.
     #[serde(default = "default_release_timeout_secs")]
     pub release_timeout_secs: f64,
+    /// Longest one call to the API server made for an acquire or a release
+    /// may take (s): an API server that takes a request and never answers
+    /// would otherwise hold the lease up for kube's read timeout; past this
+    /// the call fails (an acquire then deletes the Pod it may have made).
+    #[serde(default = "default_api_timeout_secs")]
+    pub api_timeout_secs: f64,
 }
 
 /// `[leasing.kubernetes.resources]`.
@@ -225,6 +233,9 @@ fn default_grace() -> u32 {
 fn default_release_timeout_secs() -> f64 {
     120.0
 }
+fn default_api_timeout_secs() -> f64 {
+    30.0
+}
 
 /// Is `s` a DNS-1123 label (what Kubernetes accepts as a namespace, and
 /// within a Pod name)?
@@ -304,6 +315,7 @@ impl KubernetesConfig {
             run_as_user: None,
             termination_grace_period_secs: default_grace(),
             release_timeout_secs: default_release_timeout_secs(),
+            api_timeout_secs: default_api_timeout_secs(),
         }
     }
 
@@ -460,6 +472,11 @@ impl KubernetesConfig {
         checked_secs("release_timeout_secs", t, MAX_RELEASE_TIMEOUT_SECS)?;
         if t <= 0.0 {
             return Err(format!("release_timeout_secs = {t} must be > 0"));
+        }
+        let t = self.api_timeout_secs;
+        checked_secs("api_timeout_secs", t, MAX_API_TIMEOUT_SECS)?;
+        if t <= 0.0 {
+            return Err(format!("api_timeout_secs = {t} must be > 0"));
         }
         // the notice a preempted Pod gets is its grace period
         checked_secs(
@@ -988,6 +1005,10 @@ mod tests {
             &|c| c.release_timeout_secs = f64::NAN,
             "release_timeout_secs",
         );
+        bad(&|c| c.api_timeout_secs = 0.0, "api_timeout_secs");
+        bad(&|c| c.api_timeout_secs = -1.0, "api_timeout_secs");
+        bad(&|c| c.api_timeout_secs = f64::NAN, "api_timeout_secs");
+        bad(&|c| c.api_timeout_secs = 601.0, "api_timeout_secs");
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //!   reads its one-time token from the Secret (`secretKeyRef`), so the
 //!   token is in no Pod spec; the Secret is then made the Pod's dependent,
 //!   so Kubernetes deletes it with the Pod even while the gateway is down.
+//!   Every API call is bounded by `api_timeout_secs`: an acquire past it
+//!   fails, and deletes the Pod and Secret it may have made.
 //! * **watching**: one `watch` on the pool's Pods (label
 //!   `tidegate.io/pool=<name_prefix>`), re-listed by kube's watcher after
 //!   any break. A Pod that Kubernetes starts taking away (a deletion we did
@@ -153,6 +155,76 @@ async fn run_on<T: Send + 'static>(
         .spawn(f)
         .await
         .map_err(|e| kube_error(None, "its runtime", e.to_string()))?
+}
+
+/// `f`, or an error saying the API server did not answer within `limit`
+/// (`api_timeout_secs`).
+async fn within<T>(
+    limit: Duration,
+    lease: LeaseId,
+    what: String,
+    f: impl Future<Output = Result<T, ProviderError>>,
+) -> Result<T, ProviderError> {
+    tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
+        Err(kube_error(
+            Some(lease),
+            what,
+            format!(
+                "the API server did not answer within {} s (api_timeout_secs)",
+                limit.as_secs_f64()
+            ),
+        ))
+    })
+}
+
+/// Deletes a Pod and its token Secret by name, either of which may not
+/// exist, within `limit`.
+async fn delete_stray(
+    pods: &Api<Pod>,
+    secrets: &Api<Secret>,
+    pod: &str,
+    secret: &str,
+    limit: Duration,
+) -> Result<(), String> {
+    let both = async {
+        let dp = DeleteParams::default();
+        match pods.delete(pod, &dp).await {
+            Err(e) if !is_status(&e, 404) => return Err(e.to_string()),
+            _ => {}
+        }
+        match secrets.delete(secret, &dp).await {
+            Err(e) if !is_status(&e, 404) => Err(e.to_string()),
+            _ => Ok(()),
+        }
+    };
+    tokio::time::timeout(limit, both)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} s", limit.as_secs_f64())))
+}
+
+/// Has the watch watch a Pod, which is held from now on.
+fn watch(
+    cmds: &mpsc::UnboundedSender<Cmd>,
+    held: &Held,
+    w: PodWatch,
+    view: PodView,
+) -> Result<(), ProviderError> {
+    let (lease, pod) = (
+        w.lease,
+        PodRef {
+            name: w.pod.clone(),
+            uid: w.uid.clone(),
+        },
+    );
+    cmds.send(Cmd::Watch(Box::new((w, view)))).map_err(|_| {
+        kube_error(
+            Some(lease),
+            "watching its pod",
+            "the watch has stopped".into(),
+        )
+    })?;
+    lock(held).insert(lease, pod);
+    Ok(())
 }
 
 /// Has the watch stop watching `lease`; returns once it has.
@@ -324,6 +396,11 @@ impl KubernetesProvider {
         v
     }
 
+    /// `api_timeout_secs` (validated at connect).
+    fn api_timeout(&self) -> Duration {
+        Duration::try_from_secs_f64(self.cfg.api_timeout_secs).unwrap_or(Duration::from_secs(30))
+    }
+
     fn pods(&self) -> Api<Pod> {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
@@ -431,24 +508,7 @@ impl KubernetesProvider {
     }
 
     fn watch(&mut self, w: PodWatch, view: PodView) -> Result<(), ProviderError> {
-        let (lease, pod) = (
-            w.lease,
-            PodRef {
-                name: w.pod.clone(),
-                uid: w.uid.clone(),
-            },
-        );
-        self.cmds
-            .send(Cmd::Watch(Box::new((w, view))))
-            .map_err(|_| {
-                kube_error(
-                    Some(lease),
-                    "watching its pod",
-                    "the watch has stopped".into(),
-                )
-            })?;
-        lock(&self.held).insert(lease, pod);
-        Ok(())
+        watch(&self.cmds, &self.held, w, view)
     }
 
     /// Stops watching every Pod WITHOUT deleting it, as a crash of the
@@ -478,6 +538,7 @@ impl KubernetesProvider {
         }
         let api = self.pods();
         let grace = self.cfg.termination_grace_period_secs;
+        let limit = self.api_timeout();
         let _ = self
             .rt
             .run(async move {
@@ -492,11 +553,14 @@ impl KubernetesProvider {
                             }),
                             ..DeleteParams::default()
                         };
-                        if let Err(e) = api.delete(&pod.name, &dp).await
-                            && !is_status(&e, 404)
-                            && !is_status(&e, 409)
-                        {
-                            tracing::warn!(%lease, pod = %pod.name, error = %e, "deleting a worker pod; its release tries again");
+                        match tokio::time::timeout(limit, api.delete(&pod.name, &dp)).await {
+                            Ok(Err(e)) if !is_status(&e, 404) && !is_status(&e, 409) => {
+                                tracing::warn!(%lease, pod = %pod.name, error = %e, "deleting a worker pod; its release tries again");
+                            }
+                            Err(_) => {
+                                tracing::warn!(%lease, pod = %pod.name, "deleting a worker pod: no answer within api_timeout_secs; its release tries again");
+                            }
+                            Ok(_) => {}
                         }
                     }
                 });
@@ -555,19 +619,32 @@ impl Provider for KubernetesProvider {
         PROVIDER_NAME
     }
 
-    async fn acquire(&mut self, spec: LeaseSpec) -> Result<Acquired, ProviderError> {
+    /// Builds the Pod and Secret in the call; the future creates them
+    /// (within `api_timeout_secs`) and watches the Pod.
+    fn acquire(
+        &mut self,
+        spec: LeaseSpec,
+    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
         let lease = spec.lease;
-        if lock(&self.held).contains_key(&lease) {
-            return Err(ProviderError::Duplicate(lease));
-        }
-        let pod = self.cfg.pod(&spec, &self.namespace)?;
-        let secret = self.cfg.token_secret(&spec, &self.namespace);
+        let built = if lock(&self.held).contains_key(&lease) {
+            Err(ProviderError::Duplicate(lease))
+        } else {
+            self.cfg
+                .pod(&spec, &self.namespace)
+                .map(|pod| (pod, self.cfg.token_secret(&spec, &self.namespace)))
+        };
         let (pods, secrets) = (self.pods(), self.secrets());
+        let namespace = self.namespace.clone();
+        let (cmds, held, rt) = (self.cmds.clone(), self.held.clone(), self.rt.handle.clone());
         let (pod_name, secret_name) = (self.cfg.pod_name(lease), self.cfg.secret_name(lease));
-        let (instance, tier) = (spec.instance.name.clone(), spec.tier);
-        let created = self
-            .rt
-            .run(async move {
+        let (limit, limit_secs) = (self.api_timeout(), self.cfg.api_timeout_secs);
+        async move {
+            let (pod, secret) = built?;
+            let (instance, tier) = (spec.instance.name, spec.tier);
+            let created_for = instance.clone();
+            let (stray_pods, stray_secrets) = (pods.clone(), secrets.clone());
+            let (stray_pod, stray_secret) = (pod_name.clone(), secret_name.clone());
+            let create = async move {
                 let pp = PostParams::default();
                 // the Secret first: the Pod reads it when it starts
                 match secrets.create(&pp, &secret).await {
@@ -580,9 +657,10 @@ impl Provider for KubernetesProvider {
                             .map_err(|e| {
                                 api_error(Some(lease), "replacing a stale token secret", &e)
                             })?;
-                        secrets.create(&pp, &secret).await.map_err(|e| {
-                            api_error(Some(lease), "creating its token secret", &e)
-                        })?;
+                        secrets
+                            .create(&pp, &secret)
+                            .await
+                            .map_err(|e| api_error(Some(lease), "creating its token secret", &e))?;
                     }
                     Err(e) => {
                         return Err(api_error(Some(lease), "creating its token secret", &e));
@@ -593,9 +671,11 @@ impl Provider for KubernetesProvider {
                     Err(e) => {
                         let _ = secrets.delete(&secret_name, &DeleteParams::default()).await;
                         return Err(match &e {
-                            kube::Error::Api(s) if s.is_forbidden() && s.message.contains("quota") => {
+                            kube::Error::Api(s)
+                                if s.is_forbidden() && s.message.contains("quota") =>
+                            {
                                 ProviderError::NoCapacity {
-                                    instance_type: instance.clone(),
+                                    instance_type: created_for.clone(),
                                     tier,
                                     detail: s.message.clone(),
                                 }
@@ -603,7 +683,10 @@ impl Provider for KubernetesProvider {
                             kube::Error::Api(s) if s.is_already_exists() => kube_error(
                                 Some(lease),
                                 format!("creating pod {pod_name}"),
-                                format!("{}; is another gateway using name_prefix in this namespace?", s.message),
+                                format!(
+                                    "{}; is another gateway using name_prefix in this namespace?",
+                                    s.message
+                                ),
                             ),
                             _ => api_error(Some(lease), format!("creating pod {pod_name}"), &e),
                         });
@@ -618,22 +701,52 @@ impl Provider for KubernetesProvider {
                     tracing::warn!(%lease, error = %e, "the token secret could not be given to its pod; it is deleted on release instead");
                 }
                 Ok(created)
+            };
+            let created = run_on(&rt, async move {
+                match tokio::time::timeout(limit, create).await {
+                    Ok(created) => created,
+                    Err(_) => {
+                        // the server may have made the Pod and lost the
+                        // answer: nothing may run that no lease holds
+                        let cleaned = delete_stray(
+                            &stray_pods,
+                            &stray_secrets,
+                            &stray_pod,
+                            &stray_secret,
+                            limit,
+                        )
+                        .await;
+                        let cleanup = match cleaned {
+                            Ok(()) => format!("pod {stray_pod} and its token secret deleted in case they were made"),
+                            Err(e) => {
+                                tracing::warn!(%lease, pod = %stray_pod, error = %e, "a pod whose creation timed out may run: it is deleted when the gateway next starts");
+                                format!("deleting pod {stray_pod} in case it was made failed too ({e})")
+                            }
+                        };
+                        Err(kube_error(
+                            Some(lease),
+                            format!("creating pod {stray_pod}"),
+                            format!("the API server did not answer within {limit_secs} s (api_timeout_secs); {cleanup}"),
+                        ))
+                    }
+                }
             })
             .await?;
-        let view = PodView::of(&created);
-        let data = KubernetesData {
-            namespace: self.namespace.clone(),
-            pod: view.name.clone(),
-            uid: view.uid.clone(),
-        };
-        self.watch(PodWatch::new(lease, &view, false), view)?;
-        tracing::info!(%lease, pod = %data.pod, instance = %spec.instance.name, %tier, "worker pod created");
-        Ok(Acquired {
-            lease,
-            pid: None,
-            provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
-            token: None,
-        })
+            let view = PodView::of(&created);
+            let data = KubernetesData {
+                namespace,
+                pod: view.name.clone(),
+                uid: view.uid.clone(),
+            };
+            watch(&cmds, &held, PodWatch::new(lease, &view, false), view)?;
+            tracing::info!(%lease, pod = %data.pod, %instance, %tier, "worker pod created");
+            Ok(Acquired {
+                lease,
+                pid: None,
+                provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
+                token: None,
+            })
+        }
     }
 
     /// Deletes the lease's Pod and waits until it is gone; only then is it
@@ -653,6 +766,7 @@ impl Provider for KubernetesProvider {
             .unwrap_or(Duration::from_secs(120));
         let timeout_secs = self.cfg.release_timeout_secs;
         let secret_name = self.cfg.secret_name(lease);
+        let limit = self.api_timeout();
         let (cmds, held, rt) = (self.cmds.clone(), self.held.clone(), self.rt.handle.clone());
         async move {
             let pod = pod.ok_or(ProviderError::UnknownLease(lease))?;
@@ -667,16 +781,16 @@ impl Provider for KubernetesProvider {
                     }),
                     ..DeleteParams::default()
                 };
-                match api.delete(&target.name, &dp).await {
-                    // gone already, or the name is another Pod's now
-                    Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
-                    Err(e) => Err(api_error(
-                        Some(lease),
-                        format!("deleting pod {}", target.name),
-                        &e,
-                    )),
-                    Ok(_) => Ok(()),
-                }
+                let what = format!("deleting pod {}", target.name);
+                within(limit, lease, what.clone(), async {
+                    match api.delete(&target.name, &dp).await {
+                        // gone already, or the name is another Pod's now
+                        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+                        Err(e) => Err(api_error(Some(lease), what, &e)),
+                        Ok(_) => Ok(()),
+                    }
+                })
+                .await
             })
             .await;
             if let Err(e) = deleted {
@@ -687,9 +801,13 @@ impl Provider for KubernetesProvider {
             let gone = run_on(&rt, async move {
                 let give_up = tokio::time::Instant::now() + timeout;
                 loop {
-                    let current = pods.get_opt(&pod.name).await.map_err(|e| {
-                        api_error(Some(lease), format!("checking deleted pod {}", pod.name), &e)
-                    })?;
+                    let what = format!("checking deleted pod {}", pod.name);
+                    let current = within(limit, lease, what.clone(), async {
+                        pods.get_opt(&pod.name)
+                            .await
+                            .map_err(|e| api_error(Some(lease), what, &e))
+                    })
+                    .await?;
                     match current {
                         Some(p) if p.metadata.uid.as_deref() == Some(pod.uid.as_str()) => {
                             if tokio::time::Instant::now() >= give_up {
@@ -705,7 +823,15 @@ impl Provider for KubernetesProvider {
                     }
                 }
                 // its owner reference would have it collected; not later
-                if let Err(e) = secrets.delete(&secret_name, &DeleteParams::default()).await
+                let dp = DeleteParams::default();
+                let deleted = tokio::time::timeout(limit, secrets.delete(&secret_name, &dp))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(kube::Error::Service(
+                            "no answer within api_timeout_secs".into(),
+                        ))
+                    });
+                if let Err(e) = deleted
                     && !is_status(&e, 404)
                 {
                     tracing::warn!(%lease, secret = %secret_name, error = %e, "deleting the token secret; the garbage collector removes it with its pod");
