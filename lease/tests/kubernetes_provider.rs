@@ -80,6 +80,14 @@ async fn one_running(
 }
 
 /// The Pods and the containers' output, for a failure message.
+/// The names of `objects`.
+fn names(objects: &[Value]) -> Vec<String> {
+    objects
+        .iter()
+        .filter_map(|o| o["metadata"]["name"].as_str().map(String::from))
+        .collect()
+}
+
 fn context(kube: &MiniKube) -> String {
     format!("pods: {:#?}\n{}", kube.pods(NS), kube.logs())
 }
@@ -549,6 +557,64 @@ async fn a_pod_creation_answered_too_late_fails_the_acquire_and_leaves_nothing_b
     .await;
     // answered in time again: the next acquire holds its Pod
     p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    assert_eq!(p.held(), vec![LeaseId(2)]);
+    p.shutdown().await;
+    assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));
+}
+
+/// A Pod creation that waits in the API server's queue past
+/// `api_timeout_secs` fails the acquire, whose cleanup then finds no Pod;
+/// when the server makes the Pod after all, the watch deletes it at once,
+/// not at the gateway's next start, and a lease acquired meanwhile is
+/// left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_the_api_server_makes_after_its_acquire_gave_up_is_deleted_when_it_appears() {
+    let kube = MiniKube::start(2);
+    let out = tempfile::tempdir().unwrap();
+    let mut cfg = config(&kube, out.path(), WORKER);
+    cfg.api_timeout_secs = 1.0;
+    let mut p = KubernetesProvider::connect(cfg).unwrap();
+    kube.act_late(
+        "POST",
+        "/api/v1/namespaces/tidegate/pods",
+        Duration::from_secs(4),
+        1,
+    );
+    let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
+        .await
+        .expect("the acquire waited for the answer")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("api_timeout_secs"), "{e}");
+    // the cleanup came before the Pod: nothing to delete yet
+    assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));
+    assert!(p.held().is_empty());
+    let deletes = |kube: &MiniKube| {
+        kube.request_count(
+            "DELETE",
+            "/api/v1/namespaces/tidegate/pods/tidegate-worker-1",
+        )
+    };
+    assert_eq!(deletes(&kube), 1, "the acquire's cleanup");
+    // a lease acquired in between is held, and stays so
+    p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
+    // once the server makes it, the watch deletes it: a second delete
+    wait_for(
+        "the pod made after its acquire gave up to be deleted",
+        || context(&kube),
+        || deletes(&kube) >= 2 && names(&kube.pods(NS)) == ["tidegate-worker-2"],
+    )
+    .await;
+    assert!(
+        !names(&kube.secrets(NS)).contains(&"tidegate-worker-1-token".to_string()),
+        "{:?}",
+        names(&kube.secrets(NS))
+    );
+    assert_eq!(
+        kube.request_count("POST", "/api/v1/namespaces/tidegate/pods"),
+        2,
+        "each pod was created once"
+    );
     assert_eq!(p.held(), vec![LeaseId(2)]);
     p.shutdown().await;
     assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));

@@ -724,3 +724,65 @@ async fn a_job_queued_by_an_sbatch_whose_answer_was_lost_is_cancelled_by_name() 
     assert!(p.held().is_empty());
     assert!(slurm.live_jobs().is_empty(), "{:?}", slurm.live_jobs());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_the_controller_queues_after_its_sbatch_gave_up_is_cancelled_when_it_appears() {
+    let slurm = MiniSlurm::start();
+    let out = tempfile::tempdir().unwrap();
+    let bin = out.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for tool in ["squeue", "scontrol", "scancel"] {
+        std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
+    }
+    // the request waits in a busy controller's queue: Slurm's sbatch
+    // queues the job 4 s later, well after the stand-in was killed at its
+    // deadline and the provider's cancel by name found nothing
+    let sbatch = format!(
+        "d=\"$(dirname \"$0\")\"\ncat > \"$d/job.sh\"\n\
+         ( sleep 4; {} \"$@\" < \"$d/job.sh\" > \"$d/sbatch.tmp\" && mv \"$d/sbatch.tmp\" \"$d/sbatch.out\" ) < /dev/null > /dev/null 2>&1 &\n{}",
+        installed("sbatch").display(),
+        hung("sbatch")
+    );
+    fake_tool(&bin, "sbatch", &sbatch);
+    let mut cfg = config(&slurm, out.path(), WORKER);
+    cfg.bin_dir = Some(bin.clone());
+    cfg.job_name = "tg-late".into();
+    cfg.tool_timeout_secs = 1.0;
+    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
+        .await
+        .expect("the acquire gives up at the tool's deadline")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("did not answer within 1 s (tool_timeout_secs)"),
+        "{e}"
+    );
+    assert!(
+        !bin.join("sbatch.out").exists(),
+        "queued before the deadline"
+    );
+    assert!(p.held().is_empty());
+    wait_for(
+        "Slurm's sbatch to queue the job late",
+        || slurm.logs(),
+        || bin.join("sbatch.out").exists(),
+    )
+    .await;
+    let text = std::fs::read_to_string(bin.join("sbatch.out")).unwrap();
+    let job: u64 = text.trim().split(';').next().unwrap().parse().unwrap();
+    // the poller finds it by its name and cancels it
+    wait_for(
+        "the job queued after its acquire gave up to be cancelled",
+        || slurm.logs(),
+        || !slurm.live_jobs().contains(&job),
+    )
+    .await;
+    assert_eq!(
+        slurm.job_state(job).as_deref(),
+        Some("CANCELLED"),
+        "{}",
+        slurm.logs()
+    );
+    assert!(p.held().is_empty());
+}

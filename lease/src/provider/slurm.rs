@@ -36,7 +36,9 @@
 //!   hung slurmctld cannot stall the gateway. An `sbatch` that timed out
 //!   may have queued its job all the same (the controller got it, the
 //!   answer was lost), so any job of the lease's name (`<job_name>-<lease>`)
-//!   is then cancelled, best effort, before the acquire fails. A release
+//!   is then cancelled, best effort, before the acquire fails; and since
+//!   a busy controller may queue it later still, the poller looks for a
+//!   job of that name for 15 minutes and cancels it when it appears. A release
 //!   takes at most `release_timeout_secs` in all: each tool it runs gets the
 //!   smaller of `tool_timeout_secs` and the time the release has left.
 //! * a job that ended is no longer held: [`SlurmProvider::held`] lists live
@@ -87,6 +89,12 @@ pub const MAX_TOOL_TIMEOUT_SECS: f64 = 600.0;
 const BLOCKING_POLL: Duration = Duration::from_millis(10);
 /// What bounds a tool run, for its timeout error.
 const TOOL_TIMEOUT: &str = "tool_timeout_secs";
+/// How long the poller looks for a job that an `sbatch` which did not
+/// answer may queue yet (its request waiting in a busy controller's
+/// queue), and cancels it.
+const ABANDONED_WATCH: Duration = Duration::from_secs(900);
+/// Most such job names the poller looks for at once (the oldest go first).
+const ABANDONED_KEPT: usize = 256;
 
 /// Configuration of the Slurm provider (`[leasing.slurm]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -982,6 +990,10 @@ enum Cmd {
     /// waits for it and forgets it); or the release failed (`false`): the
     /// job may run on, and its end is news again.
     Releasing(LeaseId, bool),
+    /// An `sbatch` for the job of this name did not answer: a job of the
+    /// name that appears within [`ABANDONED_WATCH`] is no lease's, and is
+    /// cancelled.
+    Abandoned(String),
 }
 
 /// The jobs held, shared with the poller, which drops a job once Slurm
@@ -1276,6 +1288,8 @@ impl Provider for SlurmProvider {
                 Err(f) => {
                     if f.timed_out {
                         cancel_unanswered(&tools, &job_name, lease).await;
+                        // the controller may queue it later still
+                        let _ = cmds.send(Cmd::Abandoned(format!("{job_name}-{}", lease.0)));
                     }
                     return Err(f.error);
                 }
@@ -1479,6 +1493,58 @@ async fn cancel_unanswered(tools: &Tools, job_name: &str, lease: LeaseId) {
     }
 }
 
+/// Cancels the live jobs named in `abandoned`: queued by an `sbatch` that
+/// did not answer, after its acquire gave up, they belong to no lease. A
+/// name whose job is cancelled is looked for no more (one `sbatch` queues
+/// one job). Failures are logged; the next poll tries again.
+async fn cancel_strays(tools: &Tools, abandoned: &mut Vec<(String, Instant)>) {
+    let names: Vec<&str> = abandoned.iter().map(|(n, _)| n.as_str()).collect();
+    let args = [
+        "--noheader".to_string(),
+        format!("--name={}", names.join(",")),
+        "--format=%i|%j|%T".to_string(),
+    ];
+    let out = match tools.run(None, "squeue", &args, None, &[]).await {
+        Ok(out) => out,
+        Err(e) => {
+            tracing::debug!(error = %e, "looking for jobs queued by unanswered sbatches");
+            return;
+        }
+    };
+    for (job, name) in parse_stray_jobs(&out) {
+        match tools
+            .run(None, "scancel", &[job.to_string()], None, &[])
+            .await
+        {
+            Ok(_) => {
+                tracing::warn!(%job, job_name = %name, "Slurm queued a job after its sbatch had stopped waiting for the answer; no lease holds it, cancelled so it does not bill");
+                abandoned.retain(|(n, _)| *n != name);
+            }
+            Err(e) => {
+                tracing::warn!(%job, job_name = %name, error = %e, "cancelling a job no lease holds failed; trying again at the next poll");
+            }
+        }
+    }
+}
+
+/// The live jobs in `squeue --format=%i|%j|%T` output: id and name. Jobs
+/// already on their way out (`COMPLETING`, or ended) and lines that do not
+/// parse are left out.
+pub fn parse_stray_jobs(stdout: &str) -> Vec<(JobId, String)> {
+    stdout
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.trim().splitn(3, '|');
+            let (id, name, state) = (f.next()?, f.next()?, f.next()?);
+            let id = id.trim().parse::<u64>().ok()?;
+            match JobState::parse(state) {
+                JobState::Completing | JobState::Ended(_) => None,
+                _ => Some((JobId(id), name.trim().to_string())),
+            }
+        })
+        .collect()
+}
+
 /// Has the poller stop watching `lease`; returns once it has.
 async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
     let (tx, rx) = oneshot::channel();
@@ -1518,6 +1584,8 @@ async fn poll(
 ) {
     let mut watches: HashMap<LeaseId, JobWatch> = HashMap::new();
     let mut releasing: HashSet<LeaseId> = HashSet::new();
+    // job names of unanswered sbatches, and until when to look for them
+    let mut abandoned: Vec<(String, Instant)> = Vec::new();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failures = 0u32;
@@ -1538,9 +1606,20 @@ async fn poll(
                     releasing.remove(&lease);
                     let _ = done.send(());
                 }
+                Some(Cmd::Abandoned(name)) => {
+                    if abandoned.len() >= ABANDONED_KEPT {
+                        abandoned.remove(0);
+                    }
+                    abandoned.push((name, Instant::now() + ABANDONED_WATCH));
+                }
                 None => return,
             },
             _ = tick.tick() => {
+                let now = Instant::now();
+                abandoned.retain(|(_, until)| *until > now);
+                if !abandoned.is_empty() {
+                    cancel_strays(&tools, &mut abandoned).await;
+                }
                 if watches.is_empty() {
                     continue;
                 }
@@ -1707,6 +1786,19 @@ mod tests {
         assert_eq!(jobs[1].end_time, None, "a live job's time limit is no end");
         assert_eq!(jobs[1].reason, "Resources");
         assert_eq!((jobs[2].id, jobs[2].reason.as_str()), (JobId(5), ""));
+    }
+
+    #[test]
+    fn stray_jobs_are_the_live_rows_of_squeue() {
+        let out = "17|tg-3|PENDING\n18|tg-4|RUNNING\n19|tg-5|COMPLETING\n20|tg-6|CANCELLED\nnot a row\n21_2|tg-7|RUNNING\n";
+        assert_eq!(
+            parse_stray_jobs(out),
+            vec![
+                (JobId(17), "tg-3".to_string()),
+                (JobId(18), "tg-4".to_string())
+            ]
+        );
+        assert!(parse_stray_jobs("").is_empty());
     }
 
     #[test]

@@ -25,7 +25,9 @@
 //!
 //! For tests of failure handling: [`MiniKube::fail_next`] injects HTTP
 //! errors with the apiserver's `Status` bodies, [`MiniKube::answer_late`]
-//! carries a request out but answers it late, [`MiniKube::break_watches`]
+//! carries a request out but answers it late, [`MiniKube::act_late`]
+//! carries it out late (whether or not the client still waits),
+//! [`MiniKube::break_watches`]
 //! drops every open watch as an apiserver restart does, and
 //! [`MiniKube::compact`] makes old resourceVersions expire (410).
 //!
@@ -444,6 +446,22 @@ impl MiniKube {
             prefix: prefix.to_string(),
             delay,
             remaining: count,
+            act_first: true,
+        });
+    }
+
+    /// Makes the next `count` requests with this method whose `/path?query`
+    /// starts with `prefix` wait `delay` before they take effect, as in an
+    /// overloaded apiserver's queue: they take effect then even if the
+    /// client has given up and gone, so a client's cleanup in between
+    /// finds nothing, and what it asked for appears afterwards.
+    pub fn act_late(&self, method: &str, prefix: &str, delay: Duration, count: u32) {
+        self.shared.lock().late.push(Late {
+            method: method.to_ascii_uppercase(),
+            prefix: prefix.to_string(),
+            delay,
+            remaining: count,
+            act_first: false,
         });
     }
 
@@ -665,6 +683,9 @@ struct Late {
     prefix: String,
     delay: Duration,
     remaining: u32,
+    /// Take effect at once and answer after `delay` (`answer_late`), or
+    /// wait `delay`, then take effect and answer (`act_late`).
+    act_first: bool,
 }
 
 #[derive(Debug)]
@@ -789,14 +810,15 @@ impl State {
         Some(status)
     }
 
-    fn take_late(&mut self, method: &Method, target: &str) -> Option<Duration> {
+    /// The delay of a late request, and whether it acts first.
+    fn take_late(&mut self, method: &Method, target: &str) -> Option<(Duration, bool)> {
         let l = self.late.iter_mut().find(|l| {
             l.remaining > 0 && l.method == method.as_str() && target.starts_with(&l.prefix)
         })?;
         l.remaining -= 1;
-        let delay = l.delay;
+        let late = (l.delay, l.act_first);
         self.late.retain(|l| l.remaining > 0);
-        Some(delay)
+        Some(late)
     }
 
     fn get(&self, kind: Kind, ns: &str, name: &str) -> Option<Arc<Value>> {
@@ -3269,11 +3291,25 @@ async fn handle(AxState(sh): AxState<Arc<Shared>>, req: Request) -> Response {
         meta_only,
         body,
     };
-    let answer = route(&sh, &req).unwrap_or_else(ApiError::into_response);
-    if let Some(delay) = late {
-        tokio::time::sleep(delay).await;
+    match late {
+        Some((delay, true)) => {
+            let answer = route(&sh, &req).unwrap_or_else(ApiError::into_response);
+            tokio::time::sleep(delay).await;
+            answer
+        }
+        // a task of its own: it takes effect even if the client has gone
+        // and this handler is dropped
+        Some((delay, false)) => {
+            let acting = tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                route(&sh, &req).unwrap_or_else(ApiError::into_response)
+            });
+            acting.await.unwrap_or_else(|e| {
+                ApiError::new(500, "InternalError", e.to_string(), None).into_response()
+            })
+        }
+        None => route(&sh, &req).unwrap_or_else(ApiError::into_response),
     }
-    answer
 }
 
 fn route(sh: &Arc<Shared>, r: &Req) -> Result<Response, ApiError> {

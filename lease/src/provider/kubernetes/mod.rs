@@ -9,7 +9,10 @@
 //!   token is in no Pod spec; the Secret is then made the Pod's dependent,
 //!   so Kubernetes deletes it with the Pod even while the gateway is down.
 //!   Every API call is bounded by `api_timeout_secs`: an acquire past it
-//!   fails, and deletes the Pod and Secret it may have made.
+//!   fails, and deletes the Pod and Secret it may have made; if the API
+//!   server makes the Pod later still (a creation queued behind a slow
+//!   server), the watch deletes it when it appears (for 15 minutes; the
+//!   next start's adoption after that).
 //! * **watching**: one `watch` on the pool's Pods (label
 //!   `tidegate.io/pool=<name_prefix>`), re-listed by kube's watcher after
 //!   any break. A Pod that Kubernetes starts taking away (a deletion we did
@@ -30,7 +33,8 @@
 //! * **adoption**: the ledger keeps each lease's namespace, Pod name and
 //!   uid. After a gateway restart a lease whose Pod still runs is watched
 //!   again; any other is ended. Pods and token Secrets of the pool that
-//!   belong to no live lease are deleted, so none bills unseen.
+//!   belong to no live lease are deleted, so none bills unseen. The start-up
+//!   calls are bounded by `api_timeout_secs` too.
 //!
 //! The Kubernetes client runs on a runtime of its own ("tidegate-kube"),
 //! so the blocking start-up calls ([`KubernetesProvider::connect`],
@@ -78,6 +82,12 @@ const RELEASE_POLL: Duration = Duration::from_millis(200);
 /// Uids of gone Pods remembered, so a late creation record cannot bring
 /// one back.
 const GONE_KEPT: usize = 4096;
+/// How long the watch deletes a Pod that an acquire gave up creating, if
+/// the API server makes it after all (a creation queued behind a slow
+/// server); later ones are deleted by the next start's adoption.
+const ABANDONED_WATCH: Duration = Duration::from_secs(900);
+/// Most abandoned Pod names the watch keeps at once (the oldest go first).
+const ABANDONED_KEPT: usize = 1024;
 
 /// What the ledger keeps of a lease's Pod, for adoption.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -161,13 +171,13 @@ async fn run_on<T: Send + 'static>(
 /// (`api_timeout_secs`).
 async fn within<T>(
     limit: Duration,
-    lease: LeaseId,
-    what: String,
+    lease: Option<LeaseId>,
+    what: impl Into<String>,
     f: impl Future<Output = Result<T, ProviderError>>,
 ) -> Result<T, ProviderError> {
     tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
         Err(kube_error(
-            Some(lease),
+            lease,
             what,
             format!(
                 "the API server did not answer within {} s (api_timeout_secs)",
@@ -175,6 +185,11 @@ async fn within<T>(
             ),
         ))
     })
+}
+
+/// `api_timeout_secs` (validated at connect).
+fn api_timeout(cfg: &KubernetesConfig) -> Duration {
+    Duration::try_from_secs_f64(cfg.api_timeout_secs).unwrap_or(Duration::from_secs(30))
 }
 
 /// Deletes a Pod and its token Secret by name, either of which may not
@@ -300,6 +315,16 @@ enum Cmd {
     /// Stop watching (release, detach); the reply comes once no event for
     /// it can follow.
     Forget(LeaseId, oneshot::Sender<()>),
+    /// An acquire gave up creating this Pod (the API server did not
+    /// answer in time): if it exists, or appears within
+    /// [`ABANDONED_WATCH`], no lease holds it, and it is deleted with its
+    /// token Secret.
+    Abandoned {
+        /// The Pod's name.
+        pod: String,
+        /// Its token Secret's name.
+        secret: String,
+    },
 }
 
 /// The Kubernetes provider.
@@ -332,6 +357,7 @@ impl KubernetesProvider {
         cfg.validate()
             .map_err(|e| kube_error(None, "leasing.kubernetes", e))?;
         let rt = KubeRuntime::start()?;
+        let limit = api_timeout(&cfg);
         let c = cfg.clone();
         let (client, namespace) = rt.block(async move {
             let config = client_config(&c).await?;
@@ -343,15 +369,13 @@ impl KubernetesProvider {
             let client = Client::try_from(config)
                 .map_err(|e| api_error(None, format!("building a client for {url}"), &e))?;
             let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-            pods.list(&ListParams::default().labels(&c.selector()).limit(1))
-                .await
-                .map_err(|e| {
-                    api_error(
-                        None,
-                        format!("listing pods in namespace {namespace:?} at {url}"),
-                        &e,
-                    )
-                })?;
+            let what = format!("listing pods in namespace {namespace:?} at {url}");
+            within(limit, None, what.clone(), async {
+                pods.list(&ListParams::default().labels(&c.selector()).limit(1))
+                    .await
+                    .map_err(|e| api_error(None, what, &e))
+            })
+            .await?;
             Ok((client, namespace))
         })?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
@@ -398,7 +422,7 @@ impl KubernetesProvider {
 
     /// `api_timeout_secs` (validated at connect).
     fn api_timeout(&self) -> Duration {
-        Duration::try_from_secs_f64(self.cfg.api_timeout_secs).unwrap_or(Duration::from_secs(30))
+        api_timeout(&self.cfg)
     }
 
     fn pods(&self) -> Api<Pod> {
@@ -417,18 +441,24 @@ impl KubernetesProvider {
     /// them.
     pub fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
         let (pods, secrets, selector) = (self.pods(), self.secrets(), self.cfg.selector());
-        let (listed, listed_secrets) = self.rt.block(async move {
-            let lp = ListParams::default().labels(&selector);
-            let p = pods
-                .list(&lp)
-                .await
-                .map_err(|e| api_error(None, "listing worker pods for adoption", &e))?;
-            let s = secrets
-                .list(&lp)
-                .await
-                .map_err(|e| api_error(None, "listing token secrets for adoption", &e))?;
-            Ok((p.items, s.items))
-        })?;
+        let limit = self.api_timeout();
+        let (listed, listed_secrets) = self.rt.block(within(
+            limit,
+            None,
+            "listing worker pods and token secrets for adoption",
+            async move {
+                let lp = ListParams::default().labels(&selector);
+                let p = pods
+                    .list(&lp)
+                    .await
+                    .map_err(|e| api_error(None, "listing worker pods for adoption", &e))?;
+                let s = secrets
+                    .list(&lp)
+                    .await
+                    .map_err(|e| api_error(None, "listing token secrets for adoption", &e))?;
+                Ok((p.items, s.items))
+            },
+        ))?;
         let views: Vec<PodView> = listed.iter().map(PodView::of).collect();
         let mut out = Adoption::default();
         let mut delete_pods = Vec::new();
@@ -485,7 +515,7 @@ impl KubernetesProvider {
             .filter_map(|s| s.metadata.name.clone())
             .collect();
         let (pods, secrets) = (self.pods(), self.secrets());
-        self.rt.block(async move {
+        self.rt.block(within(limit, None, "deleting worker pods that belong to no live lease", async move {
             for name in delete_pods {
                 match pods.delete(&name, &DeleteParams::default()).await {
                     Ok(_) => {}
@@ -503,7 +533,7 @@ impl KubernetesProvider {
                 }
             }
             Ok(())
-        })?;
+        }))?;
         Ok(out)
     }
 
@@ -636,6 +666,7 @@ impl Provider for KubernetesProvider {
         let (pods, secrets) = (self.pods(), self.secrets());
         let namespace = self.namespace.clone();
         let (cmds, held, rt) = (self.cmds.clone(), self.held.clone(), self.rt.handle.clone());
+        let abandon = self.cmds.clone();
         let (pod_name, secret_name) = (self.cfg.pod_name(lease), self.cfg.secret_name(lease));
         let (limit, limit_secs) = (self.api_timeout(), self.cfg.api_timeout_secs);
         async move {
@@ -707,7 +738,12 @@ impl Provider for KubernetesProvider {
                     Ok(created) => created,
                     Err(_) => {
                         // the server may have made the Pod and lost the
-                        // answer: nothing may run that no lease holds
+                        // answer, or may make it yet: nothing may run
+                        // that no lease holds
+                        let _ = abandon.send(Cmd::Abandoned {
+                            pod: stray_pod.clone(),
+                            secret: stray_secret.clone(),
+                        });
                         let cleaned = delete_stray(
                             &stray_pods,
                             &stray_secrets,
@@ -717,9 +753,9 @@ impl Provider for KubernetesProvider {
                         )
                         .await;
                         let cleanup = match cleaned {
-                            Ok(()) => format!("pod {stray_pod} and its token secret deleted in case they were made"),
+                            Ok(()) => format!("pod {stray_pod} and its token secret deleted in case they were made, and deleted if made later"),
                             Err(e) => {
-                                tracing::warn!(%lease, pod = %stray_pod, error = %e, "a pod whose creation timed out may run: it is deleted when the gateway next starts");
+                                tracing::warn!(%lease, pod = %stray_pod, error = %e, "a pod whose creation timed out may run: the watch deletes it when it sees it, or the gateway's next start does");
                                 format!("deleting pod {stray_pod} in case it was made failed too ({e})")
                             }
                         };
@@ -782,7 +818,7 @@ impl Provider for KubernetesProvider {
                     ..DeleteParams::default()
                 };
                 let what = format!("deleting pod {}", target.name);
-                within(limit, lease, what.clone(), async {
+                within(limit, Some(lease), what.clone(), async {
                     match api.delete(&target.name, &dp).await {
                         // gone already, or the name is another Pod's now
                         Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
@@ -802,7 +838,7 @@ impl Provider for KubernetesProvider {
                 let give_up = tokio::time::Instant::now() + timeout;
                 loop {
                     let what = format!("checking deleted pod {}", pod.name);
-                    let current = within(limit, lease, what.clone(), async {
+                    let current = within(limit, Some(lease), what.clone(), async {
                         pods.get_opt(&pod.name)
                             .await
                             .map_err(|e| api_error(Some(lease), what, &e))
@@ -862,6 +898,9 @@ struct WatchState {
     gone: HashSet<String>,
     gone_order: VecDeque<String>,
     watches: HashMap<LeaseId, PodWatch>,
+    /// Pods an acquire gave up creating: their token Secret, and until
+    /// when the watch deletes them.
+    abandoned: HashMap<String, (String, tokio::time::Instant)>,
 }
 
 impl WatchState {
@@ -874,6 +913,38 @@ impl WatchState {
                 self.gone.remove(&old);
             }
         }
+    }
+
+    /// Remembers that an acquire gave up creating Pod `pod`.
+    fn abandon(&mut self, pod: String, secret: String) {
+        let now = tokio::time::Instant::now();
+        self.abandoned.retain(|_, (_, until)| *until > now);
+        if self.abandoned.len() >= ABANDONED_KEPT
+            && let Some(oldest) = self
+                .abandoned
+                .iter()
+                .min_by_key(|(_, (_, until))| *until)
+                .map(|(name, _)| name.clone())
+        {
+            self.abandoned.remove(&oldest);
+        }
+        self.abandoned.insert(pod, (secret, now + ABANDONED_WATCH));
+    }
+
+    /// Pod `name` and its Secret's name, when it is one an acquire gave
+    /// up creating that is there to delete: no lease watches it, and it
+    /// is not being deleted yet.
+    fn stray(&mut self, name: &str) -> Option<(PodView, String)> {
+        let (secret, until) = self.abandoned.get(name)?.clone();
+        if until <= tokio::time::Instant::now() {
+            self.abandoned.remove(name);
+            return None;
+        }
+        if !self.leases_of(name).is_empty() {
+            return None;
+        }
+        let view = self.pods.get(name).filter(|v| v.deleting_at.is_none())?;
+        Some((view.clone(), secret))
     }
 
     /// The leases watching Pod `name`.
@@ -912,9 +983,12 @@ async fn watch_pods(
         gone: HashSet::new(),
         gone_order: VecDeque::new(),
         watches: HashMap::new(),
+        abandoned: HashMap::new(),
     };
     let mut failures = 0u32;
     loop {
+        // Pods that may be ones an acquire gave up creating
+        let mut maybe_strays: Vec<String> = Vec::new();
         let changed: Vec<LeaseId> = tokio::select! {
             cmd = cmds.recv() => match cmd {
                 Some(Cmd::Watch(watch)) => {
@@ -935,6 +1009,11 @@ async fn watch_pods(
                 Some(Cmd::Forget(lease, done)) => {
                     st.watches.remove(&lease);
                     let _ = done.send(());
+                    Vec::new()
+                }
+                Some(Cmd::Abandoned { pod, secret }) => {
+                    maybe_strays.push(pod.clone());
+                    st.abandon(pod, secret);
                     Vec::new()
                 }
                 None => return,
@@ -966,11 +1045,13 @@ async fn watch_pods(
                             let v = PodView::of(&p);
                             let name = v.name.clone();
                             st.pods.insert(name.clone(), v);
+                            maybe_strays.push(name.clone());
                             st.leases_of(&name)
                         }
                         Event::Delete(p) => {
                             let v = PodView::of(&p);
                             st.pods.remove(&v.name);
+                            st.abandoned.remove(&v.name);
                             st.mark_gone(&v.uid);
                             st.leases_of(&v.name)
                         }
@@ -1000,12 +1081,26 @@ async fn watch_pods(
                                 }
                             }
                             st.pods = next;
+                            maybe_strays.extend(st.abandoned.keys().cloned());
                             st.watches.keys().copied().collect()
                         }
                     }
                 }
             },
         };
+        for name in maybe_strays {
+            if let Some((view, secret)) = st.stray(&name) {
+                tracing::warn!(pod = %view.name, phase = %view.phase, "the API server made a worker pod after its acquire gave up waiting; no lease holds it, deleting it so it does not bill");
+                delete_pod(
+                    &pods,
+                    &secrets,
+                    &view.name,
+                    &view.uid,
+                    secret,
+                    "a worker pod no lease holds",
+                );
+            }
+        }
         if !observe(
             &mut st, &changed, grace_ms, &pods, &secrets, &cfg, &events, &held,
         )
@@ -1014,6 +1109,41 @@ async fn watch_pods(
             return;
         }
     }
+}
+
+/// Deletes Pod `name`, if it is still the one with `uid`, then Secret
+/// `secret`, in the background; a failure is logged, saying `what` Pod it
+/// was.
+fn delete_pod(
+    pods: &Api<Pod>,
+    secrets: &Api<Secret>,
+    name: &str,
+    uid: &str,
+    secret: String,
+    what: &'static str,
+) {
+    let (pods, secrets) = (pods.clone(), secrets.clone());
+    let (name, uid) = (name.to_string(), uid.to_string());
+    tokio::spawn(async move {
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        if let Err(e) = pods.delete(&name, &dp).await
+            && !is_status(&e, 404)
+            && !is_status(&e, 409)
+        {
+            tracing::warn!(pod = %name, error = %e, "deleting {what}");
+        }
+        if let Err(e) = secrets.delete(&secret, &DeleteParams::default()).await
+            && !is_status(&e, 404)
+        {
+            tracing::warn!(%secret, error = %e, "deleting the token secret of {what}");
+        }
+    });
 }
 
 /// Checks whether Pod `name` (with `uid`) still exists; answers on `tx`.
@@ -1087,25 +1217,14 @@ async fn observe(
                     });
                 }
                 if delete {
-                    let (pods, secrets) = (pods.clone(), secrets.clone());
-                    let (name, uid) = (w.pod.clone(), w.uid.clone());
-                    let secret = cfg.secret_name(*lease);
-                    tokio::spawn(async move {
-                        let dp = DeleteParams {
-                            preconditions: Some(Preconditions {
-                                uid: Some(uid),
-                                resource_version: None,
-                            }),
-                            ..DeleteParams::default()
-                        };
-                        if let Err(e) = pods.delete(&name, &dp).await
-                            && !is_status(&e, 404)
-                            && !is_status(&e, 409)
-                        {
-                            tracing::warn!(pod = %name, error = %e, "deleting a finished worker pod");
-                        }
-                        let _ = secrets.delete(&secret, &DeleteParams::default()).await;
-                    });
+                    delete_pod(
+                        pods,
+                        secrets,
+                        &w.pod,
+                        &w.uid,
+                        cfg.secret_name(*lease),
+                        "a finished worker pod",
+                    );
                 }
                 tracing::info!(%lease, ?reason, %detail, "worker pod ended");
                 st.watches.remove(lease);
