@@ -94,6 +94,10 @@ pub const NOTICE_OVERRUN: Duration = Duration::from_secs(30);
 /// `Shell::replace_unserving`).
 pub const STALL_WINDOW: Duration = Duration::from_secs(15 * 60);
 
+/// How often the ledger is told which leases' workers are connected
+/// (`last_seen_at`): a worker found gone after a restart is billed to then.
+pub const SEEN_EVERY: Duration = Duration::from_secs(10);
+
 /// Network and return time taken from the budget when turning a latency
 /// profile into throughput at the SLO (as the simulator does).
 const NETWORK_MS: f64 = 20.0;
@@ -693,6 +697,7 @@ fn start(
         backoff: AcquireBackoff::new(),
         writes: PendingWrites::default(),
         last_tick: None,
+        seen_written: None,
         busy_ms: 0.0,
         leased_ms: 0.0,
         cost_seen: BTreeMap::new(),
@@ -830,6 +835,9 @@ struct Shell {
     /// Ledger writes to retry.
     writes: PendingWrites,
     last_tick: Option<Millis>,
+    /// When the connected workers were last written to the ledger as seen
+    /// (monotonic clock).
+    seen_written: Option<Millis>,
     /// GPU time spent running batches, and leased (billing started), since
     /// this gateway started (ms).
     busy_ms: f64,
@@ -1573,6 +1581,19 @@ impl Shell {
 
     /// Frames served per lease into the ledger; profiles into throughput.
     fn record(&mut self, now: Millis, report: &LoadReport) {
+        let mono = self.mono();
+        let every = SEEN_EVERY.as_millis() as Millis;
+        if !report.workers.is_empty()
+            && self
+                .seen_written
+                .is_none_or(|at| mono.saturating_sub(at) >= every)
+        {
+            let ids: Vec<LeaseId> = report.workers.iter().map(|w| w.lease).collect();
+            match self.ledger.mark_seen(&ids, now) {
+                Ok(()) => self.seen_written = Some(mono),
+                Err(e) => warn!("recording which workers are connected: {e}"),
+            }
+        }
         for (lease, s) in &report.served {
             self.busy_ms += s.busy_us as f64 / 1e3;
             if (s.within_slo > 0 || s.late > 0)
@@ -1797,12 +1818,17 @@ impl Shell {
         let answer = match answer {
             Ok(answer) => answer,
             Err(panicked) => {
-                warn!(lease = %id, model, instance_type, "acquire task failed: {panicked}");
+                // the provider may have started a worker before the task
+                // failed: it is released like any other (a provider that
+                // holds nothing answers at once), then the lease ends
+                // failed; a release that fails is retried, the lease
+                // `requested` meanwhile, since its worker may bill
+                warn!(lease = %id, model, instance_type, "acquire task failed: {panicked}; releasing whatever its provider may have started");
                 self.metrics
                     .lease_acquires
                     .with_label_values(&[tier.as_str(), "error"])
                     .inc();
-                self.end(id, now, EndReason::Failed);
+                self.releases.schedule(id, self.mono(), EndReason::Failed);
                 self.start_failed();
                 return;
             }
@@ -2055,6 +2081,9 @@ mod fake {
         pub hold_releases: tokio::sync::watch::Sender<bool>,
         /// While true, acquisitions wait (an API server slow to answer).
         pub hold_acquires: tokio::sync::watch::Sender<bool>,
+        /// While true, acquisitions panic once the lease is held (a bug in
+        /// a provider, after it started a worker).
+        pub panic_acquires: AtomicBool,
         /// The provider's event channel, for a test to report events.
         pub events: Mutex<Option<mpsc::Sender<ProviderEvent>>>,
     }
@@ -2151,9 +2180,11 @@ mod fake {
                 .unwrap()
                 .insert(spec.lease, spec.token.clone());
             let mut hold = self.script.hold_acquires.subscribe();
+            let panics = self.script.panic_acquires.load(Ordering::SeqCst);
             async move {
                 // held while the script says so
                 let _ = hold.wait_for(|held| !held).await;
+                assert!(!panics, "scripted panic in acquire");
                 Ok(Acquired {
                     lease: spec.lease,
                     pid: None,
@@ -2434,6 +2465,44 @@ min_fps = {min_fps}
         })
         .await;
         replaced(&l, id).await;
+        stop(cancel, tracker).await;
+    }
+
+    /// An acquire whose task panics (a provider's bug) may have left a
+    /// worker running: the provider is asked to release the lease, which
+    /// then ends failed, neither `requested` for ever nor billing unseen;
+    /// a release that fails is retried. Acquisitions go on afterwards.
+    #[tokio::test]
+    async fn a_panicking_acquire_is_released_at_its_provider_and_ends_failed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        script
+            .panic_acquires
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        script.fail_releases(true);
+        let (l, cancel, tracker) = start_fake(&cfg, &script);
+        eventually(GUARD, "a release of the panicked acquire tried", || async {
+            script.release_calls.lock().unwrap().len() >= 2
+        })
+        .await;
+        script
+            .panic_acquires
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        let id = script.release_calls.lock().unwrap()[0];
+        // its release failed: the worker may run, the lease is not over
+        assert_eq!(lease(&l, id).await.state, LeaseState::Requested);
+        script.fail_releases(false);
+        eventually(GUARD, "the panicked lease released and ended", || async {
+            lease(&l, id).await.state == LeaseState::Ended(EndReason::Failed)
+        })
+        .await;
+        let rec = lease(&l, id).await;
+        assert_eq!(rec.billing_start, None, "it never started");
+        assert!(rec.ended_at.is_some());
+        // the provider no longer holds it, and acquisitions go on
+        let next = first_lease(&l).await;
+        assert_ne!(next, id);
         stop(cancel, tracker).await;
     }
 
@@ -2752,6 +2821,41 @@ min_fps = {min_fps}
         stall_once(&hub, id, 2).await;
         ended_lost_released_and_replaced(&l, &script, id).await;
         assert_eq!(metrics.workers_stalled.get(), 2);
+        stop(cancel, tracker).await;
+    }
+
+    /// The ledger learns when each lease's worker was last connected (at
+    /// most every `SEEN_EVERY`), which bills a worker found gone after a
+    /// restart; a lease with no worker connected is not seen.
+    #[tokio::test]
+    async fn connected_workers_are_recorded_as_seen_in_the_ledger() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path(), "static-peak", 10);
+        let script = Arc::new(Script::default());
+        let (l, hub, cancel, tracker, _) =
+            start_fake_with_hub(&cfg, &script, crate::scheduler::Limits::default());
+        let id = first_lease(&l).await;
+        // a few ticks without its worker
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(lease(&l, id).await.last_seen_at, None);
+        let before = wall_clock_ms();
+        let (dispatch, _batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: crate::scheduler::WorkerId(1),
+            register: crate::hub::tests::register(),
+            dispatch,
+            lease: Some(id),
+            static_worker: None,
+            drain: CancellationToken::new(),
+        })
+        .await;
+        eventually(GUARD, "its worker recorded as seen", || async {
+            lease(&l, id)
+                .await
+                .last_seen_at
+                .is_some_and(|t| t >= before)
+        })
+        .await;
         stop(cancel, tracker).await;
     }
 

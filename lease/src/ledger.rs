@@ -82,6 +82,9 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (lease_id, hour_start, edge, model)
     );
     CREATE INDEX usage_hour ON usage(hour_start);",
+    // 5: when the gateway last heard from each lease's worker, which bills
+    // a worker found gone after a restart to when it was last known to run
+    "ALTER TABLE leases ADD COLUMN last_seen_at INTEGER;",
 ];
 
 /// Why a ledger operation failed.
@@ -179,6 +182,9 @@ pub struct LeaseRecord {
     pub ready_at: Option<Millis>,
     /// Ended at.
     pub ended_at: Option<Millis>,
+    /// When the gateway last heard from its worker (connected at a tick;
+    /// written at most every few seconds).
+    pub last_seen_at: Option<Millis>,
     /// Worker process id (process provider), for adoption.
     pub pid: Option<u32>,
     /// Provider-specific data (JSON), for adoption.
@@ -257,7 +263,7 @@ pub struct Ledger {
 
 const LEASE_COLUMNS: &str = "id, provider, instance_type, tier, price_micro_per_hour, currency,
     billing_unit, billing_minimum_secs, state, end_reason, requested_at, billing_start,
-    ready_at, ended_at, token_sha256, token_claimed, pid, provider_data, model";
+    ready_at, ended_at, token_sha256, token_claimed, pid, provider_data, model, last_seen_at";
 
 impl Ledger {
     /// Opens (creating if needed) the ledger file, in WAL mode, and applies
@@ -402,6 +408,25 @@ impl Ledger {
             )
             .map_err(sql("mark draining"))?;
         Ok(())
+    }
+
+    /// Records that the workers of `ids` were heard from at `at`, in one
+    /// transaction; ended leases and unknown ids are skipped.
+    pub fn mark_seen(&mut self, ids: &[LeaseId], at: Millis) -> Result<(), LedgerError> {
+        let tx = self.conn.transaction().map_err(sql("begin seen"))?;
+        {
+            let mut st = tx
+                .prepare_cached(
+                    "UPDATE leases SET last_seen_at = MAX(?2, COALESCE(last_seen_at, ?2))
+                     WHERE id = ?1 AND state != 'ended'",
+                )
+                .map_err(sql("prepare seen"))?;
+            for id in ids {
+                st.execute(params![id.0 as i64, at as i64])
+                    .map_err(sql("mark seen"))?;
+            }
+        }
+        tx.commit().map_err(sql("commit seen"))
     }
 
     /// Records that the token was used (or re-armed after adoption).
@@ -782,9 +807,10 @@ fn query_leases(conn: &Connection, tail: &str) -> Result<Vec<LeaseRecord>, Ledge
                     r.get::<_, Option<u32>>(16)?,
                     r.get::<_, Option<String>>(17)?,
                     r.get::<_, Option<String>>(18)?,
-                    r.get::<_, i64>(19)?,
+                    r.get::<_, Option<i64>>(19)?,
                     r.get::<_, i64>(20)?,
                     r.get::<_, i64>(21)?,
+                    r.get::<_, i64>(22)?,
                 ),
             ))
         })
@@ -793,7 +819,21 @@ fn query_leases(conn: &Connection, tail: &str) -> Result<Vec<LeaseRecord>, Ledge
     for row in rows {
         let (
             (id, provider, instance_type, tier, price, currency, unit, min_secs, state, reason),
-            (requested, start, ready, ended, token, claimed, pid, data, model, cost, within, late),
+            (
+                requested,
+                start,
+                ready,
+                ended,
+                token,
+                claimed,
+                pid,
+                data,
+                model,
+                seen,
+                cost,
+                within,
+                late,
+            ),
         ) = row.map_err(sql("read lease"))?;
         let id = LeaseId(id as u64);
         let corrupt = |what: String| LedgerError::Corrupt { id, what };
@@ -824,6 +864,7 @@ fn query_leases(conn: &Connection, tail: &str) -> Result<Vec<LeaseRecord>, Ledge
             billing_start: start.map(|v| v as u64),
             ready_at: ready.map(|v| v as u64),
             ended_at: ended.map(|v| v as u64),
+            last_seen_at: seen.map(|v| v as u64),
             pid,
             provider_data: data,
             cost: Money(cost),

@@ -37,7 +37,7 @@ fn file_ledger_is_wal_and_reopen_keeps_data_and_schema() {
     {
         let mut l = Ledger::open(&path).unwrap();
         assert_eq!(l.journal_mode().unwrap(), "wal");
-        assert_eq!(l.schema_version().unwrap(), 4);
+        assert_eq!(l.schema_version().unwrap(), 5);
         id = l
             .insert_requested(&new_lease(&catalog, "a100", Tier::Spot, T0, &token))
             .unwrap();
@@ -50,7 +50,7 @@ fn file_ledger_is_wal_and_reopen_keeps_data_and_schema() {
     // reopen twice: migrations are idempotent and the data is intact
     for _ in 0..2 {
         let l = Ledger::open(&path).unwrap();
-        assert_eq!(l.schema_version().unwrap(), 4);
+        assert_eq!(l.schema_version().unwrap(), 5);
         let r = l.lease(id).unwrap().unwrap();
         assert_eq!(r.state, LeaseState::Ready);
         assert_eq!(r.pid, Some(4242));
@@ -70,6 +70,35 @@ fn file_ledger_is_wal_and_reopen_keeps_data_and_schema() {
 }
 
 #[test]
+fn last_seen_only_moves_forward_and_stops_at_the_end() {
+    let catalog = Catalog::default_catalog();
+    let mut l = Ledger::open_in_memory().unwrap();
+    let token = LeaseToken::generate().unwrap();
+    let a = l
+        .insert_requested(&new_lease(&catalog, "h100", Tier::OnDemand, T0, &token))
+        .unwrap();
+    let b = l
+        .insert_requested(&new_lease(&catalog, "h100", Tier::OnDemand, T0, &token))
+        .unwrap();
+    assert_eq!(l.lease(a).unwrap().unwrap().last_seen_at, None);
+    l.mark_starting(a, T0 + 1_000, None, None).unwrap();
+    l.mark_starting(b, T0 + 1_000, None, None).unwrap();
+    l.mark_seen(&[a, b], T0 + 60_000).unwrap();
+    // a late write of an older sighting does not take it back
+    l.mark_seen(&[a], T0 + 30_000).unwrap();
+    let seen = |l: &Ledger, id| l.lease(id).unwrap().unwrap().last_seen_at;
+    assert_eq!(seen(&l, a), Some(T0 + 60_000));
+    l.mark_ended(b, T0 + 70_000, EndReason::Released).unwrap();
+    l.mark_seen(&[a, b, LeaseId(999)], T0 + 90_000).unwrap();
+    assert_eq!(seen(&l, a), Some(T0 + 90_000));
+    assert_eq!(
+        seen(&l, b),
+        Some(T0 + 60_000),
+        "an ended lease is not seen again"
+    );
+}
+
+#[test]
 fn newer_schema_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.sqlite");
@@ -81,7 +110,7 @@ fn newer_schema_is_refused() {
     match Ledger::open(&path) {
         Err(LedgerError::NewerSchema {
             found: 99,
-            known: 4,
+            known: 5,
         }) => {}
         other => panic!("expected NewerSchema, got {other:?}"),
     }

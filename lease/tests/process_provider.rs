@@ -261,7 +261,7 @@ async fn restart_adopts_live_workers_and_ends_dead_ones_in_the_ledger() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ledger.sqlite");
     let catalog = Catalog::default_catalog();
-    let (alive_id, dead_id, never_id, alive_pid, dead_pid);
+    let (alive_id, dead_id, never_id, alive_pid, dead_pid, seen_at);
     {
         // gateway #1: two workers, and a lease that never got started
         let mut ledger = Ledger::open(&path).unwrap();
@@ -288,6 +288,9 @@ async fn restart_adopts_live_workers_and_ends_dead_ones_in_the_ledger() {
             pids.push(a.pid.unwrap());
         }
         never_id = record(&mut ledger, &catalog, &LeaseToken::generate().unwrap());
+        // the gateway last heard from both workers at `seen_at`
+        seen_at = wall_clock_ms();
+        ledger.mark_seen(&ids, seen_at).unwrap();
         (alive_id, dead_id) = (ids[0], ids[1]);
         (alive_pid, dead_pid) = (pids[0], pids[1]);
         // the gateway "crashes": workers keep running
@@ -313,10 +316,11 @@ async fn restart_adopts_live_workers_and_ends_dead_ones_in_the_ledger() {
         ended,
         vec![(dead_id, EndReason::Lost), (never_id, EndReason::Failed)]
     );
-    assert_eq!(
-        ledger.lease(dead_id).unwrap().unwrap().state,
-        LeaseState::Ended(EndReason::Lost)
-    );
+    let dead = ledger.lease(dead_id).unwrap().unwrap();
+    assert_eq!(dead.state, LeaseState::Ended(EndReason::Lost));
+    // billed to when it was last heard from, not to this restart
+    assert_eq!(dead.ended_at, Some(seen_at));
+    assert_eq!(dead.last_seen_at, Some(seen_at));
     assert_eq!(p.pid(alive_id), Some(alive_pid));
     let live: Vec<LeaseId> = ledger.live_leases().unwrap().iter().map(|r| r.id).collect();
     assert_eq!(live, vec![alive_id]);

@@ -244,8 +244,12 @@ impl ProcessProvider {
                 } else {
                     EndReason::Lost
                 };
-                ledger.mark_ended(rec.id, now, reason)?;
-                tracing::warn!(lease = %rec.id, pid = ?rec.pid, "worker gone after restart; lease ended");
+                // it stopped after the gateway last heard from it and
+                // before now; most often with the gateway (a host that
+                // went down), so it is billed to then, not to this restart
+                let at = rec.last_seen_at.map_or(now, |seen| seen.min(now));
+                ledger.mark_ended(rec.id, at, reason)?;
+                tracing::warn!(lease = %rec.id, pid = ?rec.pid, ended_at = at, "worker gone after restart; lease ended, billed to when it was last heard from");
                 out.ended.push((rec.id, reason));
             }
         }
