@@ -356,17 +356,26 @@ fn installed(tool: &str) -> std::path::PathBuf {
         .unwrap_or_else(|| panic!("{tool} is not installed; run scripts/setup.sh"))
 }
 
+/// A folder `bin` in `out` with links to Slurm's installed tools, all but
+/// `stand_in`, which the test writes.
+fn real_tools_but(out: &Path, stand_in: &str) -> std::path::PathBuf {
+    let bin = out.join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for tool in ["sbatch", "squeue", "scontrol", "scancel"] {
+        if tool != stand_in {
+            std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
+        }
+    }
+    bin
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();
     // Slurm's own tools, but an `scancel` that fails while `scancel.fail`
     // exists next to it (a controller that does not answer)
-    let bin = out.path().join("bin");
-    std::fs::create_dir(&bin).unwrap();
-    for tool in ["sbatch", "squeue", "scontrol"] {
-        std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
-    }
+    let bin = real_tools_but(out.path(), "scancel");
     let scancel = format!(
         "if [ -e \"$(dirname \"$0\")/scancel.fail\" ]; then\n  echo 'scancel: error: Unable to contact slurm controller' >&2\n  exit 1\nfi\nexec {} \"$@\"",
         installed("scancel").display()
@@ -685,11 +694,7 @@ async fn a_start_up_check_whose_scontrol_hangs_fails_at_the_tool_deadline() {
 async fn a_job_queued_by_an_sbatch_whose_answer_was_lost_is_cancelled_by_name() {
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();
-    let bin = out.path().join("bin");
-    std::fs::create_dir(&bin).unwrap();
-    for tool in ["squeue", "scontrol", "scancel"] {
-        std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
-    }
+    let bin = real_tools_but(out.path(), "sbatch");
     // Slurm's sbatch queues the job; then its answer never comes
     let sbatch = format!(
         "{} \"$@\" > \"$(dirname \"$0\")/sbatch.out\"\n{}",
@@ -729,11 +734,7 @@ async fn a_job_queued_by_an_sbatch_whose_answer_was_lost_is_cancelled_by_name() 
 async fn a_job_the_controller_queues_after_its_sbatch_gave_up_is_cancelled_when_it_appears() {
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();
-    let bin = out.path().join("bin");
-    std::fs::create_dir(&bin).unwrap();
-    for tool in ["squeue", "scontrol", "scancel"] {
-        std::os::unix::fs::symlink(installed(tool), bin.join(tool)).unwrap();
-    }
+    let bin = real_tools_but(out.path(), "sbatch");
     // the request waits in a busy controller's queue: Slurm's sbatch
     // queues the job 4 s later, well after the stand-in was killed at its
     // deadline and the provider's cancel by name found nothing
