@@ -168,7 +168,7 @@ pub enum Preprocessing {
     /// models), and why.
     CpuForCuda(String),
     /// On the GPU: each frame uploaded once as u8, normalised by the NVRTC
-    /// kernel, and read by ONNX Runtime in place through IO binding.
+    /// kernel, and read by ONNX Runtime in place ([`run_in_place`]).
     Gpu,
 }
 
@@ -177,7 +177,7 @@ impl std::fmt::Display for Preprocessing {
         match self {
             Preprocessing::Cpu => f.write_str("cpu"),
             Preprocessing::CpuForCuda(why) => write!(f, "cpu ({why})"),
-            Preprocessing::Gpu => f.write_str("gpu (u8 upload, NVRTC kernel, IO binding)"),
+            Preprocessing::Gpu => f.write_str("gpu (u8 upload, NVRTC kernel, read in place)"),
         }
     }
 }
@@ -291,7 +291,7 @@ impl ModelSession {
     }
 
     /// [`ModelSession::run_batch`] with the frames uploaded once as u8,
-    /// converted by the CUDA kernel, and bound to ONNX Runtime in place.
+    /// converted by the CUDA kernel, and read by ONNX Runtime in place.
     #[cfg(feature = "cuda")]
     fn run_batch_gpu(
         &mut self,
@@ -339,16 +339,8 @@ impl ModelSession {
                 );
             }
         };
-        if let Err(e) = gpu.binding.bind_input(spec.input.name.as_str(), &tensor) {
-            return fail_all(
-                spec,
-                which,
-                outcomes,
-                format!("model '{}': cannot bind the GPU input: {e}", spec.name),
-            );
-        }
         let start = Instant::now();
-        let run = session.run_binding(&gpu.binding);
+        let run = run_in_place(session, spec.input.name.as_str(), tensor);
         let inference_us = micros(start.elapsed());
         match run {
             Ok(results) => decode_batch(
@@ -440,21 +432,35 @@ fn decode_batch(
     }
 }
 
-/// The GPU side of a model session: the kernel, its device buffers, and the
-/// IO binding that feeds the device buffer to ONNX Runtime.
+/// Runs `session` on `input`, a tensor that already lies where the session
+/// reads its input `name` (the GPU preprocessor's device buffer): ONNX
+/// Runtime reads it there, without a copy, and returns the outputs in host
+/// memory.
+///
+/// Not through `IoBinding::bind_input`: in ort 2.0.0-rc.15 it clones a
+/// borrowed tensor that is already on the device the session wants it on,
+/// and the clone binds it again under a lock the first bind holds, so the
+/// call never returns (`tests/blazeface.rs` checks this path on the CPU,
+/// where a CPU session and a borrowed host buffer take it too).
+pub fn run_in_place<'s>(
+    session: &'s mut Session,
+    name: &str,
+    input: ort::value::TensorRefMut<'_, f32>,
+) -> ort::Result<ort::session::SessionOutputs<'s>> {
+    session.run(vec![(Cow::Borrowed(name), SessionInputValue::from(input))])
+}
+
+/// The GPU side of a model session: the kernel and its device buffers.
 #[cfg(feature = "cuda")]
 struct GpuInput {
     preprocessor: crate::gpu::GpuPreprocessor,
-    binding: ort::session::IoBinding,
     device_id: i32,
 }
 
 #[cfg(feature = "cuda")]
 impl GpuInput {
-    /// GPU preprocessing for `spec` on CUDA device `device_id`, with every
-    /// output bound to host memory.
-    fn new(spec: &ModelSpec, session: &Session, device_id: u32) -> Result<Self, String> {
-        use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+    /// GPU preprocessing for `spec` on CUDA device `device_id`.
+    fn new(spec: &ModelSpec, device_id: u32) -> Result<Self, String> {
         let preprocessor = crate::gpu::GpuPreprocessor::new(
             &spec.name,
             device_id as usize,
@@ -462,22 +468,8 @@ impl GpuInput {
             spec.max_batch as usize,
         )
         .map_err(|e| e.to_string())?;
-        let mut binding = session.create_binding().map_err(|e| e.to_string())?;
-        let host = MemoryInfo::new(
-            AllocationDevice::CPU,
-            0,
-            AllocatorType::Device,
-            MemoryType::Default,
-        )
-        .map_err(|e| e.to_string())?;
-        for out in session.outputs() {
-            binding
-                .bind_output_to_device(out.name(), &host)
-                .map_err(|e| e.to_string())?;
-        }
         Ok(GpuInput {
             preprocessor,
-            binding,
             device_id: i32::try_from(device_id).unwrap_or(i32::MAX),
         })
     }
@@ -573,7 +565,7 @@ impl OrtBackend {
     }
 
     /// Whether `model`'s frames are preprocessed on the GPU (u8 upload,
-    /// NVRTC kernel, IO binding). False on the CPU, and on CUDA where GPU
+    /// NVRTC kernel, input read in place). False on the CPU, and on CUDA where GPU
     /// preprocessing is off or could not start ([`OrtBackend::preprocessing`]
     /// says why).
     pub fn gpu_preprocessing(&self, model: &str) -> bool {
@@ -774,7 +766,7 @@ fn open_model_on(
             None,
             Preprocessing::CpuForCuda("the model takes u8 frames as they are".into()),
         ),
-        Provider::Cuda(cuda) => match GpuInput::new(&spec, &session, cuda.device_id) {
+        Provider::Cuda(cuda) => match GpuInput::new(&spec, cuda.device_id) {
             Ok(g) => (Some(g), Preprocessing::Gpu),
             Err(reason) => {
                 tracing::warn!(model = %spec.name, %reason, "GPU preprocessing unavailable; preprocessing on the CPU");

@@ -13,9 +13,9 @@
 //! and copied to the device in one transfer, as u8 (a quarter of the f32
 //! bytes), and one kernel launch writes the model's f32 input (layout,
 //! channel order, `(p * scale - mean) / std`) into a device buffer that ONNX
-//! Runtime reads in place through IO binding ([`crate::backend`]).
+//! Runtime reads in place ([`crate::backend::run_in_place`]).
 
-// cudarc's launch API and the raw device pointer ONNX Runtime binds are
+// cudarc's launch API and the raw device pointer ONNX Runtime reads are
 // unsafe by nature; each use says why it holds.
 #![allow(unsafe_code)]
 
@@ -441,8 +441,8 @@ impl GpuPreprocessor {
     }
 
     /// The model input on the device as an ONNX Runtime tensor of `shape`
-    /// (batch first, at most `max_batch` frames), for IO binding: ONNX
-    /// Runtime reads it in place.
+    /// (batch first, at most `max_batch` frames), which ONNX Runtime reads
+    /// in place ([`crate::backend::run_in_place`]).
     pub fn input_tensor(
         &self,
         device_id: i32,

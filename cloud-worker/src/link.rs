@@ -602,6 +602,17 @@ fn item_results(ids: &[u64], outcomes: Vec<FrameOutcome>, limits: &Limits) -> Ve
                 timings: o.timings,
                 outputs: o.outputs,
             };
+            if item.detections.iter().any(|d| !is_finite(d)) {
+                // the protocol carries finite numbers only: one such
+                // detection would make the whole batch's message unreadable
+                item.status = Status::Failed(
+                    "the decoder produced a detection with a non-finite number; \
+                     is the model's output overflowing?"
+                        .into(),
+                );
+                item.detections.clear();
+                item.outputs.clear();
+            }
             if bytes > 0 && total + bytes > limits.max_tensor_bytes {
                 item.status = Status::Failed(format!(
                     "raw outputs of this batch exceed {} bytes, the most one result message \
@@ -625,6 +636,14 @@ fn item_results(ids: &[u64], outcomes: Vec<FrameOutcome>, limits: &Limits) -> Ve
             item
         })
         .collect()
+}
+
+/// Whether every number of `d` is finite, as the protocol requires.
+fn is_finite(d: &tidegate_protocol::Detection) -> bool {
+    [d.x1, d.y1, d.x2, d.y2, d.score]
+        .iter()
+        .chain(d.keypoints.iter().flatten())
+        .all(|v| v.is_finite())
 }
 
 /// Cuts `reason` to at most `max` bytes on a char boundary, ending it with
@@ -680,6 +699,52 @@ mod tests {
         assert!(items[2].outputs.is_empty());
         // What is sent decodes under those limits.
         let msg = Message::BatchResult(BatchResult { batch: 1, items });
+        let mut buf = Vec::new();
+        msg.encode(&mut buf);
+        let back = Message::decode(&mut buf.as_slice(), &limits).unwrap();
+        assert_eq!(back, msg);
+    }
+
+    /// A detection with a non-finite number (a decoder's bug, a model's
+    /// overflow) fails its own frame only: the batch's message stays one
+    /// the gateway reads.
+    #[test]
+    fn a_non_finite_detection_fails_its_frame_and_the_batch_stays_readable() {
+        let limits = Limits::default();
+        let det = |score: f32, kp: f32| tidegate_protocol::Detection {
+            x1: 1.0,
+            y1: 2.0,
+            x2: 3.0,
+            y2: 4.0,
+            score,
+            class: 0,
+            keypoints: vec![[kp, 1.0]],
+        };
+        let outcome = |d| FrameOutcome {
+            status: Status::Ok,
+            detections: vec![d],
+            timings: Default::default(),
+            outputs: Vec::new(),
+        };
+        let items = item_results(
+            &[1, 2, 3],
+            vec![
+                outcome(det(0.9, 5.0)),
+                outcome(det(f32::INFINITY, 5.0)),
+                outcome(det(0.9, f32::NAN)),
+            ],
+            &limits,
+        );
+        assert_eq!(items[0].status, Status::Ok);
+        for item in &items[1..] {
+            assert!(
+                matches!(&item.status, Status::Failed(r) if r.contains("non-finite")),
+                "{:?}",
+                item.status
+            );
+            assert!(item.detections.is_empty());
+        }
+        let msg = Message::BatchResult(BatchResult { batch: 5, items });
         let mut buf = Vec::new();
         msg.encode(&mut buf);
         let back = Message::decode(&mut buf.as_slice(), &limits).unwrap();

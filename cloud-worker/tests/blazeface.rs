@@ -421,3 +421,68 @@ fn unpinned_garbage_model_file_fails_to_open_naming_the_model_and_file() {
     );
     assert!(text.starts_with(&want), "{text}");
 }
+
+/// The GPU path hands ONNX Runtime its input where the kernel wrote it, a
+/// tensor borrowed from the preprocessor's buffer on the device the session
+/// reads it from (`backend::run_in_place`). ort 2.0.0-rc.15's
+/// `IoBinding::bind_input` never returns for such a tensor; a CPU session
+/// and a borrowed host buffer take the same path, so this runs here without
+/// a GPU (on a thread, so that a hang fails the test), and reads what an
+/// owned copy of the same input gives.
+#[test]
+#[allow(unsafe_code)]
+fn a_borrowed_input_on_the_sessions_own_device_is_read_in_place() {
+    use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
+    use ort::session::Session;
+    use ort::value::{Shape, Tensor, TensorRefMut};
+
+    drop(backend()); // loads ONNX Runtime
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = Runtime::get().expect("loaded");
+        let mut session = Session::builder(runtime.environment())
+            .unwrap()
+            .commit_from_file(models_dir().join("blazeface/model.onnx"))
+            .unwrap();
+        let name = session.inputs()[0].name().to_string();
+        let shape = [1i64, 128, 128, 3];
+        let mut input: Vec<f32> = (0..128 * 128 * 3)
+            .map(|i| (i % 251) as f32 / 125.0 - 1.0)
+            .collect();
+        let owned = Tensor::from_array((shape, input.clone())).unwrap();
+        let expected: Vec<Vec<f32>> = {
+            let out = session.run(ort::inputs![name.as_str() => owned]).unwrap();
+            out.values()
+                .map(|v| v.try_extract_tensor::<f32>().unwrap().1.to_vec())
+                .collect()
+        };
+        let host = MemoryInfo::new(
+            AllocationDevice::CPU,
+            0,
+            AllocatorType::Device,
+            MemoryType::Default,
+        )
+        .unwrap();
+        // SAFETY: `input` holds 1×128×128×3 f32 and outlives the tensor,
+        // which is dropped by the run below
+        let borrowed = unsafe {
+            TensorRefMut::<f32>::from_raw(host, input.as_mut_ptr().cast(), Shape::new(shape))
+        }
+        .unwrap();
+        let out = tidegate_worker::backend::run_in_place(&mut session, &name, borrowed)
+            .map(|out| {
+                out.values()
+                    .map(|v| v.try_extract_tensor::<f32>().unwrap().1.to_vec())
+                    .collect::<Vec<_>>()
+            })
+            .map_err(|e| e.to_string());
+        let _ = tx.send((expected, out));
+    });
+    let (expected, out) = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("the run returned (IoBinding::bind_input would never have)");
+    let out = out.unwrap();
+    assert_eq!(out.len(), expected.len());
+    assert!(!out.is_empty() && out.iter().all(|o| !o.is_empty()));
+    assert_eq!(out, expected, "the borrowed input reads as its owned copy");
+}

@@ -7,9 +7,11 @@
 //!
 //! - the NVRTC kernel gives the same model input as the CPU preprocessor,
 //!   for every layout and channel order, and for a batch of real frames;
-//! - BlazeFace on the CUDA execution provider, with GPU preprocessing and IO
-//!   binding (asserted to be in use), finds the same faces as on the CPU,
-//!   within tolerance.
+//! - BlazeFace on the CUDA execution provider, with GPU preprocessing
+//!   (asserted to be in use) whose device buffer ONNX Runtime reads in
+//!   place, finds the same faces as on the CPU, within tolerance; a hang
+//!   there fails the test after ten minutes instead of holding the GPU
+//!   check for ever.
 //!
 //! The CUDA run needs ONNX Runtime's GPU build: set TIDEGATE_ORT_GPU_LIB to
 //! its libonnxruntime.so (gpu-check.sh does).
@@ -207,20 +209,34 @@ fn cuda_detections_match_the_cpu_within_tolerance() {
         fallback: Fallback::None,
         ..base
     };
-    let mut cuda = OrtBackend::open(&repo, &cuda_options).unwrap_or_else(|e| panic!("{e}"));
-    assert!(matches!(cuda.provider(), Provider::Cuda(_)));
-    // Otherwise the kernel and IO binding would go untested: the worker
-    // serves on, preprocessing on the CPU, when they cannot start.
-    assert_eq!(
-        cuda.preprocessing("blazeface"),
-        Some(&Preprocessing::Gpu),
-        "GPU preprocessing is off"
-    );
-    assert!(cuda.gpu_preprocessing("blazeface"));
     assert_eq!(cpu.preprocessing("blazeface"), Some(&Preprocessing::Cpu));
     let frames = frames();
     let a = cpu.run("blazeface", &frames);
-    let b = cuda.run("blazeface", &frames);
+    // on a thread of its own: a CUDA session or run that hangs (a wedged
+    // GPU, a deadlock) fails the check instead of holding it for ever
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn({
+        let frames = frames.clone();
+        move || {
+            let mut cuda = OrtBackend::open(&repo, &cuda_options).unwrap_or_else(|e| panic!("{e}"));
+            let provider = cuda.provider().clone();
+            let preprocessing = cuda.preprocessing("blazeface").cloned();
+            let gpu = cuda.gpu_preprocessing("blazeface");
+            let _ = tx.send((provider, preprocessing, gpu, cuda.run("blazeface", &frames)));
+        }
+    });
+    let (provider, preprocessing, gpu, b) = rx
+        .recv_timeout(std::time::Duration::from_secs(600))
+        .expect("the CUDA session opened and ran within ten minutes (it hung, or panicked)");
+    assert!(matches!(provider, Provider::Cuda(_)));
+    // Otherwise the kernel and the in-place read would go untested: the
+    // worker serves on, preprocessing on the CPU, when they cannot start.
+    assert_eq!(
+        preprocessing,
+        Some(Preprocessing::Gpu),
+        "GPU preprocessing is off"
+    );
+    assert!(gpu);
     let mut faces = 0;
     for (i, (a, b)) in a.iter().zip(&b).enumerate() {
         assert_eq!(a.status, Status::Ok, "{a:?}");

@@ -88,8 +88,9 @@ impl BoxesDecoder {
         let mut rows = Vec::new();
         for r in data.chunks_exact(ROW) {
             let score = r[4];
-            // NaN scores are dropped too.
-            if score.is_nan() || score <= self.score_threshold {
+            // NaN and infinite scores (an fp16 overflow) are dropped too:
+            // the protocol carries finite numbers only
+            if !score.is_finite() || score <= self.score_threshold {
                 continue;
             }
             let class = r[5];
@@ -251,6 +252,26 @@ labels = ["person", "car"]
         assert_eq!((g.score, g.class), (0.9, 1));
         assert_eq!(d.labels()[g.class as usize], "car");
         assert!(decode(&d, &[], 0).is_empty(), "all-zero rows score 0");
+    }
+
+    /// A row whose score overflowed (+inf, -inf, NaN) is dropped, as a row
+    /// whose box did: one such row must not make the frame's result one
+    /// the protocol refuses.
+    #[test]
+    fn rows_with_non_finite_scores_or_boxes_are_dropped() {
+        let d = decoder("pixels", "xyxy");
+        let got = decode(
+            &d,
+            &[
+                [10.0, 10.0, 20.0, 20.0, f32::INFINITY, 0.0],
+                [10.0, 10.0, 20.0, 20.0, f32::NAN, 0.0],
+                [10.0, 10.0, f32::INFINITY, 20.0, 0.9, 0.0],
+                [30.0, 5.0, 40.0, 15.0, 0.8, 1.0],
+            ],
+            1,
+        );
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!((got[0].score, got[0].class), (0.8, 1));
     }
 
     #[test]
