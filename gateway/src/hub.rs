@@ -25,6 +25,61 @@ use crate::scheduler::{
     WorkerId, WorkerModel,
 };
 
+/// Control hints on their way to one edge. The latest hint per camera
+/// wins: one the connection has not written yet is replaced, never queued
+/// behind, so a slow control stream or a tick with hints for many cameras
+/// loses none (the back-pressure policy sends only changes, so a lost
+/// "lift" would leave a camera capped for good), and what waits is bounded
+/// by the edge's cameras.
+#[derive(Debug, Clone, Default)]
+pub struct HintBox {
+    inner: Arc<HintBoxInner>,
+}
+
+#[derive(Debug, Default)]
+struct HintBoxInner {
+    waiting: std::sync::Mutex<std::collections::BTreeMap<String, ControlHint>>,
+    posted: tokio::sync::Notify,
+}
+
+impl HintBox {
+    /// An empty box.
+    pub fn new() -> HintBox {
+        HintBox::default()
+    }
+
+    /// Posts `hint`, replacing one for the same camera not taken yet.
+    pub fn post(&self, hint: ControlHint) {
+        self.waiting().insert(hint.camera.clone(), hint);
+        self.inner.posted.notify_one();
+    }
+
+    /// Waits until hints are posted, then takes every one waiting, in
+    /// camera order.
+    pub async fn take(&self) -> Vec<ControlHint> {
+        loop {
+            {
+                let mut waiting = self.waiting();
+                if !waiting.is_empty() {
+                    return std::mem::take(&mut *waiting).into_values().collect();
+                }
+            }
+            // a post since the check left a permit: this returns at once
+            self.inner.posted.notified().await;
+        }
+    }
+
+    fn waiting(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, ControlHint>> {
+        // a panic while holding it cannot leave the map half-updated
+        self.inner.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Names of gone edges the hub keeps for the frames that trail them.
+const GONE_EDGES_KEPT: usize = 256;
+
 /// Messages from connection tasks to the hub.
 #[derive(Debug)]
 pub enum HubMsg {
@@ -37,7 +92,7 @@ pub enum HubMsg {
         /// Where its results go (the connection's result writer).
         results: mpsc::Sender<FrameResult>,
         /// Where control hints go (the connection's control-stream writer).
-        hints: mpsc::Sender<ControlHint>,
+        hints: HintBox,
     },
     /// An edge's camera was opened.
     CameraOpened {
@@ -47,6 +102,8 @@ pub enum HubMsg {
         camera: String,
         /// Model name.
         model: String,
+        /// Its end-to-end budget per frame (ms), as the edge declared it.
+        budget_ms: u32,
     },
     /// An edge disconnected.
     EdgeGone {
@@ -285,7 +342,8 @@ pub struct ModelLoadReport {
     /// p95 of the end-to-end latencies edges reported since the last
     /// report (ms); 0 when none were.
     pub p95_ms: f64,
-    /// The frames' budget (ms), from the latest frame; 0 when none came.
+    /// The budget its frames are held to (ms): the strictest its open
+    /// cameras declared, else the latest frame's; 0 when neither is known.
     pub budget_ms: f64,
 }
 
@@ -381,8 +439,9 @@ struct Pending {
 struct EdgeEntry {
     name: Arc<str>,
     results: mpsc::Sender<FrameResult>,
-    hints: mpsc::Sender<ControlHint>,
-    cameras: HashMap<String, String>,
+    hints: HintBox,
+    /// Its open cameras: model and declared budget (ms).
+    cameras: HashMap<String, (String, u32)>,
 }
 
 struct WorkerEntry {
@@ -417,6 +476,10 @@ struct State {
     /// When each worker last returned a batch.
     last_done: HashMap<WorkerId, Instant>,
     edges: HashMap<EdgeId, EdgeEntry>,
+    /// The names of the edges gone most recently (at most
+    /// [`GONE_EDGES_KEPT`]): a frame that trails its edge's `EdgeGone` is
+    /// still run, and its worker time goes to its edge's showback.
+    gone_edges: std::collections::VecDeque<(EdgeId, Arc<str>)>,
     workers: HashMap<WorkerId, WorkerEntry>,
     next_frame: u64,
     /// Frame-rate hints for cameras whose frames are shed; `None` when
@@ -468,6 +531,7 @@ pub fn spawn(
         started: HashMap::new(),
         last_done: HashMap::new(),
         edges: HashMap::new(),
+        gone_edges: std::collections::VecDeque::new(),
         workers: HashMap::new(),
         next_frame: 1,
         served: HashMap::new(),
@@ -597,9 +661,8 @@ impl State {
                 max_fps: h.max_fps,
                 motion_threshold: 0.0,
             };
-            if edge.hints.try_send(hint).is_ok() {
-                self.metrics.hints.with_label_values(&[direction]).inc();
-            }
+            edge.hints.post(hint);
+            self.metrics.hints.with_label_values(&[direction]).inc();
         }
     }
 
@@ -638,15 +701,21 @@ impl State {
                 edge,
                 camera,
                 model,
+                budget_ms,
             } => {
                 if let Some(e) = self.edges.get_mut(&edge) {
-                    e.cameras.insert(camera, model);
+                    e.cameras.insert(camera, (model, budget_ms));
                 }
             }
             HubMsg::EdgeGone { edge } => {
                 // Its frames still finish and are accounted; results for it
                 // are dropped (and counted) when they complete.
-                self.edges.remove(&edge);
+                if let Some(gone) = self.edges.remove(&edge) {
+                    if self.gone_edges.len() >= GONE_EDGES_KEPT {
+                        self.gone_edges.pop_front();
+                    }
+                    self.gone_edges.push_back((edge, gone.name));
+                }
                 if let Some(bp) = self.backpressure.as_mut() {
                     bp.forget_edge(edge);
                 }
@@ -679,10 +748,16 @@ impl State {
                 if self.budgets.get(&frame.model) != Some(&frame.budget_us) {
                     self.budgets.insert(frame.model.clone(), frame.budget_us);
                 }
-                let edge_name = self
-                    .edges
-                    .get(&edge)
-                    .map_or_else(|| Arc::from(""), |e| e.name.clone());
+                let edge_name = match self.edges.get(&edge) {
+                    Some(e) => e.name.clone(),
+                    // it trails its edge's EdgeGone
+                    None => self
+                        .gone_edges
+                        .iter()
+                        .rev()
+                        .find(|(id, _)| *id == edge)
+                        .map_or_else(|| Arc::from(""), |(_, name)| name.clone()),
+                };
                 self.pending.insert(
                     id,
                     Pending {
@@ -1051,6 +1126,23 @@ impl State {
         }
     }
 
+    /// The budget `model`'s frames are held to (ms): the strictest its open
+    /// cameras declared; else the latest frame's (its budget left when it
+    /// was sent, a little under the camera's); 0 when neither is known.
+    fn budget_ms(&self, model: &str) -> f64 {
+        let declared = self
+            .edges
+            .values()
+            .flat_map(|e| e.cameras.values())
+            .filter(|(m, b)| m == model && *b > 0)
+            .map(|(_, b)| *b)
+            .min();
+        match declared {
+            Some(ms) => f64::from(ms),
+            None => self.budgets.get(model).map_or(0.0, |b| *b as f64 / 1e3),
+        }
+    }
+
     fn load_report(&mut self, models: Vec<String>) -> LoadReport {
         let now = self.now();
         let models = models
@@ -1066,7 +1158,7 @@ impl State {
                     arrival_fps: self.scheduler.arrival_rate(&model, now),
                     queue_depth: self.scheduler.queue_len(&model) as u64,
                     p95_ms,
-                    budget_ms: self.budgets.get(&model).map_or(0.0, |b| *b as f64 / 1e3),
+                    budget_ms: self.budget_ms(&model),
                     model,
                 }
             })
@@ -1148,7 +1240,7 @@ impl State {
                 .edges
                 .iter()
                 .flat_map(|(id, e)| {
-                    e.cameras.iter().map(|(c, m)| CameraView {
+                    e.cameras.iter().map(|(c, (m, _))| CameraView {
                         edge: id.0,
                         camera: c.clone(),
                         model: m.clone(),
@@ -1316,12 +1408,11 @@ pub(crate) mod tests {
     /// Connects edge 1; the results it is sent.
     async fn connect_edge(hub: &Hub) -> mpsc::Receiver<FrameResult> {
         let (results, answers) = mpsc::channel(8);
-        let (hints, _hints) = mpsc::channel(8);
         hub.send(HubMsg::EdgeConnected {
             edge: EdgeId(1),
             name: "e".into(),
             results,
-            hints,
+            hints: HintBox::new(),
         })
         .await;
         answers
@@ -1347,6 +1438,140 @@ pub(crate) mod tests {
             timings: Timings::default(),
             outputs: Vec::new(),
         }
+    }
+
+    /// Hints wait per camera, the latest winning: a tick with hints for
+    /// more cameras than any queue would hold loses none, and a waiting
+    /// writer wakes when one is posted.
+    #[tokio::test]
+    async fn a_hint_box_keeps_the_latest_hint_of_every_camera() {
+        let hints = HintBox::new();
+        let hint = |camera: String, max_fps: f32| ControlHint {
+            camera,
+            max_fps,
+            motion_threshold: 0.0,
+        };
+        for i in 0..200 {
+            hints.post(hint(format!("cam-{i:03}"), 5.0));
+        }
+        hints.post(hint("cam-007".into(), 0.0));
+        let taken = hints.take().await;
+        assert_eq!(taken.len(), 200);
+        assert_eq!(taken[7].camera, "cam-007");
+        assert_eq!(taken[7].max_fps, 0.0, "the latest wins");
+        assert!(
+            taken
+                .iter()
+                .filter(|h| h.camera != "cam-007")
+                .all(|h| h.max_fps == 5.0)
+        );
+        // empty now: a writer waits until the next post
+        let writer = tokio::spawn({
+            let hints = hints.clone();
+            async move { hints.take().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!writer.is_finished(), "nothing to take");
+        hints.post(hint("cam-000".into(), 2.0));
+        let taken = tokio::time::timeout(Duration::from_secs(2), writer)
+            .await
+            .expect("woken by the post")
+            .unwrap();
+        assert_eq!(taken.len(), 1);
+        assert_eq!(
+            (taken[0].camera.as_str(), taken[0].max_fps),
+            ("cam-000", 2.0)
+        );
+    }
+
+    /// An edge that reads no hints for a while (a slow control stream)
+    /// still ends up with the policy's last word for its camera: the cap
+    /// lifted, not a stale cap that no later hint corrects.
+    #[tokio::test]
+    async fn an_edge_that_reads_its_hints_late_gets_the_policys_last_word() {
+        let metrics = Metrics::new();
+        let cancel = CancellationToken::new();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let cfg = BackpressureConfig {
+            window_us: 100_000,
+            relax_after: 1,
+            increase: 2.0,
+            ..Default::default()
+        };
+        let hub = spawn(
+            Limits::default(),
+            Some(cfg),
+            metrics.clone(),
+            cancel.clone(),
+            &tracker,
+        );
+        // 500 ms a frame: every 80 ms frame is shed, would miss its deadline
+        let mut slow = register();
+        slow.profile[0].latency_us = 500_000;
+        let (dispatch, _batches) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: WorkerId(1),
+            register: slow,
+            dispatch,
+            lease: None,
+            static_worker: None,
+            drain: CancellationToken::new(),
+        })
+        .await;
+        let (results, _answers) = mpsc::channel(64);
+        let hints = HintBox::new();
+        hub.send(HubMsg::EdgeConnected {
+            edge: EdgeId(1),
+            name: "e".into(),
+            results,
+            hints: hints.clone(),
+        })
+        .await;
+        hub.send(HubMsg::CameraOpened {
+            edge: EdgeId(1),
+            camera: "cam".into(),
+            model: MODEL.into(),
+            budget_ms: 80,
+        })
+        .await;
+        for seq in 0..10 {
+            hub.send(HubMsg::Frame {
+                edge: EdgeId(1),
+                frame: frame(seq),
+                deadline: Instant::now() + Duration::from_millis(80),
+            })
+            .await;
+            tokio::time::sleep(Duration::from_millis(33)).await;
+        }
+        let first = tokio::time::timeout(Duration::from_secs(2), hints.take())
+            .await
+            .expect("a hint in time");
+        assert!(
+            first.iter().all(|h| h.camera == "cam" && h.max_fps > 0.0),
+            "{first:?}"
+        );
+        // the camera obeys (sends nothing): clean windows raise the cap
+        // step by step, then lift it, while the edge reads nothing
+        let lifted = async {
+            loop {
+                let snap = hub.snapshot().await.unwrap();
+                if snap.cameras[0].load.is_some_and(|l| l.cap_fps.is_none()) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), lifted)
+            .await
+            .expect("the policy lifts the cap");
+        assert!(metrics.hints.with_label_values(&["set"]).get() >= 2);
+        assert_eq!(metrics.hints.with_label_values(&["lift"]).get(), 1);
+        let last = tokio::time::timeout(Duration::from_secs(2), hints.take())
+            .await
+            .expect("the lift waits to be taken");
+        assert_eq!(last.len(), 1, "{last:?}");
+        assert_eq!((last[0].camera.as_str(), last[0].max_fps), ("cam", 0.0));
+        cancel.cancel();
     }
 
     /// A worker that takes a batch and never answers (a hung GPU) while
@@ -1409,6 +1634,71 @@ pub(crate) mod tests {
         })
         .await;
         assert_eq!(recv(&mut answers).await.status, Status::Ok);
+        cancel.cancel();
+    }
+
+    /// A frame that trails its edge's `EdgeGone` (they come from separate
+    /// tasks) is still run, and its worker time is its edge's, not an
+    /// unnamed edge's.
+    #[tokio::test]
+    async fn a_frame_that_trails_its_edge_is_accounted_to_that_edge() {
+        let metrics = Metrics::new();
+        let (hub, cancel) = hub_with(metrics.clone());
+        let mut batches = connect_worker(&hub, Some(LeaseId(7))).await;
+        let _answers = connect_edge(&hub).await;
+        hub.send(HubMsg::EdgeGone { edge: EdgeId(1) }).await;
+        hub.send(HubMsg::Frame {
+            edge: EdgeId(1),
+            frame: frame(1),
+            deadline: Instant::now() + Duration::from_millis(500),
+        })
+        .await;
+        let d = recv(&mut batches).await;
+        answer(&hub, &d, ok_item).await;
+        let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert_eq!(r.usage.len(), 1, "{r:?}");
+        assert_eq!(r.usage[0].edge, "e", "{r:?}");
+        assert!(metrics.worker_busy.with_label_values(&["e", MODEL]).get() > 0.0);
+        assert_eq!(
+            metrics.worker_busy.with_label_values(&["", MODEL]).get(),
+            0.0
+        );
+        cancel.cancel();
+    }
+
+    /// The budget reported for a model is the strictest its open cameras
+    /// declared, whichever frame came last; with no camera open, the latest
+    /// frame's.
+    #[tokio::test]
+    async fn the_reported_budget_is_the_strictest_declared_not_the_last_frames() {
+        let (hub, cancel) = hub();
+        let _batches = connect_worker(&hub, None).await;
+        let _answers = connect_edge(&hub).await;
+        for (camera, budget_ms) in [("slow", 200), ("fast", 80)] {
+            hub.send(HubMsg::CameraOpened {
+                edge: EdgeId(1),
+                camera: camera.into(),
+                model: MODEL.into(),
+                budget_ms,
+            })
+            .await;
+        }
+        // the last frame has 190 ms left
+        let mut f = frame(1);
+        f.camera = "slow".into();
+        f.budget_us = 190_000;
+        hub.send(HubMsg::Frame {
+            edge: EdgeId(1),
+            frame: f,
+            deadline: Instant::now() + Duration::from_millis(190),
+        })
+        .await;
+        let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert_eq!(r.models[0].budget_ms, 80.0, "{r:?}");
+        // its edge gone, only the frame says
+        hub.send(HubMsg::EdgeGone { edge: EdgeId(1) }).await;
+        let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
+        assert_eq!(r.models[0].budget_ms, 190.0, "{r:?}");
         cancel.cancel();
     }
 

@@ -2800,12 +2800,11 @@ min_fps = {min_fps}
         let id = first_lease(&l).await;
         l.registered(id).await;
         let (results, _answers) = mpsc::channel(8);
-        let (hints, _hints) = mpsc::channel(8);
         hub.send(HubMsg::EdgeConnected {
             edge: crate::scheduler::EdgeId(1),
             name: "e".into(),
             results,
-            hints,
+            hints: crate::hub::HintBox::new(),
         })
         .await;
         stall_once(&hub, id, 1).await;

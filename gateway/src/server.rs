@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use tidegate_protocol::quic::{read_message, read_message_of, write_message};
 use tidegate_protocol::{
-    CameraAccepted, ControlHint, Drain, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Kind,
-    Limits, Message, Role, Welcome,
+    CameraAccepted, Drain, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Kind, Limits, Message,
+    Role, Welcome,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -18,7 +18,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::auth::Access;
 use crate::config::Config;
-use crate::hub::{Hub, HubMsg};
+use crate::hub::{HintBox, Hub, HubMsg};
 use crate::leasing::{Leasing, WorkerPass};
 use crate::metrics::Metrics;
 use crate::scheduler::{EdgeId, WorkerId};
@@ -26,9 +26,10 @@ use crate::scheduler::{EdgeId, WorkerId};
 /// Results buffered per edge connection, and as many again being written,
 /// before they are dropped (counted as undeliverable).
 const RESULT_QUEUE: usize = 1024;
-/// Hints buffered per edge connection (the policy sends at most one per
-/// camera per window, so this only fills if the edge stops reading).
-const HINT_QUEUE: usize = 64;
+/// Cameras one edge connection may open: each costs the hub a route and
+/// the status API a row, so a buggy edge (a timestamp in each camera's
+/// name) cannot grow them without bound.
+pub const MAX_CAMERAS_PER_EDGE: usize = 1024;
 /// Batches buffered per worker connection.
 const DISPATCH_QUEUE: usize = 8;
 /// Time an operator's drain gives a worker to finish its batches (ms), as
@@ -234,14 +235,14 @@ impl Server {
             revoked,
         } = link;
         let (results_tx, mut results_rx) = mpsc::channel::<FrameResult>(RESULT_QUEUE);
-        let (hints_tx, mut hints_rx) = mpsc::channel::<ControlHint>(HINT_QUEUE);
+        let hint_box = HintBox::new();
         if !self
             .hub
             .send(HubMsg::EdgeConnected {
                 edge: id,
                 name: name.clone(),
                 results: results_tx,
-                hints: hints_tx,
+                hints: hint_box.clone(),
             })
             .await
         {
@@ -250,11 +251,14 @@ impl Server {
         // Replies (read below) and hints (from the hub) share the stream.
         let mut ctl_send = tokio::sync::Mutex::new(ctl_send);
         let hints = async {
-            while let Some(h) = hints_rx.recv().await {
+            'writing: loop {
+                let waiting = hint_box.take().await;
                 let mut s = ctl_send.lock().await;
-                if let Err(e) = write_message(&mut s, &Message::ControlHint(h)).await {
-                    debug!("control stream closed while sending a hint: {e}");
-                    break;
+                for h in waiting {
+                    if let Err(e) = write_message(&mut s, &Message::ControlHint(h)).await {
+                        debug!("control stream closed while sending a hint: {e}");
+                        break 'writing;
+                    }
                 }
             }
         };
@@ -375,8 +379,38 @@ impl Server {
                 };
                 match msg {
                     Message::CameraOpen(open) => {
-                        let reply = match self.hub.model_info(&open.model).await {
-                            Some(info) => {
+                        let known = {
+                            let cams = cameras.lock().expect("camera map lock");
+                            (cams.contains_key(&open.camera), cams.len())
+                        };
+                        let refusal = if open.camera.is_empty() {
+                            // an empty camera in a hint means every camera
+                            // of the edge: one cannot be named so
+                            Some((
+                                ErrorCode::Malformed,
+                                "a camera's name must not be empty".to_string(),
+                            ))
+                        } else if !known.0 && known.1 >= MAX_CAMERAS_PER_EDGE {
+                            Some((
+                                ErrorCode::Overloaded,
+                                format!(
+                                    "camera '{}': this connection has {MAX_CAMERAS_PER_EDGE} cameras open, the most one edge may",
+                                    open.camera
+                                ),
+                            ))
+                        } else {
+                            None
+                        };
+                        let info = match refusal {
+                            Some(_) => None,
+                            None => self.hub.model_info(&open.model).await,
+                        };
+                        let reply = match (refusal, info) {
+                            (Some((code, message)), _) => {
+                                warn!(camera = %open.camera, %message, "camera refused");
+                                Message::Error(ErrorMsg { code, message })
+                            }
+                            (None, Some(info)) => {
                                 cameras
                                     .lock()
                                     .expect("camera map lock")
@@ -386,6 +420,7 @@ impl Server {
                                         edge: id,
                                         camera: open.camera.clone(),
                                         model: open.model.clone(),
+                                        budget_ms: open.budget_ms,
                                     })
                                     .await;
                                 info!(camera = %open.camera, model = %open.model, "camera opened");
@@ -396,7 +431,7 @@ impl Server {
                                     labels: info.labels,
                                 })
                             }
-                            None => Message::Error(ErrorMsg {
+                            (None, None) => Message::Error(ErrorMsg {
                                 code: ErrorCode::Unavailable,
                                 message: format!(
                                     "camera '{}': no worker serves model '{}' yet; retry later",
@@ -471,6 +506,17 @@ impl Server {
                 return;
             }
         };
+        if register.worker != name {
+            // the name is what the API and the status page show, and what
+            // an operator drains: a worker may not take another's
+            let msg = format!(
+                "worker '{name}' registered as '{}'; a worker registers under the name it authenticated with",
+                register.worker
+            );
+            warn!("{msg}");
+            refuse(&conn, &mut ctl_send, ErrorCode::Unauthorized, msg).await;
+            return;
+        }
         info!(
             worker = %register.worker,
             device = %register.device,

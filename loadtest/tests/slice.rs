@@ -461,3 +461,119 @@ fn metric(text: &str, name: &str) -> f64 {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
         .unwrap_or(0.0)
 }
+
+/// A camera must have a name (an empty one in a hint means every camera of
+/// the edge), and one edge connection opens at most
+/// `MAX_CAMERAS_PER_EDGE`: each refusal is an `Error` answering that
+/// `CameraOpen` only, the control stream stays open, and a camera already
+/// open may be opened again. A worker may register only under the name it
+/// authenticated with, which the API shows and an operator drains by.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nameless_cameras_cameras_past_the_limit_and_workers_under_another_name_are_refused() {
+    use tidegate_gateway::server::MAX_CAMERAS_PER_EDGE;
+    use tidegate_protocol::quic::{client_config, dial, handshake, read_message, write_message};
+    use tidegate_protocol::{CameraOpen, Hello, Limits, Message, Register, Role};
+    let mut c = Cluster::start(&ClusterOptions {
+        workers: vec!["worker-1".into(), "worker-2".into()],
+        ..ClusterOptions::default()
+    })
+    .expect("gateway starts");
+    c.spawn_worker("worker-1").expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(60))
+        .expect("worker registers");
+    let limits = Limits::default();
+    let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+        .await
+        .expect("dial");
+    let hello = Hello {
+        role: Role::Edge,
+        name: "edge-1".into(),
+        token: c.edge_token.clone(),
+    };
+    let (mut ctl_send, mut ctl_recv, _) = handshake(&conn, hello, &limits).await.expect("welcome");
+    let open = |camera: String| {
+        Message::CameraOpen(CameraOpen {
+            camera,
+            model: "blazeface".into(),
+            budget_ms: 80,
+        })
+    };
+    write_message(&mut ctl_send, &open(String::new()))
+        .await
+        .unwrap();
+    match read_message(&mut ctl_recv, &limits).await {
+        Ok(Some(Message::Error(e))) => {
+            assert_eq!(e.code, ErrorCode::Malformed, "{e:?}");
+            assert!(e.message.contains("must not be empty"), "{e:?}");
+        }
+        other => panic!("expected an Error, got {other:?}"),
+    }
+    // the limit, pipelined: the gateway answers in order
+    for i in 0..MAX_CAMERAS_PER_EDGE {
+        write_message(&mut ctl_send, &open(format!("cam-{i}")))
+            .await
+            .unwrap();
+    }
+    for i in 0..MAX_CAMERAS_PER_EDGE {
+        match read_message(&mut ctl_recv, &limits).await {
+            Ok(Some(Message::CameraAccepted(a))) => assert_eq!(a.camera, format!("cam-{i}")),
+            other => panic!("camera {i}: expected CameraAccepted, got {other:?}"),
+        }
+    }
+    write_message(&mut ctl_send, &open("one-too-many".into()))
+        .await
+        .unwrap();
+    match read_message(&mut ctl_recv, &limits).await {
+        Ok(Some(Message::Error(e))) => {
+            assert_eq!(e.code, ErrorCode::Overloaded, "{e:?}");
+            assert!(e.message.contains("one-too-many"), "{e:?}");
+        }
+        other => panic!("expected an Error, got {other:?}"),
+    }
+    write_message(&mut ctl_send, &open("cam-0".into()))
+        .await
+        .unwrap();
+    match read_message(&mut ctl_recv, &limits).await {
+        Ok(Some(Message::CameraAccepted(a))) => assert_eq!(a.camera, "cam-0"),
+        other => panic!("re-opening cam-0: expected CameraAccepted, got {other:?}"),
+    }
+    let (_, cameras) = c.get("/api/v1/cameras").unwrap();
+    let listed: serde_json::Value = serde_json::from_str(&cameras).unwrap();
+    assert_eq!(
+        listed.as_array().map(Vec::len),
+        Some(MAX_CAMERAS_PER_EDGE),
+        "{cameras:.300}"
+    );
+    conn.close(0u32.into(), b"test done");
+
+    // worker-2 authenticates, then registers as worker-1
+    let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+        .await
+        .expect("dial");
+    let hello = Hello {
+        role: Role::Worker,
+        name: "worker-2".into(),
+        token: c.worker_token().to_string(),
+    };
+    let (mut ctl_send, mut ctl_recv, _) = handshake(&conn, hello, &limits).await.expect("welcome");
+    let register = Register {
+        worker: "worker-1".into(),
+        device: "cpu".into(),
+        models: Vec::new(),
+        profile: Vec::new(),
+    };
+    write_message(&mut ctl_send, &Message::Register(register))
+        .await
+        .unwrap();
+    match read_message(&mut ctl_recv, &limits).await {
+        Ok(Some(Message::Error(e))) => {
+            assert_eq!(e.code, ErrorCode::Unauthorized, "{e:?}");
+            assert!(e.message.contains("registered as 'worker-1'"), "{e:?}");
+        }
+        other => panic!("expected an Error, got {other:?}"),
+    }
+    // still one worker, the real worker-1
+    let (_, workers) = c.get("/api/v1/workers").unwrap();
+    let workers: serde_json::Value = serde_json::from_str(&workers).unwrap();
+    assert_eq!(workers.as_array().map(Vec::len), Some(1), "{workers}");
+}
