@@ -55,6 +55,25 @@ impl Backoff {
         self.step = self.base;
     }
 
+    /// Starts again from `base` only if what it guards (a connection, a
+    /// pipeline) has stayed up for `up_for`, at least `max` (the longest
+    /// delay); returns whether it did. A peer that fails right after each
+    /// success is thus retried ever more slowly, up to `max`, instead of
+    /// at `base` for ever.
+    pub fn reset_if_stable(&mut self, up_for: Duration) -> bool {
+        let stable = up_for >= self.max;
+        if stable {
+            self.reset();
+        }
+        stable
+    }
+
+    /// How long something must stay up before [`Backoff::reset_if_stable`]
+    /// starts again from `base`: the longest delay.
+    pub fn stable_after(&self) -> Duration {
+        self.max
+    }
+
     /// xorshift64*: plenty for spreading retries.
     fn next_random(&mut self) -> u64 {
         let mut x = self.rng.max(1);
@@ -95,6 +114,25 @@ mod tests {
         }
         b.reset();
         assert!(b.next_delay() <= 100 * MS);
+    }
+
+    #[test]
+    fn a_success_shorter_than_the_max_delay_keeps_the_delays_growing() {
+        let mut b = Backoff::new(100 * MS, 1600 * MS, 3);
+        let mut steps = Vec::new();
+        for _ in 0..6 {
+            // Each attempt "succeeds" for a moment, then fails again.
+            assert!(!b.reset_if_stable(1599 * MS));
+            steps.push(b.next_delay());
+        }
+        for (d, step) in steps.iter().zip([100, 200, 400, 800, 1600, 1600]) {
+            let step = step * MS;
+            assert!(*d >= step / 2 && *d <= step, "{steps:?}");
+        }
+        // Up for the longest delay: the next failure starts from base.
+        assert!(b.reset_if_stable(1600 * MS));
+        assert!(b.next_delay() <= 100 * MS);
+        assert_eq!(b.stable_after(), 1600 * MS);
     }
 
     #[test]

@@ -51,6 +51,12 @@ pub struct SinksConfig {
     /// sinks still get it.
     #[serde(default = "default_webhook_queue")]
     pub webhook_queue: usize,
+    /// Bytes of JSON the webhook holds at most, queued or in the POST under
+    /// way (default 64 MiB; at least 1 KiB): a `raw` model's results can
+    /// weigh megabytes each. A result that would pass it is dropped for the
+    /// webhook and counted as `dropped_full`, as when the queue is full.
+    #[serde(default = "default_webhook_queue_bytes")]
+    pub webhook_queue_bytes: usize,
 }
 
 impl Default for SinksConfig {
@@ -61,6 +67,7 @@ impl Default for SinksConfig {
             webhook: None,
             webhook_ca: None,
             webhook_queue: default_webhook_queue(),
+            webhook_queue_bytes: default_webhook_queue_bytes(),
         }
     }
 }
@@ -69,8 +76,13 @@ fn yes() -> bool {
     true
 }
 fn default_webhook_queue() -> usize {
-    1024
+    crate::sink::webhook::DEFAULT_QUEUE_RESULTS
 }
+fn default_webhook_queue_bytes() -> usize {
+    crate::sink::webhook::DEFAULT_QUEUE_BYTES
+}
+/// The least `sinks.webhook_queue_bytes` accepted.
+const MIN_WEBHOOK_QUEUE_BYTES: usize = 1024;
 
 /// How to reach the gateway.
 #[derive(Debug, Clone, Deserialize)]
@@ -299,6 +311,13 @@ impl EdgeConfig {
                 "sinks.webhook_queue must be at least 1".into(),
             ));
         }
+        if self.sinks.webhook_queue_bytes < MIN_WEBHOOK_QUEUE_BYTES {
+            return Err(ConfigError::Invalid(format!(
+                "sinks.webhook_queue_bytes {} must be at least {MIN_WEBHOOK_QUEUE_BYTES} (the default is {})",
+                self.sinks.webhook_queue_bytes,
+                default_webhook_queue_bytes()
+            )));
+        }
         match (&self.sinks.webhook, &self.sinks.webhook_ca) {
             (Some(url), ca) => {
                 let e = crate::sink::webhook::Endpoint::parse(url)
@@ -427,6 +446,24 @@ mod tests {
         ] {
             let err = ok(sinks).unwrap_err().to_string();
             assert!(err.contains(says), "{sinks}: {err}");
+        }
+    }
+
+    #[test]
+    fn webhook_queue_bytes_defaults_to_64_mib_and_is_range_checked() {
+        let cfg = parse(BASE);
+        assert_eq!(cfg.sinks.webhook_queue_bytes, 64 << 20);
+        let with = |bytes: usize| {
+            parse(&format!("{BASE}[sinks]\nwebhook_queue_bytes = {bytes}\n")).validate()
+        };
+        with(1024).unwrap();
+        with(8 << 20).unwrap();
+        for bad in [0, 1023] {
+            let err = with(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("sinks.webhook_queue_bytes") && err.contains("at least 1024"),
+                "{err}"
+            );
         }
     }
 

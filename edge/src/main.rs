@@ -8,8 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tidegate_edge::config::{EdgeConfig, Secret};
-use tidegate_edge::node::NodeOptions;
-use tidegate_edge::sink::webhook::{Client, Endpoint, RetryPolicy, Webhook};
+use tidegate_edge::node::{NodeOptions, preflight};
+use tidegate_edge::sink::webhook::{Client, Endpoint, QueueLimits, RetryPolicy, Webhook};
 use tidegate_edge::sink::{Sinks, open_results_file};
 
 /// The bearer token sent to the webhook, when set.
@@ -74,7 +74,10 @@ struct Cli {
 enum Command {
     /// Run the edge (the default).
     Run,
-    /// Load and validate the config, print it (secrets redacted), exit.
+    /// Load and validate the config, print it (secrets redacted), and check
+    /// every camera as `run` would before reaching the gateway (its entry,
+    /// its URI, that a local file exists); exit non-zero naming each camera
+    /// that would be disabled.
     CheckConfig,
 }
 
@@ -106,10 +109,12 @@ fn main() -> anyhow::Result<()> {
             if let Some(client) = webhook_client(&cfg)? {
                 println!("webhook client: {client:?}");
             }
+            // The checks `run` makes before it reaches the gateway: the
+            // entry, the URI, and that a local file exists.
             let bad: Vec<String> = cfg
                 .cameras
                 .iter()
-                .filter_map(|c| c.validate().err().map(|e| e.to_string()))
+                .filter_map(|c| preflight(c).err().map(|e| e.to_string()))
                 .collect();
             if bad.is_empty() {
                 println!("config ok");
@@ -180,11 +185,11 @@ async fn run(
         );
     }
     if let Some(client) = webhook_client(&cfg)? {
-        sinks.webhook = Some(Webhook::spawn(
-            client,
-            cfg.sinks.webhook_queue,
-            RetryPolicy::default(),
-        ));
+        let limits = QueueLimits {
+            results: cfg.sinks.webhook_queue,
+            bytes: cfg.sinks.webhook_queue_bytes,
+        };
+        sinks.webhook = Some(Webhook::spawn_with(client, limits, RetryPolicy::default()));
     }
     let options = NodeOptions {
         max_frames,

@@ -12,6 +12,12 @@
 //!
 //! A camera whose entry is wrong (no model, a bad URI, a missing file) logs
 //! one clear error and stops; the others carry on.
+//!
+//! When every camera has stopped (a `file://` clip played to its end, or
+//! `--max-frames` reached), the node waits for the results of the frames
+//! still out, at most [`RESULT_DRAIN`], and returns. Frames are tracked by
+//! camera and `seq` ([`Unanswered`]), so an extra result stands for no other
+//! frame.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,17 +30,17 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, error, info, info_span, warn};
+use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use crate::backoff::Backoff;
 use crate::capture::{
     CameraStopped, CaptureCounters, CaptureOptions, CaptureSpec, SourceUri, SupervisedCapture,
     SupervisorOptions,
 };
-use crate::config::{CameraConfig, EdgeConfig};
+use crate::config::{CameraConfig, ConfigError, EdgeConfig};
 use crate::gate::{Hint, Limits};
 use crate::sink::{FinishError, Sinks};
-use crate::uplink::{Incoming, Lane, LaneStats, Uplink, UplinkError};
+use crate::uplink::{Incoming, Lane, LaneStats, Unanswered, Uplink, UplinkError, UplinkOptions};
 
 /// How long a finished camera waits for its frames in flight to settle.
 const SETTLE: Duration = Duration::from_secs(5);
@@ -44,6 +50,17 @@ const SINK_QUEUE: usize = 256;
 /// How long shutdown waits for the sinks to write what is queued, and for
 /// the webhook to post it.
 const SINK_DRAIN: Duration = Duration::from_secs(5);
+/// How long the node waits, once every camera has stopped, for the results
+/// of the frames still out.
+pub const RESULT_DRAIN: Duration = Duration::from_secs(10);
+/// First delay before redialling the gateway; it doubles per failure up to
+/// [`REDIAL_MAX`].
+pub const REDIAL_BASE: Duration = Duration::from_millis(200);
+/// Longest delay before redialling the gateway. The delay starts again from
+/// [`REDIAL_BASE`] only after a connection has stayed up this long, so a
+/// gateway that accepts and then drops the edge at once is redialled ever
+/// more slowly, not five times a second.
+pub const REDIAL_MAX: Duration = Duration::from_secs(5);
 
 /// Options of [`run`] that come from flags rather than the config file.
 #[derive(Debug, Clone, Default)]
@@ -239,6 +256,11 @@ pub enum NodeError {
     /// The gateway refused us for good (bad token, unsupported version).
     #[error("the gateway refused this edge: {0}")]
     Refused(#[source] UplinkError),
+    /// The uplink cannot be set up on this machine: the CA file
+    /// (`gateway.ca`) cannot be loaded, or no UDP socket can be bound
+    /// before the first connection. Not the gateway's doing.
+    #[error("cannot set up the uplink on this machine (not the gateway's doing): {0}")]
+    Local(#[source] UplinkError),
     /// Writing a result failed.
     #[error("writing a result: {0}")]
     Sink(#[source] std::io::Error),
@@ -250,8 +272,23 @@ pub enum NodeError {
     SinkFinish(#[from] FinishError),
 }
 
-/// Runs the edge until `shutdown` resolves (or, with `max_frames`, until
-/// every camera has sent that many frames and their results are in).
+impl NodeError {
+    /// The node's error for a connection failure that ends it: a local
+    /// problem, or the gateway's refusal.
+    fn fatal(e: UplinkError) -> Self {
+        if e.is_local() {
+            NodeError::Local(e)
+        } else {
+            NodeError::Refused(e)
+        }
+    }
+}
+
+/// Runs the edge until `shutdown` resolves, or until every camera has
+/// stopped (with `max_frames`, once each has sent that many frames; a
+/// `file://` camera without `loop` at the end of its file; a bad entry at
+/// once) and the results of the frames still out are in, waiting for them
+/// at most [`RESULT_DRAIN`].
 pub async fn run(
     cfg: EdgeConfig,
     sinks: Sinks,
@@ -265,6 +302,7 @@ pub async fn run(
     let (hints_tx, hints_rx) = watch::channel(HintBoard::default());
     let (results_tx, mut results_rx) = mpsc::channel::<Incoming>(4096);
     let (fatal_tx, mut fatal_rx) = mpsc::channel::<UplinkError>(1);
+    let unanswered = Arc::new(Unanswered::default());
 
     let link_task = tokio::spawn(
         link(
@@ -273,6 +311,7 @@ pub async fn run(
             hints_tx,
             results_tx,
             fatal_tx,
+            unanswered.clone(),
             cancel.clone(),
         )
         .instrument(info_span!("link", gateway = %cfg.gateway.addr, edge = %cfg.name)),
@@ -289,6 +328,7 @@ pub async fn run(
                 link_rx.clone(),
                 hints_rx.clone(),
                 s,
+                unanswered.clone(),
                 cancel.clone(),
                 options.max_frames,
             )
@@ -317,17 +357,24 @@ pub async fn run(
     });
     let mut outcome = Ok(());
     loop {
+        // Results still to come, or come and not yet handed to the sinks.
+        let waiting = !unanswered.is_empty() || !results_rx.is_empty();
         if tracker.is_empty() && drain_deadline.is_none() {
-            if options.max_frames.is_some() || cfg.cameras.is_empty() {
-                drain_deadline = Some(Instant::now() + Duration::from_secs(10));
-            } else {
-                // Every camera stopped (bad entries, files that ended): the
-                // edge has nothing left to do.
+            // Every camera stopped (bad entries, files that ended, or
+            // `max_frames` reached): once the frames still out are
+            // answered, the edge has nothing left to do.
+            if !waiting {
                 info!("every camera has stopped");
                 break;
             }
+            info!(
+                frames = unanswered.len(),
+                "every camera has stopped; waiting up to {RESULT_DRAIN:?} for the results of the frames still out"
+            );
+            drain_deadline = Some(Instant::now() + RESULT_DRAIN);
         }
-        if drain_deadline.is_some() && results >= sent() {
+        if drain_deadline.is_some() && !waiting {
+            info!("every camera has stopped and every result is in");
             break;
         }
         let drain = async {
@@ -346,8 +393,17 @@ pub async fn run(
         };
         tokio::select! {
             _ = &mut shutdown => { info!("shutting down"); break; }
-            _ = drain => { warn!("gave up waiting for the last results"); break; }
+            _ = drain => {
+                warn!(
+                    frames = unanswered.len(),
+                    "gave up waiting for the last results after {RESULT_DRAIN:?}"
+                );
+                break;
+            }
             _ = tracker.wait(), if drain_deadline.is_none() => {}
+            // Frames abandoned (reset, or lost with the connection) while
+            // draining: nothing more to wait for.
+            _ = unanswered.emptied(), if drain_deadline.is_some() && !unanswered.is_empty() => {}
             _ = tick => {
                 let now = summaries();
                 print_cameras(&now);
@@ -361,7 +417,7 @@ pub async fn run(
             }
             e = fatal_rx.recv() => {
                 if let Some(e) = e {
-                    outcome = Err(NodeError::Refused(e));
+                    outcome = Err(NodeError::fatal(e));
                 }
                 break;
             }
@@ -383,6 +439,7 @@ pub async fn run(
                         .get(&r.camera)
                         .map(|s| s.snapshot().labels.clone())
                         .unwrap_or_default();
+                    let (camera, seq) = (r.camera.clone(), r.seq);
                     // Serialised and written on the sink thread, in order;
                     // waits while its queue is full.
                     tokio::select! {
@@ -393,6 +450,8 @@ pub async fn run(
                         },
                         _ = &mut shutdown => { info!("shutting down"); break; }
                     }
+                    // Handed to the sinks: `finish` below writes it.
+                    unanswered.answered(&camera, seq);
                 }
                 Some(Incoming::Hint(_)) => {}
                 None => break,
@@ -408,7 +467,7 @@ pub async fn run(
     if outcome.is_ok()
         && let Ok(e) = fatal_rx.try_recv()
     {
-        outcome = Err(NodeError::Refused(e));
+        outcome = Err(NodeError::fatal(e));
     }
     // Everything queued for the sinks is written before the webhook closes.
     match sinks.finish(SINK_DRAIN).await {
@@ -459,28 +518,38 @@ pub async fn run(
 
 /// Keeps a connection to the gateway: dials with jittered exponential
 /// backoff, publishes the uplink, forwards results, applies hints, and
-/// starts over when the connection is lost.
+/// starts over when the connection is lost. The CA is loaded once, here: a
+/// redial never reads it again. The backoff starts again from
+/// [`REDIAL_BASE`] only after a connection has stayed up [`REDIAL_MAX`].
 async fn link(
     cfg: EdgeConfig,
     link_tx: watch::Sender<Option<Uplink>>,
     hints_tx: watch::Sender<HintBoard>,
     results: mpsc::Sender<Incoming>,
     fatal: mpsc::Sender<UplinkError>,
+    unanswered: Arc<Unanswered>,
     cancel: CancellationToken,
 ) {
-    let mut backoff = Backoff::seeded(
-        Duration::from_millis(200),
-        Duration::from_secs(5),
-        &cfg.name,
-    );
+    let client = match tidegate_protocol::quic::client_config(&cfg.gateway.ca) {
+        Ok(c) => c,
+        Err(e) => {
+            let e = UplinkError::Tls(e);
+            error!("gateway.ca: {e}");
+            let _ = fatal.send(e).await;
+            return;
+        }
+    };
+    let mut backoff = Backoff::seeded(REDIAL_BASE, REDIAL_MAX, &cfg.name);
+    let mut connected_before = false;
     loop {
         // Resolved at every dial: a redial follows a gateway that moved.
-        let dial = Uplink::connect(
+        let dial = Uplink::connect_client(
             &cfg.gateway.addr,
             &cfg.gateway.server_name,
-            &cfg.gateway.ca,
+            client.clone(),
             &cfg.name,
             &cfg.token.0,
+            UplinkOptions::default(),
         );
         let connected = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -488,7 +557,9 @@ async fn link(
         };
         let (uplink, mut incoming) = match connected {
             Ok(u) => u,
-            Err(e) if e.retryable() => {
+            // A local failure (no UDP socket) once the edge has worked is
+            // passing: retried like the gateway's.
+            Err(e) if e.retryable() || (connected_before && e.is_local()) => {
                 let delay = backoff.next_delay();
                 warn!("{e}; retrying in {delay:?}");
                 tokio::select! {
@@ -502,8 +573,9 @@ async fn link(
                 return;
             }
         };
+        connected_before = true;
+        let up_since = Instant::now();
         info!(addr = %uplink.remote_address(), "connected");
-        backoff.reset();
         hints_tx.send_modify(|h| *h = HintBoard::default());
         link_tx.send_replace(Some(uplink.clone()));
         loop {
@@ -529,10 +601,22 @@ async fn link(
                 },
             }
         }
+        // Every result the connection delivered has been forwarded: the
+        // frames still waiting for one will never get it.
+        let orphaned = unanswered.len();
+        unanswered.clear();
         let why = uplink.closed().await;
         link_tx.send_replace(None);
+        let up_for = up_since.elapsed();
+        if !backoff.reset_if_stable(up_for) {
+            debug!(
+                ?up_for,
+                "the connection did not stay up; the redial delay keeps growing"
+            );
+        }
         let delay = backoff.next_delay();
         warn!(
+            orphaned,
             "connection to the gateway lost ({why}); frames are dropped until it is back; reconnecting in {delay:?}"
         );
         tokio::select! {
@@ -551,32 +635,77 @@ fn configured_limits(cam: &CameraConfig) -> Limits {
     }
 }
 
-/// Checks what can be checked before the gateway is reached: the entry, the
-/// URI, and that a local file exists.
-fn preflight(cam: &CameraConfig) -> Result<(), String> {
-    cam.validate().map_err(|e| e.to_string())?;
-    let source: SourceUri = cam.uri.parse().map_err(|e| {
-        format!(
-            "camera '{}': cannot use source URI '{}': {e}",
-            cam.name, cam.uri
-        )
+/// Why a camera entry cannot run, found before the gateway is reached.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PreflightError {
+    /// The entry itself is wrong (no model, no uri, a value out of range).
+    #[error(transparent)]
+    Entry(#[from] ConfigError),
+    /// The URI cannot be used (unknown scheme, no host, not an absolute
+    /// path).
+    #[error("camera '{camera}': cannot use source URI '{uri}': {source}")]
+    Uri {
+        /// The camera.
+        camera: String,
+        /// The URI as configured.
+        uri: String,
+        /// What is wrong with it.
+        source: crate::capture::UriError,
+    },
+    /// The local file of a `file://` or `image://` URI is not a regular
+    /// file.
+    #[error("camera '{camera}': '{}' from URI '{uri}' is not a regular file", path.display())]
+    NotAFile {
+        /// The camera.
+        camera: String,
+        /// The URI as configured.
+        uri: String,
+        /// The path it names.
+        path: std::path::PathBuf,
+    },
+    /// The local file of a `file://` or `image://` URI cannot be read.
+    #[error(
+        "camera '{camera}': cannot open '{}' from URI '{uri}': {source}; check that the file exists and is readable",
+        path.display()
+    )]
+    Unreadable {
+        /// The camera.
+        camera: String,
+        /// The URI as configured.
+        uri: String,
+        /// The path it names.
+        path: std::path::PathBuf,
+        /// Why it cannot be read.
+        source: std::io::Error,
+    },
+}
+
+/// Checks what can be checked of a camera entry before the gateway is
+/// reached: the entry, the URI, and that a local file exists. `run` disables
+/// a camera that fails it; `check-config` reports it.
+pub fn preflight(cam: &CameraConfig) -> Result<(), PreflightError> {
+    cam.validate()?;
+    let source: SourceUri = cam.uri.parse().map_err(|source| PreflightError::Uri {
+        camera: cam.name.clone(),
+        uri: cam.uri.clone(),
+        source,
     })?;
     match source {
         SourceUri::File { path, .. } | SourceUri::Image { path } => {
             match std::fs::metadata(&path) {
                 Ok(m) if m.is_file() => Ok(()),
-                Ok(_) => Err(format!(
-                    "camera '{}': '{}' from URI '{}' is not a regular file",
-                    cam.name,
-                    path.display(),
-                    cam.uri
-                )),
-                Err(e) => Err(format!(
-                    "camera '{}': cannot open '{}' from URI '{}': {e}; check that the file exists and is readable",
-                    cam.name,
-                    path.display(),
-                    cam.uri
-                )),
+                Ok(_) => Err(PreflightError::NotAFile {
+                    camera: cam.name.clone(),
+                    uri: cam.uri.clone(),
+                    path,
+                }),
+                Err(source) => Err(PreflightError::Unreadable {
+                    camera: cam.name.clone(),
+                    uri: cam.uri.clone(),
+                    path,
+                    source,
+                }),
             }
         }
         _ => Ok(()),
@@ -654,6 +783,7 @@ async fn camera(
     mut link_rx: watch::Receiver<Option<Uplink>>,
     mut hints_rx: watch::Receiver<HintBoard>,
     stats: Arc<CameraStats>,
+    unanswered: Arc<Unanswered>,
     cancel: CancellationToken,
     max_frames: Option<u64>,
 ) {
@@ -752,7 +882,12 @@ async fn camera(
                             input = Some(spec);
                         }
                         info!(width = input.as_ref().map_or(0, |i| i.width), "camera open");
-                        lane = Some(uplink.lane(&cam.name, cam.max_in_flight, stats.lane.clone()));
+                        lane = Some(uplink.lane_with(
+                            &cam.name,
+                            cam.max_in_flight,
+                            stats.lane.clone(),
+                            Some(unanswered.clone()),
+                        ));
                         stats.set_state("running");
                     }
                     Err(e) if e.retryable() => {
@@ -1003,12 +1138,13 @@ mod tests {
         for (c, want) in [
             (cam("test://smpte", ""), "no model"),
             (cam("ftp://x/y", "m"), "ftp"),
+            (cam("rtsp:///nohost", "m"), "names no host"),
             (
                 cam("file:///nonexistent/tidegate.mp4", "m"),
                 "/nonexistent/tidegate.mp4",
             ),
         ] {
-            let err = preflight(&c).unwrap_err();
+            let err = preflight(&c).unwrap_err().to_string();
             assert!(err.contains("'c'") && err.contains(want), "{err}");
         }
         preflight(&cam("test://smpte", "m")).unwrap();

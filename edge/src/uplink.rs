@@ -23,7 +23,7 @@
 //! This module has no GStreamer dependency, so `tidegate-loadtest`'s
 //! simulated cameras use it too.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -121,6 +121,12 @@ impl UplinkError {
             _ => false,
         }
     }
+
+    /// Whether the fault is on this machine (TLS material that cannot be
+    /// loaded, a UDP socket that cannot be bound), not the gateway's.
+    pub fn is_local(&self) -> bool {
+        matches!(self, UplinkError::Tls(_) | UplinkError::Bind(_))
+    }
 }
 
 /// What the uplink delivers to the edge.
@@ -216,6 +222,21 @@ impl Uplink {
         options: UplinkOptions,
     ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
         let client = tidegate_protocol::quic::client_config(ca)?;
+        Self::connect_client(addr, server_name, client, name, token, options).await
+    }
+
+    /// [`Uplink::connect_with`] with the QUIC client configuration (the CA
+    /// to trust) already loaded, by
+    /// [`tidegate_protocol::quic::client_config`]: a caller that redials
+    /// loads it once, so a CA file rewritten meanwhile cannot fail a redial.
+    pub async fn connect_client(
+        addr: &GatewayAddr,
+        server_name: &str,
+        client: quinn::ClientConfig,
+        name: &str,
+        token: &str,
+        options: UplinkOptions,
+    ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
         let connect_err = |reason: String| UplinkError::Connect {
             addr: addr.clone(),
             reason,
@@ -367,6 +388,19 @@ impl Uplink {
     /// `max_in_flight` frames unacknowledged and counting into `stats`
     /// (which may outlive the connection).
     pub fn lane(&self, camera: &str, max_in_flight: usize, stats: Arc<LaneStats>) -> Lane {
+        self.lane_with(camera, max_in_flight, stats, None)
+    }
+
+    /// [`Uplink::lane`] that also records, in `unanswered`, each frame it
+    /// sends until the frame is abandoned (reset, refused, lost) or
+    /// [`Unanswered::answered`] is called for its result.
+    pub fn lane_with(
+        &self,
+        camera: &str,
+        max_in_flight: usize,
+        stats: Arc<LaneStats>,
+        unanswered: Option<Arc<Unanswered>>,
+    ) -> Lane {
         Lane {
             conn: self.conn.clone(),
             state: Arc::new(LaneState {
@@ -374,9 +408,104 @@ impl Uplink {
                 max_in_flight: max_in_flight.max(1),
                 in_flight: Mutex::new(VecDeque::new()),
                 stats,
+                unanswered,
             }),
             tasks: tokio_util::task::TaskTracker::new(),
         }
+    }
+}
+
+/// Frames sent whose result has not come yet, by camera and `seq`: what an
+/// edge that is stopping still waits for. A lane made with
+/// [`Uplink::lane_with`] adds each frame as it sends it and removes it when
+/// the frame is abandoned; the consumer of results removes it with
+/// [`Unanswered::answered`]. Either may happen first: a result can overtake
+/// the acknowledgement of its frame. Keyed by frame, not counted, so an
+/// extra result (for a frame the edge reset but the gateway had read)
+/// stands for no other frame.
+///
+/// Bounded: at most [`Unanswered::PER_CAMERA`] frames per camera; beyond
+/// that the oldest is forgotten (its result is long overdue).
+#[derive(Debug, Default)]
+pub struct Unanswered {
+    frames: Mutex<HashMap<String, BTreeSet<u64>>>,
+    /// Woken when the last frame is forgotten.
+    emptied: tokio::sync::Notify,
+}
+
+impl Unanswered {
+    /// Frames of one camera remembered at most.
+    pub const PER_CAMERA: usize = 1024;
+
+    fn frames(&self) -> std::sync::MutexGuard<'_, HashMap<String, BTreeSet<u64>>> {
+        // Each update is one insert or remove: usable after a panic.
+        self.frames.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A frame of `camera` goes out.
+    fn sent(&self, camera: &str, seq: u64) {
+        let mut frames = self.frames();
+        let seqs = frames.entry(camera.to_string()).or_default();
+        seqs.insert(seq);
+        while seqs.len() > Self::PER_CAMERA {
+            if let Some(oldest) = seqs.pop_first() {
+                debug!(
+                    camera,
+                    oldest, "no result for this frame yet; no longer waiting for it"
+                );
+            }
+        }
+    }
+
+    /// The frame will not be answered (reset, refused, or lost with its
+    /// connection) or has been: stop waiting for it.
+    fn forget(&self, camera: &str, seq: u64) {
+        let mut frames = self.frames();
+        if let Some(seqs) = frames.get_mut(camera) {
+            seqs.remove(&seq);
+            if seqs.is_empty() {
+                frames.remove(camera);
+                if frames.is_empty() {
+                    self.emptied.notify_waiters();
+                }
+            }
+        }
+    }
+
+    /// The result of frame `seq` of `camera` has come (and been handled).
+    /// A result for a frame not waited for changes nothing.
+    pub fn answered(&self, camera: &str, seq: u64) {
+        self.forget(camera, seq);
+    }
+
+    /// The connection the frames went out on is gone: none of them will be
+    /// answered.
+    pub fn clear(&self) {
+        self.frames().clear();
+        self.emptied.notify_waiters();
+    }
+
+    /// Resolves once no frame is waited for (at once if none is).
+    pub async fn emptied(&self) {
+        let notified = self.emptied.notified();
+        tokio::pin!(notified);
+        // Registered before the check, so that a frame forgotten in between
+        // is not missed.
+        notified.as_mut().enable();
+        if self.is_empty() {
+            return;
+        }
+        notified.await;
+    }
+
+    /// Frames waited for, all cameras.
+    pub fn len(&self) -> usize {
+        self.frames().values().map(BTreeSet::len).sum()
+    }
+
+    /// Whether no frame is waited for.
+    pub fn is_empty(&self) -> bool {
+        self.frames().is_empty()
     }
 }
 
@@ -416,6 +545,17 @@ struct LaneState {
     /// Unacknowledged frames, oldest first: (seq, abandon signal).
     in_flight: Mutex<VecDeque<(u64, CancellationToken)>>,
     stats: Arc<LaneStats>,
+    /// Where frames sent are recorded until answered, if anywhere.
+    unanswered: Option<Arc<Unanswered>>,
+}
+
+impl LaneState {
+    /// The frame will get no result: stop waiting for one.
+    fn abandoned(&self, seq: u64) {
+        if let Some(u) = &self.unanswered {
+            u.forget(&self.camera, seq);
+        }
+    }
 }
 
 impl LaneState {
@@ -462,6 +602,11 @@ impl Lane {
     ) -> Result<(), UplinkError> {
         let seq = frame.seq;
         let abandon = CancellationToken::new();
+        // Recorded before the frame can go out: its result may come back
+        // before the lane sees the acknowledgement.
+        if let Some(u) = &self.state.unanswered {
+            u.sent(&self.state.camera, seq);
+        }
         {
             let mut q = self.state.in_flight();
             while q.len() >= self.state.max_in_flight {
@@ -477,10 +622,12 @@ impl Lane {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 self.forget(seq);
+                self.state.abandoned(seq);
                 return Err(UplinkError::Lost(e.to_string()));
             }
             Err(_) => {
                 self.forget(seq);
+                self.state.abandoned(seq);
                 LaneStats::bump(&self.state.stats.expired);
                 return Ok(());
             }
@@ -493,6 +640,9 @@ impl Lane {
                 let outcome = drive(stream, frame, deadline, abandon).await;
                 let lane = Lane::forget_in(&state, seq);
                 let stats = &state.stats;
+                if outcome != Outcome::Delivered {
+                    state.abandoned(seq);
+                }
                 match outcome {
                     Outcome::Delivered => {
                         LaneStats::bump(&stats.delivered);
@@ -745,5 +895,72 @@ async fn results(conn: quinn::Connection, incoming: mpsc::Sender<Incoming>) {
             }
             .in_current_span(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unanswered_frames_are_tracked_by_camera_and_seq_not_counted() {
+        let u = Unanswered::default();
+        u.sent("door", 1);
+        u.sent("door", 2);
+        u.sent("yard", 1);
+        assert_eq!(u.len(), 3);
+        // A second result for frame 1, or one for a frame never waited for,
+        // stands for no other frame.
+        u.answered("door", 1);
+        u.answered("door", 1);
+        u.answered("door", 7);
+        u.answered("hall", 2);
+        assert_eq!(u.len(), 2);
+        u.forget("door", 2);
+        u.answered("yard", 1);
+        assert!(u.is_empty());
+        u.sent("door", 3);
+        u.clear();
+        assert!(u.is_empty());
+    }
+
+    #[test]
+    fn unanswered_forgets_the_oldest_frames_beyond_its_bound() {
+        let u = Unanswered::default();
+        let n = Unanswered::PER_CAMERA as u64;
+        for seq in 0..n + 10 {
+            u.sent("door", seq);
+        }
+        assert_eq!(u.len(), Unanswered::PER_CAMERA);
+        u.answered("door", 5);
+        assert_eq!(
+            u.len(),
+            Unanswered::PER_CAMERA,
+            "frame 5 was already forgotten"
+        );
+        u.answered("door", n + 9);
+        assert_eq!(u.len(), Unanswered::PER_CAMERA - 1);
+    }
+
+    #[tokio::test]
+    async fn emptied_resolves_when_the_last_frame_is_answered() {
+        let u = Arc::new(Unanswered::default());
+        tokio::time::timeout(Duration::from_secs(5), u.emptied())
+            .await
+            .expect("nothing waited for: at once");
+        u.sent("door", 1);
+        u.sent("door", 2);
+        let waiter = tokio::spawn({
+            let u = u.clone();
+            async move { u.emptied().await }
+        });
+        u.answered("door", 1);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        u.answered("door", 2);
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("woken by the last answer")
+            .unwrap();
     }
 }

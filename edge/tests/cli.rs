@@ -1,7 +1,9 @@
 //! The `tidegate-edge` binary given the gateway by host name, in the file
 //! or in `TIDEGATE_GATEWAY_ADDR`, and malformed addresses refused naming
 //! where they came from; an https:// webhook's TLS set up by
-//! `check-config`, and a CA file it cannot use refused naming the file.
+//! `check-config`, and a CA file it cannot use refused naming the file;
+//! cameras that `run` would disable (bad URI, missing file) named by
+//! `check-config`.
 #![cfg(feature = "capture")]
 
 use std::process::{Command, Output};
@@ -111,4 +113,38 @@ fn check_config_sets_up_an_https_webhook_and_refuses_a_ca_it_cannot_use() {
         err.contains("sinks.webhook") && err.contains("nowhere/ca.pem"),
         "{err}"
     );
+}
+
+/// `check-config` makes the checks `run` makes before it reaches the
+/// gateway: a camera whose URI has an unknown scheme or no host, or names a
+/// file that is not there, would be disabled, so it is not "config ok".
+#[test]
+fn check_config_names_every_camera_that_run_would_disable() {
+    let cameras = [
+        ("ftp", "ftp://x/y"),
+        ("gone", "file:///nonexistent/tidegate/clip.mp4"),
+        ("nohost", "rtsp:///nohost"),
+        ("fine", "test://smpte"),
+    ]
+    .iter()
+    .map(|(name, uri)| format!("[[cameras]]\nname = \"{name}\"\nuri = \"{uri}\"\nmodel = \"m\"\n"))
+    .collect::<String>();
+    let out = check_config_with("127.0.0.1:4433", &cameras, &[]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(!stdout.contains("config ok"), "{stdout}");
+    assert!(stderr.contains("3 camera(s) would be disabled"), "{stderr}");
+    for (camera, says) in [
+        ("'ftp'", "scheme 'ftp' is not supported"),
+        ("'gone'", "/nonexistent/tidegate/clip.mp4"),
+        ("'nohost'", "names no host"),
+    ] {
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.contains(camera) && l.contains(says)),
+            "{camera}: {stderr}"
+        );
+    }
+    assert!(!stderr.contains("'fine'"), "{stderr}");
 }

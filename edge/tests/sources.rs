@@ -67,9 +67,14 @@ async fn v4l2_pipeline_on_a_device_that_is_not_a_camera_fails_naming_the_camera(
 
 /// Writes a 0.5 s, 30 fps MJPEG AVI.
 fn write_clip(path: &std::path::Path) {
+    write_clip_at(path, 15, "30/1");
+}
+
+/// Writes an MJPEG AVI of `frames` frames at `rate` frames per second.
+fn write_clip_at(path: &std::path::Path, frames: u32, rate: &str) {
     gst::init().unwrap();
     let pipeline = gst::parse::launch(&format!(
-        "videotestsrc num-buffers=15 ! video/x-raw,width=160,height=120,framerate=30/1 \
+        "videotestsrc num-buffers={frames} ! video/x-raw,width=160,height=120,framerate={rate} \
          ! jpegenc ! avimux ! filesink location={}",
         path.display()
     ))
@@ -181,6 +186,44 @@ async fn missing_file_stops_only_that_supervised_camera_with_a_clear_error() {
     );
 }
 
+/// The most restarts a supervisor with `o` can make within `elapsed` of its
+/// creation if its delays double as they should (each is at least half of
+/// its step, the step doubling from `restart_base` to `restart_max`), when
+/// each pipeline also takes at least `up` to fail. An upper bound: a slow
+/// machine only makes fewer.
+fn most_restarts_within(elapsed: Duration, up: Duration, o: &SupervisorOptions) -> u64 {
+    let mut step = o.restart_base;
+    let mut at = Duration::ZERO;
+    // Bounded: `at` grows by at least restart_base / 2 a turn.
+    for n in 0..10_000 {
+        at += up;
+        if at > elapsed {
+            return n;
+        }
+        at += step / 2;
+        step = (step * 2).min(o.restart_max);
+    }
+    10_000
+}
+
+/// Polls `cam` (cancel-safe `recv`, in slices) until `done` holds for its
+/// counters or `WAIT` passes; a frame or an end is a failure.
+async fn restart_until(cam: &mut SupervisedCapture, done: impl Fn(u64) -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !done(cam.counters().restarts) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} restarts in {WAIT:?}",
+            cam.counters().restarts
+        );
+        match tokio::time::timeout(Duration::from_millis(100), cam.recv()).await {
+            Ok(Ok(f)) => panic!("a frame from a failing source: {f:?}"),
+            Ok(Err(e)) => panic!("gave up: {e}"),
+            Err(_) => {}
+        }
+    }
+}
+
 #[tokio::test]
 async fn failing_pipeline_is_restarted_with_backoff() {
     // An undecodable image fails every start: the supervisor retries it
@@ -188,26 +231,26 @@ async fn failing_pipeline_is_restarted_with_backoff() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("broken.png");
     std::fs::write(&path, b"not a png").unwrap();
-    let mut cam = SupervisedCapture::new(
-        spec("shed", &format!("image://{}", path.display())),
-        options(false),
-    )
-    .unwrap();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    // recv keeps restarting inside; it is cancel-safe, so poll it in slices
-    // and look at the counters in between.
-    while cam.counters().restarts < 3 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "only {} restarts in {WAIT:?}",
-            cam.counters().restarts
-        );
-        match tokio::time::timeout(Duration::from_millis(100), cam.recv()).await {
-            Ok(Ok(f)) => panic!("decoded {f:?} from a text file"),
-            Ok(Err(e)) => panic!("gave up: {e}"),
-            Err(_) => {}
-        }
-    }
+    let opts = SupervisorOptions {
+        restart_base: Duration::from_millis(50),
+        restart_max: Duration::from_secs(2),
+        ..options(false)
+    };
+    let started = tokio::time::Instant::now();
+    let mut cam =
+        SupervisedCapture::new(spec("shed", &format!("image://{}", path.display())), opts).unwrap();
+    restart_until(&mut cam, |n| n >= 3).await;
+    // Keep it failing for a while: the delays double, so the restarts thin
+    // out (at a constant 25-50 ms there would be dozens).
+    let window = Duration::from_secs(2);
+    restart_until(&mut cam, |_| started.elapsed() >= window).await;
+    let restarts = cam.counters().restarts;
+    let most = most_restarts_within(started.elapsed(), Duration::ZERO, &opts);
+    assert!(
+        restarts <= most,
+        "{restarts} restarts in {:?}: the delays do not double (at most {most})",
+        started.elapsed()
+    );
     // Once the file is fixed, the next restart picks it up.
     std::fs::copy(
         concat!(
@@ -222,6 +265,48 @@ async fn failing_pipeline_is_restarted_with_backoff() {
         .expect("recovers once the file is good")
         .expect("recovers");
     assert_eq!(f.data.len(), 64 * 64 * 3);
+}
+
+/// A source that delivers one frame and then nothing (a clip at one frame a
+/// minute stalls after its first frame) is restarted with growing delays:
+/// a frame alone does not start the backoff again, only a pipeline that has
+/// delivered frames for `restart_max`.
+#[tokio::test]
+async fn a_source_that_fails_right_after_its_first_frame_backs_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("slow.avi");
+    write_clip_at(&path, 2, "1/60");
+    let opts = SupervisorOptions {
+        restart_base: Duration::from_millis(200),
+        restart_max: Duration::from_secs(10),
+        stall_timeout: Duration::from_millis(100),
+        ..options(false)
+    };
+    let started = tokio::time::Instant::now();
+    let mut cam =
+        SupervisedCapture::new(spec("alley", &format!("file://{}", path.display())), opts).unwrap();
+    let window = Duration::from_secs(5);
+    let mut frames = 0u64;
+    while started.elapsed() < window {
+        match tokio::time::timeout(Duration::from_millis(100), cam.recv()).await {
+            Ok(Ok(_)) => frames += 1,
+            Ok(Err(e)) => panic!("gave up: {e}"),
+            Err(_) => {}
+        }
+    }
+    let restarts = cam.counters().restarts;
+    assert!(
+        restarts >= 2 && frames >= 2,
+        "{restarts} restarts, {frames} frames"
+    );
+    // Each pipeline runs at least one stall timeout before it is restarted.
+    let most = most_restarts_within(started.elapsed(), opts.stall_timeout, &opts);
+    assert!(
+        restarts <= most,
+        "{restarts} restarts in {:?} ({frames} frames): the backoff starts again at every \
+         frame (at most {most} if the delays double)",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]

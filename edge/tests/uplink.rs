@@ -5,9 +5,14 @@
 //! is answered as protocol §7.3 says. The gateway is reached by IP address
 //! and by host name; a name that does not resolve is an error naming it. A
 //! gateway that is connected but never answers is given up on and closed.
-//! Every wait is bounded.
+//! A node whose cameras stop waits for the result of every frame it sent; a
+//! gateway that drops the edge right after `Welcome` is redialled ever more
+//! slowly; a CA file rewritten while the edge runs does not stop a redial,
+//! and one missing at start is reported as a local problem. Every wait is
+//! bounded.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -53,11 +58,43 @@ struct FakeGateway {
     poison: Arc<Notify>,
     /// How each connection ended, in the order they ended.
     closes: Arc<Mutex<Vec<quinn::ConnectionError>>>,
+    /// Connections accepted (QUIC handshake done).
+    #[cfg_attr(not(feature = "capture"), allow(dead_code))]
+    connections: Arc<AtomicUsize>,
 }
 
 /// The model input side (square) a [`FakeGateway`] announces on its
 /// `n`th connection (1 for the first).
 type SideOf = fn(usize) -> u32;
+
+/// How a [`FakeGateway`] behaves beyond welcoming and accepting cameras.
+#[derive(Clone, Copy)]
+struct Behaviour {
+    side: SideOf,
+    /// Answer every frame read with an `ok` result this long after.
+    answer_after: Option<Duration>,
+    /// Also send, at once for every frame read, a result for a frame the
+    /// edge is not waiting for (as for a frame it reset that the gateway had
+    /// read anyway): seq + [`EXTRA_SEQ`].
+    extra_results: bool,
+    /// Close every connection this long after `Welcome`.
+    drop_after_welcome: Option<Duration>,
+}
+
+impl Default for Behaviour {
+    fn default() -> Self {
+        Behaviour {
+            side: |_| 64,
+            answer_after: None,
+            extra_results: false,
+            drop_after_welcome: None,
+        }
+    }
+}
+
+/// What [`Behaviour::extra_results`] adds to a frame's seq.
+#[cfg_attr(not(feature = "capture"), allow(dead_code))]
+const EXTRA_SEQ: u64 = 1_000_000;
 
 /// A test certificate and the server config that uses it.
 fn tls() -> (tempfile::TempDir, std::path::PathBuf, quinn::ServerConfig) {
@@ -72,12 +109,20 @@ fn tls() -> (tempfile::TempDir, std::path::PathBuf, quinn::ServerConfig) {
 
 impl FakeGateway {
     fn start() -> FakeGateway {
-        FakeGateway::start_with(|_| 64)
+        FakeGateway::start_as(Behaviour::default())
     }
 
     /// A gateway that announces a `side(n)`×`side(n)` input on its `n`th
     /// connection.
+    #[cfg_attr(not(feature = "capture"), allow(dead_code))]
     fn start_with(side: SideOf) -> FakeGateway {
+        FakeGateway::start_as(Behaviour {
+            side,
+            ..Behaviour::default()
+        })
+    }
+
+    fn start_as(behaviour: Behaviour) -> FakeGateway {
         let (dir, ca, config) = tls();
         let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().unwrap()).unwrap();
         let gw = FakeGateway {
@@ -90,6 +135,7 @@ impl FakeGateway {
             kick: Arc::new(Notify::new()),
             poison: Arc::new(Notify::new()),
             closes: Arc::default(),
+            connections: Arc::default(),
         };
         let shared = Shared {
             frames: gw.frames.clone(),
@@ -97,14 +143,16 @@ impl FakeGateway {
             hints: gw.hints.clone(),
             kick: gw.kick.clone(),
             poison: gw.poison.clone(),
-            side,
+            behaviour,
         };
         let closes = gw.closes.clone();
+        let connections = gw.connections.clone();
         tokio::spawn(async move {
             let mut n = 0;
             while let Some(incoming) = endpoint.accept().await {
                 let Ok(conn) = incoming.await else { continue };
                 n += 1;
+                connections.fetch_add(1, Ordering::SeqCst);
                 let (watched, closes) = (conn.clone(), closes.clone());
                 tokio::spawn(async move {
                     let why = watched.closed().await;
@@ -145,7 +193,24 @@ struct Shared {
     hints: Arc<Mutex<Option<mpsc::UnboundedSender<ControlHint>>>>,
     kick: Arc<Notify>,
     poison: Arc<Notify>,
-    side: SideOf,
+    behaviour: Behaviour,
+}
+
+/// Sends `r` on a result stream of its own (the edge may be gone).
+async fn send_result(conn: &quinn::Connection, r: FrameResult) {
+    if let Ok(mut s) = conn.open_uni().await
+        && write_message(&mut s, &Message::Result(r)).await.is_ok()
+    {
+        let _ = s.finish();
+    }
+}
+
+/// The `ok` result of frame `seq` of `camera`.
+fn result_of(camera: &str, seq: u64) -> FrameResult {
+    FrameResult {
+        camera: camera.into(),
+        ..result(seq)
+    }
 }
 
 async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
@@ -155,8 +220,9 @@ async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
         hints,
         kick,
         poison,
-        side,
+        behaviour,
     } = shared;
+    let side = behaviour.side;
     let limits = Limits::default();
     let Ok((mut send, mut recv)) = conn.accept_bi().await else {
         return;
@@ -171,20 +237,34 @@ async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
     if write_message(&mut send, &welcome).await.is_err() {
         return;
     }
+    if let Some(after) = behaviour.drop_after_welcome {
+        tokio::time::sleep(after).await;
+        conn.close(0u32.into(), b"dropped right after Welcome by the test");
+        return;
+    }
     let (tx, mut hint_rx) = mpsc::unbounded_channel();
     *hints.lock().unwrap() = Some(tx);
     let uni = conn.clone();
     tokio::spawn(async move {
         while let Ok(mut r) = uni.accept_uni().await {
             let frames = frames.clone();
+            let conn = uni.clone();
             tokio::spawn(async move {
-                if let Ok(Some(Message::Frame(f))) = read_message(&mut r, &Limits::default()).await
-                {
-                    frames.lock().unwrap().push(Seen {
-                        camera: f.camera,
-                        seq: f.seq,
-                        conn: n,
-                    });
+                let Ok(Some(Message::Frame(f))) = read_message(&mut r, &Limits::default()).await
+                else {
+                    return;
+                };
+                frames.lock().unwrap().push(Seen {
+                    camera: f.camera.clone(),
+                    seq: f.seq,
+                    conn: n,
+                });
+                if behaviour.extra_results {
+                    send_result(&conn, result_of(&f.camera, f.seq + EXTRA_SEQ)).await;
+                }
+                if let Some(after) = behaviour.answer_after {
+                    tokio::time::sleep(after).await;
+                    send_result(&conn, result_of(&f.camera, f.seq)).await;
                 }
             });
         }
@@ -729,8 +809,12 @@ async fn frame_past_its_deadline_is_reset_and_never_arrives() {
 #[cfg(feature = "capture")]
 mod node {
     use super::*;
+    use gstreamer as gst;
+    use gstreamer::prelude::*;
     use tidegate_edge::config::EdgeConfig;
-    use tidegate_edge::node::{CameraSummary, NodeOptions, Summary, run};
+    use tidegate_edge::node::{
+        CameraSummary, NodeError, NodeOptions, REDIAL_BASE, REDIAL_MAX, RESULT_DRAIN, Summary, run,
+    };
     use tidegate_edge::sink::Sinks;
     use tokio::sync::watch;
 
@@ -763,15 +847,27 @@ mod node {
         task: tokio::task::JoinHandle<Result<Summary, tidegate_edge::node::NodeError>>,
     }
 
+    /// An edge config for `gw` (by name) with one camera, "cam", of these
+    /// settings (`uri = ...`, ...).
+    fn edge_config(gw: &FakeGateway, camera: &str) -> EdgeConfig {
+        toml::from_str(&format!(
+            "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"localhost:{}\"\nca = \"{}\"\n\
+             [[cameras]]\nname = \"cam\"\nmodel = \"m\"\n{camera}\n",
+            gw.addr.port(),
+            gw.ca.display()
+        ))
+        .unwrap()
+    }
+
     impl Node {
         fn start(gw: &FakeGateway) -> Node {
-            let cfg: EdgeConfig = toml::from_str(&format!(
-                "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"localhost:{}\"\nca = \"{}\"\n\
-                 [[cameras]]\nname = \"cam\"\nuri = \"test://ball?width=320&height=240\"\nmodel = \"m\"\nmax_fps = 20\n",
-                gw.addr.port(),
-                gw.ca.display()
+            Node::start_cfg(edge_config(
+                gw,
+                "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20",
             ))
-            .unwrap();
+        }
+
+        fn start_cfg(cfg: EdgeConfig) -> Node {
             let (stats_tx, stats) = watch::channel(Vec::new());
             let (stop, stop_rx) = oneshot::channel::<()>();
             let options = NodeOptions {
@@ -971,5 +1067,206 @@ mod node {
             gw.frames().iter().all(|f| f.camera == "cam"),
             "only the camera's frames arrive"
         );
+    }
+
+    /// Writes a 1.5 s, 30 fps MJPEG AVI: about 15 frames at a 10 fps cap.
+    fn write_clip(path: &std::path::Path) {
+        gst::init().unwrap();
+        let pipeline = gst::parse::launch(&format!(
+            "videotestsrc num-buffers=45 ! video/x-raw,width=160,height=120,framerate=30/1 \
+             ! jpegenc ! avimux ! filesink location={}",
+            path.display()
+        ))
+        .unwrap();
+        pipeline.set_state(gst::State::Playing).unwrap();
+        let msg = pipeline
+            .bus()
+            .unwrap()
+            .timed_pop_filtered(
+                gst::ClockTime::from_seconds(10),
+                &[gst::MessageType::Eos, gst::MessageType::Error],
+            )
+            .expect("writing the clip timed out");
+        pipeline.set_state(gst::State::Null).unwrap();
+        assert_eq!(msg.type_(), gst::MessageType::Eos);
+    }
+
+    /// Runs `cfg` until it returns by itself (bounded), its results written
+    /// to a file; returns the summary and the seqs written.
+    async fn run_to_end(cfg: EdgeConfig, options: NodeOptions) -> (Summary, Vec<u64>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("results.jsonl");
+        let sinks = Sinks {
+            stdout: false,
+            file: Some(std::fs::File::create(&path).unwrap()),
+            ..Sinks::default()
+        };
+        let summary = tokio::time::timeout(
+            WAIT + RESULT_DRAIN,
+            run(cfg, sinks, options, std::future::pending()),
+        )
+        .await
+        .expect("the node returns once its cameras stop")
+        .expect("the node runs");
+        let written = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["seq"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        (summary, written)
+    }
+
+    /// A `file://` camera without `loop` (how a clip is processed) ends
+    /// while the gateway still works on its last frames: the node waits for
+    /// their results instead of returning at once and losing them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_file_camera_that_ends_gets_the_result_of_every_frame_it_sent() {
+        let gw = FakeGateway::start_as(Behaviour {
+            answer_after: Some(Duration::from_millis(300)),
+            ..Behaviour::default()
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let clip = dir.path().join("clip.avi");
+        write_clip(&clip);
+        let cfg = edge_config(
+            &gw,
+            &format!(
+                "uri = \"file://{}\"\nmax_fps = 10\nbudget_ms = 5000",
+                clip.display()
+            ),
+        );
+        let (summary, mut written) = run_to_end(cfg, NodeOptions::default()).await;
+        let mut read: Vec<u64> = gw.frames().iter().map(|f| f.seq).collect();
+        assert!(summary.sent >= 3, "{summary:?}");
+        assert_eq!(summary.cameras[0].state, "stopped", "{summary:?}");
+        assert_eq!(summary.results, written.len() as u64, "{summary:?}");
+        written.sort_unstable();
+        read.sort_unstable();
+        assert_eq!(
+            written, read,
+            "every frame the gateway read has its result written ({summary:?})"
+        );
+        assert!(summary.results >= summary.sent, "{summary:?}");
+    }
+
+    /// With `--max-frames` the node waits for the result of each frame it
+    /// sent, not for as many results as frames: results for frames it does
+    /// not wait for (ones it reset that the gateway had read) do not end the
+    /// wait early.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn max_frames_waits_for_each_frames_own_result_not_for_a_count() {
+        let gw = FakeGateway::start_as(Behaviour {
+            answer_after: Some(Duration::from_millis(300)),
+            extra_results: true,
+            ..Behaviour::default()
+        });
+        let cfg = edge_config(
+            &gw,
+            "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nbudget_ms = 5000",
+        );
+        let options = NodeOptions {
+            max_frames: Some(5),
+            ..NodeOptions::default()
+        };
+        let (summary, written) = run_to_end(cfg, options).await;
+        let read: Vec<u64> = gw.frames().iter().map(|f| f.seq).collect();
+        assert_eq!(summary.sent, 5, "{summary:?}");
+        for seq in &read {
+            assert!(
+                written.contains(seq) && written.contains(&(seq + EXTRA_SEQ)),
+                "frame {seq}: results written {written:?} ({summary:?})"
+            );
+        }
+        assert_eq!(summary.results, 2 * read.len() as u64, "{summary:?}");
+    }
+
+    /// The most dials the node can make within `elapsed` of its start if its
+    /// redial delays double from [`REDIAL_BASE`] to [`REDIAL_MAX`] (each at
+    /// least half of its step). An upper bound: a slow machine dials less.
+    fn most_dials_within(elapsed: Duration) -> usize {
+        let mut step = REDIAL_BASE;
+        let mut at = Duration::ZERO;
+        // Bounded: `at` grows by at least REDIAL_BASE / 2 a turn.
+        for dials in 1..10_000 {
+            at += step / 2;
+            if at > elapsed {
+                return dials;
+            }
+            step = (step * 2).min(REDIAL_MAX);
+        }
+        10_000
+    }
+
+    /// A gateway that welcomes the edge and drops it at once: the redial
+    /// delay keeps doubling (it starts again only after a connection that
+    /// stayed up), instead of a redial every 100-200 ms for ever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gateway_that_drops_the_edge_after_welcome_is_redialled_ever_more_slowly() {
+        let gw = FakeGateway::start_as(Behaviour {
+            drop_after_welcome: Some(Duration::from_millis(20)),
+            ..Behaviour::default()
+        });
+        let started = tokio::time::Instant::now();
+        let node = Node::start(&gw);
+        let window = Duration::from_secs(4);
+        tokio::time::sleep(window).await;
+        let dials = gw.connections.load(Ordering::SeqCst);
+        let elapsed = started.elapsed();
+        let summary = node.stop().await;
+        let most = most_dials_within(elapsed);
+        assert!(dials >= 2, "{dials} dials: the edge redials");
+        assert!(
+            dials <= most,
+            "{dials} dials in {elapsed:?}: at most {most} if the delays double ({summary:?})"
+        );
+    }
+
+    /// The CA is loaded once: rewriting it while the edge runs (a rotation
+    /// half done, a config management run) does not stop the next redial.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_ca_file_rewritten_while_the_edge_runs_does_not_stop_a_redial() {
+        let gw = FakeGateway::start();
+        let node = Node::start(&gw);
+        until(&gw, "frames on the first connection", |f| {
+            on_conn(f, 1) >= 3
+        })
+        .await;
+        std::fs::write(&gw.ca, "not a certificate").unwrap();
+        gw.kick.notify_one();
+        until(&gw, "frames after the redial", |f| on_conn(f, 2) >= 3).await;
+        let summary = node.stop().await;
+        assert!(summary.sent >= 6, "{summary:?}");
+    }
+
+    /// A CA file that cannot be loaded at start is this machine's problem,
+    /// reported as such and naming the file, not as the gateway's refusal.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_missing_ca_file_is_a_local_error_naming_it_not_a_refusal() {
+        let gw = FakeGateway::start();
+        let mut cfg = edge_config(&gw, "uri = \"test://ball\"");
+        cfg.gateway.ca = gw.ca.with_file_name("missing-ca.pem");
+        let ran = tokio::time::timeout(
+            WAIT,
+            run(
+                cfg,
+                Sinks::default(),
+                NodeOptions::default(),
+                std::future::pending(),
+            ),
+        )
+        .await
+        .expect("the node stops at once");
+        let err = ran.expect_err("no CA, no uplink");
+        let text = err.to_string();
+        assert!(matches!(err, NodeError::Local(_)), "{err:?}");
+        assert!(
+            text.contains("missing-ca.pem") && !text.contains("refused"),
+            "{text}"
+        );
+        assert_eq!(gw.connections.load(Ordering::SeqCst), 0);
     }
 }

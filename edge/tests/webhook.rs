@@ -1,6 +1,6 @@
 //! The webhook sink against a real HTTP server on 127.0.0.1: retries on 5xx,
 //! gives up on 4xx, drops (and counts) what its bounded queue cannot hold
-//! while the receiver is down, and on close stops a POST that never ends,
+//! while the receiver is down, by count and by bytes, and on close stops a POST that never ends,
 //! counting what it still held. Over https:// (rustls on both sides, a CA
 //! made for the test) it delivers with the bearer token to a server whose
 //! certificate the configured CA signed, and refuses, counting the loss,
@@ -10,7 +10,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tidegate_edge::sink::webhook::{Client, Endpoint, RetryPolicy, Webhook, WebhookError};
+use tidegate_edge::sink::webhook::{
+    Client, Endpoint, QueueLimits, RetryPolicy, Webhook, WebhookError,
+};
 use tokio::net::TcpListener;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -148,6 +150,91 @@ async fn unreachable_receiver_fills_the_bounded_queue_and_drops_are_counted() {
     assert_eq!(full + failed, 200, "every result is accounted for");
     assert_eq!(stats.pushed.load(Ordering::Relaxed), 200);
     assert_eq!(stats.dropped_shutdown.load(Ordering::Relaxed), 0);
+}
+
+/// Results of a `raw` model can weigh megabytes each: the queue is bounded
+/// by bytes too, counting the batch in the POST under way, and a result
+/// that would pass the budget is dropped and counted like one over the
+/// count. Freed bytes take new results again.
+#[tokio::test]
+async fn large_results_are_dropped_once_the_byte_budget_is_held() {
+    // A port with nothing listening.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    const RESULT: usize = 100 * 1024;
+    const BUDGET: usize = 1024 * 1024;
+    // Slow retries: the first batch is still held while the rest is pushed.
+    let policy = RetryPolicy {
+        max_attempts: 2,
+        base: Duration::from_secs(60),
+        max: Duration::from_secs(60),
+    };
+    let limits = QueueLimits {
+        results: 1024,
+        bytes: BUDGET,
+    };
+    let hook = Webhook::spawn_with(
+        http(&format!("http://127.0.0.1:{port}/hook")),
+        limits,
+        policy,
+    );
+    let stats = hook.stats().clone();
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    let payload = |seq: usize| {
+        let pad = "x".repeat(RESULT - 40);
+        format!("{{\"seq\":{seq},\"pad\":\"{pad}\"}}")
+    };
+    // Nothing is freed meanwhile (the first POST waits 60 s to retry), so
+    // which results fit is known exactly.
+    let (mut held, mut dropped) = (0u64, 0u64);
+    for seq in 0..30 {
+        let json = payload(seq);
+        let len = json.len() as u64;
+        if held + len <= BUDGET as u64 {
+            held += len;
+        } else {
+            dropped += 1;
+        }
+        hook.push(json);
+        assert!(
+            load(&stats.held_bytes) <= BUDGET as u64,
+            "{} bytes held after {seq} results",
+            load(&stats.held_bytes)
+        );
+    }
+    // Far under the count bound, so only the bytes can have dropped them.
+    assert!(dropped >= 19, "{dropped}");
+    assert_eq!(load(&stats.dropped_full), dropped);
+    assert_eq!(load(&stats.held_bytes), held);
+    let full = dropped;
+    // A result larger than the whole budget never fits.
+    hook.push(format!("\"{}\"", "y".repeat(BUDGET)));
+    assert_eq!(load(&stats.dropped_full), full + 1);
+    let stats = hook.close(Duration::from_millis(200)).await;
+    assert_eq!(load(&stats.pushed), 31);
+    assert_eq!(
+        load(&stats.posted)
+            + load(&stats.dropped_full)
+            + load(&stats.dropped_failed)
+            + load(&stats.dropped_shutdown),
+        31,
+        "every result is accounted for"
+    );
+    assert_eq!(load(&stats.held_bytes), 0, "nothing held after close");
+
+    // Small results are taken again as soon as bytes are free.
+    let hook = Webhook::spawn_with(
+        http(&format!("http://127.0.0.1:{port}/hook")),
+        limits,
+        policy,
+    );
+    for seq in 0..10 {
+        hook.push(format!("{{\"seq\":{seq}}}"));
+    }
+    assert_eq!(load(&hook.stats().dropped_full), 0);
+    hook.close(Duration::from_millis(200)).await;
 }
 
 #[tokio::test]

@@ -28,7 +28,10 @@ pub struct SupervisorOptions {
     pub loop_file: bool,
     /// First restart delay; it doubles per failure up to `restart_max`.
     pub restart_base: Duration,
-    /// Longest restart delay.
+    /// Longest restart delay. The delay starts again from `restart_base`
+    /// only once a pipeline has delivered frames for at least this long: a
+    /// source that fails right after its first frame is restarted ever more
+    /// slowly, not every `restart_base`.
     pub restart_max: Duration,
     /// A pipeline that produces no frame for this long is restarted.
     pub stall_timeout: Duration,
@@ -108,6 +111,8 @@ pub struct SupervisedCapture {
     backoff: Backoff,
     /// Frames seen by the current capture at `progress_at`.
     progress: (u64, Instant),
+    /// When the current capture started.
+    started_at: Instant,
     /// Counters of captures already stopped.
     past: CaptureCounters,
 }
@@ -135,6 +140,7 @@ impl SupervisedCapture {
             next_seq: options.capture.first_seq,
             restart_at: None,
             progress: (0, Instant::now()),
+            started_at: Instant::now(),
             past: CaptureCounters::default(),
             spec,
             options,
@@ -205,7 +211,8 @@ impl SupervisedCapture {
                 match started {
                     Ok(Ok(c)) => {
                         c.set_limits(self.limits);
-                        self.progress = (0, Instant::now());
+                        self.started_at = Instant::now();
+                        self.progress = (0, self.started_at);
                         self.current = Some(c);
                     }
                     Ok(Err(e)) if e.retryable() => {
@@ -230,7 +237,7 @@ impl SupervisedCapture {
             tokio::select! {
                 r = cap.recv() => match r {
                     Ok(frame) => {
-                        self.backoff.reset();
+                        self.healthy();
                         return Ok(frame);
                     }
                     Err(e) => {
@@ -257,7 +264,7 @@ impl SupervisedCapture {
                         );
                         self.schedule_restart(&why);
                     } else {
-                        self.backoff.reset();
+                        self.healthy();
                         self.progress = (seen, Instant::now());
                     }
                 }
@@ -303,6 +310,12 @@ impl SupervisedCapture {
         };
         counters.limits = Some(self.limits);
         (counters, next_seq)
+    }
+
+    /// The current pipeline delivers frames: once it has done so for
+    /// `restart_max`, the next failure is retried from `restart_base` again.
+    fn healthy(&mut self) {
+        self.backoff.reset_if_stable(self.started_at.elapsed());
     }
 
     fn schedule_restart(&mut self, why: &str) {

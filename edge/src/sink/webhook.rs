@@ -1,9 +1,11 @@
 //! The HTTP webhook sink: results are POSTed as JSON arrays to an `http://`
 //! or `https://` URL by one background task.
 //!
-//! - **Bounded:** results wait in a queue of fixed size; when it is full a
-//!   new result is dropped and counted (`dropped_full`), never blocking the
-//!   edge.
+//! - **Bounded:** results wait in a queue bounded by count and by bytes
+//!   ([`QueueLimits`]: a `raw` model's results can weigh megabytes each);
+//!   when either bound would be passed a new result is dropped and counted
+//!   (`dropped_full`), never blocking the edge. The bytes counted are those
+//!   of every result held: queued, or in the POST under way.
 //! - **Batched:** each POST carries what is queued, up to [`MAX_BATCH`]
 //!   results, as one JSON array.
 //! - **Retried:** connection errors, timeouts, 408, 429 and 5xx are retried
@@ -25,7 +27,7 @@
 use std::path::Path;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -42,6 +44,31 @@ pub const POST_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long [`Webhook::close`] waits for the stopped task to count what it
 /// held before aborting it.
 const STOP_GRACE: Duration = Duration::from_secs(1);
+/// Results the queue holds at most by default (`sinks.webhook_queue`).
+pub const DEFAULT_QUEUE_RESULTS: usize = 1024;
+/// Bytes of results the webhook holds at most by default
+/// (`sinks.webhook_queue_bytes`): 64 MiB.
+pub const DEFAULT_QUEUE_BYTES: usize = 64 << 20;
+
+/// What the webhook holds at most before it drops new results: whichever
+/// bound is reached first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueLimits {
+    /// Results queued (at least 1).
+    pub results: usize,
+    /// Bytes of JSON held, queued or in the POST under way (at least 1). A
+    /// single result larger than this is always dropped.
+    pub bytes: usize,
+}
+
+impl Default for QueueLimits {
+    fn default() -> Self {
+        QueueLimits {
+            results: DEFAULT_QUEUE_RESULTS,
+            bytes: DEFAULT_QUEUE_BYTES,
+        }
+    }
+}
 
 /// Why a webhook URL cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -280,7 +307,7 @@ pub struct WebhookStats {
     pub pushed: AtomicU64,
     /// Results accepted by the server (2xx).
     pub posted: AtomicU64,
-    /// Results dropped because the queue was full.
+    /// Results dropped because the queue was full, by count or by bytes.
     pub dropped_full: AtomicU64,
     /// Results dropped after a final failure or running out of attempts.
     pub dropped_failed: AtomicU64,
@@ -289,6 +316,21 @@ pub struct WebhookStats {
     pub dropped_shutdown: AtomicU64,
     /// POSTs retried.
     pub retries: AtomicU64,
+    /// Bytes of JSON held now, queued or in the POST under way: at most
+    /// [`QueueLimits::bytes`]. Zero once [`Webhook::close`] has returned.
+    pub held_bytes: AtomicU64,
+}
+
+impl WebhookStats {
+    /// Releases `n` bytes held.
+    fn release(&self, n: u64) {
+        // Never below zero, even if an accounting slip happened.
+        let _ = self
+            .held_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                Some(h.saturating_sub(n))
+            });
+    }
 }
 
 /// A running webhook sink. Dropping it ends the queue, and the task finishes
@@ -298,14 +340,30 @@ pub struct WebhookStats {
 pub struct Webhook {
     tx: mpsc::Sender<String>,
     stats: Arc<WebhookStats>,
+    /// [`QueueLimits::bytes`].
+    max_bytes: u64,
+    /// Whether a result larger than the whole byte budget was logged.
+    warned_oversize: AtomicBool,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Webhook {
-    /// Starts the sink's task on the current tokio runtime.
+    /// Starts the sink's task on the current tokio runtime, with a queue of
+    /// `queue` results and the default byte budget
+    /// ([`DEFAULT_QUEUE_BYTES`]).
     pub fn spawn(client: Client, queue: usize, policy: RetryPolicy) -> Webhook {
-        let (tx, rx) = mpsc::channel(queue.max(1));
+        let limits = QueueLimits {
+            results: queue,
+            ..QueueLimits::default()
+        };
+        Webhook::spawn_with(client, limits, policy)
+    }
+
+    /// Starts the sink's task on the current tokio runtime, holding at most
+    /// `limits`.
+    pub fn spawn_with(client: Client, limits: QueueLimits, policy: RetryPolicy) -> Webhook {
+        let (tx, rx) = mpsc::channel(limits.results.max(1));
         let stats = Arc::new(WebhookStats::default());
         let stop = CancellationToken::new();
         let e = &client.endpoint;
@@ -315,22 +373,47 @@ impl Webhook {
         Webhook {
             tx,
             stats,
+            max_bytes: limits.bytes.max(1) as u64,
+            warned_oversize: AtomicBool::new(false),
             stop,
             task,
         }
     }
 
     /// Queues one JSON result without waiting; counts it if the queue is
-    /// full. Works from any thread, inside a tokio runtime or not.
+    /// full, by count or by bytes. Works from any thread, inside a tokio
+    /// runtime or not.
     pub fn push(&self, json: String) {
-        self.stats.pushed.fetch_add(1, Ordering::Relaxed);
+        let stats = &self.stats;
+        stats.pushed.fetch_add(1, Ordering::Relaxed);
+        let len = json.len() as u64;
+        let reserved =
+            stats
+                .held_bytes
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                    held.checked_add(len).filter(|&h| h <= self.max_bytes)
+                });
+        if reserved.is_err() {
+            if len > self.max_bytes && !self.warned_oversize.swap(true, Ordering::Relaxed) {
+                warn!(
+                    bytes = len,
+                    budget = self.max_bytes,
+                    "a result is larger than the webhook's whole byte budget \
+                     (sinks.webhook_queue_bytes); such results are dropped for the webhook"
+                );
+            }
+            stats.dropped_full.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         match self.tx.try_send(json) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
-                self.stats.dropped_full.fetch_add(1, Ordering::Relaxed);
+                stats.release(len);
+                stats.dropped_full.fetch_add(1, Ordering::Relaxed);
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
-                self.stats.dropped_shutdown.fetch_add(1, Ordering::Relaxed);
+                stats.release(len);
+                stats.dropped_shutdown.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -349,6 +432,7 @@ impl Webhook {
             stats,
             stop,
             mut task,
+            ..
         } = self;
         drop(tx);
         if tokio::time::timeout(timeout, &mut task).await.is_err() {
@@ -367,6 +451,8 @@ impl Webhook {
                     load(&stats.pushed).saturating_sub(settled),
                     Ordering::Relaxed,
                 );
+                // What the aborted task held is freed with it.
+                stats.held_bytes.store(0, Ordering::Relaxed);
             }
             warn!(
                 dropped = stats.dropped_shutdown.load(Ordering::Relaxed),
@@ -394,22 +480,31 @@ async fn run(
         if n == 0 {
             break;
         }
+        let held: u64 = batch.iter().map(|j| j.len() as u64).sum();
         let body = format!("[{}]", batch.join(","));
         let n = batch.len() as u64;
         batch.clear();
-        tokio::select! {
+        let stopped = tokio::select! {
             biased;
             _ = stop.cancelled() => {
                 stats.dropped_shutdown.fetch_add(n, Ordering::Relaxed);
-                break;
+                true
             }
-            _ = deliver(&client, &body, n, &policy, &stats) => {}
+            _ = deliver(&client, &body, n, &policy, &stats) => false,
+        };
+        // The batch is posted or dropped: its bytes are free.
+        drop(body);
+        stats.release(held);
+        if stopped {
+            break;
         }
     }
     // Stopped, or the queue ended: whatever is still queued is dropped.
     rx.close();
     let mut left = 0u64;
-    while rx.try_recv().is_ok() {
+    // Bounded: the queue is closed, so it only empties.
+    while let Ok(json) = rx.try_recv() {
+        stats.release(json.len() as u64);
         left += 1;
     }
     stats.dropped_shutdown.fetch_add(left, Ordering::Relaxed);
