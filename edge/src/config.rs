@@ -172,6 +172,14 @@ impl CameraConfig {
                 self.name
             )))
         };
+        if self.name.trim().is_empty() {
+            // the gateway refuses it: an empty camera in a hint means every
+            // camera of the edge
+            return Err(ConfigError::Invalid(format!(
+                "a camera (uri {:?}) has no name: set `name = \"door\"`, unique within the edge",
+                self.uri
+            )));
+        }
         if self.model.trim().is_empty() {
             return Err(ConfigError::Invalid(format!(
                 "camera '{}' has no model: set `model = \"blazeface\"` (or another model the gateway serves)",
@@ -358,6 +366,18 @@ mod tests {
         cfg.validate().unwrap();
         let err = cfg.cameras[0].validate().unwrap_err().to_string();
         assert!(err.contains("'door'") && err.contains("model"), "{err}");
+    }
+
+    #[test]
+    fn camera_without_a_name_is_refused_naming_its_uri() {
+        let cfg = parse(&format!(
+            "{BASE}[[cameras]]\nname = \" \"\nuri = \"test://smpte\"\nmodel = \"m\"\n"
+        ));
+        let err = cfg.cameras[0].validate().unwrap_err().to_string();
+        assert!(
+            err.contains("no name") && err.contains("test://smpte"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -3,10 +3,11 @@
 
 #![cfg(feature = "capture")]
 
+#[path = "support/clip.rs"]
+mod clip;
+
 use std::time::Duration;
 
-use gstreamer as gst;
-use gstreamer::prelude::*;
 use tidegate_edge::capture::{
     CameraStopped, Capture, CaptureError, CaptureOptions, CaptureSpec, Resize, StreamError,
     SupervisedCapture, SupervisorOptions,
@@ -67,29 +68,7 @@ async fn v4l2_pipeline_on_a_device_that_is_not_a_camera_fails_naming_the_camera(
 
 /// Writes a 0.5 s, 30 fps MJPEG AVI.
 fn write_clip(path: &std::path::Path) {
-    write_clip_at(path, 15, "30/1");
-}
-
-/// Writes an MJPEG AVI of `frames` frames at `rate` frames per second.
-fn write_clip_at(path: &std::path::Path, frames: u32, rate: &str) {
-    gst::init().unwrap();
-    let pipeline = gst::parse::launch(&format!(
-        "videotestsrc num-buffers={frames} ! video/x-raw,width=160,height=120,framerate={rate} \
-         ! jpegenc ! avimux ! filesink location={}",
-        path.display()
-    ))
-    .unwrap();
-    pipeline.set_state(gst::State::Playing).unwrap();
-    let msg = pipeline
-        .bus()
-        .unwrap()
-        .timed_pop_filtered(
-            gst::ClockTime::from_seconds(10),
-            &[gst::MessageType::Eos, gst::MessageType::Error],
-        )
-        .expect("writing the clip timed out");
-    pipeline.set_state(gst::State::Null).unwrap();
-    assert_eq!(msg.type_(), gst::MessageType::Eos);
+    clip::write_clip_at(path, 15, "30/1");
 }
 
 fn options(loop_file: bool) -> SupervisorOptions {
@@ -275,7 +254,7 @@ async fn failing_pipeline_is_restarted_with_backoff() {
 async fn a_source_that_fails_right_after_its_first_frame_backs_off() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("slow.avi");
-    write_clip_at(&path, 2, "1/60");
+    clip::write_clip_at(&path, 2, "1/60");
     let opts = SupervisorOptions {
         restart_base: Duration::from_millis(200),
         restart_max: Duration::from_secs(10),

@@ -807,10 +807,12 @@ async fn frame_past_its_deadline_is_reset_and_never_arrives() {
 }
 
 #[cfg(feature = "capture")]
+#[path = "support/clip.rs"]
+mod clip;
+
+#[cfg(feature = "capture")]
 mod node {
     use super::*;
-    use gstreamer as gst;
-    use gstreamer::prelude::*;
     use tidegate_edge::config::EdgeConfig;
     use tidegate_edge::node::{
         CameraSummary, NodeError, NodeOptions, REDIAL_BASE, REDIAL_MAX, RESULT_DRAIN, Summary, run,
@@ -1071,24 +1073,7 @@ mod node {
 
     /// Writes a 1.5 s, 30 fps MJPEG AVI: about 15 frames at a 10 fps cap.
     fn write_clip(path: &std::path::Path) {
-        gst::init().unwrap();
-        let pipeline = gst::parse::launch(&format!(
-            "videotestsrc num-buffers=45 ! video/x-raw,width=160,height=120,framerate=30/1 \
-             ! jpegenc ! avimux ! filesink location={}",
-            path.display()
-        ))
-        .unwrap();
-        pipeline.set_state(gst::State::Playing).unwrap();
-        let msg = pipeline
-            .bus()
-            .unwrap()
-            .timed_pop_filtered(
-                gst::ClockTime::from_seconds(10),
-                &[gst::MessageType::Eos, gst::MessageType::Error],
-            )
-            .expect("writing the clip timed out");
-        pipeline.set_state(gst::State::Null).unwrap();
-        assert_eq!(msg.type_(), gst::MessageType::Eos);
+        crate::clip::write_clip_at(path, 45, "30/1");
     }
 
     /// Runs `cfg` until it returns by itself (bounded), its results written
