@@ -80,6 +80,14 @@ async fn one_running(
 }
 
 /// The Pods and the containers' output, for a failure message.
+/// A provider of the stand-in worker that waits at most 1 s for any API
+/// call (`api_timeout_secs`), for the tests of a server that answers late.
+fn impatient(kube: &MiniKube, out: &std::path::Path) -> KubernetesProvider {
+    let mut cfg = config(kube, out, WORKER);
+    cfg.api_timeout_secs = 1.0;
+    KubernetesProvider::connect(cfg).unwrap()
+}
+
 /// The names of `objects`.
 fn names(objects: &[Value]) -> Vec<String> {
     objects
@@ -519,9 +527,7 @@ async fn a_refused_delete_keeps_the_pod_held_and_its_end_is_news_again() {
 async fn a_pod_creation_answered_too_late_fails_the_acquire_and_leaves_nothing_behind() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut cfg = config(&kube, out.path(), WORKER);
-    cfg.api_timeout_secs = 1.0;
-    let mut p = KubernetesProvider::connect(cfg).unwrap();
+    let mut p = impatient(&kube, out.path());
     let an_hour = Duration::from_secs(3600);
     kube.answer_late("POST", "/api/v1/namespaces/tidegate/pods", an_hour, 1);
     let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
@@ -571,9 +577,7 @@ async fn a_pod_creation_answered_too_late_fails_the_acquire_and_leaves_nothing_b
 async fn a_pod_the_api_server_makes_after_its_acquire_gave_up_is_deleted_when_it_appears() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut cfg = config(&kube, out.path(), WORKER);
-    cfg.api_timeout_secs = 1.0;
-    let mut p = KubernetesProvider::connect(cfg).unwrap();
+    let mut p = impatient(&kube, out.path());
     kube.act_late(
         "POST",
         "/api/v1/namespaces/tidegate/pods",
@@ -626,9 +630,7 @@ async fn a_pod_the_api_server_makes_after_its_acquire_gave_up_is_deleted_when_it
 async fn a_release_the_api_server_does_not_answer_fails_and_is_retried() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut cfg = config(&kube, out.path(), WORKER);
-    cfg.api_timeout_secs = 1.0;
-    let mut p = KubernetesProvider::connect(cfg).unwrap();
+    let mut p = impatient(&kube, out.path());
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     wait_for(
         "the worker",
