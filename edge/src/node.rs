@@ -25,7 +25,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde::Serialize;
-use tidegate_protocol::{ControlHint, DType, Frame, InputSpec, Layout, Status, Tensor};
+use tidegate_protocol::queue;
+use tidegate_protocol::{
+    ControlHint, DType, Frame, FrameResult, InputSpec, Layout, Status, Tensor,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -47,6 +50,13 @@ const SETTLE: Duration = Duration::from_secs(5);
 /// Results queued for the sink thread; when it is full the node waits, and
 /// the wait reaches the gateway through the uplink's bounded queues.
 const SINK_QUEUE: usize = 256;
+/// Bytes of results (see [`FrameResult::held_bytes`]) queued for the sink
+/// thread, whichever of this and [`SINK_QUEUE`] fills first.
+const SINK_QUEUE_BYTES: usize = 64 * 1024 * 1024;
+/// Results the link has taken from the uplink and the node has yet to hand
+/// to the sinks, in count and in bytes.
+const RESULTS_QUEUE: usize = 4096;
+const RESULTS_QUEUE_BYTES: usize = 64 * 1024 * 1024;
 /// How long shutdown waits for the sinks to write what is queued, and for
 /// the webhook to post it.
 const SINK_DRAIN: Duration = Duration::from_secs(5);
@@ -295,12 +305,15 @@ pub async fn run(
     options: NodeOptions,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<Summary, NodeError> {
-    let mut sinks = sinks.spawn(SINK_QUEUE).map_err(NodeError::SinkThread)?;
+    let mut sinks = sinks
+        .spawn(SINK_QUEUE, SINK_QUEUE_BYTES)
+        .map_err(NodeError::SinkThread)?;
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
     let (link_tx, link_rx) = watch::channel::<Option<Uplink>>(None);
     let (hints_tx, hints_rx) = watch::channel(HintBoard::default());
-    let (results_tx, mut results_rx) = mpsc::channel::<Incoming>(4096);
+    let (results_tx, mut results_rx) =
+        queue::channel::<FrameResult>(RESULTS_QUEUE, RESULTS_QUEUE_BYTES);
     let (fatal_tx, mut fatal_rx) = mpsc::channel::<UplinkError>(1);
     let unanswered = Arc::new(Unanswered::default());
 
@@ -422,7 +435,7 @@ pub async fn run(
                 break;
             }
             msg = results_rx.recv() => match msg {
-                Some(Incoming::Result(r)) => {
+                Some(r) => {
                     let now = crate::clock::now_us();
                     results += 1;
                     let is_ok = r.status == Status::Ok;
@@ -453,7 +466,6 @@ pub async fn run(
                     // Handed to the sinks: `finish` below writes it.
                     unanswered.answered(&camera, seq);
                 }
-                Some(Incoming::Hint(_)) => {}
                 None => break,
             },
         }
@@ -525,7 +537,7 @@ async fn link(
     cfg: EdgeConfig,
     link_tx: watch::Sender<Option<Uplink>>,
     hints_tx: watch::Sender<HintBoard>,
-    results: mpsc::Sender<Incoming>,
+    results: queue::Sender<FrameResult>,
     fatal: mpsc::Sender<UplinkError>,
     unanswered: Arc<Unanswered>,
     cancel: CancellationToken,
@@ -589,7 +601,8 @@ async fn link(
                     Some(Incoming::Result(r)) => {
                         let e2e = crate::clock::now_us().saturating_sub(r.captured_at_us);
                         uplink.report_latency(&r.camera, r.seq, e2e);
-                        if results.send(Incoming::Result(r)).await.is_err() {
+                        let size = r.held_bytes();
+                        if results.send(r, size).await.is_err() {
                             return;
                         }
                     }

@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use tidegate_protocol::queue;
 use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
     CameraAccepted, CameraOpen, ControlHint, ErrorCode, ErrorMsg, Frame, FrameResult, GatewayAddr,
@@ -43,6 +44,10 @@ use tracing::{Instrument, debug, info_span, warn};
 /// dropped: result streams wait to be read, and the gateway is held back by
 /// QUIC flow control.
 const INCOMING_QUEUE: usize = 4096;
+/// Bytes of results and hints (see [`Incoming::held_bytes`]) buffered for
+/// the consumer, whichever of this and [`INCOMING_QUEUE`] fills first:
+/// 4096 results of `raw` outputs could otherwise take gigabytes.
+const INCOMING_BYTES: usize = 64 * 1024 * 1024;
 /// Result streams read at once. Further streams wait unaccepted, within the
 /// connection's stream and flow-control limits, while the readers wait for
 /// room in the consumer's queue.
@@ -138,6 +143,17 @@ pub enum Incoming {
     Hint(ControlHint),
 }
 
+impl Incoming {
+    /// Roughly the memory it holds, in bytes (what the uplink's queue of
+    /// them is bounded by).
+    pub fn held_bytes(&self) -> usize {
+        match self {
+            Incoming::Result(r) => r.held_bytes(),
+            Incoming::Hint(h) => std::mem::size_of::<ControlHint>() + h.camera.len(),
+        }
+    }
+}
+
 enum Command {
     Open(
         CameraOpen,
@@ -206,7 +222,7 @@ impl Uplink {
         ca: &Path,
         name: &str,
         token: &str,
-    ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
+    ) -> Result<(Uplink, queue::Receiver<Incoming>), UplinkError> {
         Self::connect_with(addr, server_name, ca, name, token, UplinkOptions::default()).await
     }
 
@@ -220,7 +236,7 @@ impl Uplink {
         name: &str,
         token: &str,
         options: UplinkOptions,
-    ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
+    ) -> Result<(Uplink, queue::Receiver<Incoming>), UplinkError> {
         let client = tidegate_protocol::quic::client_config(ca)?;
         Self::connect_client(addr, server_name, client, name, token, options).await
     }
@@ -236,7 +252,7 @@ impl Uplink {
         name: &str,
         token: &str,
         options: UplinkOptions,
-    ) -> Result<(Uplink, mpsc::Receiver<Incoming>), UplinkError> {
+    ) -> Result<(Uplink, queue::Receiver<Incoming>), UplinkError> {
         let connect_err = |reason: String| UplinkError::Connect {
             addr: addr.clone(),
             reason,
@@ -266,7 +282,7 @@ impl Uplink {
             other => UplinkError::Lost(other.to_string()),
         })?;
 
-        let (in_tx, in_rx) = mpsc::channel(INCOMING_QUEUE);
+        let (in_tx, in_rx) = queue::channel(INCOMING_QUEUE, INCOMING_BYTES);
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
         let span =
             info_span!("uplink", gateway = %addr, addr = %conn.remote_address(), edge = name);
@@ -750,7 +766,7 @@ async fn control(
     mut send: quinn::SendStream,
     recv: quinn::RecvStream,
     mut commands: mpsc::Receiver<Command>,
-    incoming: mpsc::Sender<Incoming>,
+    incoming: queue::Sender<Incoming>,
 ) {
     // Camera opens are answered in order on this stream.
     let mut pending: VecDeque<oneshot::Sender<Result<CameraAccepted, UplinkError>>> =
@@ -824,7 +840,7 @@ async fn control(
 async fn on_control_message(
     msg: Message,
     pending: &mut VecDeque<oneshot::Sender<Result<CameraAccepted, UplinkError>>>,
-    incoming: &mpsc::Sender<Incoming>,
+    incoming: &queue::Sender<Incoming>,
 ) {
     match msg {
         Message::CameraAccepted(a) => match pending.pop_front() {
@@ -845,7 +861,9 @@ async fn on_control_message(
         // Waits for room rather than dropping the hint: a hint is rare and
         // the latest one is the one in force.
         Message::ControlHint(h) => {
-            if incoming.send(Incoming::Hint(h)).await.is_err() {
+            let hint = Incoming::Hint(h);
+            let size = hint.held_bytes();
+            if incoming.send(hint, size).await.is_err() {
                 debug!("hint consumer gone");
             }
         }
@@ -855,10 +873,11 @@ async fn on_control_message(
 
 /// Accepts result streams and forwards their results, reading at most
 /// [`RESULT_READERS`] streams at once. A reader waits for room in the
-/// consumer's queue, so a slow consumer slows the gateway down instead of
-/// losing results. A stream that does not carry one well-formed `Result` is
+/// consumer's queue (a slot, and the result's bytes), so a slow consumer
+/// slows the gateway down instead of losing results; what the edge holds
+/// is bounded by that queue and the results its readers hold. A stream that does not carry one well-formed `Result` is
 /// stopped with its error code (protocol §7.3).
-async fn results(conn: quinn::Connection, incoming: mpsc::Sender<Incoming>) {
+async fn results(conn: quinn::Connection, incoming: queue::Sender<Incoming>) {
     let readers = Arc::new(Semaphore::new(RESULT_READERS));
     loop {
         let permit = tokio::select! {
@@ -877,7 +896,8 @@ async fn results(conn: quinn::Connection, incoming: mpsc::Sender<Incoming>) {
                 let _permit = permit;
                 match read_message(&mut recv, &Limits::default()).await {
                     Ok(Some(Message::Result(r))) => {
-                        if incoming.send(Incoming::Result(r)).await.is_err() {
+                        let size = r.held_bytes();
+                        if incoming.send(Incoming::Result(r), size).await.is_err() {
                             debug!("result consumer gone");
                         }
                     }

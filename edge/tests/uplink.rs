@@ -357,7 +357,7 @@ impl ScriptedGateway {
         &mut self,
     ) -> (
         Uplink,
-        mpsc::Receiver<Incoming>,
+        tidegate_protocol::queue::Receiver<Incoming>,
         (quinn::Connection, quinn::SendStream, quinn::RecvStream),
     ) {
         let addr = GatewayAddr::from(self.addr);
@@ -370,7 +370,7 @@ impl ScriptedGateway {
         addr: &GatewayAddr,
     ) -> (
         Uplink,
-        mpsc::Receiver<Incoming>,
+        tidegate_protocol::queue::Receiver<Incoming>,
         (quinn::Connection, quinn::SendStream, quinn::RecvStream),
     ) {
         let connect = Uplink::connect(addr, "localhost", &self.ca, "edge-1", "t");

@@ -11,7 +11,9 @@
 //!
 //! The optional `quic` feature adds the adapters that read and write these
 //! messages on quinn streams, builds the rustls configurations, and resolves
-//! and dials a [`GatewayAddr`].
+//! and dials a [`GatewayAddr`]. It also adds the `queue` module: a queue
+//! bounded by bytes as well as by items, where results wait between the
+//! tasks that pass them on.
 //! `docs/protocol.md` specifies the format for implementers in other languages.
 
 pub mod addr;
@@ -23,6 +25,8 @@ pub mod error;
 pub mod fuzzing;
 pub mod limits;
 pub mod message;
+#[cfg(feature = "quic")]
+pub mod queue;
 #[cfg(feature = "quic")]
 pub mod quic;
 pub mod result;

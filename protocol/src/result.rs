@@ -130,3 +130,80 @@ pub struct FrameResult {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub outputs: Vec<OutputTensor>,
 }
+
+impl FrameResult {
+    /// Roughly the memory this result holds, in bytes: the struct, its
+    /// strings, detections with their keypoints, and its output tensors'
+    /// data. What queues of results are bounded by (see the `queue`
+    /// module). An output slicing a larger received buffer holds that
+    /// buffer too; whoever keeps such a result for long copies its outputs
+    /// out first.
+    pub fn held_bytes(&self) -> usize {
+        let reason = match &self.status {
+            Status::Failed(why) => why.len(),
+            _ => 0,
+        };
+        let detections: usize = self
+            .detections
+            .iter()
+            .map(|d| std::mem::size_of::<Detection>() + std::mem::size_of_val(&d.keypoints[..]))
+            .sum();
+        let outputs: usize = self
+            .outputs
+            .iter()
+            .map(|o| {
+                std::mem::size_of::<OutputTensor>()
+                    + o.name.len()
+                    + std::mem::size_of_val(&o.shape[..])
+                    + o.data.len()
+            })
+            .sum();
+        std::mem::size_of::<FrameResult>() + self.camera.len() + reason + detections + outputs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    #[test]
+    fn held_bytes_counts_strings_detections_keypoints_and_output_data() {
+        let bare = FrameResult {
+            camera: String::new(),
+            seq: 1,
+            captured_at_us: 2,
+            status: Status::Ok,
+            detections: Vec::new(),
+            timings: Timings::default(),
+            outputs: Vec::new(),
+        };
+        let base = bare.held_bytes();
+        assert_eq!(base, std::mem::size_of::<FrameResult>());
+
+        let detection = Detection {
+            x1: 0.0,
+            y1: 0.0,
+            x2: 1.0,
+            y2: 1.0,
+            score: 0.5,
+            class: 0,
+            keypoints: vec![[0.0, 0.0]; 6],
+        };
+        let full = FrameResult {
+            camera: "door".into(),
+            status: Status::Failed("no worker".into()),
+            detections: vec![detection.clone(), detection],
+            outputs: vec![OutputTensor {
+                name: "emb".into(),
+                dtype: DType::F32,
+                shape: vec![1, 256],
+                data: bytes::Bytes::from(vec![0u8; 1024]),
+            }],
+            ..bare
+        };
+        let detection = std::mem::size_of::<Detection>() + 6 * 8;
+        let output = std::mem::size_of::<OutputTensor>() + 3 + 2 * 4 + 1024;
+        assert_eq!(full.held_bytes(), base + 4 + 9 + 2 * detection + output);
+    }
+}

@@ -12,8 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
+use tidegate_protocol::queue;
 use tidegate_protocol::{Detection, FrameResult, OutputTensor, Status, Timings};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 /// One result as a JSON line.
 #[derive(Debug, Serialize)]
@@ -141,9 +142,10 @@ impl Sinks {
     }
 
     /// Starts a thread that writes results to these sinks, in the order
-    /// they are queued, from a queue of `queue` results.
-    pub fn spawn(self, queue: usize) -> std::io::Result<SinkWriter> {
-        let (tx, mut rx) = mpsc::channel::<Queued>(queue.max(1));
+    /// they are queued, from a queue of at most `results` results and
+    /// `bytes` bytes of them (see [`FrameResult::held_bytes`]).
+    pub fn spawn(self, results: usize, bytes: usize) -> std::io::Result<SinkWriter> {
+        let (tx, mut rx) = queue::channel::<Queued>(results, bytes);
         let (done_tx, done) = oneshot::channel();
         let mut sinks = self;
         std::thread::Builder::new()
@@ -224,7 +226,7 @@ pub enum FinishError {
 /// [`Sinks::spawn`].
 #[derive(Debug)]
 pub struct SinkWriter {
-    tx: Option<mpsc::Sender<Queued>>,
+    tx: Option<queue::Sender<Queued>>,
     done: oneshot::Receiver<SinkReport>,
     /// The thread's report, once [`SinkWriter::stopped`] has seen it.
     report: Option<Result<SinkReport, FinishError>>,
@@ -241,11 +243,15 @@ impl SinkWriter {
         labels: Arc<Vec<String>>,
     ) -> Result<(), SinksStopped> {
         let tx = self.tx.as_ref().ok_or(SinksStopped)?;
-        tx.send(Queued {
-            result,
-            received_at_us,
-            labels,
-        })
+        let size = result.held_bytes();
+        tx.send(
+            Queued {
+                result,
+                received_at_us,
+                labels,
+            },
+            size,
+        )
         .await
         .map_err(|_| SinksStopped)
     }
@@ -358,12 +364,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("r.jsonl");
         let file = std::fs::File::create(&path).unwrap();
-        // A queue much shorter than the results: `write` waits for room.
+        // A queue with slots for a thousand results but bytes for three:
+        // `write` waits for room.
         let writer = Sinks {
             file: Some(file),
             ..Sinks::default()
         }
-        .spawn(4)
+        .spawn(1000, 3 * ok_result(0).held_bytes())
         .unwrap();
         let labels = Arc::new(vec!["person".to_string()]);
         for seq in 0..200 {
@@ -398,7 +405,7 @@ mod tests {
             file: Some(file),
             ..Sinks::default()
         }
-        .spawn(4)
+        .spawn(4, 1 << 20)
         .unwrap();
         writer
             .write(ok_result(1), 2_000, Arc::default())
