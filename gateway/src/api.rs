@@ -36,8 +36,40 @@ pub struct ApiState {
     pub reloader: Arc<Reloader>,
 }
 
+/// Requests the API serves at once. The snapshot routes ask the hub (the
+/// task frames go through) and the lease routes the lease manager (which
+/// also answers worker logins): a flood of requests past this is answered
+/// `503` at once instead of queueing in front of them.
+pub const MAX_CONCURRENT_REQUESTS: usize = 64;
+
+/// Answers `503 Service Unavailable` (with `Retry-After: 1`) to a request
+/// that finds [`MAX_CONCURRENT_REQUESTS`] under way.
+async fn limit_concurrency(
+    State(slots): State<Arc<tokio::sync::Semaphore>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match slots.try_acquire() {
+        Ok(_slot) => next.run(request).await,
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, "1")],
+            "too many API requests under way; try again\n",
+        )
+            .into_response(),
+    }
+}
+
 /// The router.
 pub fn router(state: ApiState) -> Router {
+    router_with_slots(
+        state,
+        Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REQUESTS)),
+    )
+}
+
+/// [`router`] with the slots its requests take.
+fn router_with_slots(state: ApiState, slots: Arc<tokio::sync::Semaphore>) -> Router {
     Router::new()
         .route("/", get(status_page))
         .route("/metrics", get(metrics))
@@ -55,6 +87,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/v1/leases/{id}/release", post(release_lease))
         .route("/api/v1/reload", post(reload))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(
+            slots,
+            limit_concurrency,
+        ))
 }
 
 async fn metrics(State(s): State<ApiState>) -> Response {
@@ -67,6 +103,16 @@ async fn metrics(State(s): State<ApiState>) -> Response {
 
 /// The refusal of a mutating route, unless the request carries
 /// `Authorization: Bearer <admin token>`.
+/// The token of an `Authorization: Bearer <token>` value; the scheme's
+/// name is case-insensitive (RFC 7235 §2.1).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
+        .filter(|t| !t.is_empty())
+}
+
 fn refuse_unless_admin(s: &ApiState, headers: &HeaderMap) -> Option<Response> {
     let Some(digest) = s.access.admin_token_sha256() else {
         return Some((
@@ -79,10 +125,17 @@ fn refuse_unless_admin(s: &ApiState, headers: &HeaderMap) -> Option<Response> {
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(bearer_token);
     match token {
-        Some(t) if token_matches(t.trim(), &digest) => None,
-        Some(_) => Some((StatusCode::UNAUTHORIZED, "wrong admin token\n").into_response()),
+        Some(t) if token_matches(t, &digest) => None,
+        Some(_) => Some(
+            (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer error=\"invalid_token\"")],
+                "wrong admin token\n",
+            )
+                .into_response(),
+        ),
         None => Some(
             (
                 StatusCode::UNAUTHORIZED,
@@ -401,12 +454,32 @@ pub fn parse_time(s: &str) -> Result<u64, String> {
             .map(|ms| ms as u64)
             .map_err(|_| format!("{s:?} is too large for ms since the epoch"));
     }
-    rfc3339_ms(s).ok_or_else(|| {
-        format!("{s:?} is neither ms since the Unix epoch nor RFC 3339 (2026-12-02T17:00:00Z)")
-    })
+    match rfc3339_ms(s) {
+        Some(Ok(ms)) => Ok(ms),
+        Some(Err(BeforeEpoch)) => Err(format!("{s:?} is before 1970 (the Unix epoch)")),
+        None => Err(format!(
+            "{s:?} is neither ms since the Unix epoch nor RFC 3339 (2026-12-02T17:00:00Z)"
+        )),
+    }
 }
 
-fn rfc3339_ms(s: &str) -> Option<u64> {
+/// An RFC 3339 time before the Unix epoch.
+struct BeforeEpoch;
+
+/// Days in `month` (1..=12) of `year`, in the proleptic Gregorian calendar.
+fn days_in_month(year: i64, month: i64) -> i64 {
+    match month {
+        2 if year % 4 == 0 && (year % 100 != 0 || year % 400 == 0) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// ms since the epoch of an RFC 3339 time; `None` when it is not one (an
+/// impossible date such as February 31st, or an offset past ±23:59,
+/// included).
+fn rfc3339_ms(s: &str) -> Option<Result<u64, BeforeEpoch>> {
     let b = s.as_bytes();
     let num = |r: std::ops::Range<usize>| -> Option<i64> {
         let t = s.get(r)?;
@@ -422,7 +495,12 @@ fn rfc3339_ms(s: &str) -> Option<u64> {
     }
     let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
     let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+    if !(1..=12).contains(&mo)
+        || !(1..=days_in_month(y, mo)).contains(&d)
+        || h > 23
+        || mi > 59
+        || sec > 60
+    {
         return None;
     }
     let mut i = 19;
@@ -442,14 +520,18 @@ fn rfc3339_ms(s: &str) -> Option<u64> {
     let offset_min = match b.get(i)? {
         b'Z' | b'z' if i + 1 == b.len() => 0,
         sign @ (b'+' | b'-') if i + 6 == b.len() && b[i + 3] == b':' => {
-            let m = num(i + 1..i + 3)? * 60 + num(i + 4..i + 6)?;
+            let (oh, om) = (num(i + 1..i + 3)?, num(i + 4..i + 6)?);
+            if oh > 23 || om > 59 {
+                return None;
+            }
+            let m = oh * 60 + om;
             if *sign == b'+' { m } else { -m }
         }
         _ => return None,
     };
     let days = tidegate_lease::billing::days_from_civil(y, mo, d);
     let secs = days * 86_400 + h * 3600 + mi * 60 + sec - offset_min * 60;
-    u64::try_from(secs * 1000 + ms).ok()
+    Some(u64::try_from(secs * 1000 + ms).map_err(|_| BeforeEpoch))
 }
 
 #[cfg(test)]
@@ -545,15 +627,90 @@ mod tests {
         let missing = refuse_unless_admin(&state, &with(None)).unwrap();
         assert_eq!(missing.status(), StatusCode::UNAUTHORIZED);
         assert_eq!(missing.headers()[header::WWW_AUTHENTICATE], "Bearer");
-        for wrong in ["Bearer s3creT", "Basic s3cret", "s3cret", "Bearer "] {
-            assert_eq!(
-                status(refuse_unless_admin(&state, &with(Some(wrong)))),
-                Some(StatusCode::UNAUTHORIZED),
-                "{wrong}"
+        for wrong in [
+            "Bearer s3creT",
+            "Basic s3cret",
+            "s3cret",
+            "Bearer ",
+            "Bearers3cret",
+        ] {
+            let refused = refuse_unless_admin(&state, &with(Some(wrong)));
+            assert_eq!(status(refused), Some(StatusCode::UNAUTHORIZED), "{wrong}");
+        }
+        let wrong = refuse_unless_admin(&state, &with(Some("Bearer s3creT"))).unwrap();
+        assert_eq!(
+            wrong.headers()[header::WWW_AUTHENTICATE],
+            "Bearer error=\"invalid_token\""
+        );
+        for right in ["Bearer s3cret", "bearer s3cret", "BEARER  s3cret "] {
+            assert!(
+                refuse_unless_admin(&state, &with(Some(right))).is_none(),
+                "{right}"
             );
         }
-        assert!(refuse_unless_admin(&state, &with(Some("Bearer s3cret"))).is_none());
+
+        // Through the router on a real socket: every POST route refuses a
+        // request without the token before it does anything.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = router(state.clone());
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let routes: Vec<&str> = [
+            "/api/v1/workers/w/drain",
+            "/api/v1/leases/1/release",
+            "/api/v1/reload",
+        ]
+        .to_vec();
+        for route in &routes {
+            for auth in [None, Some("Bearer wrong")] {
+                let code = post_status(addr, route, auth).await;
+                assert_eq!(code, 401, "POST {route} with {auth:?}");
+            }
+        }
+        // With the token each gets past the check (to its own answer).
+        for route in &routes {
+            let code = post_status(addr, route, Some("Bearer s3cret")).await;
+            assert_ne!(code, 401, "POST {route} with the token");
+        }
+        server.abort();
+
+        // Requests past the slots are answered 503 at once.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        let app = router_with_slots(state, slots.clone());
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let taken = slots.clone().try_acquire_owned().unwrap();
+        assert_eq!(post_status(addr, "/api/v1/reload", None).await, 503);
+        drop(taken);
+        assert_eq!(post_status(addr, "/api/v1/reload", None).await, 401);
+        server.abort();
         cancel.cancel();
+    }
+
+    /// The status code of `POST route` on `addr`, with `auth` as its
+    /// `Authorization` header.
+    async fn post_status(addr: std::net::SocketAddr, route: &str, auth: Option<&str>) -> u16 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let auth = auth.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
+        let req = format!(
+            "POST {route} HTTP/1.1\r\nHost: gateway\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            s.read_to_string(&mut answer),
+        )
+        .await
+        .expect("answered in time")
+        .unwrap();
+        answer
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("no status line: {answer:?}"))
     }
 
     #[test]
@@ -579,16 +736,26 @@ mod tests {
             let e = parse_time(huge).unwrap_err();
             assert!(e.contains("too large"), "{huge}: {e}");
         }
+        assert_eq!(parse_time("2000-02-29T00:00:00Z"), Ok(951_782_400_000));
         for bad in [
             "",
             "yesterday",
             "2025-13-01T00:00:00Z",
             "2025-12-02T17:00:00",
             "-5",
+            "2025-02-31T00:00:00Z",
+            "2025-02-29T00:00:00Z",
+            "1900-02-29T00:00:00Z",
+            "2025-04-31T00:00:00Z",
+            "2025-12-02T17:00:00+24:00",
+            "2025-12-02T17:00:00-01:60",
+            "2025-12-02T17:00:00+99:99",
         ] {
             let e = parse_time(bad).unwrap_err();
             assert!(e.contains("RFC 3339"), "{bad}: {e}");
         }
+        let e = parse_time("1969-12-31T23:59:59Z").unwrap_err();
+        assert!(e.contains("before 1970"), "{e}");
     }
 
     proptest::proptest! {

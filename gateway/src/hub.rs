@@ -7,12 +7,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use serde::Serialize;
+use tidegate_protocol::queue;
 use tidegate_protocol::{
     BatchResult, ControlHint, Dispatch, DispatchItem, Frame, FrameResult, InputSpec, ItemResult,
     ModelInfo, Register, Status,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 use tidegate_lease::LeaseId;
@@ -89,8 +91,9 @@ pub enum HubMsg {
         edge: EdgeId,
         /// Its configured name.
         name: String,
-        /// Where its results go (the connection's result writer).
-        results: mpsc::Sender<FrameResult>,
+        /// Where its results go (the connection's result writer), bounded
+        /// by bytes as well as results.
+        results: queue::Sender<FrameResult>,
         /// Where control hints go (the connection's control-stream writer).
         hints: HintBox,
     },
@@ -371,6 +374,8 @@ pub struct Served {
 #[derive(Debug, Clone)]
 pub struct Hub {
     tx: mpsc::Sender<HubMsg>,
+    /// What the hub had not yet reported when it stopped.
+    last: watch::Receiver<Option<LoadReport>>,
 }
 
 impl Hub {
@@ -397,6 +402,21 @@ impl Hub {
             return None;
         }
         rx.await.ok()
+    }
+
+    /// The frames served and the usage not yet taken by a
+    /// [`Hub::load_report`]: from a report now while the hub runs, else
+    /// what it left when it stopped (waiting for it to stop). `None` only
+    /// if it ended without leaving one (it panicked). A clean shutdown asks
+    /// this last, so the work of its final moments still reaches the
+    /// ledger.
+    pub async fn unreported(&self) -> Option<LoadReport> {
+        if let Some(r) = self.load_report(Vec::new()).await {
+            return Some(r);
+        }
+        let mut last = self.last.clone();
+        let left = last.wait_for(Option::is_some).await.ok()?;
+        (*left).clone()
     }
 
     /// A snapshot for the API.
@@ -438,7 +458,7 @@ struct Pending {
 
 struct EdgeEntry {
     name: Arc<str>,
-    results: mpsc::Sender<FrameResult>,
+    results: queue::Sender<FrameResult>,
     hints: HintBox,
     /// Its open cameras: model and declared budget (ms).
     cameras: HashMap<String, (String, u32)>,
@@ -542,11 +562,17 @@ pub fn spawn(
         latencies: HashMap::new(),
         budgets: HashMap::new(),
     };
-    tracker.spawn(run(state, rx, cancel));
-    Hub { tx }
+    let (last_tx, last) = watch::channel(None);
+    tracker.spawn(run(state, rx, last_tx, cancel));
+    Hub { tx, last }
 }
 
-async fn run(mut st: State, mut rx: mpsc::Receiver<HubMsg>, cancel: CancellationToken) {
+async fn run(
+    mut st: State,
+    mut rx: mpsc::Receiver<HubMsg>,
+    last: watch::Sender<Option<LoadReport>>,
+    cancel: CancellationToken,
+) {
     let mut hint_tick = tokio::time::interval(HINT_TICK);
     hint_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -577,6 +603,8 @@ async fn run(mut st: State, mut rx: mpsc::Receiver<HubMsg>, cancel: Cancellation
         }
     }
     tracing::debug!(counters = ?st.scheduler.counters(), "hub stopped");
+    // Before `rx` goes: a report asked for and not answered finds this.
+    last.send_replace(Some(st.load_report(Vec::new())));
 }
 
 impl State {
@@ -852,8 +880,17 @@ impl State {
                 let mut outcomes = Vec::with_capacity(result.items.len());
                 let mut inference_us = 0;
                 let share = u64::from(latency_us) / result.items.len().max(1) as u64;
-                for item in result.items {
+                let shared_buffer = result.items.len() > 1;
+                for mut item in result.items {
                     inference_us = inference_us.max(item.timings.inference_us);
+                    if shared_buffer {
+                        // Raw outputs slice the whole batch's buffer: copied
+                        // out, a result waiting for its edge holds its own
+                        // bytes (what its queue counts), not its batch's.
+                        for o in &mut item.outputs {
+                            o.data = Bytes::copy_from_slice(&o.data);
+                        }
+                    }
                     let id = FrameId(item.id);
                     if let Some(p) = self.pending.get_mut(&id) {
                         p.served_by = lease;
@@ -1115,10 +1152,10 @@ impl State {
                     status,
                     timings,
                 };
-                let delivered = self
-                    .edges
-                    .get(&p.edge)
-                    .is_some_and(|e| e.results.try_send(result).is_ok());
+                let delivered = self.edges.get(&p.edge).is_some_and(|e| {
+                    let size = result.held_bytes();
+                    e.results.try_send(result, size).is_ok()
+                });
                 if !delivered {
                     self.metrics.undeliverable.inc();
                 }
@@ -1368,6 +1405,26 @@ pub(crate) mod tests {
             .expect("open")
     }
 
+    /// Frame `seq` of edge 1, with 500 ms to go, sent to the hub; the
+    /// batch worker 1 is given for it.
+    async fn dispatched(hub: &Hub, batches: &mut mpsc::Receiver<Dispatch>, seq: u64) -> Dispatch {
+        hub.send(HubMsg::Frame {
+            edge: EdgeId(1),
+            frame: frame(seq),
+            deadline: Instant::now() + Duration::from_millis(500),
+        })
+        .await;
+        recv(batches).await
+    }
+
+    /// The next result an edge was sent.
+    async fn recv_result(rx: &mut queue::Receiver<FrameResult>) -> FrameResult {
+        tokio::time::timeout(Duration::from_secs(2), rx.recv())
+            .await
+            .expect("in time")
+            .expect("open")
+    }
+
     /// A hub with no hints, and the token that stops it.
     fn hub() -> (Hub, CancellationToken) {
         hub_with(Metrics::new())
@@ -1406,8 +1463,15 @@ pub(crate) mod tests {
     }
 
     /// Connects edge 1; the results it is sent.
-    async fn connect_edge(hub: &Hub) -> mpsc::Receiver<FrameResult> {
-        let (results, answers) = mpsc::channel(8);
+    async fn connect_edge(hub: &Hub) -> queue::Receiver<FrameResult> {
+        connect_edge_with(hub, queue::channel(8, 1 << 20)).await
+    }
+
+    /// [`connect_edge`] with its results queue.
+    async fn connect_edge_with(
+        hub: &Hub,
+        (results, answers): (queue::Sender<FrameResult>, queue::Receiver<FrameResult>),
+    ) -> queue::Receiver<FrameResult> {
         hub.send(HubMsg::EdgeConnected {
             edge: EdgeId(1),
             name: "e".into(),
@@ -1518,7 +1582,7 @@ pub(crate) mod tests {
             drain: CancellationToken::new(),
         })
         .await;
-        let (results, _answers) = mpsc::channel(64);
+        let (results, _answers) = queue::channel(64, 1 << 20);
         let hints = HintBox::new();
         hub.send(HubMsg::EdgeConnected {
             edge: EdgeId(1),
@@ -1595,7 +1659,7 @@ pub(crate) mod tests {
         send_frame(&hub, 1, 5_000).await;
         let d = recv(&mut batches).await;
         assert_eq!(d.items.len(), 1);
-        let r = recv(&mut answers).await;
+        let r = recv_result(&mut answers).await;
         assert_eq!(r.status, Status::Failed("worker stalled".into()));
         let closed = tokio::time::timeout(Duration::from_secs(2), batches.recv()).await;
         assert!(
@@ -1633,7 +1697,7 @@ pub(crate) mod tests {
             },
         })
         .await;
-        assert_eq!(recv(&mut answers).await.status, Status::Ok);
+        assert_eq!(recv_result(&mut answers).await.status, Status::Ok);
         cancel.cancel();
     }
 
@@ -1647,13 +1711,7 @@ pub(crate) mod tests {
         let mut batches = connect_worker(&hub, Some(LeaseId(7))).await;
         let _answers = connect_edge(&hub).await;
         hub.send(HubMsg::EdgeGone { edge: EdgeId(1) }).await;
-        hub.send(HubMsg::Frame {
-            edge: EdgeId(1),
-            frame: frame(1),
-            deadline: Instant::now() + Duration::from_millis(500),
-        })
-        .await;
-        let d = recv(&mut batches).await;
+        let d = dispatched(&hub, &mut batches, 1).await;
         answer(&hub, &d, ok_item).await;
         let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
         assert_eq!(r.usage.len(), 1, "{r:?}");
@@ -1717,7 +1775,7 @@ pub(crate) mod tests {
         .await;
         let d = recv(&mut batches).await;
         answer(&hub, &d, ok_item).await;
-        assert_eq!(recv(&mut answers).await.status, Status::Ok);
+        assert_eq!(recv_result(&mut answers).await.status, Status::Ok);
 
         let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
         assert_eq!(r.served.len(), 1, "{r:?}");
@@ -1754,7 +1812,7 @@ pub(crate) mod tests {
             deadline: Instant::now() + Duration::from_millis(50),
         })
         .await;
-        let answer = recv(&mut answers).await;
+        let answer = recv_result(&mut answers).await;
         assert_ne!(answer.status, Status::Ok, "{answer:?}");
         assert!(batches.try_recv().is_err(), "no batch to a draining lease");
         let snap = hub.snapshot().await.unwrap();
@@ -1781,7 +1839,7 @@ pub(crate) mod tests {
             deadline: Instant::now() + Duration::from_millis(50),
         })
         .await;
-        let answer = recv(&mut answers).await;
+        let answer = recv_result(&mut answers).await;
         assert_ne!(answer.status, Status::Ok, "{answer:?}");
         assert!(batches.try_recv().is_err(), "no batch to a draining worker");
         assert!(hub.snapshot().await.unwrap().frames.balanced());
@@ -1845,7 +1903,7 @@ pub(crate) mod tests {
         assert!(hub.model_info(MODEL).await.is_some());
         assert_eq!(hub.snapshot().await.unwrap().models[0].workers, 0);
         send_frame(&hub, 1, 50).await;
-        let r = recv(&mut answers).await;
+        let r = recv_result(&mut answers).await;
         assert_ne!(r.status, Status::Ok, "{r:?}");
         assert!(batches.try_recv().is_err(), "no batch while unbound");
 
@@ -1859,7 +1917,7 @@ pub(crate) mod tests {
         send_frame(&hub, 2, 500).await;
         let d = recv(&mut batches).await;
         answer(&hub, &d, ok_item).await;
-        assert_eq!(recv(&mut answers).await.status, Status::Ok);
+        assert_eq!(recv_result(&mut answers).await.status, Status::Ok);
         let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
         assert_eq!(r.served.len(), 1, "{r:?}");
         assert_eq!(r.served[0].0, LeaseId(5));
@@ -1877,10 +1935,10 @@ pub(crate) mod tests {
             "the dispatch channel is still open"
         );
         answer(&hub, &held, ok_item).await;
-        let r = recv(&mut answers).await;
+        let r = recv_result(&mut answers).await;
         assert_eq!((r.seq, r.status), (3, Status::Ok));
         send_frame(&hub, 4, 50).await;
-        let r = recv(&mut answers).await;
+        let r = recv_result(&mut answers).await;
         assert_ne!(r.status, Status::Ok, "{r:?}");
         assert!(batches.try_recv().is_err(), "no batch once unbound");
         assert!(hub.load_report(vec![]).await.unwrap().workers.is_empty());
@@ -1895,7 +1953,7 @@ pub(crate) mod tests {
         send_frame(&hub, 5, 500).await;
         let d = recv(&mut batches).await;
         answer(&hub, &d, ok_item).await;
-        let r = recv(&mut answers).await;
+        let r = recv_result(&mut answers).await;
         assert_eq!((r.seq, r.status), (5, Status::Ok));
         let snap = hub.snapshot().await.unwrap();
         assert!(snap.frames.balanced(), "{:?}", snap.frames);
@@ -1923,7 +1981,7 @@ pub(crate) mod tests {
         // take it: failed, worker lost) and the late answer is ignored
         hub.send(HubMsg::LeaseUnbound { lease: LeaseId(5) }).await;
         hub.send(bind(6)).await;
-        let r = recv(&mut answers).await;
+        let r = recv_result(&mut answers).await;
         assert_eq!(r.seq, 1);
         assert!(matches!(r.status, Status::Failed(_)), "{r:?}");
         answer(&hub, &old, ok_item).await;
@@ -1932,7 +1990,7 @@ pub(crate) mod tests {
         let new = recv(&mut batches).await;
         assert_ne!(new.batch, old.batch);
         answer(&hub, &new, ok_item).await;
-        let r = recv(&mut answers).await;
+        let r = recv_result(&mut answers).await;
         assert_eq!((r.seq, r.status), (2, Status::Ok));
         let snap = hub.snapshot().await.unwrap();
         assert!(snap.frames.balanced(), "{:?}", snap.frames);
@@ -1942,7 +2000,7 @@ pub(crate) mod tests {
             "{:?}",
             snap.frames
         );
-        assert!(answers.try_recv().is_err(), "one result per frame");
+        assert!(answers.try_recv().is_none(), "one result per frame");
         let r = hub.load_report(vec![]).await.unwrap();
         assert_eq!(r.served.len(), 1, "{r:?}");
         assert_eq!(
@@ -1976,13 +2034,7 @@ pub(crate) mod tests {
         let embedding =
             OutputTensor::from_f32("embedding", vec![1, 3], &[0.25, -1.0, 4.0]).unwrap();
         for (seq, ok) in [(1, true), (2, false)] {
-            hub.send(HubMsg::Frame {
-                edge: EdgeId(1),
-                frame: frame(seq),
-                deadline: Instant::now() + Duration::from_millis(500),
-            })
-            .await;
-            let d = recv(&mut batches).await;
+            let d = dispatched(&hub, &mut batches, seq).await;
             answer(&hub, &d, |id| ItemResult {
                 status: if ok {
                     Status::Ok
@@ -2002,7 +2054,7 @@ pub(crate) mod tests {
                 ..ok_item(id)
             })
             .await;
-            let r = recv(&mut answers).await;
+            let r = recv_result(&mut answers).await;
             assert_eq!(r.seq, seq);
             if ok {
                 assert_eq!(r.status, Status::Ok);
@@ -2014,5 +2066,83 @@ pub(crate) mod tests {
             }
         }
         cancel.cancel();
+    }
+
+    #[tokio::test]
+    async fn results_past_an_edges_byte_budget_are_dropped_and_counted() {
+        let metrics = Metrics::new();
+        let (hub, cancel) = hub_with(metrics.clone());
+        let mut batches = connect_worker(&hub, None).await;
+        // 64 KiB of raw output a frame; the edge's queue has room for the
+        // bytes of one such result, though it has slots for eight.
+        let big = OutputTensor::from_f32("map", vec![1, 16384], &[0.5; 16384]).unwrap();
+        let one = FrameResult {
+            camera: "cam".into(),
+            seq: 1,
+            captured_at_us: 0,
+            status: Status::Ok,
+            detections: Vec::new(),
+            timings: Default::default(),
+            outputs: vec![big.clone()],
+        }
+        .held_bytes();
+        let mut answers = connect_edge_with(&hub, queue::channel(8, one + one / 2)).await;
+        let mut serve = async |seq: u64, extra: Option<u64>| {
+            let d = dispatched(&hub, &mut batches, seq).await;
+            let mut items: Vec<ItemResult> = d
+                .items
+                .iter()
+                .map(|i| ItemResult {
+                    outputs: vec![big.clone()],
+                    ..ok_item(i.id)
+                })
+                .collect();
+            // An answer for a frame the hub no longer holds shares the
+            // batch's buffer, as the frames of a real batch do.
+            items.extend(extra.map(|id| ItemResult {
+                outputs: vec![big.clone()],
+                ..ok_item(id)
+            }));
+            hub.send(HubMsg::BatchDone {
+                worker: WorkerId(1),
+                result: BatchResult {
+                    batch: d.batch,
+                    items,
+                },
+            })
+            .await;
+        };
+        serve(1, Some(999)).await;
+        serve(2, None).await;
+        eventually_counted(&metrics, 1).await;
+        let r = recv_result(&mut answers).await;
+        assert_eq!((r.seq, r.status), (1, Status::Ok));
+        assert_eq!(r.outputs, vec![big.clone()]);
+        assert_ne!(
+            r.outputs[0].data.as_ptr(),
+            big.data.as_ptr(),
+            "an output of a batch of many is copied out of the batch's buffer"
+        );
+        assert!(answers.is_empty(), "the second result did not fit");
+        // Taken, its bytes are free again: the next result fits.
+        serve(3, None).await;
+        let r = recv_result(&mut answers).await;
+        assert_eq!(r.seq, 3);
+        assert_eq!(
+            r.outputs[0].data.as_ptr(),
+            big.data.as_ptr(),
+            "the output of a batch of one is its buffer's own, not copied"
+        );
+        assert_eq!(metrics.undeliverable.get(), 1);
+        cancel.cancel();
+    }
+
+    /// Waits until `n` results were counted undeliverable.
+    async fn eventually_counted(metrics: &Metrics, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while metrics.undeliverable.get() != n && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(metrics.undeliverable.get(), n);
     }
 }

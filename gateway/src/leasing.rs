@@ -977,6 +977,10 @@ impl Shell {
     /// already draining are released; the others stay live, their workers
     /// running, for the next start to adopt.
     async fn shutdown(mut self) {
+        // what the workers did since the last tick reaches the ledger too
+        if let Some(report) = self.hub.unreported().await {
+            self.record(wall_clock_ms(), &report);
+        }
         // the acquisitions under way are answered first (each within its
         // provider's deadline): a worker that was started is released below
         self.stopping = true;
@@ -1909,7 +1913,13 @@ impl Shell {
                     .inc();
                 if !refused {
                     self.start_failed();
-                } else if a.depth < 2 {
+                } else {
+                    // the autoscaler hears of every refusal: it asks for
+                    // that model, type and tier again only after a cool-off
+                    // (spot: on-demand instead meanwhile), so a full fleet
+                    // or quota is not asked, and recorded `failed`, every
+                    // tick; what it asks instead is carried out within a
+                    // bounded chain of refusals
                     let more = self.autoscaler.on_event(
                         now,
                         Event::AcquireRefused {
@@ -1918,7 +1928,9 @@ impl Shell {
                             tier,
                         },
                     );
-                    Box::pin(self.execute(now, more, a.depth + 1)).await;
+                    if a.depth < 2 {
+                        Box::pin(self.execute(now, more, a.depth + 1)).await;
+                    }
                 }
             }
         }
@@ -2799,7 +2811,7 @@ min_fps = {min_fps}
         let (l, hub, cancel, tracker, metrics) = start_fake_with_hub(&cfg, &script, limits);
         let id = first_lease(&l).await;
         l.registered(id).await;
-        let (results, _answers) = mpsc::channel(8);
+        let (results, _answers) = tidegate_protocol::queue::channel(8, 1 << 20);
         hub.send(HubMsg::EdgeConnected {
             edge: crate::scheduler::EdgeId(1),
             name: "e".into(),
@@ -2838,16 +2850,7 @@ min_fps = {min_fps}
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(lease(&l, id).await.last_seen_at, None);
         let before = wall_clock_ms();
-        let (dispatch, _batches) = mpsc::channel(8);
-        hub.send(HubMsg::WorkerConnected {
-            worker: crate::scheduler::WorkerId(1),
-            register: crate::hub::tests::register(),
-            dispatch,
-            lease: Some(id),
-            static_worker: None,
-            drain: CancellationToken::new(),
-        })
-        .await;
+        let _batches = leased_worker(&hub, id, 1).await;
         eventually(GUARD, "its worker recorded as seen", || async {
             lease(&l, id)
                 .await
@@ -2858,10 +2861,77 @@ min_fps = {min_fps}
         stop(cancel, tracker).await;
     }
 
-    /// Worker `n` registers for `lease` with the hub and takes frame `n`
-    /// of edge 1, which it never answers.
-    async fn stall_once(hub: &Hub, lease: LeaseId, n: u64) {
-        let (dispatch, mut batches) = mpsc::channel(8);
+    #[tokio::test]
+    async fn frames_served_since_the_last_tick_reach_the_ledger_on_a_clean_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path(), "static-peak", 10);
+        // one tick, the first: everything after it is reported at the stop
+        cfg.tick_ms = 3_600_000;
+        let script = Arc::new(Script::default());
+        let (l, hub, cancel, tracker, _) =
+            start_fake_with_hub(&cfg, &script, crate::scheduler::Limits::default());
+        let id = first_lease(&l).await;
+        let mut batches = leased_worker(&hub, id, 1).await;
+        let (results, mut answers) = tidegate_protocol::queue::channel(8, 1 << 20);
+        hub.send(HubMsg::EdgeConnected {
+            edge: crate::scheduler::EdgeId(1),
+            name: "e".into(),
+            results,
+            hints: crate::hub::HintBox::new(),
+        })
+        .await;
+        for seq in 1..=3 {
+            hub.send(HubMsg::Frame {
+                edge: crate::scheduler::EdgeId(1),
+                frame: crate::hub::tests::frame(seq),
+                deadline: std::time::Instant::now() + Duration::from_secs(5),
+            })
+            .await;
+            let d = tokio::time::timeout(GUARD, batches.recv())
+                .await
+                .unwrap()
+                .expect("a batch");
+            let items = d
+                .items
+                .iter()
+                .map(|i| tidegate_protocol::ItemResult {
+                    id: i.id,
+                    status: tidegate_protocol::Status::Ok,
+                    detections: Vec::new(),
+                    timings: Default::default(),
+                    outputs: Vec::new(),
+                })
+                .collect();
+            hub.send(HubMsg::BatchDone {
+                worker: crate::scheduler::WorkerId(1),
+                result: tidegate_protocol::BatchResult {
+                    batch: d.batch,
+                    items,
+                },
+            })
+            .await;
+            let r = tokio::time::timeout(GUARD, answers.recv())
+                .await
+                .unwrap()
+                .expect("a result");
+            assert_eq!(r.status, tidegate_protocol::Status::Ok);
+        }
+        stop(cancel, tracker).await;
+        let ledger = Ledger::open(&cfg.ledger).unwrap();
+        let r = ledger.lease(id).unwrap().expect("in the ledger");
+        assert_eq!(r.frames_within_slo + r.frames_late, 3, "{r:?}");
+        // and the worker time each edge took, for the cost split
+        let costs = ledger.costs(0, wall_clock_ms() + 1).unwrap();
+        assert_eq!(costs.by_edge.keys().collect::<Vec<_>>(), ["e"], "{costs:?}");
+    }
+
+    /// Worker `n` registers with the hub for `lease`; its batches.
+    async fn leased_worker(
+        hub: &Hub,
+        lease: LeaseId,
+        n: u64,
+    ) -> mpsc::Receiver<tidegate_protocol::Dispatch> {
+        let (dispatch, batches) = mpsc::channel(8);
         hub.send(HubMsg::WorkerConnected {
             worker: crate::scheduler::WorkerId(n),
             register: crate::hub::tests::register(),
@@ -2871,6 +2941,13 @@ min_fps = {min_fps}
             drain: CancellationToken::new(),
         })
         .await;
+        batches
+    }
+
+    /// Worker `n` registers for `lease` with the hub and takes frame `n`
+    /// of edge 1, which it never answers.
+    async fn stall_once(hub: &Hub, lease: LeaseId, n: u64) {
+        let mut batches = leased_worker(hub, lease, n).await;
         hub.send(HubMsg::Frame {
             edge: crate::scheduler::EdgeId(1),
             frame: crate::hub::tests::frame(n),
@@ -3243,6 +3320,38 @@ reserved = 1
         cancel.cancel();
         tracker.close();
         tracker.wait().await;
+    }
+
+    #[tokio::test]
+    async fn acquires_the_provider_refuses_are_not_asked_again_at_every_tick() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = static_config(dir.path());
+        // 100 fps (+3%) takes six 20-fps workers; one is listed, reserved:
+        // five spot acquires are refused, then their on-demand fallbacks
+        cfg.models[0].min_fps = 100.0;
+        let (l, cancel, tracker) = start(&cfg).await;
+        let failed = |all: &[LeaseRecord], tier: Tier| {
+            all.iter()
+                .filter(|r| r.tier == tier && r.state == LeaseState::Ended(EndReason::Failed))
+                .count()
+        };
+        until("an on-demand fallback refused", || async {
+            failed(&l.leases(false, 1000).await.unwrap(), Tier::OnDemand) > 0
+        })
+        .await;
+        // 20 ticks of 100 ms within the cool-offs (spot 15 min, on-demand
+        // 1 min): nothing more is asked
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let all = l.leases(false, 1000).await.unwrap();
+        cancel.cancel();
+        tracker.close();
+        tracker.wait().await;
+        assert_eq!(failed(&all, Tier::Spot), 5, "{all:?}");
+        assert!(
+            (1..=5).contains(&failed(&all, Tier::OnDemand)),
+            "one round of on-demand refusals at most: {all:?}"
+        );
+        assert_eq!(failed(&all, Tier::Reserved), 0, "{all:?}");
     }
 
     #[tokio::test]

@@ -1,8 +1,10 @@
 //! `tidegate-gateway`: the QUIC gateway between edges and GPU workers.
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -172,7 +174,17 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// How long shutdown waits for HTTP requests under way (and connections
+/// that have not finished sending one) before it closes them: axum's
+/// graceful shutdown alone waits for ever on a client that sent half a
+/// request and went quiet.
+const HTTP_GRACE: Duration = Duration::from_secs(5);
+
 async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<()> {
+    // Before anything can announce the gateway: a SIGHUP or SIGTERM sent
+    // as soon as it is listening must reload or stop it, not kill it by
+    // the signal's default action.
+    let signals = Signals::install()?;
     let server_config = tidegate_protocol::quic::server_config(&cfg.quic.cert, &cfg.quic.key)
         .context("loading the gateway's TLS certificate")?;
     let endpoint = quinn::Endpoint::server(server_config, cfg.quic.listen)
@@ -239,25 +251,37 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
         access: access.clone(),
         reloader: reloader.clone(),
     });
+    let Signals { hangup, mut stop } = signals;
     #[cfg(unix)]
-    tracker.spawn(reload_on_sighup(reloader, cancel.clone()));
+    tracker.spawn(reload_on_sighup(reloader, hangup, cancel.clone()));
+    #[cfg(not(unix))]
+    let _ = (reloader, hangup);
     {
         let cancel = cancel.clone();
         tracker.spawn(async move {
             let shutdown = cancel.clone();
-            if let Err(e) = axum::serve(http, api)
+            let serve = axum::serve(http, api)
                 .with_graceful_shutdown(async move { shutdown.cancelled().await })
-                .await
-            {
-                tracing::error!("HTTP server failed: {e}");
-                cancel.cancel();
+                .into_future();
+            let grace_over = async {
+                cancel.cancelled().await;
+                tokio::time::sleep(HTTP_GRACE).await;
+            };
+            tokio::select! {
+                served = serve => if let Err(e) = served {
+                    tracing::error!("HTTP server failed: {e}");
+                    cancel.cancel();
+                },
+                _ = grace_over => tracing::warn!(
+                    "HTTP connections still open {HTTP_GRACE:?} after shutdown began are closed"
+                ),
             }
         });
     }
     let srv = server::Server::new(cfg, hub, metrics, tracker.clone(), access, leasing);
     tracker.spawn(srv.serve(endpoint, cancel.clone()));
 
-    shutdown_signal().await;
+    stop.recv().await;
     tracing::info!("shutting down");
     cancel.cancel();
     tracker.close();
@@ -265,18 +289,76 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
     Ok(())
 }
 
+/// The gateway's signal handlers, installed before it binds anything.
+struct Signals {
+    /// SIGHUP (reload), where there is one.
+    #[cfg(unix)]
+    hangup: Option<tokio::signal::unix::Signal>,
+    #[cfg(not(unix))]
+    hangup: (),
+    /// SIGTERM or Ctrl-C (stop).
+    stop: Stop,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Signals> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let hangup = match signal(SignalKind::hangup()) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::error!(
+                        "cannot install the SIGHUP handler ({e}); reload with POST /api/v1/reload"
+                    );
+                    None
+                }
+            };
+            let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+            let interrupt =
+                signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+            Ok(Signals {
+                hangup,
+                stop: Stop { term, interrupt },
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Signals {
+            hangup: (),
+            stop: Stop {},
+        })
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C (SIGINT).
+struct Stop {
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Stop {
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.interrupt.recv() => {},
+            _ = self.term.recv() => {},
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
 /// Reloads the configuration on every SIGHUP until shutdown.
 #[cfg(unix)]
-async fn reload_on_sighup(reloader: Arc<reload::Reloader>, cancel: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = match signal(SignalKind::hangup()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(
-                "cannot install the SIGHUP handler ({e}); reload with POST /api/v1/reload"
-            );
-            return;
-        }
+async fn reload_on_sighup(
+    reloader: Arc<reload::Reloader>,
+    hup: Option<tokio::signal::unix::Signal>,
+    cancel: CancellationToken,
+) {
+    let Some(mut hup) = hup else {
+        return;
     };
     loop {
         tokio::select! {
@@ -290,21 +372,6 @@ async fn reload_on_sighup(reloader: Arc<reload::Reloader>, cancel: CancellationT
             Err(e) => tracing::error!("configuration reload task failed: {e}"),
         }
     }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing the SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {},
-            _ = term.recv() => {},
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }
 
 #[cfg(test)]

@@ -227,6 +227,10 @@ impl Reloader {
                     self.metrics.revoked.with_label_values(&[role]).inc();
                 }
             }
+            // Nothing was tried (a SIGHUP to a gateway started without
+            // `--config`): the credentials in force are as they were, and
+            // no later reload could clear an alert raised by it.
+            Err(ReloadError::NoFile) => {}
             Err(_) => {
                 let m = &self.metrics;
                 m.config_reloads.with_label_values(&["error"]).inc();
@@ -371,8 +375,16 @@ mod tests {
     fn without_a_file_there_is_nothing_to_reload() {
         let running = Config::default_config();
         let access = Arc::new(Access::new(Credentials::from_config(&running)));
-        let r = Reloader::new(None, running, access, None, Metrics::new());
+        let metrics = Metrics::new();
+        let r = Reloader::new(None, running, access, None, metrics.clone());
         assert!(matches!(r.reload(), Err(ReloadError::NoFile)));
+        // Not a failed reload: the alert on failed reloads stays quiet.
+        let text = metrics.render();
+        assert!(
+            text.contains("tidegate_config_last_reload_successful 1"),
+            "{text}"
+        );
+        assert!(!text.contains("result=\"error\""), "{text}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use tidegate_protocol::queue;
 use tidegate_protocol::quic::{read_message, read_message_of, write_message};
 use tidegate_protocol::{
     CameraAccepted, Drain, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Kind, Limits, Message,
@@ -26,6 +27,11 @@ use crate::scheduler::{EdgeId, WorkerId};
 /// Results buffered per edge connection, and as many again being written,
 /// before they are dropped (counted as undeliverable).
 const RESULT_QUEUE: usize = 1024;
+/// Bytes of results (see [`FrameResult::held_bytes`]) buffered and being
+/// written per edge connection before they are dropped (counted as
+/// undeliverable): 1024 results of a few detections take a few hundred
+/// KiB, but of `raw` outputs they could take gigabytes.
+const RESULT_QUEUE_BYTES: usize = 64 * 1024 * 1024;
 /// Cameras one edge connection may open: each costs the hub a route and
 /// the status API a row, so a buggy edge (a timestamp in each camera's
 /// name) cannot grow them without bound.
@@ -41,6 +47,8 @@ const HEARTBEAT_MS: u32 = 1000;
 const HEARTBEAT_LOSS: u32 = 3;
 /// How long a client has to send `Hello`.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a worker has, once welcomed, to send its `Register`.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Shared state of the listener.
 #[derive(Debug)]
@@ -234,7 +242,8 @@ impl Server {
             cancel,
             revoked,
         } = link;
-        let (results_tx, mut results_rx) = mpsc::channel::<FrameResult>(RESULT_QUEUE);
+        let (results_tx, mut results_rx) =
+            queue::channel::<FrameResult>(RESULT_QUEUE, RESULT_QUEUE_BYTES);
         let hint_box = HintBox::new();
         if !self
             .hub
@@ -272,7 +281,8 @@ impl Server {
         // Results: one unidirectional stream each, at most RESULT_QUEUE
         // being written at once. An edge that stops taking its streams
         // then fills the queue, and the hub drops and counts what follows
-        // instead of the gateway holding every result in a task.
+        // instead of the gateway holding every result in a task. A result
+        // being written keeps its bytes counted in the queue's budget.
         let writer = {
             let conn = conn.clone();
             let tracker = self.tracker.clone();
@@ -281,12 +291,13 @@ impl Server {
                 // The permit first: a result waiting for one stays in the
                 // queue, where it counts.
                 while let Ok(permit) = writing.clone().acquire_owned().await {
-                    let Some(r) = results_rx.recv().await else {
+                    let Some(r) = results_rx.recv_held().await else {
                         break;
                     };
+                    let (r, bytes) = r.into_parts();
                     let conn = conn.clone();
                     tracker.spawn(async move {
-                        let _permit = permit;
+                        let _permits = (permit, bytes);
                         let Ok(mut s) = conn.open_uni().await else {
                             return;
                         };
@@ -496,7 +507,33 @@ impl Server {
             cancel,
             revoked,
         } = link;
-        let register = match read_message_of(&mut ctl_recv, &self.limits, &[Kind::Register]).await {
+        // A worker sends Register right after Welcome. Until it does, its
+        // connection is bounded in time and still answers a revocation
+        // (a reload that removed its entry) and shutdown.
+        let read = tokio::select! {
+            r = tokio::time::timeout(
+                REGISTER_TIMEOUT,
+                read_message_of(&mut ctl_recv, &self.limits, &[Kind::Register]),
+            ) => r,
+            _ = revoked.cancelled() => {
+                let msg = revoked_message(Role::Worker, &name);
+                warn!("{msg} before it registered; closing the connection");
+                refuse(&conn, &mut ctl_send, ErrorCode::Unauthorized, msg).await;
+                return;
+            }
+            _ = cancel.cancelled() => {
+                conn.close(0u32.into(), b"gateway shutting down");
+                return;
+            }
+        };
+        let Ok(read) = read else {
+            let msg =
+                format!("worker '{name}': no Register within {REGISTER_TIMEOUT:?} of its Welcome");
+            warn!("{msg}");
+            refuse(&conn, &mut ctl_send, ErrorCode::Malformed, msg).await;
+            return;
+        };
+        let register = match read {
             Ok(Some(Message::Register(r))) => r,
             other => {
                 let msg =

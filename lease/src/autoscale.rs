@@ -16,7 +16,10 @@
 //!   `now + start-up`, so capacity is warm before a scheduled ramp;
 //! * the reserved floor is leased first, then spot for the rest, then
 //!   on-demand when spot was refused recently or to replace a preempted
-//!   spot lease;
+//!   spot lease; an on-demand or reserved acquire that the provider
+//!   refused is not asked for again (that model, type and tier) for
+//!   `refused_cooloff`, so a fleet or quota that is full is not asked every
+//!   tick;
 //! * the instance type is the one with the lowest expected cost per frame
 //!   at the SLO (price, over throughput, with spot's expected re-start
 //!   cost);
@@ -30,6 +33,13 @@
 //! start-up time, because releasing a lease that will be needed sooner than
 //! a replacement could start saves nothing.
 //!
+//! In every policy, a ready lease is released only if the other *ready*
+//! leases still cover the down-target: leases requested or starting count
+//! as capacity for scale-up (so nothing is acquired twice), but they serve
+//! nothing yet and may never start. Each reserved floor keeps the first
+//! `count` reserved leases of its type; reserved leases beyond those (the
+//! floor lowered, or its type changed) are surplus like any other lease.
+//!
 //! A lease whose model has no [`ModelLoad`] in the observation (its model
 //! was removed from the configuration, or it has none recorded) serves no
 //! load: it is surplus as a whole, released by each policy's own rule (see
@@ -40,7 +50,8 @@
 //! acquire an on-demand replacement at once. Paid-block-aware then hands
 //! such on-demand leases back to spot: a start-up before an on-demand
 //! lease's block ends, its capacity stops counting for scale-up (a spot
-//! lease starts), and at the block end it is released as surplus.
+//! lease starts), and at the block end it is released as surplus if the
+//! spot lease is ready by then; if not, it is kept for another block.
 //!
 //! The baselines (`static-peak`, `reactive-idle-timeout`, `tidal`) are the
 //! same code with parts switched off, so the simulator compares policies,
@@ -168,7 +179,9 @@ pub struct PolicyConfig {
     pub headroom: f64,
     /// Never let the summed hourly price of live leases exceed this.
     pub spend_cap_per_hour: Option<Money>,
-    /// Reserved floor, leased first and never released.
+    /// Reserved floor, leased first. Each floor keeps the first `count`
+    /// reserved leases of its model and type; reserved leases beyond those
+    /// (a floor lowered, or its type changed) are released like any other.
     pub reserved: Vec<ReservedFloor>,
     /// Configured tidal minimum schedule.
     pub schedule: Vec<ScheduleEntry>,
@@ -192,6 +205,12 @@ pub struct PolicyConfig {
     pub idle_timeout_ms: Millis,
     /// After spot is refused, use on-demand for this long.
     pub spot_refused_cooloff_ms: Millis,
+    /// After an on-demand or reserved acquire is refused (no capacity of
+    /// that type and tier: a static fleet all bound, a quota, a missing
+    /// partition), that model, type and tier is not asked for again for
+    /// this long, so a refusal is not repeated (and recorded) every tick.
+    #[serde(default = "default_refused_cooloff_ms")]
+    pub refused_cooloff_ms: Millis,
     /// Static-peak: the peak rate per model it is sized for.
     pub static_peak_fps: BTreeMap<String, f64>,
     /// Time a queue should drain in when p95 is over budget (s).
@@ -216,11 +235,16 @@ impl PolicyConfig {
             surplus_hold_ms: 2 * 60_000,
             idle_timeout_ms: 5 * 60_000,
             spot_refused_cooloff_ms: 15 * 60_000,
+            refused_cooloff_ms: default_refused_cooloff_ms(),
             static_peak_fps: BTreeMap::new(),
             queue_drain_secs: 30.0,
             max_acquire_per_event: 2000,
         }
     }
+}
+
+fn default_refused_cooloff_ms() -> Millis {
+    60_000
 }
 
 /// Load and capability of one model, measured by the gateway.
@@ -263,11 +287,12 @@ pub struct LeaseView {
 }
 
 impl LeaseView {
+    /// Until when the lease is paid at `now`. A lease with no billing start
+    /// yet (its provider has not answered, or the write of its start is
+    /// pending) is taken to start now: once it does, its first block is
+    /// paid, so it is neither near a block end nor free to release.
     fn paid_until(&self, now: Millis) -> Millis {
-        match self.billing_start {
-            Some(s) => billing::paid_until(s, now, self.granularity),
-            None => now,
-        }
+        billing::paid_until(self.billing_start.unwrap_or(now), now, self.granularity)
     }
 }
 
@@ -405,6 +430,9 @@ pub struct Autoscaler {
     models: HashMap<String, ModelState>,
     leases: HashMap<LeaseId, LeaseView>,
     spot_refused_until: HashMap<String, Millis>,
+    /// Until when each refused on-demand or reserved (model, type, tier) is
+    /// not asked for.
+    refused_until: HashMap<(String, String, Tier), Millis>,
     /// Preempted leases whose on-demand replacement was already asked for.
     replaced: BTreeSet<LeaseId>,
     /// Leases stopped from dispatch (preemption notice).
@@ -435,6 +463,7 @@ impl Autoscaler {
             models: HashMap::new(),
             leases: HashMap::new(),
             spot_refused_until: HashMap::new(),
+            refused_until: HashMap::new(),
             replaced: BTreeSet::new(),
             stopped: BTreeSet::new(),
             idle_since: HashMap::new(),
@@ -479,11 +508,25 @@ impl Autoscaler {
         }
     }
 
-    /// Cheapest type per frame for `tier`, with its throughput and price.
-    fn best_type(&self, load: &ModelLoad, tier: Tier) -> Option<(String, f64, Money)> {
+    /// Whether `model`'s acquires of `instance_type` in `tier` may be made
+    /// at `now`: not within the cool-off of a refusal of the same.
+    fn may_ask(&self, now: Millis, model: &str, instance_type: &str, tier: Tier) -> bool {
+        self.refused_until
+            .get(&(model.to_string(), instance_type.to_string(), tier))
+            .is_none_or(|&until| until <= now)
+    }
+
+    /// Cheapest type per frame for `tier` among those `askable`, with its
+    /// throughput and price.
+    fn best_type(
+        &self,
+        load: &ModelLoad,
+        tier: Tier,
+        askable: impl Fn(&str) -> bool,
+    ) -> Option<(String, f64, Money)> {
         let mut best: Option<(String, f64, Money, f64)> = None;
         for (ty, &fps) in &load.throughput_fps {
-            if fps <= 0.0 || !fps.is_finite() {
+            if fps <= 0.0 || !fps.is_finite() || !askable(ty) {
                 continue;
             }
             let Some(it) = self.catalog.get(ty) else {
@@ -548,16 +591,30 @@ impl Autoscaler {
     }
 
     fn on_tick(&mut self, now: Millis, obs: Observation) -> Vec<Action> {
-        self.leases = obs
+        let leases: HashMap<LeaseId, LeaseView> = obs
             .leases
             .iter()
             .filter(|l| !l.state.is_ended())
             .map(|l| (l.id, l.clone()))
             .collect();
+        // A lease that held capacity (it had started) and has ended freed
+        // a worker of its type (a static worker unbound, quota given
+        // back): a refusal of that type is worth asking again at once.
+        let freed: BTreeSet<&str> = self
+            .leases
+            .values()
+            .filter(|l| l.billing_start.is_some() && !leases.contains_key(&l.id))
+            .map(|l| l.instance_type.as_str())
+            .collect();
+        self.refused_until
+            .retain(|(_, ty, _), _| !freed.contains(ty.as_str()));
+        self.leases = leases;
         self.stopped.retain(|id| self.leases.contains_key(id));
         self.replaced.retain(|id| self.leases.contains_key(id));
         self.idle_since.retain(|id, _| self.leases.contains_key(id));
+        self.refused_until.retain(|_, until| *until > now);
         self.pending_burn = Money::ZERO;
+        let kept = self.floor_kept();
         let mut actions = Vec::new();
         let mut burn = self.burn();
         let mut budget = self.cfg.max_acquire_per_event;
@@ -579,11 +636,40 @@ impl Autoscaler {
                 st.history.pop_front();
             }
             st.learner.observe(now, load.arrival_fps);
-            self.scale_model(now, load, &mut burn, &mut budget, &mut actions);
+            self.scale_model(now, load, &kept, &mut burn, &mut budget, &mut actions);
         }
-        self.release_orphans(now, &obs.models, &mut actions);
+        self.release_orphans(now, &obs.models, &kept, &mut actions);
         self.pending_burn = burn - self.burn();
         actions
+    }
+
+    /// The reserved leases the floors keep: per floor, the first `count`
+    /// reserved leases of its model and type (those that serve first, then
+    /// the oldest). The other reserved leases (a floor lowered, its type
+    /// changed, or no floor for their model any more) are surplus like any
+    /// other lease.
+    fn floor_kept(&self) -> BTreeSet<LeaseId> {
+        let mut reserved: Vec<&LeaseView> = self
+            .leases
+            .values()
+            .filter(|l| l.tier == Tier::Reserved)
+            .collect();
+        reserved.sort_by_key(|l| {
+            let serves = l.state != LeaseState::Draining && !self.stopped.contains(&l.id);
+            (!serves, l.id)
+        });
+        let mut kept = BTreeSet::new();
+        for floor in &self.cfg.reserved {
+            let ids: Vec<LeaseId> = reserved
+                .iter()
+                .filter(|l| l.model == floor.model && l.instance_type == floor.instance_type)
+                .map(|l| l.id)
+                .filter(|id| !kept.contains(id))
+                .take(floor.count as usize)
+                .collect();
+            kept.extend(ids);
+        }
+        kept
     }
 
     /// Scale-down of the leases whose model has no [`ModelLoad`] in this
@@ -597,16 +683,22 @@ impl Autoscaler {
     /// `reactive-idle-timeout` once it has been idle (it gets no frames)
     /// for `idle_timeout`; `static-peak`, whose fleet is sized per model,
     /// has no fleet for such a model and releases them at once. A reserved
-    /// lease is kept only while a floor names its model.
-    fn release_orphans(&mut self, now: Millis, models: &[ModelLoad], actions: &mut Vec<Action>) {
+    /// lease is kept only while a floor keeps it (`kept`, see
+    /// [`Autoscaler::floor_kept`]).
+    fn release_orphans(
+        &mut self,
+        now: Millis,
+        models: &[ModelLoad],
+        kept: &BTreeSet<LeaseId>,
+        actions: &mut Vec<Action>,
+    ) {
         let observed: BTreeSet<&str> = models.iter().map(|m| m.model.as_str()).collect();
-        let floors: BTreeSet<&str> = self.cfg.reserved.iter().map(|f| f.model.as_str()).collect();
         let mut orphans: Vec<&LeaseView> = self
             .leases
             .values()
             .filter(|l| !observed.contains(l.model.as_str()))
             .filter(|l| l.state != LeaseState::Draining && !self.stopped.contains(&l.id))
-            .filter(|l| !(l.tier == Tier::Reserved && floors.contains(l.model.as_str())))
+            .filter(|l| !kept.contains(&l.id))
             .collect();
         orphans.sort_by_key(|l| l.id);
         self.orphan_since
@@ -641,13 +733,14 @@ impl Autoscaler {
         &mut self,
         now: Millis,
         load: &ModelLoad,
+        kept: &BTreeSet<LeaseId>,
         burn: &mut Money,
         budget: &mut u32,
         actions: &mut Vec<Action>,
     ) {
         let policy = self.cfg.policy;
         let h = self.cfg.headroom;
-        let Some((best_od_type, _, _)) = self.best_type(load, Tier::OnDemand) else {
+        let Some((best_od_type, _, _)) = self.best_type(load, Tier::OnDemand, |_| true) else {
             return;
         };
         let lead = self.startup_ms(&best_od_type) + 60_000;
@@ -717,7 +810,11 @@ impl Autoscaler {
         // replacement, or bought while spot was refused) whose block ends
         // within a start-up is retired: its capacity is not counted for
         // scale-up, so a spot replacement starts now and is warm when the
-        // on-demand block ends and the lease is released as surplus.
+        // on-demand block ends and the lease is released as surplus (if the
+        // replacement is not ready by then, the lease is kept for another
+        // block: see the scale-down). A lease with no billing start yet is
+        // taken to start now (`LeaseView::paid_until`), so it is not
+        // retiring.
         let retiring: f64 = if policy == PolicyName::PaidBlockAware && spot_ok {
             mine.iter()
                 .filter(|l| serving(l) && l.tier == Tier::OnDemand)
@@ -736,7 +833,9 @@ impl Autoscaler {
         // reserved floor first
         if policy.uses_tiers() {
             for floor in self.cfg.reserved.clone() {
-                if floor.model != load.model {
+                if floor.model != load.model
+                    || !self.may_ask(now, &load.model, &floor.instance_type, Tier::Reserved)
+                {
                     continue;
                 }
                 let have = mine
@@ -769,7 +868,8 @@ impl Autoscaler {
             }
         }
         let tier = if spot_ok { Tier::Spot } else { Tier::OnDemand };
-        if let Some((ty, fps, price)) = self.best_type(load, tier) {
+        let askable = |ty: &str| self.may_ask(now, &load.model, ty, tier);
+        if let Some((ty, fps, price)) = self.best_type(load, tier, askable) {
             let reason = if capacity + 1e-9 >= up_target {
                 AcquireReason::Rebalance
             } else if up_target > rate * (1.0 + h) + queue_fps + 1e-9 {
@@ -795,10 +895,21 @@ impl Autoscaler {
         }
 
         // --- scale down ---
-        let surplus = cap + retiring - down_target;
+        // Releasing a lease that serves must leave enough *ready* capacity:
+        // a lease still requested or starting counts for scale-up (nothing
+        // is acquired twice) but serves nothing yet, and may never start.
+        let ready_cap: f64 = mine
+            .iter()
+            .filter(|l| serving(l) && l.state == LeaseState::Ready)
+            .map(|l| Self::lease_fps(load, l))
+            .sum();
+        let surplus = Surplus {
+            all: cap + retiring - down_target,
+            ready: ready_cap - down_target,
+        };
         let releasable: Vec<&LeaseView> = mine
             .iter()
-            .filter(|l| serving(l) && l.tier != Tier::Reserved)
+            .filter(|l| serving(l) && !kept.contains(&l.id))
             .collect();
         match policy {
             PolicyName::StaticPeak => {}
@@ -813,7 +924,7 @@ impl Autoscaler {
                 });
                 for l in cands {
                     let fps = Self::lease_fps(load, l);
-                    if surplus + 1e-9 < fps {
+                    if !surplus.covers(l, fps) {
                         continue;
                     }
                     let left = l.paid_until(now).saturating_sub(now);
@@ -825,21 +936,20 @@ impl Autoscaler {
                     if l.granularity == Granularity::Hour && left < self.cfg.release_lead_ms {
                         continue;
                     }
-                    surplus -= fps;
+                    surplus.take(l, fps);
                     actions.push(Action::Release { lease: l.id });
                 }
             }
             PolicyName::Tidal => {
-                let smallest = releasable
-                    .iter()
-                    .map(|l| Self::lease_fps(load, l))
-                    .fold(f64::INFINITY, f64::min);
                 let st = self
                     .models
                     .get_mut(&load.model)
                     .expect("model state exists");
                 // a surplus is at least one whole lease that could go
-                if surplus + 1e-9 >= smallest {
+                if releasable
+                    .iter()
+                    .any(|l| surplus.covers(l, Self::lease_fps(load, l)))
+                {
                     let since = *st.surplus_since.get_or_insert(now);
                     if now >= since + self.cfg.surplus_hold_ms {
                         let mut surplus = surplus;
@@ -850,8 +960,8 @@ impl Autoscaler {
                         });
                         for l in cands {
                             let fps = Self::lease_fps(load, l);
-                            if surplus + 1e-9 >= fps {
-                                surplus -= fps;
+                            if surplus.covers(l, fps) {
+                                surplus.take(l, fps);
                                 actions.push(Action::Release { lease: l.id });
                             }
                         }
@@ -870,8 +980,8 @@ impl Autoscaler {
                 let mut idle_now = BTreeSet::new();
                 for l in cands {
                     let fps = Self::lease_fps(load, l);
-                    if left + 1e-9 >= fps {
-                        left -= fps;
+                    if left.covers(l, fps) {
+                        left.take(l, fps);
                         idle_now.insert(l.id);
                     }
                 }
@@ -891,7 +1001,7 @@ impl Autoscaler {
         }
     }
 
-    fn on_notice(&mut self, _now: Millis, lease: LeaseId) -> Vec<Action> {
+    fn on_notice(&mut self, now: Millis, lease: LeaseId) -> Vec<Action> {
         let mut actions = vec![Action::StopDispatch { lease }];
         self.stopped.insert(lease);
         let Some(view) = self.leases.get(&lease).cloned() else {
@@ -900,10 +1010,15 @@ impl Autoscaler {
         if !self.replaced.insert(lease) {
             return actions;
         }
-        // replace at once, on-demand, with the type the old lease was
+        // replace at once, on-demand, with the type the old lease was,
+        // unless that was refused within its cool-off (the next tick then
+        // chooses another type, or waits)
         let Some(it) = self.catalog.get(&view.instance_type) else {
             return actions;
         };
+        if !self.may_ask(now, &view.model, &view.instance_type, Tier::OnDemand) {
+            return actions;
+        }
         let price = it.price_per_hour.on_demand;
         // the preempted lease stops costing at its deadline; until then both
         // count against the cap
@@ -927,6 +1042,15 @@ impl Autoscaler {
         tier: Tier,
     ) -> Vec<Action> {
         if tier != Tier::Spot {
+            // no capacity of this type and tier: not asked for again until
+            // the cool-off has passed (meanwhile the policy chooses another
+            // type, or waits)
+            let until = now.saturating_add(self.cfg.refused_cooloff_ms);
+            let e = self
+                .refused_until
+                .entry((model, instance_type, tier))
+                .or_insert(until);
+            *e = (*e).max(until);
             return Vec::new();
         }
         self.spot_refused_until
@@ -934,6 +1058,9 @@ impl Autoscaler {
         let Some(it) = self.catalog.get(&instance_type) else {
             return Vec::new();
         };
+        if !self.may_ask(now, &model, &instance_type, Tier::OnDemand) {
+            return Vec::new();
+        }
         let price = it.price_per_hour.on_demand;
         if !self.within_cap(self.burn(), price) {
             return Vec::new();
@@ -945,6 +1072,32 @@ impl Autoscaler {
             tier: Tier::OnDemand,
             reason: AcquireReason::SpotRefused,
         }]
+    }
+}
+
+/// What a model's leases may shed without falling below its down-target:
+/// `all` counts every lease that serves or will (and what this event
+/// acquired), `ready` only those ready now. A lease not yet ready may go
+/// within `all`; a ready one only within both, so that a lease serving now
+/// is never released on the strength of one still starting.
+#[derive(Debug, Clone, Copy)]
+struct Surplus {
+    all: f64,
+    ready: f64,
+}
+
+impl Surplus {
+    /// Whether `l` (of `fps`) may be released.
+    fn covers(&self, l: &LeaseView, fps: f64) -> bool {
+        self.all + 1e-9 >= fps && (l.state != LeaseState::Ready || self.ready + 1e-9 >= fps)
+    }
+
+    /// `l` (of `fps`) is released.
+    fn take(&mut self, l: &LeaseView, fps: f64) {
+        self.all -= fps;
+        if l.state == LeaseState::Ready {
+            self.ready -= fps;
+        }
     }
 }
 
@@ -1005,6 +1158,15 @@ mod tests {
         }
     }
 
+    /// A reserved floor of `count` leases of type `ty` for `model`.
+    fn floor(model: &str, ty: &str, count: u32) -> ReservedFloor {
+        ReservedFloor {
+            model: model.into(),
+            instance_type: ty.into(),
+            count,
+        }
+    }
+
     fn cfg(p: PolicyName) -> PolicyConfig {
         let mut c = PolicyConfig::new(p);
         c.headroom = 0.0;
@@ -1020,11 +1182,7 @@ mod tests {
     #[test]
     fn scales_up_to_the_rate_on_spot_after_the_reserved_floor() {
         let mut c = cfg(PolicyName::PaidBlockAware);
-        c.reserved.push(ReservedFloor {
-            model: "m".into(),
-            instance_type: "a100".into(),
-            count: 2,
-        });
+        c.reserved.push(floor("m", "a100", 2));
         let mut a = Autoscaler::new(c, Catalog::default_catalog());
         let acts = a.on_event(
             0,
@@ -1205,10 +1363,295 @@ mod tests {
             ),
             "{acts:?}"
         );
+        // still starting at 56 min: nothing to do yet
         let spot = view(2, Tier::Spot, 54 * 60_000, LeaseState::Starting);
-        // within the release window the on-demand lease goes
+        let acts = a.on_event(56 * 60_000, tick(vec![od.clone(), spot.clone()]));
+        assert!(acts.is_empty(), "{acts:?}");
+        // ready after its start-up; within the release window the on-demand
+        // lease goes
+        let spot = LeaseView {
+            state: LeaseState::Ready,
+            ..spot
+        };
         let acts = a.on_event(57 * 60_000, tick(vec![od, spot]));
         assert_eq!(acts, vec![Action::Release { lease: LeaseId(1) }]);
+    }
+
+    #[test]
+    fn paid_block_aware_keeps_an_on_demand_lease_for_another_block_while_its_spot_replacement_is_not_ready()
+     {
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.release_lead_ms = 3000;
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let od = view(1, Tier::OnDemand, 0, LeaseState::Ready);
+        let tick = |l: Vec<LeaseView>| {
+            Event::Tick(Observation {
+                models: vec![load(90.0)],
+                leases: l,
+            })
+        };
+        let acts = a.on_event(54 * 60_000, tick(vec![od.clone()]));
+        assert_eq!(acquires(&acts), 1, "{acts:?}");
+        // the spot replacement never becomes ready: every tick of the
+        // release window, up to the last one a release could complete in,
+        // keeps the only lease that serves
+        let spot = view(2, Tier::Spot, 54 * 60_000, LeaseState::Starting);
+        let mut now = 57 * 60_000;
+        while now <= 60 * 60_000 - 3000 {
+            let acts = a.on_event(now, tick(vec![od.clone(), spot.clone()]));
+            assert!(acts.is_empty(), "at {now} ms: {acts:?}");
+            now += 1000;
+        }
+        // the next block is paid: the lease serves on, and nothing more is
+        // acquired while the spot lease is still starting
+        let acts = a.on_event(61 * 60_000, tick(vec![od, spot]));
+        assert!(acts.is_empty(), "{acts:?}");
+    }
+
+    #[test]
+    fn an_on_demand_lease_with_no_billing_start_yet_is_not_handed_over_to_spot() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        let spot = view(1, Tier::Spot, 0, LeaseState::Ready);
+        a.on_event(
+            60_000,
+            Event::Tick(Observation {
+                models: vec![load(90.0)],
+                leases: vec![spot.clone()],
+            }),
+        );
+        let acts = a.on_event(
+            61_000,
+            Event::PreemptionNotice {
+                lease: LeaseId(1),
+                deadline: 181_000,
+            },
+        );
+        assert_eq!(acquires(&acts), 1, "{acts:?}");
+        let draining = LeaseView {
+            state: LeaseState::Draining,
+            ..spot
+        };
+        // the on-demand replacement, before its provider has answered
+        // (requested) and after, while the write of its billing start
+        // waits for a retry (starting, no billing start in the ledger)
+        for (at, state) in [
+            (62_000, LeaseState::Requested),
+            (63_000, LeaseState::Starting),
+        ] {
+            let replacement = LeaseView {
+                billing_start: None,
+                ..view(2, Tier::OnDemand, 0, state)
+            };
+            let acts = a.on_event(
+                at,
+                Event::Tick(Observation {
+                    models: vec![load(90.0)],
+                    leases: vec![draining.clone(), replacement],
+                }),
+            );
+            assert!(acts.is_empty(), "{state:?}: {acts:?}");
+        }
+    }
+
+    fn reserved(id: u64, ty: &str, start: Millis) -> LeaseView {
+        let price = Catalog::default_catalog()
+            .get(ty)
+            .unwrap()
+            .price_per_hour
+            .reserved;
+        LeaseView {
+            instance_type: ty.into(),
+            price_per_hour: price,
+            ..view(id, Tier::Reserved, start, LeaseState::Ready)
+        }
+    }
+
+    #[test]
+    fn reserved_leases_beyond_a_lowered_floor_are_released_at_their_block_end() {
+        // three reserved leases adopted after a restart that lowered the
+        // floor from 3 to 1; no load at all
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.reserved.push(floor("m", "a100", 1));
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let tick = || {
+            Event::Tick(Observation {
+                models: vec![load(0.0)],
+                leases: (1..=3).map(|i| reserved(i, "a100", 0)).collect(),
+            })
+        };
+        // paid until 60 min: kept mid-block
+        let acts = a.on_event(30 * 60_000, tick());
+        assert!(acts.is_empty(), "{acts:?}");
+        // the floor keeps the first; the others go at their block end
+        let acts = a.on_event(58 * 60_000, tick());
+        assert_eq!(
+            acts,
+            vec![
+                Action::Release { lease: LeaseId(2) },
+                Action::Release { lease: LeaseId(3) }
+            ]
+        );
+    }
+
+    #[test]
+    fn a_reserved_lease_of_a_floors_former_type_is_released_once_the_new_type_serves() {
+        // the floor's type changed from a100 to h100
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.reserved.push(floor("m", "h100", 1));
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let mut l = load(0.0);
+        l.throughput_fps.insert("h100".into(), 300.0);
+        let tick = |leases: Vec<LeaseView>| {
+            Event::Tick(Observation {
+                models: vec![l.clone()],
+                leases,
+            })
+        };
+        let old = reserved(1, "a100", 0);
+        let acts = a.on_event(30 * 60_000, tick(vec![old.clone()]));
+        assert_eq!(
+            acts,
+            vec![Action::Acquire {
+                model: "m".into(),
+                instance_type: "h100".into(),
+                tier: Tier::Reserved,
+                reason: AcquireReason::ReservedFloor,
+            }]
+        );
+        let new = reserved(2, "h100", 30 * 60_000);
+        let acts = a.on_event(58 * 60_000, tick(vec![old, new.clone()]));
+        assert_eq!(acts, vec![Action::Release { lease: LeaseId(1) }]);
+        // the floor's own lease is kept through its block end
+        let acts = a.on_event(88 * 60_000, tick(vec![new]));
+        assert!(acts.is_empty(), "{acts:?}");
+    }
+
+    fn refused(ty: &str, tier: Tier) -> Event {
+        Event::AcquireRefused {
+            model: "m".into(),
+            instance_type: ty.into(),
+            tier,
+        }
+    }
+
+    #[test]
+    fn a_refused_on_demand_type_is_not_asked_for_again_until_its_cool_off_ends() {
+        let mut a = Autoscaler::new(
+            cfg(PolicyName::ReactiveIdleTimeout),
+            Catalog::default_catalog(),
+        );
+        let tick = |l: ModelLoad| {
+            Event::Tick(Observation {
+                models: vec![l],
+                leases: vec![],
+            })
+        };
+        assert_eq!(acquires(&a.on_event(0, tick(load(150.0)))), 2);
+        // both refused (a static fleet, a quota): a minute from the last
+        assert!(a.on_event(10, refused("a100", Tier::OnDemand)).is_empty());
+        assert!(a.on_event(20, refused("a100", Tier::OnDemand)).is_empty());
+        // ticks of 100 ms for that minute ask for nothing
+        let mut now = 100;
+        while now < 60_020 {
+            let acts = a.on_event(now, tick(load(150.0)));
+            assert!(acts.is_empty(), "at {now} ms: {acts:?}");
+            now += 100;
+        }
+        // the cool-off is over: asked again
+        assert_eq!(acquires(&a.on_event(60_020, tick(load(150.0)))), 2);
+        // with another type to choose, the refused one is passed over
+        assert!(
+            a.on_event(60_030, refused("a100", Tier::OnDemand))
+                .is_empty()
+        );
+        let mut both = load(150.0);
+        both.throughput_fps.insert("h100".into(), 300.0);
+        let acts = a.on_event(60_100, tick(both));
+        assert_eq!(
+            acts,
+            vec![Action::Acquire {
+                model: "m".into(),
+                instance_type: "h100".into(),
+                tier: Tier::OnDemand,
+                reason: AcquireReason::Demand,
+            }]
+        );
+    }
+
+    #[test]
+    fn a_lease_of_a_refused_type_that_ends_lifts_its_cool_off() {
+        let mut a = Autoscaler::new(
+            cfg(PolicyName::ReactiveIdleTimeout),
+            Catalog::default_catalog(),
+        );
+        let tick = |leases: Vec<LeaseView>| {
+            Event::Tick(Observation {
+                models: vec![load(150.0)],
+                leases,
+            })
+        };
+        let serving = view(1, Tier::OnDemand, 0, LeaseState::Ready);
+        assert_eq!(acquires(&a.on_event(0, tick(vec![serving.clone()]))), 1);
+        assert!(a.on_event(10, refused("a100", Tier::OnDemand)).is_empty());
+        assert!(a.on_event(100, tick(vec![serving])).is_empty());
+        // the lease ended (its static worker unbound, its quota given
+        // back): that type is asked for again at once
+        assert_eq!(acquires(&a.on_event(200, tick(vec![]))), 2);
+        // a refused acquire that ends never held capacity: no lift
+        assert!(a.on_event(210, refused("a100", Tier::OnDemand)).is_empty());
+        let refused_lease = LeaseView {
+            billing_start: None,
+            ..view(3, Tier::OnDemand, 0, LeaseState::Requested)
+        };
+        assert!(a.on_event(300, tick(vec![refused_lease])).is_empty());
+        assert!(a.on_event(400, tick(vec![])).is_empty());
+    }
+
+    #[test]
+    fn a_refused_reserved_floor_waits_its_cool_off_while_spot_covers_the_load() {
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.reserved.push(floor("m", "a100", 1));
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let mut tiers_at = |now| -> Vec<Tier> {
+            let event = match now {
+                10 => refused("a100", Tier::Reserved),
+                _ => Event::Tick(Observation {
+                    models: vec![load(90.0)],
+                    leases: vec![],
+                }),
+            };
+            a.on_event(now, event)
+                .into_iter()
+                .filter_map(|a| match a {
+                    Action::Acquire { tier, .. } => Some(tier),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert_eq!(tiers_at(0), vec![Tier::Reserved]);
+        // refused: nothing instead at once, spot at the next tick
+        assert_eq!(tiers_at(10), vec![]);
+        assert_eq!(tiers_at(1_000), vec![Tier::Spot]);
+        // the floor is asked for again once the cool-off has passed
+        assert_eq!(tiers_at(60_010), vec![Tier::Reserved]);
+    }
+
+    #[test]
+    fn a_spot_refusal_does_not_fall_back_to_an_on_demand_type_cooling_off() {
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        assert!(a.on_event(0, refused("a100", Tier::OnDemand)).is_empty());
+        assert!(a.on_event(10, refused("a100", Tier::Spot)).is_empty());
+        // once the on-demand cool-off ends, spot still cooling off
+        let acts = a.on_event(60_000, refused("a100", Tier::Spot));
+        assert_eq!(
+            acts,
+            vec![Action::Acquire {
+                model: "m".into(),
+                instance_type: "a100".into(),
+                tier: Tier::OnDemand,
+                reason: AcquireReason::SpotRefused,
+            }]
+        );
     }
 
     fn schedule_acquires(acts: &[Action]) -> usize {
@@ -1402,11 +1845,7 @@ mod tests {
         // once none does
         let reserved = || of_model("gone", view(8, Tier::Reserved, 0, LeaseState::Ready));
         let mut c = cfg(PolicyName::Tidal);
-        c.reserved.push(ReservedFloor {
-            model: "gone".into(),
-            instance_type: "a100".into(),
-            count: 1,
-        });
+        c.reserved.push(floor("gone", "a100", 1));
         let mut a = Autoscaler::new(c, Catalog::default_catalog());
         for minute in 0..10u64 {
             let acts = a.on_event(minute * 60_000, tick(vec![reserved()]));

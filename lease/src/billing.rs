@@ -187,6 +187,25 @@ pub fn blocks(
     out
 }
 
+/// The earliest end of a lease that keeps `block`, once charged, among its
+/// blocks with the same span and amount ([`blocks`] with that end gives it
+/// back): the billing start for block 0 (any end keeps the first block),
+/// just past its start for a later block paid up front (an hour), and its
+/// end for one charged in arrears (a per-second minute). The ledger ends a
+/// lease no earlier than this for its last charged block, so a lease ended
+/// at a time before a block that was already charged (a worker last seen
+/// before it) keeps paying that block, and its record still recomputes to
+/// what was charged.
+pub fn earliest_end_keeping(block: &Block) -> Millis {
+    if block.charged_at > block.start {
+        block.end
+    } else if block.index == 0 {
+        block.start
+    } else {
+        block.start + 1
+    }
+}
+
 /// Until when a lease is already paid for at `now`: releasing it earlier
 /// saves nothing. For hourly billing, the end of the current hour block;
 /// for per-second billing, the end of the minimum (or `now` after it).
@@ -236,6 +255,23 @@ mod tests {
         // a live lease has paid one hour up to 60 min, two just after
         assert_eq!(blocks(0, None, HOUR_MS, Granularity::Hour, P).len(), 1);
         assert_eq!(blocks(0, None, HOUR_MS + 1, Granularity::Hour, P).len(), 2);
+    }
+
+    #[test]
+    fn a_lease_ended_at_the_earliest_end_keeping_its_last_block_recomputes_to_its_blocks() {
+        let start = 7_000;
+        for g in [Granularity::Hour, Granularity::Second { minimum_secs: 60 }] {
+            // charged while live, up to 3 h 10 min
+            let charged = blocks(start, None, start + 190 * 60_000, g, P);
+            for last in 0..charged.len() {
+                let end = earliest_end_keeping(&charged[last]);
+                assert_eq!(
+                    blocks(start, Some(end), u64::MAX / 2, g, P),
+                    charged[..=last],
+                    "{g:?}, ended after block {last}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -445,6 +445,12 @@ impl Ledger {
     }
 
     /// The lease ended at `at`; its final blocks are charged at once.
+    ///
+    /// The end recorded is never before the billing start, nor before the
+    /// last block already charged ([`billing::earliest_end_keeping`]): a
+    /// lease ended at a time that lags (a gone worker billed to when it was
+    /// last seen, after a tick had charged a later block) keeps what was
+    /// charged, and its record recomputes to the same cost.
     pub fn mark_ended(
         &mut self,
         id: LeaseId,
@@ -453,17 +459,19 @@ impl Ledger {
     ) -> Result<Money, LedgerError> {
         self.check(id, LeaseState::Ended(reason))?;
         let tx = self.conn.transaction().map_err(sql("begin end"))?;
+        let billing_start = read_lease(&tx, id)?.billing_start;
+        let kept = last_block(&tx, id)?.map_or(0, |b| billing::earliest_end_keeping(&b));
+        let end = at.max(billing_start.unwrap_or(at)).max(kept);
         tx.execute(
-            "UPDATE leases SET state = 'ended', end_reason = ?2,
-               ended_at = MAX(?3, COALESCE(billing_start, ?3)) WHERE id = ?1",
-            params![id.0 as i64, reason.as_str(), at as i64],
+            "UPDATE leases SET state = 'ended', end_reason = ?2, ended_at = ?3 WHERE id = ?1",
+            params![id.0 as i64, reason.as_str(), end as i64],
         )
         .map_err(sql("mark ended"))?;
         let rec = read_lease(&tx, id)?;
         // charged up to its end, which is never before its billing start:
         // a lease ended before (by this clock) its billing start still owes
         // its first block, and accrue() skips it once it has ended
-        let added = accrue_lease(&tx, &rec, rec.ended_at.unwrap_or(at))?;
+        let added = accrue_lease(&tx, &rec, end)?;
         tx.commit().map_err(sql("commit end"))?;
         Ok(added)
     }
@@ -877,6 +885,27 @@ fn query_leases(conn: &Connection, tail: &str) -> Result<Vec<LeaseRecord>, Ledge
     Ok(out)
 }
 
+/// The last block charged to `id`, if any.
+fn last_block(conn: &Connection, id: LeaseId) -> Result<Option<billing::Block>, LedgerError> {
+    conn.prepare_cached(
+        "SELECT block_index, block_start, block_end, charged_at, amount_micro
+         FROM cost_blocks WHERE lease_id = ?1 ORDER BY block_index DESC LIMIT 1",
+    )
+    .and_then(|mut q| {
+        q.query_row([id.0 as i64], |r| {
+            Ok(billing::Block {
+                index: r.get(0)?,
+                start: r.get::<_, i64>(1)? as Millis,
+                end: r.get::<_, i64>(2)? as Millis,
+                charged_at: r.get::<_, i64>(3)? as Millis,
+                amount: Money(r.get(4)?),
+            })
+        })
+        .optional()
+    })
+    .map_err(sql("read last block"))
+}
+
 fn accrue_lease(conn: &Connection, rec: &LeaseRecord, now: Millis) -> Result<Money, LedgerError> {
     let Some(start) = rec.billing_start else {
         return Ok(Money::ZERO);
@@ -986,5 +1015,55 @@ mod tests {
             l.recompute_cost(0, HOUR_MS * 3, HOUR_MS * 3).unwrap(),
             block
         );
+    }
+
+    #[test]
+    fn a_lease_ended_before_a_block_already_charged_keeps_it_and_agrees_with_its_recomputation() {
+        let catalog = crate::catalog::Catalog::default_catalog();
+        let mut l = Ledger::open_in_memory().unwrap();
+        // an hourly A100 (7.70 per block) and a per-second CPU (1.40 per
+        // hour, 60 s minimum, then minutes in arrears)
+        let mut lease = |ty: &str| {
+            let id = l
+                .insert_requested(&NewLease {
+                    provider: "process",
+                    model: Some("m"),
+                    instance: catalog.get(ty).unwrap(),
+                    tier: Tier::Spot,
+                    currency: &catalog.currency,
+                    requested_at: 0,
+                    token: None,
+                })
+                .unwrap();
+            l.mark_starting(id, 0, None, None).unwrap();
+            id
+        };
+        let (hourly, secondly) = (lease("a100"), lease("cpu-32"));
+        // both workers last seen at 59:55; a tick past the hour charges the
+        // A100's second block and the CPU's minutes up to 60:00; then the
+        // gateway crashes, and adoption finds both workers gone and bills
+        // them to when they were last seen
+        let seen = HOUR_MS - 5_000;
+        l.mark_seen(&[hourly, secondly], seen).unwrap();
+        l.accrue(HOUR_MS + 2_000).unwrap();
+        let charged = l.accrued_cost(0, HOUR_MS * 3).unwrap();
+        assert_eq!(
+            l.mark_ended(hourly, seen, EndReason::Lost).unwrap(),
+            Money::ZERO
+        );
+        assert_eq!(
+            l.mark_ended(secondly, seen, EndReason::Lost).unwrap(),
+            Money::ZERO
+        );
+        let now = HOUR_MS * 3;
+        assert_eq!(l.accrue(now).unwrap(), Money::ZERO);
+        assert_eq!(l.accrued_cost(0, now).unwrap(), charged);
+        assert_eq!(l.recompute_cost(0, now, now).unwrap(), charged);
+        assert_eq!(l.lease(hourly).unwrap().unwrap().cost, Money(2 * 7_700_000));
+        // ended just past the start of the A100's second block, and at the
+        // end of the CPU's last minute charged
+        let ended = |id| l.lease(id).unwrap().unwrap().ended_at;
+        assert_eq!(ended(hourly), Some(HOUR_MS + 1));
+        assert_eq!(ended(secondly), Some(HOUR_MS));
     }
 }

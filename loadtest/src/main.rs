@@ -10,7 +10,7 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
 use tidegate_loadtest::report::write_atomically;
-use tidegate_loadtest::scenario::{PhaseReport, Scenario, ScenarioReport};
+use tidegate_loadtest::scenario::{MAX_CAMERAS, PhaseReport, Scenario, ScenarioReport};
 use tidegate_loadtest::sim::{self, SimOptions};
 use tidegate_protocol::GatewayAddr;
 
@@ -51,8 +51,8 @@ struct Cli {
         required_unless_present = "local"
     )]
     token: Option<String>,
-    /// Simulated cameras.
-    #[arg(long, default_value_t = 4)]
+    /// Simulated cameras (1 to 1024, as in a scenario's phase).
+    #[arg(long, default_value_t = 4, value_parser = camera_count)]
     cameras: usize,
     /// Frames per second per camera.
     #[arg(long, default_value_t = 10.0)]
@@ -173,6 +173,19 @@ fn fraction(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// A camera count in `1..=MAX_CAMERAS`, for --cameras.
+fn camera_count(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number of cameras"))?;
+    if !(1..=MAX_CAMERAS).contains(&n) {
+        return Err(format!(
+            "{n} cameras is not in 1..={MAX_CAMERAS}; simulate more with several load generators"
+        ));
+    }
+    Ok(n)
+}
+
 /// The command line. With --local, --gateway, --ca and --token given as
 /// flags are refused; set in the environment they are ignored (they name a
 /// remote gateway, and --local starts its own).
@@ -284,4 +297,26 @@ fn main() -> anyhow::Result<()> {
         anyhow::ensure!(why.is_empty(), "SLO gate failed: {}", why.join("; "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_camera_count_outside_what_a_scenario_allows_is_refused() {
+        assert_eq!(camera_count("1"), Ok(1));
+        assert_eq!(camera_count("1024"), Ok(MAX_CAMERAS));
+        for bad in ["0", "1025", "18446744073709551615", "-1", "many"] {
+            let err = camera_count(bad).unwrap_err();
+            assert!(err.contains(bad), "{bad}: {err}");
+        }
+        assert!(camera_count("1025").unwrap_err().contains("1..=1024"));
+        // Through clap, as the binary parses it.
+        let err =
+            Cli::try_parse_from(["tidegate-loadtest", "--local", "--cameras", "5000"]).unwrap_err();
+        assert!(err.to_string().contains("--cameras"), "{err}");
+        let cli = Cli::try_parse_from(["tidegate-loadtest", "--local"]).unwrap();
+        assert_eq!(cli.cameras, 4);
+    }
 }

@@ -53,8 +53,11 @@ pub struct Report {
     pub missing: u64,
     /// Ok results within the budget.
     pub ok_within_budget: u64,
-    /// Fraction of the frames the cameras tried to send (`sent` +
-    /// `send_errors`) answered ok within budget.
+    /// Fraction of the frames due ([`Report::due`]: `sent`, `send_errors`,
+    /// `unsent` and `pending`, i.e. `planned` less `throttled`) answered ok
+    /// within budget. A frame the generator was too slow to send, or could
+    /// not finish sending, counts as not ok: a stalled generator cannot
+    /// hide its own slowness (coordinated omission).
     pub slo_attainment: f64,
     /// End-to-end latency of ok results (edge clock).
     pub e2e_ms: Percentiles,
@@ -72,7 +75,16 @@ pub struct Report {
     pub throttled: u64,
     /// Frames never sent because the sending time was up: the senders fell
     /// behind their frame rate (a stalled or overloaded load generator).
+    /// Counted as not ok in `slo_attainment`.
     pub unsent: u64,
+    /// Frames the cameras started sending that QUIC had neither taken nor
+    /// refused when the run ended (flow control still held them after the
+    /// result grace). Counted as not ok in `slo_attainment`.
+    pub pending: u64,
+    /// Frames the schedule called for: cameras × round(fps × duration)
+    /// (at least one per camera). Once a run has ended, `sent` +
+    /// `send_errors` + `throttled` + `unsent` + `pending` = `planned`.
+    pub planned: u64,
 }
 
 impl Report {
@@ -83,6 +95,8 @@ impl Report {
             fps: opts.fps,
             duration_s: opts.duration.as_secs_f64(),
             budget_ms: opts.budget_ms,
+            planned: crate::sim::frames_per_camera(opts.fps, opts.duration)
+                .saturating_mul(opts.cameras as u64),
             ..Report::default()
         }
     }
@@ -108,14 +122,21 @@ impl Report {
         self.ok + self.shed + self.expired + self.failed
     }
 
+    /// Frames due: every frame the schedule called for except those a
+    /// rate hint held back (`sent` + `send_errors` + `unsent` + `pending`).
+    /// The denominator of `slo_attainment`.
+    pub fn due(&self) -> u64 {
+        self.sent + self.send_errors + self.unsent + self.pending
+    }
+
     /// Fills the derived fields.
     pub fn finish(&mut self, hist: &Histogram<u64>) {
         self.missing = self.sent.saturating_sub(self.results());
-        let tried = self.sent + self.send_errors;
-        self.slo_attainment = if tried == 0 {
+        let due = self.due();
+        self.slo_attainment = if due == 0 {
             0.0
         } else {
-            self.ok_within_budget as f64 / tried as f64
+            self.ok_within_budget as f64 / due as f64
         };
         let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
         if !hist.is_empty() {
@@ -134,18 +155,21 @@ impl Report {
 
     /// The SLO gate on a finished report: why it fails, one reason a line
     /// (empty: it passes). It fails when less than `min_attainment` of the
-    /// frames tried were ok within budget, and whenever a frame got two
-    /// results.
+    /// frames due (sent, failed to send, never sent because the generator
+    /// fell behind, or still being sent at the end) were ok within budget,
+    /// and whenever a frame got two results.
     pub fn slo_failures(&self, min_attainment: f64) -> Vec<String> {
         let mut why = Vec::new();
         if self.slo_attainment < min_attainment {
             why.push(format!(
-                "attainment {:.4} < {min_attainment}: {} of {} frames tried ({} sent, {} send errors) were ok within {} ms",
+                "attainment {:.4} < {min_attainment}: {} of {} frames due ({} sent, {} send errors, {} unsent, {} pending) were ok within {} ms",
                 self.slo_attainment,
                 self.ok_within_budget,
-                self.sent + self.send_errors,
+                self.due(),
                 self.sent,
                 self.send_errors,
+                self.unsent,
+                self.pending,
                 self.budget_ms
             ));
         }
@@ -232,6 +256,94 @@ mod tests {
         let why = r.slo_failures(0.9);
         assert_eq!(why.len(), 1, "{why:?}");
         assert!(why[0].contains("4 send errors"), "{why:?}");
+    }
+
+    #[test]
+    fn frames_the_generator_never_sent_fail_a_gate_that_sent_frames_alone_pass() {
+        // A stalled generator sent half its planned frames, every one ok
+        // within budget: over the frames sent alone the attainment is 1.0.
+        let mut r = Report {
+            sent: 50,
+            unsent: 50,
+            ok_within_budget: 50,
+            ..Report::default()
+        };
+        for _ in 0..50 {
+            r.count(&Status::Ok);
+        }
+        let mut h = Histogram::<u64>::new(3).unwrap();
+        h.record(10_000).unwrap();
+        r.finish(&h);
+        assert!(
+            (r.slo_attainment - 0.5).abs() < 1e-9,
+            "{}",
+            r.slo_attainment
+        );
+        let why = r.slo_failures(0.99);
+        assert_eq!(why.len(), 1, "{why:?}");
+        assert!(why[0].contains("50 unsent"), "{why:?}");
+    }
+
+    #[test]
+    fn frames_still_being_sent_at_the_end_fail_a_gate_that_sent_frames_alone_pass() {
+        // Flow control held 25 frames past the result grace: they were
+        // neither sent nor refused. Over sent + send errors the attainment
+        // would be 1.0.
+        let mut r = Report {
+            sent: 75,
+            pending: 25,
+            ok_within_budget: 75,
+            ..Report::default()
+        };
+        for _ in 0..75 {
+            r.count(&Status::Ok);
+        }
+        r.finish(&Histogram::<u64>::new(3).unwrap());
+        assert_eq!(r.missing, 0, "a pending frame was never sent: not missing");
+        assert_eq!(r.due(), 100);
+        assert!(
+            (r.slo_attainment - 0.75).abs() < 1e-9,
+            "{}",
+            r.slo_attainment
+        );
+        assert_eq!(r.slo_failures(0.75), Vec::<String>::new());
+        let why = r.slo_failures(0.9);
+        assert_eq!(why.len(), 1, "{why:?}");
+        assert!(
+            why[0].contains("75 of 100 frames due") && why[0].contains("25 pending"),
+            "{why:?}"
+        );
+    }
+
+    #[test]
+    fn frames_held_back_by_a_hint_stay_out_of_attainment() {
+        // 100 planned: 60 sent (all ok), 20 held back by an obeyed hint,
+        // 10 never sent, 10 still being sent at the end.
+        let mut r = Report {
+            sent: 60,
+            throttled: 20,
+            unsent: 10,
+            pending: 10,
+            planned: 100,
+            ok_within_budget: 60,
+            ..Report::default()
+        };
+        r.finish(&Histogram::<u64>::new(3).unwrap());
+        assert_eq!(
+            r.sent + r.send_errors + r.throttled + r.unsent + r.pending,
+            r.planned
+        );
+        assert_eq!(r.due(), r.planned - r.throttled);
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(
+            (json["pending"].as_u64(), json["planned"].as_u64()),
+            (Some(10), Some(100))
+        );
+        assert!(
+            (r.slo_attainment - 0.75).abs() < 1e-9,
+            "{}",
+            r.slo_attainment
+        );
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! result's end-to-end latency is recorded on the edge clock.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,6 +13,7 @@ use hdrhistogram::Histogram;
 use tidegate_edge::clock;
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
 use tidegate_protocol::{DType, Frame, GatewayAddr, Geometry, InputSpec, Layout, Status, Tensor};
+use tokio::task::JoinSet;
 
 use crate::report::Report;
 
@@ -166,6 +168,162 @@ fn min_send_gap(cap: f32, period: Duration) -> Duration {
         .saturating_sub(period / 2)
 }
 
+/// Frames each camera is to send: `fps × duration`, rounded, at least one.
+pub fn frames_per_camera(fps: f64, duration: Duration) -> u64 {
+    (fps * duration.as_secs_f64()).round().max(1.0) as u64
+}
+
+/// The budget left to a frame sent `late_us` after its capture: the real
+/// edge sends what is left of the budget (`edge/src/node.rs`), so a frame
+/// the generator sends late gets a deadline that still ends where its
+/// budget does, not `late_us` later.
+fn remaining_budget_us(budget_us: u32, late_us: u64) -> u32 {
+    budget_us.saturating_sub(u32::try_from(late_us).unwrap_or(u32::MAX))
+}
+
+/// One camera's open-loop schedule. Frame `seq` is due at `start + seq ×
+/// period` and is stamped as captured then on the edge clock, whenever it
+/// is actually sent: a generator that falls behind sends its late frames
+/// as soon as it can (it never skips a tick), and the delay shows in their
+/// end-to-end latency and eats their budget, as a camera's frames waiting
+/// on a slow edge would. Frames not sent by `stop_at` are `unsent`, which
+/// count as not ok in the SLO attainment; none is silently dropped.
+#[derive(Debug, Clone, Copy)]
+struct Schedule {
+    /// When frame 0 is due (tokio's clock).
+    start: tokio::time::Instant,
+    /// The same moment on the edge clock (µs), where capture times and
+    /// end-to-end latency are read.
+    start_us: u64,
+    /// Time between two frames.
+    period: Duration,
+    /// Frames to send.
+    frames: u64,
+    /// No frame is sent from this moment on: the last frame's due time plus
+    /// at least one period of slack.
+    stop_at: tokio::time::Instant,
+}
+
+impl Schedule {
+    /// `frames_per_camera(fps, duration)` frames at `fps` from `start`
+    /// (which is `start_us` on the edge clock), sending until `duration`
+    /// plus one period.
+    fn new(fps: f64, duration: Duration, start: tokio::time::Instant, start_us: u64) -> Self {
+        let period = Duration::from_secs_f64(1.0 / fps);
+        Schedule {
+            start,
+            start_us,
+            period,
+            frames: frames_per_camera(fps, duration),
+            stop_at: start + duration + period,
+        }
+    }
+
+    /// How long after `start` frame `seq` is due.
+    fn offset(&self, seq: u64) -> Duration {
+        let nanos = self.period.as_nanos().saturating_mul(u128::from(seq));
+        u64::try_from(nanos / 1_000_000_000).map_or(Duration::MAX, |secs| {
+            Duration::new(secs, (nanos % 1_000_000_000) as u32)
+        })
+    }
+
+    /// When frame `seq` is due (tokio's clock); past the clock's range, at
+    /// `stop_at` (never sent).
+    fn due_at(&self, seq: u64) -> tokio::time::Instant {
+        self.start
+            .checked_add(self.offset(seq))
+            .unwrap_or(self.stop_at)
+    }
+
+    /// Frame `seq`'s capture time on the edge clock (µs): when it was due,
+    /// not when the generator got round to sending it.
+    fn captured_at_us(&self, seq: u64) -> u64 {
+        let offset_us = u64::try_from(self.offset(seq).as_micros()).unwrap_or(u64::MAX);
+        self.start_us.saturating_add(offset_us)
+    }
+
+    /// The edge clock (µs) at `now` on tokio's clock.
+    fn edge_us(&self, now: tokio::time::Instant) -> u64 {
+        let elapsed = u64::try_from(now.saturating_duration_since(self.start).as_micros())
+            .unwrap_or(u64::MAX);
+        self.start_us.saturating_add(elapsed)
+    }
+}
+
+/// Sends one camera's frames on `schedule`: a copy of `template` for each
+/// `seq`, stamped as captured when it was due, with the budget it has left
+/// (of `budget_us`) when sent. With `caps` (the gateway's frame-rate hints,
+/// per camera, `""` for all), frames closer than the hinted cap allows are
+/// held back (`throttled`). Each frame is counted `pending` in `report` as
+/// it is handed to `send` (on a task of the returned set), then `sent` or
+/// `send_errors` as that resolves (`true`: QUIC took it), so at any moment
+/// after this returns `sent + send_errors + throttled + unsent + pending`
+/// is `schedule.frames` (summed over the cameras). The caller owns the
+/// returned sends: dropping the set aborts those still blocked.
+async fn send_camera<S, F>(
+    schedule: Schedule,
+    template: Frame,
+    budget_us: u32,
+    caps: Option<Arc<Mutex<HashMap<String, f32>>>>,
+    report: Arc<Mutex<Report>>,
+    send: S,
+) -> JoinSet<()>
+where
+    S: Fn(Frame) -> F,
+    F: Future<Output = bool> + Send + 'static,
+{
+    let mut sends = JoinSet::new();
+    let mut last_due: Option<tokio::time::Instant> = None;
+    for seq in 0..schedule.frames {
+        let due = schedule.due_at(seq);
+        tokio::time::sleep_until(due.min(schedule.stop_at)).await;
+        let now = tokio::time::Instant::now();
+        if now >= schedule.stop_at {
+            report.lock().expect("report lock").unsent += schedule.frames - seq;
+            break;
+        }
+        // Only the sends still in flight stay in the set.
+        while sends.try_join_next().is_some() {}
+        if let Some(caps) = &caps {
+            let cap = {
+                let caps = caps.lock().expect("caps lock");
+                caps.get(&template.camera).or_else(|| caps.get("")).copied()
+            };
+            // Spacing by due time: a burst of late frames is not throttled
+            // for being sent close together.
+            if let (Some(cap), Some(last)) = (cap.filter(|c| *c > 0.0), last_due)
+                && due.duration_since(last) < min_send_gap(cap, schedule.period)
+            {
+                report.lock().expect("report lock").throttled += 1;
+                continue;
+            }
+            last_due = Some(due);
+        }
+        let captured_at_us = schedule.captured_at_us(seq);
+        let late_us = schedule.edge_us(now).saturating_sub(captured_at_us);
+        let frame = Frame {
+            seq,
+            captured_at_us,
+            budget_us: remaining_budget_us(budget_us, late_us),
+            ..template.clone()
+        };
+        report.lock().expect("report lock").pending += 1;
+        let sending = send(frame);
+        let report = report.clone();
+        sends.spawn(async move {
+            let ok = sending.await;
+            let mut rep = report.lock().expect("report lock");
+            rep.pending -= 1;
+            if ok {
+                rep.sent += 1;
+            } else {
+                rep.send_errors += 1;
+            }
+        });
+    }
+    sends
+}
+
 /// [`run`] on a runtime of its own (two threads), for callers outside
 /// async code.
 pub fn run_blocking(opts: &SimOptions) -> Result<Report, SimError> {
@@ -228,7 +386,6 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
         });
     }
     let (pixels, geometry) = frame_pixels(&input, opts.image.as_deref())?;
-    let per_camera = (opts.fps * opts.duration.as_secs_f64()).round().max(1.0) as u64;
 
     let hist = Arc::new(Mutex::new(
         Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds"),
@@ -256,7 +413,11 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
                         }
                         rep.count(&r.status);
                         if r.status == Status::Ok {
-                            let _ = hist.lock().expect("histogram lock").record(e2e.max(1));
+                            // Past the histogram's 60 s it counts as 60 s
+                            // rather than not at all.
+                            hist.lock()
+                                .expect("histogram lock")
+                                .saturating_record(e2e.max(1));
                             if e2e <= budget_us {
                                 rep.ok_within_budget += 1;
                             }
@@ -272,98 +433,77 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
         })
     };
 
-    let period = Duration::from_secs_f64(1.0 / opts.fps);
-    // Sending stops at the planned time plus one period of slack even when
-    // the senders fell behind their rate (missed ticks are skipped, not
-    // caught up); frames never sent are counted as `unsent`.
-    let stop_at = tokio::time::Instant::now() + opts.duration + period;
+    // One schedule for every camera, open loop: see [`Schedule`].
+    let schedule = Schedule::new(
+        opts.fps,
+        opts.duration,
+        tokio::time::Instant::now(),
+        clock::now_us(),
+    );
     let mut senders = Vec::new();
     for i in 0..opts.cameras {
         let uplink = uplink.clone();
-        let pixels = pixels.clone();
-        let model = opts.model.clone();
-        let shape = input.frame_shape();
-        let budget_us = frame_budget_us(opts.budget_ms);
-        let report = report.clone();
-        let caps = caps.clone();
-        let obey = opts.obey_hints;
-        senders.push(tokio::spawn(async move {
-            let camera = format!("sim-{i}");
-            let mut tick = tokio::time::interval(period);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            let mut last_sent: Option<tokio::time::Instant> = None;
-            for seq in 0..per_camera {
-                let ticked = tokio::time::timeout_at(stop_at, tick.tick()).await.is_ok();
-                if !ticked || tokio::time::Instant::now() >= stop_at {
-                    report.lock().expect("report lock").unsent += per_camera - seq;
-                    break;
-                }
-                if obey {
-                    let cap = {
-                        let caps = caps.lock().expect("caps lock");
-                        caps.get(&camera).or_else(|| caps.get("")).copied()
-                    };
-                    let now = tokio::time::Instant::now();
-                    if let (Some(cap), Some(last)) = (cap.filter(|c| *c > 0.0), last_sent)
-                        && now.duration_since(last) < min_send_gap(cap, period)
-                    {
-                        report.lock().expect("report lock").throttled += 1;
-                        continue;
-                    }
-                    last_sent = Some(now);
-                }
-                let frame = Frame {
-                    camera: camera.clone(),
-                    seq,
-                    captured_at_us: clock::now_us(),
-                    budget_us,
-                    model: model.clone(),
-                    geometry,
-                    tensor: Tensor {
-                        dtype: DType::U8,
-                        layout: Layout::Nhwc,
-                        shape: shape.clone(),
-                        data: pixels.clone(),
-                    },
-                };
+        let template = Frame {
+            camera: format!("sim-{i}"),
+            seq: 0,
+            captured_at_us: 0,
+            budget_us: 0,
+            model: opts.model.clone(),
+            geometry,
+            tensor: Tensor {
+                dtype: DType::U8,
+                layout: Layout::Nhwc,
+                shape: input.frame_shape(),
+                data: pixels.clone(),
+            },
+        };
+        let caps = opts.obey_hints.then(|| caps.clone());
+        senders.push(tokio::spawn(send_camera(
+            schedule,
+            template,
+            frame_budget_us(opts.budget_ms),
+            caps,
+            report.clone(),
+            move |frame| {
                 let uplink = uplink.clone();
-                let report = report.clone();
-                tokio::spawn(async move {
-                    let ok = uplink.send_frame(frame).await.is_ok();
-                    let mut rep = report.lock().expect("report lock");
-                    if ok {
-                        rep.sent += 1;
-                    } else {
-                        rep.send_errors += 1;
-                    }
-                });
-            }
-        }));
+                async move { uplink.send_frame(frame).await.is_ok() }
+            },
+        )));
     }
+    // The sends still in flight, owned here until the report is taken.
+    let mut sends = Vec::with_capacity(senders.len());
     for s in senders {
-        s.await?;
+        sends.push(s.await?);
     }
-    // Wait for outstanding results, until all are in or the budget plus
-    // RESULT_GRACE has passed. On an overloaded machine (the overload
-    // tests run a gateway, two workers and this on two cores, debug
-    // builds) results can trail the last send by seconds; a frame still
-    // without a result after that is `missing`.
+    // Wait for outstanding sends and results, until all are in or the
+    // budget plus RESULT_GRACE has passed. On an overloaded machine (the
+    // overload tests run a gateway, two workers and this on two cores,
+    // debug builds) results can trail the last send by seconds; a frame
+    // still without a result after that is `missing`, and one QUIC has not
+    // yet taken (flow control) is `pending`.
     let until =
         tokio::time::Instant::now() + Duration::from_millis(opts.budget_ms as u64) + RESULT_GRACE;
     loop {
         let done = {
             let r = report.lock().expect("report lock");
-            r.sent + r.send_errors + r.throttled + r.unsent >= per_camera * opts.cameras as u64
-                && r.results() >= r.sent
+            r.pending == 0 && r.results() >= r.sent
         };
         if done || tokio::time::Instant::now() > until {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Taken before the connection closes, so a send still blocked counts
+    // as `pending`, not as a send error of our own making.
+    let mut rep = report.lock().expect("report lock").clone();
+    drop(sends);
     uplink.close();
     collector.abort();
-    let mut rep = report.lock().expect("report lock").clone();
+    debug_assert_eq!(
+        rep.sent + rep.send_errors + rep.throttled + rep.unsent + rep.pending,
+        rep.planned,
+        "every planned frame is counted once: {rep:?}"
+    );
     rep.finish(&hist.lock().expect("histogram lock"));
     Ok(rep)
 }
@@ -399,6 +539,174 @@ mod tests {
         assert_eq!(frame_budget_us(4_294_967), 4_294_967_000);
         assert_eq!(frame_budget_us(4_294_968), u32::MAX);
         assert_eq!(frame_budget_us(u32::MAX), u32::MAX);
+    }
+
+    #[test]
+    fn a_frame_is_stamped_as_captured_when_it_was_due_not_when_it_was_sent() {
+        let start = tokio::time::Instant::now();
+        // 25 fps for 2 s: 50 frames 40 ms apart, sending until 2.04 s.
+        let s = Schedule::new(25.0, Duration::from_secs(2), start, 1_000_000);
+        assert_eq!((s.frames, s.period), (50, Duration::from_millis(40)));
+        assert_eq!(s.stop_at, start + Duration::from_millis(2_040));
+        assert_eq!(s.due_at(0), start);
+        assert_eq!(s.due_at(49), start + Duration::from_millis(1_960));
+        assert_eq!(s.captured_at_us(0), 1_000_000);
+        assert_eq!(s.captured_at_us(3), 1_120_000);
+        // Frame 3 sent 7 ms late: the 7 ms are in its end-to-end latency
+        // (now on the edge clock − its capture time) and off its budget.
+        let sent = s.edge_us(s.due_at(3) + Duration::from_millis(7));
+        assert_eq!(sent - s.captured_at_us(3), 7_000);
+        assert_eq!(remaining_budget_us(80_000, 7_000), 73_000);
+        assert_eq!(remaining_budget_us(80_000, 80_001), 0);
+        assert_eq!(remaining_budget_us(u32::MAX, u64::MAX), 0);
+        // Due times are computed, not accumulated tick by tick: after 10
+        // minutes at 30 fps the last frame is within 10 µs of 17999 / 30 s.
+        let s = Schedule::new(30.0, Duration::from_secs(600), start, 0);
+        assert_eq!(s.frames, 18_000);
+        assert!(s.captured_at_us(17_999).abs_diff(599_966_667) < 10);
+        // Far-off frames saturate rather than overflow.
+        assert_eq!(s.captured_at_us(u64::MAX), u64::MAX);
+        assert_eq!(frames_per_camera(0.001, Duration::from_secs(1)), 1);
+    }
+
+    /// A frame of camera `cam-1` with no pixels to speak of.
+    fn template() -> Frame {
+        Frame {
+            camera: "cam-1".into(),
+            seq: 0,
+            captured_at_us: 0,
+            budget_us: 0,
+            model: "m".into(),
+            geometry: Geometry::stretch(1, 1, 1, 1),
+            tensor: Tensor {
+                dtype: DType::U8,
+                layout: Layout::Nhwc,
+                shape: vec![1, 1, 1, 3],
+                data: Bytes::from_static(&[0, 0, 0]),
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_generator_behind_its_schedule_sends_late_frames_stamped_when_due() {
+        // A generator 1 s behind: all 5 frames of a 10 fps schedule are
+        // overdue, by 1 s down to 0.6 s. They are all sent (a cap at the
+        // send rate spaces frames by when they were due, so the burst is
+        // not throttled), each stamped with its due time and with what is
+        // left of a 0.8 s budget, which the lateness has used up for the
+        // first two. Bounded: 5 frames, sent without waiting.
+        let start = tokio::time::Instant::now() - Duration::from_secs(1);
+        let schedule = Schedule {
+            start,
+            start_us: 5_000_000,
+            period: Duration::from_millis(100),
+            frames: 5,
+            stop_at: start + Duration::from_secs(60),
+        };
+        let report = Arc::new(Mutex::new(Report::default()));
+        let frames = Arc::new(Mutex::new(Vec::new()));
+        let caps = Arc::new(Mutex::new(HashMap::from([(String::new(), 10.0)])));
+        let mut sends = {
+            let frames = frames.clone();
+            send_camera(
+                schedule,
+                template(),
+                800_000,
+                Some(caps),
+                report.clone(),
+                move |f: Frame| {
+                    frames
+                        .lock()
+                        .unwrap()
+                        .push((f.seq, f.captured_at_us, f.budget_us));
+                    async { true }
+                },
+            )
+            .await
+        };
+        while let Some(done) = sends.join_next().await {
+            done.unwrap();
+        }
+        let frames = frames.lock().unwrap().clone();
+        assert_eq!(frames.len(), 5, "{frames:?}");
+        for (seq, captured_at_us, budget_us) in frames {
+            assert_eq!(captured_at_us, 5_000_000 + seq * 100_000, "frame {seq}");
+            // At least 1 s − seq × 0.1 s late.
+            let late_at_least = 1_000_000 - seq * 100_000;
+            assert!(
+                u64::from(budget_us) <= 800_000u64.saturating_sub(late_at_least),
+                "frame {seq}: budget {budget_us} µs after {late_at_least} µs late"
+            );
+        }
+        let r = report.lock().unwrap().clone();
+        assert_eq!((r.sent, r.throttled, r.unsent, r.pending), (5, 0, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn every_frame_is_counted_sent_failed_pending_or_unsent() {
+        // Three frames sent at once (due 1 ms apart, the end a minute
+        // away): QUIC takes frame 0, refuses frame 2, and flow control
+        // holds frame 1 for ever.
+        let start = tokio::time::Instant::now();
+        let schedule = Schedule {
+            start,
+            start_us: 0,
+            period: Duration::from_millis(1),
+            frames: 3,
+            stop_at: start + Duration::from_secs(60),
+        };
+        let report = Arc::new(Mutex::new(Report {
+            planned: 3,
+            ..Report::default()
+        }));
+        let mut sends = send_camera(
+            schedule,
+            template(),
+            80_000,
+            None,
+            report.clone(),
+            |f: Frame| async move {
+                if f.seq == 1 {
+                    std::future::pending::<()>().await;
+                }
+                f.seq == 0
+            },
+        )
+        .await;
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while sends.len() > 1 {
+                sends.join_next().await;
+            }
+        })
+        .await
+        .expect("the sends that can finish finish");
+        let mut r = report.lock().unwrap().clone();
+        drop(sends);
+        assert_eq!((r.sent, r.send_errors, r.pending, r.unsent), (1, 1, 1, 0));
+        r.count(&Status::Ok);
+        r.ok_within_budget = 1;
+        r.finish(&Histogram::new(3).unwrap());
+        // Over sent + send errors alone this would be 1 / 2.
+        assert!((r.slo_attainment - 1.0 / 3.0).abs() < 1e-9, "{r:?}");
+
+        // A schedule whose end had passed before the generator got to it:
+        // every frame is unsent, none vanishes.
+        let report = Arc::new(Mutex::new(Report::default()));
+        let sends = send_camera(
+            Schedule {
+                stop_at: start,
+                ..schedule
+            },
+            template(),
+            80_000,
+            None,
+            report.clone(),
+            |_| async { true },
+        )
+        .await;
+        assert!(sends.is_empty());
+        let r = report.lock().unwrap().clone();
+        assert_eq!((r.sent, r.pending, r.unsent), (0, 0, 3));
     }
 
     #[tokio::test]

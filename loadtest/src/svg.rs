@@ -149,12 +149,15 @@ pub fn render(report: &Report) -> String {
             p.max
         );
     }
-    // outcomes: one bar per status, scaled to the frames sent
+    // outcomes: one bar per status, and one for the frames due that were
+    // never sent (a send error, the generator behind at the end, or held
+    // by flow control), scaled to the frames due
     let _ = writeln!(
         out,
-        "<text x=\"{BARS_X}\" y=\"{}\" font-weight=\"bold\">{} frames sent</text>",
+        "<text x=\"{BARS_X}\" y=\"{}\" font-weight=\"bold\">{} frames sent of {} due</text>",
         PLOT_Y - 10.0,
-        report.sent
+        report.sent,
+        report.due()
     );
     let rows = [
         ("ok", report.ok, "#2e8b57"),
@@ -162,8 +165,13 @@ pub fn render(report: &Report) -> String {
         ("expired", report.expired, "#b8860b"),
         ("failed", report.failed, "#c00"),
         ("no result", report.missing, "#555"),
+        (
+            "not sent",
+            report.send_errors + report.unsent + report.pending,
+            "#999",
+        ),
     ];
-    let total = report.sent.max(1) as f64;
+    let total = report.due().max(1) as f64;
     for (i, (label, n, colour)) in rows.iter().enumerate() {
         let top = PLOT_Y + i as f64 * 56.0;
         let w = (*n as f64 / total).min(1.0) * BARS_W;
@@ -248,8 +256,28 @@ mod tests {
         let budget = &svg[svg.find("id=\"budget\"").unwrap()..];
         assert!(budget.contains(&want), "{budget}");
         assert!(svg.contains("ok: 396") && svg.contains("shed: 4"), "{svg}");
-        assert_eq!(svg.matches("class=\"outcome\"").count(), 5);
+        assert_eq!(svg.matches("class=\"outcome\"").count(), 6);
+        assert!(svg.contains("400 frames sent of 400 due"), "{svg}");
         assert_eq!(svg.matches('<').count(), svg.matches('>').count());
+    }
+
+    #[test]
+    fn frames_due_but_never_sent_get_their_own_bar() {
+        let mut r = report();
+        (r.unsent, r.pending, r.send_errors) = (70, 20, 10);
+        let svg = render(&r);
+        assert!(svg.contains("400 frames sent of 500 due"), "{svg}");
+        assert!(svg.contains("not sent: 100"), "{svg}");
+        // its bar is a fifth of the column; ok's (396 of 500) is wider
+        let widths: Vec<f64> = svg
+            .match_indices("fill=\"#999\"")
+            .filter_map(|(i, _)| {
+                let rect = &svg[svg[..i].rfind("<rect").unwrap()..i];
+                let w = rect.split("width=\"").nth(1)?.split('"').next()?;
+                w.parse().ok()
+            })
+            .collect();
+        assert_eq!(widths, vec![BARS_W * 0.2], "{svg}");
     }
 
     #[test]

@@ -224,3 +224,73 @@ fn a_reload_revokes_what_was_removed_admits_what_was_added_and_keeps_the_rest() 
     let v = settled_counters(&c);
     assert!(v["ok"].as_u64().unwrap() > 0, "{v}");
 }
+
+/// A worker connection that said `Hello` and was welcomed, and sends
+/// nothing more: no `Register`.
+async fn welcomed_worker(c: &Cluster, name: &str) -> quinn::Connection {
+    use tidegate_protocol::quic::{client_config, dial_addr, handshake};
+    let client = client_config(&c.ca()).expect("client config");
+    let conn = dial_addr(&c.quic.into(), "localhost", client)
+        .await
+        .expect("dial the gateway");
+    let hello = tidegate_protocol::Hello {
+        role: tidegate_protocol::Role::Worker,
+        name: name.into(),
+        token: c.worker_token().into(),
+    };
+    let (send, recv, _welcome) = handshake(&conn, hello, &tidegate_protocol::Limits::default())
+        .await
+        .expect("welcomed");
+    // Kept open, unused, for as long as the connection is.
+    tokio::spawn({
+        let conn = conn.clone();
+        async move {
+            let _streams = (send, recv);
+            conn.closed().await;
+        }
+    });
+    conn
+}
+
+/// The error code and reason `conn` was closed with by the gateway,
+/// waiting at most `within`.
+async fn closed_by_gateway(conn: &quinn::Connection, within: Duration) -> (u64, String) {
+    match tokio::time::timeout(within, conn.closed()).await {
+        Ok(quinn::ConnectionError::ApplicationClosed(c)) => (
+            c.error_code.into_inner(),
+            String::from_utf8_lossy(&c.reason).into_owned(),
+        ),
+        Ok(other) => panic!("closed otherwise: {other}"),
+        Err(_) => panic!("still open after {within:?}"),
+    }
+}
+
+#[test]
+fn a_worker_that_has_not_registered_is_closed_when_revoked_or_when_its_register_is_late() {
+    let opts = ClusterOptions {
+        workers: vec!["worker-1".into(), "worker-2".into()],
+        ..ClusterOptions::default()
+    };
+    let c = Cluster::start(&opts).expect("gateway starts");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let (revoked, late) = rt.block_on(async {
+        tokio::join!(
+            welcomed_worker(&c, "worker-1"),
+            welcomed_worker(&c, "worker-2")
+        )
+    });
+    let token = c.worker_token().to_string();
+    rewrite(&c, &entry("workers", "worker-1", &token), "");
+    let (code, report) = reload(&c);
+    assert_eq!(code, 200, "{report}");
+    let unauthorized = u64::from(tidegate_protocol::ErrorCode::Unauthorized.quic_code());
+    let (code, reason) = rt.block_on(closed_by_gateway(&revoked, Duration::from_secs(30)));
+    assert_eq!(code, unauthorized, "{reason}");
+    assert!(reason.contains("revoked"), "{reason}");
+    // worker-2 keeps its credentials but never registers: its connection
+    // ends when the gateway stops waiting (10 s), not when the peer does.
+    let malformed = u64::from(tidegate_protocol::ErrorCode::Malformed.quic_code());
+    let (code, reason) = rt.block_on(closed_by_gateway(&late, Duration::from_secs(60)));
+    assert_eq!(code, malformed, "{reason}");
+    assert!(reason.contains("no Register"), "{reason}");
+}

@@ -473,3 +473,25 @@ fn an_edge_with_a_wrong_token_is_refused_while_others_are_served() {
     let (_, edges) = c.get("/api/v1/edges").expect("GET /api/v1/edges");
     assert!(!edges.contains("edge-2"), "refused edge is listed: {edges}");
 }
+
+#[test]
+fn a_client_that_sent_half_a_request_does_not_hold_up_the_gateways_stop() {
+    use std::io::Write;
+    let _serial = serial();
+    let mut c = cluster(0, "");
+    // Headers without their blank line, then silence: the connection is
+    // busy with a request for as long as the client keeps it open.
+    let mut half = std::net::TcpStream::connect(c.http).expect("connect to the API");
+    half.write_all(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n")
+        .expect("send half a request");
+    let (code, _) = c.get("/healthz").expect("GET /healthz");
+    assert_eq!(
+        code, 200,
+        "a whole request on another connection is answered"
+    );
+    let status = c
+        .stop_gateway(Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("the gateway stops on SIGTERM: {e}"));
+    assert!(status.success(), "{status:?}\n{}", c.gateway_log());
+    drop(half);
+}

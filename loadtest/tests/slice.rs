@@ -161,7 +161,7 @@ async fn raw_model_outputs_travel_from_the_worker_to_the_edge() {
     );
 }
 
-async fn connect(c: &Cluster) -> (Uplink, tokio::sync::mpsc::Receiver<Incoming>) {
+async fn connect(c: &Cluster) -> (Uplink, tidegate_protocol::queue::Receiver<Incoming>) {
     Uplink::connect(
         &c.quic.into(),
         "localhost",
@@ -173,7 +173,7 @@ async fn connect(c: &Cluster) -> (Uplink, tokio::sync::mpsc::Receiver<Incoming>)
     .expect("edge connects")
 }
 
-async fn next_result(rx: &mut tokio::sync::mpsc::Receiver<Incoming>) -> FrameResult {
+async fn next_result(rx: &mut tidegate_protocol::queue::Receiver<Incoming>) -> FrameResult {
     loop {
         let msg = tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await

@@ -177,9 +177,16 @@ struct HintTotals {
     missing: u64,
     throttled: u64,
     send_errors: u64,
+    /// Frames never sent: the generator fell behind its schedule.
+    unsent: u64,
+    /// Frames QUIC had neither taken nor refused when a run ended.
+    pending: u64,
     hints: u64,
-    /// ok within budget over the frames the cameras captured (sent +
-    /// held back by a hint + send errors): what reached the user in time.
+    /// Frames the cameras captured: sent + held back by a hint + send
+    /// errors + unsent + pending (every frame the schedules called for).
+    captured: u64,
+    /// ok within budget over the frames captured: what reached the user in
+    /// time.
     served_share: f64,
     /// p95 of each run's end-to-end latency (ms), in run order.
     e2e_p95_ms: Vec<f64>,
@@ -196,13 +203,15 @@ impl HintTotals {
         self.missing += r.missing;
         self.throttled += r.throttled;
         self.send_errors += r.send_errors;
+        self.unsent += r.unsent;
+        self.pending += r.pending;
         self.hints += r.hints;
         self.e2e_p95_ms.push(r.e2e_ms.p95);
-        let captured = self.sent + self.throttled + self.send_errors;
-        self.served_share = if captured == 0 {
+        self.captured = self.sent + self.throttled + self.send_errors + self.unsent + self.pending;
+        self.served_share = if self.captured == 0 {
             0.0
         } else {
-            self.ok_within_budget as f64 / captured as f64
+            self.ok_within_budget as f64 / self.captured as f64
         };
     }
 }
@@ -245,7 +254,7 @@ fn hints(
             opts.obey_hints = obey;
             let report = sim::run_blocking(&opts)?;
             eprintln!(
-                "round {} {}: sent {} ok {} (within budget {}) shed {} held back {}",
+                "round {} {}: sent {} ok {} (within budget {}) shed {} held back {} unsent {} pending {}",
                 round + 1,
                 if obey {
                     "obeying hints"
@@ -256,7 +265,9 @@ fn hints(
                 report.ok,
                 report.ok_within_budget,
                 report.shed,
-                report.throttled
+                report.throttled,
+                report.unsent,
+                report.pending
             );
             if obey { &mut obeyed } else { &mut ignored }.add(&report);
             settle(&cluster)?;
@@ -299,6 +310,31 @@ fn settle(cluster: &Cluster) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn served_share_counts_frames_never_sent_or_still_sending_as_captured() {
+        // Half the frames the schedule called for never left the stalled
+        // generator, or were still held by flow control at the end.
+        let mut t = HintTotals::default();
+        t.add(&Report {
+            sent: 4,
+            throttled: 1,
+            send_errors: 1,
+            unsent: 3,
+            pending: 1,
+            ok_within_budget: 4,
+            ..Report::default()
+        });
+        assert_eq!((t.unsent, t.pending, t.captured), (3, 1, 10));
+        assert!((t.served_share - 0.4).abs() < 1e-9, "{}", t.served_share);
+        t.add(&Report {
+            sent: 10,
+            ok_within_budget: 10,
+            ..Report::default()
+        });
+        assert_eq!((t.unsent, t.pending, t.captured), (3, 1, 20));
+        assert!((t.served_share - 0.7).abs() < 1e-9, "{}", t.served_share);
+    }
 
     #[test]
     fn served_share_counts_send_errors_as_captured_frames() {
