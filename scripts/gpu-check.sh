@@ -8,6 +8,8 @@
 #   scripts/gpu-check.sh --kit DIR --rehearse
 #                                        the same without a GPU: checks the kit
 #                                        and runs the CPU half (tests skip)
+#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5; the
+#                                        kit check of step 1 always runs)
 #
 # Needs on the GPU machine: the NVIDIA driver (libcuda), NVRTC, and CUDA 13 +
 # cuDNN 9 for ONNX Runtime's CUDA provider. They are looked for in
@@ -24,7 +26,9 @@
 # worker vs raw ONNX Runtime per batch size, BlazeFace on the CPU (the
 # baseline on this host), BlazeFace and (when in the kit) CenterNet on CUDA
 # with u8 upload + GPU normalise vs f32 upload; 4. start-up: process start ->
-# models warmed and profiled (check-config), CPU and CUDA.
+# models warmed and profiled (check-config), CPU and CUDA; 5. cuDNN's
+# convolution algorithm search (runtime.cuda.conv_algo_search): start-up of
+# each model and CenterNet's throughput per mode, in the same run.
 #
 # A failing step does not stop the others: each step's status is recorded,
 # a summary closes the log, and the exit status is 1 if any step failed.
@@ -39,11 +43,12 @@ say() { printf '\n\033[1mgpu-check:\033[0m %s\n' "$*"; }
 die() { printf 'gpu-check: error: %s\n' "$*" >&2; exit 1; }
 started=$(date +%s)
 
-kit="" rehearse=0
+kit="" rehearse=0 only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --kit) kit="${2:?--kit needs a folder}"; shift 2 ;;
     --rehearse) rehearse=1; shift ;;
+    --only) only=",${2:?--only needs steps, e.g. 4,5},"; shift 2 ;;
     *) die "unknown argument $1; see the header of scripts/gpu-check.sh" ;;
   esac
 done
@@ -52,6 +57,11 @@ if [ -z "$kit" ]; then
   kit="$root/target/gpukit"
   bash "$here/gpu-kit.sh" "$kit" || die "building the kit failed (see above)"
 fi
+for n in $(tr ',' ' ' <<<"$only"); do
+  case "$n" in 1b | 1c | 2 | 3 | 4 | 5) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5)" ;; esac
+done
+# want N: whether step N runs.
+want() { [ -z "$only" ] || [[ "$only" == *",$1,"* ]]; }
 kit="$(cd "$kit" && pwd)" || die "no kit folder $kit"
 log="${OUT:-$kit}/gpu-check.log"
 exec > >(tee "$log") 2>&1
@@ -171,9 +181,13 @@ if ((!rehearse)); then
   [ -e "$kit/lib/libnvrtc.so" ] || fail "NVRTC" "no libnvrtc.so.1x found in ${dirs[*]:-(no folder)}"
 fi
 
-# worker_config PROVIDER: writes KIT/w-PROVIDER.toml (BlazeFace only).
+# worker_config PROVIDER [MODEL [SEARCH]]: writes KIT/w-PROVIDER.toml, or
+# KIT/w-PROVIDER-MODEL-SEARCH.toml (MODEL, default BlazeFace, only; SEARCH:
+# cuDNN's conv_algo_search on CUDA).
 worker_config() {
-  cat >"$kit/w-$1.toml" <<TOML
+  local file="$kit/w-$1.toml" model="${2:-blazeface}"
+  [ -n "${3:-}" ] && file="$kit/w-$1-$model-$3.toml"
+  cat >"$file" <<TOML
 name = "gpu-check"
 token = "unused"
 [gateway]
@@ -181,11 +195,14 @@ addr = "127.0.0.1:9"
 ca = "ca.pem"
 [models]
 dir = "$kit/models"
-only = ["blazeface"]
+only = ["$model"]
 [runtime]
 library = "$TIDEGATE_ORT_GPU_LIB"
 provider = "$1"
 TOML
+  if [ -n "${3:-}" ]; then
+    printf '[runtime.cuda]\nconv_algo_search = "%s"\n' "$3" >>"$file"
+  fi
 }
 providers=(cpu)
 ((rehearse)) || providers+=(cuda)
@@ -206,16 +223,20 @@ precheck() {
     return 1
   fi
 }
-if ((!rehearse)); then
+if ((!rehearse)) && want 1b; then
   say "1b. tidegate-worker check-cuda: ONNX Runtime's CUDA provider, the driver and devices, NVRTC"
   step "check-cuda" "$kit/bin/tidegate-worker" --config "$kit/w-cuda.toml" --log warn check-cuda
 fi
 pre="${providers[-1]}"
-say "1c. pre-check: tidegate-worker check-config on $pre (loads every run-time library)"
-step "pre-check: check-config on $pre" precheck "$pre"
+if want 1c; then
+  say "1c. pre-check: tidegate-worker check-config on $pre (loads every run-time library)"
+  step "pre-check: check-config on $pre" precheck "$pre"
+fi
 
-say "2. GPU tests (a skip fails here)"
-if ((rehearse)); then
+want 2 && say "2. GPU tests (a skip fails here)"
+if ! want 2; then
+  :
+elif ((rehearse)); then
   step "GPU tests" "$kit/bin/gpu-test" --nocapture --test-threads 1
   step "GPU unit tests" "$kit/bin/lib-test" gpu:: --nocapture
 else
@@ -223,10 +244,12 @@ else
   step "GPU unit tests" env TIDEGATE_REQUIRE_GPU=1 "$kit/bin/lib-test" gpu:: --nocapture
 fi
 
-say "3. benchmarks: worker vs raw ONNX Runtime (frames/s, best of 2 rounds of 1 s)"
-echo "blazeface, CPU, 1 intra-op thread (baseline on this host):"
-step "bench blazeface CPU" "$kit/bin/bench" --threads 1 --seconds 1 --rounds 2
-if ((!rehearse)); then
+if want 3; then
+  say "3. benchmarks: worker vs raw ONNX Runtime (frames/s, best of 2 rounds of 1 s)"
+  echo "blazeface, CPU, 1 intra-op thread (baseline on this host):"
+  step "bench blazeface CPU" "$kit/bin/bench" --threads 1 --seconds 1 --rounds 2
+fi
+if ((!rehearse)) && want 3; then
   for m in blazeface centernet; do
     [ -f "$kit/models/$m/model.onnx" ] || continue
     echo "$m, CUDA (third column: u8 upload + GPU normalise against CPU normalise + f32 upload):"
@@ -234,13 +257,37 @@ if ((!rehearse)); then
   done
 fi
 
-say "4. start-up: process start -> models loaded, warmed and profiled (check-config)"
+want 4 && say "4. start-up: process start -> models loaded, warmed and profiled (check-config)"
 for provider in "${providers[@]}"; do
+  want 4 || break
   t0=$(date +%s%N)
   if step "start-up $provider" "$kit/bin/tidegate-worker" --config "$kit/w-$provider.toml" --log warn check-config; then
     t1=$(date +%s%N)
     echo "  $provider: $(((t1 - t0) / 1000000)) ms from exec to warmed and profiled"
   fi
 done
+
+if want 5; then
+  say "5. cuDNN's convolution algorithm search (runtime.cuda.conv_algo_search): start-up per model, CenterNet's throughput"
+  ((rehearse)) && echo "  rehearsal: on the CPU, where the setting does nothing; this checks the configurations only"
+  for m in blazeface centernet; do
+    [ -f "$kit/models/$m/model.onnx" ] || continue
+    for search in exhaustive heuristic default; do
+      worker_config "$pre" "$m" "$search"
+      t0=$(date +%s%N)
+      if step "start-up $pre $m $search" "$kit/bin/tidegate-worker" --config "$kit/w-$pre-$m-$search.toml" --log warn check-config >/dev/null; then
+        t1=$(date +%s%N)
+        echo "  $m, $search: $(((t1 - t0) / 1000000)) ms from exec to warmed and profiled"
+      fi
+    done
+  done
+  if ((!rehearse)) && [ -f "$kit/models/centernet/model.onnx" ]; then
+    for search in exhaustive heuristic default; do
+      echo "centernet, CUDA, conv_algo_search = $search (raw ONNX Runtime on the same setting):"
+      step "bench centernet CUDA $search" "$kit/bin/bench" --cuda --model centernet \
+        --conv-algo-search "$search" --sizes 1,8,32 --seconds 1 --rounds 1
+    done
+  fi
+fi
 
 summary

@@ -6,6 +6,7 @@
 //!
 //! cargo run --release -p tidegate-worker --example bench -- [--threads 1]
 //!     [--seconds 2] [--sizes 1,2,4,8,16,32] [--cuda] [--model blazeface]
+//!     [--conv-algo-search exhaustive|heuristic|default]
 //!
 //! With `--cuda` a third column runs the worker with `cpu_preprocess`:
 //! frames normalised on the CPU and uploaded as f32, against the default u8
@@ -19,7 +20,8 @@
 //!
 //! Prints a Markdown table for docs/benchmarks.md. Raw and worker runs
 //! alternate one batch at a time, and each side's median batch time is
-//! reported, so that load from other processes hits both alike. With one
+//! reported, so that load from other processes hits both alike; the
+//! worker's batch latency is given as its median and 99th percentile. With one
 //! intra-op thread ONNX Runtime runs on the calling thread, so the table
 //! also gives frames per CPU-second of this thread (from
 //! /proc/thread-self/stat), which other processes on a shared machine
@@ -32,10 +34,10 @@ use image::imageops::{self, FilterType};
 use ort::session::Session;
 use ort::value::TensorRef;
 use tidegate_protocol::{DType, Geometry, Layout, Status, Tensor};
-use tidegate_worker::backend::{Backend, FrameInput, OrtBackend};
+use tidegate_worker::backend::{Backend, FrameInput, OrtBackend, cuda_provider};
 use tidegate_worker::model::Repository;
 use tidegate_worker::preprocess::Preprocessor;
-use tidegate_worker::runtime::{CudaOptions, Provider, Runtime, RuntimeOptions};
+use tidegate_worker::runtime::{ConvAlgoSearch, CudaOptions, Provider, Runtime, RuntimeOptions};
 
 struct Args {
     threads: usize,
@@ -44,6 +46,7 @@ struct Args {
     cuda: bool,
     rounds: usize,
     model: String,
+    conv_algo_search: ConvAlgoSearch,
 }
 
 fn args() -> Args {
@@ -54,6 +57,7 @@ fn args() -> Args {
         cuda: false,
         rounds: 3,
         model: "blazeface".into(),
+        conv_algo_search: ConvAlgoSearch::default(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -70,6 +74,14 @@ fn args() -> Args {
             }
             "--cuda" => a.cuda = true,
             "--model" => a.model = value(),
+            "--conv-algo-search" => {
+                a.conv_algo_search = match value().as_str() {
+                    "exhaustive" => ConvAlgoSearch::Exhaustive,
+                    "heuristic" => ConvAlgoSearch::Heuristic,
+                    "default" => ConvAlgoSearch::Default,
+                    other => panic!("--conv-algo-search exhaustive|heuristic|default, not {other}"),
+                }
+            }
             other => panic!("unknown flag {other}; see the header of examples/bench.rs"),
         }
     }
@@ -99,9 +111,18 @@ fn cpu_block(seconds: f64, mut f: impl FnMut()) -> (f64, f64) {
     (n, thread_cpu() - c)
 }
 
-/// Alternates `raw` and `worker` (one batch each) for `seconds`; the median
-/// time of each, in seconds.
-fn paired(seconds: f64, mut raw: impl FnMut(), mut worker: impl FnMut()) -> (f64, f64) {
+/// Batch times of one [`paired`] run, in seconds.
+struct Pair {
+    /// Median of the first closure (raw ONNX Runtime).
+    raw: f64,
+    /// Median of the second closure (the worker).
+    worker: f64,
+    /// 99th percentile of the second closure.
+    worker_p99: f64,
+}
+
+/// Alternates `raw` and `worker` (one batch each) for `seconds`.
+fn paired(seconds: f64, mut raw: impl FnMut(), mut worker: impl FnMut()) -> Pair {
     let until = Instant::now() + Duration::from_secs_f64(seconds);
     let (mut a, mut b) = (Vec::new(), Vec::new());
     while Instant::now() < until || a.len() < 5 {
@@ -112,11 +133,14 @@ fn paired(seconds: f64, mut raw: impl FnMut(), mut worker: impl FnMut()) -> (f64
         worker();
         b.push(t.elapsed().as_secs_f64());
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    (median(&mut a), median(&mut b))
+    a.sort_by(f64::total_cmp);
+    b.sort_by(f64::total_cmp);
+    let at = |v: &[f64], q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    Pair {
+        raw: at(&a, 0.5),
+        worker: at(&b, 0.5),
+        worker_p99: at(&b, 0.99),
+    }
 }
 
 /// Stops the bench with `why` (exit 1).
@@ -165,6 +189,7 @@ fn main() {
     let cuda = |cpu_preprocess| {
         Provider::Cuda(CudaOptions {
             cpu_preprocess,
+            conv_algo_search: a.conv_algo_search,
             ..CudaOptions::default()
         })
     };
@@ -225,9 +250,9 @@ fn main() {
     if a.threads > 0 {
         builder = builder.with_intra_threads(a.threads).unwrap();
     }
-    if a.cuda {
+    if let Provider::Cuda(o) = &options.provider {
         use ort::ep::ExecutionProvider;
-        ort::ep::CUDA::default().register(&mut builder).unwrap();
+        cuda_provider(o).register(&mut builder).unwrap();
     }
     let mut raw = builder.commit_from_file(&model.path).unwrap();
 
@@ -252,7 +277,7 @@ fn main() {
         .unwrap();
 
     println!(
-        "| batch | raw ORT frames/s (wall) | worker frames/s (wall) | raw frames/CPU-s | worker frames/CPU-s | worker / raw (CPU) |{}",
+        "| batch | raw ORT frames/s (wall) | worker frames/s (wall) | worker ms/batch p50 / p99 | raw frames/CPU-s | worker frames/CPU-s | worker / raw (CPU) |{}",
         if a.cuda {
             " worker, f32 upload frames/s (wall) | u8 + GPU normalise / f32 upload |"
         } else {
@@ -260,7 +285,7 @@ fn main() {
         }
     );
     println!(
-        "|---|---|---|---|---|---|{}",
+        "|---|---|---|---|---|---|---|{}",
         if a.cuda { "---|---|" } else { "" }
     );
     for &b in a.sizes.iter().filter(|&&b| b <= max_batch as usize) {
@@ -300,16 +325,20 @@ fn main() {
             }
         }
         // The round with the fastest raw median: the least disturbed one.
-        let (raw_s, worker_s) = runs
+        let best = runs
             .into_iter()
-            .min_by(|x, y| x.0.total_cmp(&y.0))
+            .min_by(|x, y| x.raw.total_cmp(&y.raw))
             .expect("at least one round");
         let per_cpu = |(n, c): (f64, f64)| n * b as f64 / c.max(1e-9);
         let (raw_c, worker_c) = (per_cpu(raw_cpu), per_cpu(worker_cpu));
         // u8 upload + GPU normalise against CPU normalise + f32 upload,
         // alternating batch by batch like the raw/worker pair.
         let upload = f32_upload.as_mut().map(|f32_backend| {
-            let (u8_s, f32_s) = paired(
+            let Pair {
+                raw: u8_s,
+                worker: f32_s,
+                ..
+            } = paired(
                 a.seconds * a.rounds as f64,
                 || {
                     std::hint::black_box(backend.run(name, &frames));
@@ -321,9 +350,11 @@ fn main() {
             format!(" {:.0} | {:.2} |", b as f64 / f32_s, f32_s / u8_s)
         });
         println!(
-            "| {b} | {:.0} | {:.0} | {raw_c:.0} | {worker_c:.0} | {:.2} |{}",
-            b as f64 / raw_s,
-            b as f64 / worker_s,
+            "| {b} | {:.0} | {:.0} | {:.2} / {:.2} | {raw_c:.0} | {worker_c:.0} | {:.2} |{}",
+            b as f64 / best.raw,
+            b as f64 / best.worker,
+            best.worker * 1e3,
+            best.worker_p99 * 1e3,
             worker_c / raw_c,
             upload.unwrap_or_default()
         );

@@ -912,8 +912,9 @@ impl Backend for OrtBackend {
     }
 }
 
-/// The CUDA execution provider with the configured settings.
-fn cuda_provider(o: &CudaOptions) -> CUDA {
+/// The CUDA execution provider with the configured settings (public so that
+/// the bench builds its raw ONNX Runtime session on the same one).
+pub fn cuda_provider(o: &CudaOptions) -> CUDA {
     let device_id = i32::try_from(o.device_id).unwrap_or(i32::MAX);
     let mut ep = CUDA::default()
         .with_device_id(device_id)
