@@ -31,6 +31,13 @@
 //!   holds; up to `Limits::pipeline_depth` batches are in flight per worker;
 //! - a lost worker's in-flight frames are queued again if their deadline
 //!   allows, otherwise they fail with `worker lost`;
+//! - each finished batch refines its worker's profile, but one slow batch
+//!   counts at most `OBSERVE_CAP` times the estimate (a GPU's first run of a
+//!   new input shape can take a thousand times the usual), and while a
+//!   worker runs nothing its estimate relaxes back towards the profile it
+//!   registered (half the excess every `RELAX_HALF_LIFE_US`): an estimate
+//!   that outgrew every deadline would otherwise shed the model's frames
+//!   for ever, since only a dispatched batch can correct it;
 //! - a worker whose running batch is `Limits::stall_us` past when its
 //!   profile said it would be done is stalled (a hung GPU or runtime, while
 //!   its connection and heartbeats go on): it is dropped
@@ -252,9 +259,24 @@ struct Queued {
     dispatched: Option<Micros>,
 }
 
+/// An observed batch time counts at most this many times the current
+/// estimate, so that one outlier (a GPU's first run of an input shape:
+/// cuDNN's algorithm search, allocations) cannot make every batch size look
+/// hopeless at once; a worker that really slowed down is learned within a
+/// few batches.
+const OBSERVE_CAP: f64 = 3.0;
+
+/// While a worker runs nothing, the excess of its estimate over the
+/// profile it registered halves every this many µs. A model whose frames
+/// all looked too slow to dispatch gets a batch again once the estimate has
+/// relaxed enough, and that batch's time corrects the estimate.
+const RELAX_HALF_LIFE_US: f64 = 2_000_000.0;
+
 #[derive(Debug)]
 struct Worker {
     models: HashMap<String, ModelProfile>,
+    /// When its profiles last relaxed (or it last had a batch running).
+    relaxed_at: Micros,
     /// Batches sent to it, oldest first (at most `Limits::pipeline_depth`),
     /// with their size and when its profile says each will be done.
     running: Vec<Running>,
@@ -281,6 +303,8 @@ struct ModelProfile {
     max_batch: u16,
     /// Latency (µs) per batch size 1..=max_batch, smoothed by EWMA.
     latency: Vec<f64>,
+    /// `latency` as registered, before any observation.
+    registered: Vec<f64>,
 }
 
 impl ModelProfile {
@@ -288,10 +312,14 @@ impl ModelProfile {
         let max_batch = m.max_batch.max(1);
         let mut points: Vec<(u16, u32)> = m.profile.clone();
         points.sort_unstable();
-        let latency = (1..=max_batch)
+        let latency: Vec<f64> = (1..=max_batch)
             .map(|b| interpolate(&points, b, default_latency_us))
             .collect();
-        ModelProfile { max_batch, latency }
+        ModelProfile {
+            max_batch,
+            registered: latency.clone(),
+            latency,
+        }
     }
 
     /// Expected run time of a batch. A larger batch never runs faster than
@@ -346,10 +374,36 @@ impl ModelProfile {
         const ALPHA: f64 = 0.2;
         let i = batch.clamp(1, self.latency.len()) - 1;
         let old = self.latency[i].max(1.0);
-        let new = (1.0 - ALPHA) * old + ALPHA * latency_us.max(1) as f64;
+        let sample = (latency_us.max(1) as f64).min(old * OBSERVE_CAP);
+        let new = (1.0 - ALPHA) * old + ALPHA * sample;
         let factor = new / old;
         for l in &mut self.latency {
             *l = (*l * factor).max(1.0);
+        }
+    }
+}
+
+impl ModelProfile {
+    /// Moves each batch size's estimate back towards its registered value
+    /// after `idle_us` with nothing running: the excess halves every
+    /// [`RELAX_HALF_LIFE_US`]. An estimate below the registered one (a
+    /// worker faster than it said) stays.
+    fn relax(&mut self, idle_us: Micros) {
+        // Observations scale the whole curve alike, so the first size tells
+        // whether any is above its registered value.
+        if self.latency[0] <= self.registered[0] {
+            return;
+        }
+        let keep = 0.5f64.powf(idle_us as f64 / RELAX_HALF_LIFE_US);
+        for (l, r) in self.latency.iter_mut().zip(&self.registered) {
+            if *l > *r {
+                // Within a microsecond it is back.
+                *l = if *l - r < 1.0 {
+                    *r
+                } else {
+                    r + (*l - r) * keep
+                };
+            }
         }
     }
 }
@@ -507,6 +561,7 @@ impl Scheduler {
     /// Applies one event at time `now` and returns what to do.
     pub fn on_event(&mut self, now: Micros, event: Event) -> Vec<Action> {
         let mut out = Vec::new();
+        self.relax_idle(now);
         match event {
             Event::FrameArrived(a) => self.arrive(now, a, &mut out),
             Event::WorkerJoined { worker, models } => {
@@ -523,6 +578,7 @@ impl Scheduler {
                     worker,
                     Worker {
                         models,
+                        relaxed_at: now,
                         running: Vec::new(),
                         draining: false,
                     },
@@ -695,6 +751,22 @@ impl Scheduler {
             return;
         }
         self.enqueue(q);
+    }
+
+    /// Relaxes the profiles of the workers that run nothing (see
+    /// [`ModelProfile::relax`]); a busy worker's idle time starts anew.
+    fn relax_idle(&mut self, now: Micros) {
+        for w in self.workers.values_mut() {
+            if w.running.is_empty() {
+                let idle = now.saturating_sub(w.relaxed_at);
+                if idle > 0 {
+                    for p in w.models.values_mut() {
+                        p.relax(idle);
+                    }
+                }
+            }
+            w.relaxed_at = now;
+        }
     }
 
     fn expire(&mut self, now: Micros, out: &mut Vec<Action>) {
@@ -1609,6 +1681,123 @@ mod tests {
             vec![(6, Status::Shed(ShedReason::Superseded))]
         );
         assert!(s.counters().balanced());
+    }
+
+    /// Finishes the batch dispatched in `actions` (if any) at `now`, all ok,
+    /// reporting `latency_us`.
+    fn finish_dispatched(s: &mut Scheduler, now: Micros, actions: &[Action], latency_us: u32) {
+        if let Some(Action::Dispatch {
+            worker,
+            batch,
+            frames,
+            ..
+        }) = actions
+            .iter()
+            .find(|a| matches!(a, Action::Dispatch { .. }))
+        {
+            let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+            s.on_event(
+                now,
+                Event::BatchFinished {
+                    worker: *worker,
+                    batch: *batch,
+                    outcomes,
+                    latency_us,
+                },
+            );
+        }
+    }
+
+    #[test]
+    fn one_outlier_batch_does_not_shed_the_model_for_ever() {
+        // A GPU worker: 2 ms a frame. Its first batch takes 2 s (a cuDNN
+        // algorithm search for a new input shape).
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 2_000));
+        let a = s.on_event(0, frame(1, "c", 80_000));
+        assert_eq!(dispatches(&a), vec![vec![1]]);
+        finish_dispatched(&mut s, 2_000_000, &a, 2_000_000);
+        // Counted as at most 3 × 2 ms: the estimate is 2.8 ms, not 400 ms,
+        // and the next frames are served.
+        let mut t = 2_000_000;
+        for id in 2..=6 {
+            let a = s.on_event(t, frame(id, "c", t + 80_000));
+            assert_eq!(dispatches(&a), vec![vec![id]], "frame {id}: {a:?}");
+            finish_dispatched(&mut s, t + 2_000, &a, 2_000);
+            t += 33_000;
+        }
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn an_estimate_beyond_every_deadline_relaxes_while_the_worker_idles() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 2_000));
+        // The worker really is slow for a while: 300 ms a frame, learned
+        // over a few batches.
+        let mut t = 0;
+        let mut id = 0;
+        while id < 20 {
+            id += 1;
+            let a = s.on_event(t, frame(id, "c", t + 1_000_000));
+            assert_eq!(dispatches(&a), vec![vec![id]], "frame {id}: {a:?}");
+            t += 300_000;
+            finish_dispatched(&mut s, t, &a, 300_000);
+        }
+        assert!(s.workers[&WorkerId(1)].models["m"].latency(1) > 200_000);
+        // Now no frame with an 80 ms budget looks like it can make it.
+        id += 1;
+        assert_eq!(
+            completes(&s.on_event(t, frame(id, "c", t + 80_000))),
+            vec![(id, Status::Shed(ShedReason::WouldMissDeadline))]
+        );
+        // Idle, the estimate relaxes towards the registered 2 ms: within a
+        // fraction of a second it does not, ...
+        id += 1;
+        let soon = t + 200_000;
+        assert_eq!(
+            completes(&s.on_event(soon, frame(id, "c", soon + 80_000))),
+            vec![(id, Status::Shed(ShedReason::WouldMissDeadline))]
+        );
+        // ... after a quiet 20 s a frame is dispatched again, whose
+        // batch time then corrects the estimate.
+        id += 1;
+        let later = t + 20_000_000;
+        let a = s.on_event(later, frame(id, "c", later + 80_000));
+        assert_eq!(dispatches(&a), vec![vec![id]]);
+        let before = s.workers[&WorkerId(1)].models["m"].latency(1);
+        finish_dispatched(&mut s, later + 300_000, &a, 300_000);
+        // Up by the bounded step (×1.4) per slow batch.
+        let after = s.workers[&WorkerId(1)].models["m"].latency(1);
+        assert!(after * 10 >= before * 13, "{before} -> {after}");
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn one_observation_moves_the_estimate_a_bounded_step() {
+        let mut p = ModelProfile::new(
+            &WorkerModel {
+                model: "m".into(),
+                max_batch: 4,
+                profile: vec![(1, 1_000), (4, 2_000)],
+            },
+            1_000,
+        );
+        p.observe(4, u32::MAX);
+        // 0.8 × 2 ms + 0.2 × 3 × 2 ms: the curve grows by 1.4 at most.
+        assert_eq!(p.latency(4), 2_800);
+        assert_eq!(p.latency(1), 1_400);
+        // Relaxing never goes below what was registered, and a worker
+        // faster than registered keeps its estimate.
+        p.relax(u64::MAX);
+        assert_eq!((p.latency(1), p.latency(4)), (1_000, 2_000));
+        for _ in 0..20 {
+            p.observe(4, 1_000);
+        }
+        let fast = p.latency(4);
+        assert!(fast < 2_000);
+        p.relax(10_000_000);
+        assert_eq!(p.latency(4), fast);
     }
 
     #[test]
