@@ -192,6 +192,11 @@ struct ModelSession {
     /// preprocesses).
     input: InputBuffer,
     preprocessing: Preprocessing,
+    /// The batch sizes a batch is padded up to ([`batch_buckets`]); empty
+    /// when batches run at their own size.
+    buckets: Vec<usize>,
+    /// Rows of the last run, padding included (0 before the first).
+    last_run: usize,
     /// Set when the session runs on CUDA and preprocessing moved there too.
     #[cfg(feature = "cuda")]
     gpu: Option<GpuInput>,
@@ -207,14 +212,35 @@ impl std::fmt::Debug for ModelSession {
     }
 }
 
+/// The batch sizes a worker warms up and profiles for a model with
+/// `max_batch`, and (with padding, [`RuntimeOptions::pad_batches`]) the only
+/// sizes it runs: the powers of two below `max_batch`, and `max_batch`.
+pub fn batch_buckets(max_batch: u16) -> Vec<u16> {
+    let mut sizes: Vec<u16> = std::iter::successors(Some(1u16), |&b| b.checked_mul(2))
+        .take_while(|&b| b < max_batch)
+        .collect();
+    sizes.push(max_batch.max(1));
+    sizes
+}
+
 impl ModelSession {
+    /// Rows a batch of `n` frames runs as: the smallest bucket that holds
+    /// it, or `n` without padding.
+    fn run_size(&self, n: usize) -> usize {
+        self.buckets.iter().copied().find(|&b| b >= n).unwrap_or(n)
+    }
+
     /// Runs frames `which` of `frames` (all valid, at most `max_batch`) as
-    /// one batch, writing their outcomes.
+    /// one batch, writing their outcomes. With padding, the rows after the
+    /// frames hold what the input buffer held (zeros, or earlier frames);
+    /// rows are independent, and only the frames' rows are decoded.
     fn run_batch(&mut self, frames: &[FrameInput], which: &[usize], outcomes: &mut [FrameOutcome]) {
+        self.last_run = self.run_size(which.len());
         #[cfg(feature = "cuda")]
         if self.gpu.is_some() {
             return self.run_batch_gpu(frames, which, outcomes);
         }
+        let rows = self.last_run;
         let ModelSession {
             spec,
             session,
@@ -228,7 +254,7 @@ impl ModelSession {
         let mut preprocess_us = Vec::with_capacity(n);
         let shape: Vec<i64> = spec
             .input
-            .model_shape(n as u32)
+            .model_shape(rows as u32)
             .iter()
             .map(|&d| i64::from(d))
             .collect();
@@ -248,10 +274,10 @@ impl ModelSession {
         let value: Result<SessionInputValue<'_>, String> = match prepared {
             Err(e) => Err(e.to_string()),
             Ok(()) => match input {
-                InputBuffer::F32(buf) => TensorRef::from_array_view((shape, &buf[..n * len]))
+                InputBuffer::F32(buf) => TensorRef::from_array_view((shape, &buf[..rows * len]))
                     .map(SessionInputValue::from)
                     .map_err(|e| e.to_string()),
-                InputBuffer::U8(buf) => TensorRef::from_array_view((shape, &buf[..n * len]))
+                InputBuffer::U8(buf) => TensorRef::from_array_view((shape, &buf[..rows * len]))
                     .map(SessionInputValue::from)
                     .map_err(|e| e.to_string()),
             },
@@ -299,6 +325,7 @@ impl ModelSession {
         which: &[usize],
         outcomes: &mut [FrameOutcome],
     ) {
+        let rows = self.last_run;
         let ModelSession {
             spec,
             session,
@@ -323,7 +350,7 @@ impl ModelSession {
         let preprocess_us = vec![micros(start.elapsed()) / n.max(1) as u32; n];
         let shape: Vec<i64> = spec
             .input
-            .model_shape(n as u32)
+            .model_shape(rows as u32)
             .iter()
             .map(|&d| i64::from(d))
             .collect();
@@ -553,6 +580,44 @@ impl OrtBackend {
     /// Why the configured provider was replaced by the CPU, if it was.
     pub fn fallback_reason(&self) -> Option<&str> {
         self.fallback_reason.as_deref()
+    }
+
+    /// Rows a batch of `n` frames of `model` runs as: `n`, or with padding
+    /// the next of its [`batch_buckets`] (`None` for a model not served).
+    pub fn run_size(&self, model: &str, n: usize) -> Option<usize> {
+        let i = self.session_index(model).ok()?;
+        Some(self.sessions[i].run_size(n))
+    }
+
+    /// The latency profile to register for `model` from `measured`, its
+    /// profile at its [`batch_buckets`]: as measured, or with padding a
+    /// point for every batch size up to `max_batch` at the time of the
+    /// bucket it runs as, so that the gateway's estimate of a batch of 5
+    /// is the batch of 8 it costs rather than a value between 4 and 8.
+    pub fn registered_profile(&self, model: &str, measured: &[(u16, u32)]) -> Vec<(u16, u32)> {
+        let Ok(i) = self.session_index(model) else {
+            return measured.to_vec();
+        };
+        let ms = &self.sessions[i];
+        if ms.buckets.is_empty() {
+            return measured.to_vec();
+        }
+        (1..=ms.spec.max_batch)
+            .filter_map(|n| {
+                let rows = ms.run_size(usize::from(n));
+                measured
+                    .iter()
+                    .find(|(b, _)| usize::from(*b) == rows)
+                    .map(|&(_, us)| (n, us))
+            })
+            .collect()
+    }
+
+    /// Rows of `model`'s last ONNX Runtime run, padding included (0 before
+    /// its first; `None` for a model not served).
+    pub fn last_run_size(&self, model: &str) -> Option<usize> {
+        let i = self.session_index(model).ok()?;
+        Some(self.sessions[i].last_run)
     }
 
     /// Where `model`'s frames are preprocessed (`None` for a model not
@@ -797,6 +862,17 @@ fn open_model_on(
         DType::F32 => InputBuffer::F32(vec![0.0; capacity]),
         DType::U8 => InputBuffer::U8(vec![0; capacity]),
     };
+    let pad = options
+        .pad_batches
+        .unwrap_or(matches!(provider, Provider::Cuda(_)));
+    let buckets = if pad {
+        batch_buckets(spec.max_batch)
+            .into_iter()
+            .map(usize::from)
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut ms = ModelSession {
         preprocessor: Preprocessor::new(&spec.input),
         spec,
@@ -804,6 +880,8 @@ fn open_model_on(
         decoder,
         input,
         preprocessing,
+        buckets,
+        last_run: 0,
         #[cfg(feature = "cuda")]
         gpu,
     };
@@ -1157,6 +1235,18 @@ mod tests {
             shape: shape.to_vec(),
             data: Bytes::from(vec![0u8; len]),
         }
+    }
+
+    #[test]
+    fn batch_buckets_are_powers_of_two_and_the_cap() {
+        assert_eq!(batch_buckets(32), vec![1, 2, 4, 8, 16, 32]);
+        assert_eq!(batch_buckets(12), vec![1, 2, 4, 8, 12]);
+        assert_eq!(batch_buckets(4), vec![1, 2, 4]);
+        assert_eq!(batch_buckets(1), vec![1]);
+        assert_eq!(batch_buckets(0), vec![1]);
+        let all = batch_buckets(u16::MAX);
+        assert_eq!(all.len(), 17);
+        assert_eq!(all[15..], [32_768, u16::MAX]);
     }
 
     #[test]

@@ -127,6 +127,12 @@ pub struct RuntimeConfig {
     /// CUDA settings, read when `provider = "cuda"`.
     #[serde(default)]
     pub cuda: CudaConfig,
+    /// Run each batch padded to the next batch size warmed up and profiled
+    /// at start (1, 2, 4, … and `max_batch`), so that serving never runs an
+    /// input shape for the first time. Unset: on CUDA (where a shape's first
+    /// run costs seconds of cuDNN search), not on the CPU.
+    #[serde(default)]
+    pub pad_batches: Option<bool>,
     /// A batch still running after this long (seconds) means ONNX Runtime
     /// or the device is wedged: the worker exits with status 3
     /// ([`crate::watchdog::EXIT_WEDGED`]) for its supervisor to replace it.
@@ -152,6 +158,7 @@ impl Default for RuntimeConfig {
             provider: ProviderKind::default(),
             fallback: Fallback::default(),
             cuda: CudaConfig::default(),
+            pad_batches: None,
             wedged_after_secs: default_wedged_after_secs(),
             warmup_wedged_after_secs: None,
         }
@@ -444,6 +451,19 @@ mod tests {
                 cpu_preprocess: true,
             })
         );
+    }
+
+    #[test]
+    fn pad_batches_is_the_providers_default_unless_set() {
+        assert_eq!(parse("").unwrap().runtime.pad_batches, None);
+        for (text, want) in [("true", Some(true)), ("false", Some(false))] {
+            let cfg = parse(&format!("[runtime]\npad_batches = {text}\n")).unwrap();
+            assert_eq!(cfg.runtime.pad_batches, want);
+        }
+        let err = parse("[runtime]\npad_batches = \"yes\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("pad_batches"), "{err}");
     }
 
     #[test]

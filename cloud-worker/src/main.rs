@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use tidegate_protocol::{
     ColorOrder, DType, GatewayAddr, Layout, ModelInfo, ProfilePoint, Register,
 };
-use tidegate_worker::backend::{Backend, OrtBackend, Preprocessing};
+use tidegate_worker::backend::{Backend, OrtBackend, Preprocessing, batch_buckets};
 use tidegate_worker::config::WorkerConfig;
 use tidegate_worker::executor::{Activity, Executor};
 use tidegate_worker::link::{self, LinkConfig};
@@ -150,6 +150,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         intra_threads: cfg.runtime.intra_threads,
         provider: cfg.runtime.provider(),
         fallback: cfg.runtime.fallback,
+        pad_batches: cfg.runtime.pad_batches,
         ..RuntimeOptions::default()
     };
     let only = (!cfg.models.only.is_empty()).then_some(cfg.models.only.as_slice());
@@ -169,15 +170,14 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     let mut models = Vec::new();
     let mut profile = Vec::new();
     for spec in backend.models().to_vec() {
-        let sizes: Vec<u16> = [1u16, 2, 4, 8, 16, 32]
-            .into_iter()
-            .filter(|&b| b <= spec.max_batch)
-            .collect();
-        for (batch, latency_us) in backend
+        let sizes = batch_buckets(spec.max_batch);
+        let measured = backend
             .profile(&spec.name, &sizes)
-            .with_context(|| format!("profiling model '{}'", spec.name))?
-        {
+            .with_context(|| format!("profiling model '{}'", spec.name))?;
+        for &(batch, latency_us) in &measured {
             info!(model = %spec.name, batch, latency_us, "profiled");
+        }
+        for (batch, latency_us) in backend.registered_profile(&spec.name, &measured) {
             profile.push(ProfilePoint {
                 model: spec.name.clone(),
                 batch,

@@ -42,6 +42,13 @@ pub struct RuntimeOptions {
     pub provider: Provider,
     /// What to do when `provider` cannot be used.
     pub fallback: Fallback,
+    /// Whether a batch runs padded to the next of the model's
+    /// [`batch_buckets`](crate::backend::batch_buckets), the sizes warmed up
+    /// and profiled at start, so that serving never runs an input shape for
+    /// the first time. `None`: on CUDA, where a shape's first run costs a
+    /// cuDNN algorithm search and allocations (seconds, against
+    /// milliseconds), and not on the CPU, where padding only adds work.
+    pub pad_batches: Option<bool>,
 }
 
 /// The execution provider sessions run on.
@@ -113,6 +120,7 @@ impl Default for RuntimeOptions {
             profile_runs: 5,
             provider: Provider::Cpu,
             fallback: Fallback::None,
+            pad_batches: None,
         }
     }
 }

@@ -170,6 +170,16 @@ anchors_per_cell = 1
 "#;
 
 fn probe_backend(layout: Layout, dtype: DType, decoder: &str) -> (tempfile::TempDir, OrtBackend) {
+    probe_backend_padding(layout, dtype, decoder, None)
+}
+
+/// [`probe_backend`] with `runtime.pad_batches` set to `pad`.
+fn probe_backend_padding(
+    layout: Layout,
+    dtype: DType,
+    decoder: &str,
+    pad: Option<bool>,
+) -> (tempfile::TempDir, OrtBackend) {
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("probe");
     fs::create_dir(&folder).unwrap();
@@ -184,6 +194,7 @@ fn probe_backend(layout: Layout, dtype: DType, decoder: &str) -> (tempfile::Temp
         intra_threads: 1,
         warmup_runs: 1,
         profile_runs: 3,
+        pad_batches: pad,
         ..RuntimeOptions::default()
     };
     let backend = OrtBackend::open(&repo, &options).unwrap_or_else(|e| panic!("{e}"));
@@ -387,4 +398,50 @@ fn profile_covers_batch_sizes_up_to_max_batch() {
     let sizes: Vec<u16> = points.iter().map(|p| p.0).collect();
     assert_eq!(sizes, vec![1, 2, 4]);
     assert!(points.iter().all(|p| p.1 > 0), "{points:?}");
+}
+
+#[test]
+fn padded_batches_run_at_profiled_sizes_and_each_frame_keeps_its_own_result() {
+    let (_dir, mut backend) =
+        probe_backend_padding(Layout::Nhwc, DType::F32, BLAZEFACE_DECODER, Some(true));
+    // max_batch 4: the profiled sizes are 1, 2 and 4, and 3 runs as 4.
+    let sizes: Vec<Option<usize>> = (1..=4).map(|n| backend.run_size("probe", n)).collect();
+    assert_eq!(sizes, vec![Some(1), Some(2), Some(4), Some(4)]);
+    let four: Vec<FrameInput> = (0..4).map(|i| shifted(Layout::Nhwc, i)).collect();
+    backend.run("probe", &four);
+    // Three frames after four: the padding row still holds the last run's
+    // fourth frame, and no frame gets its result.
+    let three: Vec<FrameInput> = (4..7).map(|i| shifted(Layout::Nhwc, i)).collect();
+    let out = backend.run("probe", &three);
+    assert_eq!(backend.last_run_size("probe"), Some(4));
+    assert_eq!(out.len(), 3);
+    for (o, i) in out.iter().zip(4..7) {
+        assert_shifted(o, i);
+    }
+    backend.run("probe", &[shifted(Layout::Nhwc, 1)]);
+    assert_eq!(backend.last_run_size("probe"), Some(1));
+    // Registered: a point for every size, at the time of the size it runs as.
+    let measured = backend.profile("probe", &[1, 2, 4]).unwrap();
+    let registered = backend.registered_profile("probe", &measured);
+    let batches: Vec<u16> = registered.iter().map(|p| p.0).collect();
+    assert_eq!(batches, vec![1, 2, 3, 4]);
+    assert_eq!(registered[0].1, measured[0].1);
+    assert_eq!(registered[1].1, measured[1].1);
+    assert_eq!(registered[2].1, measured[2].1);
+    assert_eq!(registered[3].1, measured[2].1);
+}
+
+#[test]
+fn on_the_cpu_batches_run_at_their_own_size_by_default() {
+    let (_dir, mut backend) = probe_backend(Layout::Nhwc, DType::F32, BLAZEFACE_DECODER);
+    assert_eq!(backend.run_size("probe", 3), Some(3));
+    let three: Vec<FrameInput> = (0..3).map(|i| shifted(Layout::Nhwc, i)).collect();
+    let out = backend.run("probe", &three);
+    assert_eq!(backend.last_run_size("probe"), Some(3));
+    for (o, i) in out.iter().zip(0..3) {
+        assert_shifted(o, i);
+    }
+    let measured = backend.profile("probe", &[1, 2, 4]).unwrap();
+    assert_eq!(backend.registered_profile("probe", &measured), measured);
+    assert_eq!(backend.run_size("nope", 1), None);
 }

@@ -222,10 +222,14 @@ fn cuda_detections_match_the_cpu_within_tolerance() {
             let provider = cuda.provider().clone();
             let preprocessing = cuda.preprocessing("blazeface").cloned();
             let gpu = cuda.gpu_preprocessing("blazeface");
-            let _ = tx.send((provider, preprocessing, gpu, cuda.run("blazeface", &frames)));
+            let all = cuda.run("blazeface", &frames);
+            // Three frames run padded to the profiled batch of 4.
+            let three = cuda.run("blazeface", &frames[..3]);
+            let rows = cuda.last_run_size("blazeface");
+            let _ = tx.send((provider, preprocessing, gpu, all, three, rows));
         }
     });
-    let (provider, preprocessing, gpu, b) = rx
+    let (provider, preprocessing, gpu, b, three, rows) = rx
         .recv_timeout(std::time::Duration::from_secs(600))
         .expect("the CUDA session opened and ran within ten minutes (it hung, or panicked)");
     assert!(matches!(provider, Provider::Cuda(_)));
@@ -261,6 +265,21 @@ fn cuda_detections_match_the_cpu_within_tolerance() {
         }
     }
     assert!(faces >= 4, "only {faces} faces in 8 astronaut crops");
+    assert_eq!(rows, Some(4), "a batch of 3 on CUDA runs padded to 4");
+    for (i, (x, y)) in b.iter().zip(&three).enumerate() {
+        assert_eq!(y.status, Status::Ok, "{y:?}");
+        assert_eq!(x.detections.len(), y.detections.len(), "frame {i}");
+        for (p, q) in x.detections.iter().zip(&y.detections) {
+            assert!(
+                (p.score - q.score).abs() <= 1e-3,
+                "frame {i}: {p:?} vs {q:?}"
+            );
+            assert!(
+                (p.x1 - q.x1).abs() <= 0.5 && (p.y2 - q.y2).abs() <= 0.5,
+                "frame {i}"
+            );
+        }
+    }
     eprintln!(
         "CUDA vs CPU: {faces} faces agree; cuda timings {:?}",
         b[0].timings
