@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench fuzz clean-cache
+.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench gpu-check models-full fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -70,6 +70,18 @@ bench: release
 	./target/release/tidegate-bench --report target/bench-relay-8.json relay --frames 4000 --concurrency 8
 	./target/release/tidegate-bench --report target/bench-hints.json hints --workers 1 --cameras 32 --fps 30 --seconds 5 --rounds 2
 	./target/release/tidegate-bench --report target/bench-startup.json startup --runs 5
+
+## On a machine with an NVIDIA GPU: the worker's GPU tests, CUDA benchmarks,
+## start-up and an end-to-end load test with a CUDA worker
+## (scripts/gpu-check.sh; docs/benchmarks.md has an H200's numbers).
+gpu-check: setup
+	@bash scripts/gpu-check.sh
+
+## Every model (BlazeFace, and CenterNet and emotion converted from TF.js by
+## the pinned model tools): fetches and converts what is missing and checks
+## each file against its pinned sha256. make setup runs it too.
+models-full:
+	@bash models/fetch.sh
 
 ## Run the protocol fuzzer for 60 s, the gateway-address parser's and the
 ## edge's webhook-answer fuzzers for 30 s each (needs cargo-fuzz and a

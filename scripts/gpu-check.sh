@@ -8,8 +8,8 @@
 #   scripts/gpu-check.sh --kit DIR --rehearse
 #                                        the same without a GPU: checks the kit
 #                                        and runs the CPU half (tests skip)
-#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5; the
-#                                        kit check of step 1 always runs)
+#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5 6;
+#                                        the kit check of step 1 always runs)
 #
 # Needs on the GPU machine: the NVIDIA driver (libcuda), NVRTC, and CUDA 13 +
 # cuDNN 9 for ONNX Runtime's CUDA provider. They are looked for in
@@ -28,7 +28,9 @@
 # with u8 upload + GPU normalise vs f32 upload; 4. start-up: process start ->
 # models warmed and profiled (check-config), CPU and CUDA; 5. cuDNN's
 # convolution algorithm search (runtime.cuda.conv_algo_search): start-up of
-# each model and CenterNet's throughput per mode, in the same run.
+# each model and CenterNet's throughput per mode, in the same run; 6. end to
+# end: tidegate-loadtest --local (a gateway and one worker on 127.0.0.1, QUIC,
+# the 80 ms budget) with the worker on CUDA, BlazeFace and CenterNet.
 #
 # A failing step does not stop the others: each step's status is recorded,
 # a summary closes the log, and the exit status is 1 if any step failed.
@@ -58,7 +60,7 @@ if [ -z "$kit" ]; then
   bash "$here/gpu-kit.sh" "$kit" || die "building the kit failed (see above)"
 fi
 for n in $(tr ',' ' ' <<<"$only"); do
-  case "$n" in 1b | 1c | 2 | 3 | 4 | 5) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5)" ;; esac
+  case "$n" in 1b | 1c | 2 | 3 | 4 | 5 | 6) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5 6)" ;; esac
 done
 # want N: whether step N runs.
 want() { [ -z "$only" ] || [[ "$only" == *",$1,"* ]]; }
@@ -108,7 +110,7 @@ summary() {
 }
 
 say "1. machine and kit"
-(cd "$kit" && sha256sum --quiet -c manifest.txt) || die "the kit in $kit is incomplete or damaged (manifest.txt); bring every ort-N part, bin/ and models/"
+(cd "$kit" && sha256sum --quiet -c manifest.txt) || die "the kit in $kit is incomplete or damaged (manifest.txt); bring every ort-N part, e2e/, bin/ and models/"
 if ((rehearse)); then
   echo "  rehearsal: no GPU needed; the GPU tests may skip"
 else
@@ -286,6 +288,44 @@ if want 5; then
       echo "centernet, CUDA, conv_algo_search = $search (raw ONNX Runtime on the same setting):"
       step "bench centernet CUDA $search" "$kit/bin/bench" --cuda --model centernet \
         --conv-algo-search "$search" --sizes 1,8,32 --seconds 1 --rounds 1
+    done
+  fi
+fi
+
+# e2e MODEL CAMERAS FPS: one bounded load test through a local gateway and
+# one worker on $pre; prints the report's numbers, keeps the JSON.
+e2e() {
+  local json="${OUT:-$kit}/e2e-$1.json"
+  TIDEGATE_BIN_DIR="$kit/e2e" "${bounded[@]}" "$kit/e2e/tidegate-loadtest" --local \
+    --worker-provider "$pre" --models-dir "$kit/models" --model "$1" \
+    --cameras "$2" --fps "$3" --seconds "${E2E_SECONDS:-15}" --report "$json" >/dev/null || return
+  python3 - "$json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+e = r["e2e_ms"]
+print(f"  {r['cameras']} cameras x {r['fps']:g} fps for {r['duration_s']:g} s, budget {r['budget_ms']} ms: "
+      f"sent {r['sent']}, ok {r['ok']}, ok within budget {r['ok_within_budget']}, "
+      f"SLO attainment {r['slo_attainment']:.4f}")
+print(f"  end to end ms: p50 {e['p50']:.1f}, p90 {e['p90']:.1f}, p99 {e['p99']:.1f}, max {e['max']:.1f}; "
+      f"shed {r['shed']}, expired {r['expired']}, failed {r['failed']}, missing {r['missing']}, hints {r['hints']}")
+PY
+}
+if want 6; then
+  say "6. end to end: tidegate-loadtest --local, a gateway and one worker on $pre (QUIC on 127.0.0.1, 80 ms budget)"
+  if [ ! -x "$kit/e2e/tidegate-loadtest" ] || [ ! -x "$kit/e2e/tidegate-gateway" ]; then
+    fail "end to end" "no e2e/tidegate-loadtest and e2e/tidegate-gateway in the kit"
+  else
+    ln -sf "$kit/bin/tidegate-worker" "$kit/e2e/tidegate-worker"
+    if ((rehearse)); then
+      loads=("blazeface 4 10" "centernet 1 2")
+    else
+      loads=("blazeface 32 30" "centernet 16 15")
+    fi
+    for load in "${loads[@]}"; do
+      read -r m cams fps <<<"$load"
+      [ -f "$kit/models/$m/model.onnx" ] || continue
+      echo "$m:"
+      step "end to end $m, $cams cameras x $fps fps, $pre worker" e2e "$m" "$cams" "$fps"
     done
   fi
 fi

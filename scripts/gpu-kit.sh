@@ -9,6 +9,8 @@
 # The kit:
 #   KIT/bin/     release builds (--features cuda, stripped): tidegate-worker,
 #                the bench example, the `gpu` test and the crate's unit tests
+#   KIT/e2e/     release tidegate-gateway and tidegate-loadtest (stripped),
+#                for the end-to-end step (a local gateway and a CUDA worker)
 #   KIT/models/  blazeface (and centernet, when fetched) + astronaut.png
 #   KIT/ort-N/   ONNX Runtime's GPU build (the pinned onnxruntime-gpu wheel's
 #                libonnxruntime + CUDA provider, 300 MB), as xz parts of at
@@ -34,6 +36,7 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 
 say "release build of the worker, its bench and its GPU tests (--features cuda)"
 cargo build --release -p tidegate-worker --features cuda --bins --examples
+cargo build --release -p tidegate-gateway -p tidegate-loadtest --bins
 # The test executables' paths, from cargo's JSON messages.
 tests="$(cargo test --release -p tidegate-worker --features cuda --lib --test gpu --no-run \
   --message-format=json | python3 -c '
@@ -48,12 +51,13 @@ gpu_test="$(awk '$1 == "test" {print $2}' <<<"$tests")"
 [ -x "$lib_test" ] && [ -x "$gpu_test" ] || die "could not find the test executables in: $tests"
 
 rm -rf "$kit"
-mkdir -p "$kit/bin" "$kit/models/testdata"
+mkdir -p "$kit/bin" "$kit/e2e" "$kit/models/testdata"
 install -m 755 "$target/release/tidegate-worker" "$kit/bin/tidegate-worker"
 install -m 755 "$target/release/examples/bench" "$kit/bin/bench"
 install -m 755 "$gpu_test" "$kit/bin/gpu-test"
 install -m 755 "$lib_test" "$kit/bin/lib-test"
-strip --strip-debug "$kit"/bin/*
+install -m 755 "$target/release/tidegate-gateway" "$target/release/tidegate-loadtest" "$kit/e2e/"
+strip --strip-debug "$kit"/bin/* "$kit"/e2e/*
 for m in blazeface centernet; do
   if [ -f "models/$m/model.onnx" ]; then
     mkdir -p "$kit/models/$m"
@@ -100,4 +104,4 @@ done
 say "kit ready in $kit:"
 du -sh "$kit"/* | sed 's/^/  /'
 say "on the GPU machine (each line may be its own transfer): bring $kit/ort-1 .. $kit/ort-$n,"
-say "then $kit/bin, $kit/models and $kit/manifest.txt, and run: scripts/gpu-check.sh --kit $kit"
+say "$kit/e2e, then $kit/bin, $kit/models and $kit/manifest.txt, and run: scripts/gpu-check.sh --kit $kit"

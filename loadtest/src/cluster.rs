@@ -327,6 +327,8 @@ pub struct Cluster {
     worker_token: String,
     /// The admin token the mutating API routes need.
     pub admin_token: String,
+    /// `ClusterOptions::worker_runtime`.
+    worker_runtime: String,
 }
 
 /// What to start.
@@ -338,6 +340,8 @@ pub struct ClusterOptions {
     pub workers: Vec<String>,
     /// Extra `[scheduler]` lines for the gateway config.
     pub scheduler: String,
+    /// The `[runtime]` lines of the worker configs the cluster writes.
+    pub worker_runtime: String,
 }
 
 impl Default for ClusterOptions {
@@ -346,6 +350,7 @@ impl Default for ClusterOptions {
             edges: vec!["edge-1".into()],
             workers: vec!["worker-1".into()],
             scheduler: String::new(),
+            worker_runtime: "intra_threads = 1\n".into(),
         }
     }
 }
@@ -415,6 +420,7 @@ impl Cluster {
             edge_token,
             worker_token,
             admin_token,
+            worker_runtime: opts.worker_runtime.clone(),
         })
     }
 
@@ -445,10 +451,11 @@ impl Cluster {
         write_file(
             &path,
             format!(
-                "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [{}]\n[runtime]\nintra_threads = 1\n",
+                "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"certs/ca.pem\"\n[models]\ndir = \"{}\"\nonly = [{}]\n[runtime]\n{}",
                 self.quic,
                 models_dir.display(),
-                only.join(", ")
+                only.join(", "),
+                self.worker_runtime
             ),
         )?;
         Ok(path)

@@ -34,6 +34,16 @@ struct Cli {
     /// Workers for --local.
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// Execution provider of the --local workers: cpu (one intra-op
+    /// thread each) or cuda (the worker's `runtime.provider = "cuda"`,
+    /// ONNX Runtime from ORT_DYLIB_PATH; for a GPU machine).
+    #[arg(long, value_enum, default_value_t = WorkerProvider::Cpu, requires = "local")]
+    worker_provider: WorkerProvider,
+    /// Model repository: the --local workers serve from it, and the
+    /// default image is its testdata/astronaut.png (default: this
+    /// checkout's models/).
+    #[arg(long, env = "TIDEGATE_MODELS_DIR")]
+    models_dir: Option<PathBuf>,
     /// Gateway QUIC address, host:port: an IP address or a host name.
     #[arg(long, env = "TIDEGATE_GATEWAY_ADDR", required_unless_present = "local")]
     gateway: Option<GatewayAddr>,
@@ -186,6 +196,23 @@ fn camera_count(s: &str) -> Result<usize, String> {
     Ok(n)
 }
 
+/// What the --local workers run their models on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum WorkerProvider {
+    Cpu,
+    Cuda,
+}
+
+impl WorkerProvider {
+    /// The worker config's `[runtime]` lines.
+    fn runtime(self) -> &'static str {
+        match self {
+            WorkerProvider::Cpu => "intra_threads = 1\n",
+            WorkerProvider::Cuda => "provider = \"cuda\"\n",
+        }
+    }
+}
+
 /// The command line. With --local, --gateway, --ca and --token given as
 /// flags are refused; set in the environment they are ignored (they name a
 /// remote gateway, and --local starts its own).
@@ -233,13 +260,17 @@ fn main() -> anyhow::Result<()> {
         None => vec![cli.model.clone()],
     };
     let mut cluster = None;
+    let repository = cli
+        .models_dir
+        .clone()
+        .unwrap_or_else(|| workspace_root().join("models"));
     let (gateway, ca, token) = if cli.local {
         let mut c = Cluster::start(&ClusterOptions {
             edges: vec![cli.edge.clone()],
             workers: (1..=cli.workers).map(|i| format!("worker-{i}")).collect(),
+            worker_runtime: cli.worker_provider.runtime().into(),
             ..ClusterOptions::default()
         })?;
-        let repository = workspace_root().join("models");
         let serve: Vec<&str> = models.iter().map(String::as_str).collect();
         for i in 1..=cli.workers {
             c.spawn_worker_serving(&format!("worker-{i}"), &repository, &serve)?;
@@ -269,7 +300,7 @@ fn main() -> anyhow::Result<()> {
         image: Some(
             cli.image
                 .clone()
-                .unwrap_or_else(|| workspace_root().join("models/testdata/astronaut.png")),
+                .unwrap_or_else(|| repository.join("testdata/astronaut.png")),
         ),
         obey_hints: !cli.ignore_hints,
     };
@@ -318,5 +349,51 @@ mod tests {
         assert!(err.to_string().contains("--cameras"), "{err}");
         let cli = Cli::try_parse_from(["tidegate-loadtest", "--local"]).unwrap();
         assert_eq!(cli.cameras, 4);
+    }
+
+    #[test]
+    fn local_workers_run_on_the_provider_asked_for() {
+        let cli = Cli::try_parse_from(["tidegate-loadtest", "--local"]).unwrap();
+        assert_eq!(cli.worker_provider, WorkerProvider::Cpu);
+        assert_eq!(cli.worker_provider.runtime(), "intra_threads = 1\n");
+        let cli = Cli::try_parse_from([
+            "tidegate-loadtest",
+            "--local",
+            "--worker-provider",
+            "cuda",
+            "--models-dir",
+            "/kit/models",
+        ])
+        .unwrap();
+        assert_eq!(cli.worker_provider.runtime(), "provider = \"cuda\"\n");
+        assert_eq!(cli.models_dir, Some(PathBuf::from("/kit/models")));
+        let err = Cli::try_parse_from(["tidegate-loadtest", "--local", "--worker-provider", "tpu"])
+            .unwrap_err();
+        assert!(err.to_string().contains("tpu"), "{err}");
+        // Workers are only started with --local.
+        let err = Cli::try_parse_from([
+            "tidegate-loadtest",
+            "--gateway",
+            "127.0.0.1:4433",
+            "--ca",
+            "ca.pem",
+            "--token",
+            "t",
+            "--worker-provider",
+            "cuda",
+        ])
+        .unwrap_err();
+        assert!(err.to_string().contains("--local"), "{err}");
+        // The default, not given, does not need --local.
+        Cli::try_parse_from([
+            "tidegate-loadtest",
+            "--gateway",
+            "127.0.0.1:4433",
+            "--ca",
+            "ca.pem",
+            "--token",
+            "t",
+        ])
+        .unwrap();
     }
 }

@@ -262,7 +262,7 @@ pub async fn run(
     let cluster = Cluster::start(&ClusterOptions {
         edges: vec!["bench-edge".into()],
         workers: vec!["noop-worker".into()],
-        scheduler: String::new(),
+        ..ClusterOptions::default()
     })?;
     let worker = tokio::spawn(noop_worker(
         cluster.quic,

@@ -47,7 +47,7 @@ fn leasing_cluster(policy: &str, min_fps: f64, extra: &str, process: &str) -> Cl
         &ClusterOptions {
             edges: vec!["edge-1".into()],
             workers: Vec::new(),
-            scheduler: String::new(),
+            ..ClusterOptions::default()
         },
         &leasing,
         process,

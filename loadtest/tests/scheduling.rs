@@ -38,6 +38,7 @@ fn cluster(workers: usize, scheduler: &str) -> Cluster {
         edges: vec!["edge-1".into(), "edge-2".into()],
         workers: names.clone(),
         scheduler: scheduler.into(),
+        ..ClusterOptions::default()
     })
     .expect("gateway starts");
     for n in &names {

@@ -165,6 +165,7 @@ fn a_static_worker_keeps_its_connection_unbound_between_leases_and_serves_whenev
         edges: vec!["edge-1".into()],
         workers: Vec::new(),
         scheduler: leasing_section(),
+        ..ClusterOptions::default()
     })
     .expect("static leasing gateway starts");
     let mut w = StaticWorker::spawn(&c);

@@ -221,7 +221,7 @@ pub fn one_edge() -> ClusterOptions {
     ClusterOptions {
         edges: vec!["edge-1".into()],
         workers: Vec::new(),
-        scheduler: String::new(),
+        ..ClusterOptions::default()
     }
 }
 
