@@ -370,8 +370,9 @@ mod tests {
         let err = Cli::try_parse_from(["tidegate-loadtest", "--local", "--worker-provider", "tpu"])
             .unwrap_err();
         assert!(err.to_string().contains("tpu"), "{err}");
-        // Workers are only started with --local.
-        let err = Cli::try_parse_from([
+        // Workers are only started with --local; the default, not given,
+        // does not need it.
+        let remote = [
             "tidegate-loadtest",
             "--gateway",
             "127.0.0.1:4433",
@@ -379,21 +380,10 @@ mod tests {
             "ca.pem",
             "--token",
             "t",
-            "--worker-provider",
-            "cuda",
-        ])
-        .unwrap_err();
+        ];
+        Cli::try_parse_from(remote).unwrap();
+        let with_provider = remote.iter().chain(&["--worker-provider", "cuda"]);
+        let err = Cli::try_parse_from(with_provider).unwrap_err();
         assert!(err.to_string().contains("--local"), "{err}");
-        // The default, not given, does not need --local.
-        Cli::try_parse_from([
-            "tidegate-loadtest",
-            "--gateway",
-            "127.0.0.1:4433",
-            "--ca",
-            "ca.pem",
-            "--token",
-            "t",
-        ])
-        .unwrap();
     }
 }
