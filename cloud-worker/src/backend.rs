@@ -223,6 +223,26 @@ pub fn batch_buckets(max_batch: u16) -> Vec<u16> {
     sizes
 }
 
+/// The step curve of [`OrtBackend::registered_profile`]: for each of
+/// `buckets` (ascending) measured in `measured`, its time at the size after
+/// the bucket below and at the bucket itself.
+fn step_profile(buckets: &[usize], measured: &[(u16, u32)]) -> Vec<(u16, u32)> {
+    let mut points: Vec<(u16, u32)> = Vec::with_capacity(2 * buckets.len());
+    let mut below = 0usize;
+    for &bucket in buckets {
+        let Some(&(_, us)) = measured.iter().find(|(b, _)| usize::from(*b) == bucket) else {
+            continue;
+        };
+        for n in [below + 1, bucket] {
+            if points.last().is_none_or(|&(last, _)| usize::from(last) < n) {
+                points.push((u16::try_from(n).unwrap_or(u16::MAX), us));
+            }
+        }
+        below = bucket;
+    }
+    points
+}
+
 impl ModelSession {
     /// Rows a batch of `n` frames runs as: the smallest bucket that holds
     /// it, or `n` without padding.
@@ -591,9 +611,12 @@ impl OrtBackend {
 
     /// The latency profile to register for `model` from `measured`, its
     /// profile at its [`batch_buckets`]: as measured, or with padding a
-    /// point for every batch size up to `max_batch` at the time of the
-    /// bucket it runs as, so that the gateway's estimate of a batch of 5
-    /// is the batch of 8 it costs rather than a value between 4 and 8.
+    /// step curve, each bucket's time from the size after the bucket below
+    /// up to the bucket itself (two points a bucket, which the gateway joins
+    /// with a flat line), so that its estimate of a batch of 5 is the batch
+    /// of 8 it costs rather than a value between 4 and 8. That is 16 points
+    /// at a `max_batch` of 256: the gateway takes at most `max_list` (1024)
+    /// points from a worker, over all its models.
     pub fn registered_profile(&self, model: &str, measured: &[(u16, u32)]) -> Vec<(u16, u32)> {
         let Ok(i) = self.session_index(model) else {
             return measured.to_vec();
@@ -602,15 +625,7 @@ impl OrtBackend {
         if ms.buckets.is_empty() {
             return measured.to_vec();
         }
-        (1..=ms.spec.max_batch)
-            .filter_map(|n| {
-                let rows = ms.run_size(usize::from(n));
-                measured
-                    .iter()
-                    .find(|(b, _)| usize::from(*b) == rows)
-                    .map(|&(_, us)| (n, us))
-            })
-            .collect()
+        step_profile(&ms.buckets, measured)
     }
 
     /// Rows of `model`'s last ONNX Runtime run, padding included (0 before
@@ -1247,6 +1262,42 @@ mod tests {
         let all = batch_buckets(u16::MAX);
         assert_eq!(all.len(), 17);
         assert_eq!(all[15..], [32_768, u16::MAX]);
+    }
+
+    #[test]
+    fn a_padded_profile_is_a_step_curve_of_two_points_a_bucket() {
+        let buckets: Vec<usize> = batch_buckets(32).into_iter().map(usize::from).collect();
+        let measured: Vec<(u16, u32)> = batch_buckets(32)
+            .into_iter()
+            .map(|b| (b, 1_000 + u32::from(b)))
+            .collect();
+        assert_eq!(
+            step_profile(&buckets, &measured),
+            vec![
+                (1, 1_001),
+                (2, 1_002),
+                (3, 1_004),
+                (4, 1_004),
+                (5, 1_008),
+                (8, 1_008),
+                (9, 1_016),
+                (16, 1_016),
+                (17, 1_032),
+                (32, 1_032),
+            ]
+        );
+        // However large the cap, a handful of points (the gateway reads at
+        // most 1024 from a worker, over all its models).
+        let buckets: Vec<usize> = batch_buckets(256).into_iter().map(usize::from).collect();
+        let measured: Vec<(u16, u32)> = batch_buckets(256).into_iter().map(|b| (b, 5)).collect();
+        let points = step_profile(&buckets, &measured);
+        assert_eq!(points.len(), 16);
+        assert_eq!(points.last(), Some(&(256, 5)));
+        // A bucket that was not measured is left out, not guessed.
+        assert_eq!(
+            step_profile(&[1, 2, 4], &[(1, 10), (4, 40)]),
+            vec![(1, 10), (2, 40), (4, 40)]
+        );
     }
 
     #[test]

@@ -395,14 +395,15 @@ impl ModelProfile {
             return;
         }
         let keep = 0.5f64.powf(idle_us as f64 / RELAX_HALF_LIFE_US);
+        // Within a microsecond of it, the whole curve is back (all at once,
+        // or the check above would stop the larger sizes short of it).
+        if (self.latency[0] - self.registered[0]) * keep < 1.0 {
+            self.latency.clone_from(&self.registered);
+            return;
+        }
         for (l, r) in self.latency.iter_mut().zip(&self.registered) {
             if *l > *r {
-                // Within a microsecond it is back.
-                *l = if *l - r < 1.0 {
-                    *r
-                } else {
-                    r + (*l - r) * keep
-                };
+                *l = r + (*l - r) * keep;
             }
         }
     }

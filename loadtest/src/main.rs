@@ -260,10 +260,13 @@ fn main() -> anyhow::Result<()> {
         None => vec![cli.model.clone()],
     };
     let mut cluster = None;
-    let repository = cli
-        .models_dir
-        .clone()
-        .unwrap_or_else(|| workspace_root().join("models"));
+    // Absolute: the workers read it from a config in another folder.
+    let repository = match &cli.models_dir {
+        Some(dir) => {
+            std::path::absolute(dir).with_context(|| format!("--models-dir {}", dir.display()))?
+        }
+        None => workspace_root().join("models"),
+    };
     let (gateway, ca, token) = if cli.local {
         let mut c = Cluster::start(&ClusterOptions {
             edges: vec![cli.edge.clone()],
