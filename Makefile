@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench gpu-check models-full fuzz clean-cache
+.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench bench-wan gpu-check models-full fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -70,6 +70,16 @@ bench: release
 	./target/release/tidegate-bench --report target/bench-relay-8.json relay --frames 4000 --concurrency 8
 	./target/release/tidegate-bench --report target/bench-hints.json hints --workers 1 --cameras 32 --fps 30 --seconds 5 --rounds 2
 	./target/release/tidegate-bench --report target/bench-startup.json startup --runs 5
+
+## The WAN matrix: the load generator through the project's impairment relay
+## (RTT, random and bursty loss, a bandwidth cap, blackouts; each congestion
+## controller on the same links; raw against JPEG), 30 s a case, about 20
+## minutes in all. JSON in target/bench-wan.json; the table is written into
+## docs/benchmarks.md ("WAN"). CASES=blackout runs only the cases so named.
+bench-wan: release
+	./target/release/tidegate-bench --report target/bench-wan.json wan --seconds $${SECONDS_PER_CASE:-30} \
+	  $${CASES:+--cases $$CASES} --markdown target/bench-wan.md
+	python3 scripts/splice-doc.py docs/benchmarks.md bench-wan target/bench-wan.md
 
 ## On a machine with an NVIDIA GPU: the worker's GPU tests, CUDA benchmarks,
 ## start-up and an end-to-end load test with a CUDA worker

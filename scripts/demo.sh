@@ -48,6 +48,8 @@ uri = "image://$root/models/testdata/astronaut.png"
 model = "blazeface"
 budget_ms = 80
 max_fps = 5
+encoding = "jpeg"       # the default; "png" or "raw" (docs/operations.md)
+jpeg_quality = 90       # the highest; adaptation may go down to min_jpeg_quality (50)
 [[cameras]]
 name = "street"
 uri = "file://$root/models/testdata/vtest/vtest.avi"

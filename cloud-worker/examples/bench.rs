@@ -263,12 +263,12 @@ fn main() {
         .to_rgb8();
     let small = imageops::resize(&img, w, h, FilterType::Triangle).into_raw();
     let frame = FrameInput {
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, h, w, 3],
-            data: small.clone().into(),
-        },
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, h, w, 3],
+            small.clone().into(),
+        ),
         geometry: Geometry::stretch(512, 512, w, h),
     };
     let mut one = vec![0.0f32; small.len()];

@@ -12,6 +12,11 @@
 //! feature, f32 models are preprocessed on the GPU (`gpu` module); where
 //! that cannot start, [`OrtBackend::preprocessing`] says so and why.
 //!
+//! JPEG and PNG frames are decoded into raw tensors first, before
+//! preprocessing, by [`crate::codec`] on the backend's thread (a batch's
+//! files spread over scoped helper threads); the GPU path gets raw u8 like
+//! the CPU path.
+//!
 //! A bad frame fails alone, with a [`Status::Failed`] that says what was
 //! wrong; the frames around it, and every later call, are served as usual.
 
@@ -25,9 +30,11 @@ use ort::ep::{CUDA, ExecutionProvider};
 use ort::session::{Session, SessionInputValue};
 use ort::value::{Outlet, TensorElementType, TensorRef};
 use tidegate_protocol::{
-    DType, Detection, Geometry, Layout, OutputTensor, Status, Tensor, Timings, shape_string,
+    DType, Detection, Encoding, Geometry, Layout, OutputTensor, Status, Tensor, Timings,
+    shape_string,
 };
 
+use crate::codec;
 use crate::decode::{Decoder, DecoderError, OutputView};
 use crate::executor::{Activity, Phase};
 use crate::model::{DimsDisplay, Model, ModelSpec, Repository};
@@ -38,8 +45,8 @@ use crate::runtime::{
 };
 
 /// One frame for inference: u8 RGB pixels shaped `[1,H,W,C]` (NHWC) or
-/// `[1,C,H,W]` (NCHW) at the model's input size, and how they were fitted
-/// from the source frame.
+/// `[1,C,H,W]` (NCHW) at the model's input size, raw or as a JPEG or PNG
+/// file of that NHWC shape, and how they were fitted from the source frame.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FrameInput {
     /// The pixels.
@@ -115,8 +122,10 @@ pub fn check_frame(spec: &ModelSpec, tensor: &Tensor) -> Result<(), String> {
             shape_string(&tensor.shape),
         ));
     }
+    // An encoded frame's file is checked against the shape as it is
+    // decoded (`codec::decode_frame`).
     let need = spec.input.frame_len();
-    if tensor.data.len() != need {
+    if tensor.encoding == Encoding::Raw && tensor.data.len() != need {
         return Err(format!(
             "model '{}': frame {} of u8 needs {need} bytes, payload has {}",
             spec.name,
@@ -130,12 +139,12 @@ pub fn check_frame(spec: &ModelSpec, tensor: &Tensor) -> Result<(), String> {
 /// `n` mid-grey frames for `spec`, for warm-up and profiling.
 fn grey_frames(spec: &ModelSpec, n: usize) -> Vec<FrameInput> {
     let (w, h) = (spec.input.width, spec.input.height);
-    let tensor = Tensor {
-        dtype: DType::U8,
-        layout: Layout::Nhwc,
-        shape: spec.input.frame_shape(Layout::Nhwc).to_vec(),
-        data: Bytes::from(vec![128u8; spec.input.frame_len()]),
-    };
+    let tensor = Tensor::raw(
+        DType::U8,
+        Layout::Nhwc,
+        spec.input.frame_shape(Layout::Nhwc).to_vec(),
+        Bytes::from(vec![128u8; spec.input.frame_len()]),
+    );
     let frame = FrameInput {
         tensor,
         geometry: Geometry::stretch(w, h, w, h),
@@ -460,6 +469,7 @@ fn decode_batch(
         let postprocess_us = micros(start.elapsed());
         let timings = Timings {
             queue_us: 0,
+            decode_us: 0,
             preprocess_us: preprocess_us[slot],
             inference_us,
             postprocess_us,
@@ -533,6 +543,8 @@ pub struct OrtBackend {
     fallback_reason: Option<String>,
     /// Where warm-up and profiling runs are recorded.
     activity: Arc<Activity>,
+    /// Threads that decode a batch's JPEG and PNG frames: the host's cores.
+    decode_threads: usize,
 }
 
 impl OrtBackend {
@@ -588,6 +600,7 @@ impl OrtBackend {
             provider,
             fallback_reason,
             activity,
+            decode_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         })
     }
 
@@ -942,6 +955,7 @@ impl Backend for OrtBackend {
             Ok(i) => i,
             Err(e) => return vec![FrameOutcome::failed(e.to_string()); frames.len()],
         };
+        let decode_threads = self.decode_threads;
         let ms = &mut self.sessions[index];
         let mut outcomes = vec![FrameOutcome::failed(UNPROCESSED); frames.len()];
         let mut valid = Vec::with_capacity(frames.len());
@@ -954,8 +968,42 @@ impl Backend for OrtBackend {
                 }
             }
         }
+        // Encoded frames become raw here, before preprocessing, on this
+        // thread (and helpers, for a batch): the batch then runs on a copy
+        // of `frames` with the decoded tensors in their place (the other
+        // frames' bytes shared, not copied).
+        let encoded: Vec<usize> = valid
+            .iter()
+            .copied()
+            .filter(|&i| frames[i].tensor.encoding != Encoding::Raw)
+            .collect();
+        let mut decode_us = vec![0u32; frames.len()];
+        let mut decoded = None;
+        if !encoded.is_empty() {
+            let files: Vec<&Tensor> = encoded.iter().map(|&i| &frames[i].tensor).collect();
+            let batch = decoded.insert(frames.to_vec());
+            let results = codec::decode_frames(&ms.spec.name, &files, decode_threads);
+            for (&i, (result, took)) in encoded.iter().zip(results) {
+                // At least 1: 0 says the frame was raw.
+                decode_us[i] = micros(took).max(1);
+                match result {
+                    Ok(tensor) => batch[i].tensor = tensor,
+                    Err(e) => {
+                        let reason = e.to_string();
+                        tracing::debug!(model, frame = i, %reason, "frame rejected");
+                        outcomes[i] = FrameOutcome::failed(reason);
+                        outcomes[i].timings.decode_us = decode_us[i];
+                        valid.retain(|&v| v != i);
+                    }
+                }
+            }
+        }
+        let batch = decoded.as_deref().unwrap_or(frames);
         for chunk in valid.chunks(ms.spec.max_batch as usize) {
-            ms.run_batch(frames, chunk, &mut outcomes);
+            ms.run_batch(batch, chunk, &mut outcomes);
+        }
+        for &i in &valid {
+            outcomes[i].timings.decode_us = decode_us[i];
         }
         outcomes
     }
@@ -1244,12 +1292,7 @@ mod tests {
     }
 
     fn tensor(dtype: DType, layout: Layout, shape: &[u32], len: usize) -> Tensor {
-        Tensor {
-            dtype,
-            layout,
-            shape: shape.to_vec(),
-            data: Bytes::from(vec![0u8; len]),
-        }
+        Tensor::raw(dtype, layout, shape.to_vec(), Bytes::from(vec![0u8; len]))
     }
 
     #[test]

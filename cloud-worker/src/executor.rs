@@ -564,12 +564,12 @@ mod tests {
 
     fn frame(len: usize) -> FrameInput {
         FrameInput {
-            tensor: Tensor {
-                dtype: DType::U8,
-                layout: Layout::Nhwc,
-                shape: vec![1, 1, len as u32, 1],
-                data: vec![0u8; len].into(),
-            },
+            tensor: Tensor::raw(
+                DType::U8,
+                Layout::Nhwc,
+                vec![1, 1, len as u32, 1],
+                vec![0u8; len].into(),
+            ),
             geometry: Geometry::stretch(1, 1, 1, 1),
         }
     }

@@ -5,7 +5,8 @@
 //!    and its checked `.onnx` file.
 //! 2. [`runtime`] finds and loads the ONNX Runtime library, once per process.
 //! 3. [`backend`] opens one session per model ([`backend::OrtBackend`]),
-//!    validates each frame, and runs batches:
+//!    validates each frame, and runs batches: [`codec`] decodes JPEG and
+//!    PNG frames into raw u8 tensors,
 //!    [`preprocess`] turns u8 RGB frames into the model's input, ONNX Runtime
 //!    runs it, and [`decode`] turns the outputs into detections in source
 //!    pixels.
@@ -16,6 +17,7 @@
 //! and ends the process when ONNX Runtime or the device is wedged.
 
 pub mod backend;
+pub mod codec;
 pub mod config;
 pub mod decode;
 pub mod executor;

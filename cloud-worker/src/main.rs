@@ -230,6 +230,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         device,
         models,
         profile,
+        codecs: tidegate_worker::codec::SUPPORTED.to_vec(),
     };
     // The executor records its batches where the watchdog looks.
     let executor = Arc::new(Executor::spawn_with(

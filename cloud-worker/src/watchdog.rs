@@ -306,12 +306,7 @@ mod tests {
 
     fn frame() -> FrameInput {
         FrameInput {
-            tensor: Tensor {
-                dtype: DType::U8,
-                layout: Layout::Nhwc,
-                shape: vec![1, 1, 1, 1],
-                data: vec![0u8].into(),
-            },
+            tensor: Tensor::raw(DType::U8, Layout::Nhwc, vec![1, 1, 1, 1], vec![0u8].into()),
             geometry: Geometry::stretch(1, 1, 1, 1),
         }
     }

@@ -215,12 +215,7 @@ fn frame(model_layout: Layout, values: [u8; 5]) -> FrameInput {
         }
     }
     FrameInput {
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, 16, 16, 3],
-            data: data.into(),
-        },
+        tensor: Tensor::raw(DType::U8, Layout::Nhwc, vec![1, 16, 16, 3], data.into()),
         geometry: Geometry::stretch(160, 160, 16, 16),
     }
 }

@@ -38,12 +38,12 @@ fn astronaut() -> FrameInput {
     assert_eq!(img.dimensions(), (512, 512));
     let small = imageops::resize(&img, 128, 128, FilterType::Triangle);
     FrameInput {
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, 128, 128, 3],
-            data: small.into_raw().into(),
-        },
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, 128, 128, 3],
+            small.into_raw().into(),
+        ),
         geometry: Geometry::letterbox(512, 512, 128, 128),
     }
 }
@@ -51,12 +51,12 @@ fn astronaut() -> FrameInput {
 fn frame(shape: &[u32]) -> FrameInput {
     let len: u32 = shape.iter().product();
     FrameInput {
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: shape.to_vec(),
-            data: vec![0u8; len as usize].into(),
-        },
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            shape.to_vec(),
+            vec![0u8; len as usize].into(),
+        ),
         geometry: Geometry::letterbox(128, 128, 128, 128),
     }
 }

@@ -55,12 +55,12 @@ fn letterboxed(img: &RgbImage) -> FrameInput {
         i64::from(g.content_y),
     );
     FrameInput {
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, 512, 512, 3],
-            data: canvas.into_raw().into(),
-        },
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, 512, 512, 3],
+            canvas.into_raw().into(),
+        ),
         geometry: g,
     }
 }

@@ -45,12 +45,12 @@ fn astronaut() -> RgbImage {
 fn frame(pixels: &RgbImage, geometry: Geometry) -> FrameInput {
     let (w, h) = pixels.dimensions();
     FrameInput {
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, h, w, 3],
-            data: pixels.as_raw().clone().into(),
-        },
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, h, w, 3],
+            pixels.as_raw().clone().into(),
+        ),
         geometry,
     }
 }

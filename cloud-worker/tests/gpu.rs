@@ -80,12 +80,12 @@ fn frames() -> Vec<FrameInput> {
             let (w, h) = crop.dimensions();
             let small = imageops::resize(&crop, 128, 128, FilterType::Triangle);
             FrameInput {
-                tensor: Tensor {
-                    dtype: DType::U8,
-                    layout: Layout::Nhwc,
-                    shape: vec![1, 128, 128, 3],
-                    data: small.into_raw().into(),
-                },
+                tensor: Tensor::raw(
+                    DType::U8,
+                    Layout::Nhwc,
+                    vec![1, 128, 128, 3],
+                    small.into_raw().into(),
+                ),
                 geometry: Geometry::stretch(w, h, 128, 128),
             }
         })

@@ -88,12 +88,12 @@ fn item(id: u64) -> DispatchItem {
         camera: "cam".into(),
         seq: id,
         geometry: Geometry::stretch(2, 2, 2, 2),
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, 2, 2, 3],
-            data: vec![7u8; 12].into(),
-        },
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, 2, 2, 3],
+            vec![7u8; 12].into(),
+        ),
     }
 }
 
@@ -117,6 +117,7 @@ async fn drain_waits_for_a_dispatch_still_being_read() {
         device: "test".into(),
         models: Vec::new(),
         profile: Vec::new(),
+        codecs: Vec::new(),
     };
     let worker = tokio::spawn({
         let executor = executor.clone();
@@ -189,6 +190,7 @@ fn register() -> Register {
         device: "test".into(),
         models: Vec::new(),
         profile: Vec::new(),
+        codecs: Vec::new(),
     }
 }
 

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use tidegate_protocol::GatewayAddr;
+use tidegate_protocol::{Codec, Encoding, GatewayAddr};
 
 /// Everything an edge needs.
 #[derive(Debug, Clone, Deserialize)]
@@ -98,6 +98,11 @@ pub struct GatewayConfig {
     pub server_name: String,
     /// CA certificate (PEM) to trust.
     pub ca: PathBuf,
+    /// Congestion controller for the frames this edge sends: `bbr`
+    /// (default: it tolerates the random loss of Wi-Fi and cellular
+    /// uplinks), `cubic` or `newreno` (docs/benchmarks.md, "WAN").
+    #[serde(default)]
+    pub congestion: tidegate_protocol::quic::Congestion,
 }
 
 /// `gateway.addr`, naming the field when the address is wrong.
@@ -148,6 +153,29 @@ pub struct CameraConfig {
     /// frame abandons the oldest beyond that.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: usize,
+    /// How frames travel: `jpeg` (the default), `png` or `raw`. Encoded
+    /// after scaling and letterboxing, so the image is exactly the model's
+    /// input. JPEG by default because the edge's link is usually a WAN: a
+    /// 128×128 RGB frame is 49 KB raw, 4–9 KB as JPEG (4:2:0); `raw` (no
+    /// encoding cost on either side) suits a LAN, `png` (lossless, but
+    /// 80–90 % of raw for a camera image) a model that must see exact
+    /// pixels.
+    #[serde(default = "default_encoding")]
+    pub encoding: Codec,
+    /// JPEG only: the highest quality (1–100), where the camera starts and
+    /// what the gateway is told at `CameraOpen`.
+    #[serde(default = "default_jpeg_quality")]
+    pub jpeg_quality: u8,
+    /// JPEG only: the lowest quality adaptation may go down to (1 to
+    /// `jpeg_quality`) before it lowers the frame rate instead.
+    #[serde(default = "default_min_jpeg_quality")]
+    pub min_jpeg_quality: u8,
+    /// Fit the camera to its uplink: lower the JPEG quality, then the frame
+    /// rate, while frames miss their deadline on the wire, and raise them
+    /// back slowly once the link has room ([`crate::adapt`]). `false` keeps
+    /// `jpeg_quality` and `max_fps` (the gateway's hints still apply).
+    #[serde(default = "yes")]
+    pub adapt: bool,
 }
 
 fn default_budget_ms() -> u32 {
@@ -161,6 +189,24 @@ fn default_keepalive_fps() -> f64 {
 }
 fn default_max_in_flight() -> usize {
     2
+}
+fn default_encoding() -> Codec {
+    Codec::Jpeg
+}
+/// Highest JPEG quality by default: a detailed 128×128 frame at quality 90
+/// is 8.8 KB, a fifth of its 49 KB raw, and its pixels move by about 4
+/// levels (of 255) on average.
+pub const DEFAULT_JPEG_QUALITY: u8 = 90;
+/// Lowest JPEG quality adaptation goes to by default: below about 50, 8×8
+/// blocking starts to move the boxes of small objects in a 128×128 input,
+/// while the bytes saved get small (the same frame is 4.1 KB at 50, 2.6 KB
+/// at 20).
+pub const DEFAULT_MIN_JPEG_QUALITY: u8 = 50;
+fn default_jpeg_quality() -> u8 {
+    DEFAULT_JPEG_QUALITY
+}
+fn default_min_jpeg_quality() -> u8 {
+    DEFAULT_MIN_JPEG_QUALITY
 }
 
 impl CameraConfig {
@@ -213,7 +259,32 @@ impl CameraConfig {
                 self.max_in_flight
             ));
         }
+        if !(1..=Encoding::MAX_QUALITY).contains(&self.jpeg_quality) {
+            return bad(format!(
+                "jpeg_quality {} must be from 1 to {} (the default is {DEFAULT_JPEG_QUALITY})",
+                self.jpeg_quality,
+                Encoding::MAX_QUALITY
+            ));
+        }
+        if !(1..=self.jpeg_quality).contains(&self.min_jpeg_quality) {
+            return bad(format!(
+                "min_jpeg_quality {} must be from 1 to jpeg_quality ({}); the default is {DEFAULT_MIN_JPEG_QUALITY}",
+                self.min_jpeg_quality, self.jpeg_quality
+            ));
+        }
         Ok(())
+    }
+
+    /// The encoding this camera asks for at `CameraOpen`: for JPEG, its
+    /// highest quality.
+    pub fn wire_encoding(&self) -> Encoding {
+        match self.encoding {
+            Codec::Raw => Encoding::Raw,
+            Codec::Jpeg => Encoding::Jpeg {
+                quality: self.jpeg_quality,
+            },
+            Codec::Png => Encoding::Png,
+        }
     }
 }
 
@@ -485,6 +556,59 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn cameras_default_to_jpeg_from_90_down_to_50_with_adaptation_on() {
+        let cfg = parse(&format!(
+            "{BASE}[[cameras]]\nname = \"c\"\nuri = \"test://smpte\"\nmodel = \"m\"\n"
+        ));
+        let c = &cfg.cameras[0];
+        c.validate().unwrap();
+        assert_eq!(c.encoding, Codec::Jpeg);
+        assert_eq!(
+            (c.jpeg_quality, c.min_jpeg_quality, c.adapt),
+            (90, 50, true)
+        );
+        assert_eq!(c.wire_encoding(), Encoding::Jpeg { quality: 90 });
+    }
+
+    #[test]
+    fn encoding_and_jpeg_qualities_are_parsed_and_range_checked() {
+        let cam = |keys: &str| {
+            parse(&format!(
+                "{BASE}[[cameras]]\nname = \"door\"\nuri = \"test://smpte\"\nmodel = \"m\"\n{keys}"
+            ))
+            .cameras
+            .remove(0)
+        };
+        assert_eq!(cam("encoding = \"raw\"\n").wire_encoding(), Encoding::Raw);
+        assert_eq!(cam("encoding = \"png\"\n").wire_encoding(), Encoding::Png);
+        let c = cam("jpeg_quality = 75\nmin_jpeg_quality = 75\nadapt = false\n");
+        c.validate().unwrap();
+        assert_eq!(c.wire_encoding(), Encoding::Jpeg { quality: 75 });
+        assert!(!c.adapt);
+        for (keys, says) in [
+            ("jpeg_quality = 0\n", "jpeg_quality 0 must be from 1 to 100"),
+            ("jpeg_quality = 101\n", "jpeg_quality 101"),
+            (
+                "min_jpeg_quality = 95\n",
+                "min_jpeg_quality 95 must be from 1 to jpeg_quality (90)",
+            ),
+            ("min_jpeg_quality = 0\n", "min_jpeg_quality 0"),
+        ] {
+            let err = cam(keys).validate().unwrap_err().to_string();
+            assert!(
+                err.contains("'door'") && err.contains(says),
+                "{keys}: {err}"
+            );
+        }
+        let err = toml::from_str::<EdgeConfig>(&format!(
+            "{BASE}[[cameras]]\nname = \"door\"\nencoding = \"jpg\"\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("jpeg") && err.contains("png"), "{err}");
     }
 
     #[test]

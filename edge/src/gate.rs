@@ -171,6 +171,22 @@ impl Limits {
     }
 }
 
+impl Limits {
+    /// These limits under a further rate cap (the edge's own adaptation to
+    /// its uplink): the stricter cap wins. A cap that is not a positive
+    /// number changes nothing.
+    pub fn with_rate_cap(self, max_fps: f64) -> Limits {
+        if max_fps.is_finite() && max_fps > 0.0 {
+            Limits {
+                max_fps: self.max_fps.min(max_fps),
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+}
+
 /// What the gate did with one frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {

@@ -4,6 +4,7 @@
 //! results, which go to a [`sink`] with their end-to-end latency measured on
 //! the edge's own [`clock`].
 
+pub mod adapt;
 pub mod backoff;
 #[cfg(feature = "capture")]
 pub mod capture;
@@ -12,5 +13,7 @@ pub mod config;
 pub mod gate;
 #[cfg(feature = "capture")]
 pub mod node;
+#[cfg(feature = "capture")]
+pub mod outbound;
 pub mod sink;
 pub mod uplink;

@@ -6,7 +6,10 @@
 //!      └─ hints ─► HintBoard ──watch──► camera tasks ─► FrameGate limits
 //!
 //!   camera task: CameraOpen on every new connection ─► SupervisedCapture
-//!      (restarts itself) ─► Lane (bounded in flight, reset when stale)
+//!      (restarts itself) ─► Outbound (JPEG/PNG on the camera's encoder
+//!      thread) ─► Lane (bounded in flight, reset when stale)
+//!      once a second: Outbound fits quality, then rate, to the uplink
+//!      (crate::adapt); the stricter of its cap and the gateway's wins
 //!      no connection: frames are dropped and counted, never kept for later
 //! ```
 //!
@@ -17,7 +20,11 @@
 //! `--max-frames` reached), the node waits for the results of the frames
 //! still out, at most [`RESULT_DRAIN`], and returns. Frames are tracked by
 //! camera and `seq` ([`Unanswered`]), so an extra result stands for no other
-//! frame.
+//! frame, and every frame handed to the uplink ends exactly once: as its
+//! result, reset, refused or lost on the wire, or lost with its connection
+//! (acknowledged, its result never came). The link tells the node that a
+//! connection ended through the queue its results come by, after the last
+//! of them, so a result on its way is never counted lost.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,7 +34,7 @@ use std::time::Duration;
 use serde::Serialize;
 use tidegate_protocol::queue;
 use tidegate_protocol::{
-    ControlHint, DType, Frame, FrameResult, InputSpec, Layout, Status, Tensor,
+    ControlHint, DType, Frame, FrameResult, InputSpec, Layout, ShedReason, Status,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -42,8 +49,11 @@ use crate::capture::{
 };
 use crate::config::{CameraConfig, ConfigError, EdgeConfig};
 use crate::gate::{Hint, Limits};
+use crate::outbound::{Outbound, OutboundReport, ResultCounts};
 use crate::sink::{FinishError, Sinks};
-use crate::uplink::{Incoming, Lane, LaneStats, Unanswered, Uplink, UplinkError, UplinkOptions};
+use crate::uplink::{
+    FrameEnds, Incoming, Lane, LaneStats, Unanswered, Uplink, UplinkError, UplinkOptions,
+};
 
 /// How long a finished camera waits for its frames in flight to settle.
 const SETTLE: Duration = Duration::from_secs(5);
@@ -64,13 +74,31 @@ const SINK_DRAIN: Duration = Duration::from_secs(5);
 /// of the frames still out.
 pub const RESULT_DRAIN: Duration = Duration::from_secs(10);
 /// First delay before redialling the gateway; it doubles per failure up to
-/// [`REDIAL_MAX`].
+/// [`REDIAL_MAX`]. Each delay is drawn from the upper half of its step
+/// ([`Backoff`]'s equal jitter): when a gateway restarts, its edges, cut
+/// off in the same instant, do not all dial it again in the same instant.
 pub const REDIAL_BASE: Duration = Duration::from_millis(200);
-/// Longest delay before redialling the gateway. The delay starts again from
-/// [`REDIAL_BASE`] only after a connection has stayed up this long, so a
-/// gateway that accepts and then drops the edge at once is redialled ever
-/// more slowly, not five times a second.
-pub const REDIAL_MAX: Duration = Duration::from_secs(5);
+/// Longest delay before redialling the gateway (so 0.5-1 s once the delays
+/// have grown). Short, because an edge should serve again within 2 s of
+/// its link's return: with [`DIAL_ATTEMPT`], at most 1.5 s pass between
+/// two Initial packets toward the gateway (an attempt's second one, 1 s in,
+/// then at most 0.5 s of the attempt and 1 s of delay), and the dial that
+/// follows the return needs a round trip or two. Long enough that 1000
+/// edges redialling a restarted gateway spread their handshakes over a
+/// second or more rather than a few milliseconds. The delay starts again
+/// from [`REDIAL_BASE`] only after a connection has stayed up this long,
+/// so a gateway that accepts and then drops the edge at once is redialled
+/// once a second at most, not five times a second.
+pub const REDIAL_MAX: Duration = Duration::from_secs(1);
+/// Longest one dial may take to get a QUIC connection up. A dial into a
+/// dead link backs its Initial packets off (sent at 0, ~1 s, ~3 s, ~7 s at
+/// QUIC's default initial RTT): past this one is abandoned and, after the
+/// redial delay, a fresh one starts whose first Initial goes out at once.
+/// 1.5 s lets an attempt send two Initials (one may be lost on a lossy
+/// link) and ends it before the 2 s silence that would follow. A gateway
+/// that is reachable but slow to answer `Hello` is not cut short by this:
+/// the wait for `Welcome` has its own bound (`uplink::HANDSHAKE_TIMEOUT`).
+pub const DIAL_ATTEMPT: Duration = Duration::from_millis(1500);
 
 /// Options of [`run`] that come from flags rather than the config file.
 #[derive(Debug, Clone, Default)]
@@ -115,9 +143,14 @@ impl HintBoard {
     }
 }
 
-/// One camera's counters, shared between its task and the summaries.
+/// One camera's counters, shared between its task and the summaries. How
+/// its frames ended beyond the wire (results for frames reset, frames lost
+/// with their connection) is counted by the node's [`Unanswered`], which
+/// sees both a frame's result and its fate on the wire.
 #[derive(Debug, Default)]
 pub struct CameraStats {
+    /// Frames handed to the uplink (a stream opened for each).
+    pub handed: AtomicU64,
     /// Wire outcomes.
     pub lane: Arc<LaneStats>,
     /// Frames that passed the gate while no connection (or no open camera)
@@ -129,6 +162,11 @@ pub struct CameraStats {
     pub results: AtomicU64,
     /// Results with status ok.
     pub ok: AtomicU64,
+    /// Results late: `ok` but over the budget, or shed by the gateway as
+    /// late on arrival (the link ate the budget).
+    pub late: AtomicU64,
+    /// The camera's budget (µs), what `late` is measured against.
+    budget_us: u64,
     snapshot: Mutex<CameraSnapshot>,
 }
 
@@ -139,6 +177,7 @@ struct CameraSnapshot {
     labels: Arc<Vec<String>>,
     capture: crate::capture::CaptureCounters,
     limits: Option<Limits>,
+    outbound: Option<OutboundReport>,
 }
 
 impl CameraStats {
@@ -148,6 +187,27 @@ impl CameraStats {
 
     fn set_state(&self, state: &'static str) {
         self.snapshot().state = state;
+    }
+
+    /// Counts a result of this camera, of a frame captured at
+    /// `captured_at_us`, that came back at `now_us`.
+    fn on_result(&self, status: &Status, captured_at_us: u64, now_us: u64) {
+        self.results.fetch_add(1, Ordering::Relaxed);
+        let ok = *status == Status::Ok;
+        if ok {
+            self.ok.fetch_add(1, Ordering::Relaxed);
+        }
+        let e2e_us = now_us.saturating_sub(captured_at_us);
+        if (ok && e2e_us > self.budget_us) || *status == Status::Shed(ShedReason::LateOnArrival) {
+            self.late.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn result_counts(&self) -> ResultCounts {
+        ResultCounts {
+            results: self.results.load(Ordering::Relaxed),
+            late: self.late.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -170,35 +230,81 @@ pub struct CameraSummary {
     /// Frames evicted from the capture queue unread.
     pub dropped_queue: u64,
     /// Frames dropped while the gateway was unreachable (or no camera was
-    /// open on the connection).
+    /// open on the connection): never handed to the uplink.
     pub dropped_outage: u64,
+    /// Frames handed to the uplink. Each ends once, as one of `results`,
+    /// `reset_superseded`, `reset_expired`, `refused`, `lost`,
+    /// `lost_connection` or `gave_up`, or is still `awaiting`.
+    pub handed: u64,
     /// Frames acknowledged by the gateway.
     pub delivered: u64,
-    /// Frames reset because a newer one superseded them.
+    /// Frames reset because a newer one superseded them, without a result
+    /// (one the gateway had read and answered anyway counts as a result).
     pub reset_superseded: u64,
-    /// Frames reset at their deadline.
+    /// Frames reset at their deadline, without a result.
     pub reset_expired: u64,
-    /// Frames refused by the gateway.
+    /// Frames refused by the gateway, without a result.
     pub refused: u64,
-    /// Frames whose stream was open when their connection was lost.
+    /// Frames whose stream was open when their connection was lost,
+    /// without a result.
     pub lost: u64,
-    /// Results received.
+    /// Frames acknowledged by the gateway whose result had not come when
+    /// their connection ended (lost, or closed by the edge as it stopped).
+    pub lost_connection: u64,
+    /// Frames acknowledged whose result was given up on while their
+    /// connection lived (over 1024 newer frames of the camera came first):
+    /// 0 unless the gateway loses results.
+    pub gave_up: u64,
+    /// Frames handed that have not ended yet: on the wire, or acknowledged
+    /// and awaiting their result.
+    pub awaiting: u64,
+    /// Results received (a second result for a frame, or one for a frame
+    /// this edge did not send, included).
     pub results: u64,
     /// Results with status ok.
     pub ok: u64,
     /// Pipeline restarts.
     pub restarts: u64,
-    /// Frame-rate cap in force.
+    /// Frame-rate cap in force: the configured one, the gateway's hint and
+    /// the adaptation's, whichever is strictest.
     pub max_fps: f64,
     /// Motion threshold in force.
     pub motion_threshold: f64,
+    /// How frames travel: `raw`, `jpeg` or `png` (as the gateway accepted
+    /// it, once it has).
+    pub encoding: &'static str,
+    /// JPEG quality in force (0 for other encodings).
+    pub quality: u8,
+    /// The adaptation's own frame-rate cap (the configured `max_fps` until
+    /// the uplink makes it lower it).
+    pub adapt_max_fps: f64,
+    /// Mean bytes of a frame handed to QUIC, over the last 1 s window that
+    /// sent any.
+    pub bytes_per_frame: u64,
+    /// Mean time to encode a frame (µs), over the last 1 s window that
+    /// encoded any (0 for raw).
+    pub encode_us: u64,
+    /// Frames encoded.
+    pub encoded: u64,
+    /// Frames the encoder failed (each dropped alone).
+    pub encode_failed: u64,
+    /// Results late: ok but over the budget, or shed as late on arrival.
+    pub late: u64,
+    /// The uplink's smoothed round trip at the last window (ms; 0 without
+    /// a connection).
+    pub rtt_ms: f64,
 }
 
 impl CameraSummary {
-    fn of(name: &str, s: &CameraStats) -> Self {
+    /// The counters of camera `name` now; `ends` from the node's
+    /// [`Unanswered`].
+    fn of(name: &str, s: &CameraStats, ends: FrameEnds) -> Self {
         let snap = s.snapshot().clone();
         let l = &s.lane;
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        // A frame the lane reset, or lost, that was answered all the same
+        // ended as its result.
+        let net = |c: &AtomicU64, answered: u64| load(c).saturating_sub(answered);
         CameraSummary {
             camera: name.to_string(),
             state: if snap.state.is_empty() {
@@ -212,17 +318,62 @@ impl CameraSummary {
             skipped_static: snap.capture.skipped_static,
             dropped_queue: snap.capture.dropped_queue,
             dropped_outage: load(&s.dropped_outage),
+            handed: load(&s.handed),
             delivered: load(&l.delivered),
-            reset_superseded: load(&l.superseded),
-            reset_expired: load(&l.expired),
-            refused: load(&l.refused),
-            lost: load(&l.lost),
+            reset_superseded: net(&l.superseded, ends.answered_superseded),
+            reset_expired: net(&l.expired, ends.answered_expired),
+            refused: net(&l.refused, ends.answered_refused),
+            lost: net(&l.lost, ends.answered_lost),
+            lost_connection: ends.lost_connection,
+            gave_up: ends.gave_up,
+            awaiting: ends.awaiting,
             results: load(&s.results),
             ok: load(&s.ok),
             restarts: snap.capture.restarts,
             max_fps: snap.limits.map_or(0.0, |l| l.max_fps),
             motion_threshold: snap.limits.map_or(0.0, |l| l.motion_threshold),
+            encoding: snap.outbound.map_or("", |o| o.codec.name()),
+            quality: snap.outbound.map_or(0, |o| o.quality),
+            adapt_max_fps: snap.outbound.map_or(0.0, |o| o.adapt_max_fps),
+            bytes_per_frame: snap.outbound.map_or(0, |o| o.bytes_per_frame),
+            encode_us: snap.outbound.map_or(0, |o| o.encode_us),
+            encoded: snap.outbound.map_or(0, |o| o.encoded),
+            encode_failed: snap.outbound.map_or(0, |o| o.encode_failed),
+            late: load(&s.late),
+            rtt_ms: snap.outbound.map_or(0.0, |o| o.rtt.as_secs_f64() * 1e3),
         }
+    }
+}
+
+/// What the link task hands the node, in the order it happened.
+#[derive(Debug)]
+enum FromLink {
+    /// A frame's result.
+    Result(FrameResult),
+    /// Connection [`Uplink::id`] has ended, and every result it delivered
+    /// came before this.
+    Ended(u64),
+}
+
+impl FromLink {
+    /// Roughly the memory it holds, in bytes.
+    fn held_bytes(&self) -> usize {
+        match self {
+            FromLink::Result(r) => r.held_bytes(),
+            FromLink::Ended(_) => std::mem::size_of::<FromLink>(),
+        }
+    }
+}
+
+/// Logs, by camera, the frames [`Unanswered`] has just counted lost with
+/// a connection (`lost_connection`).
+fn lost_with_connection(lost: std::collections::BTreeMap<String, u64>, why: &str) {
+    for (camera, frames) in lost {
+        warn!(
+            camera,
+            frames,
+            "frames acknowledged by the gateway lost with the connection ({why}): their results never came"
+        );
     }
 }
 
@@ -313,7 +464,7 @@ pub async fn run(
     let (link_tx, link_rx) = watch::channel::<Option<Uplink>>(None);
     let (hints_tx, hints_rx) = watch::channel(HintBoard::default());
     let (results_tx, mut results_rx) =
-        queue::channel::<FrameResult>(RESULTS_QUEUE, RESULTS_QUEUE_BYTES);
+        queue::channel::<FromLink>(RESULTS_QUEUE, RESULTS_QUEUE_BYTES);
     let (fatal_tx, mut fatal_rx) = mpsc::channel::<UplinkError>(1);
     let unanswered = Arc::new(Unanswered::default());
 
@@ -324,7 +475,6 @@ pub async fn run(
             hints_tx,
             results_tx,
             fatal_tx,
-            unanswered.clone(),
             cancel.clone(),
         )
         .instrument(info_span!("link", gateway = %cfg.gateway.addr, edge = %cfg.name)),
@@ -332,7 +482,10 @@ pub async fn run(
 
     let mut stats: Vec<(String, Arc<CameraStats>)> = Vec::new();
     for cam in cfg.cameras.clone() {
-        let s = Arc::new(CameraStats::default());
+        let s = Arc::new(CameraStats {
+            budget_us: u64::from(cam.budget_ms) * 1000,
+            ..CameraStats::default()
+        });
         stats.push((cam.name.clone(), s.clone()));
         let span = info_span!("camera", camera = %cam.name, model = %cam.model);
         tracker.spawn(
@@ -350,8 +503,12 @@ pub async fn run(
     }
     tracker.close();
     let by_name: HashMap<String, Arc<CameraStats>> = stats.iter().cloned().collect();
-    let summaries =
-        || -> Vec<CameraSummary> { stats.iter().map(|(n, s)| CameraSummary::of(n, s)).collect() };
+    let summaries = || -> Vec<CameraSummary> {
+        stats
+            .iter()
+            .map(|(n, s)| CameraSummary::of(n, s, unanswered.ends(n)))
+            .collect()
+    };
     let sent = || -> u64 {
         stats
             .iter()
@@ -435,24 +592,18 @@ pub async fn run(
                 break;
             }
             msg = results_rx.recv() => match msg {
-                Some(r) => {
+                Some(FromLink::Ended(conn)) => {
+                    // Every result of the connection has been handled.
+                    lost_with_connection(unanswered.connection_ended(conn), "it ended");
+                }
+                Some(FromLink::Result(r)) => {
                     let now = crate::clock::now_us();
-                    results += 1;
-                    let is_ok = r.status == Status::Ok;
-                    if is_ok {
-                        ok += 1;
-                    }
-                    if let Some(s) = by_name.get(&r.camera) {
-                        s.results.fetch_add(1, Ordering::Relaxed);
-                        if is_ok {
-                            s.ok.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
                     let labels = by_name
                         .get(&r.camera)
                         .map(|s| s.snapshot().labels.clone())
                         .unwrap_or_default();
                     let (camera, seq) = (r.camera.clone(), r.seq);
+                    let (status, captured_at_us) = (r.status.clone(), r.captured_at_us);
                     // Serialised and written on the sink thread, in order;
                     // waits while its queue is full.
                     tokio::select! {
@@ -463,7 +614,16 @@ pub async fn run(
                         },
                         _ = &mut shutdown => { info!("shutting down"); break; }
                     }
-                    // Handed to the sinks: `finish` below writes it.
+                    // Handed to the sinks: `finish` below writes it. Counted
+                    // only now: a result cut off above is not written, and
+                    // its frame is lost with the connection instead.
+                    results += 1;
+                    if status == Status::Ok {
+                        ok += 1;
+                    }
+                    if let Some(s) = by_name.get(&camera) {
+                        s.on_result(&status, captured_at_us, now);
+                    }
                     unanswered.answered(&camera, seq);
                 }
                 None => break,
@@ -473,6 +633,9 @@ pub async fn run(
     cancel.cancel();
     tracker.wait().await;
     let _ = link_task.await;
+    // The connection is closed, and the results still queued are not
+    // written: the frames awaiting them are lost with it.
+    lost_with_connection(unanswered.clear(), "the edge stopped");
     // The loop may have ended on another branch (the results channel
     // closing with the link) while a refusal was waiting: it still decides
     // the exit.
@@ -529,20 +692,24 @@ pub async fn run(
 }
 
 /// Keeps a connection to the gateway: dials with jittered exponential
-/// backoff, publishes the uplink, forwards results, applies hints, and
-/// starts over when the connection is lost. The CA is loaded once, here: a
-/// redial never reads it again. The backoff starts again from
-/// [`REDIAL_BASE`] only after a connection has stayed up [`REDIAL_MAX`].
+/// backoff (each dial bounded by [`DIAL_ATTEMPT`]), publishes the uplink,
+/// forwards results, applies hints, and starts over when the connection is
+/// lost, telling the node after the connection's last result. The CA is
+/// loaded once, here: a redial never reads it again. The backoff starts
+/// again from [`REDIAL_BASE`] only after a connection has stayed up
+/// [`REDIAL_MAX`].
 async fn link(
     cfg: EdgeConfig,
     link_tx: watch::Sender<Option<Uplink>>,
     hints_tx: watch::Sender<HintBoard>,
-    results: queue::Sender<FrameResult>,
+    results: queue::Sender<FromLink>,
     fatal: mpsc::Sender<UplinkError>,
-    unanswered: Arc<Unanswered>,
     cancel: CancellationToken,
 ) {
-    let client = match tidegate_protocol::quic::client_config(&cfg.gateway.ca) {
+    let client = match tidegate_protocol::quic::client_config_with(
+        &cfg.gateway.ca,
+        cfg.gateway.congestion,
+    ) {
         Ok(c) => c,
         Err(e) => {
             let e = UplinkError::Tls(e);
@@ -561,7 +728,10 @@ async fn link(
             client.clone(),
             &cfg.name,
             &cfg.token.0,
-            UplinkOptions::default(),
+            UplinkOptions {
+                dial_timeout: Some(DIAL_ATTEMPT),
+                ..UplinkOptions::default()
+            },
         );
         let connected = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -601,9 +771,18 @@ async fn link(
                     Some(Incoming::Result(r)) => {
                         let e2e = crate::clock::now_us().saturating_sub(r.captured_at_us);
                         uplink.report_latency(&r.camera, r.seq, e2e);
+                        let r = FromLink::Result(r);
                         let size = r.held_bytes();
-                        if results.send(r, size).await.is_err() {
-                            return;
+                        // The node stops reading when it stops: so may we.
+                        tokio::select! {
+                            _ = cancel.cancelled() => {
+                                link_tx.send_replace(None);
+                                uplink.close();
+                                return;
+                            }
+                            sent = results.send(r, size) => if sent.is_err() {
+                                return;
+                            },
                         }
                     }
                     Some(Incoming::Hint(h)) => {
@@ -615,9 +794,16 @@ async fn link(
             }
         }
         // Every result the connection delivered has been forwarded: the
-        // frames still waiting for one will never get it.
-        let orphaned = unanswered.len();
-        unanswered.clear();
+        // frames still waiting for one will never get it. The node counts
+        // them once it has handled those results.
+        let ended = FromLink::Ended(uplink.id());
+        let size = ended.held_bytes();
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            sent = results.send(ended, size) => if sent.is_err() {
+                return;
+            },
+        }
         let why = uplink.closed().await;
         link_tx.send_replace(None);
         let up_for = up_since.elapsed();
@@ -629,7 +815,6 @@ async fn link(
         }
         let delay = backoff.next_delay();
         warn!(
-            orphaned,
             "connection to the gateway lost ({why}); frames are dropped until it is back; reconnecting in {delay:?}"
         );
         tokio::select! {
@@ -806,8 +991,15 @@ async fn camera(
         return;
     }
     let configured = configured_limits(&cam);
-    let mut limits = configured.with_hint(hints_rx.borrow_and_update().for_camera(&cam.name));
-    stats.snapshot().limits = Some(limits);
+    let mut outbound = Outbound::new(&cam);
+    // The limits with the gateway's hint, then with the adaptation's cap.
+    let mut hinted = configured.with_hint(hints_rx.borrow_and_update().for_camera(&cam.name));
+    let mut limits = hinted.with_rate_cap(outbound.max_fps());
+    {
+        let mut snap = stats.snapshot();
+        snap.limits = Some(limits);
+        snap.outbound = Some(outbound.report());
+    }
     stats.set_state("waiting");
     let mut capture = CameraCapture::default();
     let mut input: Option<InputSpec> = None;
@@ -816,7 +1008,9 @@ async fn camera(
     let mut open_on: Option<Uplink> = link_rx.borrow_and_update().clone();
     let mut open_at: Option<Instant> = Some(Instant::now());
     let mut handed = 0u64;
-    let mut refresh = tokio::time::interval(Duration::from_secs(1));
+    // Counters refreshed, and the camera fitted to its uplink, once a window.
+    let mut refresh = tokio::time::interval(crate::outbound::WINDOW);
+    refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         if max_frames.is_some_and(|m| handed >= m) {
             break;
@@ -837,7 +1031,8 @@ async fn camera(
             }
             _ = hints_rx.changed() => {
                 let hint = hints_rx.borrow_and_update().for_camera(&cam.name);
-                let now = configured.with_hint(hint);
+                hinted = configured.with_hint(hint);
+                let now = hinted.with_rate_cap(outbound.max_fps());
                 if now != limits {
                     info!(
                         max_fps = now.max_fps,
@@ -860,7 +1055,7 @@ async fn camera(
                 let Some(uplink) = open_on.clone() else { continue };
                 let opened = tokio::select! {
                     _ = cancel.cancelled() => break,
-                    r = uplink.open_camera(&cam.name, &cam.model, cam.budget_ms) => r,
+                    r = uplink.open_camera(&cam.name, &cam.model, cam.budget_ms, outbound.asked()) => r,
                 };
                 match opened {
                     Ok(accepted) => {
@@ -894,7 +1089,14 @@ async fn camera(
                             }
                             input = Some(spec);
                         }
-                        info!(width = input.as_ref().map_or(0, |i| i.width), "camera open");
+                        let (width, height) = (spec.width, spec.height);
+                        if let Err(e) = outbound.open(&cam, accepted.encoding, width, height).await {
+                            error!("{e}; this camera is disabled, the others run");
+                            stats.set_state("failed");
+                            break;
+                        }
+                        stats.snapshot().outbound = Some(outbound.report());
+                        info!(width, height, encoding = %accepted.encoding, "camera open");
                         lane = Some(uplink.lane_with(
                             &cam.name,
                             cam.max_in_flight,
@@ -921,19 +1123,51 @@ async fn camera(
                 }
             }
             _ = refresh.tick() => {
-                stats.snapshot().capture = capture.counters();
+                // The window counts whatever the connection; the policy
+                // decides only while the camera is open on one.
+                let path = lane.as_ref().and(open_on.as_ref()).map(Uplink::path_stats);
+                let decided = outbound.on_window(
+                    crate::clock::now_us(),
+                    &stats.lane,
+                    stats.result_counts(),
+                    path,
+                );
+                let mut snap = stats.snapshot();
+                if decided.is_some() {
+                    let now = hinted.with_rate_cap(outbound.max_fps());
+                    if now != limits {
+                        limits = now;
+                        capture.set_limits(limits);
+                        snap.limits = Some(limits);
+                    }
+                }
+                snap.capture = capture.counters();
+                snap.outbound = Some(outbound.report());
             }
             frame = capture.recv() => match frame {
                 Ok(frame) => {
-                    stats.snapshot().capture = capture.counters();
+                    {
+                        let mut snap = stats.snapshot();
+                        snap.capture = capture.counters();
+                        snap.outbound = Some(outbound.report());
+                    }
                     let Some(l) = &lane else {
                         stats.dropped_outage.fetch_add(1, Ordering::Relaxed);
                         continue;
                     };
                     let Some(spec) = &input else { continue };
-                    let budget_us = (cam.budget_ms as u64 * 1000)
+                    // The whole budget travels, counted from capture: the
+                    // gateway knows how long the frame waited on the way.
+                    let budget_us = cam.budget_ms as u64 * 1000;
+                    let left_us = budget_us
                         .saturating_sub(crate::clock::now_us().saturating_sub(frame.captured_at_us));
-                    let deadline = Instant::now() + Duration::from_micros(budget_us);
+                    let deadline = Instant::now() + Duration::from_micros(left_us);
+                    // Encoded as the gateway accepted; a frame the encoder
+                    // fails is dropped alone (counted and logged there).
+                    let Some(tensor) = outbound.tensor(frame.data, spec.frame_shape()).await else {
+                        continue;
+                    };
+                    let bytes = tensor.data.len();
                     let msg = Frame {
                         camera: cam.name.clone(),
                         seq: frame.seq,
@@ -941,15 +1175,14 @@ async fn camera(
                         budget_us: budget_us.min(u32::MAX as u64) as u32,
                         model: cam.model.clone(),
                         geometry: frame.geometry,
-                        tensor: Tensor {
-                            dtype: DType::U8,
-                            layout: Layout::Nhwc,
-                            shape: spec.frame_shape(),
-                            data: frame.data,
-                        },
+                        tensor,
                     };
                     match l.send(msg, deadline).await {
-                        Ok(()) => handed += 1,
+                        Ok(()) => {
+                            handed += 1;
+                            stats.handed.fetch_add(1, Ordering::Relaxed);
+                            outbound.handed(bytes);
+                        }
                         Err(e) => {
                             warn!("sending a frame: {e}; dropping frames until the camera is open again");
                             stats.dropped_outage.fetch_add(1, Ordering::Relaxed);
@@ -978,6 +1211,13 @@ async fn camera(
     if let Some(l) = &lane {
         l.settle(SETTLE).await;
     }
+    outbound.on_window(
+        crate::clock::now_us(),
+        &stats.lane,
+        stats.result_counts(),
+        None,
+    );
+    stats.snapshot().outbound = Some(outbound.report());
     stats.snapshot().capture = capture.counters();
     let mut snap = stats.snapshot();
     if matches!(snap.state, "running" | "waiting" | "") {

@@ -23,7 +23,7 @@
 //! This module has no GStreamer dependency, so `tidegate-loadtest`'s
 //! simulated cameras use it too.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,8 +33,8 @@ use std::time::Duration;
 use tidegate_protocol::queue;
 use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, CameraOpen, ControlHint, ErrorCode, ErrorMsg, Frame, FrameResult, GatewayAddr,
-    Hello, LatencyReport, Limits, Message, Role,
+    CameraAccepted, CameraOpen, ClockEcho, ControlHint, Encoding, ErrorCode, ErrorMsg, Frame,
+    FrameResult, GatewayAddr, Hello, LatencyReport, Limits, Message, Role,
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -166,14 +166,27 @@ enum Command {
 #[derive(Debug, Clone)]
 pub struct Uplink {
     conn: quinn::Connection,
+    /// This process's number for the connection ([`Uplink::id`]).
+    id: u64,
     commands: mpsc::Sender<Command>,
     open_timeout: Duration,
 }
 
-/// Deadlines of an [`Uplink`]. [`Default`] is what the edge uses:
-/// [`HANDSHAKE_TIMEOUT`] and [`OPEN_TIMEOUT`]; tests shorten them.
+/// The number of the next connection [`Uplink::connect_client`] sets up.
+static NEXT_CONNECTION: AtomicU64 = AtomicU64::new(1);
+
+/// Deadlines of an [`Uplink`]. [`Default`] has [`HANDSHAKE_TIMEOUT`] and
+/// [`OPEN_TIMEOUT`], and no bound on the dial; the edge node bounds the
+/// dial (`node::DIAL_ATTEMPT`), tests shorten the rest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UplinkOptions {
+    /// Longest wait for the QUIC connection (the gateway's name resolved,
+    /// the QUIC handshake done); `None`: as long as QUIC tries (its idle
+    /// timeout). Past it the dial is abandoned and the connect fails with
+    /// [`UplinkError::Connect`] (retryable): a dial into a dead link backs
+    /// its Initial packets off (1 s, 2 s, 4 s...), so a fresh dial once
+    /// the link is back connects sooner than the old one's next Initial.
+    pub dial_timeout: Option<Duration>,
     /// Longest wait for `Welcome` once the QUIC connection is up.
     pub handshake_timeout: Duration,
     /// Longest wait for the answer to a `CameraOpen`.
@@ -183,6 +196,7 @@ pub struct UplinkOptions {
 impl Default for UplinkOptions {
     fn default() -> Self {
         UplinkOptions {
+            dial_timeout: None,
             handshake_timeout: HANDSHAKE_TIMEOUT,
             open_timeout: OPEN_TIMEOUT,
         }
@@ -257,12 +271,21 @@ impl Uplink {
             addr: addr.clone(),
             reason,
         };
-        let conn = tidegate_protocol::quic::dial_addr(addr, server_name, client)
-            .await
-            .map_err(|e| match e {
-                tidegate_protocol::quic::DialError::Bind(e) => UplinkError::Bind(e),
-                other => connect_err(other.to_string()),
-            })?;
+        let dial = tidegate_protocol::quic::dial_addr(addr, server_name, client);
+        let dialled = match options.dial_timeout {
+            // Dropping the dial abandons it: its endpoint and socket go.
+            Some(limit) => tokio::time::timeout(limit, dial).await.map_err(|_| {
+                connect_err(format!(
+                    "no QUIC connection within {limit:?} (is the link down?); \
+                     this dial is abandoned, the next starts afresh"
+                ))
+            })?,
+            None => dial.await,
+        };
+        let conn = dialled.map_err(|e| match e {
+            tidegate_protocol::quic::DialError::Bind(e) => UplinkError::Bind(e),
+            other => connect_err(other.to_string()),
+        })?;
         let hello = Hello {
             role: Role::Edge,
             name: name.to_string(),
@@ -293,6 +316,7 @@ impl Uplink {
         Ok((
             Uplink {
                 conn,
+                id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
                 commands: cmd_tx,
                 open_timeout: options.open_timeout,
             },
@@ -300,22 +324,26 @@ impl Uplink {
         ))
     }
 
-    /// Opens a camera and returns the gateway's answer: the input the model
-    /// expects and its class names. Without an answer within the open
-    /// timeout ([`OPEN_TIMEOUT`] by default) the connection is closed and
-    /// the open fails with [`UplinkError::Unresponsive`]: the answers that
-    /// should follow would wait behind the missing one.
+    /// Opens a camera whose frames travel as `encoding` and returns the
+    /// gateway's answer: the input the model expects, its class names and
+    /// the encoding accepted. Without an answer within the open timeout
+    /// ([`OPEN_TIMEOUT`] by default) the connection is closed and the open
+    /// fails with [`UplinkError::Unresponsive`]: the answers that should
+    /// follow would wait behind the missing one.
     pub async fn open_camera(
         &self,
         camera: &str,
         model: &str,
         budget_ms: u32,
+        encoding: Encoding,
     ) -> Result<CameraAccepted, UplinkError> {
         let (tx, rx) = oneshot::channel();
         let open = CameraOpen {
             camera: camera.to_string(),
             model: model.to_string(),
             budget_ms,
+            encoding,
+            copies: 1,
         };
         let opened = async {
             self.commands
@@ -375,6 +403,13 @@ impl Uplink {
         }));
     }
 
+    /// This process's number for the connection: each connection set up
+    /// gets the next, so frames can be told apart by the connection they
+    /// went out on ([`Unanswered::connection_ended`]).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The gateway's address this connection reached (its name resolved).
     pub fn remote_address(&self) -> SocketAddr {
         self.conn.remote_address()
@@ -383,6 +418,24 @@ impl Uplink {
     /// The connection's current round-trip estimate.
     pub fn rtt(&self) -> std::time::Duration {
         self.conn.rtt()
+    }
+
+    /// The connection's path statistics now: round trips, congestion
+    /// window, packets sent and lost since it was set up. The counters
+    /// start from zero on every connection.
+    pub fn path_stats(&self) -> PathStats {
+        let stats = self.conn.stats();
+        let p = stats.path;
+        PathStats {
+            rtt: p.rtt,
+            min_rtt: p.min_rtt,
+            cwnd: p.cwnd,
+            sent_packets: p.sent_packets,
+            lost_packets: p.lost_packets,
+            lost_bytes: p.lost_bytes,
+            congestion_events: p.congestion_events,
+            sent_bytes: stats.udp_tx.bytes,
+        }
     }
 
     /// Closes the connection.
@@ -408,8 +461,8 @@ impl Uplink {
     }
 
     /// [`Uplink::lane`] that also records, in `unanswered`, each frame it
-    /// sends until the frame is abandoned (reset, refused, lost) or
-    /// [`Unanswered::answered`] is called for its result.
+    /// sends and what became of it on the wire, so that `unanswered` can
+    /// tell how each frame ended (see [`Unanswered`]).
     pub fn lane_with(
         &self,
         camera: &str,
@@ -421,6 +474,7 @@ impl Uplink {
             conn: self.conn.clone(),
             state: Arc::new(LaneState {
                 camera: camera.to_string(),
+                conn: self.id,
                 max_in_flight: max_in_flight.max(1),
                 in_flight: Mutex::new(VecDeque::new()),
                 stats,
@@ -431,81 +485,320 @@ impl Uplink {
     }
 }
 
-/// Frames sent whose result has not come yet, by camera and `seq`: what an
-/// edge that is stopping still waits for. A lane made with
-/// [`Uplink::lane_with`] adds each frame as it sends it and removes it when
-/// the frame is abandoned; the consumer of results removes it with
-/// [`Unanswered::answered`]. Either may happen first: a result can overtake
-/// the acknowledgement of its frame. Keyed by frame, not counted, so an
-/// extra result (for a frame the edge reset but the gateway had read)
-/// stands for no other frame.
+/// Every frame a lane made with [`Uplink::lane_with`] sent, by camera and
+/// `seq`, until it has ended, and how the frames of each camera ended
+/// beyond what the lane's [`LaneStats`] count ([`FrameEnds`]).
+///
+/// A frame ends once, as one of: its result (the consumer calls
+/// [`Unanswered::answered`]); reset, refused or lost on the wire (the lane
+/// counts these) with no result after all; or acknowledged, with no result
+/// when its connection ended ([`Unanswered::connection_ended`]:
+/// `lost_connection`). Result and wire outcome may come in either order: a
+/// result can overtake the acknowledgement of its frame, and the gateway
+/// may have read and answered a frame that the lane then reset. Such a
+/// frame ends as its result, and is counted in [`FrameEnds`] so that it is
+/// not also a reset. Keyed by frame, not counted, so an extra result (a
+/// second one, or one for a frame never sent) stands for no other frame.
 ///
 /// Bounded: at most [`Unanswered::PER_CAMERA`] frames per camera; beyond
-/// that the oldest is forgotten (its result is long overdue).
+/// that the oldest is forgotten. A frame reset long ago is already
+/// counted; one acknowledged and still waiting for its result is counted
+/// `gave_up`.
 #[derive(Debug, Default)]
 pub struct Unanswered {
-    frames: Mutex<HashMap<String, BTreeSet<u64>>>,
-    /// Woken when the last frame is forgotten.
+    cameras: Mutex<HashMap<String, CameraFrames>>,
+    /// Woken when the last frame awaited ends.
     emptied: tokio::sync::Notify,
+}
+
+/// How a camera's frames ended beyond what its [`LaneStats`] count. With
+/// them, every frame the lane sent is counted exactly once:
+///
+/// ```text
+/// sent = results of these frames
+///      + (superseded - answered_superseded) + (expired - answered_expired)
+///      + (refused - answered_refused) + (lost - answered_lost)
+///      + lost_connection + gave_up + awaiting
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FrameEnds {
+    /// Frames reset as superseded whose result came all the same (the
+    /// gateway had read them): they end as results.
+    pub answered_superseded: u64,
+    /// Frames reset at their deadline whose result came all the same.
+    pub answered_expired: u64,
+    /// Frames refused whose result came all the same.
+    pub answered_refused: u64,
+    /// Frames whose stream was cut by the connection's end, but whose
+    /// result came before it.
+    pub answered_lost: u64,
+    /// Frames the gateway acknowledged whose result had not come when
+    /// their connection ended.
+    pub lost_connection: u64,
+    /// Frames the gateway acknowledged whose result was given up on while
+    /// their connection lived: [`Unanswered::PER_CAMERA`] newer frames of
+    /// the camera were tracked meanwhile.
+    pub gave_up: u64,
+    /// Frames sent that have not ended yet (on the wire, or acknowledged
+    /// and awaiting their result): a count now, not a running total.
+    pub awaiting: u64,
+}
+
+impl FrameEnds {
+    /// A result came for a frame that ended on the wire as `fate`.
+    fn answered_after(&mut self, fate: WireFate) {
+        match fate {
+            WireFate::Delivered => {}
+            WireFate::Superseded => self.answered_superseded += 1,
+            WireFate::Expired => self.answered_expired += 1,
+            WireFate::Refused => self.answered_refused += 1,
+            WireFate::Lost => self.answered_lost += 1,
+        }
+    }
+}
+
+/// One camera's frames in an [`Unanswered`].
+#[derive(Debug, Default)]
+struct CameraFrames {
+    frames: BTreeMap<u64, Tracked>,
+    /// How many of `frames` are awaited ([`Tracked::awaited`]).
+    awaited: usize,
+    ends: FrameEnds,
+}
+
+/// What is known of one frame that has not ended, or that ended on the
+/// wire while a result could still come.
+#[derive(Debug, Clone, Copy)]
+struct Tracked {
+    /// [`Uplink::id`] of the connection it went out on.
+    conn: u64,
+    /// What became of it on the wire, once the lane knows.
+    fate: Option<WireFate>,
+    /// Its result has come (its fate on the wire has not).
+    answered: bool,
+    /// Its connection has ended: no result can come any more.
+    conn_ended: bool,
+}
+
+impl Tracked {
+    /// Whether the frame has not ended: no result, and neither reset,
+    /// refused nor lost on the wire.
+    fn awaited(&self) -> bool {
+        !self.answered && matches!(self.fate, None | Some(WireFate::Delivered))
+    }
+}
+
+impl CameraFrames {
+    /// Applies `f` to frame `seq` if it is tracked; `f` returns whether to
+    /// keep tracking it. Returns whether the frame was tracked.
+    fn update(&mut self, seq: u64, f: impl FnOnce(&mut Tracked, &mut FrameEnds) -> bool) -> bool {
+        let Some(t) = self.frames.get_mut(&seq) else {
+            return false;
+        };
+        let was = t.awaited();
+        let keep = f(t, &mut self.ends);
+        let is = keep && t.awaited();
+        if !keep {
+            self.frames.remove(&seq);
+        }
+        match (was, is) {
+            (true, false) => self.awaited -= 1,
+            (false, true) => self.awaited += 1,
+            _ => {}
+        }
+        true
+    }
+
+    /// Forgets the oldest frame (beyond the bound).
+    fn forget_oldest(&mut self, camera: &str) {
+        let Some((seq, t)) = self.frames.pop_first() else {
+            return;
+        };
+        if t.awaited() {
+            self.awaited -= 1;
+            // A frame on the wire is never this old: a lane holds at most
+            // `max_in_flight` (64 at most) of them.
+            self.ends.gave_up += 1;
+            warn!(
+                camera,
+                seq,
+                "no result for this frame after {} newer ones; no longer waiting for it",
+                Unanswered::PER_CAMERA
+            );
+        }
+    }
 }
 
 impl Unanswered {
     /// Frames of one camera remembered at most.
     pub const PER_CAMERA: usize = 1024;
 
-    fn frames(&self) -> std::sync::MutexGuard<'_, HashMap<String, BTreeSet<u64>>> {
-        // Each update is one insert or remove: usable after a panic.
-        self.frames.lock().unwrap_or_else(PoisonError::into_inner)
+    fn cameras(&self) -> std::sync::MutexGuard<'_, HashMap<String, CameraFrames>> {
+        // Each update leaves the map consistent: usable after a panic.
+        self.cameras.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A frame of `camera` goes out.
-    fn sent(&self, camera: &str, seq: u64) {
-        let mut frames = self.frames();
-        let seqs = frames.entry(camera.to_string()).or_default();
-        seqs.insert(seq);
-        while seqs.len() > Self::PER_CAMERA {
-            if let Some(oldest) = seqs.pop_first() {
-                debug!(
-                    camera,
-                    oldest, "no result for this frame yet; no longer waiting for it"
-                );
-            }
+    /// Wakes [`Unanswered::emptied`] if no frame is awaited any more.
+    fn wake_if_emptied(&self, cameras: &HashMap<String, CameraFrames>) {
+        if cameras.values().all(|c| c.awaited == 0) {
+            self.emptied.notify_waiters();
         }
     }
 
-    /// The frame will not be answered (reset, refused, or lost with its
-    /// connection) or has been: stop waiting for it.
-    fn forget(&self, camera: &str, seq: u64) {
-        let mut frames = self.frames();
-        if let Some(seqs) = frames.get_mut(camera) {
-            seqs.remove(&seq);
-            if seqs.is_empty() {
-                frames.remove(camera);
-                if frames.is_empty() {
-                    self.emptied.notify_waiters();
+    /// Frame `seq` of `camera` goes out on connection `conn`.
+    fn sent(&self, camera: &str, seq: u64, conn: u64) {
+        let mut cameras = self.cameras();
+        let c = cameras.entry(camera.to_string()).or_default();
+        let tracked = Tracked {
+            conn,
+            fate: None,
+            answered: false,
+            conn_ended: false,
+        };
+        if c.frames
+            .insert(seq, tracked)
+            .is_some_and(|old| old.awaited())
+        {
+            c.awaited -= 1;
+        }
+        c.awaited += 1;
+        while c.frames.len() > Self::PER_CAMERA {
+            c.forget_oldest(camera);
+        }
+    }
+
+    /// Frame `seq` of `camera` did not go out after all (its stream could
+    /// not be opened): the caller counts it as not sent.
+    fn unsent(&self, camera: &str, seq: u64) {
+        let mut cameras = self.cameras();
+        if let Some(c) = cameras.get_mut(camera) {
+            c.update(seq, |_, _| false);
+        }
+        self.wake_if_emptied(&cameras);
+    }
+
+    /// The lane knows what became of frame `seq` of `camera` on the wire
+    /// (after counting it in its [`LaneStats`]).
+    fn settled(&self, camera: &str, seq: u64, fate: WireFate) {
+        let mut cameras = self.cameras();
+        if let Some(c) = cameras.get_mut(camera) {
+            c.update(seq, |t, ends| {
+                if t.answered {
+                    // Its result came first: the frame ended as a result.
+                    ends.answered_after(fate);
+                    return false;
                 }
-            }
+                match fate {
+                    WireFate::Delivered if t.conn_ended => {
+                        ends.lost_connection += 1;
+                        false
+                    }
+                    // Awaiting its result; or ended on the wire, unless
+                    // its result comes after all.
+                    _ if !t.conn_ended => {
+                        t.fate = Some(fate);
+                        true
+                    }
+                    _ => false,
+                }
+            });
         }
+        self.wake_if_emptied(&cameras);
     }
 
     /// The result of frame `seq` of `camera` has come (and been handled).
-    /// A result for a frame not waited for changes nothing.
-    pub fn answered(&self, camera: &str, seq: u64) {
-        self.forget(camera, seq);
+    /// Returns whether it is the first result of a frame tracked here; a
+    /// second result, or one for a frame not tracked, changes nothing.
+    pub fn answered(&self, camera: &str, seq: u64) -> bool {
+        let mut cameras = self.cameras();
+        let Some(c) = cameras.get_mut(camera) else {
+            return false;
+        };
+        let mut first = false;
+        c.update(seq, |t, ends| {
+            if t.answered {
+                return true;
+            }
+            first = true;
+            match t.fate {
+                // Its fate on the wire is still to come.
+                None => {
+                    t.answered = true;
+                    true
+                }
+                Some(fate) => {
+                    ends.answered_after(fate);
+                    false
+                }
+            }
+        });
+        self.wake_if_emptied(&cameras);
+        first
     }
 
-    /// The connection the frames went out on is gone: none of them will be
-    /// answered.
-    pub fn clear(&self) {
-        self.frames().clear();
-        self.emptied.notify_waiters();
+    /// Connection `conn` ([`Uplink::id`]) has ended and every result it
+    /// delivered has been handled ([`Unanswered::answered`]): its frames
+    /// acknowledged and unanswered are lost with it. Returns how many, by
+    /// camera (those still on the wire are counted when the lane settles
+    /// them: `lost_connection` if acknowledged after all, the lane's own
+    /// counters otherwise).
+    pub fn connection_ended(&self, conn: u64) -> BTreeMap<String, u64> {
+        self.end(Some(conn))
     }
 
-    /// Resolves once no frame is waited for (at once if none is).
+    /// Every connection has ended (the edge is stopping):
+    /// [`Unanswered::connection_ended`] for all of them.
+    pub fn clear(&self) -> BTreeMap<String, u64> {
+        self.end(None)
+    }
+
+    fn end(&self, conn: Option<u64>) -> BTreeMap<String, u64> {
+        let mut lost = BTreeMap::new();
+        let mut cameras = self.cameras();
+        for (camera, c) in cameras.iter_mut() {
+            let before = c.ends.lost_connection;
+            let ends = &mut c.ends;
+            c.frames.retain(|_, t| {
+                if conn.is_some_and(|id| t.conn != id) {
+                    return true;
+                }
+                t.conn_ended = true;
+                match t.fate {
+                    // On the wire: the lane settles it.
+                    None => true,
+                    Some(WireFate::Delivered) => {
+                        ends.lost_connection += 1;
+                        false
+                    }
+                    // Ended on the wire; no result can come now.
+                    Some(_) => false,
+                }
+            });
+            c.awaited = c.frames.values().filter(|t| t.awaited()).count();
+            let n = c.ends.lost_connection - before;
+            if n > 0 {
+                lost.insert(camera.clone(), n);
+            }
+        }
+        self.wake_if_emptied(&cameras);
+        lost
+    }
+
+    /// How the frames of `camera` have ended so far.
+    pub fn ends(&self, camera: &str) -> FrameEnds {
+        self.cameras()
+            .get(camera)
+            .map_or_else(FrameEnds::default, |c| FrameEnds {
+                awaiting: c.awaited as u64,
+                ..c.ends
+            })
+    }
+
+    /// Resolves once no frame is awaited (at once if none is).
     pub async fn emptied(&self) {
         let notified = self.emptied.notified();
         tokio::pin!(notified);
-        // Registered before the check, so that a frame forgotten in between
+        // Registered before the check, so that a frame ending in between
         // is not missed.
         notified.as_mut().enable();
         if self.is_empty() {
@@ -514,15 +807,38 @@ impl Unanswered {
         notified.await;
     }
 
-    /// Frames waited for, all cameras.
+    /// Frames awaited (sent and not ended), all cameras.
     pub fn len(&self) -> usize {
-        self.frames().values().map(BTreeSet::len).sum()
+        self.cameras().values().map(|c| c.awaited).sum()
     }
 
-    /// Whether no frame is waited for.
+    /// Whether no frame is awaited.
     pub fn is_empty(&self) -> bool {
-        self.frames().is_empty()
+        self.len() == 0
     }
+}
+
+/// A connection's path statistics ([`Uplink::path_stats`]), from QUIC's
+/// own: what the edge's adaptation reads to tell a full link from a long
+/// or lossy one. Counters are since the connection was set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PathStats {
+    /// Smoothed round-trip time.
+    pub rtt: Duration,
+    /// Least round-trip time seen: the path's delay without queues.
+    pub min_rtt: Duration,
+    /// Congestion window (bytes in flight allowed).
+    pub cwnd: u64,
+    /// Packets sent.
+    pub sent_packets: u64,
+    /// Packets declared lost.
+    pub lost_packets: u64,
+    /// Bytes declared lost.
+    pub lost_bytes: u64,
+    /// Times the congestion controller backed off.
+    pub congestion_events: u64,
+    /// UDP payload bytes sent.
+    pub sent_bytes: u64,
 }
 
 /// What became of a camera's frames on the wire.
@@ -541,6 +857,11 @@ pub struct LaneStats {
     /// whose stream could not even be opened is not counted here:
     /// [`Lane::send`] returns an error for it and the caller counts it.
     pub lost: AtomicU64,
+    /// Microseconds from [`Lane::send`] to the acknowledgement, summed over
+    /// the frames `delivered`: divided by them, how long a frame took to
+    /// get across (a round trip, its transfer, and any wait behind other
+    /// bytes, including the peer's ACK delay).
+    pub ack_us: AtomicU64,
 }
 
 impl LaneStats {
@@ -557,19 +878,36 @@ impl LaneStats {
 #[derive(Debug)]
 struct LaneState {
     camera: String,
+    /// [`Uplink::id`] of the lane's connection.
+    conn: u64,
     max_in_flight: usize,
     /// Unacknowledged frames, oldest first: (seq, abandon signal).
     in_flight: Mutex<VecDeque<(u64, CancellationToken)>>,
     stats: Arc<LaneStats>,
-    /// Where frames sent are recorded until answered, if anywhere.
+    /// Where frames sent and their fates are recorded, if anywhere.
     unanswered: Option<Arc<Unanswered>>,
 }
 
 impl LaneState {
-    /// The frame will get no result: stop waiting for one.
-    fn abandoned(&self, seq: u64) {
+    /// Frame `seq` goes out.
+    fn sent(&self, seq: u64) {
         if let Some(u) = &self.unanswered {
-            u.forget(&self.camera, seq);
+            u.sent(&self.camera, seq, self.conn);
+        }
+    }
+
+    /// Frame `seq` did not go out: its stream could not be opened.
+    fn unsent(&self, seq: u64) {
+        if let Some(u) = &self.unanswered {
+            u.unsent(&self.camera, seq);
+        }
+    }
+
+    /// Frame `seq` ended on the wire as `fate` (already counted in the
+    /// lane's stats).
+    fn settled(&self, seq: u64, fate: WireFate) {
+        if let Some(u) = &self.unanswered {
+            u.settled(&self.camera, seq, fate);
         }
     }
 }
@@ -583,13 +921,21 @@ impl LaneState {
     }
 }
 
-/// How a frame stream ended.
+/// What became of one frame on the wire ([`Lane::send_watched`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
+pub enum WireFate {
+    /// The gateway acknowledged every byte (or stopped the stream with code
+    /// 0, having read what it needed).
     Delivered,
+    /// Reset: a newer frame of the camera was acknowledged first, or the
+    /// lane was full.
     Superseded,
+    /// Reset: still unacknowledged at its deadline (or its stream could
+    /// not even open before it).
     Expired,
+    /// The gateway stopped the stream with an error code.
     Refused,
+    /// The connection died under it.
     Lost,
 }
 
@@ -616,13 +962,34 @@ impl Lane {
         frame: Frame,
         deadline: tokio::time::Instant,
     ) -> Result<(), UplinkError> {
+        self.send_with(frame, deadline, None).await
+    }
+
+    /// [`Lane::send`], and the frame's fate on the wire once it is settled
+    /// (for a load generator that accounts for every frame it sent). The
+    /// receiver errs only if the lane's task was dropped with its runtime.
+    pub async fn send_watched(
+        &self,
+        frame: Frame,
+        deadline: tokio::time::Instant,
+    ) -> Result<oneshot::Receiver<WireFate>, UplinkError> {
+        let (tx, rx) = oneshot::channel();
+        self.send_with(frame, deadline, Some(tx)).await?;
+        Ok(rx)
+    }
+
+    async fn send_with(
+        &self,
+        frame: Frame,
+        deadline: tokio::time::Instant,
+        fate: Option<oneshot::Sender<WireFate>>,
+    ) -> Result<(), UplinkError> {
         let seq = frame.seq;
+        let handed_at = tokio::time::Instant::now();
         let abandon = CancellationToken::new();
         // Recorded before the frame can go out: its result may come back
         // before the lane sees the acknowledgement.
-        if let Some(u) = &self.state.unanswered {
-            u.sent(&self.state.camera, seq);
-        }
+        self.state.sent(seq);
         {
             let mut q = self.state.in_flight();
             while q.len() >= self.state.max_in_flight {
@@ -638,13 +1005,16 @@ impl Lane {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 self.forget(seq);
-                self.state.abandoned(seq);
+                self.state.unsent(seq);
                 return Err(UplinkError::Lost(e.to_string()));
             }
             Err(_) => {
                 self.forget(seq);
-                self.state.abandoned(seq);
                 LaneStats::bump(&self.state.stats.expired);
+                self.state.settled(seq, WireFate::Expired);
+                if let Some(fate) = fate {
+                    let _ = fate.send(WireFate::Expired);
+                }
                 return Ok(());
             }
         };
@@ -656,11 +1026,12 @@ impl Lane {
                 let outcome = drive(stream, frame, deadline, abandon).await;
                 let lane = Lane::forget_in(&state, seq);
                 let stats = &state.stats;
-                if outcome != Outcome::Delivered {
-                    state.abandoned(seq);
-                }
                 match outcome {
-                    Outcome::Delivered => {
+                    WireFate::Delivered => {
+                        let took = handed_at.elapsed().as_micros();
+                        stats
+                            .ack_us
+                            .fetch_add(u64::try_from(took).unwrap_or(u64::MAX), Ordering::Relaxed);
                         LaneStats::bump(&stats.delivered);
                         // Older frames still on the way are now useless.
                         for (older, token) in lane.iter().filter(|(s, _)| *s < seq) {
@@ -668,12 +1039,18 @@ impl Lane {
                             token.cancel();
                         }
                     }
-                    Outcome::Superseded => LaneStats::bump(&stats.superseded),
-                    Outcome::Expired => LaneStats::bump(&stats.expired),
-                    Outcome::Refused => LaneStats::bump(&stats.refused),
-                    Outcome::Lost => LaneStats::bump(&stats.lost),
+                    WireFate::Superseded => LaneStats::bump(&stats.superseded),
+                    WireFate::Expired => LaneStats::bump(&stats.expired),
+                    WireFate::Refused => LaneStats::bump(&stats.refused),
+                    WireFate::Lost => LaneStats::bump(&stats.lost),
                 }
+                // Counted first, so that a frame's correction in
+                // `Unanswered` never runs ahead of the count it corrects.
+                state.settled(seq, outcome);
                 debug!(?outcome, "frame stream done");
+                if let Some(fate) = fate {
+                    let _ = fate.send(outcome);
+                }
             }
             .instrument(span),
         );
@@ -711,26 +1088,36 @@ async fn drive(
     frame: Frame,
     deadline: tokio::time::Instant,
     abandon: CancellationToken,
-) -> Outcome {
+) -> WireFate {
     let message = Message::Frame(frame);
     // A frame both late and superseded counts as expired.
     let reason = tokio::select! {
         biased;
-        _ = tokio::time::sleep_until(deadline) => Outcome::Expired,
-        _ = abandon.cancelled() => Outcome::Superseded,
+        _ = tokio::time::sleep_until(deadline) => WireFate::Expired,
+        _ = abandon.cancelled() => WireFate::Superseded,
         r = async {
             write_message(&mut stream, &message).await.map_err(|_| ())?;
             stream.finish().map_err(|_| ())?;
             stream.stopped().await.map_err(|_| ())
         } => {
             return match r {
-                Ok(None) => Outcome::Delivered,
-                Ok(Some(code)) if code.into_inner() == 0 => Outcome::Delivered,
-                Ok(Some(_)) => Outcome::Refused,
-                Err(()) => Outcome::Lost,
+                Ok(None) => WireFate::Delivered,
+                Ok(Some(code)) if code.into_inner() == 0 => WireFate::Delivered,
+                Ok(Some(_)) => WireFate::Refused,
+                Err(()) => WireFate::Lost,
             };
         }
     };
+    // Acknowledged in the same instant (one ACK that covers this frame and
+    // the newer one that superseded it, or that lands at the deadline):
+    // delivered, not abandoned.
+    let acked = {
+        let mut stopped = std::pin::pin!(stream.stopped());
+        std::future::poll_fn(|cx| std::task::Poll::Ready(stopped.as_mut().poll(cx))).await
+    };
+    if matches!(acked, std::task::Poll::Ready(Ok(None))) {
+        return WireFate::Delivered;
+    }
     // Code 0: a deliberate abandonment (protocol §7.3).
     let _ = stream.reset(0u32.into());
     reason
@@ -793,7 +1180,15 @@ async fn control(
             (recv, msg) = &mut read => match msg {
                 Ok(Some(msg)) => {
                     read.set(read_control(recv));
-                    on_control_message(msg, &mut pending, &incoming).await;
+                    let Some(reply) = on_control_message(msg, &mut pending, &incoming).await else {
+                        continue;
+                    };
+                    if let Err(e) = write_message(&mut send, &reply).await {
+                        break ControlEnd::Failed(
+                            ErrorCode::Internal,
+                            format!("writing the control stream: {e}"),
+                        );
+                    }
                 }
                 Ok(None) => break ControlEnd::Finished,
                 Err(e) => break ControlEnd::Failed(e.code(), format!("reading the control stream: {e}")),
@@ -836,13 +1231,22 @@ async fn control(
     }
 }
 
-/// Handles one message from the gateway's side of the control stream.
+/// Handles one message from the gateway's side of the control stream;
+/// returns the answer to write back, if it needs one.
 async fn on_control_message(
     msg: Message,
     pending: &mut VecDeque<oneshot::Sender<Result<CameraAccepted, UplinkError>>>,
     incoming: &queue::Sender<Incoming>,
-) {
+) -> Option<Message> {
     match msg {
+        // Answered at once, stamped on the clock `captured_at_us` uses: the
+        // gateway estimates this edge's clock offset from it.
+        Message::ClockProbe(p) => {
+            return Some(Message::ClockEcho(ClockEcho {
+                gateway_us: p.gateway_us,
+                edge_us: crate::clock::now_us(),
+            }));
+        }
         Message::CameraAccepted(a) => match pending.pop_front() {
             Some(reply) => {
                 let _ = reply.send(Ok(a));
@@ -869,6 +1273,7 @@ async fn on_control_message(
         }
         other => warn!(kind = ?other.kind(), "unexpected message on the control stream"),
     }
+    None
 }
 
 /// Accepts result streams and forwards their results, reading at most
@@ -921,66 +1326,293 @@ async fn results(conn: quinn::Connection, incoming: queue::Sender<Incoming>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use WireFate::{Delivered, Expired, Lost, Refused, Superseded};
 
     #[test]
     fn unanswered_frames_are_tracked_by_camera_and_seq_not_counted() {
         let u = Unanswered::default();
-        u.sent("door", 1);
-        u.sent("door", 2);
-        u.sent("yard", 1);
+        u.sent("door", 1, 1);
+        u.sent("door", 2, 1);
+        u.sent("yard", 1, 1);
         assert_eq!(u.len(), 3);
         // A second result for frame 1, or one for a frame never waited for,
         // stands for no other frame.
-        u.answered("door", 1);
-        u.answered("door", 1);
-        u.answered("door", 7);
-        u.answered("hall", 2);
+        assert!(u.answered("door", 1));
+        assert!(!u.answered("door", 1));
+        assert!(!u.answered("door", 7));
+        assert!(!u.answered("hall", 2));
         assert_eq!(u.len(), 2);
-        u.forget("door", 2);
-        u.answered("yard", 1);
+        u.unsent("door", 2);
+        u.settled("yard", 1, Delivered);
+        assert_eq!(u.len(), 1, "acknowledged, still awaiting its result");
+        assert!(u.answered("yard", 1));
         assert!(u.is_empty());
-        u.sent("door", 3);
-        u.clear();
+        assert_eq!(u.ends("door"), FrameEnds::default());
+        assert_eq!(u.ends("yard"), FrameEnds::default());
+    }
+
+    /// The gateway read a frame the lane then reset (or answered it before
+    /// the acknowledgement came): whichever comes first, the frame ends as
+    /// its result, counted so that it is not also a reset.
+    #[test]
+    fn a_result_for_a_frame_the_lane_reset_ends_it_as_a_result_in_either_order() {
+        let u = Unanswered::default();
+        for seq in 1..=4 {
+            u.sent("door", seq, 1);
+        }
+        // Reset first, result after.
+        u.settled("door", 1, Superseded);
+        u.settled("door", 2, Expired);
+        assert_eq!(u.len(), 2, "a reset frame is no longer awaited");
+        assert!(u.answered("door", 1));
+        assert!(u.answered("door", 2));
+        // Result first, reset after.
+        assert!(u.answered("door", 3));
+        u.settled("door", 3, Superseded);
+        // Result first, acknowledgement after: nothing to correct.
+        assert!(u.answered("door", 4));
+        u.settled("door", 4, Delivered);
         assert!(u.is_empty());
+        assert_eq!(
+            u.ends("door"),
+            FrameEnds {
+                answered_superseded: 2,
+                answered_expired: 1,
+                ..FrameEnds::default()
+            }
+        );
+        // A reset frame whose result never comes stays a reset: its
+        // connection's end counts nothing for it.
+        u.sent("door", 5, 1);
+        u.settled("door", 5, Expired);
+        assert!(u.connection_ended(1).is_empty());
+        assert_eq!(u.ends("door").answered_expired, 1);
+        assert!(!u.answered("door", 5), "its connection has ended");
     }
 
     #[test]
-    fn unanswered_forgets_the_oldest_frames_beyond_its_bound() {
+    fn frames_acknowledged_and_unanswered_are_lost_with_their_own_connection() {
+        let u = Unanswered::default();
+        // Connection 1: frame 1 acknowledged, 2 still on the wire, 3 reset.
+        u.sent("door", 1, 1);
+        u.settled("door", 1, Delivered);
+        u.sent("door", 2, 1);
+        u.sent("door", 3, 1);
+        u.settled("door", 3, Superseded);
+        u.sent("yard", 1, 1);
+        u.settled("yard", 1, Delivered);
+        // Connection 2 is up before the end of 1 is handled.
+        u.sent("door", 4, 2);
+        u.settled("door", 4, Delivered);
+        let lost = u.connection_ended(1);
+        assert_eq!(
+            lost,
+            BTreeMap::from([("door".to_string(), 1), ("yard".to_string(), 1)])
+        );
+        assert_eq!(u.len(), 2, "frame 2 on the wire, frame 4 of connection 2");
+        // Frame 2 was acknowledged just before the end: lost with it too.
+        u.settled("door", 2, Delivered);
+        assert_eq!(u.ends("door").lost_connection, 2);
+        assert_eq!(u.ends("yard").lost_connection, 1);
+        assert!(
+            u.answered("door", 4),
+            "connection 2's frame is still awaited"
+        );
+        assert!(u.is_empty());
+        // A frame cut on the wire by the end is the lane's `lost`, not this.
+        u.sent("door", 5, 2);
+        assert!(u.connection_ended(2).is_empty());
+        u.settled("door", 5, Lost);
+        assert_eq!(u.ends("door").lost_connection, 2);
+        assert!(u.is_empty());
+        // The edge stops: every connection ends.
+        u.sent("door", 6, 3);
+        u.settled("door", 6, Delivered);
+        assert_eq!(u.clear(), BTreeMap::from([("door".to_string(), 1)]));
+        assert_eq!(u.ends("door").lost_connection, 3);
+    }
+
+    #[test]
+    fn unanswered_gives_up_on_the_oldest_frames_beyond_its_bound() {
         let u = Unanswered::default();
         let n = Unanswered::PER_CAMERA as u64;
-        for seq in 0..n + 10 {
-            u.sent("door", seq);
+        // Frame 0 acknowledged, then many more reset on the wire.
+        u.sent("door", 0, 1);
+        u.settled("door", 0, Delivered);
+        for seq in 1..n + 10 {
+            u.sent("door", seq, 1);
+            u.settled("door", seq, Superseded);
         }
-        assert_eq!(u.len(), Unanswered::PER_CAMERA);
-        u.answered("door", 5);
-        assert_eq!(
-            u.len(),
-            Unanswered::PER_CAMERA,
-            "frame 5 was already forgotten"
-        );
-        u.answered("door", n + 9);
-        assert_eq!(u.len(), Unanswered::PER_CAMERA - 1);
+        assert_eq!(u.len(), 0);
+        assert_eq!(u.ends("door").gave_up, 1);
+        assert!(!u.answered("door", 0), "frame 0 was given up on");
+        assert!(!u.answered("door", 5), "frame 5's record was forgotten");
+        assert!(u.answered("door", n + 9));
+        assert_eq!(u.ends("door").answered_superseded, 1);
     }
 
     #[tokio::test]
-    async fn emptied_resolves_when_the_last_frame_is_answered() {
+    async fn emptied_resolves_when_the_last_frame_ends() {
         let u = Arc::new(Unanswered::default());
         tokio::time::timeout(Duration::from_secs(5), u.emptied())
             .await
             .expect("nothing waited for: at once");
-        u.sent("door", 1);
-        u.sent("door", 2);
+        u.sent("door", 1, 1);
+        u.sent("door", 2, 1);
+        u.sent("door", 3, 1);
         let waiter = tokio::spawn({
             let u = u.clone();
             async move { u.emptied().await }
         });
         u.answered("door", 1);
+        u.settled("door", 2, Superseded);
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
-        u.answered("door", 2);
+        u.settled("door", 3, Delivered);
+        u.connection_ended(1);
         tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
-            .expect("woken by the last answer")
+            .expect("woken by the last frame's end")
             .unwrap();
+    }
+
+    /// What happens to the frames of one camera, in any order reality
+    /// allows: frames go out on the live connection; each gets one fate
+    /// on the wire (or does not go out at all) at any time after; results
+    /// come only while the frame's connection lives, sometimes two, and
+    /// sometimes for frames never sent; connections end.
+    #[derive(Debug, Clone)]
+    enum Event {
+        Send,
+        Fate(usize, u8),
+        Unsent(usize),
+        Result(usize),
+        Stray(u64),
+        EndConnection,
+    }
+
+    fn event() -> impl proptest::strategy::Strategy<Value = Event> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => Just(Event::Send),
+            4 => (any::<usize>(), 0u8..5).prop_map(|(i, f)| Event::Fate(i, f)),
+            1 => any::<usize>().prop_map(Event::Unsent),
+            4 => any::<usize>().prop_map(Event::Result),
+            1 => (1_000_000u64..1_000_010).prop_map(Event::Stray),
+            1 => Just(Event::EndConnection),
+        ]
+    }
+
+    fn fate(f: u8) -> WireFate {
+        [Delivered, Superseded, Expired, Refused, Lost][f as usize % 5]
+    }
+
+    #[derive(Debug, Default)]
+    struct Frame {
+        conn: u64,
+        settled: bool,
+        unsent: bool,
+        answered: bool,
+    }
+
+    /// The lane's counters by fate, and the sum the ledger promises.
+    #[derive(Debug, Default)]
+    struct Counts {
+        sent: u64,
+        fates: [u64; 5],
+        results: u64,
+    }
+
+    fn assert_accounted(u: &Unanswered, c: &Counts) {
+        let e = u.ends("cam");
+        let [_, superseded, expired, refused, lost] = c.fates;
+        assert!(e.answered_superseded <= superseded && e.answered_expired <= expired);
+        assert!(e.answered_refused <= refused && e.answered_lost <= lost);
+        let ended = c.results
+            + (superseded - e.answered_superseded)
+            + (expired - e.answered_expired)
+            + (refused - e.answered_refused)
+            + (lost - e.answered_lost)
+            + e.lost_connection
+            + e.gave_up
+            + e.awaiting;
+        assert_eq!(ended, c.sent, "{e:?} {c:?}");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn every_frame_sent_ends_once_whatever_the_order_of_events(
+            events in proptest::collection::vec(event(), 1..200),
+        ) {
+            let u = Unanswered::default();
+            let mut frames: Vec<Frame> = Vec::new();
+            let mut conn = 1u64;
+            let mut c = Counts::default();
+            let pick = |frames: &[Frame], i: usize| (!frames.is_empty()).then(|| i % frames.len());
+            for ev in events {
+                match ev {
+                    Event::Send => {
+                        u.sent("cam", frames.len() as u64, conn);
+                        frames.push(Frame { conn, ..Frame::default() });
+                        c.sent += 1;
+                    }
+                    Event::Fate(i, f) => {
+                        if let Some(i) = pick(&frames, i)
+                            && !frames[i].settled
+                            && !frames[i].unsent
+                        {
+                            frames[i].settled = true;
+                            c.fates[f as usize % 5] += 1;
+                            u.settled("cam", i as u64, fate(f));
+                        }
+                    }
+                    Event::Unsent(i) => {
+                        if let Some(i) = pick(&frames, i) {
+                            let f = &mut frames[i];
+                            if !f.settled && !f.unsent && !f.answered {
+                                f.unsent = true;
+                                c.sent -= 1;
+                                u.unsent("cam", i as u64);
+                            }
+                        }
+                    }
+                    Event::Result(i) => {
+                        if let Some(i) = pick(&frames, i)
+                            && frames[i].conn == conn
+                            && !frames[i].unsent
+                        {
+                            let first = u.answered("cam", i as u64);
+                            if first {
+                                c.results += 1;
+                            }
+                            // Only a frame's first result is a first, and
+                            // a frame reset long ago may have been dropped.
+                            proptest::prop_assert!(!first || !frames[i].answered);
+                            frames[i].answered = true;
+                        }
+                    }
+                    Event::Stray(seq) => {
+                        proptest::prop_assert!(!u.answered("cam", seq));
+                    }
+                    Event::EndConnection => {
+                        u.connection_ended(conn);
+                        conn += 1;
+                    }
+                }
+                assert_accounted(&u, &c);
+            }
+            // The lanes settle what is left, and the edge stops.
+            for (i, f) in frames.iter_mut().enumerate() {
+                if !f.settled && !f.unsent {
+                    f.settled = true;
+                    c.fates[i % 5] += 1;
+                    u.settled("cam", i as u64, fate(i as u8));
+                }
+            }
+            u.clear();
+            assert_accounted(&u, &c);
+            proptest::prop_assert_eq!(u.ends("cam").awaiting, 0);
+            proptest::prop_assert!(u.is_empty());
+        }
     }
 }

@@ -7,9 +7,11 @@
 //! gateway that is connected but never answers is given up on and closed.
 //! A node whose cameras stop waits for the result of every frame it sent; a
 //! gateway that drops the edge right after `Welcome` is redialled ever more
-//! slowly; a CA file rewritten while the edge runs does not stop a redial,
-//! and one missing at start is reported as a local problem. Every wait is
-//! bounded.
+//! slowly; a dial into a dead link is abandoned at its bound and started
+//! afresh; frames awaiting their results when the connection drops are
+//! counted lost with it, and every frame sent ends once; a CA file
+//! rewritten while the edge runs does not stop a redial, and one missing
+//! at start is reported as a local problem. Every wait is bounded.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,8 +24,9 @@ use tidegate_edge::uplink::{
 };
 use tidegate_protocol::quic::{read_message, write_message};
 use tidegate_protocol::{
-    CameraAccepted, ColorOrder, ControlHint, DType, ErrorCode, Frame, FrameResult, GatewayAddr,
-    Geometry, InputSpec, Layout, Limits, Message, Resize, Status, Tensor, Timings, Welcome,
+    CameraAccepted, ColorOrder, ControlHint, DType, Encoding, ErrorCode, Frame, FrameResult,
+    GatewayAddr, Geometry, InputSpec, Layout, Limits, Message, Resize, Status, Tensor, Timings,
+    Welcome,
 };
 use tokio::sync::{Notify, mpsc, oneshot};
 
@@ -40,6 +43,10 @@ struct Seen {
     seq: u64,
     /// Which connection carried it: 1 for the first.
     conn: usize,
+    /// Its tensor's encoding, shape and bytes.
+    encoding: Encoding,
+    shape: Vec<u32>,
+    data: Bytes,
 }
 
 type Frames = Arc<Mutex<Vec<Seen>>>;
@@ -258,6 +265,9 @@ async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
                     camera: f.camera.clone(),
                     seq: f.seq,
                     conn: n,
+                    encoding: f.tensor.encoding,
+                    shape: f.tensor.shape.clone(),
+                    data: f.tensor.data.clone(),
                 });
                 if behaviour.extra_results {
                     send_result(&conn, result_of(&f.camera, f.seq + EXTRA_SEQ)).await;
@@ -287,6 +297,8 @@ async fn serve(conn: quinn::Connection, n: usize, shared: Shared) {
                             resize: Resize::Stretch,
                         },
                         labels: vec!["face".into()],
+                        encoding: o.encoding,
+                        copies: o.copies,
                     });
                     if write_message(&mut send, &accepted).await.is_err() {
                         return;
@@ -472,6 +484,69 @@ async fn a_gateway_that_never_welcomes_fails_the_connect_retryably_and_is_closed
     gw.assert_closed_by_the_edge("Welcome").await;
 }
 
+/// A UDP socket that reads every datagram and answers none: a link gone
+/// dark. It records the port each datagram came from; every dial binds a
+/// socket of its own, so each port is one dial.
+struct DarkLink {
+    addr: SocketAddr,
+    ports: Arc<Mutex<Vec<u16>>>,
+}
+
+impl DarkLink {
+    async fn start() -> DarkLink {
+        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let ports: Arc<Mutex<Vec<u16>>> = Arc::default();
+        let seen = ports.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 65536];
+            while let Ok((_, from)) = socket.recv_from(&mut buf).await {
+                seen.lock().unwrap().push(from.port());
+            }
+        });
+        DarkLink { addr, ports }
+    }
+
+    /// Dials seen so far.
+    #[cfg_attr(not(feature = "capture"), allow(dead_code))]
+    fn dials(&self) -> usize {
+        let mut ports = self.ports.lock().unwrap().clone();
+        ports.sort_unstable();
+        ports.dedup();
+        ports.len()
+    }
+}
+
+/// A dial into a dead link is abandoned at its bound, retryably, rather
+/// than left to back its Initial packets off until QUIC's idle timeout.
+/// The bound on the wait is the dial timeout plus slack, not a measure of
+/// speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_into_a_dead_link_is_abandoned_at_its_dial_timeout() {
+    let (_dir, ca, _) = tls();
+    let dark = DarkLink::start().await;
+    let options = UplinkOptions {
+        dial_timeout: Some(Duration::from_millis(300)),
+        ..UplinkOptions::default()
+    };
+    let addr = GatewayAddr::from(dark.addr);
+    let connect = Uplink::connect_with(&addr, "localhost", &ca, "edge-1", "t", options);
+    let err = tokio::time::timeout(WAIT, connect)
+        .await
+        .expect("the dial gives up within its bound")
+        .unwrap_err();
+    assert!(matches!(err, UplinkError::Connect { .. }), "{err:?}");
+    assert!(err.retryable(), "the node redials after {err}");
+    assert!(
+        err.to_string().contains("no QUIC connection within"),
+        "{err}"
+    );
+    assert!(
+        !dark.ports.lock().unwrap().is_empty(),
+        "the dial sent its Initial"
+    );
+}
+
 /// Answers to `CameraOpen` come in order: one that never comes holds back
 /// every later one, so the edge closes the connection (its owner redials).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -487,10 +562,13 @@ async fn a_camera_open_never_answered_fails_retryably_and_closes_the_connection(
         .await
         .expect("the edge connects in time")
         .expect("edge connects");
-    let err = tokio::time::timeout(WAIT, up.open_camera("door", "m", 80))
-        .await
-        .expect("the open gives up on a gateway that never answers it")
-        .unwrap_err();
+    let err = tokio::time::timeout(
+        WAIT,
+        up.open_camera("door", "m", 80, tidegate_protocol::Encoding::Raw),
+    )
+    .await
+    .expect("the open gives up on a gateway that never answers it")
+    .unwrap_err();
     assert!(
         matches!(
             &err,
@@ -597,7 +675,9 @@ async fn a_malformed_control_message_closes_the_connection_with_its_code() {
         .expect("the incoming stream ends");
     assert!(end.is_none(), "{end:?}");
     assert!(up.is_closed());
-    let open = up.open_camera("cam", "m", 80).await;
+    let open = up
+        .open_camera("cam", "m", 80, tidegate_protocol::Encoding::Raw)
+        .await;
     assert!(matches!(open, Err(UplinkError::Lost(_))), "{open:?}");
 }
 
@@ -634,7 +714,10 @@ async fn a_control_message_split_around_a_command_arrives_whole() {
     // And the conversation is still in step: a camera open is answered.
     let opening = tokio::spawn({
         let up = up.clone();
-        async move { up.open_camera("cam", "m", 80).await }
+        async move {
+            up.open_camera("cam", "m", 80, tidegate_protocol::Encoding::Raw)
+                .await
+        }
     });
     let open = tokio::time::timeout(WAIT, read_message(&mut recv, &Limits::default()))
         .await
@@ -657,6 +740,8 @@ async fn a_control_message_split_around_a_command_arrives_whole() {
         model: o.model,
         input,
         labels: vec![],
+        encoding: o.encoding,
+        copies: o.copies,
     });
     write_message(&mut send, &accepted).await.unwrap();
     let accepted = tokio::time::timeout(WAIT, opening)
@@ -735,12 +820,12 @@ fn frame(seq: u64, bytes: usize) -> Frame {
         budget_us: 80_000,
         model: "m".into(),
         geometry: Geometry::stretch(64, 64, 64, 64),
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, 1, (bytes / 3) as u32, 3],
-            data: Bytes::from(vec![7u8; bytes / 3 * 3]),
-        },
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, 1, (bytes / 3) as u32, 3],
+            Bytes::from(vec![7u8; bytes / 3 * 3]),
+        ),
     }
 }
 
@@ -811,11 +896,16 @@ async fn frame_past_its_deadline_is_reset_and_never_arrives() {
 mod clip;
 
 #[cfg(feature = "capture")]
+#[path = "support/shaped_link.rs"]
+mod shaped_link;
+
+#[cfg(feature = "capture")]
 mod node {
     use super::*;
     use tidegate_edge::config::EdgeConfig;
     use tidegate_edge::node::{
-        CameraSummary, NodeError, NodeOptions, REDIAL_BASE, REDIAL_MAX, RESULT_DRAIN, Summary, run,
+        CameraSummary, DIAL_ATTEMPT, NodeError, NodeOptions, REDIAL_BASE, REDIAL_MAX, RESULT_DRAIN,
+        Summary, run,
     };
     use tidegate_edge::sink::Sinks;
     use tokio::sync::watch;
@@ -1210,6 +1300,85 @@ mod node {
         );
     }
 
+    /// Into a dead link the node dials afresh after each bounded attempt
+    /// (a new socket, whose first Initial goes out at once), rather than
+    /// waiting on one dial whose Initials back off until the idle timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_link_is_dialled_afresh_after_each_bounded_attempt() {
+        let (_dir, ca, _) = tls();
+        let dark = DarkLink::start().await;
+        let node = Node::start_cfg(edge_with_cameras(
+            dark.addr,
+            &ca,
+            "[[cameras]]\nname = \"cam\"\nmodel = \"m\"\nuri = \"test://ball\"\n",
+        ));
+        // Two attempts and the longest delays between: the third dial is
+        // due by then. With 5 s of slack for a loaded machine, the wait is
+        // still shorter than two QUIC idle timeouts (10 s each), which is
+        // what three dials would take if an attempt were not bounded.
+        let within = 2 * DIAL_ATTEMPT + 2 * REDIAL_MAX + Duration::from_secs(5);
+        let deadline = tokio::time::Instant::now() + within;
+        while dark.dials() < 3 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} dials within {within:?}: each attempt should end after {DIAL_ATTEMPT:?}",
+                dark.dials(),
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let summary = node.stop().await;
+        let cam = &summary.cameras[0];
+        assert_eq!((cam.handed, cam.results), (0, 0), "{cam:?}");
+    }
+
+    /// The gateway answers each frame 300 ms after reading it, and drops
+    /// the connection: the frames it had acknowledged and not answered are
+    /// counted `lost_connection`, the edge goes on on a new connection, and
+    /// every frame handed to the uplink ends exactly once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn frames_awaiting_their_results_are_lost_with_the_connection_and_every_frame_ends_once()
+    {
+        let gw = FakeGateway::start_as(Behaviour {
+            answer_after: Some(Duration::from_millis(300)),
+            ..Behaviour::default()
+        });
+        let mut node = Node::start_cfg(edge_config(
+            &gw,
+            "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nbudget_ms = 5000",
+        ));
+        node.camera("results on the first connection", |c| c.results >= 5)
+            .await;
+        gw.kick.notify_one();
+        let lost = node
+            .camera("frames lost with the first connection", |c| {
+                c.lost_connection > 0
+            })
+            .await;
+        until(&gw, "frames on the second connection", |f| {
+            on_conn(f, 2) >= 5
+        })
+        .await;
+        node.camera("results on the second connection", |c| {
+            c.results >= lost.results + 5
+        })
+        .await;
+        let summary = node.stop().await;
+        let c = &summary.cameras[0];
+        assert_eq!(c.awaiting, 0, "{c:?}");
+        assert_eq!(
+            c.handed,
+            c.results
+                + c.reset_superseded
+                + c.reset_expired
+                + c.refused
+                + c.lost
+                + c.lost_connection
+                + c.gave_up,
+            "every frame handed ends once: {c:?}"
+        );
+        assert!(c.lost_connection >= lost.lost_connection, "{c:?}");
+    }
+
     /// The CA is loaded once: rewriting it while the edge runs (a rotation
     /// half done, a config management run) does not stop the next redial.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1253,5 +1422,209 @@ mod node {
             "{text}"
         );
         assert_eq!(gw.connections.load(Ordering::SeqCst), 0);
+    }
+
+    /// An edge config for `gw` with the cameras given as TOML.
+    fn edge_with_cameras(addr: SocketAddr, ca: &std::path::Path, cameras: &str) -> EdgeConfig {
+        toml::from_str(&format!(
+            "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"{addr}\"\nca = \"{}\"\n{cameras}",
+            ca.display()
+        ))
+        .unwrap()
+    }
+
+    fn is_jpeg_file(data: &[u8]) -> bool {
+        data.starts_with(&[0xFF, 0xD8]) && data.ends_with(&[0xFF, 0xD9])
+    }
+
+    /// Decodes an image file, checking it is `side`×`side` RGB.
+    fn decode(data: &[u8], side: u32) -> Vec<u8> {
+        let img = image::load_from_memory(data).expect("a valid image file");
+        assert_eq!((img.width(), img.height()), (side, side));
+        assert_eq!(img.color(), image::ColorType::Rgb8);
+        img.into_rgb8().into_raw()
+    }
+
+    /// Three cameras of one scene, one per encoding: each frame reaches the
+    /// gateway as one file of its camera's encoding that decodes to the
+    /// accepted shape (PNG to exactly the raw pixels), and the counters
+    /// name the encoding, the quality and the bytes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_camera_sends_frames_in_its_own_encoding_and_reports_it() {
+        let gw = FakeGateway::start();
+        let uri = format!(
+            "uri = \"image://{}/../models/testdata/astronaut.png\"\nmax_fps = 10\n",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let cameras = ["jpeg", "png", "raw"]
+            .map(|e| {
+                format!(
+                    "[[cameras]]\nname = \"{e}\"\nmodel = \"m\"\n{uri}encoding = \"{e}\"\njpeg_quality = 80\n"
+                )
+            })
+            .concat();
+        let node = Node::start_cfg(edge_with_cameras(gw.addr, &gw.ca, &cameras));
+        let of = |f: &[Seen], cam: &str| f.iter().filter(|s| s.camera == cam).count();
+        until(&gw, "frames of every camera", |f| {
+            ["jpeg", "png", "raw"].iter().all(|c| of(f, c) >= 3)
+        })
+        .await;
+        let frames = gw.frames();
+        let first = |cam: &str| frames.iter().find(|s| s.camera == cam).unwrap().clone();
+        let raw = first("raw");
+        assert_eq!(raw.encoding, Encoding::Raw);
+        assert_eq!(raw.shape, vec![1, 64, 64, 3]);
+        assert_eq!(raw.data.len(), 64 * 64 * 3);
+        for f in frames.iter().filter(|s| s.camera == "jpeg") {
+            // Quality 80 is the highest; adaptation may only lower it.
+            assert!(
+                matches!(f.encoding, Encoding::Jpeg { quality } if (50..=80).contains(&quality)),
+                "{:?}",
+                f.encoding
+            );
+            assert_eq!(f.shape, vec![1, 64, 64, 3]);
+            assert!(is_jpeg_file(&f.data), "SOI .. EOI");
+            let pixels = decode(&f.data, 64);
+            let mad = pixels
+                .iter()
+                .zip(raw.data.iter())
+                .map(|(a, b)| a.abs_diff(*b) as u64)
+                .sum::<u64>() as f64
+                / pixels.len() as f64;
+            assert!(mad < 12.0, "a still scene: mean abs diff {mad:.2}");
+        }
+        for f in frames.iter().filter(|s| s.camera == "png") {
+            assert_eq!(f.encoding, Encoding::Png);
+            assert!(decode(&f.data, 64) == raw.data, "PNG is lossless");
+        }
+        let mut node = node;
+        // Counters are published per window; wait for one with frames.
+        let find = |c: &[CameraSummary], cam: &str| c.iter().find(|s| s.camera == cam).cloned();
+        let got = tokio::time::timeout(
+            WAIT,
+            node.stats.wait_for(|c| {
+                c.iter()
+                    .all(|s| s.bytes_per_frame > 0 && (s.camera == "raw" || s.encode_us > 0))
+            }),
+        )
+        .await
+        .expect("a window with frames of every camera")
+        .unwrap()
+        .clone();
+        let (jpeg, png, raw) = (
+            find(&got, "jpeg").unwrap(),
+            find(&got, "png").unwrap(),
+            find(&got, "raw").unwrap(),
+        );
+        assert_eq!((jpeg.encoding, jpeg.quality), ("jpeg", 80), "{jpeg:?}");
+        assert_eq!((png.encoding, png.quality), ("png", 0), "{png:?}");
+        assert_eq!(
+            (raw.encoding, raw.quality, raw.encoded),
+            ("raw", 0, 0),
+            "{raw:?}"
+        );
+        assert_eq!(raw.bytes_per_frame, 64 * 64 * 3);
+        assert!(jpeg.bytes_per_frame < raw.bytes_per_frame / 2, "{jpeg:?}");
+        assert!(jpeg.encoded > 0 && png.encoded > 0);
+        assert_eq!(jpeg.encode_failed + png.encode_failed, 0);
+        assert_eq!(jpeg.adapt_max_fps, 10.0);
+        assert!(jpeg.rtt_ms > 0.0, "{jpeg:?}");
+        node.stop().await;
+    }
+
+    /// A camera sending 128×128 JPEGs (8.8 KB at quality 90) at 10 fps into
+    /// a 30 KB/s uplink: frames miss their deadline, so the quality steps
+    /// down to its floor, and only then the frame rate; once the link is
+    /// open again the rate comes back first, then the quality. At no time
+    /// is the rate lowered above the quality floor.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_thin_uplink_lowers_the_quality_before_the_rate_and_the_rate_recovers_first() {
+        const SLOW: Duration = Duration::from_secs(60);
+        let gw = FakeGateway::start_with(|_| 128);
+        let link =
+            crate::shaped_link::ShapedLink::start(gw.addr, 30_000, Duration::from_millis(10)).await;
+        let cameras = format!(
+            "[[cameras]]\nname = \"cam\"\nmodel = \"m\"\n\
+             uri = \"image://{}/../models/testdata/astronaut.png\"\n\
+             max_fps = 10\nbudget_ms = 600\nencoding = \"jpeg\"\njpeg_quality = 90\nmin_jpeg_quality = 50\n",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let mut node = Node::start_cfg(edge_with_cameras(link.addr, &gw.ca, &cameras));
+        // Every state (quality, adaptation's rate) the camera went through.
+        let mut published = node.stats.clone();
+        let states = tokio::spawn(async move {
+            let mut seen: Vec<(u8, f64)> = Vec::new();
+            while published.changed().await.is_ok() {
+                let Some(c) = published.borrow_and_update().first().cloned() else {
+                    continue;
+                };
+                if c.encoding == "jpeg" && seen.last() != Some(&(c.quality, c.adapt_max_fps)) {
+                    seen.push((c.quality, c.adapt_max_fps));
+                }
+            }
+            seen
+        });
+        let wait = |what: &'static str, pred: fn(&CameraSummary) -> bool| {
+            let mut stats = node.stats.clone();
+            async move {
+                let got =
+                    tokio::time::timeout(SLOW, stats.wait_for(|c| c.first().is_some_and(pred)))
+                        .await
+                        .map(|r| r.unwrap()[0].clone());
+                match got {
+                    Ok(c) => c,
+                    Err(_) => panic!("{what}: not within {SLOW:?}: {:?}", stats.borrow()),
+                }
+            }
+        };
+        let lowered = wait("the rate lowered", |c| c.adapt_max_fps < 10.0).await;
+        assert_eq!(lowered.quality, 50, "{lowered:?}");
+        // Reset on the wire: evicted from the full lane by newer frames
+        // (`max_in_flight`), or at their deadline.
+        assert!(
+            lowered.reset_superseded + lowered.reset_expired > 0,
+            "{lowered:?}"
+        );
+        assert!(lowered.max_fps <= lowered.adapt_max_fps, "{lowered:?}");
+        // The link opens up.
+        link.set_rate(0);
+        wait("the rate back", |c| c.adapt_max_fps == 10.0).await;
+        let raised = wait("the quality raised", |c| c.quality > 50).await;
+        assert_eq!(raised.adapt_max_fps, 10.0, "{raised:?}");
+        node.camera("the cap in force follows", |c| c.max_fps == 10.0)
+            .await;
+        until(&gw, "a frame at the raised quality", |f| {
+            f.iter()
+                .any(|s| s.encoding == Encoding::Jpeg { quality: 55 })
+        })
+        .await;
+        let summary = node.stop().await;
+        let states = states.await.unwrap();
+        eprintln!(
+            "states (quality, rate cap): {states:?}; {} datagrams dropped at the bottleneck",
+            link.dropped.load(Ordering::Relaxed)
+        );
+        assert_eq!(states.first(), Some(&(90, 10.0)), "{states:?}");
+        for &(quality, fps) in &states {
+            assert!((50..=90).contains(&quality), "{states:?}");
+            assert!(fps > 0.0 && fps <= 10.0, "{states:?}");
+            assert!(
+                fps == 10.0 || quality == 50,
+                "the rate moved while the quality was above its floor: {states:?}"
+            );
+        }
+        // The frames that got across went at the quality in force (at 90
+        // none may have: every one was evicted by the next).
+        let qualities: Vec<u8> = gw.frames().iter().map(|f| f.encoding.quality()).collect();
+        assert!(qualities.contains(&50), "{qualities:?}");
+        assert!(
+            qualities.iter().all(|q| (50..=90).contains(q)),
+            "{qualities:?}"
+        );
+        let cam = &summary.cameras[0];
+        assert!(
+            cam.reset_superseded + cam.reset_expired > 0 && cam.delivered > 0,
+            "{cam:?}"
+        );
     }
 }

@@ -19,7 +19,14 @@
 //!   (`max_fps = 0`).
 //!
 //! `no_worker` sheds do not count: lowering a camera's rate does not bring
-//! a worker. Failed frames do not count either: they are not overload.
+//! a worker. Failed frames do not count either: they are not overload. Nor
+//! do `late_on_arrival` sheds: their budget went on the edge's send path
+//! and the link before they reached the gateway, so the workers are not
+//! the cause, and capping the camera for worker capacity would starve a
+//! camera whose link is slow. A slow link is the edge's to adapt to (it
+//! sees those results and its own path statistics); the gateway counts
+//! them apart (`tidegate_frames_total{status="shed"}` with
+//! `tidegate_shed_total{reason="late_on_arrival"}`).
 
 use std::collections::HashMap;
 
@@ -138,7 +145,7 @@ impl Backpressure {
         };
         match status {
             Status::Ok => c.ok += 1,
-            Status::Shed(ShedReason::NoWorker) | Status::Failed(_) => {}
+            Status::Shed(ShedReason::NoWorker | ShedReason::LateOnArrival) | Status::Failed(_) => {}
             Status::Shed(_) | Status::Expired => c.lost += 1,
         }
     }
@@ -280,14 +287,14 @@ mod tests {
     }
 
     #[test]
-    fn no_worker_and_failures_do_not_throttle() {
+    fn no_worker_late_arrivals_and_failures_do_not_throttle() {
         let mut p = Backpressure::new(BackpressureConfig::default());
-        for i in 0..20u64 {
+        for i in 0..30u64 {
             p.on_arrival(i * 50_000, E, "cam");
-            let st = if i % 2 == 0 {
-                Status::Shed(ShedReason::NoWorker)
-            } else {
-                Status::Failed("boom".into())
+            let st = match i % 3 {
+                0 => Status::Shed(ShedReason::NoWorker),
+                1 => Status::Shed(ShedReason::LateOnArrival),
+                _ => Status::Failed("boom".into()),
             };
             p.on_outcome(E, "cam", &st);
         }

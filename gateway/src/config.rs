@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use tidegate_protocol::quic::Congestion;
 
 /// Everything the gateway needs to run.
 #[derive(Debug, Clone, Deserialize)]
@@ -240,6 +241,12 @@ pub struct QuicConfig {
     /// PEM private key.
     #[serde(default = "default_key")]
     pub key: PathBuf,
+    /// Congestion controller for what the gateway sends (results to
+    /// edges, batches to workers): `cubic`, `newreno` or `bbr`. Each end
+    /// controls its own sending; an edge's frames follow the edge's
+    /// setting (docs/operations.md says which to pick).
+    #[serde(default)]
+    pub congestion: Congestion,
 }
 
 impl Default for QuicConfig {
@@ -248,6 +255,7 @@ impl Default for QuicConfig {
             listen: default_quic_listen(),
             cert: default_cert(),
             key: default_key(),
+            congestion: Congestion::default(),
         }
     }
 }

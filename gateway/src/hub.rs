@@ -3,7 +3,7 @@
 //! turns messages from connection tasks into scheduler events (stamped with
 //! the gateway clock) and carries out the actions.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,8 +11,8 @@ use bytes::Bytes;
 use serde::Serialize;
 use tidegate_protocol::queue;
 use tidegate_protocol::{
-    BatchResult, ControlHint, Dispatch, DispatchItem, Frame, FrameResult, InputSpec, ItemResult,
-    ModelInfo, Register, Status,
+    BatchResult, Codec, ControlHint, Dispatch, DispatchItem, Encoding, ErrorCode, Frame,
+    FrameResult, InputSpec, ItemResult, ModelInfo, Register, Status,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
@@ -209,12 +209,13 @@ pub enum HubMsg {
         /// The worker.
         worker: WorkerId,
     },
-    /// Asks what a model is: its input and labels (for `CameraAccepted`).
+    /// Asks what a model is: its input and labels, and the encodings its
+    /// workers decode (for `CameraAccepted`).
     ModelInfo {
         /// Model name.
         model: String,
         /// Answer: as registered, if some worker serves the model.
-        reply: oneshot::Sender<Option<ModelInfo>>,
+        reply: oneshot::Sender<Option<ServedModel>>,
     },
     /// Asks for a snapshot (for the HTTP API).
     Snapshot {
@@ -378,14 +379,57 @@ pub struct Hub {
     last: watch::Receiver<Option<LoadReport>>,
 }
 
+/// A model that some worker serves, as `CameraOpen` is answered from it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServedModel {
+    /// As its first worker registered it.
+    pub info: ModelInfo,
+    /// The encodings every worker serving it decodes; always raw.
+    pub codecs: BTreeSet<Codec>,
+}
+
+impl ServedModel {
+    /// Whether a camera of this model may send `encoding`: its workers
+    /// decode it and it can carry the model's input. The refusal says why
+    /// and what to use instead.
+    pub fn accepts(&self, encoding: Encoding) -> Result<(), (ErrorCode, String)> {
+        let codec = encoding.codec();
+        let input = &self.info.input;
+        codec
+            .carries(input.dtype, input.layout, u32::from(input.channels))
+            .map_err(|why| {
+                (
+                    ErrorCode::ShapeMismatch,
+                    format!(
+                        "model '{}' cannot take {codec} frames: {why}",
+                        self.info.name
+                    ),
+                )
+            })?;
+        if !self.codecs.contains(&codec) {
+            let known: Vec<&str> = self.codecs.iter().map(|c| c.name()).collect();
+            return Err((
+                ErrorCode::Unavailable,
+                format!(
+                    "no worker serving model '{}' decodes {codec} (they decode: {}); open the camera with one of those",
+                    self.info.name,
+                    known.join(", ")
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Hub {
     /// Sends a message to the hub; false when the hub has stopped.
     pub async fn send(&self, msg: HubMsg) -> bool {
         self.tx.send(msg).await.is_ok()
     }
 
-    /// What `model` is (input spec, labels), if a worker serves it.
-    pub async fn model_info(&self, model: &str) -> Option<ModelInfo> {
+    /// What `model` is (input spec, labels, encodings), if a worker serves
+    /// it.
+    pub async fn model_info(&self, model: &str) -> Option<ServedModel> {
         let (reply, rx) = oneshot::channel();
         self.send(HubMsg::ModelInfo {
             model: model.to_string(),
@@ -1014,7 +1058,7 @@ impl State {
             }
             HubMsg::WorkerGone { worker } => self.lose_worker(worker),
             HubMsg::ModelInfo { model, reply } => {
-                let _ = reply.send(self.model_info(&model).cloned());
+                let _ = reply.send(self.served_model(&model));
             }
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
@@ -1022,11 +1066,24 @@ impl State {
         }
     }
 
-    fn model_info(&self, model: &str) -> Option<&ModelInfo> {
-        self.workers
-            .values()
-            .flat_map(|w| &w.register.models)
-            .find(|m| m.name == model)
+    /// The model as its first worker registered it, with the encodings
+    /// every worker serving it decodes (a frame may go to any of them).
+    fn served_model(&self, model: &str) -> Option<ServedModel> {
+        let mut serving = self.workers.values().filter_map(|w| {
+            let info = w.register.models.iter().find(|m| m.name == model)?;
+            Some((info, &w.register.codecs))
+        });
+        let (info, codecs) = serving.next()?;
+        let mut codecs: BTreeSet<Codec> = codecs.iter().copied().collect();
+        for (_, more) in serving {
+            codecs.retain(|c| more.contains(c));
+        }
+        // Raw needs no decoder: every worker takes it.
+        codecs.insert(Codec::Raw);
+        Some(ServedModel {
+            info: info.clone(),
+            codecs,
+        })
     }
 
     fn act(&mut self, action: Action) {
@@ -1370,6 +1427,7 @@ pub(crate) mod tests {
                 batch: 1,
                 latency_us: 1000,
             }],
+            codecs: vec![Codec::Raw, Codec::Jpeg],
         }
     }
 
@@ -1389,12 +1447,12 @@ pub(crate) mod tests {
                 content_width: 2,
                 content_height: 2,
             },
-            tensor: Tensor {
-                dtype: DType::U8,
-                layout: Layout::Nhwc,
-                shape: vec![1, 2, 2, 3],
-                data: Bytes::from(vec![0u8; 12]),
-            },
+            tensor: Tensor::raw(
+                DType::U8,
+                Layout::Nhwc,
+                vec![1, 2, 2, 3],
+                Bytes::from(vec![0u8; 12]),
+            ),
         }
     }
 
@@ -2018,12 +2076,76 @@ pub(crate) mod tests {
     }
 
     #[tokio::test]
+    async fn a_camera_may_ask_only_for_an_encoding_every_worker_of_its_model_decodes() {
+        let (hub, cancel) = hub();
+        let _batches = connect_worker(&hub, None).await;
+        let served = hub.model_info(MODEL).await.unwrap();
+        assert_eq!(
+            served.codecs,
+            BTreeSet::from([Codec::Raw, Codec::Jpeg]),
+            "as registered"
+        );
+        served.accepts(Encoding::Raw).unwrap();
+        served.accepts(Encoding::Jpeg { quality: 75 }).unwrap();
+        let (code, why) = served.accepts(Encoding::Png).unwrap_err();
+        assert_eq!(code, ErrorCode::Unavailable);
+        assert!(
+            why.contains("decodes png") && why.contains("raw, jpeg"),
+            "{why}"
+        );
+
+        // A second worker of the model that decodes only raw: a JPEG frame
+        // could reach it, so JPEG is refused from now on.
+        let (dispatch, _more) = mpsc::channel(8);
+        hub.send(HubMsg::WorkerConnected {
+            worker: WorkerId(2),
+            register: Register {
+                worker: "raw-only".into(),
+                codecs: vec![Codec::Raw],
+                ..register()
+            },
+            dispatch,
+            lease: None,
+            static_worker: None,
+            drain: CancellationToken::new(),
+        })
+        .await;
+        let served = hub.model_info(MODEL).await.unwrap();
+        assert_eq!(served.codecs, BTreeSet::from([Codec::Raw]));
+        assert_eq!(
+            served
+                .accepts(Encoding::Jpeg { quality: 90 })
+                .unwrap_err()
+                .0,
+            ErrorCode::Unavailable
+        );
+
+        // A model whose input no image codec carries is refused for good,
+        // whatever the workers decode.
+        let f32_model = ServedModel {
+            info: ModelInfo {
+                input: InputSpec {
+                    dtype: DType::F32,
+                    layout: Layout::Nchw,
+                    ..register().models[0].input
+                },
+                ..register().models[0].clone()
+            },
+            codecs: BTreeSet::from(Codec::ALL),
+        };
+        let (code, why) = f32_model.accepts(Encoding::Png).unwrap_err();
+        assert_eq!(code, ErrorCode::ShapeMismatch);
+        assert!(why.contains("use raw"), "{why}");
+        cancel.cancel();
+    }
+
+    #[tokio::test]
     async fn labels_and_raw_outputs_reach_the_edge_and_failures_carry_none() {
         let (hub, cancel) = hub();
         assert!(hub.model_info(MODEL).await.is_none(), "no worker yet");
         let mut batches = connect_worker(&hub, None).await;
         // What CameraAccepted is built from: the registered input and labels.
-        let info = hub.model_info(MODEL).await.unwrap();
+        let info = hub.model_info(MODEL).await.unwrap().info;
         assert_eq!(info.labels, vec!["face".to_string(), "hand".into()]);
         assert_eq!(info.input.width, 2);
         // and what /api/v1/models shows.

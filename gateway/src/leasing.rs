@@ -3207,6 +3207,7 @@ reserved = 1
                 device: "cpu".into(),
                 models: Vec::new(),
                 profile: Vec::new(),
+                codecs: Vec::new(),
             },
             dispatch,
             lease: None,

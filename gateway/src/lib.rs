@@ -27,6 +27,7 @@ pub mod backpressure;
 /// Development TLS material (`tidegate-gateway dev-certs`).
 pub use tidegate_protocol::certs;
 pub mod config;
+pub mod deadline;
 pub mod hub;
 pub mod leasing;
 pub mod metrics;

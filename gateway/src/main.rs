@@ -185,8 +185,12 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
     // as soon as it is listening must reload or stop it, not kill it by
     // the signal's default action.
     let signals = Signals::install()?;
-    let server_config = tidegate_protocol::quic::server_config(&cfg.quic.cert, &cfg.quic.key)
-        .context("loading the gateway's TLS certificate")?;
+    let server_config = tidegate_protocol::quic::server_config_with(
+        &cfg.quic.cert,
+        &cfg.quic.key,
+        cfg.quic.congestion,
+    )
+    .context("loading the gateway's TLS certificate")?;
     let endpoint = quinn::Endpoint::server(server_config, cfg.quic.listen)
         .with_context(|| format!("binding QUIC on {}", cfg.quic.listen))?;
     let http = tokio::net::TcpListener::bind(cfg.http.listen)
@@ -241,6 +245,7 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
             endpoint.clone(),
             &cfg.quic.cert,
             &cfg.quic.key,
+            cfg.quic.congestion,
         )),
         metrics.clone(),
     ));

@@ -26,6 +26,11 @@ pub struct Metrics {
     pub e2e_latency: HistogramVec,
     /// `tidegate_queue_wait_seconds{model}`: time queued in the gateway.
     pub queue_wait: HistogramVec,
+    /// `tidegate_frame_age_on_arrival_seconds{model}`: capture to arrival
+    /// at the gateway (the edge's send path and the link), from the edge's
+    /// clock offset: the transfer share of a frame's time, where
+    /// `tidegate_queue_wait_seconds` is the workers' share.
+    pub arrival_age: HistogramVec,
     /// `tidegate_batch_size{model}`: frames per dispatched batch.
     pub batch_size: HistogramVec,
     /// `tidegate_inference_seconds{model}`: worker-reported inference time per batch.
@@ -36,8 +41,9 @@ pub struct Metrics {
     pub edges_connected: IntGauge,
     /// `tidegate_frames_rejected_total{reason}`: frames refused before admission.
     pub rejected: IntCounterVec,
-    /// `tidegate_results_undeliverable_total`: results whose edge had gone,
-    /// or had stopped taking them (its queue full).
+    /// `tidegate_results_undeliverable_total`: results whose edge had gone
+    /// (before or while they were written), or had stopped taking them (its
+    /// queue full).
     pub undeliverable: IntCounter,
     /// `tidegate_workers_stalled_total`: workers dropped because a batch
     /// went unanswered long past when it was due.
@@ -112,6 +118,11 @@ impl Metrics {
                 "Time frames waited in the gateway's queue.",
                 LATENCY_BUCKETS,
             ),
+            arrival_age: hist(
+                "tidegate_frame_age_on_arrival_seconds",
+                "Capture to arrival at the gateway (edge send path and link), from the edge's clock offset.",
+                LATENCY_BUCKETS,
+            ),
             batch_size: hist(
                 "tidegate_batch_size",
                 "Frames per dispatched batch.",
@@ -144,7 +155,7 @@ impl Metrics {
             .expect("valid counter"),
             undeliverable: IntCounter::new(
                 "tidegate_results_undeliverable_total",
-                "Results that could not be sent: their edge had disconnected, or stopped taking results until its queue was full.",
+                "Results that could not be sent: their edge had disconnected (before or while its result was written), or stopped taking results until its queue was full.",
             )
             .expect("valid counter"),
             hints: IntCounterVec::new(
@@ -255,6 +266,7 @@ impl Metrics {
             Box::new(self.frames.clone()),
             Box::new(self.e2e_latency.clone()),
             Box::new(self.queue_wait.clone()),
+            Box::new(self.arrival_age.clone()),
             Box::new(self.batch_size.clone()),
             Box::new(self.inference.clone()),
             Box::new(self.workers.clone()),
@@ -331,6 +343,6 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 23 + 4 * 2, "{names:?}");
+        assert_eq!(names.len(), 24 + 5 * 2, "{names:?}");
     }
 }

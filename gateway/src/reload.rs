@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use tidegate_protocol::quic::Congestion;
 
 use crate::auth::{Access, CredentialChanges, Credentials};
 use crate::config::{Config, ConfigError};
@@ -71,6 +72,8 @@ pub enum ReloadError {
 /// serves now.
 pub struct TlsReload {
     endpoint: quinn::Endpoint,
+    /// What the endpoint's connections send with (read at start only).
+    congestion: Congestion,
     /// Paths and digest of what the endpoint serves; `None` digest: not
     /// known (then the next reload installs the files).
     serving: Mutex<(PathBuf, PathBuf, Option<[u8; 32]>)>,
@@ -87,11 +90,13 @@ impl std::fmt::Debug for TlsReload {
 }
 
 impl TlsReload {
-    /// `endpoint` serves `cert` and `key` now.
-    pub fn new(endpoint: quinn::Endpoint, cert: &Path, key: &Path) -> Self {
+    /// `endpoint` serves `cert` and `key` now, with `congestion`, which a
+    /// certificate change keeps.
+    pub fn new(endpoint: quinn::Endpoint, cert: &Path, key: &Path, congestion: Congestion) -> Self {
         let digest = tls_digest(cert, key).ok();
         TlsReload {
             endpoint,
+            congestion,
             serving: Mutex::new((cert.to_path_buf(), key.to_path_buf(), digest)),
         }
     }
@@ -128,8 +133,8 @@ impl TlsReload {
         if serving.0 == cert && serving.1 == key && serving.2 == Some(digest) {
             return Ok(None);
         }
-        let config =
-            tidegate_protocol::quic::server_config(cert, key).map_err(|e| bad(e.to_string()))?;
+        let config = tidegate_protocol::quic::server_config_with(cert, key, self.congestion)
+            .map_err(|e| bad(e.to_string()))?;
         Ok(Some(TlsChange {
             config,
             serving: (cert.to_path_buf(), key.to_path_buf(), Some(digest)),
@@ -459,7 +464,12 @@ mod tests {
             Some(load),
             running,
             access,
-            Some(TlsReload::new(endpoint.clone(), &cert, &key)),
+            Some(TlsReload::new(
+                endpoint.clone(),
+                &cert,
+                &key,
+                Congestion::default(),
+            )),
             Metrics::new(),
         );
         let (ca_a, ca_b) = (a.join("ca.pem"), b.join("ca.pem"));

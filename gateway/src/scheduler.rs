@@ -717,10 +717,17 @@ impl Scheduler {
             enqueued: now,
             dispatched: None,
         };
+        // Nothing of its budget is left: the time went before it got here
+        // (the edge's send path, the link), whatever the workers can do.
+        if q.arrival.deadline <= now {
+            self.complete(now, &q, Status::Shed(ShedReason::LateOnArrival), out);
+            return;
+        }
         let Some(best) = self.best_latency(&q.arrival.model) else {
             self.complete(now, &q, Status::Shed(ShedReason::NoWorker), out);
             return;
         };
+
         // The camera's own queued frame is superseded if this one is kept,
         // so it does not count as ahead of it.
         let key = (q.arrival.edge, q.arrival.camera.clone());
@@ -1145,6 +1152,25 @@ mod tests {
             completes(&a),
             vec![(1, Status::Shed(ShedReason::WouldMissDeadline))]
         );
+    }
+
+    #[test]
+    fn a_frame_with_no_budget_left_on_arrival_is_shed_late_whatever_the_workers() {
+        let mut s = Scheduler::new(one_deep());
+        // No worker at all, and an idle one: the lateness is the reason.
+        let a = s.on_event(100, frame(1, "c", 100));
+        assert_eq!(
+            completes(&a),
+            vec![(1, Status::Shed(ShedReason::LateOnArrival))]
+        );
+        s.on_event(100, worker(1, 1, 1_000));
+        let a = s.on_event(200, frame(2, "c", 150));
+        assert_eq!(
+            completes(&a),
+            vec![(2, Status::Shed(ShedReason::LateOnArrival))]
+        );
+        assert_eq!(s.counters().shed, 2);
+        assert_eq!(s.counters().admitted, 2);
     }
 
     #[test]

@@ -584,6 +584,10 @@ impl Cluster {
             budget_ms: 80,
             image: Some(workspace_root().join("models/testdata/astronaut.png")),
             obey_hints: true,
+            // Raw, as on a LAN: these runs measure the gateway and the
+            // workers, not a link (the WAN tests and bench set JPEG).
+            encoding: tidegate_protocol::Encoding::Raw,
+            congestion: tidegate_protocol::quic::Congestion::default(),
         }
     }
 

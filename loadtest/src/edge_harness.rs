@@ -4,6 +4,7 @@
 //! and memory the test can read.
 
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -154,9 +155,20 @@ pub fn edge_config(
     name: &str,
     cameras: &[EdgeCamera],
 ) -> Result<PathBuf, EdgeHarnessError> {
+    edge_config_via(cluster, name, cameras, cluster.quic)
+}
+
+/// [`edge_config`] with the edge sent to `gateway` instead of the
+/// cluster's QUIC port: a relay in front of it (an impaired link, see
+/// [`crate::impair`]). The certificate is still the cluster gateway's.
+pub fn edge_config_via(
+    cluster: &Cluster,
+    name: &str,
+    cameras: &[EdgeCamera],
+    gateway: SocketAddr,
+) -> Result<PathBuf, EdgeHarnessError> {
     let mut toml = format!(
-        "name = \"{name}\"\n[gateway]\naddr = \"{}\"\nca = \"{}\"\n",
-        cluster.quic,
+        "name = \"{name}\"\n[gateway]\naddr = \"{gateway}\"\nca = \"{}\"\n",
         cluster.ca().display()
     );
     for c in cameras {

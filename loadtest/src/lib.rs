@@ -1,7 +1,9 @@
 //! tidegate-loadtest: simulated cameras against a gateway, latency
 //! histograms, a JSON report, an SVG picture of it ([`svg`]) and an SLO gate; and [`cluster`], which starts
 //! a local cluster of real processes for tests and local runs; the
-//! benchmarks behind `tidegate-bench` ([`schedbench`], [`relay`]).
+//! benchmarks behind `tidegate-bench` ([`schedbench`], [`relay`]); and
+//! [`impair`], a seeded userspace WAN impairment relay (`tidegate-loadtest
+//! impair`) to put between a QUIC client and the gateway.
 //!
 //! Every fallible operation has an error enum of its own
 //! ([`cluster::ClusterError`], [`cluster::HttpError`],
@@ -24,6 +26,7 @@ macro_rules! debug_as_display {
 
 pub mod cluster;
 pub mod edge_harness;
+pub mod impair;
 pub mod relay;
 pub mod report;
 pub mod scenario;
@@ -31,6 +34,7 @@ pub mod schedbench;
 pub mod sim;
 pub mod startup;
 pub mod svg;
+pub mod wanbench;
 
 /// The median of `xs` (the mean of the middle two for an even count; NaN
 /// for none).

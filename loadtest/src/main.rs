@@ -1,6 +1,8 @@
 //! `tidegate-loadtest`: simulated cameras against a tidegate gateway, with a
-//! JSON report and an SLO gate.
+//! JSON report and an SLO gate; and `tidegate-loadtest impair`, a WAN
+//! impairment relay to put in front of a gateway.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -9,6 +11,10 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::impair::{
+    Blackout, DEFAULT_QUEUE_MS, GilbertElliott, ImpairConfig, LinkConfig, MAX_FLOWS, Relay,
+    RelayOptions,
+};
 use tidegate_loadtest::report::write_atomically;
 use tidegate_loadtest::scenario::{MAX_CAMERAS, PhaseReport, Scenario, ScenarioReport};
 use tidegate_loadtest::sim::{self, SimOptions};
@@ -23,9 +29,19 @@ use tidegate_protocol::GatewayAddr;
 /// Against a local cluster it starts itself (gateway + workers on
 /// 127.0.0.1 serving --model, BlazeFace by default; astronaut.png):
 ///   tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10
+///
+/// To emulate a WAN between it and a gateway: tidegate-loadtest impair --help
 #[derive(Debug, Parser)]
-#[command(version, about, long_about)]
+#[command(
+    version,
+    about,
+    long_about,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Start a local gateway and workers (serving --model to edge --edge)
     /// instead of using --gateway, --ca and --token: those flags are
     /// refused with it, and their environment variables ignored.
@@ -101,9 +117,220 @@ struct Cli {
     /// Keep sending at --fps even when the gateway hints a lower rate.
     #[arg(long)]
     ignore_hints: bool,
+    /// How frames travel: jpeg (as a real edge does by default), png
+    /// (lossless) or raw (as on a LAN). The generator encodes its one frame
+    /// once, with the image crate; a real edge encodes every frame with
+    /// GStreamer and adapts its quality to the link.
+    #[arg(long, value_parser = ["raw", "jpeg", "png"], default_value = "jpeg")]
+    encoding: String,
+    /// JPEG quality (1 to 100) with --encoding jpeg.
+    #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u8).range(1..=100))]
+    jpeg_quality: u8,
+    /// Congestion controller for the frames sent: bbr, cubic or newreno.
+    #[arg(long, default_value = "bbr")]
+    congestion: tidegate_protocol::quic::Congestion,
     /// Log filter.
     #[arg(long, env = "TIDEGATE_LOG", default_value = "warn")]
     log: String,
+}
+
+/// What the binary can do besides the load generator (which its flat flags
+/// run).
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Relay UDP (QUIC) through an emulated WAN: delay, jitter, loss,
+    /// bursts, a rate cap, blackouts.
+    ///
+    /// Without netem in the kernel, this relays datagrams in userspace
+    /// between clients (an edge, this load generator) and --upstream (a
+    /// gateway), impairing each direction. When ready it prints one line,
+    /// `impair: listening on ADDR -> UPSTREAM`: point the client at ADDR.
+    /// Each client address gets its own flow to the upstream, so a client
+    /// that changes port looks like a NAT rebinding. On exit (--seconds,
+    /// Ctrl-C or SIGTERM) it prints the counters as JSON (offered,
+    /// delivered and dropped by reason, each way) and writes them to
+    /// --stats.
+    ///
+    /// Delay, jitter, loss, bursts and the rate cap apply to each
+    /// direction; --rtt-ms is split in half each way. The same --seed and
+    /// the same traffic give the same losses.
+    ///
+    /// Example: a 50 ms round trip, ±5 ms jitter and 1 % loss each way, and
+    /// a 20 Mbit/s cap, in front of a local gateway:
+    ///
+    ///   tidegate-loadtest impair --upstream 127.0.0.1:4433 --rtt-ms 50 --jitter-ms 5 --loss 0.01 --rate-mbit 20
+    Impair(ImpairArgs),
+}
+
+/// The flags of `tidegate-loadtest impair`.
+#[derive(Debug, clap::Args)]
+struct ImpairArgs {
+    /// Where clients send (port 0: any free port, printed on start).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Where to relay to, IP:port: the gateway's QUIC address.
+    #[arg(long)]
+    upstream: SocketAddr,
+    /// Round-trip delay to add (ms): half on the way up, half back.
+    #[arg(long, default_value_t = 0.0)]
+    rtt_ms: f64,
+    /// Jitter each way (ms): a packet's one-way delay varies uniformly
+    /// within ± this; at most half of --rtt-ms.
+    #[arg(long, default_value_t = 0.0)]
+    jitter_ms: f64,
+    /// Random loss each way, 0 to 1 (0.01: 1 % of the packets each way).
+    #[arg(long, default_value_t = 0.0, value_parser = probability)]
+    loss: f64,
+    /// Bursty (Gilbert–Elliott) loss each way: the chance, per packet, of
+    /// entering the bad state; with --ge-r.
+    #[arg(long, requires = "ge_r", value_parser = probability)]
+    ge_p: Option<f64>,
+    /// The chance, per packet, of leaving the bad state (1 / the mean
+    /// burst length in packets); with --ge-p.
+    #[arg(long, requires = "ge_p", value_parser = probability)]
+    ge_r: Option<f64>,
+    /// Loss in the bad state (in the good state: none).
+    #[arg(long, default_value_t = 1.0, requires = "ge_p", value_parser = probability)]
+    ge_loss_bad: f64,
+    /// Let jitter reorder packets; without it a packet never overtakes the
+    /// one sent before it.
+    #[arg(long)]
+    reorder: bool,
+    /// Bandwidth cap each way (Mbit/s); none without it.
+    #[arg(long, value_parser = mbit)]
+    rate_mbit: Option<f64>,
+    /// With --rate-mbit: how long a packet may wait behind the cap before
+    /// it is dropped (ms).
+    #[arg(long, default_value_t = DEFAULT_QUEUE_MS, requires = "rate_mbit")]
+    queue_ms: u64,
+    /// Drop everything, both ways, from START_MS after start for
+    /// DURATION_MS (repeatable): --blackout 5000+2000 cuts from 5 s to 7 s.
+    #[arg(long, value_name = "START_MS+DURATION_MS")]
+    blackout: Vec<Blackout>,
+    /// Seed of every random draw (loss, bursts, jitter).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop after this many seconds (default: run until Ctrl-C or SIGTERM).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Write the counters here as JSON on exit.
+    #[arg(long)]
+    stats: Option<PathBuf>,
+    /// Allow --listen and --upstream off this machine (not 127.0.0.0/8 or
+    /// ::1), to impair a real network path.
+    #[arg(long)]
+    allow_non_loopback: bool,
+    /// Log filter.
+    #[arg(long, env = "TIDEGATE_LOG", default_value = "warn")]
+    log: String,
+}
+
+impl ImpairArgs {
+    /// The same impairment each way, the round trip split in half.
+    fn config(&self) -> ImpairConfig {
+        let burst = self.ge_p.zip(self.ge_r).map(|(p, r)| GilbertElliott {
+            p_good_to_bad: p,
+            p_bad_to_good: r,
+            loss_good: 0.0,
+            loss_bad: self.ge_loss_bad,
+        });
+        ImpairConfig {
+            seed: self.seed,
+            blackouts: self.blackout.clone(),
+            ..ImpairConfig::symmetric(LinkConfig {
+                delay_ms: self.rtt_ms / 2.0,
+                jitter_ms: self.jitter_ms,
+                loss: self.loss,
+                burst,
+                reorder: self.reorder,
+                rate_bps: self.rate_mbit.map(|m| (m * 1e6).round() as u64),
+                queue_ms: self.queue_ms,
+            })
+        }
+    }
+}
+
+/// `tidegate-loadtest impair`: relays until --seconds, Ctrl-C or SIGTERM,
+/// then prints the counters and writes --stats.
+fn impair(args: &ImpairArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
+        .with_writer(std::io::stderr)
+        .init();
+    let config = args.config();
+    config.validate().context(
+        "checking the impairment flags (--rtt-ms is split in half each way; --jitter-ms, \
+         --loss, --rate-mbit and --queue-ms apply to each direction)",
+    )?;
+    let run_for = match args.seconds {
+        Some(s) if s > 0.0 && s.is_finite() => Some(Duration::from_secs_f64(s)),
+        Some(s) => {
+            anyhow::bail!("--seconds {s} is not a time above 0; leave it out to run until Ctrl-C")
+        }
+        None => None,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        // Before the address is printed: a script may stop us right after.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?;
+        let relay = Relay::start(RelayOptions {
+            listen: args.listen,
+            upstream: args.upstream,
+            config,
+            allow_non_loopback: args.allow_non_loopback,
+            max_flows: MAX_FLOWS,
+        })
+        .await?;
+        println!(
+            "impair: listening on {} -> {}",
+            relay.local_addr(),
+            args.upstream
+        );
+        let timer = async {
+            match run_for {
+                Some(d) => tokio::time::sleep(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+            () = timer => {}
+        }
+        let stats = relay.stop().await;
+        let json = serde_json::to_string_pretty(&stats)?;
+        println!("{json}");
+        if let Some(p) = &args.stats {
+            write_atomically(p, &json).with_context(|| format!("writing {}", p.display()))?;
+        }
+        Ok(())
+    })
+}
+
+/// A probability in [0, 1], for the impair flags.
+fn probability(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number; give a probability such as 0.01"))?;
+    if !(0.0..=1.0).contains(&v) {
+        return Err(format!(
+            "{s} is not a probability in [0, 1]; 0.01 means 1 % of the packets"
+        ));
+    }
+    Ok(v)
+}
+
+/// A rate above 0 (Mbit/s), for --rate-mbit.
+fn mbit(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a rate above 0 Mbit/s; leave --rate-mbit out for no cap"
+        )),
+    }
 }
 
 /// Runs the phases of `s` in order with `base` (the command line's options)
@@ -216,6 +443,21 @@ impl WorkerProvider {
 /// The command line. With --local, --gateway, --ca and --token given as
 /// flags are refused; set in the environment they are ignored (they name a
 /// remote gateway, and --local starts its own).
+impl Cli {
+    /// The encoding --encoding and --jpeg-quality ask for.
+    fn wire_encoding(&self) -> anyhow::Result<tidegate_protocol::Encoding> {
+        use tidegate_protocol::Encoding;
+        Ok(match self.encoding.as_str() {
+            "raw" => Encoding::Raw,
+            "png" => Encoding::Png,
+            "jpeg" => Encoding::Jpeg {
+                quality: self.jpeg_quality,
+            },
+            other => anyhow::bail!("--encoding {other}: use raw, jpeg or png"),
+        })
+    }
+}
+
 fn parse_cli() -> Cli {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
@@ -238,6 +480,9 @@ fn parse_cli() -> Cli {
 
 fn main() -> anyhow::Result<()> {
     let cli = parse_cli();
+    if let Some(Command::Impair(args)) = &cli.command {
+        return impair(args);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
         .with_writer(std::io::stderr)
@@ -306,6 +551,8 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|| repository.join("testdata/astronaut.png")),
         ),
         obey_hints: !cli.ignore_hints,
+        encoding: cli.wire_encoding()?,
+        congestion: cli.congestion,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -352,6 +599,66 @@ mod tests {
         assert!(err.to_string().contains("--cameras"), "{err}");
         let cli = Cli::try_parse_from(["tidegate-loadtest", "--local"]).unwrap();
         assert_eq!(cli.cameras, 4);
+    }
+
+    #[test]
+    fn impair_flags_split_the_round_trip_and_apply_the_rest_each_way() {
+        let cli = Cli::try_parse_from([
+            "tidegate-loadtest",
+            "impair",
+            "--upstream",
+            "127.0.0.1:4433",
+            "--rtt-ms",
+            "50",
+            "--jitter-ms",
+            "5",
+            "--loss",
+            "0.01",
+            "--ge-p",
+            "0.02",
+            "--ge-r",
+            "0.5",
+            "--rate-mbit",
+            "20",
+            "--blackout",
+            "5000+2000",
+            "--blackout",
+            "9000+1",
+            "--seed",
+            "9",
+        ])
+        .unwrap();
+        let Some(Command::Impair(args)) = &cli.command else {
+            panic!("{cli:?}");
+        };
+        let config = args.config();
+        config.validate().unwrap();
+        assert_eq!(config.uplink, config.downlink);
+        let link = &config.uplink;
+        assert_eq!(
+            (link.delay_ms, link.jitter_ms, link.loss),
+            (25.0, 5.0, 0.01)
+        );
+        assert_eq!(link.rate_bps, Some(20_000_000));
+        assert_eq!(link.queue_ms, DEFAULT_QUEUE_MS);
+        let ge = link.burst.as_ref().unwrap();
+        assert_eq!(
+            (ge.p_good_to_bad, ge.p_bad_to_good, ge.loss_bad),
+            (0.02, 0.5, 1.0)
+        );
+        assert_eq!(config.blackouts.len(), 2);
+        assert_eq!(config.seed, 9);
+        // The load generator's flags are not taken with it.
+        let err = Cli::try_parse_from([
+            "tidegate-loadtest",
+            "--cameras",
+            "2",
+            "impair",
+            "--upstream",
+            "127.0.0.1:4433",
+        ])
+        .unwrap_err();
+        assert!(err.to_string().contains("impair"), "{err}");
     }
 
     #[test]

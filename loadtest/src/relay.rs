@@ -27,13 +27,13 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use tidegate_protocol::quic::{
-    DialError, HandshakeError, ReadError, TlsError, client_config, dial, handshake, read_message,
-    server_config,
+    DialError, HandshakeError, ReadError, TlsError, client_config, dial, handshake, read_answer,
+    read_message, server_config,
 };
 use tidegate_protocol::{
-    BatchResult, CameraOpen, ColorOrder, DType, Frame, Geometry, Heartbeat, Hello, InputSpec,
-    ItemResult, Layout, Limits, Message, ModelInfo, ProfilePoint, Register, Resize, Role, Status,
-    Tensor, Timings, quic::write_message,
+    BatchResult, CameraOpen, Codec, ColorOrder, DType, Encoding, Frame, Geometry, Heartbeat, Hello,
+    InputSpec, ItemResult, Layout, Limits, Message, ModelInfo, ProfilePoint, Register, Resize,
+    Role, Status, Tensor, Timings, quic::write_message,
 };
 
 use crate::cluster::{Cluster, ClusterError, ClusterOptions};
@@ -378,6 +378,8 @@ async fn noop_worker(
         device: "none (no-op)".into(),
         models,
         profile,
+        // It answers without reading the tensors: raw is all it claims.
+        codecs: vec![Codec::Raw],
     };
     write_message(&mut send, &Message::Register(register)).await?;
     let beat = Duration::from_millis(welcome.heartbeat_ms.max(100) as u64);
@@ -519,9 +521,11 @@ async fn relay_path(
             camera: camera.clone(),
             model: model_name(w),
             budget_ms: 80,
+            encoding: Encoding::Raw,
+            copies: 1,
         };
         write_message(&mut send, &Message::CameraOpen(open)).await?;
-        match read_message(&mut recv, &limits).await? {
+        match read_answer(&mut recv, &limits).await? {
             Some(Message::CameraAccepted(_)) => {}
             other => {
                 return Err(PathError::CameraNotAccepted {
@@ -567,12 +571,7 @@ async fn relay_path(
                     budget_us: 80_000,
                     model: model_name(w),
                     geometry: Geometry::stretch(w, h, w, h),
-                    tensor: Tensor {
-                        dtype: DType::U8,
-                        layout: Layout::Nhwc,
-                        shape: vec![1, h, w, 3],
-                        data: payload,
-                    },
+                    tensor: Tensor::raw(DType::U8, Layout::Nhwc, vec![1, h, w, 3], payload),
                 };
                 let mut s = conn.open_uni().await?;
                 write_message(&mut s, &Message::Frame(frame)).await?;

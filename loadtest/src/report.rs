@@ -38,7 +38,9 @@ pub struct Report {
     pub budget_ms: u32,
     /// Frames handed to QUIC.
     pub sent: u64,
-    /// Frames the cameras tried to send but could not.
+    /// Frames due while no connection could take them (the gateway was
+    /// being redialled, or the stream could not open because the
+    /// connection had just gone): not sent, never sent late.
     pub send_errors: u64,
     /// Results by status.
     pub ok: u64,
@@ -48,9 +50,35 @@ pub struct Report {
     pub expired: u64,
     /// Failed.
     pub failed: u64,
-    /// Sent frames with no result by the end of the run: the budget plus
-    /// [`crate::sim::RESULT_GRACE`] after the last send.
+    /// Sent frames with no result by the end of the run (the budget plus
+    /// [`crate::sim::RESULT_GRACE`] after the last send) that were neither
+    /// reset, refused nor lost with their connection: unexplained, and
+    /// must stay 0. `sent` = results + `reset` + `refused` +
+    /// `lost_with_connection` + `missing`.
     pub missing: u64,
+    /// Sent frames without a result that the sender reset (`RESET_STREAM`):
+    /// still unacknowledged at the end of their budget, or superseded by a
+    /// newer frame of their camera, as a real edge's lane does.
+    pub reset: u64,
+    /// Sent frames without a result whose stream the gateway stopped with
+    /// an error.
+    pub refused: u64,
+    /// Sent frames without a result whose connection died first: their
+    /// results had nowhere to go.
+    pub lost_with_connection: u64,
+    /// Times the generator dialled the gateway again after losing it.
+    pub reconnects: u64,
+    /// How frames travelled (`raw`, `jpeg (quality 90)`, `png`).
+    pub encoding: String,
+    /// Bytes of one frame's tensor payload on the wire (the encoded file).
+    pub bytes_per_frame: u64,
+    /// The generator's congestion controller.
+    pub congestion: String,
+    /// Results ok within budget per [`Report::TIMELINE_STEP`] since the run
+    /// started, by when they arrived: when serving stopped and started
+    /// again (a blackout's recovery). At most [`Report::TIMELINE_MAX`]
+    /// steps; later results fall in the last.
+    pub ok_timeline: Vec<u32>,
     /// Ok results within the budget.
     pub ok_within_budget: u64,
     /// Fraction of the frames due ([`Report::due`]: `sent`, `send_errors`,
@@ -88,6 +116,34 @@ pub struct Report {
 }
 
 impl Report {
+    /// The width of one step of `ok_timeline`.
+    pub const TIMELINE_STEP: std::time::Duration = std::time::Duration::from_millis(100);
+    /// The most steps `ok_timeline` keeps (an hour).
+    pub const TIMELINE_MAX: usize = 36_000;
+
+    /// Places one result ok within budget on the timeline, `at` after the
+    /// run started.
+    pub fn mark_ok_at(&mut self, at: std::time::Duration) {
+        let step = (at.as_millis() / Self::TIMELINE_STEP.as_millis()) as usize;
+        let step = step.min(Self::TIMELINE_MAX - 1);
+        if self.ok_timeline.len() <= step {
+            self.ok_timeline.resize(step + 1, 0);
+        }
+        self.ok_timeline[step] += 1;
+    }
+
+    /// The first time at or after `from` (since the run started) at which
+    /// a result came back ok within budget, to the timeline's step.
+    pub fn first_ok_from(&self, from: std::time::Duration) -> Option<std::time::Duration> {
+        let first = (from.as_millis() / Self::TIMELINE_STEP.as_millis()) as usize;
+        self.ok_timeline
+            .iter()
+            .enumerate()
+            .skip(first)
+            .find(|(_, n)| **n > 0)
+            .map(|(i, _)| Self::TIMELINE_STEP * i as u32)
+    }
+
     /// An empty report for `opts`.
     pub fn new(opts: &SimOptions) -> Self {
         Report {
@@ -131,7 +187,9 @@ impl Report {
 
     /// Fills the derived fields.
     pub fn finish(&mut self, hist: &Histogram<u64>) {
-        self.missing = self.sent.saturating_sub(self.results());
+        self.missing = self
+            .sent
+            .saturating_sub(self.results() + self.reset + self.refused + self.lost_with_connection);
         let due = self.due();
         self.slo_attainment = if due == 0 {
             0.0

@@ -218,6 +218,8 @@ impl Scenario {
             model: p.model.clone().unwrap_or_else(|| base.model.clone()),
             budget_ms: p.budget_ms.unwrap_or(base.budget_ms),
             obey_hints: p.ignore_hints.map_or(base.obey_hints, |i| !i),
+            encoding: base.encoding,
+            congestion: base.congestion,
             ..base.clone()
         }
     }
@@ -328,6 +330,8 @@ mod tests {
             budget_ms: 80,
             image: None,
             obey_hints: true,
+            encoding: tidegate_protocol::Encoding::Raw,
+            congestion: tidegate_protocol::quic::Congestion::default(),
         }
     }
 

@@ -120,7 +120,15 @@ async fn raw_model_outputs_travel_from_the_worker_to_the_edge() {
         .expect("worker registers");
 
     let (up, mut rx) = connect(&c).await;
-    let accepted = up.open_camera("cam", "blazeface-scores", 80).await.unwrap();
+    let accepted = up
+        .open_camera(
+            "cam",
+            "blazeface-scores",
+            80,
+            tidegate_protocol::Encoding::Raw,
+        )
+        .await
+        .unwrap();
     assert!(accepted.labels.is_empty(), "a raw model has no labels");
     let input = accepted.input;
     // The astronaut, then a black frame of the same geometry.
@@ -193,12 +201,7 @@ fn frame(seq: u64, shape: Vec<u32>, data: Bytes, geometry: tidegate_protocol::Ge
         budget_us: 5_000_000,
         model: "blazeface".into(),
         geometry,
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape,
-            data,
-        },
+        tensor: Tensor::raw(DType::U8, Layout::Nhwc, shape, data),
     }
 }
 
@@ -206,7 +209,11 @@ fn frame(seq: u64, shape: Vec<u32>, data: Bytes, geometry: tidegate_protocol::Ge
 async fn wrong_shape_frame_fails_naming_both_shapes_and_worker_keeps_serving() {
     let c = started_cluster();
     let (up, mut rx) = connect(&c).await;
-    let input = up.open_camera("cam", "blazeface", 80).await.unwrap().input;
+    let input = up
+        .open_camera("cam", "blazeface", 80, tidegate_protocol::Encoding::Raw)
+        .await
+        .unwrap()
+        .input;
     let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_path())).unwrap();
 
     up.send_frame(frame(
@@ -238,7 +245,11 @@ async fn wrong_shape_frame_fails_naming_both_shapes_and_worker_keeps_serving() {
 async fn truncated_and_oversized_streams_close_only_that_stream() {
     let c = started_cluster();
     let (up, mut rx) = connect(&c).await;
-    let input = up.open_camera("cam", "blazeface", 80).await.unwrap().input;
+    let input = up
+        .open_camera("cam", "blazeface", 80, tidegate_protocol::Encoding::Raw)
+        .await
+        .unwrap()
+        .input;
     let (pixels, geometry) = frame_pixels(&input, Some(astronaut().as_path())).unwrap();
 
     // A Frame whose header promises 1000 body bytes, then only 10.
@@ -337,7 +348,9 @@ async fn edge_with_wrong_token_is_refused_with_a_reason() {
     assert!(message.contains("wrong token"), "{message}");
     // The right token still works.
     let (up, _rx) = connect(&c).await;
-    up.open_camera("cam", "blazeface", 80).await.unwrap();
+    up.open_camera("cam", "blazeface", 80, tidegate_protocol::Encoding::Raw)
+        .await
+        .unwrap();
 }
 
 /// Runs the worker with `args` against a config in `dir`; returns stderr.
@@ -403,7 +416,7 @@ fn missing_onnx_runtime_or_model_file_is_a_one_line_error_with_the_fix() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn results_an_edge_does_not_take_are_dropped_and_counted_not_piled_up() {
     use std::sync::Arc;
-    use tidegate_protocol::quic::{client_config, dial, handshake, read_message, write_message};
+    use tidegate_protocol::quic::{client_config, dial, handshake, read_answer, write_message};
     use tidegate_protocol::{CameraOpen, Hello, Limits, Message, Role};
     let c = started_cluster();
     let mut config = client_config(&c.ca()).unwrap();
@@ -425,11 +438,13 @@ async fn results_an_edge_does_not_take_are_dropped_and_counted_not_piled_up() {
         camera: "cam".into(),
         model: "blazeface".into(),
         budget_ms: 80,
+        encoding: tidegate_protocol::Encoding::Raw,
+        copies: 1,
     };
     write_message(&mut ctl_send, &Message::CameraOpen(open))
         .await
         .unwrap();
-    let accepted = read_message(&mut ctl_recv, &Limits::default()).await;
+    let accepted = read_answer(&mut ctl_recv, &Limits::default()).await;
     let Ok(Some(Message::CameraAccepted(accepted))) = accepted else {
         panic!("expected CameraAccepted, got {accepted:?}");
     };
@@ -471,7 +486,9 @@ fn metric(text: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nameless_cameras_cameras_past_the_limit_and_workers_under_another_name_are_refused() {
     use tidegate_gateway::server::MAX_CAMERAS_PER_EDGE;
-    use tidegate_protocol::quic::{client_config, dial, handshake, read_message, write_message};
+    use tidegate_protocol::quic::{
+        client_config, dial, handshake, read_answer, read_message, write_message,
+    };
     use tidegate_protocol::{CameraOpen, Hello, Limits, Message, Register, Role};
     let mut c = Cluster::start(&ClusterOptions {
         workers: vec!["worker-1".into(), "worker-2".into()],
@@ -496,12 +513,14 @@ async fn nameless_cameras_cameras_past_the_limit_and_workers_under_another_name_
             camera,
             model: "blazeface".into(),
             budget_ms: 80,
+            encoding: tidegate_protocol::Encoding::Raw,
+            copies: 1,
         })
     };
     write_message(&mut ctl_send, &open(String::new()))
         .await
         .unwrap();
-    match read_message(&mut ctl_recv, &limits).await {
+    match read_answer(&mut ctl_recv, &limits).await {
         Ok(Some(Message::Error(e))) => {
             assert_eq!(e.code, ErrorCode::Malformed, "{e:?}");
             assert!(e.message.contains("must not be empty"), "{e:?}");
@@ -515,7 +534,7 @@ async fn nameless_cameras_cameras_past_the_limit_and_workers_under_another_name_
             .unwrap();
     }
     for i in 0..MAX_CAMERAS_PER_EDGE {
-        match read_message(&mut ctl_recv, &limits).await {
+        match read_answer(&mut ctl_recv, &limits).await {
             Ok(Some(Message::CameraAccepted(a))) => assert_eq!(a.camera, format!("cam-{i}")),
             other => panic!("camera {i}: expected CameraAccepted, got {other:?}"),
         }
@@ -523,7 +542,7 @@ async fn nameless_cameras_cameras_past_the_limit_and_workers_under_another_name_
     write_message(&mut ctl_send, &open("one-too-many".into()))
         .await
         .unwrap();
-    match read_message(&mut ctl_recv, &limits).await {
+    match read_answer(&mut ctl_recv, &limits).await {
         Ok(Some(Message::Error(e))) => {
             assert_eq!(e.code, ErrorCode::Overloaded, "{e:?}");
             assert!(e.message.contains("one-too-many"), "{e:?}");
@@ -533,7 +552,7 @@ async fn nameless_cameras_cameras_past_the_limit_and_workers_under_another_name_
     write_message(&mut ctl_send, &open("cam-0".into()))
         .await
         .unwrap();
-    match read_message(&mut ctl_recv, &limits).await {
+    match read_answer(&mut ctl_recv, &limits).await {
         Ok(Some(Message::CameraAccepted(a))) => assert_eq!(a.camera, "cam-0"),
         other => panic!("re-opening cam-0: expected CameraAccepted, got {other:?}"),
     }
@@ -561,6 +580,7 @@ async fn nameless_cameras_cameras_past_the_limit_and_workers_under_another_name_
         device: "cpu".into(),
         models: Vec::new(),
         profile: Vec::new(),
+        codecs: Vec::new(),
     };
     write_message(&mut ctl_send, &Message::Register(register))
         .await

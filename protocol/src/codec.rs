@@ -15,12 +15,14 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::limits::Limits;
-use crate::tensor::{DType, Geometry, Layout, OutputTensor, Tensor, TensorError, shape_string};
+use crate::tensor::{
+    Codec, DType, Encoding, Geometry, Layout, OutputTensor, Tensor, TensorError, check_payload,
+};
 
 /// The two bytes every message starts with.
 pub const MAGIC: [u8; 2] = *b"TG";
 /// The protocol version this crate speaks.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 
 /// The message kinds, with their wire values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -54,6 +56,10 @@ pub enum Kind {
     BatchResult = 13,
     /// [`crate::Drain`]
     Drain = 14,
+    /// [`crate::ClockProbe`]
+    ClockProbe = 15,
+    /// [`crate::ClockEcho`]
+    ClockEcho = 16,
 }
 
 impl Kind {
@@ -75,6 +81,8 @@ impl Kind {
             12 => Dispatch,
             13 => BatchResult,
             14 => Drain,
+            15 => ClockProbe,
+            16 => ClockEcho,
             _ => return None,
         })
     }
@@ -217,6 +225,9 @@ impl DecodeError {
             DecodeError::UnsupportedVersion(_) => ErrorCode::UnsupportedVersion,
             DecodeError::TooLarge { .. } => ErrorCode::TooLarge,
             DecodeError::Tensor(TensorError::TooLarge { .. }) => ErrorCode::TooLarge,
+            DecodeError::Tensor(TensorError::EncodedLength { len, max, .. }) if len > max => {
+                ErrorCode::TooLarge
+            }
             _ => ErrorCode::Malformed,
         }
     }
@@ -247,10 +258,10 @@ struct Pending {
     what: PendingKind,
 }
 
-/// An image tensor (with a layout) or a named output tensor.
+/// An image tensor (with a layout and an encoding) or a named output tensor.
 #[derive(Debug)]
 enum PendingKind {
-    Image(Layout),
+    Image(Layout, Encoding),
     Output(String),
 }
 
@@ -366,8 +377,9 @@ impl<'l> Reader<'l> {
         Ok(g)
     }
 
-    /// Tensor metadata (dtype, layout, dims, payload length). The payload is
-    /// claimed later by [`Reader::finish_tensors`], in the same order.
+    /// Tensor metadata (dtype, layout, encoding, dims, payload length). The
+    /// payload is claimed later by [`Reader::finish_tensors`], in the same
+    /// order.
     pub fn tensor_meta(&mut self) -> Result<(), DecodeError> {
         let dtype = self.dtype("tensor dtype")?;
         let layout_code = self.u8("tensor layout")?;
@@ -375,8 +387,24 @@ impl<'l> Reader<'l> {
             what: "tensor layout",
             detail: format!("unknown code {layout_code}"),
         })?;
-        self.payload_meta(dtype, PendingKind::Image(layout))?;
+        let encoding = self.encoding("tensor encoding")?;
+        self.payload_meta(dtype, PendingKind::Image(layout, encoding))?;
         Ok(())
+    }
+
+    /// An encoding: its codec code, then its quality byte (JPEG: 1 to 100;
+    /// the others: 0).
+    pub fn encoding(&mut self, what: &'static str) -> Result<Encoding, DecodeError> {
+        let code = self.u8(what)?;
+        let quality = self.u8(what)?;
+        let codec = Codec::from_code(code).ok_or_else(|| DecodeError::Invalid {
+            what,
+            detail: format!("unknown codec {code}"),
+        })?;
+        Encoding::from_parts(codec, quality).ok_or_else(|| DecodeError::Invalid {
+            what,
+            detail: format!("{codec} with quality {quality} (JPEG takes 1 to 100, the others 0)"),
+        })
     }
 
     /// Output-tensor metadata (name, dtype, dims, payload length); returns
@@ -410,21 +438,11 @@ impl<'l> Reader<'l> {
         let shape: Vec<u32> = (0..ndims).map(|_| self.body.get_u32()).collect();
         let len = self.u32("tensor length")? as usize;
         let max = self.limits.max_tensor_bytes;
-        let want = Tensor::expected_len(dtype, &shape)
-            .filter(|&n| n <= max)
-            .ok_or_else(|| TensorError::TooLarge {
-                shape: shape_string(&shape),
-                max,
-            })?;
-        if want != len {
-            return Err(TensorError::Length {
-                shape: shape_string(&shape),
-                dtype,
-                expected: want,
-                actual: len,
-            }
-            .into());
-        }
+        let (layout, encoding) = match &what {
+            PendingKind::Image(layout, encoding) => (*layout, *encoding),
+            PendingKind::Output(_) => (Layout::Nhwc, Encoding::Raw),
+        };
+        check_payload(dtype, layout, &shape, encoding, len, self.limits)?;
         // Both are at most `max`, so the sum cannot overflow.
         let total = self.pending_bytes + len;
         if total > max {
@@ -475,10 +493,11 @@ impl<'l> Reader<'l> {
         self.take_payloads()?
             .into_iter()
             .map(|(p, data)| match p.what {
-                PendingKind::Image(layout) => Ok(Tensor {
+                PendingKind::Image(layout, encoding) => Ok(Tensor {
                     dtype: p.dtype,
                     layout,
                     shape: p.shape,
+                    encoding,
                     data,
                 }),
                 PendingKind::Output(_) => Err(mixed()),
@@ -498,7 +517,7 @@ impl<'l> Reader<'l> {
                     shape: p.shape,
                     data,
                 }),
-                PendingKind::Image(_) => Err(mixed()),
+                PendingKind::Image(..) => Err(mixed()),
             })
             .collect()
     }
@@ -581,12 +600,19 @@ impl Writer {
     pub fn tensor(&mut self, t: &Tensor) {
         self.u8(t.dtype.code());
         self.u8(t.layout.code());
+        self.encoding(t.encoding);
         self.u8(t.shape.len().min(u8::MAX as usize) as u8);
         for &d in t.shape.iter().take(u8::MAX as usize) {
             self.u32(d);
         }
         self.u32(t.data.len() as u32);
         self.payloads.push(t.data.clone());
+    }
+
+    /// An encoding: codec code, then quality byte.
+    pub fn encoding(&mut self, e: Encoding) {
+        self.u8(e.codec().code());
+        self.u8(e.quality());
     }
 
     /// Output-tensor metadata now (name, dtype, dims, length), payload after

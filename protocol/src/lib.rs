@@ -38,4 +38,6 @@ pub use error::{ErrorCode, Fault};
 pub use limits::Limits;
 pub use message::*;
 pub use result::{Detection, FrameResult, ShedReason, Status, Timings};
-pub use tensor::{DType, Geometry, Layout, OutputTensor, Tensor, TensorError, shape_string};
+pub use tensor::{
+    Codec, DType, Encoding, Geometry, Layout, OutputTensor, Tensor, TensorError, shape_string,
+};

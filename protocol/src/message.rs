@@ -3,8 +3,9 @@
 //! Streams (see docs/protocol.md):
 //! - **control** (bidirectional, opened by the client first): `Hello` →
 //!   `Welcome` | `Error`; then for edges `CameraOpen` → `CameraAccepted` |
-//!   `Error`, `ControlHint` (gateway → edge) and `LatencyReport` (edge →
-//!   gateway); for workers `Register`, `Heartbeat`, `Drain`.
+//!   `Error`, `ControlHint` and `ClockProbe` (gateway → edge), `ClockEcho`
+//!   and `LatencyReport` (edge → gateway); for workers `Register`,
+//!   `Heartbeat`, `Drain`.
 //! - **frame** (unidirectional, edge → gateway): exactly one `Frame`.
 //! - **result** (unidirectional, gateway → edge): exactly one `Result`.
 //! - **dispatch** (unidirectional, gateway → worker): exactly one `Dispatch`.
@@ -17,7 +18,7 @@ use crate::codec::{DecodeError, Header, Kind, Reader, Writer};
 use crate::error::ErrorCode;
 use crate::limits::Limits;
 use crate::result::{Detection, FrameResult, ShedReason, Status, Timings};
-use crate::tensor::{DType, Geometry, Layout, OutputTensor, Tensor};
+use crate::tensor::{Codec, DType, Encoding, Geometry, Layout, OutputTensor, Tensor};
 
 /// Who is connecting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -119,7 +120,19 @@ pub struct CameraOpen {
     pub model: String,
     /// End-to-end budget per frame, in milliseconds.
     pub budget_ms: u32,
+    /// How the camera's frames will be encoded (JPEG: its highest quality;
+    /// the camera may lower it frame by frame).
+    pub encoding: Encoding,
+    /// Copies of each frame the camera sends, each on a stream of its own
+    /// (1 to [`MAX_COPIES`]), and of each result it asks back: on a link
+    /// that loses packets at random, a second copy arrives when the first
+    /// would need a retransmission, which costs a round trip the budget
+    /// may not have. The gateway serves the first copy and drops the rest.
+    pub copies: u8,
 }
+
+/// The most copies of a frame (and of its result) a camera may ask for.
+pub const MAX_COPIES: u8 = 3;
 
 /// Gateway → edge: the camera is open; send frames shaped like this.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,6 +146,12 @@ pub struct CameraAccepted {
     /// Class names, indexed by `Detection::class` (empty when the model has
     /// none, as with the `raw` decoder).
     pub labels: Vec<String>,
+    /// The encoding accepted: the one asked for (a gateway that cannot
+    /// take it refuses the camera instead).
+    pub encoding: Encoding,
+    /// Copies of each result the gateway will send (and of each frame it
+    /// expects at most): the camera's, within 1 to [`MAX_COPIES`].
+    pub copies: u8,
 }
 
 /// Edge → gateway: one frame, on its own unidirectional stream.
@@ -144,7 +163,9 @@ pub struct Frame {
     pub seq: u64,
     /// Capture time on the edge's clock (µs); echoed in the result.
     pub captured_at_us: u64,
-    /// Budget left when the frame was sent (µs).
+    /// The frame's whole budget, counted from `captured_at_us` (µs): its
+    /// result is due at `captured_at_us + budget_us` on the edge's clock,
+    /// however long it waited before and while it was sent.
     pub budget_us: u32,
     /// Model to run.
     pub model: String,
@@ -213,6 +234,30 @@ pub struct Register {
     pub models: Vec<ModelInfo>,
     /// Latency per model and batch size, measured during warm-up.
     pub profile: Vec<ProfilePoint>,
+    /// The frame encodings the worker decodes (always including raw).
+    pub codecs: Vec<Codec>,
+}
+
+/// Gateway → edge: a clock probe. The edge answers at once with
+/// [`ClockEcho`], from which the gateway estimates the edge's clock offset
+/// (NTP-style: offset = edge − (sent + received) / 2, trusting the probes
+/// with the shortest round trip), and so how long a frame waited on the
+/// edge before it arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClockProbe {
+    /// When the gateway sent it, on the gateway's clock (µs, opaque to
+    /// the edge).
+    pub gateway_us: u64,
+}
+
+/// Edge → gateway: the answer to a [`ClockProbe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClockEcho {
+    /// The probe's `gateway_us`, echoed.
+    pub gateway_us: u64,
+    /// The edge's clock when it read the probe, on the clock its frames'
+    /// `captured_at_us` use (µs).
+    pub edge_us: u64,
 }
 
 /// Worker → gateway: periodic liveness and load.
@@ -300,6 +345,8 @@ pub enum Message {
     Dispatch(Dispatch),
     BatchResult(BatchResult),
     Drain(Drain),
+    ClockProbe(ClockProbe),
+    ClockEcho(ClockEcho),
 }
 
 impl Message {
@@ -320,6 +367,8 @@ impl Message {
             Message::Dispatch(_) => Kind::Dispatch,
             Message::BatchResult(_) => Kind::BatchResult,
             Message::Drain(_) => Kind::Drain,
+            Message::ClockProbe(_) => Kind::ClockProbe,
+            Message::ClockEcho(_) => Kind::ClockEcho,
         }
     }
 
@@ -348,12 +397,16 @@ impl Message {
                 w.string(&m.camera);
                 w.string(&m.model);
                 w.u32(m.budget_ms);
+                w.encoding(m.encoding);
+                w.u8(m.copies);
             }
             Message::CameraAccepted(m) => {
                 w.string(&m.camera);
                 w.string(&m.model);
                 write_input(&mut w, &m.input);
                 write_labels(&mut w, &m.labels);
+                w.encoding(m.encoding);
+                w.u8(m.copies);
             }
             Message::Frame(m) => {
                 w.string(&m.camera);
@@ -397,6 +450,10 @@ impl Message {
                     w.u16(p.batch);
                     w.u32(p.latency_us);
                 }
+                w.count(m.codecs.len());
+                for c in &m.codecs {
+                    w.u8(c.code());
+                }
             }
             Message::Heartbeat(m) => {
                 w.u32(m.queue_depth);
@@ -429,6 +486,11 @@ impl Message {
                 }
             }
             Message::Drain(m) => w.u32(m.deadline_ms),
+            Message::ClockProbe(m) => w.u64(m.gateway_us),
+            Message::ClockEcho(m) => {
+                w.u64(m.gateway_us);
+                w.u64(m.edge_us);
+            }
         }
         w.finish(self.kind())
     }
@@ -501,12 +563,16 @@ impl Message {
                 camera: r.string("camera")?,
                 model: r.string("model")?,
                 budget_ms: r.u32("budget_ms")?,
+                encoding: r.encoding("encoding")?,
+                copies: read_copies(&mut r)?,
             }),
             Kind::CameraAccepted => Message::CameraAccepted(CameraAccepted {
                 camera: r.string("camera")?,
                 model: r.string("model")?,
                 input: read_input(&mut r)?,
                 labels: read_labels(&mut r)?,
+                encoding: r.encoding("encoding")?,
+                copies: read_copies(&mut r)?,
             }),
             Kind::Frame => {
                 let camera = r.string("camera")?;
@@ -594,11 +660,18 @@ impl Message {
                         latency_us: r.u32("profile latency")?,
                     });
                 }
+                let n = r.count("codecs", Codec::ALL.len(), 1)?;
+                let mut codecs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let code = r.u8("codec")?;
+                    codecs.push(Codec::from_code(code).ok_or_else(|| invalid("codec", code))?);
+                }
                 Message::Register(Register {
                     worker,
                     device,
                     models,
                     profile,
+                    codecs,
                 })
             }
             Kind::Heartbeat => Message::Heartbeat(Heartbeat {
@@ -609,8 +682,9 @@ impl Message {
                 let batch = r.u64("batch")?;
                 let model = r.string("model")?;
                 let max = r.limits().max_batch;
-                // id + camera len + seq + geometry + minimal tensor meta.
-                let n = r.count("dispatch items", max, 8 + 2 + 8 + 24 + 3 + 4 + 4)?;
+                // id + camera len + seq + geometry + minimal tensor meta
+                // (dtype, layout, codec, quality, ndims, one dim, length).
+                let n = r.count("dispatch items", max, 8 + 2 + 8 + 24 + 5 + 4 + 4)?;
                 let mut heads = Vec::with_capacity(n);
                 for _ in 0..n {
                     let id = r.u64("item id")?;
@@ -641,7 +715,8 @@ impl Message {
             Kind::BatchResult => {
                 let batch = r.u64("batch")?;
                 let max = r.limits().max_batch;
-                let n = r.count("batch result items", max, 8 + 1 + 2 + 16 + 2)?;
+                // id + status + detections count + timings + outputs count.
+                let n = r.count("batch result items", max, 8 + 1 + 2 + 20 + 2)?;
                 let mut heads = Vec::with_capacity(n);
                 for _ in 0..n {
                     let id = r.u64("item id")?;
@@ -663,9 +738,27 @@ impl Message {
             Kind::Drain => Message::Drain(Drain {
                 deadline_ms: r.u32("deadline_ms")?,
             }),
+            Kind::ClockProbe => Message::ClockProbe(ClockProbe {
+                gateway_us: r.u64("gateway_us")?,
+            }),
+            Kind::ClockEcho => Message::ClockEcho(ClockEcho {
+                gateway_us: r.u64("gateway_us")?,
+                edge_us: r.u64("edge_us")?,
+            }),
         };
         r.end()?;
         Ok(msg)
+    }
+}
+
+/// A copy count: 1 to [`MAX_COPIES`].
+fn read_copies(r: &mut Reader<'_>) -> Result<u8, DecodeError> {
+    match r.u8("copies")? {
+        n @ 1..=MAX_COPIES => Ok(n),
+        n => Err(DecodeError::Invalid {
+            what: "copies",
+            detail: format!("{n}; a camera sends 1 to {MAX_COPIES} copies of a frame"),
+        }),
     }
 }
 
@@ -771,6 +864,7 @@ fn write_outcome(
     }
     for v in [
         t.queue_us,
+        t.decode_us,
         t.preprocess_us,
         t.inference_us,
         t.postprocess_us,
@@ -836,6 +930,7 @@ fn read_outcome(r: &mut Reader<'_>) -> Result<Outcome, DecodeError> {
     }
     let timings = Timings {
         queue_us: r.u32("timings")?,
+        decode_us: r.u32("timings")?,
         preprocess_us: r.u32("timings")?,
         inference_us: r.u32("timings")?,
         postprocess_us: r.u32("timings")?,

@@ -36,6 +36,10 @@ pub enum ShedReason {
     Overloaded,
     /// No worker serves the frame's model.
     NoWorker,
+    /// The frame arrived too late to be served: its age on arrival (time
+    /// waiting on the edge and on the link, from `captured_at_us` and the
+    /// edge's clock offset) plus the trip back leaves nothing of its budget.
+    LateOnArrival,
 }
 
 impl ShedReason {
@@ -46,6 +50,7 @@ impl ShedReason {
             ShedReason::WouldMissDeadline => "would_miss_deadline",
             ShedReason::Overloaded => "overloaded",
             ShedReason::NoWorker => "no_worker",
+            ShedReason::LateOnArrival => "late_on_arrival",
         }
     }
 
@@ -56,6 +61,7 @@ impl ShedReason {
             ShedReason::WouldMissDeadline => 1,
             ShedReason::Overloaded => 2,
             ShedReason::NoWorker => 3,
+            ShedReason::LateOnArrival => 4,
         }
     }
 
@@ -66,6 +72,7 @@ impl ShedReason {
             1 => ShedReason::WouldMissDeadline,
             2 => ShedReason::Overloaded,
             3 => ShedReason::NoWorker,
+            4 => ShedReason::LateOnArrival,
             _ => return None,
         })
     }
@@ -102,6 +109,10 @@ impl Status {
 pub struct Timings {
     /// Waiting in the gateway's queue.
     pub queue_us: u32,
+    /// Decoding an encoded frame (JPEG, PNG) into its tensor, on the
+    /// worker; 0 for raw frames.
+    #[serde(default)]
+    pub decode_us: u32,
     /// u8 → model input transform.
     pub preprocess_us: u32,
     /// ONNX Runtime run (the batch's, shared by its frames).

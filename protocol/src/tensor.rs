@@ -106,16 +106,153 @@ pub fn shape_string(shape: &[u32]) -> String {
     format!("[{}]", dims.join(","))
 }
 
-/// A tensor: type, layout, shape and its bytes (zero-copy `Bytes`).
+/// A family of image encodings: what a worker can decode, and what a camera
+/// asks for at `CameraOpen`. [`Encoding`] adds the quality.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Codec {
+    /// Row-major elements, as the model reads them.
+    Raw,
+    /// Baseline JPEG (lossy): one self-contained JPEG file per frame.
+    Jpeg,
+    /// PNG (lossless): one self-contained PNG file per frame.
+    Png,
+}
+
+impl Codec {
+    /// Every codec, in wire-code order.
+    pub const ALL: [Codec; 3] = [Codec::Raw, Codec::Jpeg, Codec::Png];
+
+    /// The wire code of this codec.
+    pub fn code(self) -> u8 {
+        match self {
+            Codec::Raw => 0,
+            Codec::Jpeg => 1,
+            Codec::Png => 2,
+        }
+    }
+
+    /// The codec for a wire code, if known.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            0 => Codec::Raw,
+            1 => Codec::Jpeg,
+            2 => Codec::Png,
+            _ => return None,
+        })
+    }
+
+    /// Lower-case name, as in configuration files and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::Raw => "raw",
+            Codec::Jpeg => "jpeg",
+            Codec::Png => "png",
+        }
+    }
+
+    /// Whether an image input of this type, layout and channel count can
+    /// travel in this codec. Image codecs carry interleaved (NHWC) u8
+    /// pixels of one (grey) or three (colour) channels; raw carries
+    /// anything. The error says what the input is and what to use instead.
+    pub fn carries(self, dtype: DType, layout: Layout, channels: u32) -> Result<(), String> {
+        if self == Codec::Raw
+            || (dtype == DType::U8 && layout == Layout::Nhwc && matches!(channels, 1 | 3))
+        {
+            return Ok(());
+        }
+        Err(format!(
+            "{} carries u8 NHWC images of 1 or 3 channels; this input is {dtype} {} with {channels} channels (use raw)",
+            self.name(),
+            layout.name().to_uppercase()
+        ))
+    }
+}
+
+impl std::fmt::Display for Codec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How an image tensor's bytes are encoded on the wire. Every frame is
+/// encoded alone (no inter-frame prediction), because each travels on its
+/// own stream and may be withdrawn or lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(tag = "codec", rename_all = "lowercase")]
+pub enum Encoding {
+    /// Row-major elements: `len == product(shape) * dtype.size()`.
+    #[default]
+    Raw,
+    /// A JPEG file that decodes to exactly the tensor's shape.
+    Jpeg {
+        /// The encoder's quality, 1 to 100 (what the camera chose; the
+        /// decoder does not need it).
+        quality: u8,
+    },
+    /// A PNG file that decodes to exactly the tensor's shape.
+    Png,
+}
+
+impl Encoding {
+    /// Highest JPEG quality.
+    pub const MAX_QUALITY: u8 = 100;
+
+    /// The codec family.
+    pub fn codec(self) -> Codec {
+        match self {
+            Encoding::Raw => Codec::Raw,
+            Encoding::Jpeg { .. } => Codec::Jpeg,
+            Encoding::Png => Codec::Png,
+        }
+    }
+
+    /// The quality byte on the wire: the JPEG quality, 0 for the others.
+    pub fn quality(self) -> u8 {
+        match self {
+            Encoding::Jpeg { quality } => quality,
+            Encoding::Raw | Encoding::Png => 0,
+        }
+    }
+
+    /// The encoding for a codec and quality byte, if they go together
+    /// (JPEG: 1 to 100; raw and PNG: 0).
+    pub fn from_parts(codec: Codec, quality: u8) -> Option<Self> {
+        match codec {
+            Codec::Raw if quality == 0 => Some(Encoding::Raw),
+            Codec::Png if quality == 0 => Some(Encoding::Png),
+            Codec::Jpeg if (1..=Self::MAX_QUALITY).contains(&quality) => {
+                Some(Encoding::Jpeg { quality })
+            }
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Encoding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Encoding::Jpeg { quality } => write!(f, "jpeg (quality {quality})"),
+            other => f.write_str(other.codec().name()),
+        }
+    }
+}
+
+/// A tensor: type, layout, shape and its bytes (zero-copy `Bytes`), raw or
+/// encoded as an image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tensor {
-    /// Element type.
+    /// Element type (of the decoded tensor).
     pub dtype: DType,
-    /// Memory layout.
+    /// Memory layout (of the decoded tensor).
     pub layout: Layout,
-    /// Dimensions, outermost first.
+    /// Dimensions, outermost first (of the decoded tensor).
     pub shape: Vec<u32>,
-    /// Row-major element bytes; `len == product(shape) * dtype.size()`.
+    /// How `data` is encoded.
+    pub encoding: Encoding,
+    /// Raw: row-major element bytes, `len == product(shape) * dtype.size()`.
+    /// Otherwise one image file of at most `max_tensor_bytes` that decodes
+    /// to `shape`.
     pub data: Bytes,
 }
 
@@ -127,7 +264,19 @@ impl Tensor {
             .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d as usize))
     }
 
-    /// Checks the shape against `limits` and the data length against the shape.
+    /// A raw tensor.
+    pub fn raw(dtype: DType, layout: Layout, shape: Vec<u32>, data: Bytes) -> Self {
+        Tensor {
+            dtype,
+            layout,
+            shape,
+            encoding: Encoding::Raw,
+            data,
+        }
+    }
+
+    /// Checks the shape against `limits` and the data length against the
+    /// shape and encoding.
     pub fn validate(&self, limits: &Limits) -> Result<(), TensorError> {
         if self.shape.is_empty() || self.shape.len() > limits.max_dims {
             return Err(TensorError::Dims {
@@ -135,22 +284,64 @@ impl Tensor {
                 max: limits.max_dims,
             });
         }
-        let want = Self::expected_len(self.dtype, &self.shape)
-            .filter(|&n| n <= limits.max_tensor_bytes)
-            .ok_or(TensorError::TooLarge {
-                shape: shape_string(&self.shape),
-                max: limits.max_tensor_bytes,
-            })?;
-        if want != self.data.len() {
+        check_payload(
+            self.dtype,
+            self.layout,
+            &self.shape,
+            self.encoding,
+            self.data.len(),
+            limits,
+        )
+    }
+}
+
+/// Checks a payload of `len` bytes against its decoded shape and its
+/// encoding: a raw payload is exactly the shape's bytes; an encoded one
+/// fits the tensor's limit, and its shape is one image (`[1,H,W,C]`, u8,
+/// NHWC, C 1 or 3) no larger than the limit once decoded.
+pub(crate) fn check_payload(
+    dtype: DType,
+    layout: Layout,
+    shape: &[u32],
+    encoding: Encoding,
+    len: usize,
+    limits: &Limits,
+) -> Result<(), TensorError> {
+    let max = limits.max_tensor_bytes;
+    let want = Tensor::expected_len(dtype, shape)
+        .filter(|&n| n <= max)
+        .ok_or_else(|| TensorError::TooLarge {
+            shape: shape_string(shape),
+            max,
+        })?;
+    if encoding == Encoding::Raw {
+        if want != len {
             return Err(TensorError::Length {
-                shape: shape_string(&self.shape),
-                dtype: self.dtype,
+                shape: shape_string(shape),
+                dtype,
                 expected: want,
-                actual: self.data.len(),
+                actual: len,
             });
         }
-        Ok(())
+        return Ok(());
     }
+    let one_image = shape.len() == 4 && shape[0] == 1 && shape[1] > 0 && shape[2] > 0;
+    let carried = if one_image {
+        encoding.codec().carries(dtype, layout, shape[3])
+    } else {
+        Err("an encoded tensor must be one image, shaped [1,H,W,C]".into())
+    };
+    if let Err(why) = carried {
+        return Err(TensorError::Encoding {
+            shape: shape_string(shape),
+            encoding,
+            why,
+        });
+    }
+    if len == 0 || len > max {
+        return Err(TensorError::EncodedLength { encoding, len, max });
+    }
+    Ok(())
 }
 
 /// A named model output passed through to the client (the `raw` decoder's
@@ -290,6 +481,26 @@ pub enum TensorError {
         /// Bytes present.
         actual: usize,
     },
+    /// The encoding cannot carry a tensor of this shape and type.
+    #[error("tensor shape {shape} cannot travel as {encoding}: {why}")]
+    Encoding {
+        /// The declared shape.
+        shape: String,
+        /// The declared encoding.
+        encoding: Encoding,
+        /// What the encoding carries instead.
+        why: String,
+    },
+    /// An encoded payload is empty or over the tensor limit.
+    #[error("a {encoding} payload of {len} bytes; it must be 1 to {max} bytes")]
+    EncodedLength {
+        /// The declared encoding.
+        encoding: Encoding,
+        /// Bytes present.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 /// Where the model-input image came from: the source frame size and the
@@ -405,13 +616,69 @@ mod tests {
 
     #[test]
     fn length_mismatch_names_shape_and_sizes() {
-        let t = Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, 64, 64, 3],
-            data: Bytes::from_static(&[0; 10]),
-        };
+        let t = Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, 64, 64, 3],
+            Bytes::from_static(&[0; 10]),
+        );
         let err = t.validate(&Limits::default()).unwrap_err().to_string();
         assert!(err.contains("[1,64,64,3]") && err.contains("12288") && err.contains("10"));
+    }
+
+    #[test]
+    fn an_encoded_image_may_be_shorter_than_its_decoded_shape() {
+        let mut t = Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, 64, 64, 3],
+            Bytes::from_static(&[0xff; 10]),
+        );
+        t.encoding = Encoding::Jpeg { quality: 90 };
+        t.validate(&Limits::default()).unwrap();
+        t.encoding = Encoding::Png;
+        t.validate(&Limits::default()).unwrap();
+    }
+
+    #[test]
+    fn an_image_codec_refuses_what_is_not_one_u8_nhwc_image_and_says_what_to_use() {
+        let mut t = Tensor::raw(
+            DType::F32,
+            Layout::Nchw,
+            vec![1, 3, 8, 8],
+            Bytes::from_static(&[0xff; 10]),
+        );
+        t.encoding = Encoding::Jpeg { quality: 90 };
+        let err = t.validate(&Limits::default()).unwrap_err().to_string();
+        assert!(
+            err.contains("[1,3,8,8]") && err.contains("use raw"),
+            "{err}"
+        );
+        let mut batch = Tensor::raw(DType::U8, Layout::Nhwc, vec![2, 8, 8, 3], Bytes::new());
+        batch.encoding = Encoding::Png;
+        let err = batch.validate(&Limits::default()).unwrap_err().to_string();
+        assert!(err.contains("[1,H,W,C]"), "{err}");
+        let mut empty = Tensor::raw(DType::U8, Layout::Nhwc, vec![1, 8, 8, 3], Bytes::new());
+        empty.encoding = Encoding::Png;
+        assert!(matches!(
+            empty.validate(&Limits::default()),
+            Err(TensorError::EncodedLength { len: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn a_quality_goes_with_jpeg_alone() {
+        for codec in Codec::ALL {
+            assert_eq!(Codec::from_code(codec.code()), Some(codec));
+        }
+        assert_eq!(Codec::from_code(3), None);
+        assert_eq!(
+            Encoding::from_parts(Codec::Jpeg, 90),
+            Some(Encoding::Jpeg { quality: 90 })
+        );
+        assert_eq!(Encoding::from_parts(Codec::Jpeg, 0), None);
+        assert_eq!(Encoding::from_parts(Codec::Jpeg, 101), None);
+        assert_eq!(Encoding::from_parts(Codec::Png, 1), None);
+        assert_eq!(Encoding::from_parts(Codec::Raw, 0), Some(Encoding::Raw));
     }
 }

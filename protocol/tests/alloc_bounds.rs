@@ -159,21 +159,21 @@ fn hostile_lengths_allocate_nothing_for_their_bytes() {
     // decoder waits, it does not reserve.
     let limits = Limits::default();
     let max = Kind::Frame.max_body(&limits);
-    let mut head = b"TG\x02\x06".to_vec();
+    let mut head = b"TG\x03\x06".to_vec();
     head.extend_from_slice(&(max as u32).to_be_bytes());
     let (n, err) = allocated_by_decode(&Bytes::from(head), &limits);
     assert_eq!(err, DecodeError::Incomplete { needed: max });
     assert_eq!(n, 0, "waiting for a body allocated {n} bytes");
 
     // One past it is rejected outright.
-    let mut head = b"TG\x02\x06".to_vec();
+    let mut head = b"TG\x03\x06".to_vec();
     head.extend_from_slice(&(max as u32 + 1).to_be_bytes());
     let (n, err) = allocated_by_decode(&Bytes::from(head), &limits);
     assert!(matches!(err, DecodeError::TooLarge { .. }), "{err:?}");
     assert_eq!(n, 0);
 
     // A string declaring 65535 bytes in a short body.
-    let head = b"TG\x02\x01\x00\x00\x00\x03\x00\xff\xff".to_vec();
+    let head = b"TG\x03\x01\x00\x00\x00\x03\x00\xff\xff".to_vec();
     let err = assert_small(
         "string",
         Bytes::from(head),
@@ -194,6 +194,7 @@ fn hostile_lengths_allocate_nothing_for_their_bytes() {
     w.geometry(&Geometry::stretch(1, 1, 1, 1));
     w.u8(0);
     w.u8(0);
+    w.encoding(Encoding::Raw);
     w.u8(1);
     w.u32(64 * 1024 * 1024);
     w.u32(64 * 1024 * 1024);

@@ -72,7 +72,7 @@ fn hello_example_in_the_document_is_exact() {
         &msg,
         &[
             (2, "magic \"TG\""),
-            (1, "version 2"),
+            (1, "version 3"),
             (1, "kind 1 = Hello"),
             (4, "body length 16"),
             (1, "role 0 = edge"),
@@ -93,22 +93,22 @@ fn frame_example_in_the_document_is_exact() {
         budget_us: 80_000,
         model: "tiny".into(),
         geometry: Geometry::stretch(640, 480, 2, 2),
-        tensor: Tensor {
-            dtype: DType::U8,
-            layout: Layout::Nhwc,
-            shape: vec![1, 2, 2, 3],
-            data: Bytes::from_static(&[
+        tensor: Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, 2, 2, 3],
+            Bytes::from_static(&[
                 0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x19, 0x1a, 0x1b,
             ]),
-        },
+        ),
     });
     check_example(
         &msg,
         &[
             (2, "magic \"TG\""),
-            (1, "version 2"),
+            (1, "version 3"),
             (1, "kind 6 = Frame"),
-            (4, "body length 92"),
+            (4, "body length 94"),
             (2, "camera: length 5"),
             (5, "  \"cam-1\""),
             (8, "seq 1"),
@@ -124,6 +124,8 @@ fn frame_example_in_the_document_is_exact() {
             (4, "geometry.content_height 2"),
             (1, "tensor dtype 0 = u8"),
             (1, "tensor layout 0 = nhwc"),
+            (1, "tensor codec 0 = raw"),
+            (1, "tensor quality 0 (JPEG only)"),
             (1, "tensor ndims 4"),
             (16, "tensor shape [1,2,2,3]"),
             (4, "tensor payload length 12 (= 1*2*2*3 * 1 byte)"),
@@ -150,6 +152,7 @@ fn result_example_in_the_document_is_exact() {
         }],
         timings: Timings {
             queue_us: 1200,
+            decode_us: 0,
             preprocess_us: 300,
             inference_us: 4100,
             postprocess_us: 90,
@@ -160,9 +163,9 @@ fn result_example_in_the_document_is_exact() {
         &msg,
         &[
             (2, "magic \"TG\""),
-            (1, "version 2"),
+            (1, "version 3"),
             (1, "kind 7 = Result"),
-            (4, "body length 77"),
+            (4, "body length 81"),
             (2, "camera: length 5"),
             (5, "  \"cam-1\""),
             (8, "seq 1"),
@@ -179,6 +182,7 @@ fn result_example_in_the_document_is_exact() {
             (4, "  x 50.5"),
             (4, "  y 30.0"),
             (4, "timings.queue_us 1200"),
+            (4, "timings.decode_us 0"),
             (4, "timings.preprocess_us 300"),
             (4, "timings.inference_us 4100"),
             (4, "timings.postprocess_us 90"),
@@ -197,6 +201,7 @@ fn result_with_outputs_example_in_the_document_is_exact() {
         detections: vec![],
         timings: Timings {
             queue_us: 800,
+            decode_us: 0,
             preprocess_us: 250,
             inference_us: 3900,
             postprocess_us: 10,
@@ -207,9 +212,9 @@ fn result_with_outputs_example_in_the_document_is_exact() {
         &msg,
         &[
             (2, "magic \"TG\""),
-            (1, "version 2"),
+            (1, "version 3"),
             (1, "kind 7 = Result"),
-            (4, "body length 74"),
+            (4, "body length 78"),
             (2, "camera: length 5"),
             (5, "  \"cam-1\""),
             (8, "seq 2"),
@@ -217,6 +222,7 @@ fn result_with_outputs_example_in_the_document_is_exact() {
             (1, "status 0 = ok"),
             (2, "detections: count 0"),
             (4, "timings.queue_us 800"),
+            (4, "timings.decode_us 0"),
             (4, "timings.preprocess_us 250"),
             (4, "timings.inference_us 3900"),
             (4, "timings.postprocess_us 10"),

@@ -61,7 +61,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
         ("bad-magic", patched("drain", 0, b"XG")),
         // Version 1, from before labels and result outputs.
         ("bad-version", patched("drain", 2, &[1])),
-        ("bad-kind", patched("drain", 3, &[15])),
+        ("bad-kind", patched("drain", 3, &[17])),
         (
             "over-limit",
             patched("hello-edge", 4, &[0xff, 0xff, 0xff, 0xff]),
@@ -78,11 +78,27 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
             patched("frame-u8", 8 + 6 + 8 + 8 + 4 + 11 + 24, &[9]),
         ),
         ("bad-status", patched("result-shed", 8 + 6 + 8 + 8, &[9])),
+        // No copy of a frame, and JPEG at quality 0 (qualities are 1 to
+        // 100); codec 9 (unknown).
+        ("zero-copies", {
+            let mut b = enc("camera-open");
+            let last = b.len() - 1;
+            b[last] = 0;
+            b
+        }),
+        (
+            "bad-codec",
+            patched("frame-u8", 8 + 6 + 8 + 8 + 4 + 11 + 24 + 2, &[9]),
+        ),
+        (
+            "bad-quality",
+            patched("frame-jpeg", 8 + 6 + 8 + 8 + 4 + 11 + 24 + 3, &[0]),
+        ),
         // The first output's dtype: after status, detections, timings,
         // the outputs count and the name "embedding".
         (
             "bad-output-dtype",
-            patched("result-outputs", 8 + 6 + 8 + 8 + 1 + 2 + 16 + 2 + 11, &[9]),
+            patched("result-outputs", 8 + 6 + 8 + 8 + 1 + 2 + 20 + 2 + 11, &[9]),
         ),
         (
             "nan-hint",
@@ -94,7 +110,7 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
             "shape-mismatch",
             patched(
                 "frame-u8",
-                8 + 6 + 8 + 8 + 4 + 11 + 24 + 3 + 12,
+                8 + 6 + 8 + 8 + 4 + 11 + 24 + 5 + 12,
                 &[0, 0, 0, 4],
             ),
         ),

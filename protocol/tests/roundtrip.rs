@@ -40,20 +40,46 @@ fn layout() -> impl Strategy<Value = Layout> {
     prop_oneof![Just(Layout::Nhwc), Just(Layout::Nchw)]
 }
 
-/// A tensor with 1..=4 small dimensions (0 allowed) and exactly the bytes
-/// its shape implies, random.
-fn tensor() -> impl Strategy<Value = Tensor> {
+/// A raw tensor with 1..=4 small dimensions (0 allowed) and exactly the
+/// bytes its shape implies, random.
+fn raw_tensor() -> impl Strategy<Value = Tensor> {
     (dtype(), layout(), prop::collection::vec(0u32..6, 1..=4)).prop_flat_map(
         |(dtype, layout, shape)| {
             let len = Tensor::expected_len(dtype, &shape).unwrap();
-            prop::collection::vec(any::<u8>(), len).prop_map(move |data| Tensor {
-                dtype,
-                layout,
-                shape: shape.clone(),
-                data: Bytes::from(data),
-            })
+            prop::collection::vec(any::<u8>(), len)
+                .prop_map(move |data| Tensor::raw(dtype, layout, shape.clone(), Bytes::from(data)))
         },
     )
+}
+
+/// Any encoding a tensor can travel in.
+fn encoding() -> impl Strategy<Value = Encoding> {
+    prop_oneof![
+        Just(Encoding::Raw),
+        Just(Encoding::Png),
+        (1u8..=100).prop_map(|quality| Encoding::Jpeg { quality }),
+    ]
+}
+
+/// An encoded image: `[1,H,W,C]` u8 NHWC, C 1 or 3, with 1 to 64 random
+/// bytes standing in for the image file (the codec does not decode it).
+fn encoded_tensor() -> impl Strategy<Value = Tensor> {
+    (
+        encoding().prop_filter("encoded", |e| *e != Encoding::Raw),
+        1u32..2000,
+        1u32..2000,
+        prop_oneof![Just(1u32), Just(3u32)],
+        prop::collection::vec(any::<u8>(), 1..64),
+    )
+        .prop_map(|(encoding, h, w, c, file)| Tensor {
+            encoding,
+            ..Tensor::raw(DType::U8, Layout::Nhwc, vec![1, h, w, c], Bytes::from(file))
+        })
+}
+
+/// A raw or encoded tensor.
+fn tensor() -> impl Strategy<Value = Tensor> {
+    prop_oneof![3 => raw_tensor(), 1 => encoded_tensor()]
 }
 
 /// A named output tensor, like [`tensor`] but without a layout.
@@ -115,6 +141,7 @@ fn shed_reason() -> impl Strategy<Value = ShedReason> {
         Just(ShedReason::WouldMissDeadline),
         Just(ShedReason::Overloaded),
         Just(ShedReason::NoWorker),
+        Just(ShedReason::LateOnArrival),
     ]
 }
 
@@ -150,8 +177,9 @@ fn detection() -> impl Strategy<Value = Detection> {
 }
 
 fn timings() -> impl Strategy<Value = Timings> {
-    any::<[u32; 4]>().prop_map(|t| Timings {
+    any::<[u32; 5]>().prop_map(|t| Timings {
         queue_us: t[0],
+        decode_us: t[4],
         preprocess_us: t[1],
         inference_us: t[2],
         postprocess_us: t[3],
@@ -185,19 +213,40 @@ fn message() -> impl Strategy<Value = Message> {
         }),
         (error_code(), text())
             .prop_map(|(code, message)| Message::Error(ErrorMsg { code, message })),
-        (text(), text(), any::<u32>()).prop_map(|(camera, model, budget_ms)| {
-            Message::CameraOpen(CameraOpen {
-                camera,
-                model,
-                budget_ms,
-            })
-        }),
-        (text(), text(), input_spec(), labels()).prop_map(|(camera, model, input, labels)| {
-            Message::CameraAccepted(CameraAccepted {
-                camera,
-                model,
-                input,
-                labels,
+        (text(), text(), any::<u32>(), encoding(), 1..=MAX_COPIES).prop_map(
+            |(camera, model, budget_ms, encoding, copies)| {
+                Message::CameraOpen(CameraOpen {
+                    camera,
+                    model,
+                    budget_ms,
+                    encoding,
+                    copies,
+                })
+            }
+        ),
+        (
+            text(),
+            text(),
+            input_spec(),
+            labels(),
+            encoding(),
+            1..=MAX_COPIES
+        )
+            .prop_map(|(camera, model, input, labels, encoding, copies)| {
+                Message::CameraAccepted(CameraAccepted {
+                    camera,
+                    model,
+                    input,
+                    labels,
+                    encoding,
+                    copies,
+                })
+            }),
+        any::<u64>().prop_map(|gateway_us| Message::ClockProbe(ClockProbe { gateway_us })),
+        any::<[u64; 2]>().prop_map(|[gateway_us, edge_us]| {
+            Message::ClockEcho(ClockEcho {
+                gateway_us,
+                edge_us,
             })
         }),
         (
@@ -273,13 +322,15 @@ fn message() -> impl Strategy<Value = Message> {
                 }),
                 0..6
             ),
+            proptest::sample::subsequence(Codec::ALL.to_vec(), 0..=Codec::ALL.len()),
         )
-            .prop_map(|(worker, device, models, profile)| {
+            .prop_map(|(worker, device, models, profile, codecs)| {
                 Message::Register(Register {
                     worker,
                     device,
                     models,
                     profile,
+                    codecs,
                 })
             }),
         (any::<u32>(), finite()).prop_map(|(queue_depth, utilization)| {
@@ -628,7 +679,7 @@ fn output_metadata_is_checked_like_tensor_metadata() {
         w.u64(1);
         w.u8(0);
         w.u16(0);
-        for _ in 0..4 {
+        for _ in 0..5 {
             w.u32(0);
         }
         w.u16(1);
@@ -723,6 +774,7 @@ fn frame_with_tensor_meta(dtype: u8, shape: &[u32], len: u32) -> Vec<u8> {
     w.geometry(&Geometry::stretch(640, 480, 128, 128));
     w.u8(dtype);
     w.u8(0);
+    w.encoding(Encoding::Raw);
     w.u8(shape.len() as u8);
     for &d in shape {
         w.u32(d);
@@ -863,10 +915,37 @@ fn bad_magic_version_and_kind_are_named() {
         assert!(err.to_string().contains(&format!("version {v}")), "{err}");
     }
 
-    for kind in [0u8, 15, 255] {
+    for kind in [0u8, 17, 255] {
         let mut bad = good.clone();
         bad[3] = kind;
         assert_eq!(decode(&bad).unwrap_err(), DecodeError::UnknownKind(kind));
+    }
+}
+
+#[test]
+fn a_camera_asks_for_one_to_three_copies_and_nothing_else() {
+    let open = |copies: u8| {
+        let mut w = Writer::default();
+        w.string("door");
+        w.string("blazeface");
+        w.u32(80);
+        w.encoding(Encoding::Jpeg { quality: 90 });
+        w.u8(copies);
+        Bytes::from(w.finish(Kind::CameraOpen).concat())
+    };
+    for copies in 1..=MAX_COPIES {
+        let Message::CameraOpen(o) = decode(&open(copies)).unwrap() else {
+            panic!("not a CameraOpen");
+        };
+        assert_eq!(o.copies, copies);
+    }
+    for copies in [0, MAX_COPIES + 1, u8::MAX] {
+        let err = decode(&open(copies)).unwrap_err();
+        assert!(
+            matches!(err, DecodeError::Invalid { what: "copies", .. }),
+            "{copies}: {err:?}"
+        );
+        assert!(err.to_string().contains("1 to 3"), "{err}");
     }
 }
 

@@ -10,6 +10,8 @@
 //!     32×32 grey thumbnail; a frame that passes is copied once into Bytes
 //!     and stamped with seq + edge clock
 //!   → latest-frames mailbox (drops the oldest) → Capture::recv().await
+//!   → (JPEG, PNG) FrameEncoder: appsrc ! jpegenc|pngenc ! appsink on the
+//!     camera's own thread, one frame at a time
 //! ```
 //!
 //! GStreamer's streaming threads never block on the consumer: the appsink
@@ -19,6 +21,7 @@
 //! [`Capture`] (which stops the pipeline) and starting a new one;
 //! [`SupervisedCapture`] does that by itself, with backoff.
 
+mod encode;
 mod pipeline;
 mod queue;
 mod supervisor;
@@ -33,6 +36,7 @@ use gstreamer as gst;
 use gstreamer::prelude::*;
 use tidegate_protocol::Geometry;
 
+pub use self::encode::{ENCODE_TIMEOUT, EncodeError, Encoded, FrameEncoder};
 use self::queue::Mailbox;
 pub use self::supervisor::{CameraStopped, CaptureCounters, SupervisedCapture, SupervisorOptions};
 pub use self::uri::{SourceUri, UriError};

@@ -13,6 +13,10 @@
 //! - `startup`: a worker's time from process start to registered with a
 //!   gateway, against its `check-config` (the same loading, warm-up and
 //!   profiling, no network), alternating (ratio registered / check-config).
+//! - `wan`: the load generator through the impairment relay, case by case
+//!   (`tidegate_loadtest::wanbench`): RTT, loss, bursts, a bandwidth cap
+//!   and blackouts, each congestion controller on the same links, raw
+//!   against JPEG; a Markdown table with `--markdown`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -22,7 +26,7 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::report::{Report, write_atomically};
-use tidegate_loadtest::{relay, schedbench, sim, startup};
+use tidegate_loadtest::{relay, schedbench, sim, startup, wanbench};
 
 /// tidegate benchmarks (JSON on stdout, and in --report).
 #[derive(Debug, Parser)]
@@ -79,6 +83,24 @@ enum Command {
         /// first in even ones (at most 10).
         #[arg(long, default_value_t = 2)]
         rounds: usize,
+    },
+    /// The WAN matrix: the load generator through the impairment relay,
+    /// case by case, on one local cluster (BlazeFace and CenterNet
+    /// workers).
+    Wan {
+        /// Seconds of sending per case (1 to 120; the matrix: 30).
+        #[arg(long, default_value_t = 30.0)]
+        seconds: f64,
+        /// Run only the cases whose names start with these (comma
+        /// separated); all by default.
+        #[arg(long, value_delimiter = ',')]
+        cases: Vec<String>,
+        /// Seed of the relays' random draws (loss, bursts, jitter).
+        #[arg(long, default_value_t = 19)]
+        seed: u64,
+        /// Write the table as Markdown here too.
+        #[arg(long)]
+        markdown: Option<PathBuf>,
     },
     /// A worker's time to ready (registered with a gateway) against its
     /// `check-config`, alternating.
@@ -156,6 +178,12 @@ fn main() -> anyhow::Result<()> {
             rounds,
         } => hints(workers, cameras, fps, seconds, rounds)?,
         Command::Startup { runs, model } => serde_json::to_value(startup::run(runs, &model)?)?,
+        Command::Wan {
+            seconds,
+            cases,
+            seed,
+            markdown,
+        } => wan(seconds, &cases, seed, markdown.as_deref())?,
     };
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");
@@ -163,6 +191,59 @@ fn main() -> anyhow::Result<()> {
         write_atomically(p, &text).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
+}
+
+/// Runs the WAN matrix's `cases` (all when empty) for `seconds` each.
+fn wan(
+    seconds: f64,
+    cases: &[String],
+    seed: u64,
+    markdown: Option<&std::path::Path>,
+) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(
+        (1.0..=120.0).contains(&seconds),
+        "--seconds must be in 1..=120"
+    );
+    let cases = wanbench::select(cases)?;
+    let mut cluster = Cluster::start(&ClusterOptions {
+        workers: vec!["worker-1".into(), "worker-centernet".into()],
+        ..ClusterOptions::default()
+    })?;
+    let models = tidegate_loadtest::cluster::workspace_root().join("models");
+    cluster.spawn_worker("worker-1")?;
+    let centernet = cases.iter().any(|c| c.model == "centernet");
+    if centernet {
+        cluster.spawn_worker_serving("worker-centernet", &models, &["centernet"])?;
+    }
+    cluster.wait_for_workers(1 + usize::from(centernet), Duration::from_secs(120))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut results = Vec::with_capacity(cases.len());
+    for case in &cases {
+        eprintln!("wan: {} ...", case.name);
+        let r = rt.block_on(wanbench::run_case(&cluster, case, seconds, seed))?;
+        eprintln!(
+            "wan: {}: {:.1} % ok within budget, {} B/frame, missing {}: {}",
+            case.name,
+            r.report.slo_attainment * 100.0,
+            r.report.bytes_per_frame,
+            r.report.missing,
+            r.verdict
+        );
+        results.push(r);
+    }
+    let table = wanbench::markdown(&results, seconds);
+    eprintln!("{table}");
+    if let Some(p) = markdown {
+        write_atomically(p, &table).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(json!({
+        "bench": "wan",
+        "seconds": seconds,
+        "seed": seed,
+        "cases": results,
+    }))
 }
 
 /// Totals of the runs of one kind (obeying or ignoring hints).

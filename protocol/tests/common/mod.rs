@@ -12,11 +12,25 @@ use tidegate_protocol::*;
 /// A small u8 NHWC tensor whose bytes count up from `first`.
 pub fn tensor_u8(shape: &[u32], first: u8) -> Tensor {
     let len = Tensor::expected_len(DType::U8, shape).unwrap();
+    Tensor::raw(
+        DType::U8,
+        Layout::Nhwc,
+        shape.to_vec(),
+        (0..len).map(|i| first.wrapping_add(i as u8)).collect(),
+    )
+}
+
+/// A tensor whose payload is `encoding`'s file of a `[1,h,w,3]` image (the
+/// bytes here are a stand-in: the codec does not decode them).
+pub fn tensor_encoded(h: u32, w: u32, encoding: Encoding, file: &'static [u8]) -> Tensor {
     Tensor {
-        dtype: DType::U8,
-        layout: Layout::Nhwc,
-        shape: shape.to_vec(),
-        data: (0..len).map(|i| first.wrapping_add(i as u8)).collect(),
+        encoding,
+        ..Tensor::raw(
+            DType::U8,
+            Layout::Nhwc,
+            vec![1, h, w, 3],
+            Bytes::from_static(file),
+        )
     }
 }
 
@@ -26,12 +40,7 @@ pub fn tensor_f32(shape: &[u32]) -> Tensor {
     let data: Vec<u8> = (0..n)
         .flat_map(|i| (i as f32 * 0.5).to_le_bytes())
         .collect();
-    Tensor {
-        dtype: DType::F32,
-        layout: Layout::Nchw,
-        shape: shape.to_vec(),
-        data: Bytes::from(data),
-    }
+    Tensor::raw(DType::F32, Layout::Nchw, shape.to_vec(), Bytes::from(data))
 }
 
 /// A small f32 output tensor named `name`.
@@ -68,6 +77,7 @@ pub fn face(score: f32) -> Detection {
 pub fn timings() -> Timings {
     Timings {
         queue_us: 1200,
+        decode_us: 150,
         preprocess_us: 300,
         inference_us: 4100,
         postprocess_us: 90,
@@ -122,6 +132,18 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 camera: "door".into(),
                 model: "blazeface".into(),
                 budget_ms: 80,
+                encoding: Encoding::Raw,
+                copies: 1,
+            }),
+        ),
+        (
+            "camera-open-jpeg",
+            Message::CameraOpen(CameraOpen {
+                camera: "gate".into(),
+                model: "blazeface".into(),
+                budget_ms: 80,
+                encoding: Encoding::Jpeg { quality: 90 },
+                copies: 2,
             }),
         ),
         (
@@ -131,6 +153,19 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 model: "blazeface".into(),
                 input: input_spec(),
                 labels: vec!["face".into()],
+                encoding: Encoding::Raw,
+                copies: 1,
+            }),
+        ),
+        (
+            "camera-accepted-png",
+            Message::CameraAccepted(CameraAccepted {
+                camera: "gate".into(),
+                model: "blazeface".into(),
+                input: input_spec(),
+                labels: vec!["face".into()],
+                encoding: Encoding::Png,
+                copies: 2,
             }),
         ),
         (
@@ -143,6 +178,23 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 model: "blazeface".into(),
                 geometry,
                 tensor: tensor_u8(&[1, 4, 4, 3], 0),
+            }),
+        ),
+        (
+            "frame-jpeg",
+            Message::Frame(Frame {
+                camera: "gate".into(),
+                seq: 3,
+                captured_at_us: 1_700_000_000_000_000,
+                budget_us: 80_000,
+                model: "blazeface".into(),
+                geometry,
+                tensor: tensor_encoded(
+                    4,
+                    4,
+                    Encoding::Jpeg { quality: 90 },
+                    b"\xff\xd8jpeg\xff\xd9",
+                ),
             }),
         ),
         (
@@ -188,6 +240,18 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 seq: 9,
                 captured_at_us: 3,
                 status: Status::Shed(ShedReason::WouldMissDeadline),
+                detections: vec![],
+                timings: Timings::default(),
+                outputs: vec![],
+            }),
+        ),
+        (
+            "result-late-on-arrival",
+            Message::Result(FrameResult {
+                camera: "gate".into(),
+                seq: 4,
+                captured_at_us: 3,
+                status: Status::Shed(ShedReason::LateOnArrival),
                 detections: vec![],
                 timings: Timings::default(),
                 outputs: vec![],
@@ -274,6 +338,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                         latency_us: 2100,
                     },
                 ],
+                codecs: vec![Codec::Raw, Codec::Jpeg, Codec::Png],
             }),
         ),
         (
@@ -283,6 +348,7 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                 device: "cpu (2 threads)".into(),
                 models: vec![],
                 profile: vec![],
+                codecs: vec![],
             }),
         ),
         (
@@ -311,6 +377,13 @@ pub fn samples() -> Vec<(&'static str, Message)> {
                         seq: 8,
                         geometry: Geometry::stretch(2, 2, 2, 2),
                         tensor: tensor_u8(&[1, 2, 2, 3], 100),
+                    },
+                    DispatchItem {
+                        id: 3,
+                        camera: "gate".into(),
+                        seq: 3,
+                        geometry,
+                        tensor: tensor_encoded(2, 2, Encoding::Png, b"\x89PNG"),
                     },
                 ],
             }),
@@ -390,6 +463,19 @@ pub fn samples() -> Vec<(&'static str, Message)> {
             "drain",
             Message::Drain(Drain {
                 deadline_ms: 30_000,
+            }),
+        ),
+        (
+            "clock-probe",
+            Message::ClockProbe(ClockProbe {
+                gateway_us: 123_456_789,
+            }),
+        ),
+        (
+            "clock-echo",
+            Message::ClockEcho(ClockEcho {
+                gateway_us: 123_456_789,
+                edge_us: 1_700_000_000_000_000,
             }),
         ),
     ]

@@ -1,17 +1,16 @@
 //! The QUIC listener. Each connection gets its own task and tracing span.
 //! The first bidirectional stream is the control stream and must start with
-//! `Hello`; the token decides whether the peer is an edge or a worker.
+//! `Hello`; the token decides whether the peer is an edge or a worker. An
+//! edge's connection then runs as an [`edge::EdgeSession`].
+
+mod edge;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tidegate_protocol::queue;
 use tidegate_protocol::quic::{read_message, read_message_of, write_message};
-use tidegate_protocol::{
-    CameraAccepted, Drain, ErrorCode, ErrorMsg, Frame, FrameResult, Hello, Kind, Limits, Message,
-    Role, Welcome,
-};
+use tidegate_protocol::{Drain, ErrorCode, ErrorMsg, Hello, Kind, Limits, Message, Role, Welcome};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -19,7 +18,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::auth::Access;
 use crate::config::Config;
-use crate::hub::{HintBox, Hub, HubMsg};
+use crate::hub::{Hub, HubMsg};
 use crate::leasing::{Leasing, WorkerPass};
 use crate::metrics::Metrics;
 use crate::scheduler::{EdgeId, WorkerId};
@@ -66,6 +65,8 @@ pub struct Server {
     /// The lease shell, when `[leasing]` is configured: workers started for
     /// a lease authenticate with its one-time token.
     leasing: Option<Leasing>,
+    /// Deadlines and edge clock probes are read on this clock.
+    clock: edge::GatewayClock,
 }
 
 impl Server {
@@ -88,6 +89,7 @@ impl Server {
             tracker,
             access,
             leasing,
+            clock: edge::GatewayClock::new(Instant::now()),
         })
     }
 
@@ -211,7 +213,7 @@ impl Server {
             revoked,
         };
         match hello.role {
-            Role::Edge => self.edge(EdgeId(session), link).await,
+            Role::Edge => edge::run(self, EdgeId(session), link).await,
             Role::Worker => self.worker(WorkerId(session), pass.as_ref(), link).await,
         }
         drop(admitted);
@@ -231,271 +233,6 @@ impl Server {
             Some(WorkerPass::Static(name)) => leasing.static_disconnected(name).await,
             None => {}
         }
-    }
-
-    async fn edge(&self, id: EdgeId, link: Link) {
-        let Link {
-            name,
-            conn,
-            ctl_send,
-            mut ctl_recv,
-            cancel,
-            revoked,
-        } = link;
-        let (results_tx, mut results_rx) =
-            queue::channel::<FrameResult>(RESULT_QUEUE, RESULT_QUEUE_BYTES);
-        let hint_box = HintBox::new();
-        if !self
-            .hub
-            .send(HubMsg::EdgeConnected {
-                edge: id,
-                name: name.clone(),
-                results: results_tx,
-                hints: hint_box.clone(),
-            })
-            .await
-        {
-            return;
-        }
-        // Replies (read below) and hints (from the hub) share the stream.
-        let mut ctl_send = tokio::sync::Mutex::new(ctl_send);
-        let hints = async {
-            'writing: loop {
-                let waiting = hint_box.take().await;
-                let mut s = ctl_send.lock().await;
-                for h in waiting {
-                    if let Err(e) = write_message(&mut s, &Message::ControlHint(h)).await {
-                        debug!("control stream closed while sending a hint: {e}");
-                        break 'writing;
-                    }
-                }
-            }
-        };
-        // Cameras opened on this connection: name -> model.
-        let cameras = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
-            String,
-            String,
-        >::new()));
-        let margin = Duration::from_millis(self.config.scheduler.return_margin_ms as u64);
-
-        // Results: one unidirectional stream each, at most RESULT_QUEUE
-        // being written at once. An edge that stops taking its streams
-        // then fills the queue, and the hub drops and counts what follows
-        // instead of the gateway holding every result in a task. A result
-        // being written keeps its bytes counted in the queue's budget.
-        let writer = {
-            let conn = conn.clone();
-            let tracker = self.tracker.clone();
-            let writing = Arc::new(tokio::sync::Semaphore::new(RESULT_QUEUE));
-            async move {
-                // The permit first: a result waiting for one stays in the
-                // queue, where it counts.
-                while let Ok(permit) = writing.clone().acquire_owned().await {
-                    let Some(r) = results_rx.recv_held().await else {
-                        break;
-                    };
-                    let (r, bytes) = r.into_parts();
-                    let conn = conn.clone();
-                    tracker.spawn(async move {
-                        let _permits = (permit, bytes);
-                        let Ok(mut s) = conn.open_uni().await else {
-                            return;
-                        };
-                        if write_message(&mut s, &Message::Result(r)).await.is_ok() {
-                            let _ = s.finish();
-                        }
-                    });
-                }
-            }
-        };
-
-        // Frames: one unidirectional stream each.
-        let frames = {
-            let conn = conn.clone();
-            let cameras = cameras.clone();
-            async move {
-                while let Ok(mut recv) = conn.accept_uni().await {
-                    let arrived = Instant::now();
-                    let rtt = conn.rtt();
-                    let cameras = cameras.clone();
-                    let hub = self.hub.clone();
-                    let limits = self.limits;
-                    let metrics = self.metrics.clone();
-                    self.tracker.spawn(async move {
-                        let frame: Frame = match read_message_of(&mut recv, &limits, &[Kind::Frame]).await {
-                            Ok(Some(Message::Frame(f))) => f,
-                            Ok(Some(other)) => {
-                                warn!(kind = ?other.kind(), "frame stream carried a non-Frame message; stream closed");
-                                metrics.rejected.with_label_values(&["malformed"]).inc();
-                                let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
-                                return;
-                            }
-                            Ok(None) => return,
-                            Err(e) if e.is_reset() => {
-                                // The edge withdrew a stale frame: never sent.
-                                debug!("frame stream reset by the edge: {e}");
-                                metrics.rejected.with_label_values(&["reset"]).inc();
-                                return;
-                            }
-                            Err(e) => {
-                                warn!("bad frame stream closed: {e}");
-                                metrics.rejected.with_label_values(&["malformed"]).inc();
-                                let _ = recv.stop(e.code().quic_code().into());
-                                return;
-                            }
-                        };
-                        let opened = cameras
-                            .lock()
-                            .expect("camera map lock")
-                            .get(&frame.camera)
-                            .cloned();
-                        if opened.as_deref() != Some(frame.model.as_str()) {
-                            warn!(camera = %frame.camera, model = %frame.model, "frame for a camera not opened with that model; dropped");
-                            metrics
-                                .rejected
-                                .with_label_values(&["camera_not_open"])
-                                .inc();
-                            let _ = recv.stop(ErrorCode::Malformed.quic_code().into());
-                            return;
-                        }
-                        // Budget left at send − time since (≈ half the RTT,
-                        // already spent in transit) − return trip − margin.
-                        let budget = Duration::from_micros(frame.budget_us as u64);
-                        let deadline = (arrived + budget)
-                            .checked_sub(rtt + margin)
-                            .unwrap_or(arrived);
-                        hub.send(HubMsg::Frame {
-                            edge: id,
-                            frame,
-                            deadline,
-                        })
-                        .await;
-                    });
-                }
-            }
-        };
-
-        // Control: camera opens and latency reports.
-        let control = async {
-            loop {
-                let msg = match read_message(&mut ctl_recv, &self.limits).await {
-                    Ok(Some(m)) => m,
-                    Ok(None) => break,
-                    Err(e) => {
-                        warn!("malformed control stream: {e}; closing the connection");
-                        let reason = format!("malformed control stream: {e}");
-                        refuse(&conn, &mut *ctl_send.lock().await, e.code(), reason).await;
-                        break;
-                    }
-                };
-                match msg {
-                    Message::CameraOpen(open) => {
-                        let known = {
-                            let cams = cameras.lock().expect("camera map lock");
-                            (cams.contains_key(&open.camera), cams.len())
-                        };
-                        let refusal = if open.camera.is_empty() {
-                            // an empty camera in a hint means every camera
-                            // of the edge: one cannot be named so
-                            Some((
-                                ErrorCode::Malformed,
-                                "a camera's name must not be empty".to_string(),
-                            ))
-                        } else if !known.0 && known.1 >= MAX_CAMERAS_PER_EDGE {
-                            Some((
-                                ErrorCode::Overloaded,
-                                format!(
-                                    "camera '{}': this connection has {MAX_CAMERAS_PER_EDGE} cameras open, the most one edge may",
-                                    open.camera
-                                ),
-                            ))
-                        } else {
-                            None
-                        };
-                        let info = match refusal {
-                            Some(_) => None,
-                            None => self.hub.model_info(&open.model).await,
-                        };
-                        let reply = match (refusal, info) {
-                            (Some((code, message)), _) => {
-                                warn!(camera = %open.camera, %message, "camera refused");
-                                Message::Error(ErrorMsg { code, message })
-                            }
-                            (None, Some(info)) => {
-                                cameras
-                                    .lock()
-                                    .expect("camera map lock")
-                                    .insert(open.camera.clone(), open.model.clone());
-                                self.hub
-                                    .send(HubMsg::CameraOpened {
-                                        edge: id,
-                                        camera: open.camera.clone(),
-                                        model: open.model.clone(),
-                                        budget_ms: open.budget_ms,
-                                    })
-                                    .await;
-                                info!(camera = %open.camera, model = %open.model, "camera opened");
-                                Message::CameraAccepted(CameraAccepted {
-                                    camera: open.camera,
-                                    model: open.model,
-                                    input: info.input,
-                                    labels: info.labels,
-                                })
-                            }
-                            (None, None) => Message::Error(ErrorMsg {
-                                code: ErrorCode::Unavailable,
-                                message: format!(
-                                    "camera '{}': no worker serves model '{}' yet; retry later",
-                                    open.camera, open.model
-                                ),
-                            }),
-                        };
-                        if write_message(&mut *ctl_send.lock().await, &reply)
-                            .await
-                            .is_err()
-                        {
-                            break;
-                        }
-                    }
-                    Message::LatencyReport(r) => {
-                        let model = cameras
-                            .lock()
-                            .expect("camera map lock")
-                            .get(&r.camera)
-                            .cloned()
-                            .unwrap_or_default();
-                        self.hub
-                            .send(HubMsg::Latency {
-                                model,
-                                e2e: Duration::from_micros(r.e2e_us as u64),
-                            })
-                            .await;
-                    }
-                    other => {
-                        warn!(kind = ?other.kind(), "unexpected message on an edge control stream");
-                    }
-                }
-            }
-        };
-
-        let mut was_revoked = false;
-        tokio::select! {
-            _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
-            _ = revoked.cancelled() => was_revoked = true,
-            _ = control => {},
-            _ = frames => {},
-            _ = writer => {},
-            _ = hints => {},
-            _ = conn.closed() => {},
-        }
-        // (After the select, so no branch still holds the control stream.)
-        if was_revoked {
-            let msg = revoked_message(Role::Edge, &name);
-            warn!("{msg}; closing the connection");
-            refuse(&conn, ctl_send.get_mut(), ErrorCode::Unauthorized, msg).await;
-        }
-        info!("edge disconnected");
-        self.hub.send(HubMsg::EdgeGone { edge: id }).await;
     }
 
     async fn worker(&self, id: WorkerId, pass: Option<&WorkerPass>, link: Link) {

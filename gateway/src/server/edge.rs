@@ -1,0 +1,576 @@
+//! One edge connection, once it has logged in: an [`EdgeSession`] runs four
+//! loops side by side until the connection ends, each a named function:
+//!
+//! - [`EdgeSession::read_frames`]: one task per frame stream (read within
+//!   the limits, checked against the cameras opened, given its deadline by
+//!   [`crate::deadline::admit`], handed to the hub);
+//! - [`EdgeSession::write_results`]: one result stream per result the hub
+//!   routes here;
+//! - [`EdgeSession::read_control`]: camera opens, latency reports and clock
+//!   echoes;
+//! - [`EdgeSession::write_control`]: rate hints from the hub and clock
+//!   probes, sharing the control stream with the replies.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tidegate_protocol::queue;
+use tidegate_protocol::quic::{read_message_of, write_message};
+use tidegate_protocol::{
+    CameraAccepted, CameraOpen, ClockProbe, ErrorCode, ErrorMsg, Frame, FrameResult, Kind, Limits,
+    Message,
+};
+use tracing::{debug, info, warn};
+
+use super::{MAX_CAMERAS_PER_EDGE, RESULT_QUEUE, RESULT_QUEUE_BYTES, Server, refuse};
+use crate::deadline::{self, EdgeClock};
+use crate::hub::{HintBox, Hub, HubMsg};
+use crate::metrics::Metrics;
+use crate::scheduler::{EdgeId, Micros};
+
+/// Cameras opened on one connection, by name.
+type Cameras = Arc<Mutex<HashMap<String, OpenCamera>>>;
+
+/// A camera opened on a connection.
+#[derive(Debug, Clone)]
+pub(crate) struct OpenCamera {
+    model: String,
+    /// Copies of each frame it sends, and of each result it gets.
+    copies: u8,
+    seen: SeqWindow,
+}
+
+/// The frames of one camera already admitted, by `seq`: a second copy of
+/// a frame (a camera sending copies on a lossy link, or an edge resending)
+/// is dropped, never served twice. Remembers the latest [`SeqWindow::LEN`]
+/// seqs; one older than all of them is refused too (it is stale anyway:
+/// its camera has sent that many newer frames since).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SeqWindow {
+    seqs: std::collections::BTreeSet<u64>,
+}
+
+impl SeqWindow {
+    /// Seqs remembered per camera.
+    pub(crate) const LEN: usize = 256;
+
+    /// Admits `seq` if it is new: true the first time, false for a copy or
+    /// a seq older than the window.
+    pub(crate) fn admit(&mut self, seq: u64) -> bool {
+        if self.seqs.len() >= Self::LEN && self.seqs.first().is_some_and(|&min| seq < min) {
+            return false;
+        }
+        if !self.seqs.insert(seq) {
+            return false;
+        }
+        while self.seqs.len() > Self::LEN {
+            self.seqs.pop_first();
+        }
+        true
+    }
+}
+
+/// The gateway's clock for deadlines and clock probes: µs since `epoch`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GatewayClock {
+    epoch: Instant,
+}
+
+impl GatewayClock {
+    pub(crate) fn new(epoch: Instant) -> Self {
+        GatewayClock { epoch }
+    }
+
+    /// `at` on this clock (µs).
+    pub(crate) fn us(&self, at: Instant) -> Micros {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// The instant `us` names.
+    pub(crate) fn instant(&self, us: Micros) -> Instant {
+        self.epoch + Duration::from_micros(us)
+    }
+}
+
+/// An authenticated edge connection.
+pub(super) struct EdgeSession<'s> {
+    pub(super) server: &'s Server,
+    pub(super) id: EdgeId,
+    pub(super) conn: quinn::Connection,
+    /// Replies, hints and probes share the control stream.
+    pub(super) ctl_send: tokio::sync::Mutex<quinn::SendStream>,
+    pub(super) cameras: Cameras,
+    pub(super) clock: Arc<Mutex<EdgeClock>>,
+}
+
+impl EdgeSession<'_> {
+    /// Reads frame streams until the connection ends; each is read on a
+    /// task of its own (tracked, so shutdown drains it).
+    pub(super) async fn read_frames(&self) {
+        let margin = Duration::from_millis(self.server.config.scheduler.return_margin_ms as u64);
+        while let Ok(recv) = self.conn.accept_uni().await {
+            let stream = FrameStream {
+                edge: self.id,
+                arrived: Instant::now(),
+                rtt: self.conn.rtt(),
+                margin,
+                clock: self.server.clock,
+                edge_clock: self.clock.lock().expect("edge clock lock").offset(),
+                cameras: self.cameras.clone(),
+                hub: self.server.hub.clone(),
+                limits: self.server.limits,
+                metrics: self.server.metrics.clone(),
+            };
+            self.server.tracker.spawn(stream.read(recv));
+        }
+    }
+
+    /// Writes each result the hub routes to this edge on a stream of its
+    /// own, at most [`RESULT_QUEUE`] at once. An edge that stops taking its
+    /// streams fills the queue, and the hub drops and counts what follows
+    /// instead of the gateway holding every result in a task. A result
+    /// being written keeps its bytes counted in the queue's budget; one
+    /// whose connection fails under it is counted undeliverable. A camera
+    /// that asked for copies gets each result that many times, each on a
+    /// stream of its own; it counts undeliverable when none got through.
+    pub(super) async fn write_results(&self, mut results: queue::Receiver<FrameResult>) {
+        let writing = Arc::new(tokio::sync::Semaphore::new(RESULT_QUEUE));
+        // The permit first: a result waiting for one stays in the queue,
+        // where it counts.
+        while let Ok(permit) = writing.clone().acquire_owned().await {
+            let Some(r) = results.recv_held().await else {
+                break;
+            };
+            let (r, bytes) = r.into_parts();
+            let copies = self
+                .cameras
+                .lock()
+                .expect("camera map lock")
+                .get(&r.camera)
+                .map_or(1, |c| c.copies);
+            let conn = self.conn.clone();
+            let metrics = self.server.metrics.clone();
+            self.server.tracker.spawn(async move {
+                let _permits = (permit, bytes);
+                let (camera, seq) = (r.camera.clone(), r.seq);
+                let msg = Message::Result(r);
+                // Each copy is handed to QUIC as soon as the one before is
+                // (not acknowledged): they travel side by side.
+                let mut failed = None;
+                let mut any_sent = false;
+                for _ in 0..copies {
+                    let sent = async {
+                        let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
+                        write_message(&mut s, &msg)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        s.finish().map_err(|e| e.to_string())
+                    };
+                    match sent.await {
+                        Ok(()) => any_sent = true,
+                        Err(e) => failed = Some(e),
+                    }
+                }
+                if let (false, Some(e)) = (any_sent, failed) {
+                    debug!(%camera, seq, "result undeliverable: {e}");
+                    metrics.undeliverable.inc();
+                }
+            });
+        }
+    }
+
+    /// Reads the edge's control messages until the stream ends or fails.
+    pub(super) async fn read_control(&self, mut ctl_recv: quinn::RecvStream) {
+        let limits = &self.server.limits;
+        loop {
+            let msg = match read_message_of(&mut ctl_recv, limits, EDGE_CONTROL).await {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(e) if e.is_connection_lost() => break,
+                Err(e) => {
+                    warn!("malformed control stream: {e}; closing the connection");
+                    let reason = format!("malformed control stream: {e}");
+                    refuse(
+                        &self.conn,
+                        &mut *self.ctl_send.lock().await,
+                        e.code(),
+                        reason,
+                    )
+                    .await;
+                    break;
+                }
+            };
+            match msg {
+                Message::CameraOpen(open) => {
+                    let reply = self.open_camera(open).await;
+                    if write_message(&mut *self.ctl_send.lock().await, &reply)
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+                Message::LatencyReport(r) => {
+                    let model = self.model_of(&r.camera).unwrap_or_default();
+                    let e2e = Duration::from_micros(r.e2e_us as u64);
+                    self.server.hub.send(HubMsg::Latency { model, e2e }).await;
+                }
+                Message::ClockEcho(echo) => {
+                    let now = self.server.clock.us(Instant::now());
+                    let taken = self.clock.lock().expect("edge clock lock").on_echo(
+                        echo.gateway_us,
+                        echo.edge_us,
+                        now,
+                    );
+                    match taken {
+                        Ok(o) => debug!(offset_us = o.offset_us, rtt_us = o.rtt_us, "edge clock"),
+                        Err(e) => debug!("clock echo ignored: {e}"),
+                    }
+                }
+                other => {
+                    warn!(kind = ?other.kind(), "unexpected message on an edge control stream");
+                }
+            }
+        }
+    }
+
+    /// The answer to a `CameraOpen`: `CameraAccepted`, or an `Error` that
+    /// refuses this camera only.
+    async fn open_camera(&self, open: CameraOpen) -> Message {
+        let (known, open_now) = {
+            let cams = self.cameras.lock().expect("camera map lock");
+            (cams.contains_key(&open.camera), cams.len())
+        };
+        let refusal = if open.camera.is_empty() {
+            // an empty camera in a hint means every camera of the edge: one
+            // cannot be named so
+            Some((
+                ErrorCode::Malformed,
+                "a camera's name must not be empty".to_string(),
+            ))
+        } else if !known && open_now >= MAX_CAMERAS_PER_EDGE {
+            Some((
+                ErrorCode::Overloaded,
+                format!(
+                    "camera '{}': this connection has {MAX_CAMERAS_PER_EDGE} cameras open, the most one edge may",
+                    open.camera
+                ),
+            ))
+        } else {
+            None
+        };
+        let served = match refusal {
+            Some(_) => None,
+            None => self.server.hub.model_info(&open.model).await,
+        };
+        let refusal = match (refusal, &served) {
+            (None, Some(served)) => served.accepts(open.encoding).err(),
+            (None, None) => Some((
+                ErrorCode::Unavailable,
+                format!(
+                    "camera '{}': no worker serves model '{}' yet; retry later",
+                    open.camera, open.model
+                ),
+            )),
+            (refusal, _) => refusal,
+        };
+        if let Some((code, message)) = refusal {
+            warn!(camera = %open.camera, %message, "camera refused");
+            return Message::Error(ErrorMsg { code, message });
+        }
+        let served = served.expect("a model is served when nothing refused the camera");
+        {
+            // Opened again on this connection: the seqs it admitted stay
+            // admitted.
+            let mut cams = self.cameras.lock().expect("camera map lock");
+            let cam = cams
+                .entry(open.camera.clone())
+                .or_insert_with(|| OpenCamera {
+                    model: open.model.clone(),
+                    copies: open.copies,
+                    seen: SeqWindow::default(),
+                });
+            cam.model = open.model.clone();
+            cam.copies = open.copies;
+        }
+        self.server
+            .hub
+            .send(HubMsg::CameraOpened {
+                edge: self.id,
+                camera: open.camera.clone(),
+                model: open.model.clone(),
+                budget_ms: open.budget_ms,
+            })
+            .await;
+        info!(camera = %open.camera, model = %open.model, encoding = %open.encoding, "camera opened");
+        Message::CameraAccepted(CameraAccepted {
+            camera: open.camera,
+            model: open.model,
+            input: served.info.input,
+            labels: served.info.labels,
+            encoding: open.encoding,
+            copies: open.copies,
+        })
+    }
+
+    fn model_of(&self, camera: &str) -> Option<String> {
+        self.cameras
+            .lock()
+            .expect("camera map lock")
+            .get(camera)
+            .map(|c| c.model.clone())
+    }
+
+    /// Writes the hub's rate hints as they come, and a clock probe whenever
+    /// the edge's clock is due one, until the control stream fails.
+    pub(super) async fn write_control(&self, hints: HintBox) {
+        loop {
+            let next_probe = self
+                .server
+                .clock
+                .instant(self.clock.lock().expect("edge clock lock").next_probe_us());
+            let waiting = tokio::select! {
+                h = hints.take() => h,
+                _ = tokio::time::sleep_until(next_probe.into()) => Vec::new(),
+            };
+            let mut s = self.ctl_send.lock().await;
+            for h in waiting {
+                if let Err(e) = write_message(&mut s, &Message::ControlHint(h)).await {
+                    debug!("control stream closed while sending a hint: {e}");
+                    return;
+                }
+            }
+            let now = self.server.clock.us(Instant::now());
+            if self.clock.lock().expect("edge clock lock").probe_due(now) {
+                let probe = Message::ClockProbe(ClockProbe { gateway_us: now });
+                if let Err(e) = write_message(&mut s, &probe).await {
+                    debug!("control stream closed while sending a clock probe: {e}");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// What an edge may send on its control stream once logged in; any other
+/// kind is refused from its header, before its body is read.
+const EDGE_CONTROL: &[Kind] = &[Kind::CameraOpen, Kind::LatencyReport, Kind::ClockEcho];
+
+/// One frame stream and what its frame is admitted with: taken when the
+/// stream was accepted, so its arrival time is when its first bytes came.
+struct FrameStream {
+    edge: EdgeId,
+    arrived: Instant,
+    rtt: Duration,
+    margin: Duration,
+    clock: GatewayClock,
+    edge_clock: Option<deadline::Offset>,
+    cameras: Cameras,
+    hub: Hub,
+    limits: Limits,
+    metrics: Metrics,
+}
+
+impl FrameStream {
+    /// Reads the stream's one frame and hands it to the hub with its
+    /// deadline. A stream that is not one well-formed frame of an open
+    /// camera is stopped and counted by reason; one reset by the edge
+    /// (a frame it withdrew) or cut by its connection's end was never
+    /// admitted and is counted as such, not as malformed.
+    async fn read(self, mut recv: quinn::RecvStream) {
+        let frame: Frame = match read_message_of(&mut recv, &self.limits, &[Kind::Frame]).await {
+            Ok(Some(Message::Frame(f))) => f,
+            Ok(Some(other)) => {
+                warn!(kind = ?other.kind(), "frame stream carried a non-Frame message; stream closed");
+                self.reject(&mut recv, "malformed", ErrorCode::Malformed);
+                return;
+            }
+            Ok(None) => return,
+            Err(e) if e.is_reset() => {
+                debug!("frame stream reset by the edge: {e}");
+                self.metrics.rejected.with_label_values(&["reset"]).inc();
+                return;
+            }
+            Err(e) if e.is_connection_lost() => {
+                debug!("frame stream cut by the connection's end: {e}");
+                self.metrics
+                    .rejected
+                    .with_label_values(&["connection_lost"])
+                    .inc();
+                return;
+            }
+            Err(e) => {
+                warn!("bad frame stream closed: {e}");
+                self.reject(&mut recv, "malformed", e.code());
+                return;
+            }
+        };
+        // Checked and recorded at once: two copies read side by side
+        // cannot both pass.
+        let admitted = match self
+            .cameras
+            .lock()
+            .expect("camera map lock")
+            .get_mut(&frame.camera)
+        {
+            Some(c) if c.model == frame.model => Some(c.seen.admit(frame.seq)),
+            _ => None,
+        };
+        match admitted {
+            None => {
+                warn!(camera = %frame.camera, model = %frame.model, "frame for a camera not opened with that model; dropped");
+                self.reject(&mut recv, "camera_not_open", ErrorCode::Malformed);
+                return;
+            }
+            Some(false) => {
+                // Another copy was admitted first (or the frame is older
+                // than any remembered): not an error, nothing to answer.
+                debug!(camera = %frame.camera, seq = frame.seq, "copy of a frame already admitted; dropped");
+                self.metrics
+                    .rejected
+                    .with_label_values(&["duplicate"])
+                    .inc();
+                return;
+            }
+            Some(true) => {}
+        }
+        let arrived_us = self.clock.us(self.arrived);
+        let admission = deadline::admit(
+            arrived_us,
+            frame.captured_at_us,
+            frame.budget_us,
+            self.edge_clock,
+            u64::try_from(self.rtt.as_micros()).unwrap_or(u64::MAX),
+            u64::try_from(self.margin.as_micros()).unwrap_or(u64::MAX),
+        );
+        self.metrics
+            .arrival_age
+            .with_label_values(&[&frame.model])
+            .observe(admission.age_us as f64 / 1e6);
+        self.hub
+            .send(HubMsg::Frame {
+                edge: self.edge,
+                frame,
+                deadline: self.clock.instant(admission.deadline_us),
+            })
+            .await;
+    }
+
+    fn reject(&self, recv: &mut quinn::RecvStream, reason: &str, code: ErrorCode) {
+        self.metrics.rejected.with_label_values(&[reason]).inc();
+        let _ = recv.stop(code.quic_code().into());
+    }
+}
+
+/// Starts an edge's session: registers it with the hub and runs its loops
+/// until the connection ends, is revoked or the gateway stops.
+pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link) {
+    let super::Link {
+        name,
+        conn,
+        ctl_send,
+        ctl_recv,
+        cancel,
+        revoked,
+    } = link;
+    let (results_tx, results_rx) = queue::channel::<FrameResult>(RESULT_QUEUE, RESULT_QUEUE_BYTES);
+    let hints = HintBox::new();
+    let connected = server
+        .hub
+        .send(HubMsg::EdgeConnected {
+            edge: id,
+            name: name.clone(),
+            results: results_tx,
+            hints: hints.clone(),
+        })
+        .await;
+    if !connected {
+        return;
+    }
+    let mut session = EdgeSession {
+        server,
+        id,
+        conn: conn.clone(),
+        ctl_send: tokio::sync::Mutex::new(ctl_send),
+        cameras: Cameras::default(),
+        clock: Arc::new(Mutex::new(EdgeClock::new())),
+    };
+    let mut was_revoked = false;
+    tokio::select! {
+        _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
+        _ = revoked.cancelled() => was_revoked = true,
+        _ = session.read_control(ctl_recv) => {},
+        _ = session.read_frames() => {},
+        _ = session.write_results(results_rx) => {},
+        _ = session.write_control(hints) => {},
+        _ = conn.closed() => {},
+    }
+    // (After the select, so no loop still holds the control stream.)
+    if was_revoked {
+        let msg = super::revoked_message(tidegate_protocol::Role::Edge, &name);
+        warn!("{msg}; closing the connection");
+        refuse(
+            &conn,
+            session.ctl_send.get_mut(),
+            ErrorCode::Unauthorized,
+            msg,
+        )
+        .await;
+    }
+    info!("edge disconnected");
+    server.hub.send(HubMsg::EdgeGone { edge: id }).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gateway_clock_maps_instants_to_microseconds_and_back() {
+        let epoch = Instant::now();
+        let c = GatewayClock::new(epoch);
+        assert_eq!(c.us(epoch), 0);
+        assert_eq!(c.us(epoch + Duration::from_millis(1500)), 1_500_000);
+        // Before the epoch saturates at 0 instead of wrapping.
+        assert_eq!(
+            c.us(epoch.checked_sub(Duration::from_secs(1)).unwrap_or(epoch)),
+            0
+        );
+        assert_eq!(c.instant(2_000), epoch + Duration::from_micros(2_000));
+    }
+
+    #[test]
+    fn a_frame_is_admitted_once_whatever_the_copies_and_their_order() {
+        let mut w = SeqWindow::default();
+        assert!(w.admit(5));
+        assert!(!w.admit(5), "the second copy");
+        assert!(w.admit(3), "an earlier frame arriving late is new");
+        assert!(!w.admit(3));
+        assert!(w.admit(u64::MAX));
+    }
+
+    #[test]
+    fn the_window_remembers_its_latest_seqs_and_refuses_older_ones() {
+        let mut w = SeqWindow::default();
+        for seq in 1000..1000 + SeqWindow::LEN as u64 + 10 {
+            assert!(w.admit(seq));
+        }
+        assert_eq!(w.seqs.len(), SeqWindow::LEN);
+        // Older than any remembered: refused, though never seen.
+        assert!(!w.admit(1005));
+        assert!(!w.admit(0));
+        // Within the window and new: admitted, the oldest forgotten.
+        let newest = 1000 + SeqWindow::LEN as u64 + 10;
+        assert!(w.admit(newest + 1));
+        assert_eq!(w.seqs.len(), SeqWindow::LEN);
+    }
+
+    #[test]
+    fn an_edge_sends_only_its_own_control_messages() {
+        assert!(EDGE_CONTROL.contains(&Kind::ClockEcho));
+        for k in [Kind::Frame, Kind::Dispatch, Kind::Register, Kind::Result] {
+            assert!(!EDGE_CONTROL.contains(&k), "{k:?}");
+        }
+    }
+}

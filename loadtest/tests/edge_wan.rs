@@ -1,0 +1,265 @@
+//! The real edge on a WAN that goes dark, as real processes on 127.0.0.1:
+//! a gateway with one BlazeFace worker, the project's impairment relay
+//! (`tidegate_loadtest::impair`) in front of the gateway's QUIC port, and a
+//! `tidegate-edge` with two cameras sending JPEG through it. The link goes
+//! dark for 15 s, longer than QUIC's 10 s idle timeout, so the connection
+//! dies under the edge. The test asserts invariants, not speed: the edge
+//! reconnects by itself and serves again, nothing captured in the dark is
+//! delivered late, and every frame it handed to the uplink ends exactly
+//! once (a result, a reset, refused, lost on the wire, or lost with its
+//! connection), the frames that found no connection being counted as not
+//! sent. How soon after the link's return it serves again is logged, and is
+//! `make bench-wan`'s to measure.
+
+#[path = "support/astronaut.rs"]
+mod astronaut;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use astronaut::{astronaut, started_cluster};
+use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config_via, epoch_us};
+use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
+
+/// Longer than QUIC's idle timeout (10 s): the connection dies in the dark.
+const BLACKOUT: Duration = Duration::from_secs(15);
+/// The cameras, at 5 fps each.
+const CAMERAS: [&str; 2] = ["front", "side"];
+
+/// A camera's counter from its last `camera_stats` line.
+fn counter(stats: &serde_json::Value, key: &str) -> u64 {
+    stats[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no counter {key} in {stats}"))
+}
+
+/// `line` without ANSI colour codes.
+fn plain(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(ch) = chars.next() {
+        if ch == '\x1b' {
+            // ESC [ ... m
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}
+
+/// The time of a log line (its leading RFC 3339 UTC timestamp, as
+/// `2026-12-04T19:35:39.248154Z`) in µs since the UNIX epoch.
+fn logged_at_us(line: &str) -> Option<u64> {
+    let stamp = line.split_whitespace().next()?.strip_suffix('Z')?;
+    let (date, time) = stamp.split_once('T')?;
+    let mut ymd = date.split('-').map(|p| p.parse::<i64>().ok());
+    let (y, m, d) = (ymd.next()??, ymd.next()??, ymd.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut hms = hms.split(':').map(|p| p.parse::<i64>().ok());
+    let (h, min, sec) = (hms.next()??, hms.next()??, hms.next()??);
+    let micros: i64 = format!("{frac:0<6}").get(..6)?.parse().ok()?;
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
+    // days_from_civil).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (m + if m > 2 { -3 } else { 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + h * 3600 + min * 60 + sec;
+    u64::try_from(secs * 1_000_000 + micros).ok()
+}
+
+/// When a result line reached the edge (µs since the UNIX epoch, on the
+/// edge's clock).
+fn received_at_us(line: &serde_json::Value) -> u64 {
+    let captured = line["captured_at_us"].as_u64().unwrap();
+    captured + (line["e2e_ms"].as_f64().unwrap() * 1000.0) as u64
+}
+
+#[test]
+fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_frame_is_accounted_for()
+ {
+    let c = started_cluster();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    // A 20 ms round trip, no loss: the blackout is the only impairment.
+    let link = LinkConfig {
+        delay_ms: 10.0,
+        ..LinkConfig::default()
+    };
+    let relay = rt
+        .block_on(Relay::start(RelayOptions::new(
+            c.quic,
+            ImpairConfig {
+                seed: 23,
+                ..ImpairConfig::symmetric(link)
+            },
+        )))
+        .expect("relay starts");
+    let jpeg = |mut cam: EdgeCamera| {
+        cam.fields.push("encoding = \"jpeg\"".into());
+        cam.fields.push("budget_ms = 500".into());
+        cam
+    };
+    let cfg = edge_config_via(
+        &c,
+        "edge-1",
+        &[
+            jpeg(EdgeCamera::new(
+                CAMERAS[0],
+                &format!("image://{}", astronaut().display()),
+                "blazeface",
+                5.0,
+            )),
+            jpeg(EdgeCamera::new(
+                CAMERAS[1],
+                "test://ball?width=320&height=240",
+                "blazeface",
+                5.0,
+            )),
+        ],
+        relay.local_addr(),
+    )
+    .unwrap();
+    let mut edge = EdgeProcess::spawn(&c, &cfg, &[]).unwrap();
+    let of = |r: &[serde_json::Value], cam: &str| r.iter().filter(|l| l["camera"] == cam).count();
+    edge.wait_for_results(
+        Duration::from_secs(30),
+        "results before the blackout",
+        |r| CAMERAS.iter().all(|cam| of(r, cam) >= 5),
+    )
+    .unwrap();
+
+    let dark_us = epoch_us();
+    relay.blackout(BLACKOUT);
+    let back_us = dark_us + BLACKOUT.as_micros() as u64;
+    std::thread::sleep(BLACKOUT);
+
+    // Serving again: results of frames captured after the link's return,
+    // from every camera.
+    let new = |r: &[serde_json::Value], cam: &str| {
+        r.iter()
+            .filter(|l| l["camera"] == cam && l["captured_at_us"].as_u64() > Some(back_us))
+            .count()
+    };
+    let after = edge
+        .wait_for_results(Duration::from_secs(30), "results after the blackout", |r| {
+            CAMERAS.iter().all(|cam| new(r, cam) >= 3)
+        })
+        .unwrap();
+    let first_new = after
+        .iter()
+        .filter(|l| l["captured_at_us"].as_u64() > Some(back_us))
+        .map(received_at_us)
+        .min()
+        .unwrap();
+    eprintln!(
+        "first result {:.2} s after the link's return ({BLACKOUT:?} dark)",
+        first_new.saturating_sub(back_us) as f64 / 1e6
+    );
+
+    // SIGTERM: the edge stops, its summary counts every frame.
+    let status = edge.terminate(Duration::from_secs(30)).unwrap();
+    assert!(status.success(), "edge exit {status}: {}", edge.log());
+    let log = edge.log();
+    let results = edge.results();
+    let stats = edge.camera_stats();
+    eprintln!("relay: {:?}", relay.stats().flows);
+
+    let link_lines: Vec<String> = log
+        .lines()
+        .map(plain)
+        .filter(|l| l.contains("link{"))
+        .collect();
+    for l in &link_lines {
+        eprintln!("edge: {l}");
+    }
+    // It reconnected by itself: a second connection.
+    let connected: Vec<&String> = link_lines
+        .iter()
+        .filter(|l| l.contains("tidegate_edge::node: connected"))
+        .collect();
+    assert!(
+        connected.len() >= 2,
+        "{} connections: {log}",
+        connected.len()
+    );
+    if let Some(at) = connected.last().and_then(|l| logged_at_us(l)) {
+        eprintln!(
+            "reconnected {:.2} s after the link's return",
+            (at as f64 - back_us as f64) / 1e6
+        );
+    }
+    assert!(log.contains("connection to the gateway lost"), "{log}");
+
+    // No frame has two results, and none captured in the dark was
+    // delivered late (a frame of the dark could only be sent into it).
+    let mut seen = BTreeMap::new();
+    for l in &results {
+        let key = (
+            l["camera"].as_str().unwrap().to_string(),
+            l["seq"].as_u64().unwrap(),
+        );
+        assert!(seen.insert(key, l).is_none(), "two results for {l}");
+        let captured = l["captured_at_us"].as_u64().unwrap();
+        assert!(
+            captured <= dark_us + 1_000_000 || captured >= back_us,
+            "a frame captured in the dark was answered: {l}"
+        );
+    }
+
+    for cam in CAMERAS {
+        let s = &stats[cam];
+        eprintln!("camera_stats {s}");
+        let handed = counter(s, "handed");
+        let ended: u64 = [
+            "results",
+            "reset_superseded",
+            "reset_expired",
+            "refused",
+            "lost",
+            "lost_connection",
+            "gave_up",
+        ]
+        .iter()
+        .map(|k| counter(s, k))
+        .sum();
+        assert_eq!(counter(s, "awaiting"), 0, "{cam}: every frame ended: {s}");
+        assert_eq!(handed, ended, "{cam}: every frame handed ends once: {s}");
+        assert_eq!(counter(s, "gave_up"), 0, "{s}");
+        // The results written are the results counted.
+        assert_eq!(
+            of(&results, cam) as u64,
+            counter(s, "results"),
+            "{cam}: {s}"
+        );
+        // Frames sent into the dark before the connection died ended on
+        // the wire (reset at their deadline, or cut by the connection's
+        // end) or lost with it; those that found no connection were not
+        // sent, and are counted apart.
+        let into_the_dark = [
+            "reset_expired",
+            "reset_superseded",
+            "lost",
+            "lost_connection",
+        ]
+        .iter()
+        .map(|k| counter(s, k))
+        .sum::<u64>();
+        assert!(into_the_dark > 0, "{cam}: {s}");
+        assert!(counter(s, "dropped_outage") > 0, "{cam}: {s}");
+        assert!(
+            counter(s, "passed") >= handed + counter(s, "dropped_outage"),
+            "{cam}: {s}"
+        );
+    }
+}
