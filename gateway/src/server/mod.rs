@@ -1,7 +1,7 @@
 //! The QUIC listener. Each connection gets its own task and tracing span.
 //! The first bidirectional stream is the control stream and must start with
 //! `Hello`; the token decides whether the peer is an edge or a worker. An
-//! edge's connection then runs as an [`edge::EdgeSession`].
+//! edge's connection then runs as an `EdgeSession` (`server/edge.rs`).
 
 mod edge;
 
