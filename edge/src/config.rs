@@ -176,6 +176,17 @@ pub struct CameraConfig {
     /// `jpeg_quality` and `max_fps` (the gateway's hints still apply).
     #[serde(default = "yes")]
     pub adapt: bool,
+    /// Copies of each frame to send, side by side, each on a stream of its
+    /// own (1 to 3), and of each result to get back: on a link that loses
+    /// packets at random (Wi-Fi, cellular) with a round trip too long for a
+    /// retransmission within the budget, 2 serves frames that one copy
+    /// loses, at twice the uplink's bytes (docs/benchmarks.md, "WAN").
+    #[serde(default = "one_copy")]
+    pub copies: u8,
+}
+
+fn one_copy() -> u8 {
+    1
 }
 
 fn default_budget_ms() -> u32 {
@@ -264,6 +275,13 @@ impl CameraConfig {
                 "jpeg_quality {} must be from 1 to {} (the default is {DEFAULT_JPEG_QUALITY})",
                 self.jpeg_quality,
                 Encoding::MAX_QUALITY
+            ));
+        }
+        if !(1..=tidegate_protocol::MAX_COPIES).contains(&self.copies) {
+            return bad(format!(
+                "copies = {} must be from 1 to {}; 1 sends each frame once, 2 suits a lossy WAN",
+                self.copies,
+                tidegate_protocol::MAX_COPIES
             ));
         }
         if !(1..=self.jpeg_quality).contains(&self.min_jpeg_quality) {

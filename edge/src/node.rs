@@ -1055,7 +1055,13 @@ async fn camera(
                 let Some(uplink) = open_on.clone() else { continue };
                 let opened = tokio::select! {
                     _ = cancel.cancelled() => break,
-                    r = uplink.open_camera(&cam.name, &cam.model, cam.budget_ms, outbound.asked()) => r,
+                    r = uplink.open_camera_with(tidegate_protocol::CameraOpen {
+                        camera: cam.name.clone(),
+                        model: cam.model.clone(),
+                        budget_ms: cam.budget_ms,
+                        encoding: outbound.asked(),
+                        copies: cam.copies,
+                    }) => r,
                 };
                 match opened {
                     Ok(accepted) => {
@@ -1097,12 +1103,16 @@ async fn camera(
                         }
                         stats.snapshot().outbound = Some(outbound.report());
                         info!(width, height, encoding = %accepted.encoding, "camera open");
-                        lane = Some(uplink.lane_with(
-                            &cam.name,
-                            cam.max_in_flight,
-                            stats.lane.clone(),
-                            Some(unanswered.clone()),
-                        ));
+                        lane = Some(
+                            uplink
+                                .lane_with(
+                                    &cam.name,
+                                    cam.max_in_flight,
+                                    stats.lane.clone(),
+                                    Some(unanswered.clone()),
+                                )
+                                .with_copies(accepted.copies),
+                        );
                         stats.set_state("running");
                     }
                     Err(e) if e.retryable() => {

@@ -170,6 +170,10 @@ pub struct Uplink {
     id: u64,
     commands: mpsc::Sender<Command>,
     open_timeout: Duration,
+    /// Cameras opened with more than one copy, and the results already
+    /// taken of each: the gateway sends such a camera each result
+    /// `copies` times, and the later copies are dropped here.
+    copies: Arc<ResultCopies>,
 }
 
 /// The number of the next connection [`Uplink::connect_client`] sets up.
@@ -312,16 +316,24 @@ impl Uplink {
         tokio::spawn(
             control(conn.clone(), send, recv, cmd_rx, in_tx.clone()).instrument(span.clone()),
         );
-        tokio::spawn(results(conn.clone(), in_tx).instrument(span));
+        let copies = Arc::new(ResultCopies::default());
+        tokio::spawn(results(conn.clone(), in_tx, copies.clone()).instrument(span));
         Ok((
             Uplink {
                 conn,
                 id: NEXT_CONNECTION.fetch_add(1, Ordering::Relaxed),
                 commands: cmd_tx,
                 open_timeout: options.open_timeout,
+                copies,
             },
             in_rx,
         ))
+    }
+
+    /// Later copies of results dropped so far on this connection (cameras
+    /// opened with copies; see [`Uplink::open_camera_with`]).
+    pub fn result_copies_dropped(&self) -> u64 {
+        self.copies.dropped.load(Ordering::Relaxed)
     }
 
     /// Opens a camera whose frames travel as `encoding` and returns the
@@ -337,14 +349,23 @@ impl Uplink {
         budget_ms: u32,
         encoding: Encoding,
     ) -> Result<CameraAccepted, UplinkError> {
-        let (tx, rx) = oneshot::channel();
-        let open = CameraOpen {
+        self.open_camera_with(CameraOpen {
             camera: camera.to_string(),
             model: model.to_string(),
             budget_ms,
             encoding,
             copies: 1,
-        };
+        })
+        .await
+    }
+
+    /// [`Uplink::open_camera`] with every field of the `CameraOpen`: a
+    /// camera opened with `copies` above 1 sends each frame that many times
+    /// (its lane, [`Lane::with_copies`]) and gets each result that many
+    /// times, of which the uplink passes on the first.
+    pub async fn open_camera_with(&self, open: CameraOpen) -> Result<CameraAccepted, UplinkError> {
+        let camera = open.camera.clone();
+        let (tx, rx) = oneshot::channel();
         let opened = async {
             self.commands
                 .send(Command::Open(open, tx))
@@ -355,12 +376,14 @@ impl Uplink {
         };
         // A late answer, if one ever comes, goes to the dropped reply: the
         // control task keeps answers matched to opens in order.
-        tokio::time::timeout(self.open_timeout, opened)
+        let accepted = tokio::time::timeout(self.open_timeout, opened)
             .await
             .unwrap_or_else(|_| {
                 let what = format!("CameraOpen for camera '{camera}'");
                 Err(unresponsive(&self.conn, &what, self.open_timeout))
-            })
+            })?;
+        self.copies.opened(&camera, accepted.copies);
+        Ok(accepted)
     }
 
     /// Sends a frame on its own stream. Newer frames (higher `seq`) get a
@@ -476,6 +499,7 @@ impl Uplink {
                 camera: camera.to_string(),
                 conn: self.id,
                 max_in_flight: max_in_flight.max(1),
+                copies: 1,
                 in_flight: Mutex::new(VecDeque::new()),
                 stats,
                 unanswered,
@@ -881,6 +905,8 @@ struct LaneState {
     /// [`Uplink::id`] of the lane's connection.
     conn: u64,
     max_in_flight: usize,
+    /// Copies of each frame sent, each on a stream of its own.
+    copies: u8,
     /// Unacknowledged frames, oldest first: (seq, abandon signal).
     in_flight: Mutex<VecDeque<(u64, CancellationToken)>>,
     stats: Arc<LaneStats>,
@@ -948,6 +974,21 @@ pub struct Lane {
 }
 
 impl Lane {
+    /// The lane, sending each frame `copies` times (1 to
+    /// [`tidegate_protocol::MAX_COPIES`]), each copy on a stream of its
+    /// own, side by side: on a link that loses packets at random a frame
+    /// is lost only when every copy loses one, without waiting a round
+    /// trip for a retransmission. The first copy acknowledged delivers the
+    /// frame and the others are reset; the gateway admits one. For a
+    /// camera opened with as many copies ([`Uplink::open_camera_with`]).
+    /// Call before the first send.
+    pub fn with_copies(mut self, copies: u8) -> Self {
+        if let Some(state) = Arc::get_mut(&mut self.state) {
+            state.copies = copies.clamp(1, tidegate_protocol::MAX_COPIES);
+        }
+        self
+    }
+
     /// Sends `frame` on its own stream, abandoning it (reset) if it is still
     /// unacknowledged at `deadline` or superseded first. When the lane is
     /// full the oldest frame in flight is abandoned to make room. Returns
@@ -1019,11 +1060,23 @@ impl Lane {
             }
         };
         let _ = stream.set_priority((seq % i32::MAX as u64) as i32);
+        // The other copies, if the lane sends any: each that opens before
+        // the deadline goes.
+        let mut copies = Vec::new();
+        for _ in 1..self.state.copies {
+            match tokio::time::timeout_at(deadline, self.conn.open_uni()).await {
+                Ok(Ok(s)) => {
+                    let _ = s.set_priority((seq % i32::MAX as u64) as i32);
+                    copies.push(s);
+                }
+                _ => break,
+            }
+        }
         let state = self.state.clone();
         let span = tracing::debug_span!("frame", camera = %state.camera, seq);
         self.tasks.spawn(
             async move {
-                let outcome = drive(stream, frame, deadline, abandon).await;
+                let outcome = drive_copies(stream, copies, frame, deadline, abandon).await;
                 let lane = Lane::forget_in(&state, seq);
                 let stats = &state.stats;
                 match outcome {
@@ -1121,6 +1174,48 @@ async fn drive(
     // Code 0: a deliberate abandonment (protocol §7.3).
     let _ = stream.reset(0u32.into());
     reason
+}
+
+/// [`drive`] for a frame sent as `first` and `copies`: delivered as soon as
+/// one copy is acknowledged (the others are then reset); otherwise `Lost`
+/// if the connection died under any copy, else the first copy's fate.
+async fn drive_copies(
+    first: quinn::SendStream,
+    copies: Vec<quinn::SendStream>,
+    frame: Frame,
+    deadline: tokio::time::Instant,
+    abandon: CancellationToken,
+) -> WireFate {
+    if copies.is_empty() {
+        return drive(first, frame, deadline, abandon).await;
+    }
+    let mut tokens = Vec::with_capacity(1 + copies.len());
+    let mut set = tokio::task::JoinSet::new();
+    for (i, stream) in std::iter::once(first).chain(copies).enumerate() {
+        // Each copy is abandoned with the frame, or alone once another
+        // copy has delivered it.
+        let token = abandon.child_token();
+        tokens.push(token.clone());
+        let frame = frame.clone();
+        set.spawn(async move { (i, drive(stream, frame, deadline, token).await) });
+    }
+    let mut fates = Vec::new();
+    while let Some(done) = set.join_next().await {
+        let (i, fate) = done.unwrap_or((usize::MAX, WireFate::Lost));
+        if fate == WireFate::Delivered {
+            for t in &tokens {
+                t.cancel();
+            }
+            while set.join_next().await.is_some() {}
+            return WireFate::Delivered;
+        }
+        fates.push((i, fate));
+    }
+    fates.sort_by_key(|(i, _)| *i);
+    if fates.iter().any(|(_, f)| *f == WireFate::Lost) {
+        return WireFate::Lost;
+    }
+    fates.first().map_or(WireFate::Lost, |(_, f)| *f)
 }
 
 /// Why the control conversation ended.
@@ -1282,7 +1377,55 @@ async fn on_control_message(
 /// slows the gateway down instead of losing results; what the edge holds
 /// is bounded by that queue and the results its readers hold. A stream that does not carry one well-formed `Result` is
 /// stopped with its error code (protocol §7.3).
-async fn results(conn: quinn::Connection, incoming: queue::Sender<Incoming>) {
+/// The results taken of each camera opened with copies, by `seq` and
+/// status: a later result of the same frame with the same status is a copy
+/// and is dropped; one with another status is passed on, for the consumer
+/// to see that a frame got two different results.
+#[derive(Debug, Default)]
+struct ResultCopies {
+    cameras: Mutex<HashMap<String, VecDeque<(u64, tidegate_protocol::Status)>>>,
+    dropped: AtomicU64,
+}
+
+impl ResultCopies {
+    /// Results remembered per camera.
+    const PER_CAMERA: usize = 256;
+
+    fn opened(&self, camera: &str, copies: u8) {
+        let mut cams = self.cameras.lock().unwrap_or_else(PoisonError::into_inner);
+        if copies > 1 {
+            cams.entry(camera.to_string()).or_default();
+        } else {
+            cams.remove(camera);
+        }
+    }
+
+    /// Whether `r` is to be passed on: not a copy of a result taken.
+    fn take(&self, r: &FrameResult) -> bool {
+        let mut cams = self.cameras.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(seen) = cams.get_mut(&r.camera) else {
+            return true;
+        };
+        if seen
+            .iter()
+            .any(|(seq, status)| *seq == r.seq && *status == r.status)
+        {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        if seen.len() == Self::PER_CAMERA {
+            seen.pop_front();
+        }
+        seen.push_back((r.seq, r.status.clone()));
+        true
+    }
+}
+
+async fn results(
+    conn: quinn::Connection,
+    incoming: queue::Sender<Incoming>,
+    copies: Arc<ResultCopies>,
+) {
     let readers = Arc::new(Semaphore::new(RESULT_READERS));
     loop {
         let permit = tokio::select! {
@@ -1296,10 +1439,14 @@ async fn results(conn: quinn::Connection, incoming: queue::Sender<Incoming>) {
             break;
         };
         let incoming = incoming.clone();
+        let copies = copies.clone();
         tokio::spawn(
             async move {
                 let _permit = permit;
                 match read_message(&mut recv, &Limits::default()).await {
+                    Ok(Some(Message::Result(r))) if !copies.take(&r) => {
+                        debug!(camera = %r.camera, seq = r.seq, "a copy of a result taken; dropped");
+                    }
                     Ok(Some(Message::Result(r))) => {
                         let size = r.held_bytes();
                         if incoming.send(Incoming::Result(r), size).await.is_err() {

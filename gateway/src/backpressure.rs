@@ -136,17 +136,31 @@ impl Backpressure {
         self.camera(now, edge, camera).arrivals += 1;
     }
 
-    /// A frame of `camera` finished with `status`. A camera never seen
-    /// (or forgotten with its edge) is ignored: outcomes of an edge that
-    /// has gone must not bring its cameras back.
+    /// A frame of `camera` finished with `status`, lost to the workers'
+    /// capacity when it was shed or expired for anything but `no_worker`
+    /// or `late_on_arrival`. A camera never seen (or forgotten with its
+    /// edge) is ignored: outcomes of an edge that has gone must not bring
+    /// its cameras back.
     pub fn on_outcome(&mut self, edge: EdgeId, camera: &str, status: &Status) {
+        let capacity = matches!(status, Status::Expired)
+            || matches!(
+                status,
+                Status::Shed(s) if !matches!(s, ShedReason::NoWorker | ShedReason::LateOnArrival)
+            );
+        self.on_outcome_as(edge, camera, status, capacity);
+    }
+
+    /// [`Backpressure::on_outcome`] with the scheduler's word on whether
+    /// the frame was lost to capacity (`scheduler::Action::Complete`): a
+    /// frame that could not have been served in time even alone is not.
+    pub fn on_outcome_as(&mut self, edge: EdgeId, camera: &str, status: &Status, capacity: bool) {
         let Some(c) = self.cameras.get_mut(&(edge, camera.to_string())) else {
             return;
         };
-        match status {
-            Status::Ok => c.ok += 1,
-            Status::Shed(ShedReason::NoWorker | ShedReason::LateOnArrival) | Status::Failed(_) => {}
-            Status::Shed(_) | Status::Expired => c.lost += 1,
+        if *status == Status::Ok {
+            c.ok += 1;
+        } else if capacity {
+            c.lost += 1;
         }
     }
 

@@ -1153,6 +1153,7 @@ impl State {
                 frame,
                 status,
                 queue_us,
+                capacity,
             } => {
                 let Some(p) = self.pending.remove(&frame) else {
                     return;
@@ -1187,7 +1188,7 @@ impl State {
                 timings.queue_us = queue_us;
                 let model = p.frame.model.as_str();
                 if let Some(bp) = self.backpressure.as_mut() {
-                    bp.on_outcome(p.edge, &p.frame.camera, &status);
+                    bp.on_outcome_as(p.edge, &p.frame.camera, &status, capacity);
                 }
                 self.metrics
                     .frames
@@ -1627,9 +1628,10 @@ pub(crate) mod tests {
             cancel.clone(),
             &tracker,
         );
-        // 500 ms a frame: every 80 ms frame is shed, would miss its deadline
+        // 50 ms a frame: of 10 frames due within 80 ms, all but the first
+        // wait behind it past their deadline and are shed (capacity)
         let mut slow = register();
-        slow.profile[0].latency_us = 500_000;
+        slow.profile[0].latency_us = 50_000;
         let (dispatch, _batches) = mpsc::channel(8);
         hub.send(HubMsg::WorkerConnected {
             worker: WorkerId(1),

@@ -162,6 +162,14 @@ pub enum Action {
         status: Status,
         /// Time it spent queued in the gateway (µs).
         queue_us: u32,
+        /// Whether it was lost to the workers' capacity: it waited past its
+        /// deadline, was pushed out by a full queue or a newer frame, or
+        /// could not be served in time behind the frames ahead of it. What
+        /// rate hints answer; a frame shed because too little of its budget
+        /// was left for even an idle worker's one run (the link or the edge
+        /// used it up, or the worker is slow whatever the load) is not,
+        /// since fewer frames would not have saved it.
+        capacity: bool,
     },
 }
 
@@ -606,6 +614,26 @@ impl Scheduler {
     }
 
     fn complete(&mut self, now: Micros, q: &Queued, status: Status, out: &mut Vec<Action>) {
+        let capacity = matches!(
+            status,
+            Status::Expired
+                | Status::Shed(
+                    ShedReason::Superseded | ShedReason::WouldMissDeadline | ShedReason::Overloaded
+                )
+        );
+        self.complete_as(now, q, status, capacity, out);
+    }
+
+    /// [`Scheduler::complete`], saying whether the frame was lost to
+    /// capacity (see [`Action::Complete`]).
+    fn complete_as(
+        &mut self,
+        now: Micros,
+        q: &Queued,
+        status: Status,
+        capacity: bool,
+        out: &mut Vec<Action>,
+    ) {
         match &status {
             Status::Ok => self.counters.ok += 1,
             Status::Shed(_) => self.counters.shed += 1,
@@ -620,6 +648,7 @@ impl Scheduler {
                 .unwrap_or(now)
                 .saturating_sub(q.enqueued)
                 .min(u32::MAX as u64) as u32,
+            capacity,
         });
     }
 
@@ -727,6 +756,13 @@ impl Scheduler {
             self.complete(now, &q, Status::Shed(ShedReason::NoWorker), out);
             return;
         };
+        // Too little is left for even an idle worker's one run: no queue
+        // is to blame, so no rate hint would have saved it.
+        if now + best > q.arrival.deadline {
+            let status = Status::Shed(ShedReason::WouldMissDeadline);
+            self.complete_as(now, &q, status, false, out);
+            return;
+        }
 
         // The camera's own queued frame is superseded if this one is kept,
         // so it does not count as ahead of it.
@@ -1171,6 +1207,33 @@ mod tests {
         );
         assert_eq!(s.counters().shed, 2);
         assert_eq!(s.counters().admitted, 2);
+    }
+
+    #[test]
+    fn only_a_frame_that_waited_behind_others_is_lost_to_capacity() {
+        let capacity = |a: &[Action]| -> Vec<(u64, bool)> {
+            a.iter()
+                .filter_map(|a| match a {
+                    Action::Complete {
+                        frame, capacity, ..
+                    } => Some((frame.0, *capacity)),
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 50_000));
+        // 40 ms left for a 50 ms run: no queue is to blame.
+        let a = s.on_event(0, frame(1, "a", 40_000));
+        assert_eq!(capacity(&a), vec![(1, false)]);
+        // Served at once; the next could make it alone, not behind it.
+        s.on_event(0, frame(2, "b", 80_000));
+        let a = s.on_event(0, frame(3, "c", 90_000));
+        assert_eq!(
+            completes(&a),
+            vec![(3, Status::Shed(ShedReason::WouldMissDeadline))]
+        );
+        assert_eq!(capacity(&a), vec![(3, true)]);
     }
 
     #[test]

@@ -588,6 +588,7 @@ impl Cluster {
             // workers, not a link (the WAN tests and bench set JPEG).
             encoding: tidegate_protocol::Encoding::Raw,
             congestion: tidegate_protocol::quic::Congestion::default(),
+            copies: 1,
         }
     }
 

@@ -129,6 +129,11 @@ struct Cli {
     /// Congestion controller for the frames sent: bbr, cubic or newreno.
     #[arg(long, default_value = "bbr")]
     congestion: tidegate_protocol::quic::Congestion,
+    /// Copies of each frame sent side by side (1 to 3), and of each result
+    /// asked back: 2 on a lossy link whose round trip leaves no time for a
+    /// retransmission within the budget.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=3))]
+    copies: u8,
     /// Log filter.
     #[arg(long, env = "TIDEGATE_LOG", default_value = "warn")]
     log: String,
@@ -553,6 +558,7 @@ fn main() -> anyhow::Result<()> {
         obey_hints: !cli.ignore_hints,
         encoding: cli.wire_encoding()?,
         congestion: cli.congestion,
+        copies: cli.copies,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

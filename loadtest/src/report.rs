@@ -74,6 +74,8 @@ pub struct Report {
     pub bytes_per_frame: u64,
     /// The generator's congestion controller.
     pub congestion: String,
+    /// Copies of each frame sent (and of each result asked back).
+    pub copies: u8,
     /// Results ok within budget per [`Report::TIMELINE_STEP`] since the run
     /// started, by when they arrived: when serving stopped and started
     /// again (a blackout's recovery). At most [`Report::TIMELINE_MAX`]

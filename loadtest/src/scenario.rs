@@ -220,6 +220,7 @@ impl Scenario {
             obey_hints: p.ignore_hints.map_or(base.obey_hints, |i| !i),
             encoding: base.encoding,
             congestion: base.congestion,
+            copies: base.copies,
             ..base.clone()
         }
     }
@@ -332,6 +333,7 @@ mod tests {
             obey_hints: true,
             encoding: tidegate_protocol::Encoding::Raw,
             congestion: tidegate_protocol::quic::Congestion::default(),
+            copies: 1,
         }
     }
 

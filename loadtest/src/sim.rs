@@ -15,8 +15,8 @@ use tidegate_edge::clock;
 use tidegate_edge::uplink::{Incoming, Lane, Uplink, UplinkError, UplinkOptions, WireFate};
 use tidegate_protocol::quic::Congestion;
 use tidegate_protocol::{
-    CameraAccepted, DType, Encoding, Frame, GatewayAddr, Geometry, InputSpec, Layout, Status,
-    Tensor, queue,
+    CameraAccepted, CameraOpen, DType, Encoding, Frame, GatewayAddr, Geometry, InputSpec, Layout,
+    Status, Tensor, queue,
 };
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -128,6 +128,9 @@ pub struct SimOptions {
     pub encoding: Encoding,
     /// Congestion controller for the frames sent.
     pub congestion: Congestion,
+    /// Copies of each frame sent side by side, and of each result asked
+    /// back (1 to 3; the protocol's `CameraOpen.copies`).
+    pub copies: u8,
 }
 
 /// The frame every camera sends: the image resized to the model's input.
@@ -524,14 +527,24 @@ async fn open_connection(
     for i in 0..opts.cameras {
         let camera = camera_name(i);
         let a = uplink
-            .open_camera(&camera, &opts.model, opts.budget_ms, opts.encoding)
+            .open_camera_with(CameraOpen {
+                camera: camera.clone(),
+                model: opts.model.clone(),
+                budget_ms: opts.budget_ms,
+                encoding: opts.encoding,
+                copies: opts.copies,
+            })
             .await
             .map_err(|source| SimError::OpenCamera {
                 camera: camera.clone(),
                 model: opts.model.clone(),
                 source,
             })?;
-        lanes.push(uplink.lane(&camera, LANE_IN_FLIGHT, Arc::default()));
+        lanes.push(
+            uplink
+                .lane(&camera, LANE_IN_FLIGHT, Arc::default())
+                .with_copies(a.copies),
+        );
         accepted.push(a);
     }
     Ok((Live { id, uplink, lanes }, incoming, accepted))
@@ -709,6 +722,7 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
         rep.bytes_per_frame = data.len() as u64;
         rep.encoding = opts.encoding.to_string();
         rep.congestion = opts.congestion.to_string();
+        rep.copies = opts.copies;
     }
     let (live_tx, live_rx) = watch::channel(None);
     let stop = CancellationToken::new();
@@ -721,13 +735,8 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
         stop.clone(),
     ));
 
-    // One schedule for every camera, open loop: see [`Schedule`].
-    let schedule = Schedule::new(
-        opts.fps,
-        opts.duration,
-        tokio::time::Instant::now(),
-        clock::now_us(),
-    );
+    // An open-loop schedule per camera: see [`Schedule`].
+    let (start, start_us) = (tokio::time::Instant::now(), clock::now_us());
     let budget_us = frame_budget_us(opts.budget_ms);
     let mut tensor = Tensor::raw(DType::U8, Layout::Nhwc, input.frame_shape(), data);
     tensor.encoding = opts.encoding;
@@ -742,6 +751,16 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
             geometry,
             tensor: tensor.clone(),
         };
+        // Cameras are not in step: camera i starts i/n of a period after
+        // the first, as real cameras' phases fall, so that n frames do not
+        // all go out in the same instant.
+        let phase = Duration::from_secs_f64(i as f64 / opts.fps / opts.cameras as f64);
+        let schedule = Schedule::new(
+            opts.fps,
+            opts.duration,
+            start + phase,
+            start_us + phase.as_micros() as u64,
+        );
         let caps = opts.obey_hints.then(|| tally.caps.clone());
         let live_rx = live_rx.clone();
         let ledger = tally.ledger.clone();
@@ -1030,6 +1049,7 @@ mod tests {
             obey_hints: true,
             encoding: Encoding::Raw,
             congestion: Congestion::default(),
+            copies: 1,
         };
         for fps in [1e-300, 0.0, -1.0, f64::NAN, 1001.0] {
             let err = run(&SimOptions {

@@ -84,6 +84,8 @@ pub struct Case {
     /// Congestion controller of the generator (and of the gateway, which
     /// this cluster starts with its default).
     pub congestion: Congestion,
+    /// Copies of each frame and result.
+    pub copies: u8,
     /// The link, each way.
     pub link: LinkConfig,
     /// A blackout: (start, duration) after the case starts sending.
@@ -113,6 +115,7 @@ pub fn matrix() -> Vec<Case> {
         encoding: jpeg,
         budget_ms: 80,
         congestion: Congestion::default(),
+        copies: 1,
         link,
         blackout: None,
         goal: Goal::Measure,
@@ -145,6 +148,28 @@ pub fn matrix() -> Vec<Case> {
         );
         c.congestion = cc;
         c.encoding = Encoding::Raw;
+        cases.push(c);
+    }
+    // Two copies of each frame and result, where one copy's losses cannot
+    // be retransmitted within the budget.
+    for (name, load, rtt, loss, copies, quality, goal) in [
+        ("50ms-2pct-light-copies2", light, 50.0, 0.02, 2, 90, 0.97),
+        (
+            "50ms-2pct-light-copies2-q75",
+            light,
+            50.0,
+            0.02,
+            2,
+            75,
+            0.97,
+        ),
+        ("50ms-2pct-light-copies3", light, 50.0, 0.02, 3, 90, 0.97),
+        ("20ms-1pct-medium-copies2", medium, 20.0, 0.01, 2, 90, 0.99),
+    ] {
+        let mut c = case(name, load, link(rtt, loss));
+        c.copies = copies;
+        c.encoding = Encoding::Jpeg { quality };
+        c.goal = Goal::Attainment(goal);
         cases.push(c);
     }
     let mut bursty = case(
@@ -238,6 +263,7 @@ pub async fn run_case(
     opts.budget_ms = case.budget_ms;
     opts.encoding = case.encoding;
     opts.congestion = case.congestion;
+    opts.copies = case.copies;
     let sim = tokio::spawn(async move { sim::run(&opts).await });
     if let Some((at, lasting)) = case.blackout {
         tokio::time::sleep(at).await;
@@ -356,12 +382,17 @@ pub fn markdown(results: &[CaseResult], seconds: f64) -> String {
         }
         let rep = &r.report;
         out += &format!(
-            "| {} | {}×{} {} {}, {} ms | {} | {} | {} | {:.2} | {:.1} % | {} / {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {}×{} {} {}{}, {} ms | {} | {} | {} | {:.2} | {:.1} % | {} / {} | {} | {} | {} | {} | {} | {} | {} |\n",
             c.name,
             c.cameras,
             c.fps,
             c.model,
             c.encoding,
+            if c.copies > 1 {
+                format!(" ×{} copies", c.copies)
+            } else {
+                String::new()
+            },
             c.budget_ms,
             link,
             c.congestion,

@@ -204,3 +204,51 @@ fn a_link_blacked_out_past_the_idle_timeout_is_redialled_and_every_frame_account
         "the frames caught in the blackout are accounted: {report:#?}"
     );
 }
+
+#[test]
+fn with_two_copies_every_frame_is_admitted_once_and_answered_once() {
+    // 30 ms RTT and 2 % loss each way; 2 cameras at 10 fps, each frame and
+    // each result sent twice, for 8 s.
+    let c = started_cluster();
+    let rt = runtime();
+    let relay = rt
+        .block_on(Relay::start(RelayOptions::new(
+            c.quic,
+            ImpairConfig {
+                seed: 7,
+                ..ImpairConfig::symmetric(LinkConfig {
+                    delay_ms: 15.0,
+                    loss: 0.02,
+                    ..LinkConfig::default()
+                })
+            },
+        )))
+        .expect("relay starts");
+    let mut opts = c.sim_options("edge-1", 2, 10.0, 8.0);
+    opts.gateway = relay.local_addr().into();
+    opts.encoding = Encoding::Jpeg { quality: 90 };
+    opts.copies = 2;
+    let report = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(120), sim::run(&opts)).await })
+        .expect("the simulation ends")
+        .expect("the simulation runs");
+    assert_accounted(&report);
+    assert_eq!(report.copies, 2);
+    // The gateway admitted each frame once, however many of its copies
+    // arrived, and dropped the others as duplicates.
+    let (_, frames) = c.get("/api/v1/frames").expect("frames");
+    let frames: serde_json::Value = serde_json::from_str(&frames).expect("JSON");
+    let admitted = frames["admitted"].as_u64().expect("admitted");
+    assert!(
+        admitted <= report.sent,
+        "{admitted} > {}: {frames}",
+        report.sent
+    );
+    let (_, metrics) = c.get("/metrics").expect("metrics");
+    let duplicates: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("tidegate_frames_rejected_total{reason=\"duplicate\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0);
+    assert!(duplicates > 0.0, "second copies arrived and were dropped");
+}
