@@ -589,6 +589,9 @@ impl Cluster {
             encoding: tidegate_protocol::Encoding::Raw,
             congestion: tidegate_protocol::quic::Congestion::default(),
             copies: 1,
+            // In step: the tests written on this cluster keep several
+            // workers busy with each period's burst.
+            in_step: true,
         }
     }
 

@@ -559,6 +559,7 @@ fn main() -> anyhow::Result<()> {
         encoding: cli.wire_encoding()?,
         congestion: cli.congestion,
         copies: cli.copies,
+        in_step: false,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

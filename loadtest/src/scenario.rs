@@ -221,6 +221,7 @@ impl Scenario {
             encoding: base.encoding,
             congestion: base.congestion,
             copies: base.copies,
+            in_step: base.in_step,
             ..base.clone()
         }
     }
@@ -334,6 +335,7 @@ mod tests {
             encoding: tidegate_protocol::Encoding::Raw,
             congestion: tidegate_protocol::quic::Congestion::default(),
             copies: 1,
+            in_step: false,
         }
     }
 

@@ -131,6 +131,11 @@ pub struct SimOptions {
     /// Copies of each frame sent side by side, and of each result asked
     /// back (1 to 3; the protocol's `CameraOpen.copies`).
     pub copies: u8,
+    /// Every camera's frame due in the same instant, a burst a period (the
+    /// worst case for an uplink, and how tests keep several workers busy
+    /// at a light load). Otherwise camera i is due i/n of a period after
+    /// the first, as real cameras' phases fall.
+    pub in_step: bool,
 }
 
 /// The frame every camera sends: the image resized to the model's input.
@@ -754,7 +759,11 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
         // Cameras are not in step: camera i starts i/n of a period after
         // the first, as real cameras' phases fall, so that n frames do not
         // all go out in the same instant.
-        let phase = Duration::from_secs_f64(i as f64 / opts.fps / opts.cameras as f64);
+        let phase = if opts.in_step {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(i as f64 / opts.fps / opts.cameras as f64)
+        };
         let schedule = Schedule::new(
             opts.fps,
             opts.duration,
@@ -1050,6 +1059,7 @@ mod tests {
             encoding: Encoding::Raw,
             congestion: Congestion::default(),
             copies: 1,
+            in_step: false,
         };
         for fps in [1e-300, 0.0, -1.0, f64::NAN, 1001.0] {
             let err = run(&SimOptions {

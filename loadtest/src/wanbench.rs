@@ -264,6 +264,9 @@ pub async fn run_case(
     opts.encoding = case.encoding;
     opts.congestion = case.congestion;
     opts.copies = case.copies;
+    // Cameras out of phase, as real ones are: in step, their frames leave
+    // in one burst a period and queue behind each other on the uplink.
+    opts.in_step = false;
     let sim = tokio::spawn(async move { sim::run(&opts).await });
     if let Some((at, lasting)) = case.blackout {
         tokio::time::sleep(at).await;
