@@ -97,9 +97,9 @@ pub enum Congestion {
     /// NewReno (RFC 9002's reference controller): loss-based.
     NewReno,
     /// BBR: model-based, tolerates random loss. The default: on the same
-    /// impaired links it served 100 % of frames within budget at 20 ms RTT
-    /// and 1 % loss against CUBIC's 96.3 % and NewReno's 88.0 %, and
-    /// 85.7 % at 50 ms and 2 % against 13.3 % and 12.2 %
+    /// impaired links it served 99.7 % of frames within budget at 20 ms
+    /// RTT and 1 % loss against CUBIC's 94.8 % and NewReno's 90.8 %, and
+    /// 85.2 % at 50 ms and 2 % against 9.1 % and 10.8 %
     /// (docs/benchmarks.md, "WAN"). quinn marks its BBR experimental; pick
     /// `cubic` to go back.
     #[default]
