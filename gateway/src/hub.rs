@@ -1222,8 +1222,8 @@ impl State {
     }
 
     /// The budget `model`'s frames are held to (ms): the strictest its open
-    /// cameras declared; else the latest frame's (its budget left when it
-    /// was sent, a little under the camera's); 0 when neither is known.
+    /// cameras declared; else the latest frame's (its whole budget, counted
+    /// from capture since protocol version 3); 0 when neither is known.
     fn budget_ms(&self, model: &str) -> f64 {
         let declared = self
             .edges
