@@ -37,10 +37,15 @@ demo: release
 ## Every test: unit, property, fuzz-corpus replay, and the multi-process integration tests.
 ## Its setup adds the CUDA worker image's libraries (setup.sh --cuda), which
 ## gateway/tests/container_images.rs builds that image from.
+## CPU_HOGS=N runs the tests (once built) with N busy loops beside them
+## (scripts/with-cpu-hogs.sh), as on a machine that other work keeps busy;
+## CI runs one. Tests assert no speed, so they pass with or without.
+CPU_HOGS ?= 0
 test:
 	@bash scripts/setup.sh --cuda
 	$(CARGO) build --workspace --bins
-	$(CARGO) test --workspace --all-features --no-fail-fast
+	$(CARGO) test --workspace --all-features --no-run
+	bash scripts/with-cpu-hogs.sh $(CPU_HOGS) -- $(CARGO) test --workspace --all-features --no-fail-fast
 
 lint: setup
 	$(CARGO) fmt --all --check

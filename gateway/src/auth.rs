@@ -225,6 +225,16 @@ impl Access {
         })
     }
 
+    /// The weight of the edge `name` in force (1 when it is not listed).
+    pub fn edge_weight(&self, name: &str) -> u32 {
+        self.lock()
+            .credentials
+            .edges
+            .iter()
+            .find(|p| p.name == name)
+            .map_or(1, Principal::weight)
+    }
+
     /// The admin token's digest in force.
     pub fn admin_token_sha256(&self) -> Option<String> {
         self.lock().credentials.admin_token_sha256.clone()
@@ -284,6 +294,7 @@ mod tests {
         Principal {
             name: name.into(),
             token_sha256: hash_token(token),
+            weight: None,
         }
     }
 

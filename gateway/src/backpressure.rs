@@ -137,15 +137,18 @@ impl Backpressure {
     }
 
     /// A frame of `camera` finished with `status`, lost to the workers'
-    /// capacity when it was shed or expired for anything but `no_worker`
-    /// or `late_on_arrival`. A camera never seen (or forgotten with its
+    /// capacity when it was shed or expired for anything but `no_worker`,
+    /// `late_on_arrival` or `edge_gone`. A camera never seen (or forgotten with its
     /// edge) is ignored: outcomes of an edge that has gone must not bring
     /// its cameras back.
     pub fn on_outcome(&mut self, edge: EdgeId, camera: &str, status: &Status) {
         let capacity = matches!(status, Status::Expired)
             || matches!(
                 status,
-                Status::Shed(s) if !matches!(s, ShedReason::NoWorker | ShedReason::LateOnArrival)
+                Status::Shed(s) if !matches!(
+                    s,
+                    ShedReason::NoWorker | ShedReason::LateOnArrival | ShedReason::EdgeGone
+                )
             );
         self.on_outcome_as(edge, camera, status, capacity);
     }

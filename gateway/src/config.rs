@@ -31,6 +31,10 @@ pub struct Config {
     /// `[[workers]]` only.
     #[serde(default)]
     pub leasing: Option<LeasingConfig>,
+    /// What one peer may make the gateway hold: partly received frames,
+    /// connections before login, connections and cameras per edge name.
+    #[serde(default)]
+    pub limits: LimitsConfig,
 }
 
 /// Where leases come from.
@@ -282,6 +286,16 @@ pub struct HttpConfig {
     /// those routes are refused.
     #[serde(default)]
     pub admin_token_sha256: Option<String>,
+    /// Time a connection has to send a whole request head (ms), from when
+    /// it is accepted or its last response was written; then it is
+    /// closed. Bounds what a slowloris client or an idle keep-alive
+    /// connection holds.
+    #[serde(default = "default_header_read_timeout_ms")]
+    pub header_read_timeout_ms: u32,
+    /// Connections open at once; one more is closed as it is accepted
+    /// (`tidegate_http_connections_refused_total`).
+    #[serde(default = "default_http_max_connections")]
+    pub max_connections: usize,
 }
 
 impl std::fmt::Debug for HttpConfig {
@@ -292,6 +306,8 @@ impl std::fmt::Debug for HttpConfig {
                 "admin_token_sha256",
                 &self.admin_token_sha256.as_ref().map(|_| "<redacted>"),
             )
+            .field("header_read_timeout_ms", &self.header_read_timeout_ms)
+            .field("max_connections", &self.max_connections)
             .finish()
     }
 }
@@ -301,8 +317,34 @@ impl Default for HttpConfig {
         HttpConfig {
             listen: default_http_listen(),
             admin_token_sha256: None,
+            header_read_timeout_ms: default_header_read_timeout_ms(),
+            max_connections: default_http_max_connections(),
         }
     }
+}
+
+impl HttpConfig {
+    /// What one HTTP client may hold, for the API's accept loop.
+    pub fn limits(&self) -> crate::http_listener::HttpLimits {
+        crate::http_listener::HttpLimits {
+            header_read_timeout: std::time::Duration::from_millis(
+                self.header_read_timeout_ms.into(),
+            ),
+            max_connections: self.max_connections,
+        }
+    }
+}
+
+/// Ten seconds: a request head is one packet from a scraper or a browser
+/// on any real link.
+fn default_header_read_timeout_ms() -> u32 {
+    10_000
+}
+
+/// A few Prometheus servers, dashboards and operators' scripts need a
+/// handful; 256 descriptors are cheap.
+fn default_http_max_connections() -> usize {
+    256
 }
 
 /// Whether `s` is a 64-digit hex SHA-256.
@@ -324,9 +366,14 @@ pub struct SchedulerConfig {
     /// Most frames queued in total.
     #[serde(default = "default_max_queued")]
     pub max_queued: usize,
-    /// Most frames queued per edge.
+    /// Most frames queued per edge name (all its connections together).
     #[serde(default = "default_max_queued_per_edge")]
     pub max_queued_per_edge: usize,
+    /// The longest budget a frame is held to (ms): a frame (or a camera's
+    /// `CameraOpen`) that declares more is served as if it had declared
+    /// this, so that no edge can park frames in the queue for longer.
+    #[serde(default = "default_max_budget_ms")]
+    pub max_budget_ms: u32,
     /// Batches sent to a worker before the previous ones return (1..=4).
     #[serde(default = "default_pipeline_depth")]
     pub pipeline_depth: usize,
@@ -343,6 +390,10 @@ pub struct SchedulerConfig {
     /// unanswered before the worker counts as stalled and is dropped (ms).
     #[serde(default = "default_stall_timeout_ms")]
     pub stall_timeout_ms: u32,
+    /// `[scheduler.health]`: when a worker failing its frames is demoted,
+    /// and how it is probed back.
+    #[serde(default)]
+    pub health: crate::health::HealthSettings,
 }
 
 impl Default for SchedulerConfig {
@@ -351,11 +402,13 @@ impl Default for SchedulerConfig {
             return_margin_ms: default_return_margin_ms(),
             max_queued: default_max_queued(),
             max_queued_per_edge: default_max_queued_per_edge(),
+            max_budget_ms: default_max_budget_ms(),
             pipeline_depth: default_pipeline_depth(),
             hints: true,
             hint_window_ms: default_hint_window_ms(),
             hint_shed_ratio: default_hint_shed_ratio(),
             stall_timeout_ms: default_stall_timeout_ms(),
+            health: Default::default(),
         }
     }
 }
@@ -386,6 +439,130 @@ fn default_max_queued() -> usize {
 fn default_max_queued_per_edge() -> usize {
     256
 }
+/// Ten seconds: a hundred times an 80 ms budget, far beyond any camera's
+/// need, and short enough that a queue filled with such frames drains.
+fn default_max_budget_ms() -> u32 {
+    10_000
+}
+
+/// `[limits]`: bounds on what peers may make the gateway hold, so that one
+/// authenticated edge, or strangers that never log in, cannot take its
+/// memory (docs/operations.md, "Limits").
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Bytes of partly received frames one connection may hold: each frame
+    /// reserves its declared length before its body is read, and a frame
+    /// that finds no room is refused (`memory_budget`). A frame larger than
+    /// this is always refused.
+    #[serde(default = "default_edge_inflight_bytes")]
+    pub edge_inflight_bytes: u64,
+    /// Bytes of partly received frames all connections together may hold.
+    #[serde(default = "default_inflight_bytes_total")]
+    pub inflight_bytes_total: u64,
+    /// Time a frame stream has, from when it is accepted, to deliver its
+    /// whole frame; a slower one is reset and counted (`read_timeout`): a
+    /// frame this late is past any real-time budget (ms).
+    #[serde(default = "default_frame_read_timeout_ms")]
+    pub frame_read_timeout_ms: u32,
+    /// Time a connection has to send its `Hello` (ms).
+    #[serde(default = "default_hello_timeout_ms")]
+    pub hello_timeout_ms: u32,
+    /// Connections that have not logged in yet (handshaking, or waiting
+    /// for their `Hello`) at once; more are refused as they arrive.
+    #[serde(default = "default_max_unauthenticated")]
+    pub max_unauthenticated: usize,
+    /// Connections one edge name may have open at once.
+    #[serde(default = "default_max_connections_per_edge")]
+    pub max_connections_per_edge: usize,
+    /// Cameras one edge name may have open at once, over all its
+    /// connections (a camera open on two of them counts once).
+    #[serde(default = "default_max_cameras_per_edge")]
+    pub max_cameras_per_edge: usize,
+    /// Control messages one edge connection may send a second, sustained;
+    /// more are dropped before the hub
+    /// (`tidegate_control_messages_dropped_total`).
+    #[serde(default = "default_control_messages_per_second")]
+    pub control_messages_per_second: u32,
+    /// Control messages one edge connection may send at once above the
+    /// sustained rate.
+    #[serde(default = "default_control_burst")]
+    pub control_burst: u32,
+    /// Messages over the rate an edge connection may have dropped, beyond
+    /// what the rate refills, before it is closed as a flood.
+    #[serde(default = "default_control_flood_drops")]
+    pub control_flood_drops: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            edge_inflight_bytes: default_edge_inflight_bytes(),
+            inflight_bytes_total: default_inflight_bytes_total(),
+            frame_read_timeout_ms: default_frame_read_timeout_ms(),
+            hello_timeout_ms: default_hello_timeout_ms(),
+            max_unauthenticated: default_max_unauthenticated(),
+            max_connections_per_edge: default_max_connections_per_edge(),
+            max_cameras_per_edge: default_max_cameras_per_edge(),
+            control_messages_per_second: default_control_messages_per_second(),
+            control_burst: default_control_burst(),
+            control_flood_drops: default_control_flood_drops(),
+        }
+    }
+}
+
+impl LimitsConfig {
+    /// The control-message rate each edge connection is held to.
+    pub fn control_rate(&self) -> crate::ratelimit::ControlRate {
+        crate::ratelimit::ControlRate {
+            per_second: self.control_messages_per_second,
+            burst: self.control_burst,
+            flood: self.control_flood_drops,
+        }
+    }
+}
+
+fn default_control_messages_per_second() -> u32 {
+    crate::ratelimit::ControlRate::DEFAULT_PER_SECOND
+}
+fn default_control_burst() -> u32 {
+    crate::ratelimit::ControlRate::DEFAULT_BURST
+}
+fn default_control_flood_drops() -> u32 {
+    crate::ratelimit::ControlRate::DEFAULT_FLOOD
+}
+
+/// A 4K RGB frame (24.9 MB) twice over; a 720p one (2.8 MB) 24 times.
+fn default_edge_inflight_bytes() -> u64 {
+    64 * 1024 * 1024
+}
+/// Eight edges each holding their whole budget.
+fn default_inflight_bytes_total() -> u64 {
+    512 * 1024 * 1024
+}
+/// Far above a real-time budget (80 ms to 1 s), far below the QUIC idle
+/// timeout (10 s) that would otherwise be a trickling stream's only bound.
+fn default_frame_read_timeout_ms() -> u32 {
+    2000
+}
+/// A `Hello` is one round trip after the handshake.
+fn default_hello_timeout_ms() -> u32 {
+    2000
+}
+/// Each costs at most a few tens of KiB before login
+/// (`tidegate_protocol::quic::BEFORE_LOGIN_RECEIVE_WINDOW` and QUIC's own
+/// state); a fleet reconnecting at once beyond this redials with backoff.
+fn default_max_unauthenticated() -> usize {
+    256
+}
+/// An edge needs one; a few more cover a redial that overlaps the old
+/// connection's idle timeout.
+fn default_max_connections_per_edge() -> usize {
+    8
+}
+fn default_max_cameras_per_edge() -> usize {
+    crate::server::MAX_CAMERAS_PER_EDGE
+}
 
 /// An edge or worker allowed to connect, with its token's SHA-256 digest.
 #[derive(Clone, Deserialize)]
@@ -395,6 +572,52 @@ pub struct Principal {
     pub name: String,
     /// Hex SHA-256 of its token (`tidegate-gateway hash-token`).
     pub token_sha256: String,
+    /// `[[edges]]` only: the edge's share of the gateway's queue and
+    /// workers against the other edges' when they compete (1 when unset,
+    /// at most [`crate::scheduler::MAX_WEIGHT`]); every connection under its
+    /// name shares it.
+    #[serde(default)]
+    pub weight: Option<u32>,
+}
+
+impl Principal {
+    /// Its weight (1 when unset).
+    pub fn weight(&self) -> u32 {
+        self.weight.unwrap_or(1)
+    }
+}
+
+impl Config {
+    /// Edge weights are in `1..=MAX_WEIGHT` and the same for every entry of
+    /// a name; workers have none.
+    fn validate_weights(&self) -> Result<(), ConfigError> {
+        let max = crate::scheduler::MAX_WEIGHT;
+        if let Some(w) = self.workers.iter().find(|w| w.weight.is_some()) {
+            return Err(ConfigError::Invalid(format!(
+                "worker '{}' has a weight; weights share the queue among [[edges]] only",
+                w.name
+            )));
+        }
+        let mut seen: std::collections::HashMap<&str, u32> = std::collections::HashMap::new();
+        for e in &self.edges {
+            let w = e.weight();
+            if !(1..=max).contains(&w) {
+                return Err(ConfigError::Invalid(format!(
+                    "edge '{}' has weight {w}; use 1..={max} (1 is everyone's default)",
+                    e.name
+                )));
+            }
+            if let Some(other) = seen.insert(e.name.as_str(), w)
+                && other != w
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "edge '{}' is listed with weights {other} and {w}; give every entry of a name the same weight",
+                    e.name
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Principal {
@@ -483,6 +706,17 @@ impl Config {
                 "http.admin_token_sha256 is not a 64-digit hex SHA-256; make one with `tidegate-gateway hash-token <TOKEN>`".into(),
             ));
         }
+        if self.http.header_read_timeout_ms < 100 {
+            return Err(ConfigError::Invalid(format!(
+                "http.header_read_timeout_ms = {} leaves no time to send a request; use at least 100",
+                self.http.header_read_timeout_ms
+            )));
+        }
+        if self.http.max_connections == 0 {
+            return Err(ConfigError::Invalid(
+                "http.max_connections = 0 would refuse every API client; use at least 1".into(),
+            ));
+        }
         for p in self.edges.iter().chain(&self.workers) {
             if !is_sha256_hex(&p.token_sha256) {
                 return Err(ConfigError::Invalid(format!(
@@ -518,6 +752,10 @@ impl Config {
                 self.scheduler.stall_timeout_ms
             )));
         }
+        self.scheduler
+            .health
+            .validate()
+            .map_err(ConfigError::Invalid)?;
         if self.scheduler.hint_window_ms < 100 {
             return Err(ConfigError::Invalid(format!(
                 "scheduler.hint_window_ms = {} is too short to measure a rate; use at least 100",
@@ -535,8 +773,61 @@ impl Config {
                 "scheduler.max_queued and max_queued_per_edge must be at least 1".into(),
             ));
         }
+        if self.scheduler.max_budget_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "scheduler.max_budget_ms = 0 would make every frame late; use at least 1".into(),
+            ));
+        }
+        self.validate_weights()?;
+        self.limits.validate()?;
         if let Some(l) = &self.leasing {
             l.validate()?;
+        }
+        Ok(())
+    }
+}
+
+impl LimitsConfig {
+    /// Checks values that serde cannot: every limit lets something through.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let l = self;
+        if l.edge_inflight_bytes == 0 || l.inflight_bytes_total < l.edge_inflight_bytes {
+            return Err(ConfigError::Invalid(format!(
+                "limits.edge_inflight_bytes = {} must be at least 1 and at most limits.inflight_bytes_total = {}",
+                l.edge_inflight_bytes, l.inflight_bytes_total
+            )));
+        }
+        for (key, v) in [
+            ("frame_read_timeout_ms", l.frame_read_timeout_ms),
+            ("hello_timeout_ms", l.hello_timeout_ms),
+        ] {
+            if v < 100 {
+                return Err(ConfigError::Invalid(format!(
+                    "limits.{key} = {v} leaves no time to send over a real link; use at least 100"
+                )));
+            }
+        }
+        for (key, v) in [
+            ("max_unauthenticated", l.max_unauthenticated),
+            ("max_connections_per_edge", l.max_connections_per_edge),
+            ("max_cameras_per_edge", l.max_cameras_per_edge),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "limits.{key} = 0 would refuse every edge; use at least 1"
+                )));
+            }
+        }
+        for (key, v) in [
+            ("control_messages_per_second", l.control_messages_per_second),
+            ("control_burst", l.control_burst),
+            ("control_flood_drops", l.control_flood_drops),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "limits.{key} = 0 would drop or close every edge's control stream; use at least 1"
+                )));
+            }
         }
         Ok(())
     }
@@ -824,6 +1115,53 @@ mod tests {
     use super::*;
 
     #[test]
+    fn limits_default_to_bounded_budgets_and_values_that_let_nothing_through_are_refused() {
+        let cfg = Config::default_config();
+        assert_eq!(cfg.limits, LimitsConfig::default());
+        assert_eq!(cfg.limits.edge_inflight_bytes, 64 * 1024 * 1024);
+        assert_eq!(cfg.limits.inflight_bytes_total, 512 * 1024 * 1024);
+        assert_eq!(cfg.limits.max_connections_per_edge, 8);
+        assert_eq!(cfg.limits.max_cameras_per_edge, 1024);
+        cfg.validate().unwrap();
+        for (text, key) in [
+            ("edge_inflight_bytes = 0", "edge_inflight_bytes"),
+            (
+                "edge_inflight_bytes = 200\ninflight_bytes_total = 100",
+                "inflight_bytes_total",
+            ),
+            ("frame_read_timeout_ms = 10", "frame_read_timeout_ms"),
+            ("hello_timeout_ms = 0", "hello_timeout_ms"),
+            ("max_unauthenticated = 0", "max_unauthenticated"),
+            ("max_connections_per_edge = 0", "max_connections_per_edge"),
+            ("max_cameras_per_edge = 0", "max_cameras_per_edge"),
+        ] {
+            let cfg: Config = toml::from_str(&format!("[limits]\n{text}\n")).unwrap();
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn worker_health_settings_parse_under_the_scheduler_and_bad_ones_name_their_key() {
+        let cfg: Config = toml::from_str(
+            "[scheduler.health]\nwindow = 16\nmax_failure_ratio = 0.25\nprobe_frames = 2\n",
+        )
+        .unwrap();
+        let p = cfg.scheduler.health.policy();
+        assert_eq!(
+            (p.window, p.min_samples),
+            (16, 8),
+            "unset keys keep defaults"
+        );
+        assert_eq!((p.max_failure_permille, p.probe_frames), (250, 2));
+        cfg.validate().unwrap();
+        let cfg: Config = toml::from_str("[scheduler.health]\nbackoff_ms = 0\n").unwrap();
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("scheduler.health.backoff_ms"), "{e}");
+        assert!(toml::from_str::<Config>("[scheduler.health]\nwindw = 3\n").is_err());
+    }
+
+    #[test]
     fn unknown_field_is_rejected_with_its_name() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("g.toml");
@@ -872,6 +1210,39 @@ mod tests {
             let same: Config = toml::from_str(&(entry(kind, "old") + &entry(kind, "old"))).unwrap();
             let e = same.validate().unwrap_err().to_string();
             assert!(e.contains("'n' is listed twice with the same token"), "{e}");
+        }
+    }
+
+    #[test]
+    fn edge_weights_default_to_one_and_bad_ones_name_the_edge() {
+        let entry = |kind: &str, token: &str, weight: &str| {
+            format!(
+                "[[{kind}]]\nname = \"n\"\ntoken_sha256 = \"{}\"\n{weight}",
+                crate::auth::hash_token(token)
+            )
+        };
+        let cfg: Config = toml::from_str(&entry("edges", "t", "")).unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.edges[0].weight(), 1);
+        assert_eq!(cfg.scheduler.max_budget_ms, 10_000);
+        for (toml, want) in [
+            (entry("edges", "t", "weight = 0\n"), "edge 'n' has weight 0"),
+            (
+                entry("workers", "t", "weight = 2\n"),
+                "worker 'n' has a weight",
+            ),
+            (
+                entry("edges", "a", "weight = 2\n") + &entry("edges", "b", "weight = 3\n"),
+                "edge 'n' is listed with weights 2 and 3",
+            ),
+            (
+                "[scheduler]\nmax_budget_ms = 0\n".to_string(),
+                "max_budget_ms = 0",
+            ),
+        ] {
+            let cfg: Config = toml::from_str(&toml).unwrap();
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{toml}: {e}");
         }
     }
 
@@ -1172,5 +1543,51 @@ mod tests {
             e.contains("http.admin_token_sha256") && e.contains("hash-token"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn hostile_client_bounds_default_to_documented_values_and_zero_is_refused_by_name() {
+        let cfg = Config::default_config();
+        let http = cfg.http.limits();
+        assert_eq!(http.header_read_timeout, std::time::Duration::from_secs(10));
+        assert_eq!(http.max_connections, 256);
+        assert_eq!(
+            cfg.limits.control_rate(),
+            crate::ratelimit::ControlRate::default()
+        );
+        let cfg: Config = toml::from_str(
+            "[http]\nheader_read_timeout_ms = 500\nmax_connections = 4\n[limits]\ncontrol_messages_per_second = 10\ncontrol_burst = 20\ncontrol_flood_drops = 30\n",
+        )
+        .unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.http.limits().max_connections, 4);
+        assert_eq!(
+            cfg.limits.control_rate(),
+            crate::ratelimit::ControlRate {
+                per_second: 10,
+                burst: 20,
+                flood: 30
+            }
+        );
+        for (text, key) in [
+            (
+                "[http]\nheader_read_timeout_ms = 10",
+                "http.header_read_timeout_ms",
+            ),
+            ("[http]\nmax_connections = 0", "http.max_connections"),
+            (
+                "[limits]\ncontrol_messages_per_second = 0",
+                "limits.control_messages_per_second",
+            ),
+            ("[limits]\ncontrol_burst = 0", "limits.control_burst"),
+            (
+                "[limits]\ncontrol_flood_drops = 0",
+                "limits.control_flood_drops",
+            ),
+        ] {
+            let cfg: Config = toml::from_str(&format!("{text}\n")).unwrap();
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
     }
 }

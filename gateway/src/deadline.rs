@@ -174,6 +174,14 @@ impl Admission {
     }
 }
 
+/// `budget_us` held to the gateway's longest budget (`[scheduler]
+/// max_budget_ms`): a frame that declares more is served as if it had
+/// declared that, so that no edge can keep frames queued for longer (a
+/// budget of `u32::MAX` µs is 71 minutes).
+pub fn capped_budget_us(budget_us: u32, max_budget_ms: u32) -> u32 {
+    budget_us.min(max_budget_ms.saturating_mul(1000))
+}
+
 /// The local deadline of a frame that arrived at `arrived_us`, captured at
 /// `captured_at_us` on the edge's clock with `budget_us` counted from then:
 ///
@@ -308,6 +316,14 @@ mod tests {
         let a = admit(arrived, captured, 80_000, Some(offset), 20_000, 2_000);
         assert_eq!(a.deadline_us, arrived + 53_000);
         assert!(!a.is_late(arrived));
+    }
+
+    #[test]
+    fn a_budget_over_the_gateways_longest_is_cut_to_it() {
+        assert_eq!(capped_budget_us(u32::MAX, 10_000), 10_000_000);
+        assert_eq!(capped_budget_us(80_000, 10_000), 80_000);
+        // A cap beyond what µs in a u32 can say leaves every budget alone.
+        assert_eq!(capped_budget_us(u32::MAX, u32::MAX), u32::MAX);
     }
 
     #[test]

@@ -91,6 +91,9 @@ pub enum HubMsg {
         edge: EdgeId,
         /// Its configured name.
         name: String,
+        /// Its configured weight: its name's share of the queue and of the
+        /// workers against the other edges' (see [`crate::scheduler`]).
+        weight: u32,
         /// Where its results go (the connection's result writer), bounded
         /// by bytes as well as results.
         results: queue::Sender<FrameResult>,
@@ -278,6 +281,9 @@ pub struct WorkerView {
     pub profile: Vec<(String, u16, u32)>,
     /// Takes no new batch (it is draining, or an unbound static worker).
     pub draining: bool,
+    /// Demoted for failing its frames: it gets only probe batches until
+    /// one succeeds (see `tidegate_gateway::health`).
+    pub demoted: bool,
     /// The lease it serves, if any.
     pub lease: Option<u64>,
     /// A static worker bound to no lease: connected and registered, it
@@ -316,8 +322,9 @@ pub struct LoadReport {
     /// The same per lease, edge and model, for the ledger's showback.
     pub usage: Vec<UsageReport>,
     /// Leases whose worker the hub dropped as stalled since the last
-    /// report (a batch far past due while its connection lived); the
-    /// lease shell replaces those that stall twice.
+    /// report (a batch far past due while its connection lived), or
+    /// demoted for failing its frames (or failing its probe); the lease
+    /// shell replaces those reported twice within its window.
     pub stalled: Vec<LeaseId>,
 }
 
@@ -739,6 +746,9 @@ impl State {
     }
 
     fn update_worker_gauges(&self) {
+        self.metrics
+            .workers_demoted
+            .set(self.scheduler.demoted_count() as i64);
         let (total, busy) = self.scheduler.worker_counts();
         self.metrics
             .workers
@@ -755,19 +765,21 @@ impl State {
             HubMsg::EdgeConnected {
                 edge,
                 name,
+                weight,
                 results,
                 hints,
             } => {
                 self.edges.insert(
                     edge,
                     EdgeEntry {
-                        name: name.into(),
+                        name: name.as_str().into(),
                         results,
                         hints,
                         cameras: HashMap::new(),
                     },
                 );
                 self.metrics.edges_connected.set(self.edges.len() as i64);
+                self.step(Event::EdgeJoined { edge, name, weight });
             }
             HubMsg::CameraOpened {
                 edge,
@@ -780,8 +792,22 @@ impl State {
                 }
             }
             HubMsg::EdgeGone { edge } => {
-                // Its frames still finish and are accounted; results for it
-                // are dropped (and counted) when they complete.
+                // Its queued frames are dropped (`edge_gone`, counted), and
+                // so are its frames that trail this message; those on a
+                // worker still finish, and their results are counted
+                // undeliverable when they complete.
+                let before = self.scheduler.counters().shed;
+                self.step(Event::EdgeGone { edge });
+                let c = self.scheduler.counters();
+                // What was on the workers, and what had ended, as it went:
+                // no more than the first of its frames can end after.
+                tracing::info!(
+                    edge = edge.0,
+                    dropped = c.shed - before,
+                    on_workers = c.dispatched,
+                    ended = c.ok + c.failed + c.expired,
+                    "edge connection gone; its queued frames dropped"
+                );
                 if let Some(gone) = self.edges.remove(&edge) {
                     if self.gone_edges.len() >= GONE_EDGES_KEPT {
                         self.gone_edges.pop_front();
@@ -936,16 +962,23 @@ impl State {
                         }
                     }
                     let id = FrameId(item.id);
+                    // Every answer goes to the scheduler, which judges the
+                    // worker by them (one for a frame the batch does not
+                    // hold is malformed); only the batch's own frames take
+                    // their answer's outputs.
+                    outcomes.push((id, item.status.clone()));
+                    if !self.scheduler.batch_holds(batch, id) {
+                        continue;
+                    }
                     if let Some(p) = self.pending.get_mut(&id) {
                         p.served_by = lease;
                         p.busy_us = share;
-                        outcomes.push((id, item.status.clone()));
                         self.outputs.insert(id, item);
                     }
                 }
                 let model = outcomes
-                    .first()
-                    .and_then(|(id, _)| self.pending.get(id))
+                    .iter()
+                    .find_map(|(id, _)| self.pending.get(id))
                     .map(|p| p.frame.model.clone());
                 if let Some(model) = model.filter(|_| size > 0) {
                     self.metrics
@@ -1149,6 +1182,43 @@ impl State {
                     self.stalled_leases.insert(lease);
                 }
             }
+            Action::WorkerDemoted {
+                worker,
+                model,
+                reason,
+                backoff_us,
+                probe_failed,
+            } => {
+                let Some(w) = self.workers.get(&worker) else {
+                    return;
+                };
+                let name = w.register.worker.as_str();
+                let backoff_ms = backoff_us / 1000;
+                if probe_failed {
+                    tracing::warn!(worker = worker.0, %name, %model, backoff_ms, "probe failed: {reason}; the worker stays demoted");
+                } else {
+                    tracing::warn!(worker = worker.0, %name, %model, backoff_ms, "worker demoted: {reason}; it gets no batch until a probe succeeds");
+                    self.metrics
+                        .worker_demotions
+                        .with_label_values(&[model.as_str(), reason.label()])
+                        .inc();
+                }
+                if let Some(lease) = w.lease {
+                    // The stall hook: the lease shell keeps a lease after
+                    // one report and replaces it at the second within its
+                    // window, so a worker that fails its probe too is
+                    // replaced, and one demoted once and restored is not.
+                    self.stalled_leases.insert(lease);
+                }
+            }
+            Action::WorkerRestored { worker } => {
+                let name = self
+                    .workers
+                    .get(&worker)
+                    .map(|w| w.register.worker.clone())
+                    .unwrap_or_default();
+                tracing::info!(worker = worker.0, %name, "probe succeeded; the worker serves again");
+            }
             Action::Complete {
                 frame,
                 status,
@@ -1187,6 +1257,18 @@ impl State {
                 };
                 timings.queue_us = queue_us;
                 let model = p.frame.model.as_str();
+                if status == Status::Shed(tidegate_protocol::ShedReason::EdgeGone) {
+                    // Never run, and nobody is there to take its result.
+                    self.metrics
+                        .frames
+                        .with_label_values(&[model, status.label()])
+                        .inc();
+                    self.metrics
+                        .frames_dropped
+                        .with_label_values(&["edge_gone"])
+                        .inc();
+                    return;
+                }
                 if let Some(bp) = self.backpressure.as_mut() {
                     bp.on_outcome_as(p.edge, &p.frame.camera, &status, capacity);
                 }
@@ -1358,6 +1440,7 @@ impl State {
                         .map(|p| (p.model.clone(), p.batch, p.latency_us))
                         .collect(),
                     draining: w.draining,
+                    demoted: self.scheduler.is_demoted(*id),
                     lease: w.lease.map(|l| l.0),
                     unbound: w.static_name.is_some() && w.lease.is_none(),
                 })
@@ -1534,6 +1617,7 @@ pub(crate) mod tests {
         hub.send(HubMsg::EdgeConnected {
             edge: EdgeId(1),
             name: "e".into(),
+            weight: 1,
             results,
             hints: HintBox::new(),
         })
@@ -1647,6 +1731,7 @@ pub(crate) mod tests {
         hub.send(HubMsg::EdgeConnected {
             edge: EdgeId(1),
             name: "e".into(),
+            weight: 1,
             results,
             hints: hints.clone(),
         })
@@ -1761,18 +1846,36 @@ pub(crate) mod tests {
         cancel.cancel();
     }
 
-    /// A frame that trails its edge's `EdgeGone` (they come from separate
-    /// tasks) is still run, and its worker time is its edge's, not an
-    /// unnamed edge's.
+    /// A frame on a worker when its edge goes still finishes (its result
+    /// counted undeliverable), and its worker time is its edge's, not an
+    /// unnamed edge's; a frame that trails the edge's `EdgeGone` (they come
+    /// from separate tasks) is dropped unserved and counted.
     #[tokio::test]
-    async fn a_frame_that_trails_its_edge_is_accounted_to_that_edge() {
+    async fn a_running_frame_of_a_gone_edge_finishes_on_its_account_and_a_trailing_one_is_dropped()
+    {
         let metrics = Metrics::new();
         let (hub, cancel) = hub_with(metrics.clone());
         let mut batches = connect_worker(&hub, Some(LeaseId(7))).await;
         let _answers = connect_edge(&hub).await;
-        hub.send(HubMsg::EdgeGone { edge: EdgeId(1) }).await;
         let d = dispatched(&hub, &mut batches, 1).await;
+        hub.send(HubMsg::EdgeGone { edge: EdgeId(1) }).await;
+        send_frame(&hub, 2, 500).await;
+        // The hub takes its messages in order: once it answers, frame 2 was
+        // handled.
+        hub.snapshot().await.unwrap();
+        assert!(
+            batches.try_recv().is_err(),
+            "a trailing frame was dispatched"
+        );
+        assert_eq!(
+            metrics
+                .frames_dropped
+                .with_label_values(&["edge_gone"])
+                .get(),
+            1
+        );
         answer(&hub, &d, ok_item).await;
+        eventually_counted(&metrics, 1).await;
         let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
         assert_eq!(r.usage.len(), 1, "{r:?}");
         assert_eq!(r.usage[0].edge, "e", "{r:?}");
@@ -2195,7 +2298,20 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn results_past_an_edges_byte_budget_are_dropped_and_counted() {
         let metrics = Metrics::new();
-        let (hub, cancel) = hub_with(metrics.clone());
+        // The answer for a frame not in the batch (below) demotes the
+        // worker as malformed; with a 1 µs back-off its next batch is the
+        // probe that restores it, so the frames that follow are still run.
+        let limits = Limits {
+            health: crate::health::HealthPolicy {
+                backoff_us: 1,
+                max_backoff_us: 1,
+                ..Default::default()
+            },
+            ..Limits::default()
+        };
+        let cancel = CancellationToken::new();
+        let tracker = tokio_util::task::TaskTracker::new();
+        let hub = spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
         let mut batches = connect_worker(&hub, None).await;
         // 64 KiB of raw output a frame; the edge's queue has room for the
         // bytes of one such result, though it has slots for eight.
@@ -2258,6 +2374,104 @@ pub(crate) mod tests {
             "the output of a batch of one is its buffer's own, not copied"
         );
         assert_eq!(metrics.undeliverable.get(), 1);
+        cancel.cancel();
+    }
+
+    /// A worker that leaves a frame of its batch unanswered: the frame fails
+    /// once, and the worker is demoted at once (even as the only worker),
+    /// counted, shown in the API, and its lease reported to the lease
+    /// shell; while it backs off it gets no batch.
+    #[tokio::test]
+    async fn a_worker_returning_a_short_batch_is_demoted_counted_shown_and_its_lease_reported() {
+        let metrics = Metrics::new();
+        let (hub, cancel) = hub_with(metrics.clone());
+        let mut batches = connect_worker(&hub, Some(LeaseId(3))).await;
+        let mut answers = connect_edge(&hub).await;
+        let d = dispatched(&hub, &mut batches, 1).await;
+        hub.send(HubMsg::BatchDone {
+            worker: WorkerId(1),
+            result: BatchResult {
+                batch: d.batch,
+                items: Vec::new(),
+            },
+        })
+        .await;
+        let r = recv_result(&mut answers).await;
+        assert_eq!(
+            r.status,
+            Status::Failed("worker returned no result for this frame".into())
+        );
+        let snap = hub.snapshot().await.unwrap();
+        assert!(snap.workers[0].demoted, "{:?}", snap.workers);
+        assert_eq!(
+            metrics
+                .worker_demotions
+                .with_label_values(&[MODEL, "short_result"])
+                .get(),
+            1
+        );
+        assert_eq!(metrics.workers_demoted.get(), 1);
+        let report = hub.load_report(vec![]).await.unwrap();
+        assert_eq!(report.stalled, vec![LeaseId(3)]);
+        // Backing off (a second by default), it counts for no capacity: a
+        // frame now has no worker.
+        send_frame(&hub, 2, 500).await;
+        let r = recv_result(&mut answers).await;
+        assert_eq!(
+            (r.seq, r.status),
+            (2, Status::Shed(tidegate_protocol::ShedReason::NoWorker))
+        );
+        assert!(batches.try_recv().is_err(), "no batch while it backs off");
+        assert!(answers.try_recv().is_none(), "one result per frame");
+        cancel.cancel();
+    }
+
+    /// An answer for a frame of another batch is not taken: the frame keeps
+    /// its own worker's answer, and the liar is demoted as malformed.
+    #[tokio::test]
+    async fn an_answer_for_a_frame_outside_the_batch_is_ignored_and_demotes_its_worker() {
+        let metrics = Metrics::new();
+        let (hub, cancel) = hub_with(metrics.clone());
+        let mut batches = connect_worker(&hub, None).await;
+        let mut answers = connect_edge(&hub).await;
+        // Frame 1 goes to worker 1 (batch of one); a second frame queues
+        // behind it for the pipeline's second slot.
+        let first = dispatched(&hub, &mut batches, 1).await;
+        let second = dispatched(&hub, &mut batches, 2).await;
+        // Worker 1 answers its first batch, and frame 2 as well (a lie).
+        hub.send(HubMsg::BatchDone {
+            worker: WorkerId(1),
+            result: BatchResult {
+                batch: first.batch,
+                items: vec![
+                    ok_item(first.items[0].id),
+                    ItemResult {
+                        status: Status::Failed("made up".into()),
+                        ..ok_item(second.items[0].id)
+                    },
+                ],
+            },
+        })
+        .await;
+        let r = recv_result(&mut answers).await;
+        assert_eq!((r.seq, r.status), (1, Status::Ok));
+        assert_eq!(
+            metrics
+                .worker_demotions
+                .with_label_values(&[MODEL, "malformed_result"])
+                .get(),
+            1
+        );
+        // Frame 2 still ends once, by its own batch's answer.
+        answer(&hub, &second, ok_item).await;
+        let r = recv_result(&mut answers).await;
+        assert_eq!((r.seq, r.status), (2, Status::Ok));
+        let snap = hub.snapshot().await.unwrap();
+        assert!(
+            snap.frames.balanced() && snap.frames.ok == 2,
+            "{:?}",
+            snap.frames
+        );
         cancel.cancel();
     }
 

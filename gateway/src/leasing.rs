@@ -984,6 +984,13 @@ impl Shell {
         // the acquisitions under way are answered first (each within its
         // provider's deadline): a worker that was started is released below
         self.stopping = true;
+        // named in the log, so that a stop that takes long says what it
+        // waits for
+        info!(
+            acquiring = self.acquiring.len(),
+            releasing = self.in_flight.len(),
+            "lease manager stopping: waiting for the acquisitions and releases under way"
+        );
         while let Some(joined) = self.acquiring.join_next_with_id().await {
             self.acquire_answered(joined).await;
         }
@@ -1017,6 +1024,7 @@ impl Shell {
             });
         }
         let released: Vec<LeaseId> = live.iter().copied().collect();
+        info!(leases = ?released, "lease manager stopping: releasing the live leases");
         // every worker drains at once, then each release waits for its own
         self.source.begin_release(&released).await;
         let mut kept = Vec::new();
@@ -2815,6 +2823,7 @@ min_fps = {min_fps}
         hub.send(HubMsg::EdgeConnected {
             edge: crate::scheduler::EdgeId(1),
             name: "e".into(),
+            weight: 1,
             results,
             hints: crate::hub::HintBox::new(),
         })
@@ -2876,6 +2885,7 @@ min_fps = {min_fps}
         hub.send(HubMsg::EdgeConnected {
             edge: crate::scheduler::EdgeId(1),
             name: "e".into(),
+            weight: 1,
             results,
             hints: crate::hub::HintBox::new(),
         })

@@ -2,6 +2,8 @@
 //! frame against its deadline, and serves the operator API.
 //!
 //! - [`scheduler`]: the pure, clock-injected scheduling state machine.
+//! - [`health`]: the pure policy that demotes a worker failing its frames
+//!   and probes it back.
 //! - [`backpressure`]: the pure policy that turns shedding into frame-rate
 //!   hints for the cameras.
 //! - [`hub`]: the async shell that owns the scheduler, frame payloads and the
@@ -14,8 +16,12 @@
 //! - [`reload`]: configuration reload (SIGHUP, `POST /api/v1/reload`).
 //! - [`api`]: HTTP (`/metrics`, `/healthz`, `/readyz`, `/api/v1/...`, and
 //!   the status page at `/`).
+//! - [`http_listener`]: the API's accept loop: a connection cap and a
+//!   header-read timeout.
 //! - [`status`]: the status page, rendered from the API's snapshot.
 //! - [`metrics`]: Prometheus metrics, registered in one place.
+//! - [`ratelimit`]: the pure token bucket and per-connection policy that
+//!   hold an edge's control messages to a rate.
 //! - [`config`]: the `Config` file and flags.
 //! - [`certs`]: dev CA and certificates (`tidegate-gateway dev-certs`).
 //! - [`simulate`]: `tidegate-gateway simulate`, a trace replayed through the
@@ -28,9 +34,12 @@ pub mod backpressure;
 pub use tidegate_protocol::certs;
 pub mod config;
 pub mod deadline;
+pub mod health;
+pub mod http_listener;
 pub mod hub;
 pub mod leasing;
 pub mod metrics;
+pub mod ratelimit;
 pub mod reload;
 pub mod scheduler;
 pub mod server;

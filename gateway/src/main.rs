@@ -1,6 +1,5 @@
 //! `tidegate-gateway`: the QUIC gateway between edges and GPU workers.
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,7 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tidegate_gateway::config::{Config, ConfigError};
 use tidegate_gateway::{
-    api, auth, certs, hub, leasing, metrics, reload, scheduler, server, simulate,
+    api, auth, certs, http_listener, hub, leasing, metrics, reload, scheduler, server, simulate,
 };
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -175,9 +174,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// How long shutdown waits for HTTP requests under way (and connections
-/// that have not finished sending one) before it closes them: axum's
-/// graceful shutdown alone waits for ever on a client that sent half a
-/// request and went quiet.
+/// that have not finished sending one) before it closes them: a
+/// graceful shutdown alone waits for a request's handler to finish, and a
+/// client that sent half a request waits out its header-read timeout.
 const HTTP_GRACE: Duration = Duration::from_secs(5);
 
 async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<()> {
@@ -185,7 +184,7 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
     // as soon as it is listening must reload or stop it, not kill it by
     // the signal's default action.
     let signals = Signals::install()?;
-    let server_config = tidegate_protocol::quic::server_config_with(
+    let server_config = tidegate_protocol::quic::login_gated_server_config(
         &cfg.quic.cert,
         &cfg.quic.key,
         cfg.quic.congestion,
@@ -211,6 +210,7 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
         max_queued_per_edge: cfg.scheduler.max_queued_per_edge,
         pipeline_depth: cfg.scheduler.pipeline_depth,
         stall_us: u64::from(cfg.scheduler.stall_timeout_ms) * 1000,
+        health: cfg.scheduler.health.policy(),
         ..scheduler::Limits::default()
     };
     let hints = cfg
@@ -263,20 +263,17 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
     let _ = (reloader, hangup);
     {
         let cancel = cancel.clone();
+        let http_limits = cfg.http.limits();
+        let http_metrics = metrics.clone();
         tracker.spawn(async move {
             let shutdown = cancel.clone();
-            let serve = axum::serve(http, api)
-                .with_graceful_shutdown(async move { shutdown.cancelled().await })
-                .into_future();
+            let serve = http_listener::serve(http, api, http_limits, http_metrics, shutdown);
             let grace_over = async {
                 cancel.cancelled().await;
                 tokio::time::sleep(HTTP_GRACE).await;
             };
             tokio::select! {
-                served = serve => if let Err(e) = served {
-                    tracing::error!("HTTP server failed: {e}");
-                    cancel.cancel();
-                },
+                _ = serve => {},
                 _ = grace_over => tracing::warn!(
                     "HTTP connections still open {HTTP_GRACE:?} after shutdown began are closed"
                 ),

@@ -41,13 +41,38 @@ pub struct Metrics {
     pub edges_connected: IntGauge,
     /// `tidegate_frames_rejected_total{reason}`: frames refused before admission.
     pub rejected: IntCounterVec,
+    /// `tidegate_control_messages_dropped_total{kind}`: edge control
+    /// messages over their connection's rate, dropped before the hub
+    /// (`latency_report`, `clock_echo`; `camera_open` ones are refused).
+    pub control_dropped: IntCounterVec,
+    /// `tidegate_quic_connections_refused_total{reason}`: QUIC connections
+    /// refused: `unauthenticated` (at accept, `limits.max_unauthenticated`
+    /// connections not logged in yet) or `edge_connections` (at login,
+    /// `limits.max_connections_per_edge` of its name open).
+    pub quic_refused: IntCounterVec,
+    /// `tidegate_http_connections_refused_total`: HTTP connections closed
+    /// as they were accepted, the API's connection cap being reached.
+    pub http_refused: IntCounter,
     /// `tidegate_results_undeliverable_total`: results whose edge had gone
     /// (before or while they were written), or had stopped taking them (its
     /// queue full).
     pub undeliverable: IntCounter,
+    /// `tidegate_frames_dropped_total{reason}`: admitted frames dropped
+    /// unserved because nobody would get their result: `edge_gone` (their
+    /// edge's connection closed while they were queued, or before they
+    /// arrived).
+    pub frames_dropped: IntCounterVec,
     /// `tidegate_workers_stalled_total`: workers dropped because a batch
     /// went unanswered long past when it was due.
     pub workers_stalled: IntCounter,
+    /// `tidegate_worker_demotions_total{model,reason}`: serving workers
+    /// taken out of dispatch for failing their frames (`short_result`,
+    /// `malformed_result`, `failure_ratio`); a failed probe is not counted
+    /// again.
+    pub worker_demotions: IntCounterVec,
+    /// `tidegate_workers_demoted`: workers demoted now (backing off, or
+    /// being probed).
+    pub workers_demoted: IntGauge,
     /// `tidegate_hints_total{direction}`: frame-rate hints sent to cameras,
     /// `set` (a cap, lowered or raised) or `lift`.
     pub hints: IntCounterVec,
@@ -148,14 +173,56 @@ impl Metrics {
                 &["reason"],
             )
             .expect("valid counter"),
+            control_dropped: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_control_messages_dropped_total",
+                    "Edge control messages over their connection's rate, dropped before reaching the hub, by kind (latency_report, clock_echo, camera_open).",
+                ),
+                &["kind"],
+            )
+            .expect("valid counter"),
+            quic_refused: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_quic_connections_refused_total",
+                    "QUIC connections refused, by reason: unauthenticated (too many not logged in at once), edge_connections (its edge name has its most connections open).",
+                ),
+                &["reason"],
+            )
+            .expect("valid counter"),
+            http_refused: IntCounter::new(
+                "tidegate_http_connections_refused_total",
+                "HTTP API connections closed as they were accepted because [http] max_connections were open.",
+            )
+            .expect("valid counter"),
             workers_stalled: IntCounter::new(
                 "tidegate_workers_stalled_total",
                 "Workers dropped because a batch went unanswered long past when it was due (a hung GPU or runtime).",
             )
             .expect("valid counter"),
+            worker_demotions: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_worker_demotions_total",
+                    "Workers taken out of dispatch for failing their frames, by model and reason (short_result, malformed_result, failure_ratio).",
+                ),
+                &["model", "reason"],
+            )
+            .expect("valid counter"),
+            workers_demoted: IntGauge::new(
+                "tidegate_workers_demoted",
+                "Workers demoted now for failing their frames: they get only probe batches until one succeeds.",
+            )
+            .expect("valid gauge"),
             undeliverable: IntCounter::new(
                 "tidegate_results_undeliverable_total",
                 "Results that could not be sent: their edge had disconnected (before or while its result was written), or stopped taking results until its queue was full.",
+            )
+            .expect("valid counter"),
+            frames_dropped: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_frames_dropped_total",
+                    "Admitted frames dropped unserved because nobody would get their result, by reason: edge_gone (their edge's connection closed while they were queued).",
+                ),
+                &["reason"],
             )
             .expect("valid counter"),
             hints: IntCounterVec::new(
@@ -272,8 +339,14 @@ impl Metrics {
             Box::new(self.workers.clone()),
             Box::new(self.edges_connected.clone()),
             Box::new(self.rejected.clone()),
+            Box::new(self.control_dropped.clone()),
+            Box::new(self.quic_refused.clone()),
+            Box::new(self.http_refused.clone()),
             Box::new(self.undeliverable.clone()),
+            Box::new(self.frames_dropped.clone()),
             Box::new(self.workers_stalled.clone()),
+            Box::new(self.worker_demotions.clone()),
+            Box::new(self.workers_demoted.clone()),
             Box::new(self.hints.clone()),
             Box::new(self.leases.clone()),
             Box::new(self.cost_total.clone()),
@@ -343,6 +416,6 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 24 + 5 * 2, "{names:?}");
+        assert_eq!(names.len(), 30 + 5 * 2, "{names:?}");
     }
 }

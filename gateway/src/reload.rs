@@ -133,7 +133,7 @@ impl TlsReload {
         if serving.0 == cert && serving.1 == key && serving.2 == Some(digest) {
             return Ok(None);
         }
-        let config = tidegate_protocol::quic::server_config_with(cert, key, self.congestion)
+        let config = tidegate_protocol::quic::login_gated_server_config(cert, key, self.congestion)
             .map_err(|e| bad(e.to_string()))?;
         Ok(Some(TlsChange {
             config,

@@ -10,7 +10,23 @@
 //! - one earliest-deadline-first queue per model;
 //! - per camera the newest frame wins: an older frame still queued is shed
 //!   (`superseded`);
-//! - per-edge and global bounds on queued frames (`overloaded`);
+//! - every configured edge (all connections under one `[[edges]]` name,
+//!   see [`Event::EdgeJoined`]) is an *account* with a weight. The queue
+//!   is shared by weight: an account holds at most
+//!   `Limits::max_queued_per_edge` frames, and when the whole queue
+//!   (`Limits::max_queued`) is full a frame of an account under its
+//!   weighted share of it pushes out the least urgent frame of the account
+//!   furthest over its share; a frame of an account at or over its share is
+//!   refused (`overloaded`);
+//! - a batch's frames are picked across accounts by start-time fair
+//!   queuing (each pick goes to the account that has been served least for
+//!   its weight; an account that falls idle banks no credit), earliest
+//!   deadline first within an account; the batch size is still cut to the
+//!   model's earliest queued deadline, so every picked frame makes its
+//!   deadline;
+//! - when an edge connection goes ([`Event::EdgeGone`]) its queued frames
+//!   are dropped (`edge_gone`): their results would have nowhere to go.
+//!   Its frames already on a worker finish as usual;
 //! - a frame that no worker can finish before its deadline, given the
 //!   frames queued ahead of it, the workers' measured latency profiles and
 //!   when the busy ones will be free, is shed before dispatch
@@ -42,11 +58,20 @@
 //!   profile said it would be done is stalled (a hung GPU or runtime, while
 //!   its connection and heartbeats go on): it is dropped
 //!   ([`Action::DropWorker`]) and its frames are handled as a lost worker's,
-//!   failing with `worker stalled`, so that no frame waits for ever.
+//!   failing with `worker stalled`, so that no frame waits for ever;
+//! - each returned batch is judged by the worker's health
+//!   ([`crate::health`]): a short or malformed answer, or a failure share
+//!   over `Limits::health` across its recent frames, demotes the worker
+//!   ([`Action::WorkerDemoted`]). A demoted worker takes no batch and counts
+//!   for no capacity while it backs off; then it is sent one small probe
+//!   batch at a time, and serves again ([`Action::WorkerRestored`]) only
+//!   when a probe comes back whole and mostly `ok`.
 
 use std::collections::{BTreeSet, HashMap};
 
 use tidegate_protocol::{ShedReason, Status};
+
+use crate::health::{DemotionReason, Eligibility, HealthPolicy, Tally, Verdict, WorkerHealth};
 
 /// Gateway clock, microseconds since an arbitrary origin.
 pub type Micros = u64;
@@ -127,6 +152,25 @@ pub enum Event {
         /// The worker.
         worker: WorkerId,
     },
+    /// An edge connection authenticated as the configured edge `name`. Its
+    /// frames count to that name's account, shared by all its connections,
+    /// with `weight` (the latest joined connection's weight wins). A
+    /// connection that never joined is an account of its own, of weight 1.
+    EdgeJoined {
+        /// The connection.
+        edge: EdgeId,
+        /// Its configured edge name.
+        name: String,
+        /// Its share of the queue and of the workers, relative to the other
+        /// accounts' (at least 1).
+        weight: u32,
+    },
+    /// An edge connection closed: its queued frames end `edge_gone`, and a
+    /// frame of it that arrives later (one that trails the close) too.
+    EdgeGone {
+        /// The connection.
+        edge: EdgeId,
+    },
     /// Time passed (a timer fired); expire what is due.
     Tick,
 }
@@ -153,6 +197,27 @@ pub enum Action {
         worker: WorkerId,
         /// Why, for the log.
         reason: String,
+    },
+    /// The worker failed its frames (see [`crate::health`]): it gets no
+    /// batch for `backoff_us`, then one probe batch at a time. Its frames
+    /// are already accounted for.
+    WorkerDemoted {
+        /// The worker.
+        worker: WorkerId,
+        /// The model of the batch that demoted it.
+        model: String,
+        /// Why.
+        reason: DemotionReason,
+        /// How long it gets no batch (µs).
+        backoff_us: Micros,
+        /// It was already demoted and failed its probe (a demotion in a
+        /// row, not a new one).
+        probe_failed: bool,
+    },
+    /// A demoted worker's probe succeeded: it gets batches again.
+    WorkerRestored {
+        /// The worker.
+        worker: WorkerId,
     },
     /// The frame is finished: send this result to its edge.
     Complete {
@@ -213,7 +278,8 @@ impl Counters {
 pub struct Limits {
     /// Most frames queued across all models.
     pub max_queued: usize,
-    /// Most frames queued per edge.
+    /// Most frames queued per configured edge (all its connections
+    /// together), whatever its weight.
     pub max_queued_per_edge: usize,
     /// Latency assumed for a worker with no profile point (µs).
     pub default_latency_us: u32,
@@ -223,6 +289,9 @@ pub struct Limits {
     /// How long past its expected end a running batch may go unanswered
     /// before its worker counts as stalled and is dropped (µs).
     pub stall_us: Micros,
+    /// When a worker that fails its frames is demoted, and how it comes
+    /// back (see [`crate::health`]).
+    pub health: HealthPolicy,
 }
 
 /// Time constant of the arrival-rate estimate (µs).
@@ -255,6 +324,7 @@ impl Default for Limits {
             default_latency_us: 20_000,
             pipeline_depth: 2,
             stall_us: 10_000_000,
+            health: HealthPolicy::default(),
         }
     }
 }
@@ -262,6 +332,8 @@ impl Default for Limits {
 #[derive(Debug, Clone)]
 struct Queued {
     arrival: Arrival,
+    /// Who it counts to for fair shares.
+    account: Account,
     enqueued: Micros,
     /// When it was (last) dispatched; queue time ends there.
     dispatched: Option<Micros>,
@@ -290,6 +362,22 @@ struct Worker {
     running: Vec<Running>,
     /// Takes no new batch.
     draining: bool,
+    /// Whether it is demoted for failing its frames.
+    health: WorkerHealth,
+}
+
+impl Worker {
+    /// Counts for capacity and takes batches as usual: not draining, not
+    /// demoted.
+    fn serving(&self) -> bool {
+        !self.draining && self.health.serving()
+    }
+
+    /// Could take a frame now or at its next probe: not draining, and not
+    /// backing off after a demotion.
+    fn available(&self) -> bool {
+        !self.draining && self.health.available()
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -491,6 +579,44 @@ impl Demand {
     }
 }
 
+/// Who a frame counts to for the fair shares of the queue and of the
+/// workers: its connection's configured edge name, or the connection itself
+/// when it never joined (tests, a frame that beat its edge's join).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Account {
+    /// A configured edge, all its connections together.
+    Named(std::sync::Arc<str>),
+    /// A connection that never joined.
+    Connection(EdgeId),
+}
+
+/// An account's weight, backlog and service.
+#[derive(Debug)]
+struct Share {
+    weight: u32,
+    /// Its frames queued, all models.
+    queued: usize,
+    /// Its connections joined and not gone.
+    connections: usize,
+    /// Start-time fair queuing tag: [`VT_UNIT`] / `weight` per frame
+    /// dispatched; never behind the scheduler's virtual time while it has
+    /// frames queued.
+    vtime: u64,
+}
+
+/// Virtual time one frame costs an account of weight 1. A weight of `w`
+/// pays `VT_UNIT / w`; weights are at most [`MAX_WEIGHT`], so the rounding
+/// is under a thousandth of a frame.
+const VT_UNIT: u64 = 1_000_000_000;
+
+/// The largest weight an edge may have (config validation holds to it).
+pub const MAX_WEIGHT: u32 = 1_000_000;
+
+/// Gone edge connections remembered, so that a frame that trails its
+/// connection's close is dropped too: the shell's frame and close messages
+/// come from separate tasks, and a trailing frame arrives within moments.
+const GONE_EDGES_KEPT: usize = 1024;
+
 /// The scheduler state machine. See the module docs.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -500,7 +626,19 @@ pub struct Scheduler {
     queued: HashMap<FrameId, Queued>,
     /// The queued frame of each camera (newest wins).
     by_camera: HashMap<(EdgeId, String), FrameId>,
-    per_edge: HashMap<EdgeId, usize>,
+    /// Per model, per account: (deadline, frame) in EDF order.
+    by_account: HashMap<String, HashMap<Account, BTreeSet<(Micros, FrameId)>>>,
+    /// The account of each joined connection.
+    accounts: HashMap<EdgeId, Account>,
+    /// Accounts with frames queued or connections joined.
+    shares: HashMap<Account, Share>,
+    /// Start tag of the last frame picked (see [`Share::vtime`]).
+    vnow: u64,
+    /// Connections gone most recently, oldest first (at most
+    /// [`GONE_EDGES_KEPT`]).
+    gone: std::collections::VecDeque<EdgeId>,
+    /// The same, to look up.
+    gone_set: std::collections::HashSet<EdgeId>,
     workers: HashMap<WorkerId, Worker>,
     /// Frames each in-flight batch holds.
     batches: HashMap<BatchId, (WorkerId, Vec<Queued>)>,
@@ -520,7 +658,12 @@ impl Scheduler {
             queues: HashMap::new(),
             queued: HashMap::new(),
             by_camera: HashMap::new(),
-            per_edge: HashMap::new(),
+            by_account: HashMap::new(),
+            accounts: HashMap::new(),
+            shares: HashMap::new(),
+            vnow: 0,
+            gone: std::collections::VecDeque::new(),
+            gone_set: std::collections::HashSet::new(),
             workers: HashMap::new(),
             batches: HashMap::new(),
             next_batch: 1,
@@ -549,12 +692,39 @@ impl Scheduler {
             .filter_map(|q| q.first().map(|(d, _)| *d))
             .chain(self.hold_until)
             .chain(self.workers.values().filter_map(|w| self.stalled_at(w)))
+            .chain(
+                self.workers
+                    .values()
+                    .filter_map(|w| w.health.backoff_until()),
+            )
             .min()
     }
 
     /// Measured arrival rate of `model`, frames per second.
     pub fn arrival_rate(&self, model: &str, now: Micros) -> f64 {
         self.demand.get(model).map_or(0.0, |d| d.rate(now) * 1e6)
+    }
+
+    /// Whether `frame` is in flight in `batch`: only such a frame's answer
+    /// is taken from that batch's result (a worker may not answer for
+    /// another's frames).
+    pub fn batch_holds(&self, batch: BatchId, frame: FrameId) -> bool {
+        self.batches
+            .get(&batch)
+            .is_some_and(|(_, frames)| frames.iter().any(|q| q.arrival.id == frame))
+    }
+
+    /// Whether `worker` is demoted for failing its frames.
+    pub fn is_demoted(&self, worker: WorkerId) -> bool {
+        self.workers
+            .get(&worker)
+            .is_some_and(|w| w.health.demoted())
+    }
+
+    /// Number of registered workers demoted for failing their frames
+    /// (backing off, or being probed).
+    pub fn demoted_count(&self) -> usize {
+        self.workers.values().filter(|w| w.health.demoted()).count()
     }
 
     /// Number of registered workers, and how many are busy.
@@ -590,6 +760,7 @@ impl Scheduler {
                         relaxed_at: now,
                         running: Vec::new(),
                         draining: false,
+                        health: WorkerHealth::new(),
                     },
                 );
             }
@@ -605,6 +776,8 @@ impl Scheduler {
                 }
             }
             Event::WorkerLost { worker } => self.lose(now, worker, "worker lost", &mut out),
+            Event::EdgeJoined { edge, name, weight } => self.join_edge(edge, name, weight),
+            Event::EdgeGone { edge } => self.edge_gone(now, edge, &mut out),
             Event::Tick => {}
         }
         self.drop_stalled(now, &mut out);
@@ -662,16 +835,75 @@ impl Scheduler {
         if self.by_camera.get(&key) == Some(&id) {
             self.by_camera.remove(&key);
         }
-        // An edge's entry goes with its last queued frame: every connection
-        // is a new edge id, so entries would otherwise pile up.
-        if let Some(n) = self.per_edge.get_mut(&q.arrival.edge) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.per_edge.remove(&q.arrival.edge);
+        if let Some(sets) = self.by_account.get_mut(&q.arrival.model)
+            && let Some(set) = sets.get_mut(&q.account)
+        {
+            set.remove(&(q.arrival.deadline, id));
+            if set.is_empty() {
+                sets.remove(&q.account);
+            }
+        }
+        // An account's entry goes with its last queued frame once no
+        // connection holds it: every connection that never joined is an
+        // account of its own, so entries would otherwise pile up.
+        if let Some(share) = self.shares.get_mut(&q.account) {
+            share.queued = share.queued.saturating_sub(1);
+            if share.queued == 0 && share.connections == 0 {
+                self.shares.remove(&q.account);
             }
         }
         self.counters.queued -= 1;
         Some(q)
+    }
+
+    /// The account a connection's frames count to.
+    fn account_of(&self, edge: EdgeId) -> Account {
+        self.accounts
+            .get(&edge)
+            .cloned()
+            .unwrap_or(Account::Connection(edge))
+    }
+
+    /// Frames `account` has queued, all models.
+    fn queued_of(&self, account: &Account) -> usize {
+        self.shares.get(account).map_or(0, |s| s.queued)
+    }
+
+    /// `account`'s weighted share of the whole queue: `max_queued` split by
+    /// weight among the accounts with frames queued and `account` itself.
+    fn queue_share(&self, account: &Account) -> usize {
+        let weight = |a: &Account| self.shares.get(a).map_or(1, |s| s.weight.max(1)) as u128;
+        let others: u128 = self
+            .shares
+            .iter()
+            .filter(|(a, s)| s.queued > 0 && *a != account)
+            .map(|(_, s)| s.weight.max(1) as u128)
+            .sum();
+        let own = weight(account);
+        (self.limits.max_queued as u128 * own / (own + others)) as usize
+    }
+
+    /// The least urgent queued frame (latest deadline, newest of equals) of
+    /// the account furthest over its weighted share, if that is not
+    /// `account`.
+    fn push_out_victim(&self, account: &Account) -> Option<FrameId> {
+        let (over, _) = self
+            .shares
+            .iter()
+            .filter(|(_, s)| s.queued > 0)
+            // queued / weight, compared without division
+            .max_by(|(_, a), (_, b)| {
+                (a.queued as u128 * b.weight.max(1) as u128)
+                    .cmp(&(b.queued as u128 * a.weight.max(1) as u128))
+            })?;
+        if over == account {
+            return None;
+        }
+        self.by_account
+            .values()
+            .filter_map(|sets| sets.get(over)?.last().copied())
+            .max()
+            .map(|(_, id)| id)
     }
 
     fn enqueue(&mut self, q: Queued) {
@@ -681,7 +913,24 @@ impl Scheduler {
             .or_default()
             .insert((a.deadline, a.id));
         self.by_camera.insert((a.edge, a.camera.clone()), a.id);
-        *self.per_edge.entry(a.edge).or_default() += 1;
+        self.by_account
+            .entry(a.model.clone())
+            .or_default()
+            .entry(q.account.clone())
+            .or_default()
+            .insert((a.deadline, a.id));
+        let share = self.shares.entry(q.account.clone()).or_insert(Share {
+            weight: 1,
+            queued: 0,
+            connections: 0,
+            vtime: 0,
+        });
+        // An account that was idle starts level with the others: waiting
+        // banks no credit.
+        if share.queued == 0 {
+            share.vtime = share.vtime.max(self.vnow);
+        }
+        share.queued += 1;
         self.counters.queued += 1;
         self.queued.insert(a.id, q);
     }
@@ -690,7 +939,7 @@ impl Scheduler {
     fn best_latency(&self, model: &str) -> Option<u64> {
         self.workers
             .values()
-            .filter(|w| !w.draining)
+            .filter(|w| w.available())
             .filter_map(|w| w.models.get(model).map(|p| p.latency(1)))
             .min()
     }
@@ -712,7 +961,7 @@ impl Scheduler {
         let serving = || {
             self.workers
                 .values()
-                .filter(|w| !w.draining && w.models.contains_key(model))
+                .filter(|w| w.serving() && w.models.contains_key(model))
         };
         let free_at = serving().map(|w| w.start_at(now)).min().unwrap_or(now);
         let capacity: f64 = serving().map(|w| w.models[model].peak_throughput()).sum();
@@ -737,15 +986,21 @@ impl Scheduler {
 
     fn arrive(&mut self, now: Micros, a: Arrival, out: &mut Vec<Action>) {
         self.counters.admitted += 1;
-        self.demand
-            .entry(a.model.clone())
-            .or_default()
-            .arrive(now, a.edge, &a.camera);
         let q = Queued {
+            account: self.account_of(a.edge),
             arrival: a,
             enqueued: now,
             dispatched: None,
         };
+        // It trails its connection's close: its result has nowhere to go.
+        if self.gone_set.contains(&q.arrival.edge) {
+            self.complete(now, &q, Status::Shed(ShedReason::EdgeGone), out);
+            return;
+        }
+        self.demand
+            .entry(q.arrival.model.clone())
+            .or_default()
+            .arrive(now, q.arrival.edge, &q.arrival.camera);
         // Nothing of its budget is left: the time went before it got here
         // (the edge's send path, the link), whatever the workers can do.
         if q.arrival.deadline <= now {
@@ -787,20 +1042,90 @@ impl Scheduler {
         {
             self.complete(now, &old, Status::Shed(ShedReason::Superseded), out);
         }
-        let edge_queued = self.per_edge.get(&q.arrival.edge).copied().unwrap_or(0);
-        if self.queued.len() >= self.limits.max_queued
-            || edge_queued >= self.limits.max_queued_per_edge
-        {
+        // The queue is shared by weight (see the module docs): an account
+        // under its share of a full queue pushes out the least urgent frame
+        // of the account furthest over its own.
+        let account_queued = self.queued_of(&q.account);
+        let mut refused = account_queued >= self.limits.max_queued_per_edge;
+        if !refused && self.queued.len() >= self.limits.max_queued {
+            refused = true;
+            if account_queued < self.queue_share(&q.account)
+                && let Some(victim) = self.push_out_victim(&q.account)
+            {
+                let v = self.unqueue(victim).expect("queued frame is indexed");
+                self.complete(now, &v, Status::Shed(ShedReason::Overloaded), out);
+                refused = false;
+            }
+        }
+        if refused {
             self.complete(now, &q, Status::Shed(ShedReason::Overloaded), out);
             return;
         }
         self.enqueue(q);
     }
 
+    /// A connection authenticated as the configured edge `name`.
+    fn join_edge(&mut self, edge: EdgeId, name: String, weight: u32) {
+        let account = Account::Named(name.into());
+        if let Some(old) = self.accounts.insert(edge, account.clone())
+            && let Some(s) = self.shares.get_mut(&old)
+        {
+            // Joined twice: the old account loses the connection.
+            s.connections = s.connections.saturating_sub(1);
+        }
+        let share = self.shares.entry(account).or_insert(Share {
+            weight: 1,
+            queued: 0,
+            connections: 0,
+            vtime: self.vnow,
+        });
+        share.weight = weight.clamp(1, MAX_WEIGHT);
+        share.connections += 1;
+    }
+
+    /// A connection closed: its queued frames end `edge_gone`, and so will
+    /// any of its frames that arrive later.
+    fn edge_gone(&mut self, now: Micros, edge: EdgeId, out: &mut Vec<Action>) {
+        // Its frames count to its account, or to itself if they came
+        // before it joined.
+        let accounts = [self.account_of(edge), Account::Connection(edge)];
+        let mut doomed: Vec<FrameId> = self
+            .by_account
+            .values()
+            .flat_map(|sets| accounts.iter().filter_map(|a| sets.get(a)))
+            .flatten()
+            .map(|(_, id)| *id)
+            .filter(|id| self.queued.get(id).is_some_and(|q| q.arrival.edge == edge))
+            .collect();
+        doomed.sort_unstable();
+        doomed.dedup();
+        for id in doomed {
+            let q = self.unqueue(id).expect("queued frame is indexed");
+            self.complete(now, &q, Status::Shed(ShedReason::EdgeGone), out);
+        }
+        if let Some(account) = self.accounts.remove(&edge)
+            && let Some(s) = self.shares.get_mut(&account)
+        {
+            s.connections = s.connections.saturating_sub(1);
+            if s.connections == 0 && s.queued == 0 {
+                self.shares.remove(&account);
+            }
+        }
+        if self.gone_set.insert(edge) {
+            if self.gone.len() >= GONE_EDGES_KEPT
+                && let Some(old) = self.gone.pop_front()
+            {
+                self.gone_set.remove(&old);
+            }
+            self.gone.push_back(edge);
+        }
+    }
+
     /// Relaxes the profiles of the workers that run nothing (see
     /// [`ModelProfile::relax`]); a busy worker's idle time starts anew.
     fn relax_idle(&mut self, now: Micros) {
         for w in self.workers.values_mut() {
+            w.health.tick(now);
             if w.running.is_empty() {
                 let idle = now.saturating_sub(w.relaxed_at);
                 if idle > 0 {
@@ -831,7 +1156,7 @@ impl Scheduler {
     fn best_finish(&self, model: &str, now: Micros) -> Option<Micros> {
         self.workers
             .values()
-            .filter(|w| !w.draining)
+            .filter(|w| w.available())
             .filter_map(|w| Some(w.start_at(now) + w.models.get(model)?.latency(1)))
             .min()
     }
@@ -841,14 +1166,24 @@ impl Scheduler {
         let depth = self.limits.pipeline_depth.max(1);
         // Workers with room, the soonest free first: an idle worker is
         // always offered work before a busy one's next slot.
+        let policy = self.limits.health;
         let mut open: Vec<(Micros, WorkerId)> = self
             .workers
             .iter()
-            .filter(|(_, w)| !w.draining && w.running.len() < depth)
+            .filter(|(_, w)| {
+                !w.draining
+                    && w.running.len() < depth
+                    && w.health.eligibility(&policy) != Eligibility::None
+            })
             .map(|(id, w)| (w.start_at(now), *id))
             .collect();
         open.sort_unstable();
         for (start, wid) in open {
+            // A demoted worker is sent one small probe batch at a time.
+            let most = match self.workers[&wid].health.eligibility(&policy) {
+                Eligibility::Probe(n) => n.max(1),
+                _ => usize::MAX,
+            };
             // The most urgent model this worker serves.
             let Some(model) = self.workers[&wid]
                 .models
@@ -880,10 +1215,10 @@ impl Scheduler {
             };
             // The largest batch whose run still meets the earliest deadline.
             let queued = self.queue_len(&model);
-            let target = self.target_batch(now, &model, &profile);
+            let target = self.target_batch(now, &model, &profile).min(most);
             // Never larger than the best-throughput batch (or the target):
             // a larger one would finish the backlog later, not sooner.
-            let cap = profile.best_batch().max(target);
+            let cap = profile.best_batch().max(target).min(most);
             let fit = (1..=queued.min(cap))
                 .take_while(|&b| start + profile.latency(b) <= first_deadline)
                 .last()
@@ -921,15 +1256,7 @@ impl Scheduler {
                     continue;
                 }
             }
-            let ids: Vec<FrameId> = self.queues[&model]
-                .iter()
-                .take(fit)
-                .map(|(_, id)| *id)
-                .collect();
-            let mut frames: Vec<Queued> = ids
-                .into_iter()
-                .map(|id| self.unqueue(id).expect("queued frame is indexed"))
-                .collect();
+            let mut frames = self.pick_fair(&model, fit);
             let batch = BatchId(self.next_batch);
             self.next_batch += 1;
             self.counters.dispatched += frames.len() as u64;
@@ -951,9 +1278,45 @@ impl Scheduler {
                     size: frames.len(),
                     done_at: start + profile.latency(frames.len()),
                 });
+                w.health.dispatched(batch);
             }
             self.batches.insert(batch, (wid, frames));
         }
+    }
+
+    /// Takes up to `n` queued frames of `model` for one batch, earliest
+    /// deadline first. Each pick goes to the account with the lowest
+    /// start-time fair queuing tag (served least for its weight; the most
+    /// urgent head among equals) and takes that account's most urgent
+    /// frame. Every frame of the model has a deadline at or after the
+    /// model's earliest, which the caller cut the batch to, so whichever
+    /// frames are picked make their deadlines.
+    fn pick_fair(&mut self, model: &str, n: usize) -> Vec<Queued> {
+        let mut picked = Vec::with_capacity(n);
+        while picked.len() < n {
+            let Some(sets) = self.by_account.get(model) else {
+                break;
+            };
+            let next = sets
+                .iter()
+                .filter_map(|(account, set)| {
+                    let (deadline, id) = *set.first()?;
+                    let tag = self.shares.get(account).map_or(self.vnow, |s| s.vtime);
+                    Some(((tag, deadline, id), account))
+                })
+                .min_by_key(|(key, _)| *key)
+                .map(|((_, _, id), account)| (account.clone(), id));
+            let Some((account, id)) = next else {
+                break;
+            };
+            if let Some(share) = self.shares.get_mut(&account) {
+                self.vnow = self.vnow.max(share.vtime);
+                share.vtime = share.vtime.max(self.vnow) + VT_UNIT / u64::from(share.weight.max(1));
+            }
+            picked.push(self.unqueue(id).expect("queued frame is indexed"));
+        }
+        picked.sort_unstable_by_key(|q| (q.arrival.deadline, q.arrival.id));
+        picked
     }
 
     /// The batch size worth waiting for on a worker with `profile`: the
@@ -967,7 +1330,7 @@ impl Scheduler {
         let serving = self
             .workers
             .values()
-            .filter(|w| !w.draining && w.models.contains_key(model))
+            .filter(|w| w.serving() && w.models.contains_key(model))
             .count()
             .max(1);
         // Only cameras without a frame running can still add to the batch.
@@ -1017,20 +1380,79 @@ impl Scheduler {
             }
         }
         self.release(&frames);
+        let answers = outcomes.len() as u32;
         let mut by_id: HashMap<FrameId, Status> = outcomes.into_iter().collect();
+        let mut tally = Tally::default();
+        let model = frames.first().map(|q| q.arrival.model.clone());
         for q in frames {
             self.counters.dispatched -= 1;
             let status = match by_id.remove(&q.arrival.id) {
-                Some(Status::Ok) => Status::Ok,
-                Some(Status::Failed(reason)) => Status::Failed(reason),
-                Some(other) => Status::Failed(format!(
-                    "worker answered with status '{}', which only the gateway may assign",
-                    other.label()
-                )),
-                None => Status::Failed("worker returned no result for this frame".into()),
+                Some(Status::Ok) => {
+                    tally.ok += 1;
+                    Status::Ok
+                }
+                None => {
+                    tally.missing += 1;
+                    Status::Failed("worker returned no result for this frame".into())
+                }
+                Some(other) => {
+                    tally.failed += 1;
+                    match other {
+                        Status::Failed(reason) => Status::Failed(reason),
+                        other => Status::Failed(format!(
+                            "worker answered with status '{}', which only the gateway may assign",
+                            other.label()
+                        )),
+                    }
+                }
             };
             self.complete(now, &q, status, out);
         }
+        // Answers that matched no frame: another batch's ids, or repeats.
+        tally.foreign = answers.saturating_sub(tally.ok + tally.failed);
+        if let Some(model) = model {
+            self.judge(now, worker, batch, &model, tally, out);
+        }
+    }
+
+    /// Judges a returned batch by its worker's health policy; says so if
+    /// the worker is demoted or restored.
+    fn judge(
+        &mut self,
+        now: Micros,
+        worker: WorkerId,
+        batch: BatchId,
+        model: &str,
+        tally: Tally,
+        out: &mut Vec<Action>,
+    ) {
+        // Only while another worker serves the model may the failure ratio
+        // demote this one (see `crate::health`).
+        let spare = self
+            .workers
+            .iter()
+            .any(|(id, w)| *id != worker && w.serving() && w.models.contains_key(model));
+        let policy = self.limits.health;
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        let (reason, backoff_us, probe_failed) =
+            match w.health.finished(now, &policy, batch, tally, spare) {
+                None => return,
+                Some(Verdict::Restored) => {
+                    out.push(Action::WorkerRestored { worker });
+                    return;
+                }
+                Some(Verdict::Demoted { reason, backoff_us }) => (reason, backoff_us, false),
+                Some(Verdict::ProbeFailed { reason, backoff_us }) => (reason, backoff_us, true),
+            };
+        out.push(Action::WorkerDemoted {
+            worker,
+            model: model.to_string(),
+            reason,
+            backoff_us,
+            probe_failed,
+        });
     }
 
     /// A batch's frames stopped running (finished or lost).
@@ -1095,7 +1517,10 @@ impl Scheduler {
             let newer_queued = self
                 .by_camera
                 .contains_key(&(q.arrival.edge, q.arrival.camera.clone()));
-            if still_possible && !newer_queued {
+            if self.gone_set.contains(&q.arrival.edge) {
+                // Its result would have nowhere to go.
+                self.complete(now, &q, Status::Shed(ShedReason::EdgeGone), out);
+            } else if still_possible && !newer_queued {
                 self.counters.requeued += 1;
                 self.enqueue(q);
             } else {
@@ -1995,6 +2420,336 @@ mod tests {
             vec![(4, Status::Shed(ShedReason::NoWorker))]
         );
         assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn a_worker_failing_its_frames_is_demoted_and_gets_only_probes_until_one_succeeds() {
+        let mut s = Scheduler::new(one_deep());
+        // Worker 1 is fast and fails everything; worker 2 is slow and honest.
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, worker(2, 1, 5_000));
+        let done = |w, batch, f, status| Event::BatchFinished {
+            worker: WorkerId(w),
+            batch,
+            outcomes: vec![(FrameId(f), status)],
+            latency_us: 1_000,
+        };
+        let failed = || Status::Failed("boom".into());
+        let sent = |a: &[Action]| -> Vec<(u64, usize, BatchId)> {
+            a.iter()
+                .filter_map(|a| match a {
+                    Action::Dispatch {
+                        worker,
+                        batch,
+                        frames,
+                        ..
+                    } => Some((worker.0, frames.len(), *batch)),
+                    _ => None,
+                })
+                .collect()
+        };
+        let demotions = |a: &[Action]| -> Vec<Action> {
+            a.iter()
+                .filter(|a| matches!(a, Action::WorkerDemoted { .. }))
+                .cloned()
+                .collect()
+        };
+        // Seven failed frames are too few to judge; the eighth demotes.
+        for id in 1..=8u64 {
+            let t = id * 10_000;
+            let d = sent(&s.on_event(t, frame(id, "c", t + 80_000)));
+            assert_eq!(d.len(), 1);
+            assert_eq!(d[0].0, 1, "the fast worker takes frame {id}");
+            let a = s.on_event(t + 1_000, done(1, d[0].2, id, failed()));
+            assert_eq!(completes(&a), vec![(id, failed())]);
+            if id < 8 {
+                assert!(demotions(&a).is_empty(), "frame {id}: {a:?}");
+            } else {
+                assert_eq!(
+                    demotions(&a),
+                    vec![Action::WorkerDemoted {
+                        worker: WorkerId(1),
+                        model: "m".into(),
+                        reason: DemotionReason::FailureRatio { failed: 8, of: 8 },
+                        backoff_us: 1_000_000,
+                        probe_failed: false,
+                    }]
+                );
+            }
+        }
+        assert_eq!(s.demoted_count(), 1);
+        assert!(s.is_demoted(WorkerId(1)));
+        // The back-off's end wakes the scheduler.
+        assert_eq!(s.next_wakeup(), Some(1_081_000));
+        // Backing off, it gets nothing: the slow worker takes every frame.
+        let mut id = 100;
+        for t in (100_000..1_000_000).step_by(100_000) {
+            id += 1;
+            let d = sent(&s.on_event(t, frame(id, "c", t + 80_000)));
+            assert_eq!(d.iter().map(|d| d.0).collect::<Vec<_>>(), vec![2]);
+            s.on_event(t + 5_000, done(2, d[0].2, id, Status::Ok));
+        }
+        // After it, one probe of one frame; while it is out, nothing more.
+        let t = 1_100_000;
+        let a = s.on_event(t, frame(201, "a", t + 80_000));
+        let probe = sent(&a);
+        assert_eq!(
+            probe.iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+            vec![(1, 1)]
+        );
+        let d = sent(&s.on_event(t, frame(202, "b", t + 80_000)));
+        assert_eq!(d.iter().map(|d| d.0).collect::<Vec<_>>(), vec![2]);
+        assert!(dispatches(&s.on_event(t, frame(203, "x", t + 80_000))).is_empty());
+        // The probe fails: demoted again, for twice as long, not counted as
+        // a new demotion.
+        let a = s.on_event(t + 1_000, done(1, probe[0].2, 201, failed()));
+        assert!(matches!(
+            demotions(&a)[..],
+            [Action::WorkerDemoted {
+                backoff_us: 2_000_000,
+                probe_failed: true,
+                ..
+            }]
+        ));
+        // The next probe succeeds: it serves again.
+        let t = 3_200_000;
+        s.on_event(t, done(2, d[0].2, 202, Status::Ok));
+        let a = s.on_event(t, frame(301, "a", t + 80_000));
+        let probe = sent(&a);
+        assert_eq!(
+            probe.iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+            vec![(1, 1)]
+        );
+        let a = s.on_event(t + 1_000, done(1, probe[0].2, 301, Status::Ok));
+        assert!(a.contains(&Action::WorkerRestored {
+            worker: WorkerId(1)
+        }));
+        assert_eq!(s.demoted_count(), 0);
+        assert!(s.counters().balanced());
+    }
+
+    fn join(edge: u64, name: &str, weight: u32) -> Event {
+        Event::EdgeJoined {
+            edge: EdgeId(edge),
+            name: name.into(),
+            weight,
+        }
+    }
+
+    fn frame_of(id: u64, edge: u64, camera: &str, deadline: Micros) -> Event {
+        Event::FrameArrived(Arrival {
+            id: FrameId(id),
+            edge: EdgeId(edge),
+            camera: camera.into(),
+            model: "m".into(),
+            deadline,
+        })
+    }
+
+    /// Answers the batch `actions` dispatched, if any, `ok` at `now`; what
+    /// the scheduler does next.
+    fn answer_ok(s: &mut Scheduler, now: Micros, actions: &[Action]) -> Vec<Action> {
+        let Some(Action::Dispatch {
+            worker,
+            batch,
+            frames,
+            ..
+        }) = actions
+            .iter()
+            .find(|a| matches!(a, Action::Dispatch { .. }))
+        else {
+            return Vec::new();
+        };
+        let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
+        s.on_event(
+            now,
+            Event::BatchFinished {
+                worker: *worker,
+                batch: *batch,
+                outcomes,
+                latency_us: 1_000,
+            },
+        )
+    }
+
+    /// Serves one frame at a time on a one-deep worker from `first` on
+    /// (the actions that dispatched the first batch); the frames in the
+    /// order they were dispatched.
+    fn served_order(s: &mut Scheduler, first: Vec<Action>, rounds: usize) -> Vec<u64> {
+        let mut order = Vec::new();
+        let mut actions = first;
+        let mut now = 0;
+        for _ in 0..rounds {
+            let Some(batch) = dispatches(&actions).into_iter().next() else {
+                break;
+            };
+            order.extend(batch);
+            now += 1_000;
+            actions = answer_ok(s, now, &actions);
+        }
+        order
+    }
+
+    #[test]
+    fn two_edges_with_queued_frames_take_turns_whatever_their_deadlines() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, join(1, "a", 1));
+        s.on_event(0, join(2, "b", 1));
+        // Edge a's frames are all more urgent: pure EDF would serve them
+        // all before any of b's.
+        let first = s.on_event(0, frame_of(1, 1, "a1", 1_000_000));
+        for i in 2..=4 {
+            s.on_event(0, frame_of(i, 1, &format!("a{i}"), 1_000_000 + i));
+        }
+        for i in 11..=14 {
+            s.on_event(0, frame_of(i, 2, &format!("b{i}"), 5_000_000 + i));
+        }
+        let order = served_order(&mut s, first, 8);
+        assert_eq!(order, vec![1, 11, 2, 12, 3, 13, 4, 14]);
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn an_edge_of_weight_two_gets_two_frames_for_each_of_an_edge_of_weight_one() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, join(1, "heavy", 2));
+        s.on_event(0, join(2, "light", 1));
+        let first = s.on_event(0, frame_of(1, 1, "h1", 9_000_000));
+        for i in 2..=12 {
+            s.on_event(0, frame_of(i, 1, &format!("h{i}"), 9_000_000 + i));
+        }
+        for i in 101..=112 {
+            s.on_event(0, frame_of(i, 2, &format!("l{i}"), 1_000_000 + i));
+        }
+        let order = served_order(&mut s, first, 12);
+        let heavy = order.iter().filter(|id| **id < 100).count();
+        assert_eq!((heavy, order.len() - heavy), (8, 4), "{order:?}");
+    }
+
+    #[test]
+    fn every_connection_of_an_edge_name_counts_against_its_queue_cap() {
+        let mut s = Scheduler::new(Limits {
+            max_queued_per_edge: 3,
+            ..one_deep()
+        });
+        s.on_event(0, worker(1, 1, 1_000));
+        for conn in [1, 2, 3] {
+            s.on_event(0, join(conn, "a", 1));
+        }
+        s.on_event(0, join(9, "b", 1));
+        s.on_event(0, frame_of(1, 1, "x", 9_000_000)); // dispatched at once
+        s.on_event(0, frame_of(2, 1, "y", 9_000_000));
+        s.on_event(0, frame_of(3, 2, "y", 9_000_000));
+        s.on_event(0, frame_of(4, 3, "y", 9_000_000));
+        let a = s.on_event(0, frame_of(5, 3, "z", 9_000_000));
+        assert_eq!(
+            completes(&a),
+            vec![(5, Status::Shed(ShedReason::Overloaded))]
+        );
+        // Another edge name has a cap of its own.
+        let a = s.on_event(0, frame_of(6, 9, "y", 9_000_000));
+        assert_eq!(completes(&a), vec![]);
+    }
+
+    #[test]
+    fn an_edge_under_its_share_of_a_full_queue_pushes_out_a_frame_of_the_edge_over_it() {
+        let mut s = Scheduler::new(Limits {
+            max_queued: 4,
+            max_queued_per_edge: 100,
+            ..one_deep()
+        });
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, join(1, "hog", 1));
+        s.on_event(0, join(2, "hog", 1));
+        s.on_event(0, join(3, "fair", 1));
+        s.on_event(0, frame_of(1, 1, "c1", 9_000_000)); // dispatched at once
+        for i in 2..=5 {
+            let a = s.on_event(0, frame_of(i, 1 + i % 2, &format!("c{i}"), 9_000_000 + i));
+            assert_eq!(completes(&a), vec![], "frame {i}");
+        }
+        // Full. The hog's least urgent frame makes room for the fair edge.
+        let a = s.on_event(0, frame_of(10, 3, "f1", 9_000_000));
+        assert_eq!(
+            completes(&a),
+            vec![(5, Status::Shed(ShedReason::Overloaded))]
+        );
+        let a = s.on_event(0, frame_of(11, 3, "f2", 9_000_000));
+        assert_eq!(
+            completes(&a),
+            vec![(4, Status::Shed(ShedReason::Overloaded))]
+        );
+        // Now at its share (half of 4): its next frame is refused instead.
+        let a = s.on_event(0, frame_of(12, 3, "f3", 9_000_000));
+        assert_eq!(
+            completes(&a),
+            vec![(12, Status::Shed(ShedReason::Overloaded))]
+        );
+        // And the hog, at its share too, pushes out nobody.
+        let a = s.on_event(0, frame_of(13, 2, "c13", 9_000_000));
+        assert_eq!(
+            completes(&a),
+            vec![(13, Status::Shed(ShedReason::Overloaded))]
+        );
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn a_gone_edges_queued_and_trailing_frames_are_dropped_and_its_running_frame_finishes() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, join(1, "a", 1));
+        s.on_event(0, join(2, "a", 1));
+        let running = s.on_event(0, frame_of(1, 1, "x", 9_000_000));
+        s.on_event(0, frame_of(2, 1, "y", 9_000_000));
+        s.on_event(0, frame_of(3, 1, "z", 9_000_000));
+        // Another connection of the same name is not touched.
+        s.on_event(0, frame_of(4, 2, "y", 9_000_000));
+        let a = s.on_event(10, Event::EdgeGone { edge: EdgeId(1) });
+        assert_eq!(
+            completes(&a),
+            vec![
+                (2, Status::Shed(ShedReason::EdgeGone)),
+                (3, Status::Shed(ShedReason::EdgeGone))
+            ]
+        );
+        let a = s.on_event(20, frame_of(5, 1, "x", 9_000_000));
+        assert_eq!(completes(&a), vec![(5, Status::Shed(ShedReason::EdgeGone))]);
+        // The frame on the worker finishes; the other connection's is next.
+        let a = answer_ok(&mut s, 1_000, &running);
+        assert_eq!(completes(&a), vec![(1, Status::Ok)]);
+        assert_eq!(dispatches(&a), vec![vec![4]]);
+        let c = s.counters();
+        assert!(c.balanced() && c.shed == 3 && c.queued == 0, "{c:?}");
+    }
+
+    #[test]
+    fn a_frame_queued_before_its_connection_joined_is_dropped_when_it_goes() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, frame_of(1, 1, "x", 9_000_000)); // dispatched at once
+        s.on_event(0, frame_of(2, 1, "y", 9_000_000));
+        s.on_event(0, join(1, "a", 1));
+        let a = s.on_event(10, Event::EdgeGone { edge: EdgeId(1) });
+        assert_eq!(completes(&a), vec![(2, Status::Shed(ShedReason::EdgeGone))]);
+        assert_eq!(s.counters().queued, 0);
+    }
+
+    #[test]
+    fn a_lost_workers_frame_of_a_gone_edge_is_dropped_not_queued_again() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, frame_of(1, 1, "x", 9_000_000));
+        s.on_event(10, Event::EdgeGone { edge: EdgeId(1) });
+        let a = s.on_event(
+            20,
+            Event::WorkerLost {
+                worker: WorkerId(1),
+            },
+        );
+        assert_eq!(completes(&a), vec![(1, Status::Shed(ShedReason::EdgeGone))]);
+        assert_eq!(s.counters().requeued, 0);
     }
 
     #[test]

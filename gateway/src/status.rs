@@ -144,6 +144,7 @@ pub fn render(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) ->
                 match (w.unbound, w.draining, w.lease) {
                     (true, _, _) => "unbound (waits for a lease)".into(),
                     (false, true, _) => "draining".into(),
+                    (false, false, _) if w.demoted => "demoted (failing; probed)".into(),
                     (false, false, Some(l)) => format!("serving lease-{l}"),
                     (false, false, None) => "serving".into(),
                 },
@@ -356,6 +357,7 @@ mod tests {
                 models: vec!["blazeface".into()],
                 profile: Vec::new(),
                 draining: true,
+                demoted: false,
                 lease: None,
                 unbound: false,
             }],

@@ -6,6 +6,7 @@
 use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
+use tidegate_gateway::health::HealthPolicy;
 use tidegate_gateway::scheduler::{
     Action, Arrival, BatchId, EdgeId, Event, FrameId, Limits, Micros, Scheduler, WorkerId,
     WorkerModel,
@@ -34,6 +35,8 @@ enum Step {
     Finish {
         pick: u8,
         fail_one: bool,
+        /// The worker leaves the last frame unanswered (a lying worker).
+        short: bool,
     },
     Advance {
         us: u32,
@@ -50,7 +53,8 @@ fn step() -> impl Strategy<Value = Step> {
         ),
         1 => any::<u8>().prop_map(|pick| Step::Lose { pick }),
         1 => any::<u8>().prop_map(|pick| Step::Drain { pick }),
-        4 => (any::<u8>(), any::<bool>()).prop_map(|(pick, fail_one)| Step::Finish { pick, fail_one }),
+        4 => (any::<u8>(), any::<bool>(), prop::bool::weighted(0.1))
+            .prop_map(|(pick, fail_one, short)| Step::Finish { pick, fail_one, short }),
         3 => (0u32..20_000).prop_map(|us| Step::Advance { us }),
         // Clock jumps: far past every deadline in the queue.
         1 => (100_000u32..2_000_000).prop_map(|us| Step::Advance { us }),
@@ -70,6 +74,10 @@ struct World {
     draining: HashSet<WorkerId>,
     /// Workers the scheduler dropped as stalled: no batch ever again.
     dropped: HashSet<WorkerId>,
+    /// Workers demoted and not restored: probes only.
+    demoted: HashSet<WorkerId>,
+    /// Batches sent as probes.
+    probes: HashSet<BatchId>,
     /// Outstanding batches: (worker, batch, frames).
     batches: Vec<(WorkerId, BatchId, Vec<FrameId>)>,
 }
@@ -93,6 +101,19 @@ impl World {
                         !self.dropped.contains(&worker),
                         "dispatched to a dropped worker"
                     );
+                    if self.demoted.contains(&worker) {
+                        // a demoted worker gets one small probe at a time
+                        let probe = HealthPolicy::default().probe_frames as usize;
+                        prop_assert!(frames.len() <= probe, "a probe of {} frames", frames.len());
+                        prop_assert!(
+                            !self
+                                .batches
+                                .iter()
+                                .any(|(w, b, _)| *w == worker && self.probes.contains(b)),
+                            "a second probe while one is out"
+                        );
+                        self.probes.insert(batch);
+                    }
                     let ds: Vec<Micros> = frames.iter().map(|f| self.deadlines[f]).collect();
                     prop_assert!(
                         ds.windows(2).all(|w| w[0] <= w[1]),
@@ -114,6 +135,16 @@ impl World {
                     // Gone for the scheduler; its batches stay in `batches`
                     // so that some are answered late (and must be ignored).
                     self.workers.retain(|w| *w != worker);
+                }
+                Action::WorkerDemoted { worker, .. } => {
+                    prop_assert!(self.workers.contains(&worker), "demoted an unknown worker");
+                    self.demoted.insert(worker);
+                }
+                Action::WorkerRestored { worker } => {
+                    prop_assert!(
+                        self.demoted.remove(&worker),
+                        "restored a worker not demoted"
+                    );
                 }
                 Action::Complete { frame, status, .. } => {
                     prop_assert!(self.completed.insert(frame), "{:?} completed twice", frame);
@@ -154,6 +185,7 @@ proptest! {
             default_latency_us: 10_000,
             pipeline_depth,
             stall_us,
+            health: HealthPolicy::default(),
         });
         let mut w = World::default();
         let models = ["a", "b", "c"];
@@ -206,13 +238,15 @@ proptest! {
                     w.draining.insert(id);
                     w.apply(&mut s, Event::WorkerDraining { worker: id })?;
                 }
-                Step::Finish { pick, fail_one } => {
+                Step::Finish { pick, fail_one, short } => {
                     if w.batches.is_empty() {
                         continue;
                     }
                     let (worker, batch, frames) = w.batches.remove(pick as usize % w.batches.len());
+                    let answered = frames.len() - usize::from(short);
                     let outcomes = frames
                         .iter()
+                        .take(answered)
                         .enumerate()
                         .map(|(i, f)| {
                             let st = if fail_one && i == 0 {

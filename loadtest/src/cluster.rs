@@ -342,6 +342,11 @@ pub struct ClusterOptions {
     pub scheduler: String,
     /// The `[runtime]` lines of the worker configs the cluster writes.
     pub worker_runtime: String,
+    /// The gateway config's `[limits]` lines (none: its defaults).
+    pub limits: String,
+    /// Extra `[http]` lines for the gateway config (its header-read
+    /// timeout and connection cap, say).
+    pub http: String,
 }
 
 impl Default for ClusterOptions {
@@ -351,6 +356,8 @@ impl Default for ClusterOptions {
             workers: vec!["worker-1".into()],
             scheduler: String::new(),
             worker_runtime: "intra_threads = 1\n".into(),
+            limits: String::new(),
+            http: String::new(),
         }
     }
 }
@@ -386,8 +393,9 @@ impl Cluster {
         let admin_token = random_token();
         let hash = tidegate_gateway::auth::hash_token;
         let mut toml = format!(
-            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\nadmin_token_sha256 = \"{}\"\n[scheduler]\n{}\n{}",
+            "[quic]\nlisten = \"127.0.0.1:0\"\ncert = \"certs/gateway.pem\"\nkey = \"certs/gateway.key\"\n[http]\nlisten = \"127.0.0.1:0\"\nadmin_token_sha256 = \"{}\"\n{}\n[scheduler]\n{}\n{}",
             hash(&admin_token),
+            opts.http,
             opts.scheduler,
             extra(dir.path())?
         );
@@ -402,6 +410,9 @@ impl Cluster {
                 "[[workers]]\nname = \"{w}\"\ntoken_sha256 = \"{}\"\n",
                 hash(&worker_token)
             );
+        }
+        if !opts.limits.is_empty() {
+            toml += &format!("[limits]\n{}\n", opts.limits);
         }
         let cfg = dir.path().join("gateway.toml");
         write_file(&cfg, toml)?;
@@ -523,6 +534,11 @@ impl Cluster {
     /// The gateway's config file; tests rewrite it and reload.
     pub fn gateway_config(&self) -> PathBuf {
         self.dir.path().join("gateway.toml")
+    }
+
+    /// The gateway's process id (to read its memory in /proc, say).
+    pub fn gateway_pid(&self) -> u32 {
+        self.gateway.id()
     }
 
     /// The process id of worker `name`, while the harness holds it.

@@ -7,8 +7,8 @@
 //! and the edge reconnect and reopen its cameras.
 //!
 //! The NAT is a UDP relay in this test: the edge dials it, and it forwards
-//! to the gateway from an upstream socket that it swaps for a new one
-//! halfway through. Bounded in frames and time; nothing asserts on speed.
+//! to the gateway from an upstream socket that it swaps for a new one once
+//! frames flow. Bounded in frames and time; nothing asserts on speed.
 
 #[path = "support/astronaut.rs"]
 mod astronaut;
@@ -16,7 +16,7 @@ mod astronaut;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use astronaut::started_cluster;
 use tokio::net::UdpSocket;
@@ -96,6 +96,25 @@ async fn nat(
     (addr, mappings)
 }
 
+/// Frames the gateway has admitted so far.
+fn admitted(c: &tidegate_loadtest::cluster::Cluster) -> u64 {
+    let (code, body) = c.get("/api/v1/frames").expect("GET /api/v1/frames");
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    v["admitted"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no admitted count in {v}"))
+}
+
+/// Polls `check` every 100 ms until it holds, or panics after `timeout`.
+fn eventually(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let until = Instant::now() + timeout;
+    while !check() {
+        assert!(Instant::now() < until, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn an_edge_whose_nat_rebinds_keeps_its_connection_and_every_frame_gets_one_result() {
     let c = started_cluster();
@@ -106,20 +125,31 @@ fn an_edge_whose_nat_rebinds_keeps_its_connection_and_every_frame_gets_one_resul
         .unwrap();
     let (rebind, rebinds) = watch::channel(0u32);
     let (front, mappings) = rt.block_on(nat(c.quic, rebinds));
-    let mut opts = c.sim_options("edge-1", 2, 10.0, 6.0);
+    // 2 cameras × 10 fps for 12 s: sending outlasts the rebind by far,
+    // however slowly the machine starts.
+    let mut opts = c.sim_options("edge-1", 2, 10.0, 12.0);
     opts.gateway = front.into();
     let sim = rt.spawn(async move { tidegate_loadtest::sim::run(&opts).await });
-    // Halfway through the sending, the NAT maps the edge to a new port.
-    rt.block_on(async { tokio::time::sleep(Duration::from_secs(3)).await });
+    // Once frames flow, the NAT maps the edge to a new port.
+    eventually(
+        Duration::from_secs(30),
+        "frames admitted before the rebind",
+        || admitted(&c) >= 10,
+    );
+    assert!(
+        !sim.is_finished(),
+        "the cameras stopped sending before the rebind; the run proves nothing"
+    );
     rebind.send(1).unwrap();
+    let admitted_at_rebind = admitted(&c);
     let report = rt
-        .block_on(async { tokio::time::timeout(Duration::from_secs(60), sim).await })
+        .block_on(async { tokio::time::timeout(Duration::from_secs(120), sim).await })
         .expect("the simulation ends")
         .expect("the simulation task")
         .expect("the simulation runs without reconnecting");
 
-    // Every frame sent got exactly one result, and all of them were ok.
-    assert!(report.sent >= 100, "{report:?}");
+    // Every frame sent got exactly one result, on one connection.
+    assert!(report.sent > 0, "{report:?}");
     assert_eq!(report.send_errors, 0, "{report:?}");
     assert_eq!(
         report.reconnects, 0,
@@ -127,15 +157,34 @@ fn an_edge_whose_nat_rebinds_keeps_its_connection_and_every_frame_gets_one_resul
     );
     assert_eq!(report.missing, 0, "{report:?}");
     assert_eq!(report.duplicates, 0, "{report:?}");
-    assert_eq!(report.ok, report.sent, "{report:?}");
+    assert_eq!(report.lost_with_connection, 0, "{report:?}");
+    assert_eq!(
+        report.results() + report.reset + report.refused,
+        report.sent,
+        "{report:?}"
+    );
+    // Served: ok, or shed or expired by the gateway's deadline rule when
+    // the machine is too busy for the 80 ms budget; nothing failed.
+    assert!(report.ok > 0, "{report:?}");
+    assert_eq!(report.failed, 0, "{:?}", report.outcomes);
     // The path really changed: the gateway answered on both mappings, and
-    // the second carried frames of its own.
+    // frames it admitted after the rebind came through the second.
+    let after = admitted(&c) - admitted_at_rebind;
+    assert!(after > 0, "no frame reached the gateway after the rebind");
     let mappings = mappings.lock().unwrap();
     assert_eq!(mappings.len(), 2, "{mappings:?}");
     for (i, m) in mappings.iter().enumerate() {
         let (up, down) = (m.up.load(Ordering::Relaxed), m.down.load(Ordering::Relaxed));
-        assert!(up > 50 && down > 10, "mapping {i}: {up} up, {down} down");
+        assert!(up > 0 && down > 0, "mapping {i}: {up} up, {down} down");
     }
+    // ... and carried at least a whole frame's datagrams (at most 1452
+    // bytes each) from the edge.
+    let second = mappings[1].up.load(Ordering::Relaxed);
+    assert!(
+        second * 1452 >= report.bytes_per_frame,
+        "the second mapping carried {second} datagrams up, less than one frame of {} bytes",
+        report.bytes_per_frame
+    );
     // Had the connection broken, the generator would have redialled
     // (`reconnects`) and the frames in flight been lost with it (above).
 }

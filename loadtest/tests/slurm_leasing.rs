@@ -42,11 +42,27 @@ fn slurm_context(slurm: &MiniSlurm) -> String {
     )
 }
 
+/// The Slurm provider's `tool_timeout_secs`: the longest one `sbatch`,
+/// `scancel` or `squeue` may take.
+const TOOL_TIMEOUT_SECS: u64 = 20;
+/// Its `release_timeout_secs`: the longest one lease's release may take.
+const RELEASE_TIMEOUT_SECS: u64 = 30;
+/// How long a clean stop may take by the gateway's own bounds, with room
+/// to spare: an acquisition under way (`sbatch`, then cancelling a job it
+/// may have queued unanswered), the releases under way, one `scancel` of
+/// every job, then the release of the one live lease, each at its deadline
+/// on a machine too busy for Slurm to answer sooner. It stops in well under
+/// a second when Slurm answers (the time is printed).
+const STOP_WITHIN: Duration =
+    Duration::from_secs(3 * TOOL_TIMEOUT_SECS + 2 * RELEASE_TIMEOUT_SECS + 60);
+
 #[test]
 fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
     let slurm = MiniSlurm::start();
+    // The provider's deadlines, set here because the stop below waits for
+    // them (see STOP_WITHIN).
     let section = format!(
-        "slurm_conf = \"{}\"\noutput = \"{}/job-%j.out\"\npoll_interval_ms = 200\npartitions = {{ on_demand = \"ondemand\", spot = \"spot\" }}\ngres = {{ cpu-test = \"gpu:1\" }}\n",
+        "slurm_conf = \"{}\"\noutput = \"{}/job-%j.out\"\npoll_interval_ms = 200\npartitions = {{ on_demand = \"ondemand\", spot = \"spot\" }}\ngres = {{ cpu-test = \"gpu:1\" }}\ntool_timeout_secs = {TOOL_TIMEOUT_SECS}\nrelease_timeout_secs = {RELEASE_TIMEOUT_SECS}\n",
         slurm.conf().display(),
         slurm.path().display()
     );
@@ -110,9 +126,16 @@ fn slurm_jobs_serve_frames_and_slurm_preemption_replaces_the_worker() {
         .filter(|l| state(l) != "requested")
         .map(job_of)
         .collect();
+    let stopping = std::time::Instant::now();
     let status = c
-        .stop_gateway(Duration::from_secs(60))
+        .stop_gateway(STOP_WITHIN)
         .expect("gateway stops on SIGTERM");
+    let log = c.gateway_log();
+    let shutdown = log.find("shutting down").map_or("", |at| &log[at..]);
+    eprintln!(
+        "the gateway stopped in {:?}; its log from the stop:\n{shutdown}",
+        stopping.elapsed()
+    );
     assert!(status.success(), "gateway exit: {status}");
     for job in jobs {
         let s = slurm.job_state(job).unwrap_or_default();

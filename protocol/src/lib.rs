@@ -35,7 +35,7 @@ pub mod tensor;
 pub use addr::{GatewayAddr, GatewayAddrError};
 pub use codec::{DecodeError, Header, Kind, MAGIC, VERSION};
 pub use error::{ErrorCode, Fault};
-pub use limits::Limits;
+pub use limits::{CUT_MARK, Limits, fit_string};
 pub use message::*;
 pub use result::{Detection, FrameResult, ShedReason, Status, Timings};
 pub use tensor::{

@@ -61,6 +61,19 @@ pub struct ErrorMsg {
     pub message: String,
 }
 
+impl ErrorMsg {
+    /// An error whose message fits `limits` (cut and marked by
+    /// [`crate::limits::fit_string`] when it would not): a reason that
+    /// quotes a peer's long name must still reach that peer as a reason,
+    /// not as a malformed stream.
+    pub fn within(limits: &Limits, code: ErrorCode, message: &str) -> ErrorMsg {
+        ErrorMsg {
+            code,
+            message: limits.fit_string(message).into_owned(),
+        }
+    }
+}
+
 /// How the edge fits a source frame into the model's input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -139,7 +139,22 @@ impl std::str::FromStr for Congestion {
     }
 }
 
-fn transport(keep_alive: bool, congestion: Congestion) -> Arc<quinn::TransportConfig> {
+/// Unidirectional streams a logged-in peer may have open at once: one per
+/// frame and per result, so plenty.
+pub const MAX_UNI_STREAMS: u32 = 4096;
+/// Bidirectional streams a logged-in peer may have open at once (the
+/// control stream is one).
+pub const MAX_BIDI_STREAMS: u32 = 16;
+/// Bytes a logged-in peer may have sent that the reader has not yet taken,
+/// over all its streams: room for several frames of 150 KB in flight.
+pub const RECEIVE_WINDOW: u32 = 64 * 1024 * 1024;
+/// [`RECEIVE_WINDOW`] for a peer that has not logged in yet (see
+/// [`login_gated_server_config`]): a `Hello` (two strings of at most
+/// [`Limits::max_string_bytes`] each) fits many times over, a frame does
+/// not.
+pub const BEFORE_LOGIN_RECEIVE_WINDOW: u32 = 16 * 1024;
+
+fn transport(keep_alive: bool, congestion: Congestion) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     let factory: Arc<dyn quinn::congestion::ControllerFactory + Send + Sync> = match congestion {
         Congestion::Cubic => Arc::new(quinn::congestion::CubicConfig::default()),
@@ -147,9 +162,8 @@ fn transport(keep_alive: bool, congestion: Congestion) -> Arc<quinn::TransportCo
         Congestion::Bbr => Arc::new(quinn::congestion::BbrConfig::default()),
     };
     t.congestion_controller_factory(factory);
-    // One stream per frame and per result: allow plenty concurrently.
-    t.max_concurrent_uni_streams(4096u32.into());
-    t.max_concurrent_bidi_streams(16u32.into());
+    t.max_concurrent_uni_streams(MAX_UNI_STREAMS.into());
+    t.max_concurrent_bidi_streams(MAX_BIDI_STREAMS.into());
     t.max_idle_timeout(Some(
         Duration::from_secs(10)
             .try_into()
@@ -160,9 +174,9 @@ fn transport(keep_alive: bool, congestion: Congestion) -> Arc<quinn::TransportCo
     }
     // Room for several frames of 150 KB in flight per stream and connection.
     t.stream_receive_window((8u32 * 1024 * 1024).into());
-    t.receive_window((64u32 * 1024 * 1024).into());
+    t.receive_window(RECEIVE_WINDOW.into());
     t.send_window(64 * 1024 * 1024);
-    Arc::new(t)
+    t
 }
 
 /// A server configuration from a PEM certificate chain and PEM private key,
@@ -197,8 +211,40 @@ pub fn server_config_with(
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
         .map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    cfg.transport_config(transport(false, congestion));
+    cfg.transport_config(Arc::new(transport(false, congestion)));
     Ok(cfg)
+}
+
+/// [`server_config_with`] for a server that lets peers in by their
+/// `Hello`: until [`open_after_login`] is called on a connection, its peer
+/// may open no unidirectional stream and one bidirectional stream (the
+/// control stream), and have at most [`BEFORE_LOGIN_RECEIVE_WINDOW`] bytes
+/// unread in all. A stranger cannot make the server buffer the 64 MiB of
+/// stream data that a logged-in peer may. A client opens its frame and
+/// result streams after `Welcome`; `open_uni` waits for the credit that
+/// [`open_after_login`] sends.
+pub fn login_gated_server_config(
+    cert_chain: &Path,
+    key: &Path,
+    congestion: Congestion,
+) -> Result<quinn::ServerConfig, TlsError> {
+    let mut cfg = server_config_with(cert_chain, key, congestion)?;
+    let mut t = transport(false, congestion);
+    t.max_concurrent_uni_streams(0u32.into());
+    t.max_concurrent_bidi_streams(1u32.into());
+    t.receive_window(BEFORE_LOGIN_RECEIVE_WINDOW.into());
+    cfg.transport_config(Arc::new(t));
+    Ok(cfg)
+}
+
+/// Raises a connection accepted under [`login_gated_server_config`] to
+/// the limits of a logged-in peer ([`MAX_UNI_STREAMS`],
+/// [`MAX_BIDI_STREAMS`], [`RECEIVE_WINDOW`]); call it once the peer is
+/// authenticated, before answering `Welcome`.
+pub fn open_after_login(conn: &quinn::Connection) {
+    conn.set_max_concurrent_uni_streams(MAX_UNI_STREAMS.into());
+    conn.set_max_concurrent_bi_streams(MAX_BIDI_STREAMS.into());
+    conn.set_receive_window(RECEIVE_WINDOW.into());
 }
 
 /// A client configuration that trusts the CA certificate(s) in `ca`, with
@@ -224,7 +270,7 @@ pub fn client_config_with(
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
         .map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
-    cfg.transport_config(transport(true, congestion));
+    cfg.transport_config(Arc::new(transport(true, congestion)));
     Ok(cfg)
 }
 
@@ -646,6 +692,47 @@ mod tests {
     /// Bounds every dial of these tests: far above what they need, below
     /// the 10 s handshake timeout that a black hole costs.
     const WAIT: Duration = Duration::from_secs(5);
+
+    #[tokio::test]
+    async fn a_peer_gets_no_unidirectional_stream_before_login_and_gets_them_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let tls = crate::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
+        let server =
+            login_gated_server_config(&tls.server_cert, &tls.server_key, Congestion::default())
+                .unwrap();
+        let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = endpoint.local_addr().unwrap();
+        let (login_tx, login_rx) = tokio::sync::oneshot::channel::<()>();
+        let accepting = endpoint.clone();
+        tokio::spawn(async move {
+            let conn = accepting.accept().await.unwrap().await.unwrap();
+            let _ = login_rx.await;
+            open_after_login(&conn);
+            conn.closed().await
+        });
+        let conn = tokio::time::timeout(
+            WAIT,
+            dial(addr, "localhost", client_config(&tls.ca_cert).unwrap()),
+        )
+        .await
+        .expect("connects in time")
+        .unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), conn.open_uni())
+                .await
+                .is_err(),
+            "no unidirectional stream before login"
+        );
+        login_tx.send(()).unwrap();
+        let mut opened = Vec::new();
+        for _ in 0..8 {
+            let s = tokio::time::timeout(WAIT, conn.open_uni())
+                .await
+                .expect("credit after login")
+                .unwrap();
+            opened.push(s);
+        }
+    }
 
     #[tokio::test]
     async fn an_address_that_fails_is_followed_by_the_next_in_order() {

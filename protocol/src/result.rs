@@ -40,6 +40,10 @@ pub enum ShedReason {
     /// waiting on the edge and on the link, from `captured_at_us` and the
     /// edge's clock offset) plus the trip back leaves nothing of its budget.
     LateOnArrival,
+    /// Its edge's connection closed while it was queued (or before it
+    /// arrived): its result has nowhere to go, so it is never run. Never
+    /// sent to an edge; it has a code so that every end of a frame has one.
+    EdgeGone,
 }
 
 impl ShedReason {
@@ -51,6 +55,7 @@ impl ShedReason {
             ShedReason::Overloaded => "overloaded",
             ShedReason::NoWorker => "no_worker",
             ShedReason::LateOnArrival => "late_on_arrival",
+            ShedReason::EdgeGone => "edge_gone",
         }
     }
 
@@ -62,6 +67,7 @@ impl ShedReason {
             ShedReason::Overloaded => 2,
             ShedReason::NoWorker => 3,
             ShedReason::LateOnArrival => 4,
+            ShedReason::EdgeGone => 5,
         }
     }
 
@@ -73,6 +79,7 @@ impl ShedReason {
             2 => ShedReason::Overloaded,
             3 => ShedReason::NoWorker,
             4 => ShedReason::LateOnArrival,
+            5 => ShedReason::EdgeGone,
             _ => return None,
         })
     }

@@ -142,6 +142,7 @@ fn shed_reason() -> impl Strategy<Value = ShedReason> {
         Just(ShedReason::Overloaded),
         Just(ShedReason::NoWorker),
         Just(ShedReason::LateOnArrival),
+        Just(ShedReason::EdgeGone),
     ]
 }
 

@@ -18,15 +18,18 @@ use std::time::{Duration, Instant};
 use tidegate_protocol::queue;
 use tidegate_protocol::quic::{read_message_of, write_message};
 use tidegate_protocol::{
-    CameraAccepted, CameraOpen, ClockProbe, ErrorCode, ErrorMsg, Frame, FrameResult, Kind, Limits,
-    Message,
+    CameraAccepted, CameraOpen, ClockProbe, ErrorCode, Frame, FrameResult, Kind, Limits, Message,
 };
 use tracing::{debug, info, warn};
 
-use super::{MAX_CAMERAS_PER_EDGE, RESULT_QUEUE, RESULT_QUEUE_BYTES, Server, refuse};
+use super::edge_quota::EdgeSlot;
+use super::error_reply::ErrorReply;
+use super::inflight::{FrameReadError, InflightBudget, read_frame};
+use super::{RESULT_QUEUE, RESULT_QUEUE_BYTES, Server, refuse};
 use crate::deadline::{self, EdgeClock};
 use crate::hub::{HintBox, Hub, HubMsg};
 use crate::metrics::Metrics;
+use crate::ratelimit::{ControlGate, ControlVerdict};
 use crate::scheduler::{EdgeId, Micros};
 
 /// Cameras opened on one connection, by name.
@@ -102,19 +105,33 @@ pub(super) struct EdgeSession<'s> {
     pub(super) ctl_send: tokio::sync::Mutex<quinn::SendStream>,
     pub(super) cameras: Cameras,
     pub(super) clock: Arc<Mutex<EdgeClock>>,
+    /// The edge name's share of connections, cameras and partly received
+    /// frames; dropped with the session.
+    pub(super) quota: EdgeSlot,
 }
 
 impl EdgeSession<'_> {
     /// Reads frame streams until the connection ends; each is read on a
-    /// task of its own (tracked, so shutdown drains it).
+    /// task of its own (tracked, so shutdown drains it), within the edge's
+    /// and the gateway's budgets for partly received frames and by
+    /// `limits.frame_read_timeout_ms` from when it is accepted.
     pub(super) async fn read_frames(&self) {
         let margin = Duration::from_millis(self.server.config.scheduler.return_margin_ms as u64);
+        let read_timeout =
+            Duration::from_millis(self.server.config.limits.frame_read_timeout_ms.into());
+        let budget = InflightBudget {
+            edge: self.quota.inflight().clone(),
+            total: self.server.inflight_total.clone(),
+        };
         while let Ok(recv) = self.conn.accept_uni().await {
             let stream = FrameStream {
+                budget: budget.clone(),
+                read_timeout,
                 edge: self.id,
                 arrived: Instant::now(),
                 rtt: self.conn.rtt(),
                 margin,
+                max_budget_ms: self.server.config.scheduler.max_budget_ms,
                 clock: self.server.clock,
                 edge_clock: self.clock.lock().expect("edge clock lock").offset(),
                 cameras: self.cameras.clone(),
@@ -181,8 +198,13 @@ impl EdgeSession<'_> {
     }
 
     /// Reads the edge's control messages until the stream ends or fails.
+    /// Messages over the connection's
+    /// [`ControlRate`](crate::ratelimit::ControlRate) are dropped before
+    /// they reach the hub and counted by kind (a `CameraOpen` is refused,
+    /// not dropped); a connection that keeps flooding is closed.
     pub(super) async fn read_control(&self, mut ctl_recv: quinn::RecvStream) {
         let limits = &self.server.limits;
+        let mut gate = ControlGate::new(self.server.control_rate());
         loop {
             let msg = match read_message_of(&mut ctl_recv, limits, EDGE_CONTROL).await {
                 Ok(Some(m)) => m,
@@ -190,17 +212,21 @@ impl EdgeSession<'_> {
                 Err(e) if e.is_connection_lost() => break,
                 Err(e) => {
                     warn!("malformed control stream: {e}; closing the connection");
-                    let reason = format!("malformed control stream: {e}");
-                    refuse(
-                        &self.conn,
-                        &mut *self.ctl_send.lock().await,
-                        e.code(),
-                        reason,
-                    )
-                    .await;
+                    let reply = ErrorReply::Unreadable {
+                        code: e.code(),
+                        error: format!("malformed control stream: {e}"),
+                    };
+                    refuse(&self.conn, &mut *self.ctl_send.lock().await, &reply).await;
                     break;
                 }
             };
+            let verdict = gate.on_message(Instant::now());
+            if verdict != ControlVerdict::Pass {
+                if !self.over_rate(msg, verdict, &gate).await {
+                    break;
+                }
+                continue;
+            }
             match msg {
                 Message::CameraOpen(open) => {
                     let reply = self.open_camera(open).await;
@@ -235,49 +261,83 @@ impl EdgeSession<'_> {
         }
     }
 
+    /// Drops `msg`, which came over the connection's control rate, and
+    /// counts it; a `CameraOpen` is answered with a refusal to send again.
+    /// On [`ControlVerdict::Close`] the connection is closed with the
+    /// reason. False when the control stream is done.
+    async fn over_rate(&self, msg: Message, verdict: ControlVerdict, gate: &ControlGate) -> bool {
+        let kind = control_kind_label(msg.kind());
+        self.server
+            .metrics
+            .control_dropped
+            .with_label_values(&[kind])
+            .inc();
+        if verdict == ControlVerdict::Close {
+            let reply = ErrorReply::ControlFlood {
+                rate: gate.rate(),
+                dropped: gate.dropped(),
+            };
+            warn!(dropped = gate.dropped(), "{reply}");
+            refuse(&self.conn, &mut *self.ctl_send.lock().await, &reply).await;
+            return false;
+        }
+        if let Message::CameraOpen(open) = msg {
+            let reply = ErrorReply::CameraOpenThrottled {
+                camera: open.camera,
+                rate: gate.rate(),
+            };
+            debug!("{reply}");
+            return write_message(&mut *self.ctl_send.lock().await, &reply.to_message())
+                .await
+                .is_ok();
+        }
+        true
+    }
+
     /// The answer to a `CameraOpen`: `CameraAccepted`, or an `Error` that
     /// refuses this camera only.
     async fn open_camera(&self, open: CameraOpen) -> Message {
-        let (known, open_now) = {
-            let cams = self.cameras.lock().expect("camera map lock");
-            (cams.contains_key(&open.camera), cams.len())
-        };
+        // Counted over all the edge's connections as it is checked, so two
+        // connections opening at once cannot both pass; taken back below
+        // if the camera is refused for another reason.
+        let mut counted = false;
         let refusal = if open.camera.is_empty() {
             // an empty camera in a hint means every camera of the edge: one
             // cannot be named so
-            Some((
-                ErrorCode::Malformed,
-                "a camera's name must not be empty".to_string(),
-            ))
-        } else if !known && open_now >= MAX_CAMERAS_PER_EDGE {
-            Some((
-                ErrorCode::Overloaded,
-                format!(
-                    "camera '{}': this connection has {MAX_CAMERAS_PER_EDGE} cameras open, the most one edge may",
-                    open.camera
-                ),
-            ))
+            Some(ErrorReply::EmptyCamera)
         } else {
-            None
+            match self.quota.open_camera(&open.camera) {
+                Ok(new) => {
+                    counted = new;
+                    None
+                }
+                Err(_) => Some(ErrorReply::TooManyCameras {
+                    camera: open.camera.clone(),
+                    max: self.server.config.limits.max_cameras_per_edge,
+                }),
+            }
         };
         let served = match refusal {
             Some(_) => None,
             None => self.server.hub.model_info(&open.model).await,
         };
         let refusal = match (refusal, &served) {
-            (None, Some(served)) => served.accepts(open.encoding).err(),
-            (None, None) => Some((
-                ErrorCode::Unavailable,
-                format!(
-                    "camera '{}': no worker serves model '{}' yet; retry later",
-                    open.camera, open.model
-                ),
-            )),
+            (None, Some(served)) => served
+                .accepts(open.encoding)
+                .err()
+                .map(|(code, reason)| ErrorReply::ModelRefused { code, reason }),
+            (None, None) => Some(ErrorReply::NoWorker {
+                camera: open.camera.clone(),
+                model: open.model.clone(),
+            }),
             (refusal, _) => refusal,
         };
-        if let Some((code, message)) = refusal {
-            warn!(camera = %open.camera, %message, "camera refused");
-            return Message::Error(ErrorMsg { code, message });
+        if let Some(reply) = refusal {
+            if counted {
+                self.quota.close_camera(&open.camera);
+            }
+            warn!(camera = %open.camera, message = %reply, "camera refused");
+            return reply.to_message();
         }
         let served = served.expect("a model is served when nothing refused the camera");
         {
@@ -300,7 +360,10 @@ impl EdgeSession<'_> {
                 edge: self.id,
                 camera: open.camera.clone(),
                 model: open.model.clone(),
-                budget_ms: open.budget_ms,
+                // Its frames are held to the gateway's longest budget.
+                budget_ms: open
+                    .budget_ms
+                    .min(self.server.config.scheduler.max_budget_ms),
             })
             .await;
         info!(camera = %open.camera, model = %open.model, encoding = %open.encoding, "camera opened");
@@ -357,13 +420,30 @@ impl EdgeSession<'_> {
 /// kind is refused from its header, before its body is read.
 const EDGE_CONTROL: &[Kind] = &[Kind::CameraOpen, Kind::LatencyReport, Kind::ClockEcho];
 
+/// The `kind` label of `tidegate_control_messages_dropped_total`.
+fn control_kind_label(kind: Kind) -> &'static str {
+    match kind {
+        Kind::CameraOpen => "camera_open",
+        Kind::LatencyReport => "latency_report",
+        Kind::ClockEcho => "clock_echo",
+        _ => "other",
+    }
+}
+
 /// One frame stream and what its frame is admitted with: taken when the
 /// stream was accepted, so its arrival time is when its first bytes came.
 struct FrameStream {
     edge: EdgeId,
     arrived: Instant,
+    /// Where the frame's body takes its room before it is read.
+    budget: InflightBudget,
+    /// The whole frame is in by `arrived` plus this, or the stream is
+    /// reset: a frame that slow is past its budget anyway.
+    read_timeout: Duration,
     rtt: Duration,
     margin: Duration,
+    /// `[scheduler] max_budget_ms`: the longest budget a frame is held to.
+    max_budget_ms: u32,
     clock: GatewayClock,
     edge_clock: Option<deadline::Offset>,
     cameras: Cameras,
@@ -375,24 +455,37 @@ struct FrameStream {
 impl FrameStream {
     /// Reads the stream's one frame and hands it to the hub with its
     /// deadline. A stream that is not one well-formed frame of an open
-    /// camera is stopped and counted by reason; one reset by the edge
-    /// (a frame it withdrew) or cut by its connection's end was never
-    /// admitted and is counted as such, not as malformed.
+    /// camera is stopped and counted by reason, as is one whose frame finds
+    /// no room in the budgets (`memory_budget`) or is not in by the read
+    /// timeout (`read_timeout`); one reset by the edge (a frame it
+    /// withdrew) or cut by its connection's end was never admitted and is
+    /// counted as such, not as malformed. The frame's room is held until
+    /// the hub has it.
     async fn read(self, mut recv: quinn::RecvStream) {
-        let frame: Frame = match read_message_of(&mut recv, &self.limits, &[Kind::Frame]).await {
-            Ok(Some(Message::Frame(f))) => f,
-            Ok(Some(other)) => {
-                warn!(kind = ?other.kind(), "frame stream carried a non-Frame message; stream closed");
-                self.reject(&mut recv, "malformed", ErrorCode::Malformed);
+        let read = tokio::time::timeout_at(
+            (self.arrived + self.read_timeout).into(),
+            read_frame(&mut recv, &self.limits, &self.budget),
+        )
+        .await;
+        let Ok(read) = read else {
+            debug!(timeout = ?self.read_timeout, "frame stream not read in time; stream reset");
+            self.reject(&mut recv, "read_timeout", ErrorCode::Overloaded);
+            return;
+        };
+        let (mut frame, _room): (Frame, _) = match read {
+            Ok(Some(read)) => read,
+            Ok(None) => return,
+            Err(FrameReadError::Budget(e)) => {
+                debug!("frame refused: {e}");
+                self.reject(&mut recv, "memory_budget", e.code());
                 return;
             }
-            Ok(None) => return,
-            Err(e) if e.is_reset() => {
+            Err(FrameReadError::Read(e)) if e.is_reset() => {
                 debug!("frame stream reset by the edge: {e}");
                 self.metrics.rejected.with_label_values(&["reset"]).inc();
                 return;
             }
-            Err(e) if e.is_connection_lost() => {
+            Err(FrameReadError::Read(e)) if e.is_connection_lost() => {
                 debug!("frame stream cut by the connection's end: {e}");
                 self.metrics
                     .rejected
@@ -400,7 +493,7 @@ impl FrameStream {
                     .inc();
                 return;
             }
-            Err(e) => {
+            Err(FrameReadError::Read(e)) => {
                 warn!("bad frame stream closed: {e}");
                 self.reject(&mut recv, "malformed", e.code());
                 return;
@@ -436,6 +529,9 @@ impl FrameStream {
             Some(true) => {}
         }
         let arrived_us = self.clock.us(self.arrived);
+        // Served with the gateway's longest budget at most; the hub and
+        // its load reports see the budget it is held to.
+        frame.budget_us = deadline::capped_budget_us(frame.budget_us, self.max_budget_ms);
         let admission = deadline::admit(
             arrived_us,
             frame.captured_at_us,
@@ -465,7 +561,7 @@ impl FrameStream {
 
 /// Starts an edge's session: registers it with the hub and runs its loops
 /// until the connection ends, is revoked or the gateway stops.
-pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link) {
+pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link, quota: EdgeSlot) {
     let super::Link {
         name,
         conn,
@@ -481,6 +577,7 @@ pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link) {
         .send(HubMsg::EdgeConnected {
             edge: id,
             name: name.clone(),
+            weight: server.access.edge_weight(&name),
             results: results_tx,
             hints: hints.clone(),
         })
@@ -495,6 +592,7 @@ pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link) {
         ctl_send: tokio::sync::Mutex::new(ctl_send),
         cameras: Cameras::default(),
         clock: Arc::new(Mutex::new(EdgeClock::new())),
+        quota,
     };
     let mut was_revoked = false;
     tokio::select! {
@@ -508,15 +606,12 @@ pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link) {
     }
     // (After the select, so no loop still holds the control stream.)
     if was_revoked {
-        let msg = super::revoked_message(tidegate_protocol::Role::Edge, &name);
-        warn!("{msg}; closing the connection");
-        refuse(
-            &conn,
-            session.ctl_send.get_mut(),
-            ErrorCode::Unauthorized,
-            msg,
-        )
-        .await;
+        let reply = ErrorReply::Revoked {
+            role: tidegate_protocol::Role::Edge,
+            name,
+        };
+        warn!("{reply}; closing the connection");
+        refuse(&conn, session.ctl_send.get_mut(), &reply).await;
     }
     info!("edge disconnected");
     server.hub.send(HubMsg::EdgeGone { edge: id }).await;

@@ -4,18 +4,24 @@
 //! edge's connection then runs as an `EdgeSession` (`server/edge.rs`).
 
 mod edge;
+mod edge_quota;
+mod error_reply;
+mod inflight;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tidegate_protocol::quic::{read_message, read_message_of, write_message};
-use tidegate_protocol::{Drain, ErrorCode, ErrorMsg, Hello, Kind, Limits, Message, Role, Welcome};
-use tokio::sync::mpsc;
+use tidegate_protocol::{Drain, ErrorCode, Hello, Kind, Limits, Message, Role, Welcome};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use self::edge_quota::{EdgeLimits, EdgeQuotas};
+use self::error_reply::ErrorReply;
+use self::inflight::ByteBudget;
 use crate::auth::Access;
 use crate::config::Config;
 use crate::hub::{Hub, HubMsg};
@@ -31,8 +37,9 @@ const RESULT_QUEUE: usize = 1024;
 /// undeliverable): 1024 results of a few detections take a few hundred
 /// KiB, but of `raw` outputs they could take gigabytes.
 const RESULT_QUEUE_BYTES: usize = 64 * 1024 * 1024;
-/// Cameras one edge connection may open: each costs the hub a route and
-/// the status API a row, so a buggy edge (a timestamp in each camera's
+/// Cameras one edge may have open over its connections unless
+/// `limits.max_cameras_per_edge` says otherwise: each costs the hub a route
+/// and the status API a row, so a buggy edge (a timestamp in each camera's
 /// name) cannot grow them without bound.
 pub const MAX_CAMERAS_PER_EDGE: usize = 1024;
 /// Batches buffered per worker connection.
@@ -44,8 +51,6 @@ const OPERATOR_DRAIN_MS: u32 = 30_000;
 const HEARTBEAT_MS: u32 = 1000;
 /// Heartbeats a worker may miss before it is declared lost.
 const HEARTBEAT_LOSS: u32 = 3;
-/// How long a client has to send `Hello`.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a worker has, once welcomed, to send its `Register`.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -67,6 +72,15 @@ pub struct Server {
     leasing: Option<Leasing>,
     /// Deadlines and edge clock probes are read on this clock.
     clock: edge::GatewayClock,
+    /// Bytes of partly received frames, all edges together
+    /// (`limits.inflight_bytes_total`).
+    inflight_total: Arc<ByteBudget>,
+    /// Connections, cameras and partly received bytes per edge name.
+    edge_quotas: Arc<EdgeQuotas>,
+    /// Room for connections that have not logged in
+    /// (`limits.max_unauthenticated`): one permit each, from accept to
+    /// `Welcome`.
+    unauthenticated: Arc<Semaphore>,
 }
 
 impl Server {
@@ -80,7 +94,18 @@ impl Server {
         access: Arc<Access>,
         leasing: Option<Leasing>,
     ) -> Arc<Self> {
+        let l = &config.limits;
+        let edge_quotas = EdgeQuotas::new(EdgeLimits {
+            connections: l.max_connections_per_edge,
+            cameras: l.max_cameras_per_edge,
+            inflight_bytes: l.edge_inflight_bytes,
+        });
+        let inflight_total = ByteBudget::new(l.inflight_bytes_total);
+        let unauthenticated = Arc::new(Semaphore::new(l.max_unauthenticated));
         Arc::new(Server {
+            inflight_total,
+            edge_quotas,
+            unauthenticated,
             config,
             hub,
             metrics,
@@ -91,6 +116,12 @@ impl Server {
             leasing,
             clock: edge::GatewayClock::new(Instant::now()),
         })
+    }
+
+    /// The control-message rate each edge connection is held to
+    /// (`[limits] control_*`).
+    fn control_rate(&self) -> crate::ratelimit::ControlRate {
+        self.config.limits.control_rate()
     }
 
     /// Accepts connections until `cancel` fires; every connection task is
@@ -105,15 +136,31 @@ impl Server {
                     None => break,
                 },
             };
+            // Refused before the handshake costs anything: until they log
+            // in, connections are strangers, and only so many at once.
+            let Ok(login) = self.unauthenticated.clone().try_acquire_owned() else {
+                debug!(peer = %incoming.remote_address(), "refused: too many connections not logged in");
+                self.metrics
+                    .quic_refused
+                    .with_label_values(&["unauthenticated"])
+                    .inc();
+                incoming.refuse();
+                continue;
+            };
             let this = self.clone();
             let cancel = cancel.clone();
             let session = self.sessions.fetch_add(1, Ordering::Relaxed);
             let span = info_span!("conn", session, peer = %incoming.remote_address());
             tracker.spawn(
                 async move {
-                    match incoming.await {
-                        Ok(conn) => this.connection(session, conn, cancel).await,
-                        Err(e) => debug!("handshake failed: {e}"),
+                    // A stranger's handshake holds its place for no longer
+                    // than a Hello may take (dropping it abandons it).
+                    let hello_timeout =
+                        Duration::from_millis(this.config.limits.hello_timeout_ms.into());
+                    match tokio::time::timeout(hello_timeout, incoming).await {
+                        Ok(Ok(conn)) => this.connection(session, conn, login, cancel).await,
+                        Ok(Err(e)) => debug!("handshake failed: {e}"),
+                        Err(_) => debug!("no handshake within {hello_timeout:?}; abandoned"),
                     }
                 }
                 .instrument(span),
@@ -122,25 +169,44 @@ impl Server {
         endpoint.close(0u32.into(), b"gateway shutting down");
     }
 
-    async fn connection(&self, session: u64, conn: quinn::Connection, cancel: CancellationToken) {
-        let hello = tokio::time::timeout(HELLO_TIMEOUT, async {
+    /// Serves one connection: its `Hello` within `limits.hello_timeout_ms`,
+    /// then its role's session. `login` holds its place among the
+    /// connections not logged in, until `Welcome`.
+    async fn connection(
+        &self,
+        session: u64,
+        conn: quinn::Connection,
+        login: OwnedSemaphorePermit,
+        cancel: CancellationToken,
+    ) {
+        let hello_timeout = Duration::from_millis(self.config.limits.hello_timeout_ms.into());
+        // A Hello is two short strings: a stranger's body is read no
+        // further than what its connection may send before login.
+        let hello_limits = Limits {
+            max_header_bytes: tidegate_protocol::quic::BEFORE_LOGIN_RECEIVE_WINDOW as usize,
+            ..self.limits
+        };
+        let hello = tokio::time::timeout(hello_timeout, async {
             let (mut send, mut recv) = conn.accept_bi().await.ok()?;
             // Before login only a Hello is read: any other kind is refused
             // from its header, so a stranger cannot make the gateway buffer
             // or decode a tensor-sized body.
-            match read_message_of(&mut recv, &self.limits, &[Kind::Hello]).await {
+            match read_message_of(&mut recv, &hello_limits, &[Kind::Hello]).await {
                 Ok(Some(Message::Hello(h))) => Some((send, recv, h)),
                 Ok(other) => {
-                    let msg = format!(
-                        "expected Hello as the first message, got {:?}",
-                        other.map(|m| m.kind())
-                    );
-                    refuse(&conn, &mut send, ErrorCode::Malformed, msg).await;
+                    let reply = ErrorReply::NoHello {
+                        got: other.map(|m| m.kind()),
+                    };
+                    refuse(&conn, &mut send, &reply).await;
                     None
                 }
                 Err(e) => {
                     // Malformed, or an unsupported version or size, by name.
-                    refuse(&conn, &mut send, e.code(), e.to_string()).await;
+                    let reply = ErrorReply::Unreadable {
+                        code: e.code(),
+                        error: e.to_string(),
+                    };
+                    refuse(&conn, &mut send, &reply).await;
                     None
                 }
             }
@@ -162,14 +228,12 @@ impl Server {
                 Some(Ok(p)) => pass = Some(p),
                 Some(Err(refusal)) => {
                     warn!(name, %refusal, retry_later = refusal.retry_later, "worker refused");
-                    let msg = format!("worker '{name}' refused: {refusal}");
-                    // `unavailable` is retryable: the worker dials again.
-                    let code = if refusal.retry_later {
-                        ErrorCode::Unavailable
-                    } else {
-                        ErrorCode::Unauthorized
+                    let reply = ErrorReply::LeaseRefused {
+                        name: name.clone(),
+                        reason: refusal.to_string(),
+                        retry_later: refusal.retry_later,
                     };
-                    refuse(&conn, &mut send, code, msg).await;
+                    refuse(&conn, &mut send, &reply).await;
                     return;
                 }
                 None => {}
@@ -182,14 +246,36 @@ impl Server {
             None => self.access.admit(session, *role, name, token),
         };
         if pass.is_none() && admitted.is_none() {
-            let role = role_name(*role);
-            warn!(name, role, "refused: unknown name or wrong token");
-            let msg = format!(
-                "{role} '{name}' refused: unknown name or wrong token (check its token and the gateway's [[{role}s]] entry)"
-            );
-            refuse(&conn, &mut send, ErrorCode::Unauthorized, msg).await;
+            warn!(name, ?role, "refused: unknown name or wrong token");
+            let reply = ErrorReply::UnknownCredentials {
+                role: *role,
+                name: name.clone(),
+            };
+            refuse(&conn, &mut send, &reply).await;
             return;
         }
+        let edge_slot = match role {
+            Role::Edge => match self.edge_quotas.connect(name) {
+                Ok(slot) => Some(slot),
+                Err(quota) => {
+                    warn!(name, %quota, "edge refused");
+                    self.metrics
+                        .quic_refused
+                        .with_label_values(&["edge_connections"])
+                        .inc();
+                    let reply = ErrorReply::EdgeQuota {
+                        name: name.clone(),
+                        quota,
+                    };
+                    refuse(&conn, &mut send, &reply).await;
+                    return;
+                }
+            },
+            Role::Worker => None,
+        };
+        // Logged in: room for its frame and result streams (the credit goes
+        // out with or before the Welcome; a peer's `open_uni` waits for it).
+        tidegate_protocol::quic::open_after_login(&conn);
         let welcome = Message::Welcome(Welcome {
             session,
             heartbeat_ms: HEARTBEAT_MS,
@@ -198,6 +284,7 @@ impl Server {
             self.lease_link_closed(pass.as_ref()).await;
             return;
         }
+        drop(login);
         info!(name = %hello.name, role = ?hello.role, "authenticated");
         // A leased worker's token is its lease's: no reload revokes it.
         let revoked = admitted
@@ -212,9 +299,9 @@ impl Server {
             cancel,
             revoked,
         };
-        match hello.role {
-            Role::Edge => edge::run(self, EdgeId(session), link).await,
-            Role::Worker => self.worker(WorkerId(session), pass.as_ref(), link).await,
+        match edge_slot {
+            Some(slot) => edge::run(self, EdgeId(session), link, slot).await,
+            None => self.worker(WorkerId(session), pass.as_ref(), link).await,
         }
         drop(admitted);
         self.lease_link_closed(pass.as_ref()).await;
@@ -253,9 +340,9 @@ impl Server {
                 read_message_of(&mut ctl_recv, &self.limits, &[Kind::Register]),
             ) => r,
             _ = revoked.cancelled() => {
-                let msg = revoked_message(Role::Worker, &name);
-                warn!("{msg} before it registered; closing the connection");
-                refuse(&conn, &mut ctl_send, ErrorCode::Unauthorized, msg).await;
+                let reply = ErrorReply::Revoked { role: Role::Worker, name };
+                warn!("{reply} before it registered; closing the connection");
+                refuse(&conn, &mut ctl_send, &reply).await;
                 return;
             }
             _ = cancel.cancelled() => {
@@ -264,31 +351,35 @@ impl Server {
             }
         };
         let Ok(read) = read else {
-            let msg =
-                format!("worker '{name}': no Register within {REGISTER_TIMEOUT:?} of its Welcome");
-            warn!("{msg}");
-            refuse(&conn, &mut ctl_send, ErrorCode::Malformed, msg).await;
+            let reply = ErrorReply::NoRegister {
+                name,
+                within: REGISTER_TIMEOUT,
+            };
+            warn!("{reply}");
+            refuse(&conn, &mut ctl_send, &reply).await;
             return;
         };
         let register = match read {
             Ok(Some(Message::Register(r))) => r,
             other => {
-                let msg =
-                    format!("worker '{name}': expected Register after Welcome, got {other:?}");
-                warn!("{msg}");
-                refuse(&conn, &mut ctl_send, ErrorCode::Malformed, msg).await;
+                let reply = ErrorReply::NotRegister {
+                    name,
+                    got: format!("{other:?}"),
+                };
+                warn!("{reply}");
+                refuse(&conn, &mut ctl_send, &reply).await;
                 return;
             }
         };
         if register.worker != name {
             // the name is what the API and the status page show, and what
             // an operator drains: a worker may not take another's
-            let msg = format!(
-                "worker '{name}' registered as '{}'; a worker registers under the name it authenticated with",
-                register.worker
-            );
-            warn!("{msg}");
-            refuse(&conn, &mut ctl_send, ErrorCode::Unauthorized, msg).await;
+            let reply = ErrorReply::RegisteredAs {
+                name,
+                registered: register.worker,
+            };
+            warn!("{reply}");
+            refuse(&conn, &mut ctl_send, &reply).await;
             return;
         }
         info!(
@@ -431,9 +522,12 @@ impl Server {
         if was_revoked {
             // Its batches come back through WorkerGone below: re-homed or
             // failed, never lost.
-            let msg = revoked_message(Role::Worker, &name);
-            warn!("{msg}; closing the connection");
-            refuse(&conn, &mut ctl_send, ErrorCode::Unauthorized, msg).await;
+            let reply = ErrorReply::Revoked {
+                role: Role::Worker,
+                name,
+            };
+            warn!("{reply}; closing the connection");
+            refuse(&conn, &mut ctl_send, &reply).await;
         }
         info!("worker disconnected");
         conn.close(0u32.into(), b"bye");
@@ -468,39 +562,14 @@ struct Link {
     revoked: CancellationToken,
 }
 
-fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::Edge => "edge",
-        Role::Worker => "worker",
-    }
-}
-
-/// Why a connection was closed by a reload, as the peer reads it.
-fn revoked_message(role: Role, name: &str) -> String {
-    let role = role_name(role);
-    format!(
-        "{role} '{name}': credentials revoked by a configuration reload (no [[{role}s]] entry with this name and token any more)"
-    )
-}
-
-/// Sends an error on the control stream, then closes the connection with the
-/// error's QUIC code.
-async fn refuse(
-    conn: &quinn::Connection,
-    send: &mut quinn::SendStream,
-    code: ErrorCode,
-    message: String,
-) {
-    let _ = write_message(
-        send,
-        &Message::Error(ErrorMsg {
-            code,
-            message: message.clone(),
-        }),
-    )
-    .await;
+/// Sends `reply` on the control stream, then closes the connection with
+/// its QUIC code. The one way a connection is refused: the reason is
+/// fitted to the protocol's limits here (see [`ErrorReply::to_message`]),
+/// so no caller can send one a peer cannot decode.
+async fn refuse(conn: &quinn::Connection, send: &mut quinn::SendStream, reply: &ErrorReply) {
+    let _ = write_message(send, &reply.to_message()).await;
     let _ = send.finish();
     // Give the peer a moment to read the reason before the close.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    conn.close(code.quic_code().into(), message.as_bytes());
+    conn.close(reply.code().quic_code().into(), reply.text().as_bytes());
 }

@@ -1,0 +1,295 @@
+//! How many control messages one edge connection may send: a pure token
+//! bucket on an injected clock, and [`ControlGate`], the per-connection
+//! policy built of two of them.
+//!
+//! An edge's legitimate control traffic is small: a `LatencyReport` per
+//! result it gets, a `ClockEcho` per clock probe (a few a second) and a
+//! `CameraOpen` per camera. Every message read is a hub message, and the
+//! hub's inbox is shared with every frame of every edge: one edge sending
+//! half a million reports a second raised everyone's p99 several times
+//! over. Messages over the rate are dropped before they reach the hub (the
+//! shell counts them by kind); a connection that keeps sending far over it
+//! is closed.
+
+use std::time::Instant;
+
+/// A token bucket: `per_second` tokens a second, holding at most `burst`.
+/// Starts full. Pure: the caller says what time it is.
+#[derive(Debug, Clone)]
+pub struct TokenBucket {
+    per_second: f64,
+    burst: f64,
+    tokens: f64,
+    last: Option<Instant>,
+}
+
+impl TokenBucket {
+    /// A full bucket.
+    pub fn new(per_second: u32, burst: u32) -> Self {
+        TokenBucket {
+            per_second: f64::from(per_second),
+            burst: f64::from(burst.max(1)),
+            tokens: f64::from(burst.max(1)),
+            last: None,
+        }
+    }
+
+    /// Takes one token at `now`: false when the bucket is empty. A `now`
+    /// earlier than the last (a clock stepped back) refills nothing.
+    pub fn take(&mut self, now: Instant) -> bool {
+        if let Some(last) = self.last {
+            let elapsed = now.saturating_duration_since(last).as_secs_f64();
+            self.tokens = (self.tokens + elapsed * self.per_second).min(self.burst);
+        }
+        self.last = Some(self.last.map_or(now, |last| last.max(now)));
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// The control-message rate one edge connection is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlRate {
+    /// Messages a second, sustained.
+    pub per_second: u32,
+    /// Messages at once above the sustained rate (the bucket's size).
+    pub burst: u32,
+    /// Dropped messages above the sustained rate that a connection may
+    /// pile up before it is closed: it is closed once it has sent more
+    /// than twice `per_second` for long enough to drop this many more
+    /// than `per_second` allows.
+    pub flood: u32,
+}
+
+impl ControlRate {
+    /// 2,000 messages a second: one `LatencyReport` per result covers 64
+    /// cameras at 30 fps on one connection (1,920 a second), with clock
+    /// echoes and opens beside. The flood that prompted this sent 544,000.
+    pub const DEFAULT_PER_SECOND: u32 = 2_000;
+    /// Two seconds of the sustained rate: every camera of an edge
+    /// reconnecting at once reopens and reports in one go.
+    pub const DEFAULT_BURST: u32 = 4_000;
+    /// Ten bursts' worth of drops: a short spike is dropped, not closed,
+    /// but 544,000 messages a second close the connection within about
+    /// a tenth of a second.
+    pub const DEFAULT_FLOOD: u32 = 40_000;
+}
+
+impl Default for ControlRate {
+    fn default() -> Self {
+        ControlRate {
+            per_second: Self::DEFAULT_PER_SECOND,
+            burst: Self::DEFAULT_BURST,
+            flood: Self::DEFAULT_FLOOD,
+        }
+    }
+}
+
+impl std::fmt::Display for ControlRate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} messages/s (bursts of {})",
+            self.per_second, self.burst
+        )
+    }
+}
+
+/// What becomes of one control message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlVerdict {
+    /// Within the rate: handle it.
+    Pass,
+    /// Over the rate: drop it (and count it).
+    Drop,
+    /// Over the rate for too long: drop it and close the connection.
+    Close,
+}
+
+/// One connection's control-message policy: an allowance bucket at the
+/// [`ControlRate`], and a tolerance bucket that every dropped message
+/// draws on (refilled at the same rate, holding [`ControlRate::flood`]).
+#[derive(Debug, Clone)]
+pub struct ControlGate {
+    rate: ControlRate,
+    allowed: TokenBucket,
+    tolerated: TokenBucket,
+    dropped: u64,
+}
+
+impl ControlGate {
+    /// A gate for a new connection: a full burst allowed.
+    pub fn new(rate: ControlRate) -> Self {
+        ControlGate {
+            rate,
+            allowed: TokenBucket::new(rate.per_second, rate.burst),
+            tolerated: TokenBucket::new(rate.per_second, rate.flood),
+            dropped: 0,
+        }
+    }
+
+    /// The verdict on a message read at `now`.
+    pub fn on_message(&mut self, now: Instant) -> ControlVerdict {
+        if self.allowed.take(now) {
+            return ControlVerdict::Pass;
+        }
+        self.dropped += 1;
+        if self.tolerated.take(now) {
+            ControlVerdict::Drop
+        } else {
+            ControlVerdict::Close
+        }
+    }
+
+    /// Messages dropped on this connection so far.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// The rate it holds the connection to.
+    pub fn rate(&self) -> ControlRate {
+        self.rate
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_full_bucket_passes_a_burst_then_refuses() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(10, 5);
+        for _ in 0..5 {
+            assert!(b.take(t0));
+        }
+        assert!(!b.take(t0));
+    }
+
+    #[test]
+    fn a_bucket_refills_at_its_rate_and_never_above_its_burst() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(10, 5);
+        for _ in 0..5 {
+            assert!(b.take(t0));
+        }
+        // 100 ms at 10/s: one token.
+        let t1 = t0 + Duration::from_millis(100);
+        assert!(b.take(t1));
+        assert!(!b.take(t1));
+        // An hour idle fills it to its burst, no further.
+        let t2 = t1 + Duration::from_secs(3600);
+        let passed = (0..100).filter(|_| b.take(t2)).count();
+        assert_eq!(passed, 5);
+    }
+
+    #[test]
+    fn a_clock_stepped_back_refills_nothing() {
+        let t0 = Instant::now() + Duration::from_secs(10);
+        let mut b = TokenBucket::new(10, 1);
+        assert!(b.take(t0));
+        let earlier = t0 - Duration::from_secs(5);
+        assert!(!b.take(earlier));
+        // Nor does returning to where it was: the 5 s back were not time.
+        assert!(!b.take(t0));
+        assert!(b.take(t0 + Duration::from_millis(100)));
+    }
+
+    #[test]
+    fn over_a_long_run_a_bucket_passes_its_rate_plus_its_burst() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(200, 400);
+        // 10,000 messages a second for 10 s, in 1 ms steps.
+        let mut passed = 0u64;
+        for ms in 0..10_000u64 {
+            let now = t0 + Duration::from_millis(ms);
+            passed += (0..10).filter(|_| b.take(now)).count() as u64;
+        }
+        // 200/s × 10 s (less the last step's refill) + the first burst.
+        assert!((2_398..=2_400).contains(&passed), "{passed}");
+    }
+
+    #[test]
+    fn a_gate_passes_traffic_within_its_rate_forever() {
+        let t0 = Instant::now();
+        let rate = ControlRate {
+            per_second: 100,
+            burst: 10,
+            flood: 50,
+        };
+        let mut g = ControlGate::new(rate);
+        // 50/s for an hour of simulated time.
+        for i in 0..180_000u64 {
+            let now = t0 + Duration::from_millis(20 * i);
+            assert_eq!(g.on_message(now), ControlVerdict::Pass);
+        }
+        assert_eq!(g.dropped(), 0);
+    }
+
+    #[test]
+    fn a_gate_drops_a_spike_over_its_rate_without_closing() {
+        let t0 = Instant::now();
+        let rate = ControlRate {
+            per_second: 100,
+            burst: 10,
+            flood: 50,
+        };
+        let mut g = ControlGate::new(rate);
+        let verdicts: Vec<_> = (0..40).map(|_| g.on_message(t0)).collect();
+        assert!(verdicts[..10].iter().all(|v| *v == ControlVerdict::Pass));
+        assert!(verdicts[10..].iter().all(|v| *v == ControlVerdict::Drop));
+        assert_eq!(g.dropped(), 30);
+        // A second later it is within its rate again.
+        assert_eq!(
+            g.on_message(t0 + Duration::from_secs(1)),
+            ControlVerdict::Pass
+        );
+    }
+
+    #[test]
+    fn a_gate_closes_a_connection_that_keeps_flooding() {
+        let t0 = Instant::now();
+        let rate = ControlRate {
+            per_second: 100,
+            burst: 10,
+            flood: 50,
+        };
+        let mut g = ControlGate::new(rate);
+        // 1,000/s: ten times the rate.
+        let mut closed_at = None;
+        for i in 0..10_000u64 {
+            let now = t0 + Duration::from_millis(i);
+            if g.on_message(now) == ControlVerdict::Close {
+                closed_at = Some(i);
+                break;
+            }
+        }
+        let closed_at = closed_at.expect("a flood is closed");
+        // 10 passed, then each ms: 0.1 allowed and 0.1 tolerated come
+        // back; 50 tolerated drops last about 60 ms.
+        assert!(closed_at < 1_000, "closed after {closed_at} ms");
+        assert!(g.dropped() >= 50);
+    }
+
+    #[test]
+    fn twice_the_rate_is_dropped_but_never_closed() {
+        let t0 = Instant::now();
+        let rate = ControlRate {
+            per_second: 100,
+            burst: 10,
+            flood: 50,
+        };
+        let mut g = ControlGate::new(rate);
+        // 200/s for ten minutes: half dropped, each drop refilled in time.
+        for i in 0..120_000u64 {
+            let now = t0 + Duration::from_millis(5 * i);
+            assert_ne!(g.on_message(now), ControlVerdict::Close, "message {i}");
+        }
+        assert!(g.dropped() > 0);
+    }
+}

@@ -1,0 +1,402 @@
+//! Hostile edges and HTTP clients against the real gateway binary on
+//! 127.0.0.1: refusals quoting the longest names a peer may send, a
+//! control-message flood beside a legitimate camera, and slowloris
+//! connections on the HTTP API. Each test is bounded in count and time,
+//! and asserts invariants (what is decoded, counted, answered and closed),
+//! never speed.
+
+#[path = "support/astronaut.rs"]
+mod astronaut;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::sim;
+use tidegate_protocol::quic::{client_config, dial, read_message, write_message};
+use tidegate_protocol::{
+    CUT_MARK, CameraOpen, Encoding, ErrorCode, ErrorMsg, Hello, LatencyReport, Limits, Message,
+    Role,
+};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// `len` bytes of UTF-8 made of `c`, padded with ASCII: the longest string
+/// the protocol lets a peer send is 1024 bytes.
+fn name_of(c: char, len: usize) -> String {
+    let mut s = String::new();
+    while s.len() + c.len_utf8() <= len {
+        s.push(c);
+    }
+    while s.len() < len {
+        s.push('x');
+    }
+    s
+}
+
+/// The value of the counter series `series` (name and labels, exactly as
+/// exported) in a Prometheus text exposition; 0 when absent.
+fn counter(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// `GET /metrics`, retried for up to `within` while it fails.
+fn metrics_within(c: &Cluster, within: Duration) -> String {
+    let until = Instant::now() + within;
+    loop {
+        match c.get("/metrics") {
+            Ok((200, body)) => return body,
+            other if Instant::now() > until => {
+                panic!(
+                    "/metrics did not answer within {within:?}: {other:?}\n{}",
+                    c.gateway_log()
+                )
+            }
+            _ => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// The `Error` a conforming client reads on its control stream, at the
+/// protocol's default limits (passing over the clock probes and hints the
+/// gateway sends beside it): a malformed stream fails the test.
+async fn read_error(recv: &mut quinn::RecvStream) -> ErrorMsg {
+    let until = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let read = tokio::time::timeout_at(until, read_message(recv, &Limits::default()))
+            .await
+            .expect("the gateway answers within 20 s");
+        match read {
+            Ok(Some(Message::Error(e))) => return e,
+            Ok(Some(Message::ClockProbe(_) | Message::ControlHint(_))) => continue,
+            other => panic!("expected an Error the protocol decodes, got {other:?}"),
+        }
+    }
+}
+
+fn assert_fitted(e: &ErrorMsg, quoted: &str) {
+    let limits = Limits::default();
+    assert!(e.message.len() <= limits.max_string_bytes, "{e:?}");
+    assert!(
+        e.message.ends_with(CUT_MARK),
+        "a cut reason is marked: {e:?}"
+    );
+    // What is kept of the quote is a prefix of it, on a char boundary.
+    let start = e.message.find('\'').expect("the reason quotes the name") + 1;
+    let kept = e.message[start..].trim_end_matches(CUT_MARK);
+    let kept = kept.split('\'').next().unwrap_or(kept);
+    assert!(quoted.starts_with(kept), "quoted a prefix of the name");
+}
+
+#[test]
+fn a_login_refusal_quoting_a_1024_byte_name_is_decoded_as_a_refusal() {
+    let c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    let rt = runtime();
+    rt.block_on(async {
+        for name in [name_of('é', 1024), name_of('🦀', 1024), name_of('n', 1024)] {
+            let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+                .await
+                .expect("dial");
+            let (mut send, mut recv) = conn.open_bi().await.expect("control stream");
+            let hello = Message::Hello(Hello {
+                role: Role::Edge,
+                name: name.clone(),
+                token: "not-the-token".into(),
+            });
+            write_message(&mut send, &hello).await.expect("Hello sent");
+            let e = read_error(&mut recv).await;
+            assert_eq!(e.code, ErrorCode::Unauthorized, "{e:?}");
+            assert!(e.message.starts_with("edge '"), "{e:?}");
+            assert_fitted(&e, &name);
+        }
+    });
+}
+
+#[test]
+fn a_camera_refusal_quoting_1024_byte_camera_and_model_names_is_decoded_as_a_refusal() {
+    let c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    let rt = runtime();
+    rt.block_on(async {
+        let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+            .await
+            .expect("dial");
+        let hello = Hello {
+            role: Role::Edge,
+            name: "edge-1".into(),
+            token: c.edge_token.clone(),
+        };
+        let (mut send, mut recv, _) =
+            tidegate_protocol::quic::handshake(&conn, hello, &Limits::default())
+                .await
+                .expect("edge-1 logs in");
+        // No worker serves the model: the refusal quotes both names, and
+        // the camera's connection stays open for the next.
+        let cases = [
+            (name_of('é', 1024), name_of('€', 1024)),
+            (name_of('🦀', 1024), name_of('m', 1024)),
+        ];
+        for (camera, model) in cases {
+            let open = Message::CameraOpen(CameraOpen {
+                camera: camera.clone(),
+                model,
+                budget_ms: 80,
+                encoding: Encoding::Raw,
+                copies: 1,
+            });
+            write_message(&mut send, &open)
+                .await
+                .expect("CameraOpen sent");
+            let e = read_error(&mut recv).await;
+            assert_eq!(e.code, ErrorCode::Unavailable, "{e:?}");
+            assert!(e.message.starts_with("camera '"), "{e:?}");
+            assert_fitted(&e, &camera);
+        }
+    });
+}
+
+#[test]
+fn a_latency_report_flood_is_dropped_counted_and_closed_while_a_camera_beside_it_gets_every_result()
+{
+    let mut c = Cluster::start(&ClusterOptions {
+        edges: vec!["edge-1".into(), "flooder".into()],
+        // Low enough that any flood a loaded test machine can send goes
+        // over it; the legitimate camera's reports (10 a second) do not.
+        limits:
+            "control_messages_per_second = 100\ncontrol_burst = 100\ncontrol_flood_drops = 2000"
+                .into(),
+        ..ClusterOptions::default()
+    })
+    .expect("gateway starts");
+    c.spawn_worker("worker-1").expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(60))
+        .expect("worker registers");
+
+    // The legitimate camera: 10 fps for 6 s on its own connection.
+    let legit = c.sim_options("edge-1", 1, 10.0, 6.0);
+    let camera = std::thread::spawn(move || sim::run_blocking(&legit));
+
+    let rt = runtime();
+    let (sent, refusal) = rt.block_on(async {
+        let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+            .await
+            .expect("dial");
+        let hello = Hello {
+            role: Role::Edge,
+            name: "flooder".into(),
+            token: c.edge_token.clone(),
+        };
+        let (mut send, mut recv, _) =
+            tidegate_protocol::quic::handshake(&conn, hello, &Limits::default())
+                .await
+                .expect("the flooder logs in");
+        // Read the control stream beside the flood, so the refusal is
+        // taken as it comes.
+        let reader = tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_secs(30),
+                read_message(&mut recv, &Limits::default()),
+            )
+            .await
+        });
+        // At most 200,000 reports or 20 s, whichever ends first; the
+        // gateway closes the connection long before either.
+        let until = Instant::now() + Duration::from_secs(20);
+        let mut sent = 0u64;
+        while sent < 200_000 && Instant::now() < until {
+            let report = Message::LatencyReport(LatencyReport {
+                camera: "nobody".into(),
+                seq: sent,
+                e2e_us: 1,
+            });
+            if write_message(&mut send, &report).await.is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        let read = reader.await.expect("reader task");
+        // The Error on the stream, or (if the close overtook it) the
+        // connection's close reason, which carries the same code and text.
+        let refusal = match read {
+            Ok(Ok(Some(Message::Error(e)))) => Some((e.code, e.message)),
+            _ => match conn.close_reason() {
+                Some(quinn::ConnectionError::ApplicationClosed(a)) => {
+                    ErrorCode::from_quic_code(a.error_code.into())
+                        .map(|code| (code, String::from_utf8_lossy(&a.reason).into_owned()))
+                }
+                _ => None,
+            },
+        };
+        (sent, refusal)
+    });
+
+    let report = camera
+        .join()
+        .expect("camera thread")
+        .expect("the legitimate camera runs");
+    let (code, message) = refusal.unwrap_or_else(|| {
+        panic!(
+            "the flood ({sent} reports sent) was not refused\n{}",
+            c.gateway_log()
+        )
+    });
+    assert_eq!(code, ErrorCode::Overloaded, "{message}");
+    assert!(message.starts_with("control stream flooded"), "{message}");
+
+    let metrics = metrics_within(&c, Duration::from_secs(10));
+    let dropped = counter(
+        &metrics,
+        "tidegate_control_messages_dropped_total{kind=\"latency_report\"}",
+    );
+    assert!(dropped >= 2000.0, "dropped {dropped} of {sent}");
+
+    // Beside it, every frame the camera sent ended once, and none is
+    // missing or answered twice.
+    assert!(report.sent > 0, "{report:#?}");
+    assert_eq!(report.missing, 0, "{report:#?}");
+    assert_eq!(report.duplicates, 0, "{report:#?}");
+    assert_eq!(
+        report.results() + report.reset + report.refused + report.lost_with_connection,
+        report.sent,
+        "one result per frame sent: {report:#?}"
+    );
+    assert_eq!(report.lost_with_connection, 0, "{report:#?}");
+    assert!(report.results() > 0, "{report:#?}");
+}
+
+/// Sends half a request head: a slowloris client's opening.
+fn half_a_request(addr: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: tidegate\r\nX-Slow: ")?;
+    Ok(s)
+}
+
+/// Whether the server has closed `s` (end of stream or reset), without
+/// waiting.
+fn closed_by_server(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 512];
+    s.set_nonblocking(true).expect("nonblocking");
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+#[test]
+fn slowloris_connections_beyond_the_cap_are_closed_at_once_and_metrics_answers_once_they_go() {
+    const CAP: usize = 16;
+    const SLOW: usize = 300;
+    // A header timeout far longer than the test: the connections within
+    // the cap stay held until the client lets go.
+    let c = Cluster::start(&ClusterOptions {
+        http: format!("max_connections = {CAP}\nheader_read_timeout_ms = 120000"),
+        ..ClusterOptions::default()
+    })
+    .expect("gateway starts");
+    // Wait for the API before taking its slots.
+    metrics_within(&c, Duration::from_secs(10));
+
+    let mut slow: Vec<TcpStream> = (0..SLOW)
+        .map(|i| half_a_request(c.http).unwrap_or_else(|e| panic!("connection {i}: {e}")))
+        .collect();
+    // Every connection beyond the cap is closed as it is accepted; wait
+    // (bounded) until they all have been, then check no more were.
+    let until = Instant::now() + Duration::from_secs(30);
+    let mut closed = vec![false; SLOW];
+    loop {
+        for (s, done) in slow.iter_mut().zip(closed.iter_mut()) {
+            if !*done {
+                *done = closed_by_server(s);
+            }
+        }
+        let n = closed.iter().filter(|d| **d).count();
+        if n >= SLOW - CAP || Instant::now() > until {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let n_closed = closed.iter().filter(|d| **d).count();
+    assert_eq!(
+        n_closed,
+        SLOW - CAP,
+        "all but the cap's {CAP} are closed at once\n{}",
+        c.gateway_log()
+    );
+    // While the cap is held, another client is turned away too (closed,
+    // not queued).
+    if let Ok((status, _)) = c.get("/metrics") {
+        panic!("answered {status} with every slot held");
+    }
+
+    // The slowloris client lets go: the API answers again, and counted
+    // every connection it turned away.
+    slow.clear();
+    let metrics = metrics_within(&c, Duration::from_secs(15));
+    let refused = counter(&metrics, "tidegate_http_connections_refused_total");
+    assert!(
+        refused >= (SLOW - CAP + 1) as f64,
+        "refused {refused}, expected at least {}",
+        SLOW - CAP + 1
+    );
+}
+
+#[test]
+fn a_connection_that_sends_half_a_request_head_or_idles_after_one_is_closed_after_the_timeout() {
+    let c = Cluster::start(&ClusterOptions {
+        http: "header_read_timeout_ms = 500".into(),
+        ..ClusterOptions::default()
+    })
+    .expect("gateway starts");
+    metrics_within(&c, Duration::from_secs(10));
+
+    // Half a head, then nothing.
+    let mut half = half_a_request(c.http).expect("connects");
+    // A whole request on a keep-alive connection, answered, then nothing.
+    let mut idle = TcpStream::connect_timeout(&c.http, Duration::from_secs(2)).expect("connects");
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: tidegate\r\n\r\n")
+        .expect("request sent");
+
+    // Both end within a bound far above the timeout; the idle one after
+    // its answer.
+    for (what, s) in [("half a head", &mut half), ("idle keep-alive", &mut idle)] {
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("read timeout");
+        let mut got = Vec::new();
+        let read = s.read_to_end(&mut got);
+        assert!(
+            read.is_ok()
+                || read
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == ErrorKind::ConnectionReset),
+            "{what}: the server closes the connection (not our read timeout): {read:?}"
+        );
+        let text = String::from_utf8_lossy(&got);
+        if what == "idle keep-alive" {
+            assert!(
+                text.starts_with("HTTP/1.1 200"),
+                "{what}: answered first: {text}"
+            );
+        } else {
+            assert!(
+                !text.starts_with("HTTP/1.1 200"),
+                "{what}: not served: {text}"
+            );
+        }
+    }
+    // The API still answers a client that sends its request whole.
+    let (status, _) = c.get("/healthz").expect("healthz");
+    assert_eq!(status, 200);
+}
