@@ -1101,6 +1101,17 @@ async fn camera(
                             stats.set_state("failed");
                             break;
                         }
+                        // The adaptation starts afresh on every connection
+                        // (`Outbound::open`): its cap in force goes with it,
+                        // or a cap learned in an outage would hold the
+                        // camera down while the fresh policy, already at
+                        // its top, has nothing to raise.
+                        let now = hinted.with_rate_cap(outbound.max_fps());
+                        if now != limits {
+                            limits = now;
+                            capture.set_limits(limits);
+                            stats.snapshot().limits = Some(limits);
+                        }
                         stats.snapshot().outbound = Some(outbound.report());
                         info!(width, height, encoding = %accepted.encoding, "camera open");
                         lane = Some(

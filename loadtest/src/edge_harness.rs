@@ -167,10 +167,26 @@ pub fn edge_config_via(
     cameras: &[EdgeCamera],
     gateway: SocketAddr,
 ) -> Result<PathBuf, EdgeHarnessError> {
+    edge_config_with(cluster, name, cameras, gateway, &[])
+}
+
+/// [`edge_config_via`] with more `[gateway]` fields, as TOML lines
+/// (`congestion = "bbr"`).
+pub fn edge_config_with(
+    cluster: &Cluster,
+    name: &str,
+    cameras: &[EdgeCamera],
+    gateway: SocketAddr,
+    gateway_fields: &[String],
+) -> Result<PathBuf, EdgeHarnessError> {
     let mut toml = format!(
         "name = \"{name}\"\n[gateway]\naddr = \"{gateway}\"\nca = \"{}\"\n",
         cluster.ca().display()
     );
+    for f in gateway_fields {
+        toml += f;
+        toml.push('\n');
+    }
     for c in cameras {
         toml += &format!("[[cameras]]\nname = \"{}\"\n", c.name);
         for f in &c.fields {

@@ -217,6 +217,34 @@ fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_f
         );
     }
 
+    // The adaptation starts afresh on the new connection, and its rate cap
+    // with it: the first counters a camera prints once open again show
+    // its configured rate, whatever the dark had taken it down to (the
+    // rate falls only once the quality is at its floor, four windows of
+    // pressure at the least).
+    for cam in CAMERAS {
+        let reopened = log
+            .lines()
+            .map(plain)
+            .enumerate()
+            .filter(|(_, l)| l.contains("camera open") && l.contains(cam))
+            .nth(1)
+            .map(|(i, _)| i)
+            .unwrap_or_else(|| panic!("{cam} never opened on the second connection: {log}"));
+        let first_after = log
+            .lines()
+            .skip(reopened)
+            .filter_map(|l| l.strip_prefix("camera_stats "))
+            .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+            .find(|v| v["camera"] == cam)
+            .unwrap_or_else(|| panic!("{cam}: no counters after reopening: {log}"));
+        assert_eq!(
+            first_after["max_fps"].as_f64(),
+            Some(5.0),
+            "{cam}: the rate cap after reopening: {first_after}"
+        );
+    }
+
     for cam in CAMERAS {
         let s = &stats[cam];
         eprintln!("camera_stats {s}");

@@ -32,6 +32,13 @@ use crate::metrics::Metrics;
 use crate::ratelimit::{ControlGate, ControlVerdict};
 use crate::scheduler::{EdgeId, Micros};
 
+/// Time between the copies of one result (for a camera that asked for
+/// copies): QUIC packs stream data written together into one packet, and
+/// one lost packet would then take every copy. A couple of milliseconds
+/// puts each in a packet of its own; a copy is only ever needed when the
+/// first was lost, and then the wait is this, not a retransmission's RTT.
+const RESULT_COPY_SPACING: Duration = Duration::from_millis(2);
+
 /// Cameras opened on one connection, by name.
 type Cameras = Arc<Mutex<HashMap<String, OpenCamera>>>;
 
@@ -172,11 +179,16 @@ impl EdgeSession<'_> {
                 let _permits = (permit, bytes);
                 let (camera, seq) = (r.camera.clone(), r.seq);
                 let msg = Message::Result(r);
-                // Each copy is handed to QUIC as soon as the one before is
-                // (not acknowledged): they travel side by side.
+                // Each copy is handed to QUIC [`RESULT_COPY_SPACING`] after
+                // the one before (not once it is acknowledged): far enough
+                // apart to leave in packets of their own, so one lost
+                // packet cannot take them all.
                 let mut failed = None;
                 let mut any_sent = false;
-                for _ in 0..copies {
+                for copy in 0..copies {
+                    if copy > 0 {
+                        tokio::time::sleep(RESULT_COPY_SPACING).await;
+                    }
                     let sent = async {
                         let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
                         write_message(&mut s, &msg)

@@ -11,6 +11,14 @@
 //! Mbit/s, and, for a blackout, how long after the link's return results
 //! came back. The congestion controllers are compared on the same links in
 //! the same run.
+//!
+//! A case names its client: the load generator ([`crate::sim`]), or a real
+//! `tidegate-edge` (`wanbench/edge.rs`), whose GStreamer cameras encode
+//! their frames and fit them to the link as they would in the field.
+
+mod edge;
+
+pub use edge::Settled;
 
 use std::time::Duration;
 
@@ -46,6 +54,14 @@ pub enum WanBenchError {
         /// Why (boxed: it is large).
         source: Box<SimError>,
     },
+    /// A case's edge failed to start, serve or stop.
+    #[error("case {case}: the edge: {why}")]
+    Edge {
+        /// The case.
+        case: String,
+        /// Why, with the edge's log where it has one.
+        why: String,
+    },
     /// No case matched the names asked for.
     #[error("no case is named {0:?}; the cases are: {1}")]
     NoCase(Vec<String>, String),
@@ -66,11 +82,25 @@ pub enum Goal {
     Measure,
 }
 
+/// What sends a case's frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Client {
+    /// The load generator: synthetic cameras at a fixed rate and quality,
+    /// the same encoded frame each time.
+    Sim,
+    /// A real `tidegate-edge`: GStreamer cameras that encode each frame and
+    /// adapt quality, then frame rate, to the link.
+    Edge,
+}
+
 /// One case of the matrix.
 #[derive(Debug, Clone, Serialize)]
 pub struct Case {
     /// Its name, as `--cases` takes it.
     pub name: String,
+    /// What sends the frames.
+    pub client: Client,
     /// Cameras.
     pub cameras: usize,
     /// Frames per second per camera.
@@ -104,36 +134,70 @@ pub fn link(rtt_ms: f64, loss: f64) -> LinkConfig {
     }
 }
 
-/// Every case, at `seconds` each (the matrix: 30 s).
-pub fn matrix() -> Vec<Case> {
-    let jpeg = Encoding::Jpeg { quality: 90 };
-    let case = |name: &str, (cameras, fps, model): (usize, f64, &str), link: LinkConfig| Case {
+/// A load: cameras, frames per second each, model.
+type Load = (usize, f64, &'static str);
+/// 4 cameras × 10 fps of BlazeFace.
+const LIGHT: Load = (4, 10.0, "blazeface");
+/// 16 cameras × 15 fps of BlazeFace.
+const MEDIUM: Load = (16, 15.0, "blazeface");
+/// 4 cameras × 5 fps of CenterNet.
+const CENTERNET: Load = (4, 5.0, "centernet");
+
+/// A load-generator case of `load` on `link`: JPEG at quality 90, an 80 ms
+/// budget, the default controller, one copy, nothing but the accounting to
+/// reach.
+fn case(name: &str, (cameras, fps, model): Load, link: LinkConfig) -> Case {
+    Case {
         name: name.into(),
+        client: Client::Sim,
         cameras,
         fps,
         model: model.into(),
-        encoding: jpeg,
+        encoding: Encoding::Jpeg { quality: 90 },
         budget_ms: 80,
         congestion: Congestion::default(),
         copies: 1,
         link,
         blackout: None,
         goal: Goal::Measure,
-    };
-    let light = (4, 10.0, "blazeface");
-    let medium = (16, 15.0, "blazeface");
-    let centernet = (4, 5.0, "centernet");
+    }
+}
+
+/// The 10 Mbit/s link with a 50 ms queue, 20 ms RTT, 16 × 15 fps.
+fn capped() -> Case {
+    case(
+        "10mbit-50ms-queue-medium",
+        MEDIUM,
+        LinkConfig {
+            rate_bps: Some(10_000_000),
+            queue_ms: 50,
+            ..link(20.0, 0.0)
+        },
+    )
+}
+
+/// Every case, at `seconds` each (the matrix: 30 s): the load
+/// generator's, then the real edge's.
+pub fn matrix() -> Vec<Case> {
+    let mut cases = controllers();
+    cases.extend(copies_and_links());
+    cases.extend(edge_cases());
+    cases
+}
+
+/// Loopback baselines, and the three controllers on the same lossy links.
+fn controllers() -> Vec<Case> {
     let mut cases = vec![
-        case("loopback-light", light, link(0.0, 0.0)),
-        case("loopback-light-raw", light, link(0.0, 0.0)),
+        case("loopback-light", LIGHT, link(0.0, 0.0)),
+        case("loopback-light-raw", LIGHT, link(0.0, 0.0)),
     ];
     cases[1].encoding = Encoding::Raw;
     // The three controllers on the same lossy links.
     for cc in Congestion::ALL {
         for (name, load, rtt, loss, goal) in [
-            ("20ms-1pct-light", light, 20.0, 0.01, 0.99),
-            ("20ms-1pct-medium", medium, 20.0, 0.01, 0.99),
-            ("50ms-2pct-light", light, 50.0, 0.02, 0.97),
+            ("20ms-1pct-light", LIGHT, 20.0, 0.01, 0.99),
+            ("20ms-1pct-medium", MEDIUM, 20.0, 0.01, 0.99),
+            ("50ms-2pct-light", LIGHT, 50.0, 0.02, 0.97),
         ] {
             let mut c = case(&format!("{name}-{cc}"), load, link(rtt, loss));
             c.congestion = cc;
@@ -143,28 +207,34 @@ pub fn matrix() -> Vec<Case> {
         // Raw frames on the lossy uplink: what compression saves.
         let mut c = case(
             &format!("50ms-2pct-light-raw-{cc}"),
-            light,
+            LIGHT,
             link(50.0, 0.02),
         );
         c.congestion = cc;
         c.encoding = Encoding::Raw;
         cases.push(c);
     }
+    cases
+}
+
+/// Copies, bursty loss, long round trips, blackouts and the capped link.
+fn copies_and_links() -> Vec<Case> {
+    let mut cases = Vec::new();
     // Two copies of each frame and result, where one copy's losses cannot
     // be retransmitted within the budget.
     for (name, load, rtt, loss, copies, quality, goal) in [
-        ("50ms-2pct-light-copies2", light, 50.0, 0.02, 2, 90, 0.97),
+        ("50ms-2pct-light-copies2", LIGHT, 50.0, 0.02, 2, 90, 0.97),
         (
             "50ms-2pct-light-copies2-q75",
-            light,
+            LIGHT,
             50.0,
             0.02,
             2,
             75,
             0.97,
         ),
-        ("50ms-2pct-light-copies3", light, 50.0, 0.02, 3, 90, 0.97),
-        ("20ms-1pct-medium-copies2", medium, 20.0, 0.01, 2, 90, 0.99),
+        ("50ms-2pct-light-copies3", LIGHT, 50.0, 0.02, 3, 90, 0.97),
+        ("20ms-1pct-medium-copies2", MEDIUM, 20.0, 0.01, 2, 90, 0.99),
     ] {
         let mut c = case(name, load, link(rtt, loss));
         c.copies = copies;
@@ -174,7 +244,7 @@ pub fn matrix() -> Vec<Case> {
     }
     let mut bursty = case(
         "20ms-2pct-bursty-centernet",
-        centernet,
+        CENTERNET,
         LinkConfig {
             burst: Some(GilbertElliott {
                 // Bursts of 4 packets on average, 2 % of packets lost in
@@ -189,30 +259,57 @@ pub fn matrix() -> Vec<Case> {
     );
     bursty.goal = Goal::Attainment(0.95);
     cases.push(bursty);
-    let mut slow = case("100ms-budget-80", light, link(100.0, 0.0));
+    let mut slow = case("100ms-budget-80", LIGHT, link(100.0, 0.0));
     slow.goal = Goal::AllLate;
     cases.push(slow);
-    let mut slow = case("100ms-budget-200", light, link(100.0, 0.0));
+    let mut slow = case("100ms-budget-200", LIGHT, link(100.0, 0.0));
     slow.budget_ms = 200;
     slow.goal = Goal::Attainment(0.95);
     cases.push(slow);
     for (name, secs, within) in [("blackout-2s", 2, 1.0), ("blackout-15s", 15, 2.0)] {
-        let mut c = case(name, light, link(20.0, 0.0));
+        let mut c = case(name, LIGHT, link(20.0, 0.0));
         c.blackout = Some((Duration::from_secs(5), Duration::from_secs(secs)));
         c.goal = Goal::RecoveredWithin(within);
         cases.push(c);
     }
-    let mut capped = case(
-        "10mbit-50ms-queue-medium",
-        medium,
-        LinkConfig {
-            rate_bps: Some(10_000_000),
-            queue_ms: 50,
-            ..link(20.0, 0.0)
-        },
-    );
+    let mut capped = capped();
+    // The load generator cannot fit its link: it sends every frame at its
+    // one quality, whatever the link carries.
     capped.goal = Goal::Measure;
     cases.push(capped);
+    cases
+}
+
+/// The real edge on the load generator's links: the accounting goal holds
+/// for both clients, and only an edge fits a capped link.
+fn edge_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    let edge = |mut c: Case| {
+        c.name = format!("edge-{}", c.name);
+        c.client = Client::Edge;
+        c
+    };
+    let mut c = edge(case("20ms-1pct-light", LIGHT, link(20.0, 0.01)));
+    c.goal = Goal::Attainment(0.99);
+    cases.push(c);
+    let mut c = edge(case("50ms-2pct-light-copies2-q75", LIGHT, link(50.0, 0.02)));
+    c.copies = 2;
+    c.encoding = Encoding::Jpeg { quality: 75 };
+    c.goal = Goal::Attainment(0.97);
+    cases.push(c);
+    let mut c = edge(case("blackout-15s", LIGHT, link(20.0, 0.0)));
+    c.blackout = Some((Duration::from_secs(5), Duration::from_secs(15)));
+    c.goal = Goal::RecoveredWithin(2.0);
+    cases.push(c);
+    let mut c = edge(capped());
+    // Of the frames the cameras send, once they fit the link.
+    c.goal = Goal::Attainment(0.99);
+    cases.push(c.clone());
+    // The capped link loses packets only when its queue overflows, which
+    // a loss-based controller reads right.
+    c.name += "-cubic";
+    c.congestion = Congestion::Cubic;
+    cases.push(c);
     cases
 }
 
@@ -236,6 +333,8 @@ pub struct CaseResult {
     /// Whether every frame was accounted for once (`missing` 0, no
     /// duplicates).
     pub accounted: bool,
+    /// A real edge's cameras: where their quality and frame rate settled.
+    pub settled: Option<Settled>,
 }
 
 /// Runs `case` against `cluster` through a relay of its own.
@@ -257,31 +356,13 @@ pub async fn run_case(
         case: case.name.clone(),
         source,
     })?;
-    let mut opts = cluster.sim_options("edge-1", case.cameras, case.fps, seconds);
-    opts.gateway = relay.local_addr().into();
-    opts.model = case.model.clone();
-    opts.budget_ms = case.budget_ms;
-    opts.encoding = case.encoding;
-    opts.congestion = case.congestion;
-    opts.copies = case.copies;
-    // Cameras out of phase, as real ones are: in step, their frames leave
-    // in one burst a period and queue behind each other on the uplink.
-    opts.in_step = false;
-    let sim = tokio::spawn(async move { sim::run(&opts).await });
-    if let Some((at, lasting)) = case.blackout {
-        tokio::time::sleep(at).await;
-        relay.blackout(lasting);
-    }
-    let report = sim
-        .await
-        .map_err(|e| WanBenchError::Sim {
-            case: case.name.clone(),
-            source: Box::new(SimError::CameraTask(e)),
-        })?
-        .map_err(|source| WanBenchError::Sim {
-            case: case.name.clone(),
-            source: Box::new(source),
-        })?;
+    let (report, settled) = match case.client {
+        Client::Sim => (run_sim(cluster, case, &relay, seconds).await?, None),
+        Client::Edge => {
+            let run = edge::run(cluster, case, &relay, seconds).await?;
+            (run.report, Some(run.settled))
+        }
+    };
     let stats = relay.stop().await;
     let recovered_after_s = case.blackout.map(|(at, lasting)| {
         let back = at + lasting;
@@ -301,7 +382,41 @@ pub async fn run_case(
         recovered_after_s,
         verdict,
         accounted,
+        settled,
     })
+}
+
+/// Runs `case` with the load generator through `relay`.
+async fn run_sim(
+    cluster: &Cluster,
+    case: &Case,
+    relay: &Relay,
+    seconds: f64,
+) -> Result<Report, WanBenchError> {
+    let mut opts = cluster.sim_options("edge-1", case.cameras, case.fps, seconds);
+    opts.gateway = relay.local_addr().into();
+    opts.model = case.model.clone();
+    opts.budget_ms = case.budget_ms;
+    opts.encoding = case.encoding;
+    opts.congestion = case.congestion;
+    opts.copies = case.copies;
+    // Cameras out of phase, as real ones are: in step, their frames leave
+    // in one burst a period and queue behind each other on the uplink.
+    opts.in_step = false;
+    let sim = tokio::spawn(async move { sim::run(&opts).await });
+    if let Some((at, lasting)) = case.blackout {
+        tokio::time::sleep(at).await;
+        relay.blackout(lasting);
+    }
+    sim.await
+        .map_err(|e| WanBenchError::Sim {
+            case: case.name.clone(),
+            source: Box::new(SimError::CameraTask(e)),
+        })?
+        .map_err(|source| WanBenchError::Sim {
+            case: case.name.clone(),
+            source: Box::new(source),
+        })
 }
 
 /// `met`, or why not.
@@ -384,8 +499,17 @@ pub fn markdown(results: &[CaseResult], seconds: f64) -> String {
             link += &format!(", {} s blackout", d.as_secs());
         }
         let rep = &r.report;
+        let client = match (&r.settled, c.client) {
+            (Some(s), _) if s.quality_max > 0 => format!(
+                "edge, settled at quality {}–{}, {:.1}–{:.1} fps: ",
+                s.quality_min, s.quality_max, s.fps_min, s.fps_max
+            ),
+            (Some(s), _) => format!("edge, settled at {:.1}–{:.1} fps: ", s.fps_min, s.fps_max),
+            (None, Client::Edge) => "edge: ".into(),
+            (None, Client::Sim) => String::new(),
+        };
         out += &format!(
-            "| {} | {}×{} {} {}{}, {} ms | {} | {} | {} | {:.2} | {:.1} % | {} / {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {client}{}×{} {} {}{}, {} ms | {} | {} | {} | {:.2} | {:.1} % | {} / {} | {} | {} | {} | {} | {} | {} | {} |\n",
             c.name,
             c.cameras,
             c.fps,
@@ -439,6 +563,10 @@ mod tests {
             "blackout-2s",
             "blackout-15s",
             "10mbit-50ms-queue-medium",
+            "edge-20ms-1pct-light",
+            "edge-50ms-2pct-light-copies2-q75",
+            "edge-blackout-15s",
+            "edge-10mbit-50ms-queue-medium",
         ] {
             assert!(names.contains(&want), "{want} in {names:?}");
         }
