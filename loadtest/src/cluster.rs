@@ -961,3 +961,22 @@ fn http_request(
         .unwrap_or_default();
     Ok((status, body))
 }
+
+/// A process's log without its terminal colour sequences (`ESC [ … m`):
+/// the gateway's, the edge's and the workers' logs are coloured.
+pub fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(ch) = chars.next() {
+        if ch == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}

@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use astronaut::{astronaut, started_cluster};
+use tidegate_loadtest::cluster::plain;
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config_via, epoch_us};
 use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
 
@@ -31,25 +32,6 @@ fn counter(stats: &serde_json::Value, key: &str) -> u64 {
     stats[key]
         .as_u64()
         .unwrap_or_else(|| panic!("no counter {key} in {stats}"))
-}
-
-/// `line` without ANSI colour codes.
-fn plain(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(ch) = chars.next() {
-        if ch == '\x1b' {
-            // ESC [ ... m
-            for c in chars.by_ref() {
-                if c == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(ch);
-        }
-    }
-    out
 }
 
 /// The time of a log line (its leading RFC 3339 UTC timestamp, as

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tidegate_edge::uplink::{Uplink, UplinkOptions};
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
 use tidegate_loadtest::sim::{self, SimOptions};
 use tidegate_protocol::{CameraOpen, DType, Encoding, Frame, Layout, Tensor};
 use tokio_util::sync::CancellationToken;
@@ -73,24 +73,6 @@ fn wait_until(c: &Cluster, timeout: Duration, what: &str, mut check: impl FnMut(
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-/// `text` without terminal colour codes.
-fn plain(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(ch) = chars.next() {
-        if ch == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(ch);
-        }
-    }
-    out
 }
 
 /// A `key=N` field of a log line.

@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::{
-    CATALOG, assert_every_frame_answered_once, leases, plain, reason, settled_counters, sim_opts,
+    CATALOG, assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts,
     spawn_sim, state, wait_until,
 };
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
 
 /// One leasing gateway at a time: each spawns several workers.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -26,10 +26,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 use support::{
-    assert_every_frame_answered_once, leases, plain, reason, settled_counters, sim_opts, spawn_sim,
-    state, wait_until,
+    assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts, spawn_sim, state,
+    wait_until,
 };
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, command, workspace_root};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, command, plain, workspace_root};
 
 /// The static worker's name and its provisioned token.
 const NAME: &str = "gpu-a";

@@ -63,24 +63,6 @@ pub fn reason(l: &Value) -> &str {
     l["state"]["reason"].as_str().unwrap_or("")
 }
 
-/// The log without ANSI colour sequences.
-pub fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(ch) = chars.next() {
-        if ch == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(ch);
-        }
-    }
-    out
-}
-
 /// Every frame the cameras sent got exactly one result, and some were ok.
 pub fn assert_every_frame_answered_once(report: &Report) {
     assert_eq!(
