@@ -23,7 +23,12 @@
 //!    [`ACK_DELAY_ALLOWANCE`] + [`QUEUE_PRESSED`] × budget beyond the path's
 //!    least round trip (so the bytes ahead of them were more than the link
 //!    delivers within that share of the budget), or frames were reset and
-//!    none got through at all.
+//!    none got through at all. It is pressed too when **another camera on
+//!    the same connection** found it pressed on the wire since this
+//!    camera's last window ([`PathWindow::pressed_windows`]): one
+//!    bottleneck, one signal, so every camera backs off together — except
+//!    in the window right after this camera stepped down, when those
+//!    reports are of the queue its step has not yet drained.
 //! 2. Pressed: lower the quality by [`QUALITY_DOWN`], never below the
 //!    floor. Only at the floor (or for a codec without a quality: raw, PNG)
 //!    lower the rate cap, to [`RATE_DOWN`] × the rate actually sent, never
@@ -32,12 +37,16 @@
 //!    promptly, are random loss on a long round trip, which fewer frames do
 //!    not cure (smaller ones do: fewer packets each to lose).
 //! 3. A window is **clean** when frames went or arrived, none was reset,
-//!    no result was late, and the acknowledged ones waited less
+//!    no result was late, the acknowledged ones waited less
 //!    than [`ACK_DELAY_ALLOWANCE`] + [`QUEUE_CLEAN`] × budget beyond the
-//!    least round trip. After [`CLEAN_TO_RAISE`] clean windows in a row:
-//!    raise the rate cap by [`RATE_UP`] (up to the configured rate); once
-//!    it is back, raise the quality by [`QUALITY_UP`] (up to the highest).
-//!    One knob moves per window, and a raise starts the count again.
+//!    least round trip, and the smoothed round trip is within
+//!    [`RTT_CLEAN`] × budget of the least one. After [`CLEAN_TO_RAISE`]
+//!    clean windows in a row, in the camera's next raise slot (one window
+//!    in [`STAGGER`], so that the cameras of an uplink take turns probing
+//!    it): raise the rate cap by [`RATE_UP`] (up to the configured rate);
+//!    once it is back, raise the quality by [`QUALITY_UP`] (up to the
+//!    highest). One knob moves per window, and a raise starts the count
+//!    again.
 //! 4. Hysteresis: down is fast (one pressed window, big steps), up is slow
 //!    (three clean windows, small steps); and a raise followed by pressure
 //!    within [`PROBATION`] windows doubles the clean windows the next raise
@@ -47,6 +56,11 @@
 //! 5. A window in which nothing went, arrived, was reset or came back (a
 //!    static scene behind the motion gate) is **idle**: it changes nothing,
 //!    not even the count of clean windows.
+//! 6. **Slow start**: an adapting camera starts at its quality floor and
+//!    the configured rate, and climbs by [`SLOW_START_UP`] in each raise
+//!    slot after a clean window, until its first pressed window. Starting
+//!    at the top made the first windows on a thin uplink late while the
+//!    quality came down.
 //!
 //! The gateway's `ControlHint` rate caps are applied on top by the caller:
 //! the stricter cap wins. A frame still on the wire at its deadline is
@@ -82,6 +96,13 @@ pub const QUEUE_PRESSED: f64 = 0.25;
 /// Share of the budget that waiting may take in a clean window; between
 /// this and [`QUEUE_PRESSED`] a window is neither (no change).
 pub const QUEUE_CLEAN: f64 = 0.10;
+/// Share of the budget by which the connection's smoothed round trip may
+/// exceed its least one in a clean window. A link filling up shows here
+/// first: on a 10 Mbit/s uplink the round trip grew from 20 to 41 ms while
+/// every frame still arrived in time, a window before the frames went
+/// late; a raise then was the one that overshot. It only holds raises back,
+/// never presses: jitter inflates it too.
+pub const RTT_CLEAN: f64 = 0.15;
 /// Acknowledged frames a window needs before their mean wait counts: one
 /// retransmitted frame is not a queue.
 pub const QUEUE_MIN_FRAMES: u64 = 2;
@@ -108,6 +129,14 @@ pub const CLEAN_TO_RAISE: u32 = 3;
 pub const MAX_CLEAN_TO_RAISE: u32 = 24;
 /// Windows after a raise within which pressure blames the raise.
 pub const PROBATION: u32 = 3;
+/// Raise slots: a camera raises only in every `STAGGER`th window, at the
+/// offset its [`FitConfig::phase`] gives, so that the cameras of one
+/// uplink take turns probing it. Sixteen cameras that all raised together
+/// added, in one window, sixteen times the bytes one probe needs: a failed
+/// probe then made most of that window's frames late.
+pub const STAGGER: u32 = 3;
+/// JPEG quality step up during slow start: as big as the step down.
+pub const SLOW_START_UP: u8 = QUALITY_DOWN;
 
 /// What the policy fits, from the camera's configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -120,6 +149,24 @@ pub struct FitConfig {
     pub max_fps: f64,
     /// The camera's end-to-end budget.
     pub budget: Duration,
+    /// Start at the quality floor and climb in slow start (see
+    /// [`LinkFit::new`]); `false`: start at the highest quality.
+    pub slow_start: bool,
+    /// Which of the [`STAGGER`] raise slots is the camera's (taken modulo
+    /// [`STAGGER`]); [`phase_of`] spreads cameras over them by name.
+    pub phase: u32,
+}
+
+/// A camera's raise slot ([`FitConfig::phase`]): from its name (FNV-1a),
+/// so that the cameras of an edge spread over the [`STAGGER`] slots and a
+/// camera keeps its slot across restarts.
+pub fn phase_of(camera: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in camera.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h % STAGGER
 }
 
 /// JPEG qualities adaptation moves between.
@@ -155,6 +202,11 @@ pub struct PathWindow {
     pub sent_packets: u64,
     /// Packets declared lost in the window.
     pub lost_packets: u64,
+    /// Windows in which a camera of the connection (this one included)
+    /// found it pressed on the wire, since this camera's last window.
+    pub pressed_windows: u64,
+    /// Of them, windows whose frames waited in a queue.
+    pub queued_windows: u64,
 }
 
 impl PathWindow {
@@ -237,6 +289,19 @@ pub struct Pressure {
     /// The frames that got through waited behind other bytes, or none got
     /// through.
     pub queued: bool,
+    /// Another camera on the same connection found it pressed on the wire
+    /// (its frames reset or queued) since this camera's last window.
+    pub uplink: bool,
+    /// ... and its frames waited in a queue.
+    pub uplink_queued: bool,
+}
+
+impl Pressure {
+    /// This camera's own frames were reset or queued on the wire: what it
+    /// tells the other cameras of its connection.
+    pub fn on_the_wire(&self) -> bool {
+        self.missed || self.queued
+    }
 }
 
 /// How a window went.
@@ -279,6 +344,10 @@ pub struct Decision {
     pub quality: Option<u8>,
     /// Frame-rate cap from now on (before the gateway's hints).
     pub max_fps: f64,
+    /// What to tell the other cameras of the connection
+    /// ([`crate::uplink::Uplink::report_pressed`]): `Some(queued)` when
+    /// this camera's own frames found it pressed on the wire.
+    pub report: Option<bool>,
 }
 
 /// The policy of one camera. See the module docs.
@@ -289,14 +358,31 @@ pub struct LinkFit {
     max_fps: f64,
     clean_streak: u32,
     clean_needed: u32,
+    /// Climbing from the floor, until the first pressed window.
+    slow_start: bool,
+    /// What the last window reported to the connection's other cameras
+    /// (and so counted in the next window's path counters).
+    reported: Option<bool>,
+    /// The last window stepped down: the other cameras' reports in the
+    /// next one are of the same pressure (a queue takes a window to
+    /// drain), and are not answered twice.
+    stepped_down: bool,
+
     /// Non-idle windows since the last raise, while it is on probation.
     since_raise: Option<u32>,
     last_now_us: Option<u64>,
 }
 
 impl LinkFit {
-    /// A policy that starts at the highest quality and the configured rate:
-    /// the link is unknown, and its first windows tell.
+    /// A policy at the configured rate and, with
+    /// [`FitConfig::slow_start`], at the quality floor: the link is
+    /// unknown, and a floor that any link meant for the camera carries
+    /// keeps its first frames in time, where starting at the top on a thin
+    /// uplink made the first two or three windows' frames late while the
+    /// quality came down. From there the quality climbs by
+    /// [`SLOW_START_UP`] in each of the camera's raise slots that follows a
+    /// clean window, until the first pressed window ends the slow start.
+    /// Without slow start it starts at the highest quality.
     pub fn new(config: FitConfig) -> Self {
         let max_fps = if config.max_fps.is_finite() && config.max_fps > 0.0 {
             config.max_fps
@@ -304,12 +390,18 @@ impl LinkFit {
             RATE_FLOOR_FPS
         };
         let config = FitConfig { max_fps, ..config };
+        let slow_start = config.slow_start && config.quality.is_some_and(|q| q.min < q.max);
         LinkFit {
             config,
-            quality: config.quality.map(|q| q.max),
+            quality: config
+                .quality
+                .map(|q| if slow_start { q.min } else { q.max }),
             max_fps,
             clean_streak: 0,
             clean_needed: CLEAN_TO_RAISE,
+            slow_start,
+            reported: None,
+            stepped_down: false,
             since_raise: None,
             last_now_us: None,
         }
@@ -335,6 +427,12 @@ impl LinkFit {
         self.clean_needed
     }
 
+    /// Whether the quality is still climbing in slow start (no window has
+    /// been pressed yet).
+    pub fn in_slow_start(&self) -> bool {
+        self.slow_start
+    }
+
     /// How the window went, without deciding anything.
     pub fn verdict(&self, w: &WindowStats) -> Verdict {
         let missed = w.missed();
@@ -345,17 +443,37 @@ impl LinkFit {
         let allowance_us = ACK_DELAY_ALLOWANCE.as_micros() as f64;
         let frames = w.handed.max(missed).max(1) as f64;
         let excess = w.ack_excess_us().map(|e| e as f64);
+        // The other cameras' reports: the path counters include this
+        // camera's own report of its last window.
+        let own = |queued_too: bool| u64::from(self.reported.is_some_and(|q| q || !queued_too));
+        let (others, others_queued) = w.path.map_or((0, 0), |p| {
+            (
+                p.pressed_windows.saturating_sub(own(false)),
+                p.queued_windows.saturating_sub(own(true)),
+            )
+        });
+        // A queue swells the smoothed round trip; a retransmission (random
+        // loss on a long round trip) delays the acknowledgement of its
+        // frame but leaves the round trip alone, since QUIC takes no
+        // sample from a retransmitted packet.
+        let rtt_swollen = w.path.is_some_and(|p| {
+            p.rtt.saturating_sub(p.min_rtt).as_micros() as f64 > RTT_CLEAN * budget_us
+        });
         let pressure = Pressure {
             missed: missed > 0 && missed as f64 > MISS_PRESSED * frames,
             late: w.late > 0 && w.late as f64 > LATE_PRESSED * w.results.max(1) as f64,
             queued: (w.delivered >= QUEUE_MIN_FRAMES
-                && excess.is_some_and(|e| e > allowance_us + QUEUE_PRESSED * budget_us))
+                && excess.is_some_and(|e| e > allowance_us + QUEUE_PRESSED * budget_us)
+                && (w.path.is_none() || rtt_swollen))
                 || (missed > 0 && w.delivered == 0),
+            uplink: others > 0 && !self.stepped_down,
+            uplink_queued: others_queued > 0 && !self.stepped_down,
         };
-        if pressure.missed || pressure.late || pressure.queued {
+        if pressure.missed || pressure.late || pressure.queued || pressure.uplink {
             return Verdict::Pressed(pressure);
         }
-        let roomy = excess.is_none_or(|e| e <= allowance_us + QUEUE_CLEAN * budget_us);
+        let roomy =
+            excess.is_none_or(|e| e <= allowance_us + QUEUE_CLEAN * budget_us) && !rtt_swollen;
         let went = w.handed > 0 || w.delivered > 0;
         if went && missed == 0 && w.late == 0 && roomy {
             Verdict::Clean
@@ -383,19 +501,26 @@ impl LinkFit {
             }
             Verdict::Clean => {
                 self.tick_probation();
-                self.on_clean()
+                self.on_clean(now_us)
             }
+        };
+        self.stepped_down = matches!(step, Step::QualityDown | Step::RateDown);
+        self.reported = match verdict {
+            Verdict::Pressed(why) if why.on_the_wire() => Some(why.queued),
+            _ => None,
         };
         Decision {
             verdict,
             step,
             quality: self.quality,
             max_fps: self.max_fps,
+            report: self.reported,
         }
     }
 
     fn on_pressed(&mut self, why: Pressure, w: &WindowStats, elapsed_us: u64) -> Step {
         self.clean_streak = 0;
+        self.slow_start = false;
         if self.since_raise.take().is_some() {
             // The last raise was too much: the next one waits longer.
             self.clean_needed = (self.clean_needed * 2).min(MAX_CLEAN_TO_RAISE);
@@ -406,7 +531,7 @@ impl LinkFit {
             self.quality = Some(q.saturating_sub(QUALITY_DOWN).max(range.min));
             return Step::QualityDown;
         }
-        if !(why.queued || why.late) {
+        if !(why.queued || why.uplink_queued) {
             return Step::Hold;
         }
         // From what was actually sent: under a lower hint or a motion gate
@@ -425,18 +550,37 @@ impl LinkFit {
         }
     }
 
-    fn on_clean(&mut self) -> Step {
+    /// Whether the window that ended at `now_us` is one of the camera's
+    /// raise slots. Slots are counted on the clock, not in windows, so that
+    /// the cameras of one process keep to their turns whenever each
+    /// started, and whatever windows each spent idle.
+    pub fn in_slot(&self, now_us: u64) -> bool {
+        let window = now_us / WINDOW.as_micros() as u64;
+        (window + u64::from(self.config.phase)).is_multiple_of(u64::from(STAGGER))
+    }
+
+    fn on_clean(&mut self, now_us: u64) -> Step {
         self.clean_streak += 1;
-        if self.clean_streak < self.clean_needed {
+        let needed = if self.slow_start {
+            1
+        } else {
+            self.clean_needed
+        };
+        if self.clean_streak < needed || !self.in_slot(now_us) {
             return Step::Hold;
         }
+        let up = if self.slow_start {
+            SLOW_START_UP
+        } else {
+            QUALITY_UP
+        };
         let step = if self.max_fps < self.config.max_fps {
             self.max_fps = (self.max_fps * RATE_UP).min(self.config.max_fps);
             Step::RateUp
         } else {
             match (self.quality, self.config.quality) {
                 (Some(q), Some(range)) if q < range.max => {
-                    self.quality = Some(q.saturating_add(QUALITY_UP).min(range.max));
+                    self.quality = Some(q.saturating_add(up).min(range.max));
                     Step::QualityUp
                 }
                 _ => Step::Hold,
@@ -511,17 +655,22 @@ impl WindowMeter {
         let l = self.last;
         let d = |now: u64, before: u64| now.saturating_sub(before);
         let path_window = path.map(|p| {
-            let (sent, lost) = match self.last_path {
-                Some(before)
-                    if p.sent_packets >= before.sent_packets
-                        && p.lost_packets >= before.lost_packets =>
-                {
-                    (
-                        p.sent_packets - before.sent_packets,
-                        p.lost_packets - before.lost_packets,
-                    )
+            let counters = |p: &PathStats| {
+                [
+                    p.sent_packets,
+                    p.lost_packets,
+                    p.pressed_windows,
+                    p.queued_windows,
+                ]
+            };
+            let now = counters(&p);
+            // Counters below the last ones seen: a new connection, counted
+            // from zero.
+            let [sent, lost, pressed, queued] = match self.last_path.as_ref().map(counters) {
+                Some(before) if now.iter().zip(&before).all(|(n, b)| n >= b) => {
+                    std::array::from_fn(|i| now[i] - before[i])
                 }
-                _ => (p.sent_packets, p.lost_packets),
+                _ => now,
             };
             PathWindow {
                 rtt: p.rtt,
@@ -529,6 +678,8 @@ impl WindowMeter {
                 cwnd: p.cwnd,
                 sent_packets: sent,
                 lost_packets: lost,
+                pressed_windows: pressed,
+                queued_windows: queued,
             }
         });
         let w = WindowStats {
@@ -559,6 +710,8 @@ mod tests {
             quality: Some(QualityRange::new(max, min)),
             max_fps: 10.0,
             budget: Duration::from_millis(80),
+            slow_start: false,
+            phase: 0,
         }
     }
 
@@ -569,6 +722,7 @@ mod tests {
             cwnd: 14_720,
             sent_packets: 100,
             lost_packets: 0,
+            ..PathWindow::default()
         })
     }
 
@@ -588,15 +742,27 @@ mod tests {
     #[test]
     fn ack_wait_beyond_the_allowance_and_a_quarter_of_the_budget_is_queueing() {
         let fit = LinkFit::new(jpeg(90, 50));
+        // The round trip swollen by a queue (20 ms beyond its least one).
+        let queue = |ack_ms| {
+            let mut w = window(ack_ms);
+            if let Some(p) = w.path.as_mut() {
+                p.rtt = p.min_rtt + Duration::from_millis(20);
+            }
+            w
+        };
         // 20 ms path + 25 ms ACK delay + 20 ms (a quarter of 80) = 65 ms.
-        assert_eq!(fit.verdict(&window(64)), Verdict::Fair);
+        assert_eq!(fit.verdict(&queue(64)), Verdict::Fair);
         assert_eq!(
-            fit.verdict(&window(66)),
+            fit.verdict(&queue(66)),
             Verdict::Pressed(Pressure {
                 queued: true,
                 ..Pressure::default()
             })
         );
+        // Acknowledgements as late with the round trip at its least: the
+        // frames waited for retransmissions, not behind other bytes.
+        assert_eq!(fit.verdict(&window(66)), Verdict::Fair);
+        assert_eq!(fit.verdict(&window(500)), Verdict::Fair);
         // Clean up to 20 + 25 + 8 ms.
         assert_eq!(fit.verdict(&window(53)), Verdict::Clean);
         assert_eq!(fit.verdict(&window(54)), Verdict::Fair);
@@ -632,10 +798,91 @@ mod tests {
             fit.verdict(&w),
             Verdict::Pressed(Pressure {
                 missed: true,
-                late: false,
-                queued: true
+                queued: true,
+                ..Pressure::default()
             })
         );
+    }
+
+    /// A clean window on a path where `pressed` windows (`queued` of them
+    /// queued) were reported by the connection's cameras.
+    fn reported(pressed: u64, queued: u64) -> WindowStats {
+        let mut w = window(21);
+        if let Some(p) = w.path.as_mut() {
+            p.pressed_windows = pressed;
+            p.queued_windows = queued;
+        }
+        w
+    }
+
+    #[test]
+    fn another_cameras_report_presses_this_one_and_its_own_does_not() {
+        let mut fit = LinkFit::new(jpeg(90, 50));
+        let mut t = 0;
+        // Its own frames were reset and queued: it steps down and tells the
+        // others.
+        t += 1_000_000;
+        let d = fit.on_window(t, &jammed());
+        assert_eq!((d.step, d.report), (Step::QualityDown, Some(true)));
+        // Its own report, alone, comes back in the next window's counters:
+        // clean.
+        t += 1_000_000;
+        let d = fit.on_window(t, &reported(1, 1));
+        assert_eq!((d.verdict, d.report), (Verdict::Clean, None));
+        // Another camera's: pressed, though its own frames went through.
+        t += 1_000_000;
+        let d = fit.on_window(t, &reported(1, 0));
+        assert_eq!(
+            d.verdict,
+            Verdict::Pressed(Pressure {
+                uplink: true,
+                ..Pressure::default()
+            })
+        );
+        assert_eq!((d.step, d.report), (Step::QualityDown, None));
+        assert_eq!(fit.quality(), Some(70));
+    }
+
+    #[test]
+    fn after_a_step_down_the_others_reports_of_the_same_queue_are_not_answered_twice() {
+        let mut fit = LinkFit::new(jpeg(90, 50));
+        let mut t = 0;
+        assert_eq!(feed(&mut fit, &mut t, &reported(3, 3)), Step::QualityDown);
+        // The queue is still draining: the others report it once more.
+        assert_eq!(feed(&mut fit, &mut t, &reported(2, 2)), Step::Hold);
+        // A window later it counts again.
+        assert_eq!(feed(&mut fit, &mut t, &reported(1, 1)), Step::QualityDown);
+        assert_eq!(fit.quality(), Some(70));
+        // Its own frames reset and queued count whatever came before.
+        assert_eq!(feed(&mut fit, &mut t, &jammed()), Step::QualityDown);
+    }
+
+    #[test]
+    fn a_swollen_round_trip_holds_raises_back_without_pressing() {
+        let fit = LinkFit::new(jpeg(90, 50));
+        let swollen = |extra_ms: u64| {
+            let mut w = window(21);
+            if let Some(p) = w.path.as_mut() {
+                p.rtt = p.min_rtt + Duration::from_millis(extra_ms);
+            }
+            w
+        };
+        // 15 % of 80 ms.
+        assert_eq!(fit.verdict(&swollen(12)), Verdict::Clean);
+        assert_eq!(fit.verdict(&swollen(13)), Verdict::Fair);
+        assert_eq!(fit.verdict(&swollen(200)), Verdict::Fair);
+    }
+
+    #[test]
+    fn at_the_floor_only_a_queue_elsewhere_lowers_the_rate() {
+        let mut fit = LinkFit::new(jpeg(50, 50));
+        let mut t = 0;
+        // Resets elsewhere (random loss): fewer frames would not help.
+        assert_eq!(feed(&mut fit, &mut t, &reported(2, 0)), Step::Hold);
+        assert_eq!(fit.max_fps(), 10.0);
+        // A queue elsewhere: the link is full, every camera sends less.
+        assert_eq!(feed(&mut fit, &mut t, &reported(2, 1)), Step::RateDown);
+        assert!(fit.max_fps() < 10.0);
     }
 
     #[test]
@@ -757,23 +1004,32 @@ mod tests {
         assert_eq!((fit.quality(), fit.max_fps()), (Some(90), 10.0));
     }
 
+    /// Feeds clean windows until one raises; returns how many it took.
+    fn clean_until_raise(fit: &mut LinkFit, t: &mut u64) -> u32 {
+        for n in 1..=100 {
+            if feed(fit, t, &window(21)) != Step::Hold {
+                return n;
+            }
+        }
+        panic!("no raise in 100 clean windows");
+    }
+
     #[test]
     fn a_raise_followed_by_pressure_doubles_the_clean_windows_the_next_needs() {
         let mut fit = LinkFit::new(jpeg(90, 50));
         let mut t = 0;
         feed(&mut fit, &mut t, &jammed());
         assert_eq!(fit.quality(), Some(80));
-        for _ in 0..2 {
-            assert_eq!(feed(&mut fit, &mut t, &window(21)), Step::Hold);
-        }
-        assert_eq!(feed(&mut fit, &mut t, &window(21)), Step::QualityUp);
+        // The clean windows a raise needs, then the wait for the camera's
+        // slot.
+        let took = clean_until_raise(&mut fit, &mut t);
+        assert!((CLEAN_TO_RAISE..CLEAN_TO_RAISE + STAGGER).contains(&took));
+        assert_eq!(fit.quality(), Some(85));
         // The link could not take it.
         assert_eq!(feed(&mut fit, &mut t, &jammed()), Step::QualityDown);
         assert_eq!(fit.clean_needed(), 2 * CLEAN_TO_RAISE);
-        for _ in 0..5 {
-            assert_eq!(feed(&mut fit, &mut t, &window(21)), Step::Hold);
-        }
-        assert_eq!(feed(&mut fit, &mut t, &window(21)), Step::QualityUp);
+        let took = clean_until_raise(&mut fit, &mut t);
+        assert!((2 * CLEAN_TO_RAISE..2 * CLEAN_TO_RAISE + STAGGER).contains(&took));
         // This one holds through its probation: raises get quicker again.
         for _ in 0..PROBATION {
             feed(&mut fit, &mut t, &window(21));
@@ -791,7 +1047,84 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(feed(&mut fit, &mut t, &WindowStats::default()), Step::Hold);
         }
-        assert_eq!(feed(&mut fit, &mut t, &window(21)), Step::QualityUp);
+        // The third clean window: the raise waits only for the camera's
+        // slot.
+        let took = clean_until_raise(&mut fit, &mut t);
+        assert!(took <= STAGGER, "{took}");
+    }
+
+    #[test]
+    fn cameras_in_different_slots_never_raise_in_the_same_window() {
+        let mut fits: Vec<LinkFit> = (0..STAGGER)
+            .map(|phase| {
+                LinkFit::new(FitConfig {
+                    phase,
+                    ..jpeg(90, 50)
+                })
+            })
+            .collect();
+        let mut t = 0;
+        for fit in &mut fits {
+            let mut t0 = t;
+            feed(fit, &mut t0, &jammed());
+        }
+        t += 1_000_000;
+        for _ in 0..40 {
+            t += 1_000_000;
+            let raised = fits
+                .iter_mut()
+                .map(|f| f.on_window(t, &window(21)).step)
+                .filter(|s| *s != Step::Hold)
+                .count();
+            assert!(raised <= 1, "{raised} cameras raised together");
+        }
+        // And each got back to the top.
+        assert!(fits.iter().all(|f| f.quality() == Some(90)));
+    }
+
+    #[test]
+    fn slow_start_climbs_from_the_floor_a_big_step_a_slot_until_pressed() {
+        let mut fit = LinkFit::new(FitConfig {
+            slow_start: true,
+            ..jpeg(90, 50)
+        });
+        assert_eq!(fit.quality(), Some(50));
+        assert!(fit.in_slow_start());
+        let mut t = 0;
+        let took = clean_until_raise(&mut fit, &mut t);
+        assert!(took <= STAGGER);
+        assert_eq!(fit.quality(), Some(50 + SLOW_START_UP));
+        let took = clean_until_raise(&mut fit, &mut t);
+        assert_eq!(took, STAGGER, "one raise a slot");
+        assert_eq!(fit.quality(), Some(50 + 2 * SLOW_START_UP));
+        // The first pressed window ends it: from now on raises are small
+        // and need three clean windows.
+        assert_eq!(feed(&mut fit, &mut t, &jammed()), Step::QualityDown);
+        assert!(!fit.in_slow_start());
+        assert_eq!(fit.quality(), Some(60));
+        let took = clean_until_raise(&mut fit, &mut t);
+        assert!(took >= 2 * CLEAN_TO_RAISE, "{took}: on probation");
+        assert_eq!(fit.quality(), Some(60 + QUALITY_UP));
+    }
+
+    #[test]
+    fn a_camera_that_does_not_adapt_or_has_no_range_starts_at_the_top() {
+        let fit = LinkFit::new(FitConfig {
+            slow_start: true,
+            ..jpeg(75, 75)
+        });
+        assert_eq!(fit.quality(), Some(75));
+        assert!(!fit.in_slow_start());
+    }
+
+    #[test]
+    fn slots_spread_camera_names() {
+        let mut seen = [0u32; STAGGER as usize];
+        for i in 0..48 {
+            seen[phase_of(&format!("cam-{i}")) as usize] += 1;
+        }
+        assert!(seen.iter().all(|&n| n >= 8), "{seen:?}");
+        assert_eq!(phase_of("cam-1"), phase_of("cam-1"));
     }
 
     #[test]

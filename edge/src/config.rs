@@ -162,8 +162,9 @@ pub struct CameraConfig {
     /// pixels.
     #[serde(default = "default_encoding")]
     pub encoding: Codec,
-    /// JPEG only: the highest quality (1–100), where the camera starts and
-    /// what the gateway is told at `CameraOpen`.
+    /// JPEG only: the highest quality (1–100), what the gateway is told at
+    /// `CameraOpen`, and where a camera that does not adapt stays (one
+    /// that adapts starts at `min_jpeg_quality` and climbs: slow start).
     #[serde(default = "default_jpeg_quality")]
     pub jpeg_quality: u8,
     /// JPEG only: the lowest quality adaptation may go down to (1 to

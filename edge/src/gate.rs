@@ -40,9 +40,19 @@ impl RateLimiter {
         }
     }
 
-    /// Changes the cap, keeping the schedule of the last frame sent.
+    /// Changes the cap, keeping the schedule of the last frame sent: the
+    /// next frame is due one new interval after it. Raised from a frame
+    /// every two seconds (a camera's adaptation during an outage) to ten a
+    /// second, the camera sends again within a tenth of a second, not when
+    /// the slow schedule's next frame would have been due.
     pub fn set_max_fps(&mut self, max_fps: f64) {
-        self.interval_us = interval_us(max_fps);
+        let interval = interval_us(max_fps);
+        if let Some(tat) = self.tat_us.as_mut() {
+            *tat = tat
+                .saturating_sub(self.interval_us)
+                .saturating_add(interval);
+        }
+        self.interval_us = interval;
     }
 
     /// Whether a frame at `now_us` would conform. Does not consume anything.
@@ -428,12 +438,32 @@ mod tests {
         r.commit(0);
         assert!(r.allows(100 * MS));
         r.set_max_fps(2.0);
-        // The frame at 100 ms still conforms and sets the next theoretical
-        // time to 600 ms; with half an interval (250 ms) of tolerance the
-        // next frame may come at 350 ms, not before.
+        // The next frame is due 500 ms after the last one; with half an
+        // interval (250 ms) of tolerance it may come at 250 ms, not before.
+        assert!(!r.allows(100 * MS));
+        assert!(!r.allows(240 * MS));
+        assert!(r.allows(250 * MS));
+        // Sent early, within the tolerance: the schedule stays, the next is
+        // due at 1 s (750 ms with the tolerance).
+        r.commit(250 * MS);
+        assert!(!r.allows(740 * MS));
+        assert!(r.allows(750 * MS));
+    }
+
+    #[test]
+    fn raising_the_cap_applies_to_the_next_frame() {
+        let mut r = RateLimiter::new(0.5);
+        r.commit(0);
+        // At a frame every two seconds the next is due at 2 s (1 s with the
+        // tolerance).
+        assert!(!r.allows(200 * MS));
+        r.set_max_fps(10.0);
+        // At ten a second it is due at 100 ms.
+        assert!(!r.allows(40 * MS));
+        assert!(r.allows(50 * MS));
         r.commit(100 * MS);
-        assert!(!r.allows(300 * MS));
-        assert!(r.allows(400 * MS));
+        assert!(!r.allows(140 * MS));
+        assert!(r.allows(150 * MS));
     }
 
     #[test]

@@ -1146,13 +1146,17 @@ async fn camera(
             _ = refresh.tick() => {
                 // The window counts whatever the connection; the policy
                 // decides only while the camera is open on one.
-                let path = lane.as_ref().and(open_on.as_ref()).map(Uplink::path_stats);
+                let open = lane.as_ref().and(open_on.as_ref());
                 let decided = outbound.on_window(
                     crate::clock::now_us(),
                     &stats.lane,
                     stats.result_counts(),
-                    path,
+                    open.map(Uplink::path_stats),
                 );
+                // One bottleneck: the other cameras on it back off too.
+                if let (Some(queued), Some(uplink)) = (outbound.uplink_report(), open) {
+                    uplink.report_pressed(queued);
+                }
                 let mut snap = stats.snapshot();
                 if decided.is_some() {
                     let now = hinted.with_rate_cap(outbound.max_fps());

@@ -10,7 +10,9 @@ use tidegate_protocol::{Codec, DType, Encoding, Layout, Tensor};
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::adapt::{Decision, FitConfig, LinkFit, QualityRange, Step, Totals, WindowMeter};
+use crate::adapt::{
+    Decision, FitConfig, LinkFit, QualityRange, Step, Totals, WindowMeter, phase_of,
+};
 use crate::capture::{EncodeError, FrameEncoder};
 use crate::config::CameraConfig;
 use crate::uplink::{LaneStats, PathStats};
@@ -78,6 +80,9 @@ pub struct Outbound {
     encode_us: u64,
     encode_failed: u64,
     report: OutboundReport,
+    /// What the last window tells the connection's other cameras
+    /// ([`Decision::report`]).
+    uplink_report: Option<bool>,
     last_failure_log: Option<Instant>,
 }
 
@@ -112,6 +117,7 @@ impl Outbound {
             encoded: 0,
             encode_us: 0,
             encode_failed: 0,
+            uplink_report: None,
             last_failure_log: None,
         }
     }
@@ -119,6 +125,13 @@ impl Outbound {
     /// The encoding to ask for at `CameraOpen`.
     pub fn asked(&self) -> Encoding {
         self.asked
+    }
+
+    /// What the last window found that the connection's other cameras
+    /// should hear of: `Some(queued)` when the camera's own frames found the
+    /// uplink pressed on the wire ([`crate::uplink::Uplink::report_pressed`]).
+    pub fn uplink_report(&self) -> Option<bool> {
+        self.uplink_report
     }
 
     /// The adaptation's rate cap in force.
@@ -276,10 +289,12 @@ impl Outbound {
         if let Some(us) = w.encode_us_per_frame() {
             r.encode_us = us;
         }
+        self.uplink_report = None;
         if !self.adapt || path.is_none() {
             return None;
         }
         let d = self.fit.on_window(now_us, &w);
+        self.uplink_report = d.report;
         self.report.quality = d.quality.unwrap_or(0);
         self.report.adapt_max_fps = d.max_fps;
         if d.step == Step::Hold {
@@ -312,5 +327,8 @@ fn fit_config(cam: &CameraConfig, encoding: Encoding) -> FitConfig {
         },
         max_fps: cam.max_fps,
         budget: Duration::from_millis(u64::from(cam.budget_ms)),
+        // A camera that does not adapt stays at its configured quality.
+        slow_start: cam.adapt,
+        phase: phase_of(&cam.name),
     }
 }

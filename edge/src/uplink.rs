@@ -1,6 +1,7 @@
 //! The QUIC uplink to the gateway: authenticates, opens cameras, sends each
-//! frame on its own unidirectional stream (newer frames at higher priority),
-//! and delivers results and control hints.
+//! frame on its own unidirectional stream (frames handed later at higher
+//! priority, across all the connection's cameras: see [`SendOrder`]), and
+//! delivers results and control hints.
 //!
 //! A camera sends through its [`Lane`], which keeps at most a few frames
 //! unacknowledged and resets (`RESET_STREAM`, code 0) a frame that is
@@ -174,6 +175,55 @@ pub struct Uplink {
     /// taken of each: the gateway sends such a camera each result
     /// `copies` times, and the later copies are dropped here.
     copies: Arc<ResultCopies>,
+    /// Stream priorities of the frames sent on the connection.
+    order: Arc<SendOrder>,
+    /// Windows in which a camera found the connection pressed.
+    pressure: Arc<UplinkPressure>,
+}
+
+/// The windows in which one of a connection's cameras found its uplink
+/// pressed, so that every camera on it backs off together (one bottleneck,
+/// one signal): frames handed later go first ([`SendOrder`]), so when the
+/// link is full it is the cameras whose frames happened to be handed
+/// first that miss, and alone they would step down while the others kept
+/// climbing into the room they left.
+#[derive(Debug, Default)]
+struct UplinkPressure {
+    /// Windows with frames reset on the wire, or waiting in a queue.
+    pressed: AtomicU64,
+    /// Of them, windows whose frames waited in a queue.
+    queued: AtomicU64,
+}
+
+/// The stream priority of each frame sent on one connection: the order in
+/// which frames were handed to QUIC, newest highest, whichever camera they
+/// come from.
+///
+/// QUIC interleaves streams of equal priority. Cameras in step (sixteen
+/// started together at 15 fps) hand their frames at the same instant, and
+/// interleaved, every frame of such a burst finishes only when the whole
+/// burst does: on a 10 Mbit/s uplink, sixteen 5 KB frames all take 64 ms.
+/// One after another, the first takes 4 ms and the last still 64. Newest
+/// first also keeps the rule the priorities had when they were each
+/// camera's `seq`: a frame handed after another goes ahead of it, so under
+/// overload the old frames wait (and are reset at their deadline) rather
+/// than the fresh ones; and no camera goes ahead of the others because its
+/// `seq` happens to be higher.
+///
+/// Priorities wrap after `i32::MAX` frames (about 100 days at 240 frames a
+/// second on one connection); the frames handed just after a wrap go behind
+/// those just before it for as long as both are in flight, a few
+/// milliseconds.
+#[derive(Debug, Default)]
+pub struct SendOrder(AtomicU64);
+
+impl SendOrder {
+    /// The priority of the next frame handed to QUIC.
+    pub fn next(&self) -> i32 {
+        let n = self.0.fetch_add(1, Ordering::Relaxed);
+        // Lossless: the remainder is below i32::MAX.
+        (n % i32::MAX as u64) as i32
+    }
 }
 
 /// The number of the next connection [`Uplink::connect_client`] sets up.
@@ -325,6 +375,8 @@ impl Uplink {
                 commands: cmd_tx,
                 open_timeout: options.open_timeout,
                 copies,
+                order: Arc::default(),
+                pressure: Arc::default(),
             },
             in_rx,
         ))
@@ -386,15 +438,15 @@ impl Uplink {
         Ok(accepted)
     }
 
-    /// Sends a frame on its own stream. Newer frames (higher `seq`) get a
-    /// higher stream priority. Returns once the frame is handed to QUIC.
+    /// Sends a frame on its own stream, ahead of the frames handed before it
+    /// ([`SendOrder`]). Returns once the frame is handed to QUIC.
     pub async fn send_frame(&self, frame: Frame) -> Result<(), UplinkError> {
         let mut s = self
             .conn
             .open_uni()
             .await
             .map_err(|e| UplinkError::Lost(e.to_string()))?;
-        let _ = s.set_priority((frame.seq % i32::MAX as u64) as i32);
+        let _ = s.set_priority(self.order.next());
         write_message(&mut s, &Message::Frame(frame))
             .await
             .map_err(|e| UplinkError::Lost(e.to_string()))?;
@@ -443,13 +495,26 @@ impl Uplink {
         self.conn.rtt()
     }
 
+    /// Records that a camera's window found the connection pressed on the
+    /// wire (`queued`: its frames waited behind other bytes; otherwise they
+    /// were reset). The other cameras see it in [`PathStats`].
+    pub fn report_pressed(&self, queued: bool) {
+        self.pressure.pressed.fetch_add(1, Ordering::Relaxed);
+        if queued {
+            self.pressure.queued.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// The connection's path statistics now: round trips, congestion
-    /// window, packets sent and lost since it was set up. The counters
-    /// start from zero on every connection.
+    /// window, packets sent and lost since it was set up, and the windows
+    /// its cameras found it pressed in. The counters start from zero on
+    /// every connection.
     pub fn path_stats(&self) -> PathStats {
         let stats = self.conn.stats();
         let p = stats.path;
         PathStats {
+            pressed_windows: self.pressure.pressed.load(Ordering::Relaxed),
+            queued_windows: self.pressure.queued.load(Ordering::Relaxed),
             rtt: p.rtt,
             min_rtt: p.min_rtt,
             cwnd: p.cwnd,
@@ -495,6 +560,7 @@ impl Uplink {
     ) -> Lane {
         Lane {
             conn: self.conn.clone(),
+            order: self.order.clone(),
             state: Arc::new(LaneState {
                 camera: camera.to_string(),
                 conn: self.id,
@@ -863,6 +929,11 @@ pub struct PathStats {
     pub congestion_events: u64,
     /// UDP payload bytes sent.
     pub sent_bytes: u64,
+    /// Windows in which one of the connection's cameras found it pressed
+    /// ([`Uplink::report_pressed`]).
+    pub pressed_windows: u64,
+    /// Of them, windows whose frames waited in a queue.
+    pub queued_windows: u64,
 }
 
 /// What became of a camera's frames on the wire.
@@ -969,6 +1040,8 @@ pub enum WireFate {
 #[derive(Debug, Clone)]
 pub struct Lane {
     conn: quinn::Connection,
+    /// The connection's [`SendOrder`], shared by all its lanes.
+    order: Arc<SendOrder>,
     state: Arc<LaneState>,
     tasks: tokio_util::task::TaskTracker,
 }
@@ -1059,14 +1132,16 @@ impl Lane {
                 return Ok(());
             }
         };
-        let _ = stream.set_priority((seq % i32::MAX as u64) as i32);
+        // Copies share their frame's priority: QUIC sends them side by side.
+        let priority = self.order.next();
+        let _ = stream.set_priority(priority);
         // The other copies, if the lane sends any: each that opens before
         // the deadline goes.
         let mut copies = Vec::new();
         for _ in 1..self.state.copies {
             match tokio::time::timeout_at(deadline, self.conn.open_uni()).await {
                 Ok(Ok(s)) => {
-                    let _ = s.set_priority((seq % i32::MAX as u64) as i32);
+                    let _ = s.set_priority(priority);
                     copies.push(s);
                 }
                 _ => break,

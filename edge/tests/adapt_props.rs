@@ -19,17 +19,21 @@ fn config() -> impl Strategy<Value = FitConfig> {
         prop::option::of((1u8..=100, 1u8..=100)),
         prop_oneof![Just(10.0), Just(0.2), 0.1f64..60.0],
         10u64..2000,
+        any::<bool>(),
+        0u32..10,
     )
-        .prop_map(|(q, max_fps, budget_ms)| FitConfig {
+        .prop_map(|(q, max_fps, budget_ms, slow_start, phase)| FitConfig {
             quality: q.map(|(a, b)| QualityRange::new(a.max(b), a.min(b))),
             max_fps,
             budget: Duration::from_millis(budget_ms),
+            slow_start,
+            phase,
         })
 }
 
 fn window() -> impl Strategy<Value = WindowStats> {
     let counts = (0u64..30, 0u64..30, 0u64..5, 0u64..5, 0u64..20, 0u64..5);
-    let path = prop::option::of((0u64..200, 0u64..100, 0u64..1000, 0u64..50));
+    let path = prop::option::of((0u64..200, 0u64..100, 0u64..1000, 0u64..50, 0u64..3, 0u64..3));
     prop_oneof![
         // Idle.
         Just(WindowStats::default()),
@@ -57,12 +61,14 @@ fn window() -> impl Strategy<Value = WindowStats> {
                 ack_us: delivered * ack,
                 results,
                 late: late.min(results),
-                path: path.map(|(rtt, min, sent, lost)| PathWindow {
+                path: path.map(|(rtt, min, sent, lost, pressed, queued)| PathWindow {
                     rtt: Duration::from_millis(rtt),
                     min_rtt: Duration::from_millis(min.min(rtt)),
                     cwnd: 14_720,
                     sent_packets: sent,
                     lost_packets: lost.min(sent),
+                    pressed_windows: pressed.max(queued),
+                    queued_windows: queued,
                 }),
                 ..WindowStats::default()
             }
@@ -86,6 +92,7 @@ fn check(
     before: (Option<u8>, f64),
     d: &Decision,
     clean_run: u32,
+    slow_start: bool,
 ) -> Result<(), TestCaseError> {
     let (q0, f0) = before;
     let (q1, f1) = (d.quality, d.max_fps);
@@ -126,10 +133,17 @@ fn check(
         Verdict::Idle | Verdict::Fair => prop_assert_eq!(d.step, Step::Hold),
     }
     if matches!(d.step, Step::RateUp | Step::QualityUp) {
+        // Slow start raises after one clean window, and only the quality
+        // (the rate starts at the configured one and only a pressed
+        // window, which ends slow start, lowers it).
+        let needed = if slow_start { 1 } else { CLEAN_TO_RAISE };
         prop_assert!(
-            clean_run >= CLEAN_TO_RAISE,
-            "a raise after {clean_run} clean windows"
+            clean_run >= needed,
+            "a raise after {clean_run} clean windows (slow start: {slow_start})"
         );
+    }
+    if matches!(d.verdict, Verdict::Pressed(_)) {
+        prop_assert!(!fit.in_slow_start(), "a pressed window ends slow start");
     }
     Ok(())
 }
@@ -143,7 +157,9 @@ proptest! {
         steps in prop::collection::vec((window(), clock_step()), 1..120),
     ) {
         let mut fit = LinkFit::new(cfg);
-        prop_assert_eq!(fit.quality(), cfg.quality.map(|r| r.max));
+        // Slow start begins at the floor, otherwise at the top.
+        let start = cfg.quality.map(|r| if cfg.slow_start { r.min } else { r.max });
+        prop_assert_eq!(fit.quality(), start);
         prop_assert_eq!(fit.max_fps(), cfg.max_fps);
         let mut now: u64 = 10_000_000_000;
         // Clean windows since the last pressed or fair window or raise,
@@ -152,6 +168,7 @@ proptest! {
         for (w, dt) in &steps {
             now = now.saturating_add_signed(*dt);
             let before = (fit.quality(), fit.max_fps());
+            let slow_start = fit.in_slow_start();
             let verdict = fit.verdict(w);
             if verdict == Verdict::Clean {
                 clean_run += 1;
@@ -160,7 +177,7 @@ proptest! {
             }
             let d = fit.on_window(now, w);
             prop_assert_eq!(d.verdict, verdict);
-            check(&cfg, &fit, before, &d, clean_run)?;
+            check(&cfg, &fit, before, &d, clean_run, slow_start)?;
             if d.step != Step::Hold {
                 clean_run = 0;
             }
