@@ -11,6 +11,8 @@
 #      PyPI wheel (sha256 checked), for the GPU kernel's compile check.
 #   5. The models and test imagery (models/fetch.sh and scripts/test-video.sh,
 #      pinned and checksummed).
+#   5b. The peers of make bench-peers (Triton through PyTriton, FastAPI,
+#      onnxruntime): a venv of pinned, checksummed wheels (loadtest/peers/).
 #   6. With --cuda (make test, make images-cuda): ONNX Runtime's GPU build and
 #      the CUDA 13 libraries, for the CUDA worker image (scripts/cuda-libs.sh:
 #      pinned wheels, 1.3 GB to fetch; no GPU needed).
@@ -43,6 +45,7 @@ apt_packages=(
   python3 python3-pip npm unzip ca-certificates
   python3-venv  # models/fetch.sh: the pinned onnx tools (BlazeFace batch rewrite, emotion and CenterNet conversion)
   slurmctld slurmd slurm-client munge  # the slurm lease provider's tests run a private one-node cluster
+  mosquitto  # the edge's MQTT sink tests run a private broker on 127.0.0.1
 )
 missing=()
 for p in "${apt_packages[@]}"; do
@@ -155,6 +158,13 @@ fi
 # --- 5. Models and imagery --------------------------------------------------
 "$root/models/fetch.sh"
 bash "$root/scripts/test-video.sh"
+
+# --- 5b. The peers of make bench-peers ---------------------------------------
+# Triton (PyTriton), FastAPI + uvicorn and onnxruntime in a venv of the cache,
+# every file pinned with its sha256; the peers' tests in make test use it.
+bash "$root/loadtest/peers/setup.sh" >/dev/null \
+  || die "the peers' venv (loadtest/peers/setup.sh) could not be created; see above"
+say "peers' venv: present"
 
 # --- 6. The CUDA worker image's libraries (--cuda) -----------------------------
 if [ "$cuda" = 1 ]; then

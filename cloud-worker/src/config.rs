@@ -54,10 +54,10 @@ pub struct GatewayConfig {
     /// QUIC address: an IP address or a host name, and the port
     /// (`10.0.0.5:4433`, `tidegate-gateway.tidegate.svc:4433`). A name is
     /// resolved at every dial.
-    #[serde(deserialize_with = "gateway_addr")]
+    #[serde(deserialize_with = "tidegate_kit::gateway::deserialize_addr")]
     pub addr: GatewayAddr,
     /// Name in the gateway's certificate.
-    #[serde(default = "default_server_name")]
+    #[serde(default = "tidegate_kit::gateway::default_server_name")]
     pub server_name: String,
     /// CA certificate (PEM) to trust.
     pub ca: PathBuf,
@@ -68,18 +68,8 @@ pub struct GatewayConfig {
     pub reconnect_secs: u64,
 }
 
-/// `gateway.addr`, naming the field when the address is wrong.
-fn gateway_addr<'de, D: serde::Deserializer<'de>>(d: D) -> Result<GatewayAddr, D::Error> {
-    GatewayAddr::deserialize(d)
-        .map_err(|e| serde::de::Error::custom(format_args!("gateway.addr: {e}")))
-}
-
 fn default_reconnect_secs() -> u64 {
     60
-}
-
-fn default_server_name() -> String {
-    "localhost".into()
 }
 
 /// Which models to serve.

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use tidegate_kit::backoff::Backoff;
 use tidegate_protocol::quic::{HandshakeError, ReadError, handshake, read_message, write_message};
 use tidegate_protocol::{
     BatchResult, Dispatch, Drain, ErrorCode, GatewayAddr, Heartbeat, Hello, ItemResult, Limits,
@@ -90,13 +91,17 @@ impl LinkError {
     }
 }
 
-/// Delay before redial `attempt` (0-based): 200 ms doubling to at most 5 s,
-/// scaled by `jitter` in [0, 1) to between 50 % and 100 %, so workers that
-/// lost the same gateway do not redial in step.
-pub fn redial_delay(attempt: u32, jitter: f64) -> Duration {
-    let base = Duration::from_millis(200).saturating_mul(1u32 << attempt.min(5));
-    base.min(Duration::from_secs(5))
-        .mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+/// The first redial's step; it doubles per redial, up to [`REDIAL_MAX`].
+pub const REDIAL_BASE: Duration = Duration::from_millis(200);
+/// The longest redial step.
+pub const REDIAL_MAX: Duration = Duration::from_secs(5);
+
+/// The delays between redials: 200 ms doubling to at most 5 s, each drawn
+/// between 50 % and 100 % of its step (the kit's equal jitter), seeded by
+/// the clock, the process and the worker's `name`, so that workers that lost
+/// the same gateway do not redial in step.
+pub fn redial_backoff(name: &str) -> Backoff {
+    Backoff::seeded(REDIAL_BASE, REDIAL_MAX, name)
 }
 
 /// How [`settle`] ended.
@@ -964,11 +969,22 @@ mod tests {
 
     #[test]
     fn redial_backs_off_with_jitter_up_to_five_seconds() {
-        assert_eq!(redial_delay(0, 1.0), Duration::from_millis(200));
-        assert_eq!(redial_delay(0, 0.0), Duration::from_millis(100));
-        assert_eq!(redial_delay(3, 1.0), Duration::from_millis(1600));
-        assert_eq!(redial_delay(30, 1.0), Duration::from_secs(5));
-        assert_eq!(redial_delay(30, 0.0), Duration::from_millis(2500));
+        use tidegate_kit::backoff::{Jitter, step};
+        let ms = Duration::from_millis;
+        // (redial, shortest delay, longest delay)
+        let bands = [(0, 100, 200), (3, 800, 1600), (30, 2500, 5000)];
+        for (redial, shortest, longest) in bands {
+            let step = step(REDIAL_BASE, REDIAL_MAX, redial);
+            assert_eq!(Jitter::EQUAL.band(step), (ms(shortest), ms(longest)));
+        }
+        let mut backoff = redial_backoff("w");
+        assert_eq!(backoff.jitter(), Jitter::EQUAL);
+        for redial in 0..40 {
+            let (shortest, longest) = Jitter::EQUAL.band(step(REDIAL_BASE, REDIAL_MAX, redial));
+            let d = backoff.next_delay();
+            assert!(d >= shortest && d <= longest, "redial {redial}: {d:?}");
+        }
+        assert_eq!(backoff.next_step(), Duration::from_secs(5));
         let refused = LinkError::Refused {
             code: ErrorCode::Unauthorized,
             message: "token was already used".into(),

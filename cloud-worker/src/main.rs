@@ -258,7 +258,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         let cancel = CancellationToken::new();
         let on_signal = cancel.clone();
         tokio::spawn(async move {
-            shutdown_signal().await;
+            tidegate_kit::signal::shutdown().await;
             info!("SIGTERM/Ctrl-C: draining");
             on_signal.cancel();
         });
@@ -288,6 +288,7 @@ async fn serve(
 ) -> anyhow::Result<link::LinkEnd> {
     /// A link that stayed up this long counts as a fresh start.
     const STABLE: Duration = Duration::from_secs(10);
+    let mut backoff = link::redial_backoff(&link.name);
     let mut attempt = 0u32;
     let mut down_since: Option<Instant> = None;
     loop {
@@ -302,7 +303,7 @@ async fn serve(
         if cancel.is_cancelled() {
             return Ok(link::LinkEnd::Closed);
         }
-        if began.elapsed() >= STABLE {
+        if backoff.reset_if_up_for(began.elapsed(), STABLE) {
             attempt = 0;
             down_since = None;
         }
@@ -314,12 +315,7 @@ async fn serve(
                 since.elapsed()
             );
         }
-        let jitter = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.5, |d| {
-                ((d.subsec_nanos() ^ std::process::id()) % 1000) as f64 / 1000.0
-            });
-        let delay = link::redial_delay(attempt, jitter);
+        let delay = backoff.next_delay();
         attempt += 1;
         tracing::warn!(
             attempt,
@@ -426,16 +422,6 @@ fn check_cuda(cfg: &WorkerConfig) -> anyhow::Result<()> {
 
 fn cli_is_check(cli: &Cli) -> bool {
     matches!(cli.command, Some(Command::CheckConfig))
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing the SIGTERM handler");
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term.recv() => {},
-    }
 }
 
 #[cfg(test)]

@@ -57,6 +57,11 @@ pub struct SinksConfig {
     /// webhook and counted as `dropped_full`, as when the queue is full.
     #[serde(default = "default_webhook_queue_bytes")]
     pub webhook_queue_bytes: usize,
+    /// `[sinks.mqtt]`: one JSON event per result published to an MQTT
+    /// broker, with the edge's and each camera's availability
+    /// ([`crate::sink::mqtt`]).
+    #[serde(default)]
+    pub mqtt: Option<crate::sink::mqtt::MqttConfig>,
 }
 
 impl Default for SinksConfig {
@@ -68,6 +73,7 @@ impl Default for SinksConfig {
             webhook_ca: None,
             webhook_queue: default_webhook_queue(),
             webhook_queue_bytes: default_webhook_queue_bytes(),
+            mqtt: None,
         }
     }
 }
@@ -91,10 +97,10 @@ pub struct GatewayConfig {
     /// Gateway QUIC address: an IP address or a host name, and the port
     /// (`10.0.0.5:4433`, `gw.example.com:4433`). A name is resolved at
     /// every dial.
-    #[serde(deserialize_with = "gateway_addr")]
+    #[serde(deserialize_with = "tidegate_kit::gateway::deserialize_addr")]
     pub addr: GatewayAddr,
     /// Name in the gateway's certificate.
-    #[serde(default = "default_server_name")]
+    #[serde(default = "tidegate_kit::gateway::default_server_name")]
     pub server_name: String,
     /// CA certificate (PEM) to trust.
     pub ca: PathBuf,
@@ -103,16 +109,6 @@ pub struct GatewayConfig {
     /// uplinks), `cubic` or `newreno` (docs/benchmarks.md, "WAN").
     #[serde(default)]
     pub congestion: tidegate_protocol::quic::Congestion,
-}
-
-/// `gateway.addr`, naming the field when the address is wrong.
-fn gateway_addr<'de, D: serde::Deserializer<'de>>(d: D) -> Result<GatewayAddr, D::Error> {
-    GatewayAddr::deserialize(d)
-        .map_err(|e| serde::de::Error::custom(format_args!("gateway.addr: {e}")))
-}
-
-fn default_server_name() -> String {
-    "localhost".into()
 }
 
 /// One camera.
@@ -374,9 +370,14 @@ impl EdgeConfig {
         if cfg.gateway.ca.is_relative() {
             cfg.gateway.ca = dir.join(&cfg.gateway.ca);
         }
-        for f in [&mut cfg.sinks.file, &mut cfg.sinks.webhook_ca]
-            .into_iter()
-            .flatten()
+        let mqtt_ca = cfg.sinks.mqtt.as_mut().and_then(|m| m.ca.as_mut());
+        for f in [
+            cfg.sinks.file.as_mut(),
+            cfg.sinks.webhook_ca.as_mut(),
+            mqtt_ca,
+        ]
+        .into_iter()
+        .flatten()
         {
             if f.is_relative() {
                 *f = dir.join(&*f);
@@ -432,6 +433,26 @@ impl EdgeConfig {
                 ));
             }
             (None, None) => {}
+        }
+        if let Some(m) = &self.sinks.mqtt {
+            // The password is read when the sink starts; the CA file too.
+            let checked = crate::sink::mqtt::MqttSettings::new(
+                &crate::sink::mqtt::MqttConfig {
+                    ca: None,
+                    ..m.clone()
+                },
+                &self.name,
+                None,
+            );
+            match checked {
+                Err(crate::sink::mqtt::MqttError::Tls(_)) | Ok(_) => {}
+                Err(e) => return Err(ConfigError::Invalid(e.to_string())),
+            }
+            if m.ca.is_some() && !m.url.starts_with("mqtts://") {
+                return Err(ConfigError::Invalid(
+                    crate::sink::mqtt::MqttError::CaWithoutTls.to_string(),
+                ));
+            }
         }
         Ok(())
     }
@@ -530,6 +551,43 @@ mod tests {
         assert_eq!(cfg.sinks.file, Some(dir.path().join("out/results.jsonl")));
         assert_eq!(cfg.sinks.webhook_ca, Some(dir.path().join("hook-ca.pem")));
         assert!(!cfg.sinks.stdout);
+    }
+
+    #[test]
+    fn an_mqtt_sink_parses_resolves_its_ca_and_bad_settings_say_which() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edge.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "{BASE}[sinks.mqtt]\nurl = \"mqtts://broker:8883\"\nca = \"mqtt-ca.pem\"\nqos = 0\n"
+            ),
+        )
+        .unwrap();
+        let cfg = EdgeConfig::load(&path).unwrap();
+        let m = cfg.sinks.mqtt.as_ref().unwrap();
+        assert_eq!(m.ca, Some(dir.path().join("mqtt-ca.pem")));
+        assert_eq!(
+            (m.qos, m.topic.as_str()),
+            (0, "tidegate/{edge}/{camera}/detections")
+        );
+        // The CA file is read when the sink starts, not by the check.
+        cfg.validate().unwrap();
+        let check = |mqtt: &str| {
+            parse(&format!("{BASE}[sinks.mqtt]\n{mqtt}"))
+                .validate()
+                .map_err(|e| e.to_string())
+        };
+        check("url = \"mqtt://127.0.0.1:1883\"\n").unwrap();
+        for (mqtt, says) in [
+            ("url = \"tcp://x\"\n", "sinks.mqtt.url"),
+            ("url = \"mqtt://x\"\nqos = 2\n", "QoS 2"),
+            ("url = \"mqtt://x\"\ntopic = \"a/#\"\n", "sinks.mqtt.topic"),
+            ("url = \"mqtt://x\"\nca = \"ca.pem\"\n", "mqtts://"),
+        ] {
+            let err = check(mqtt).unwrap_err();
+            assert!(err.contains(says), "{mqtt}: {err}");
+        }
     }
 
     #[test]

@@ -5,7 +5,6 @@
 //! the edge's own [`clock`].
 
 pub mod adapt;
-pub mod backoff;
 #[cfg(feature = "capture")]
 pub mod capture;
 pub mod clock;

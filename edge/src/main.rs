@@ -191,26 +191,22 @@ async fn run(
         };
         sinks.webhook = Some(Webhook::spawn_with(client, limits, RetryPolicy::default()));
     }
+    if let Some(m) = &cfg.sinks.mqtt {
+        let password = std::env::var(tidegate_edge::sink::mqtt::PASSWORD_ENV).ok();
+        let settings = tidegate_edge::sink::mqtt::MqttSettings::new(m, &cfg.name, password)
+            .context("sinks.mqtt")?;
+        sinks.mqtt = Some(tidegate_edge::sink::mqtt::Mqtt::spawn(settings));
+    }
     let options = NodeOptions {
         max_frames,
         summary_every: summary_every.filter(|&s| s > 0).map(Duration::from_secs),
         stats: None,
     };
-    let summary = tidegate_edge::node::run(cfg, sinks, options, shutdown_signal())
+    let summary = tidegate_edge::node::run(cfg, sinks, options, tidegate_kit::signal::shutdown())
         .await
         .context("running the edge")?;
     summary.print();
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing the SIGTERM handler");
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term.recv() => {},
-    }
 }
 
 #[cfg(test)]

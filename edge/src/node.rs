@@ -42,7 +42,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
-use crate::backoff::Backoff;
 use crate::capture::{
     CameraStopped, CaptureCounters, CaptureOptions, CaptureSpec, SourceUri, SupervisedCapture,
     SupervisorOptions,
@@ -54,6 +53,7 @@ use crate::sink::{FinishError, Sinks};
 use crate::uplink::{
     FrameEnds, Incoming, Lane, LaneStats, Unanswered, Uplink, UplinkError, UplinkOptions,
 };
+use tidegate_kit::backoff::Backoff;
 
 /// How long a finished camera waits for its frames in flight to settle.
 const SETTLE: Duration = Duration::from_secs(5);
@@ -656,6 +656,9 @@ pub async fn run(
                 if outcome.is_ok() {
                     outcome = Err(NodeError::Sink(e));
                 }
+            }
+            if let Some(m) = report.sinks.mqtt.take() {
+                m.close(SINK_DRAIN).await;
             }
             if let Some(w) = report.sinks.webhook.take() {
                 let stats = w.close(SINK_DRAIN).await;

@@ -469,11 +469,14 @@ impl WorkerHealth {
     /// Takes it out of dispatch for the next back-off; returns its length.
     fn demote(&mut self, now: Micros, policy: &HealthPolicy) -> Micros {
         self.strikes = self.strikes.saturating_add(1);
-        let doublings = self.strikes.saturating_sub(1).min(40);
-        let backoff = policy
-            .backoff_us
-            .saturating_mul(1 << doublings)
-            .min(policy.max_backoff_us);
+        // The client kit's doubling, without jitter: the gateway's clock
+        // decides, and one worker's back-off is no crowd.
+        let backoff = tidegate_kit::backoff::step(
+            std::time::Duration::from_micros(policy.backoff_us),
+            std::time::Duration::from_micros(policy.max_backoff_us),
+            self.strikes.saturating_sub(1),
+        );
+        let backoff = Micros::try_from(backoff.as_micros()).unwrap_or(Micros::MAX);
         self.phase = Phase::BackingOff {
             until: now.saturating_add(backoff),
         };

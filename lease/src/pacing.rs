@@ -13,6 +13,9 @@
 //! reports it gone.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tidegate_kit::backoff::{self, Backoff, Jitter};
 
 use crate::billing::Millis;
 use crate::lifecycle::{EndReason, LeaseState};
@@ -32,10 +35,30 @@ pub const RELEASE_RETRY_MAX_MS: Millis = 60_000;
 /// [`ACQUIRE_BACKOFF_MAX_MS`], so a broken worker command cannot spawn a
 /// process (and write a ledger row) every tick. A lease becoming ready
 /// resets it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// The pauses are the client kit's [`Backoff`] without jitter (one gateway,
+/// nobody to keep out of step); the policy here is what the kit does not
+/// know: a failure while paused does not count.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcquireBackoff {
-    /// Paused until, and the pause after the next failure.
-    paused: Option<(Millis, Millis)>,
+    /// Paused until.
+    paused_until: Option<Millis>,
+    /// The pause after the next failure, and after it.
+    pauses: Backoff,
+}
+
+impl Default for AcquireBackoff {
+    fn default() -> Self {
+        AcquireBackoff {
+            paused_until: None,
+            pauses: Backoff::new(
+                Duration::from_millis(ACQUIRE_BACKOFF_MS),
+                Duration::from_millis(ACQUIRE_BACKOFF_MAX_MS),
+                0,
+            )
+            .with_jitter(Jitter::NONE),
+        }
+    }
 }
 
 impl AcquireBackoff {
@@ -49,27 +72,32 @@ impl AcquireBackoff {
     /// before the pause (several are made and answered together): it
     /// tells nothing new, and the pause stays as it is.
     pub fn start_failed(&mut self, now: Millis) -> Millis {
-        if let Some((until, _)) = self.paused
+        if let Some(until) = self.paused_until
             && now < until
         {
             return until - now;
         }
-        let pause = self.paused.map_or(ACQUIRE_BACKOFF_MS, |(_, next)| next);
-        let next = pause.saturating_mul(2).min(ACQUIRE_BACKOFF_MAX_MS);
-        self.paused = Some((now.saturating_add(pause), next));
+        let pause = millis(self.pauses.next_delay());
+        self.paused_until = Some(now.saturating_add(pause));
         pause
     }
 
     /// Whether an acquisition may be made at `now`.
     pub fn allows(&self, now: Millis) -> bool {
-        self.paused.is_none_or(|(until, _)| now >= until)
+        self.paused_until.is_none_or(|until| now >= until)
     }
 
     /// A lease became ready: starts work again, the next failure pauses
     /// for [`ACQUIRE_BACKOFF_MS`].
     pub fn reset(&mut self) {
-        self.paused = None;
+        self.paused_until = None;
+        self.pauses.reset();
     }
+}
+
+/// `d` in whole milliseconds, saturating.
+fn millis(d: Duration) -> Millis {
+    Millis::try_from(d.as_millis()).unwrap_or(Millis::MAX)
 }
 
 /// Whether a lease that is `state` and was requested at `requested_at` has
@@ -212,9 +240,11 @@ impl ReleaseQueue {
         let p = self.pending.get_mut(&lease)?;
         p.running = false;
         p.failures = p.failures.saturating_add(1);
-        let wait = RELEASE_RETRY_MS
-            .saturating_mul(1u64 << (p.failures - 1).min(16))
-            .min(RELEASE_RETRY_MAX_MS);
+        let wait = millis(backoff::step(
+            Duration::from_millis(RELEASE_RETRY_MS),
+            Duration::from_millis(RELEASE_RETRY_MAX_MS),
+            p.failures - 1,
+        ));
         p.due = now.saturating_add(wait);
         Some(p.due)
     }

@@ -298,11 +298,7 @@ async fn restart_adopts_live_workers_and_ends_dead_ones_in_the_ledger() {
     }
     assert!(pid_alive(alive_pid) && pid_alive(dead_pid));
     // one worker dies while the gateway is down
-    let st = std::process::Command::new("kill")
-        .args(["-KILL", &dead_pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(st.success());
+    tidegate_kit::signal::send(dead_pid, tidegate_kit::signal::Signal::Kill).expect("SIGKILL");
     assert!(wait_dead(dead_pid).await);
 
     // gateway #2 over the same ledger file

@@ -94,29 +94,22 @@ pub enum ClusterError {
         /// The name asked for.
         name: String,
     },
-    /// `kill` itself could not be run.
-    #[error("running kill -s {signal} {pid} ({who}): {source}")]
-    Kill {
-        /// The signal name.
-        signal: String,
-        /// The process id.
-        pid: u32,
+    /// The signal's name is not one `kill -s` takes.
+    #[error("signalling {who}: {source}")]
+    UnknownSignal {
         /// Which process.
         who: String,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The name given.
+        source: tidegate_kit::signal::UnknownSignal,
     },
-    /// `kill` ran and failed (the process is gone, say).
-    #[error("kill -s {signal} {pid} ({who}) failed: {status}; has it exited already?")]
-    KillFailed {
-        /// The signal name.
-        signal: String,
-        /// The process id.
-        pid: u32,
+    /// The signal could not be sent (the process is gone, say); the
+    /// source names the signal and the pid.
+    #[error("signalling {who}: {source}")]
+    Signal {
         /// Which process.
         who: String,
-        /// How `kill` exited.
-        status: std::process::ExitStatus,
+        /// Why, with the signal and the pid.
+        source: tidegate_kit::signal::SignalError,
     },
     /// The state of a child process could not be read.
     #[error("waiting for {who}: {source}")]
@@ -289,26 +282,19 @@ fn random_token() -> String {
     )
 }
 
-/// `kill -s signal pid`; `who` names the process in the error.
+/// Sends `signal` (a `kill -s` name: TERM, KILL, STOP, CONT, HUP, ...) to
+/// `pid` through `kill(2)`; `who` names the process in the error.
 fn kill(pid: u32, signal: &str, who: &str) -> Result<(), ClusterError> {
-    let status = Command::new("kill")
-        .args(["-s", signal, &pid.to_string()])
-        .status()
-        .map_err(|source| ClusterError::Kill {
-            signal: signal.into(),
-            pid,
+    let signal = signal
+        .parse()
+        .map_err(|source| ClusterError::UnknownSignal {
             who: who.into(),
             source,
         })?;
-    if !status.success() {
-        return Err(ClusterError::KillFailed {
-            signal: signal.into(),
-            pid,
-            who: who.into(),
-            status,
-        });
-    }
-    Ok(())
+    tidegate_kit::signal::send(pid, signal).map_err(|source| ClusterError::Signal {
+        who: who.into(),
+        source,
+    })
 }
 
 /// A running gateway with its workers.

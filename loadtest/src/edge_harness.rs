@@ -324,9 +324,8 @@ impl EdgeProcess {
 
     /// Sends SIGTERM and waits (bounded) for the edge to exit.
     pub fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus, EdgeHarnessError> {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
-            .status();
+        // Gone already: waiting tells how it ended.
+        let _ = tidegate_kit::signal::terminate(self.pid());
         self.wait_exit(timeout, "SIGTERM")
     }
 

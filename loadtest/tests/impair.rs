@@ -464,11 +464,7 @@ async fn the_impair_command_prints_its_address_relays_and_writes_its_stats_on_si
         let rtt = round_trip(&socket, listen, &[i; 100]).await;
         assert!(rtt >= Duration::from_millis(10), "{rtt:?}");
     }
-    let term = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
+    tidegate_kit::signal::terminate(child.id()).expect("SIGTERM to the relay");
     let (rest, out) = tokio::task::spawn_blocking(move || {
         let mut stdout = stdout;
         let mut rest = String::new();

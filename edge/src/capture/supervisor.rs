@@ -15,8 +15,8 @@ use tokio::time::Instant;
 use super::{
     Capture, CaptureError, CaptureOptions, CaptureSpec, CapturedFrame, SourceUri, StreamError,
 };
-use crate::backoff::Backoff;
 use crate::gate::Limits;
+use tidegate_kit::backoff::Backoff;
 
 /// How a supervised camera restarts.
 #[derive(Debug, Clone, Copy, PartialEq)]

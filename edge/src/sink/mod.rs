@@ -1,9 +1,11 @@
-//! Where results go: JSON lines on stdout, appended to a file, or POSTed to
-//! an HTTP [`webhook`]. [`Sinks`] fans each result out to every one that is
+//! Where results go: JSON lines on stdout, appended to a file, POSTed to
+//! an HTTP [`webhook`], or published to an [`mqtt`] broker. [`Sinks`] fans each result out to every one that is
 //! configured; [`SinkWriter`] runs them on a thread of their own, so that
 //! serialising a result and writing it to stdout or a file never blocks an
 //! async worker.
 
+pub mod mqtt;
+pub mod tls;
 pub mod webhook;
 
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -114,12 +116,14 @@ pub struct Sinks {
     pub file: Option<std::fs::File>,
     /// The webhook, if any.
     pub webhook: Option<webhook::Webhook>,
+    /// The MQTT broker, if any.
+    pub mqtt: Option<mqtt::Mqtt>,
 }
 
 impl Sinks {
     /// Writes one result to every sink. Writing to stdout and the file
     /// blocks: call this from [`SinkWriter`]'s thread, not from an async
-    /// task. The webhook never blocks: when its queue is full the result is
+    /// task. The webhook and MQTT never block: when a queue is full the result is
     /// dropped for it and counted.
     pub fn write(&mut self, line: &ResultLine<'_>) -> std::io::Result<()> {
         let text = serde_json::to_string(line).map_err(std::io::Error::other)?;
@@ -134,6 +138,9 @@ impl Sinks {
             bytes.extend_from_slice(text.as_bytes());
             bytes.push(b'\n');
             f.write_all(&bytes)?;
+        }
+        if let Some(m) = &self.mqtt {
+            m.push(line.camera, text.clone());
         }
         if let Some(w) = &self.webhook {
             w.push(text);

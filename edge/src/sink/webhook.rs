@@ -207,43 +207,7 @@ impl Client {
 
 /// A TLS client trusting `ca` (PEM), or the system's roots.
 fn tls_connector(ca: Option<&Path>) -> Result<TlsConnector, WebhookError> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    match ca {
-        Some(path) => {
-            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-                .and_then(|it| it.collect())
-                .map_err(|e| WebhookError::Tls(format!("reading {}: {e}", path.display())))?;
-            if certs.is_empty() {
-                return Err(WebhookError::Tls(format!(
-                    "{} holds no PEM certificate",
-                    path.display()
-                )));
-            }
-            for c in certs {
-                roots
-                    .add(c)
-                    .map_err(|e| WebhookError::Tls(format!("{}: {e}", path.display())))?;
-            }
-        }
-        None => {
-            let found = rustls_native_certs::load_native_certs();
-            let (added, _) = roots.add_parsable_certificates(found.certs);
-            if added == 0 {
-                return Err(WebhookError::Tls(format!(
-                    "no trusted root certificates on this system ({} errors reading them); install ca-certificates or set sinks.webhook_ca",
-                    found.errors.len()
-                )));
-            }
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| WebhookError::Tls(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let config = super::tls::client_config(ca).map_err(WebhookError::Tls)?;
     Ok(TlsConnector::from(Arc::new(config)))
 }
 
@@ -289,8 +253,11 @@ impl RetryPolicy {
         if !retryable || attempt >= self.max_attempts {
             return None;
         }
-        let factor = 1u32 << (attempt - 1).min(16);
-        Some((self.base * factor).min(self.max))
+        Some(tidegate_kit::backoff::step(
+            self.base,
+            self.max,
+            attempt.saturating_sub(1),
+        ))
     }
 }
 

@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tidegate_kit::signal::{Signal, SignalError};
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -468,20 +469,12 @@ pub fn pid_alive(pid: u32) -> bool {
     }
 }
 
-async fn send_signal(pid: u32, signal: &str) -> std::io::Result<()> {
-    let status = Command::new("kill")
-        .arg(signal)
-        .arg(pid.to_string())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .await?;
-    if status.success() || !pid_alive(pid) {
-        Ok(())
-    } else {
-        Err(std::io::Error::other(format!(
-            "kill {signal} {pid}: {status}"
-        )))
+/// Sends `signal` to `pid`; a process already gone (or a zombie) is not
+/// an error.
+fn send_signal(pid: u32, signal: Signal) -> Result<(), SignalError> {
+    match tidegate_kit::signal::send(pid, signal) {
+        Err(e) if pid_alive(pid) => Err(e),
+        _ => Ok(()),
     }
 }
 
@@ -534,7 +527,7 @@ async fn watch_adopted(
 }
 
 async fn kill_adopted(lease: LeaseId, pid: u32) {
-    if let Err(e) = send_signal(pid, "-TERM").await {
+    if let Err(e) = send_signal(pid, Signal::Term) {
         tracing::warn!(%lease, pid, error = %e, "SIGTERM to adopted worker");
     }
     for _ in 0..ADOPTED_KILL_POLLS {
@@ -543,7 +536,7 @@ async fn kill_adopted(lease: LeaseId, pid: u32) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    if let Err(e) = send_signal(pid, "-KILL").await {
+    if let Err(e) = send_signal(pid, Signal::Kill) {
         tracing::warn!(%lease, pid, error = %e, "SIGKILL to adopted worker");
     }
 }

@@ -133,6 +133,7 @@ use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::Response;
 use k8s_openapi::ByteString;
 use serde_json::{Map, Value, json};
+use tidegate_kit::signal::Signal;
 use tokio::sync::{oneshot, watch};
 
 /// The one node.
@@ -385,7 +386,7 @@ impl MiniKube {
             }
         };
         if let Some(pid) = pid {
-            signal_sync(&[pid], "KILL");
+            signal_sync(&[pid], Signal::Kill);
         }
     }
 
@@ -514,7 +515,7 @@ impl Drop for MiniKube {
             st.stopping = true;
             st.kubelet.values().filter_map(|k| k.running).collect()
         };
-        signal_sync(&pids, "KILL");
+        signal_sync(&pids, Signal::Kill);
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -1315,7 +1316,7 @@ impl State {
                 && !kl.kill_sent
             {
                 kl.kill_sent = true;
-                actions.push(Action::Signal(pid, "KILL", true));
+                actions.push(Action::Signal(pid, Signal::Kill, true));
             }
         }
         self.kubelet
@@ -1431,14 +1432,14 @@ impl State {
                     match kl.kill_at {
                         None => {
                             kl.kill_at = Some(deadline);
-                            actions.push(Action::Signal(pid, "TERM", false));
+                            actions.push(Action::Signal(pid, Signal::Term, false));
                         }
                         Some(at) if deadline < at => kl.kill_at = Some(deadline),
                         Some(_) => {}
                     }
                     if kl.kill_at.is_some_and(|at| at <= now) && !kl.kill_sent {
                         kl.kill_sent = true;
-                        actions.push(Action::Signal(pid, "KILL", true));
+                        actions.push(Action::Signal(pid, Signal::Kill, true));
                     }
                 }
                 None => {
@@ -1867,8 +1868,8 @@ impl State {
 /// Process work the kubelet does outside the lock.
 #[derive(Debug)]
 enum Action {
-    /// `kill -s SIG`, to the process or (when true) its whole group.
-    Signal(u32, &'static str, bool),
+    /// A signal, to the process or (when true) its whole group.
+    Signal(u32, Signal, bool),
     Start(Box<Launch>),
 }
 
@@ -1902,7 +1903,7 @@ async fn kubelet(sh: Arc<Shared>) {
         let actions = sh.lock().reconcile(&sh.dir);
         for action in actions {
             match action {
-                Action::Signal(pid, sig, group) => signal(pid, sig, group).await,
+                Action::Signal(pid, sig, group) => signal(pid, sig, group),
                 Action::Start(launch) => start_container(&sh, *launch).await,
             }
         }
@@ -1935,7 +1936,7 @@ async fn start_container(sh: &Arc<Shared>, l: Launch) {
             };
             let keep = sh.lock().container_started(&l, pid);
             if !keep {
-                signal(pid, "KILL", true).await;
+                signal(pid, Signal::Kill, true);
             }
             tokio::spawn(wait_container(sh.clone(), l.uid, pid, child));
         }
@@ -1964,7 +1965,7 @@ fn prepare_files(l: &Launch) -> std::io::Result<std::fs::File> {
 async fn wait_container(sh: Arc<Shared>, uid: String, pid: u32, mut child: tokio::process::Child) {
     let status = child.wait().await;
     // the container is gone with its main process: end the rest of it
-    signal(pid, "KILL", true).await;
+    signal(pid, Signal::Kill, true);
     let code = match status {
         Ok(s) => s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)),
         Err(_) => 128 + 9,
@@ -1972,42 +1973,21 @@ async fn wait_container(sh: Arc<Shared>, uid: String, pid: u32, mut child: tokio
     sh.lock().container_exited(&uid, code);
 }
 
-/// `kill -s SIG` to a process, or to its process group.
-async fn signal(pid: u32, sig: &str, group: bool) {
-    if pid <= 1 {
-        return;
-    }
-    let target = if group {
-        format!("-{pid}")
+/// A signal to a process, or to its process group (through `kill(2)`; one
+/// already gone is no error).
+fn signal(pid: u32, sig: Signal, group: bool) {
+    let _ = if group {
+        tidegate_kit::signal::send_group(pid, sig)
     } else {
-        pid.to_string()
+        tidegate_kit::signal::send(pid, sig)
     };
-    let _ = tokio::process::Command::new("kill")
-        .args(["-s", sig, "--", &target])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .await;
 }
 
-/// `kill -s SIG` to whole process groups, from outside the runtime.
-fn signal_sync(pids: &[u32], sig: &str) {
-    let targets: Vec<String> = pids
-        .iter()
-        .filter(|p| **p > 1)
-        .map(|p| format!("-{p}"))
-        .collect();
-    if targets.is_empty() {
-        return;
+/// A signal to whole process groups, from outside the runtime.
+fn signal_sync(pids: &[u32], sig: Signal) {
+    for &pid in pids {
+        let _ = tidegate_kit::signal::send_group(pid, sig);
     }
-    let _ = std::process::Command::new("kill")
-        .args(["-s", sig, "--"])
-        .args(&targets)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
 }
 
 // ---------------------------------------------------------------------------

@@ -316,9 +316,7 @@ impl Drop for MiniSlurm {
             }
         }
         for (_, child) in self.daemons.iter_mut().rev() {
-            let _ = Command::new("kill")
-                .args(["-s", "TERM", &child.id().to_string()])
-                .status();
+            let _ = tidegate_kit::signal::terminate(child.id());
             let until = Instant::now() + Duration::from_secs(5);
             while matches!(child.try_wait(), Ok(None)) && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(20));
