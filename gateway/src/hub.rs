@@ -888,6 +888,9 @@ impl State {
                 drain: drain_request,
             } => {
                 let models = worker_models(&register);
+                for m in &models {
+                    self.metrics.model_known(&m.model);
+                }
                 // a static worker serves the lease bound to its name, if any
                 let lease = match &static_worker {
                     Some(name) => self.static_bindings.get(name).copied(),

@@ -649,6 +649,12 @@ fn start(
     if let Some(cap) = cfg.spend_cap_per_hour {
         metrics.spend_cap.with_label_values::<&str>(&[]).set(cap);
     }
+    // Exported at 0 from the start, in the catalog's currency.
+    for tier in Tier::ALL {
+        metrics
+            .cost_total
+            .with_label_values(&[tier.as_str(), catalog.currency.as_str()]);
+    }
     // the windows are bounded by validate(); saturating all the same
     if let Some(s) = cfg.down_window_secs {
         pc.down_window_ms = s.saturating_mul(1000);
@@ -1484,7 +1490,9 @@ impl Shell {
         if let Some(last) = self.last_tick {
             for r in &live {
                 if let Some(start) = r.billing_start {
-                    self.leased_ms += now.saturating_sub(start.max(last)) as f64;
+                    let paid = now.saturating_sub(start.max(last)) as f64;
+                    self.leased_ms += paid;
+                    self.metrics.leased_paid.inc_by(paid / 1e3);
                 }
             }
         }
@@ -1608,6 +1616,12 @@ impl Shell {
         }
         for (lease, s) in &report.served {
             self.busy_ms += s.busy_us as f64 / 1e3;
+            self.metrics.leased_busy.inc_by(s.busy_us as f64 / 1e6);
+            let frames = &self.metrics.lease_frames;
+            frames
+                .with_label_values(&["within_slo"])
+                .inc_by(s.within_slo);
+            frames.with_label_values(&["late"]).inc_by(s.late);
             if (s.within_slo > 0 || s.late > 0)
                 && let Err(e) = self.ledger.record_frames(*lease, now, s.within_slo, s.late)
             {
@@ -1912,8 +1926,13 @@ impl Shell {
                 if !a.early.is_empty() {
                     debug!(lease = %id, events = ?a.early, "events for a lease whose acquire failed dropped");
                 }
-                self.end(id, now, EndReason::Failed);
                 let refused = matches!(e, ProviderError::NoCapacity { .. });
+                let reason = if refused {
+                    EndReason::NoCapacity
+                } else {
+                    EndReason::Failed
+                };
+                self.end(id, now, reason);
                 let result = if refused { "no_capacity" } else { "error" };
                 self.metrics
                     .lease_acquires
@@ -2052,7 +2071,9 @@ impl Shell {
                 let seen = self.cost_seen.entry(tier).or_insert(0.0);
                 let add = cost.units() - *seen;
                 if add > 0.0 {
-                    m.cost_total.with_label_values(&[tier.as_str()]).inc_by(add);
+                    m.cost_total
+                        .with_label_values(&[tier.as_str(), self.catalog.currency.as_str()])
+                        .inc_by(add);
                     *seen = cost.units();
                 }
             }
@@ -3341,9 +3362,10 @@ reserved = 1
         // five spot acquires are refused, then their on-demand fallbacks
         cfg.models[0].min_fps = 100.0;
         let (l, cancel, tracker) = start(&cfg).await;
+        // Refusals end as `no_capacity`, not `failed`.
         let failed = |all: &[LeaseRecord], tier: Tier| {
             all.iter()
-                .filter(|r| r.tier == tier && r.state == LeaseState::Ended(EndReason::Failed))
+                .filter(|r| r.tier == tier && r.state == LeaseState::Ended(EndReason::NoCapacity))
                 .count()
         };
         until("an on-demand fallback refused", || async {

@@ -78,14 +78,27 @@ pub struct Metrics {
     pub hints: IntCounterVec,
     /// `tidegate_leases{type,tier,state}`: leases known to this gateway.
     pub leases: IntGaugeVec,
-    /// `tidegate_cost_total{tier}`: cost charged in the ledger (currency
-    /// units of the catalog).
+    /// `tidegate_cost_total{tier,currency}`: cost charged in the ledger, in
+    /// units of the catalog's currency (named by the label).
     pub cost_total: CounterVec,
+    /// `tidegate_leased_busy_seconds_total`: time leased workers spent
+    /// running batches. Over `tidegate_leased_paid_seconds_total`, as
+    /// rates over a window, the utilisation of what is paid for.
+    pub leased_busy: prometheus::Counter,
+    /// `tidegate_leased_paid_seconds_total`: time leases were billed
+    /// (from their billing start), summed over leases.
+    pub leased_paid: prometheus::Counter,
+    /// `tidegate_lease_frames_total{result}`: frames leased workers
+    /// answered `ok` within their deadline (`within_slo`) or not (`late`):
+    /// with `tidegate_cost_total`, the cost per frame over any window.
+    pub lease_frames: IntCounterVec,
     /// `tidegate_cost_per_1k_frames_within_slo`: ledger cost per 1000
     /// frames answered ok within their deadline.
     pub cost_per_1k_within_slo: Gauge,
     /// `tidegate_gpu_utilization_ratio`: busy over leased GPU time since
-    /// the gateway started.
+    /// the gateway started (alerts and dashboards use the rates of
+    /// `tidegate_leased_busy_seconds_total` and
+    /// `tidegate_leased_paid_seconds_total` over a window instead).
     pub gpu_utilization: Gauge,
     /// `tidegate_lease_acquires_total{tier,result}`: leases asked of the
     /// provider, by result: `ok`, `no_capacity` (refused for capacity or
@@ -114,6 +127,46 @@ pub struct Metrics {
     /// on each edge's frames (each batch's run time split evenly among its
     /// frames): who uses the GPUs, the basis of the cost split by edge.
     pub worker_busy: CounterVec,
+    /// `tidegate_build_info{version}`: 1, labelled with the gateway's
+    /// version, to join on and to see which version runs where.
+    pub build_info: IntGaugeVec,
+}
+
+/// Every value each fixed label takes, exported at 0 from the start: a
+/// counter that appears only at its first event hides that event from
+/// `increase()`, and an alert on it needs one more.
+pub mod known {
+    /// `tidegate_frames_total{status}` (with each model, as it becomes
+    /// known: [`super::Metrics::model_known`]).
+    pub const FRAME_STATUSES: [&str; 4] = ["ok", "shed", "expired", "failed"];
+    /// `tidegate_frames_rejected_total{reason}`.
+    pub const REJECTED: [&str; 7] = [
+        "malformed",
+        "camera_not_open",
+        "duplicate",
+        "read_timeout",
+        "memory_budget",
+        "reset",
+        "connection_lost",
+    ];
+    /// `tidegate_control_messages_dropped_total{kind}`.
+    pub const CONTROL_KINDS: [&str; 4] = ["camera_open", "latency_report", "clock_echo", "other"];
+    /// `tidegate_quic_connections_refused_total{reason}`.
+    pub const QUIC_REFUSED: [&str; 2] = ["unauthenticated", "edge_connections"];
+    /// `tidegate_frames_dropped_total{reason}`.
+    pub const FRAMES_DROPPED: [&str; 1] = ["edge_gone"];
+    /// `tidegate_worker_demotions_total{reason}` (with each model).
+    pub const DEMOTIONS: [&str; 3] = ["short_result", "malformed_result", "failure_ratio"];
+    /// `tidegate_hints_total{direction}`.
+    pub const HINTS: [&str; 2] = ["set", "lift"];
+    /// `tidegate_lease_frames_total{result}`.
+    pub const LEASE_FRAMES: [&str; 2] = ["within_slo", "late"];
+    /// `tidegate_lease_acquires_total{result}` (with each tier).
+    pub const ACQUIRE_RESULTS: [&str; 3] = ["ok", "no_capacity", "error"];
+    /// `tidegate_config_reloads_total{result}`.
+    pub const RELOADS: [&str; 2] = ["ok", "error"];
+    /// `tidegate_connections_revoked_total{role}`.
+    pub const ROLES: [&str; 2] = ["edge", "worker"];
 }
 
 impl Metrics {
@@ -241,9 +294,9 @@ impl Metrics {
             cost_total: CounterVec::new(
                 Opts::new(
                     names::COST_TOTAL,
-                    "Lease cost charged in the ledger, by tier, in the catalog currency.",
+                    "Lease cost charged in the ledger, by tier, in the catalog currency (the currency label).",
                 ),
-                &["tier"],
+                &["tier", "currency"],
             )
             .expect("valid counter"),
             cost_per_1k_within_slo: Gauge::new(
@@ -314,6 +367,32 @@ impl Metrics {
                 &["edge", "model"],
             )
             .expect("valid counter"),
+            leased_busy: prometheus::Counter::new(
+                "tidegate_leased_busy_seconds_total",
+                "Time leased workers spent running batches.",
+            )
+            .expect("valid counter"),
+            leased_paid: prometheus::Counter::new(
+                "tidegate_leased_paid_seconds_total",
+                "Time leases were billed, summed over leases.",
+            )
+            .expect("valid counter"),
+            lease_frames: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_lease_frames_total",
+                    "Frames leased workers answered ok within their deadline (within_slo) or not (late).",
+                ),
+                &["result"],
+            )
+            .expect("valid counter"),
+            build_info: IntGaugeVec::new(
+                Opts::new(
+                    "tidegate_build_info",
+                    "1, labelled with the version of the tidegate gateway running.",
+                ),
+                &["version"],
+            )
+            .expect("valid gauge"),
             registry,
         };
         for c in m.collectors() {
@@ -325,7 +404,67 @@ impl Metrics {
             m.workers.with_label_values(&[state]).set(0);
         }
         m.config_last_reload_ok.set(1);
+        m.build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        m.known_labels_at_zero();
+        // The process's CPU, memory, file descriptors and start time
+        // (`process_*`), read from /proc at each scrape.
+        #[cfg(target_os = "linux")]
+        m.registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("process metrics register once");
         m
+    }
+
+    /// Exports every counter of a fixed label set at 0 ([`known`]).
+    fn known_labels_at_zero(&self) {
+        for r in known::REJECTED {
+            self.rejected.with_label_values(&[r]);
+        }
+        for k in known::CONTROL_KINDS {
+            self.control_dropped.with_label_values(&[k]);
+        }
+        for r in known::QUIC_REFUSED {
+            self.quic_refused.with_label_values(&[r]);
+        }
+        for r in known::FRAMES_DROPPED {
+            self.frames_dropped.with_label_values(&[r]);
+        }
+        for d in known::HINTS {
+            self.hints.with_label_values(&[d]);
+        }
+        for r in known::RELOADS {
+            self.config_reloads.with_label_values(&[r]);
+        }
+        for r in known::ROLES {
+            self.revoked.with_label_values(&[r]);
+        }
+        for r in known::LEASE_FRAMES {
+            self.lease_frames.with_label_values(&[r]);
+        }
+        for tier in tidegate_lease::catalog::Tier::ALL {
+            for r in known::ACQUIRE_RESULTS {
+                self.lease_acquires.with_label_values(&[tier.as_str(), r]);
+            }
+            for r in tidegate_lease::lifecycle::EndReason::ALL {
+                self.lease_ends
+                    .with_label_values(&[tier.as_str(), r.as_str()]);
+            }
+        }
+    }
+
+    /// A model became known (a worker registered serving it): its frame
+    /// and demotion counters are exported at 0 from now on. Idempotent.
+    pub fn model_known(&self, model: &str) {
+        for s in known::FRAME_STATUSES {
+            self.frames.with_label_values(&[model, s]);
+        }
+        for r in known::DEMOTIONS {
+            self.worker_demotions.with_label_values(&[model, r]);
+        }
     }
 
     fn collectors(&self) -> Vec<Box<dyn prometheus::core::Collector>> {
@@ -360,6 +499,10 @@ impl Metrics {
             Box::new(self.config_last_reload_ok.clone()),
             Box::new(self.revoked.clone()),
             Box::new(self.worker_busy.clone()),
+            Box::new(self.build_info.clone()),
+            Box::new(self.leased_busy.clone()),
+            Box::new(self.leased_paid.clone()),
+            Box::new(self.lease_frames.clone()),
         ]
     }
 
@@ -379,6 +522,14 @@ impl Metrics {
                 }
             }
         }
+        // The process collector's, registered on its own.
+        names.extend(
+            self.registry
+                .gather()
+                .iter()
+                .map(|f| f.name().to_string())
+                .filter(|n| n.starts_with("process_")),
+        );
         names.sort();
         names
     }
@@ -416,6 +567,37 @@ mod tests {
             assert!(names.iter().any(|n| n == want), "{want} not in {names:?}");
         }
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
-        assert_eq!(names.len(), 30 + 5 * 2, "{names:?}");
+        let process = names.iter().filter(|n| n.starts_with("process_")).count();
+        assert!(process >= 5, "{names:?}");
+        assert_eq!(names.len() - process, 34 + 5 * 2, "{names:?}");
+    }
+
+    #[test]
+    fn counters_of_known_labels_the_version_and_the_process_are_exported_from_the_start() {
+        let m = Metrics::new();
+        let text = m.render();
+        for line in [
+            "tidegate_frames_rejected_total{reason=\"connection_lost\"} 0",
+            "tidegate_quic_connections_refused_total{reason=\"unauthenticated\"} 0",
+            "tidegate_config_reloads_total{result=\"ok\"} 0",
+            "tidegate_lease_acquires_total{result=\"no_capacity\",tier=\"spot\"} 0",
+            "tidegate_lease_ends_total{reason=\"preempted\",tier=\"spot\"} 0",
+            "tidegate_hints_total{direction=\"lift\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} not in:\n{text}");
+        }
+        let version = format!(
+            "tidegate_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(text.contains(&version), "{text}");
+        assert!(text.contains("process_resident_memory_bytes"), "{text}");
+        assert!(!text.contains("model=\"blazeface\""));
+        m.model_known("blazeface");
+        let text = m.render();
+        assert!(text.contains("tidegate_frames_total{model=\"blazeface\",status=\"shed\"} 0"));
+        assert!(text.contains(
+            "tidegate_worker_demotions_total{model=\"blazeface\",reason=\"failure_ratio\"} 0"
+        ));
     }
 }

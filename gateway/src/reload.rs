@@ -389,7 +389,11 @@ mod tests {
             text.contains("tidegate_config_last_reload_successful 1"),
             "{text}"
         );
-        assert!(!text.contains("result=\"error\""), "{text}");
+        // Exported at 0 from the start, and still 0.
+        assert!(
+            text.contains("tidegate_config_reloads_total{result=\"error\"} 0"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -31,15 +31,20 @@ pub enum EndReason {
     /// It disappeared: the process died unexpectedly, or it could not be
     /// re-adopted after a gateway restart.
     Lost,
+    /// The provider refused it for capacity or quota (no spot to be had, a
+    /// full partition): it never started and never billed. Not a failure
+    /// of the worker: alerts tell the two apart.
+    NoCapacity,
 }
 
 impl EndReason {
     /// Every reason.
-    pub const ALL: [EndReason; 4] = [
+    pub const ALL: [EndReason; 5] = [
         EndReason::Released,
         EndReason::Preempted,
         EndReason::Failed,
         EndReason::Lost,
+        EndReason::NoCapacity,
     ];
 
     /// Name used in SQL and JSON.
@@ -49,6 +54,7 @@ impl EndReason {
             EndReason::Preempted => "preempted",
             EndReason::Failed => "failed",
             EndReason::Lost => "lost",
+            EndReason::NoCapacity => "no_capacity",
         }
     }
 

@@ -620,7 +620,7 @@ impl Run<'_> {
                     self.live.push(i);
                     if tier == Tier::Spot && self.rng.unit() < self.opts.spot_refusal_probability {
                         self.report.spot_refusals += 1;
-                        self.end_lease(i, now, EndReason::Failed);
+                        self.end_lease(i, now, EndReason::NoCapacity);
                         queue.extend(self.scaler.on_event(
                             now,
                             Event::AcquireRefused {

@@ -273,12 +273,23 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
     let (_, metrics) = c.get("/metrics").unwrap();
     for name in [
         "tidegate_leases{",
-        "tidegate_cost_total{tier=\"spot\"}",
         "tidegate_cost_per_1k_frames_within_slo",
         "tidegate_gpu_utilization_ratio",
+        "tidegate_leased_busy_seconds_total",
+        "tidegate_leased_paid_seconds_total",
+        "tidegate_lease_frames_total{result=\"within_slo\"}",
     ] {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }
+    // Spot's cost, with the catalog's currency named.
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("tidegate_cost_total{")
+                && l.contains("tier=\"spot\"")
+                && l.contains("currency=\"")),
+        "no spot cost with its currency in /metrics"
+    );
     stop_and_check_no_worker_left(&mut c);
 }
 
