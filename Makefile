@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench bench-wan gpu-check models-full fuzz clean-cache
+.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench bench-wan bench-peers gpu-check models-full fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -86,6 +86,17 @@ bench-wan: release
 	  $${CASES:+--cases $$CASES} --markdown target/bench-wan.md
 	python3 scripts/splice-doc.py docs/benchmarks.md bench-wan target/bench-wan.md
 
+## tidegate against the servers users know, on this machine: NVIDIA Triton
+## (PyTriton, python backend + ONNX Runtime, dynamic batching), FastAPI +
+## ONNX Runtime and tidegate-baseline (the same ORT sessions behind the
+## simplest HTTP server), each ramped to its max fps within the 80 ms SLO
+## (scripts/bench-peers.py; the peers' pinned venv: loadtest/peers/setup.sh).
+## ALIGNED=1 puts the cameras in step. About 30 minutes; JSON in
+## target/bench-peers.json, the table written into docs/benchmarks.md.
+bench-peers: release
+	python3 scripts/bench-peers.py $${ALIGNED:+--aligned} --markdown target/bench-peers.md
+	python3 scripts/splice-doc.py docs/benchmarks.md bench-peers$${ALIGNED:+-aligned} target/bench-peers.md
+
 ## On a machine with an NVIDIA GPU: the worker's GPU tests, CUDA benchmarks,
 ## start-up and an end-to-end load test with a CUDA worker
 ## (scripts/gpu-check.sh; docs/benchmarks.md has an H200's numbers).
@@ -98,10 +109,11 @@ gpu-check: setup
 models-full:
 	@bash models/fetch.sh
 
-## Run the protocol fuzzer for 60 s, the gateway-address parser's and the
-## edge's webhook-answer fuzzers for 30 s each (needs cargo-fuzz and a
+## Run the protocol fuzzer for 60 s, the gateway-address parser's, the
+## edge's webhook-answer and the KServe codec's fuzzers for 30 s each (needs cargo-fuzz and a
 ## nightly toolchain).
 fuzz:
 	cd protocol && $(CARGO) +nightly fuzz run decode -- -max_total_time=60
 	cd protocol && $(CARGO) +nightly fuzz run gateway_addr -- -max_total_time=30
 	cd edge && $(CARGO) +nightly fuzz run webhook_status -- -max_total_time=30
+	cd loadtest && $(CARGO) +nightly fuzz run kserve_codec -- -max_total_time=30

@@ -27,6 +27,7 @@ macro_rules! debug_as_display {
 pub mod cluster;
 pub mod edge_harness;
 pub mod impair;
+pub mod kserve;
 pub mod relay;
 pub mod report;
 pub mod scenario;

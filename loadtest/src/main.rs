@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
+use clap::builder::TypedValueParser;
 use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
@@ -15,6 +16,7 @@ use tidegate_loadtest::impair::{
     Blackout, DEFAULT_QUEUE_MS, GilbertElliott, ImpairConfig, LinkConfig, MAX_FLOWS, Relay,
     RelayOptions,
 };
+use tidegate_loadtest::kserve::{self, KserveOptions};
 use tidegate_loadtest::report::write_atomically;
 use tidegate_loadtest::scenario::{MAX_CAMERAS, PhaseReport, Scenario, ScenarioReport};
 use tidegate_loadtest::sim::{self, SimOptions};
@@ -31,6 +33,9 @@ use tidegate_protocol::GatewayAddr;
 ///   tidegate-loadtest --local --workers 1 --cameras 4 --fps 10 --seconds 10
 ///
 /// To emulate a WAN between it and a gateway: tidegate-loadtest impair --help
+///
+/// To drive a KServe v2 server (Triton, tidegate-baseline) the same way:
+/// tidegate-loadtest kserve --help
 #[derive(Debug, Parser)]
 #[command(
     version,
@@ -117,6 +122,11 @@ struct Cli {
     /// Keep sending at --fps even when the gateway hints a lower rate.
     #[arg(long)]
     ignore_hints: bool,
+    /// All cameras on one schedule: their frames fall due at the same
+    /// instant (the burst case). By default their phases are spread over
+    /// a period, as real cameras' are.
+    #[arg(long)]
+    in_step: bool,
     /// How frames travel: jpeg (as a real edge does by default), png
     /// (lossless) or raw (as on a LAN). The generator encodes its one frame
     /// once, with the image crate; a real edge encodes every frame with
@@ -165,6 +175,166 @@ enum Command {
     ///
     ///   tidegate-loadtest impair --upstream 127.0.0.1:4433 --rtt-ms 50 --jitter-ms 5 --loss 0.01 --rate-mbit 20
     Impair(ImpairArgs),
+    /// Drive a KServe v2 server (Triton, a FastAPI server,
+    /// tidegate-baseline) with the simulator's open-loop cameras.
+    ///
+    /// Each frame is one `POST {url}/v2/models/{model}/infer` in the binary
+    /// tensor extension: the 128×128 RGB u8 astronaut frame, as the
+    /// simulator sends it raw. Frames are due on the simulator's schedule
+    /// (camera phases spread over a period; --in-step: all at once),
+    /// whatever is outstanding, over at most --max-connections keep-alive
+    /// connections; a frame that finds none free is counted
+    /// `no_connection`, never queued. Every answer is checked (JSON header,
+    /// each output asked for, sizes; types and shapes against `GET
+    /// /v2/models/{model}` when the server gives it) and every planned
+    /// frame counted once: ok within --budget-ms, late, HTTP error by
+    /// status, malformed, transport error, timed out (no answer by the
+    /// budget plus --grace-ms), no connection, unsent, missing (must be
+    /// 0). Prints the JSON report on stdout (--report: to a file too) and
+    /// a one-line summary on stderr; exits non-zero if a frame is missing.
+    ///
+    /// Example, against tidegate-baseline on port 8000:
+    ///
+    ///   tidegate-loadtest kserve --url http://127.0.0.1:8000 --cameras 20 --fps 10 --seconds 15 --report target/kserve.json
+    Kserve(KserveArgs),
+}
+
+/// The flags of `tidegate-loadtest kserve`.
+#[derive(Debug, clap::Args)]
+struct KserveArgs {
+    /// The server's base URL (http:// only).
+    #[arg(long)]
+    url: String,
+    /// The model to ask for.
+    #[arg(long, default_value = "blazeface")]
+    model: String,
+    /// What to call the server in the report (default: the name it gives
+    /// at GET /v2, else "unknown").
+    #[arg(long)]
+    system: Option<String>,
+    /// Simulated cameras (1 to 1024).
+    #[arg(long, default_value_t = 4, value_parser = camera_count)]
+    cameras: usize,
+    /// Frames per second per camera.
+    #[arg(long, default_value_t = 10.0)]
+    fps: f64,
+    /// Seconds of sending (bounded: at most 600).
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Budget per frame (ms), from when it is due.
+    #[arg(long, default_value_t = 80)]
+    budget_ms: u32,
+    /// How long after its budget a request is given up and counted
+    /// timed out (ms); an answer before then is late.
+    #[arg(long, default_value_t = kserve::load::DEFAULT_GRACE.as_millis() as u64)]
+    grace_ms: u64,
+    /// Every camera's frame due in the same instant (a burst a period)
+    /// instead of phases spread over the period.
+    #[arg(long)]
+    in_step: bool,
+    /// Write the JSON report here too.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// The model's input.
+    #[arg(long, default_value = kserve::load::DEFAULT_INPUT)]
+    input_name: String,
+    /// The outputs to ask for, comma-separated (BlazeFace's four by
+    /// default; "" for every output the server has).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "Identity:0,Identity_1:0,Identity_2:0,Identity_3:0"
+    )]
+    output_names: Vec<String>,
+    /// The most connections open at once.
+    #[arg(long, default_value_t = kserve::load::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..=65_535).map(|n| n as usize))]
+    max_connections: usize,
+    /// Image to send (default: models/testdata/astronaut.png).
+    #[arg(long)]
+    image: Option<PathBuf>,
+    /// The frame's size, WIDTHxHEIGHT: the model's input.
+    #[arg(long, default_value = "128x128", value_parser = frame_size)]
+    size: (u32, u32),
+    /// Log filter.
+    #[arg(long, env = "TIDEGATE_LOG", default_value = "warn")]
+    log: String,
+}
+
+impl KserveArgs {
+    /// The run these flags ask for.
+    fn options(&self) -> anyhow::Result<KserveOptions> {
+        anyhow::ensure!(
+            self.seconds > 0.0 && self.seconds <= 600.0,
+            "--seconds must be in (0, 600]"
+        );
+        anyhow::ensure!(
+            sim::FPS_RANGE.contains(&self.fps),
+            "--fps {} is not in [{}, {}]; give a rate in that range",
+            self.fps,
+            sim::FPS_RANGE.start(),
+            sim::FPS_RANGE.end()
+        );
+        Ok(KserveOptions {
+            url: self.url.clone(),
+            model: self.model.clone(),
+            system: self.system.clone(),
+            cameras: self.cameras,
+            fps: self.fps,
+            duration: Duration::from_secs_f64(self.seconds),
+            budget_ms: self.budget_ms,
+            grace: Duration::from_millis(self.grace_ms),
+            in_step: self.in_step,
+            input_name: self.input_name.clone(),
+            output_names: self
+                .output_names
+                .iter()
+                .filter(|n| !n.is_empty())
+                .cloned()
+                .collect(),
+            max_connections: self.max_connections,
+            image: Some(
+                self.image
+                    .clone()
+                    .unwrap_or_else(|| workspace_root().join("models/testdata/astronaut.png")),
+            ),
+            size: self.size,
+        })
+    }
+}
+
+/// `tidegate-loadtest kserve`: one run, its report on stdout (and in
+/// --report), its summary on stderr.
+fn run_kserve(args: &KserveArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
+        .with_writer(std::io::stderr)
+        .init();
+    let opts = args.options()?;
+    let report = kserve::run_blocking(&opts)
+        .with_context(|| format!("driving {} ({})", opts.url, opts.model))?;
+    let json = serde_json::to_string_pretty(&report)?;
+    println!("{json}");
+    if let Some(p) = &args.report {
+        write_atomically(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    }
+    eprintln!("{}", report.summary());
+    anyhow::ensure!(
+        report.missing == 0,
+        "{} frames were never accounted for (a load generator bug)",
+        report.missing
+    );
+    Ok(())
+}
+
+/// `WIDTHxHEIGHT`, for --size.
+fn frame_size(s: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("{s:?} is not WIDTHxHEIGHT, such as 128x128");
+    let (w, h) = s.split_once(['x', 'X']).ok_or_else(bad)?;
+    let (w, h): (u32, u32) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
+    if w == 0 || h == 0 {
+        return Err(bad());
+    }
+    Ok((w, h))
 }
 
 /// The flags of `tidegate-loadtest impair`.
@@ -485,8 +655,10 @@ fn parse_cli() -> Cli {
 
 fn main() -> anyhow::Result<()> {
     let cli = parse_cli();
-    if let Some(Command::Impair(args)) = &cli.command {
-        return impair(args);
+    match &cli.command {
+        Some(Command::Impair(args)) => return impair(args),
+        Some(Command::Kserve(args)) => return run_kserve(args),
+        None => {}
     }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
@@ -559,7 +731,7 @@ fn main() -> anyhow::Result<()> {
         encoding: cli.wire_encoding()?,
         congestion: cli.congestion,
         copies: cli.copies,
-        in_step: false,
+        in_step: cli.in_step,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -666,6 +838,74 @@ mod tests {
         ])
         .unwrap_err();
         assert!(err.to_string().contains("impair"), "{err}");
+    }
+
+    #[test]
+    fn kserve_flags_become_the_run_they_ask_for() {
+        let cli = Cli::try_parse_from([
+            "tidegate-loadtest",
+            "kserve",
+            "--url",
+            "http://127.0.0.1:8000",
+            "--cameras",
+            "20",
+            "--fps",
+            "12.5",
+            "--seconds",
+            "15",
+            "--in-step",
+            "--output-names",
+            "a,b",
+            "--max-connections",
+            "64",
+            "--size",
+            "64x32",
+        ])
+        .unwrap();
+        let Some(Command::Kserve(args)) = &cli.command else {
+            panic!("{cli:?}");
+        };
+        let o = args.options().unwrap();
+        assert_eq!((o.cameras, o.fps, o.in_step), (20, 12.5, true));
+        assert_eq!(o.duration, Duration::from_secs(15));
+        assert_eq!((o.budget_ms, o.grace), (80, kserve::load::DEFAULT_GRACE));
+        assert_eq!(o.output_names, ["a", "b"]);
+        assert_eq!((o.max_connections, o.size), (64, (64, 32)));
+        assert_eq!(o.input_name, "input:0");
+        assert!(o.image.unwrap().ends_with("models/testdata/astronaut.png"));
+        // The defaults: BlazeFace's outputs; "" asks for every output.
+        let cli =
+            Cli::try_parse_from(["tidegate-loadtest", "kserve", "--url", "http://h:1"]).unwrap();
+        let Some(Command::Kserve(args)) = &cli.command else {
+            panic!("{cli:?}");
+        };
+        assert_eq!(args.options().unwrap().output_names.len(), 4);
+        let cli = Cli::try_parse_from([
+            "tidegate-loadtest",
+            "kserve",
+            "--url",
+            "http://h:1",
+            "--output-names",
+            "",
+        ])
+        .unwrap();
+        let Some(Command::Kserve(args)) = &cli.command else {
+            panic!("{cli:?}");
+        };
+        assert!(args.options().unwrap().output_names.is_empty());
+        for bad in [
+            &["--max-connections", "0"][..],
+            &["--size", "128"],
+            &["--size", "0x128"],
+            &["--cameras", "0"],
+        ] {
+            let argv = ["tidegate-loadtest", "kserve", "--url", "http://h:1"]
+                .iter()
+                .chain(bad);
+            assert!(Cli::try_parse_from(argv).is_err(), "{bad:?}");
+        }
+        // --url is required.
+        assert!(Cli::try_parse_from(["tidegate-loadtest", "kserve"]).is_err());
     }
 
     #[test]

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use tidegate_edge::backoff::Backoff;
 use tidegate_edge::clock;
 use tidegate_edge::uplink::{Incoming, Lane, Uplink, UplinkError, UplinkOptions, WireFate};
+use tidegate_kit::backoff::Backoff;
 use tidegate_protocol::quic::Congestion;
 use tidegate_protocol::{
     CameraAccepted, CameraOpen, DType, Encoding, Frame, GatewayAddr, Geometry, InputSpec, Layout,
@@ -207,8 +207,12 @@ pub fn frames_per_camera(fps: f64, duration: Duration) -> u64 {
 /// end-to-end latency and eats their budget, as a camera's frames waiting
 /// on a slow edge would. Frames not sent by `stop_at` are `unsent`, which
 /// count as not ok in the SLO attainment; none is silently dropped.
+///
+/// The KServe load generator (`crate::kserve`) drives its HTTP requests
+/// on the same schedules ([`camera_schedules`], [`Schedule::wait_for`]),
+/// so that tidegate and the servers it is compared with see the same load.
 #[derive(Debug, Clone, Copy)]
-struct Schedule {
+pub struct Schedule {
     /// When frame 0 is due (tokio's clock).
     start: tokio::time::Instant,
     /// The same moment on the edge clock (µs), where capture times and
@@ -227,7 +231,7 @@ impl Schedule {
     /// `frames_per_camera(fps, duration)` frames at `fps` from `start`
     /// (which is `start_us` on the edge clock), sending until `duration`
     /// plus one period.
-    fn new(fps: f64, duration: Duration, start: tokio::time::Instant, start_us: u64) -> Self {
+    pub fn new(fps: f64, duration: Duration, start: tokio::time::Instant, start_us: u64) -> Self {
         let period = Duration::from_secs_f64(1.0 / fps);
         Schedule {
             start,
@@ -236,6 +240,21 @@ impl Schedule {
             frames: frames_per_camera(fps, duration),
             stop_at: start + duration + period,
         }
+    }
+
+    /// Frames the schedule calls for.
+    pub fn frames(&self) -> u64 {
+        self.frames
+    }
+
+    /// Time between two frames.
+    pub fn period(&self) -> Duration {
+        self.period
+    }
+
+    /// The moment from which no frame is sent (tokio's clock).
+    pub fn stop_at(&self) -> tokio::time::Instant {
+        self.stop_at
     }
 
     /// How long after `start` frame `seq` is due.
@@ -248,7 +267,7 @@ impl Schedule {
 
     /// When frame `seq` is due (tokio's clock); past the clock's range, at
     /// `stop_at` (never sent).
-    fn due_at(&self, seq: u64) -> tokio::time::Instant {
+    pub fn due_at(&self, seq: u64) -> tokio::time::Instant {
         self.start
             .checked_add(self.offset(seq))
             .unwrap_or(self.stop_at)
@@ -256,10 +275,51 @@ impl Schedule {
 
     /// Frame `seq`'s capture time on the edge clock (µs): when it was due,
     /// not when the generator got round to sending it.
-    fn captured_at_us(&self, seq: u64) -> u64 {
+    pub fn captured_at_us(&self, seq: u64) -> u64 {
         let offset_us = u64::try_from(self.offset(seq).as_micros()).unwrap_or(u64::MAX);
         self.start_us.saturating_add(offset_us)
     }
+
+    /// Sleeps until frame `seq` is due and returns its due time, at once
+    /// when it is overdue (whatever is outstanding: the schedule is open
+    /// loop); `None` once the sending time is up (`stop_at`), when this
+    /// frame and every later one is `unsent`. Bounded: it returns by
+    /// `stop_at`.
+    pub async fn wait_for(&self, seq: u64) -> Option<tokio::time::Instant> {
+        let due = self.due_at(seq);
+        tokio::time::sleep_until(due.min(self.stop_at)).await;
+        (tokio::time::Instant::now() < self.stop_at).then_some(due)
+    }
+}
+
+/// The schedules of `cameras` cameras sending at `fps` for `duration` from
+/// `start` (`start_us` on the edge clock), by camera index. With `in_step`
+/// every camera's frame is due in the same instant, a burst a period;
+/// otherwise camera i starts i/n of a period after the first, as real
+/// cameras' phases fall, so that n frames do not all go out at once.
+pub fn camera_schedules(
+    cameras: usize,
+    fps: f64,
+    duration: Duration,
+    in_step: bool,
+    start: tokio::time::Instant,
+    start_us: u64,
+) -> Vec<Schedule> {
+    (0..cameras)
+        .map(|i| {
+            let phase = if in_step {
+                Duration::ZERO
+            } else {
+                Duration::from_secs_f64(i as f64 / fps / cameras as f64)
+            };
+            Schedule::new(
+                fps,
+                duration,
+                start + phase,
+                start_us + phase.as_micros() as u64,
+            )
+        })
+        .collect()
 }
 
 /// Sends one camera's frames on `schedule`: a copy of `template` for each
@@ -287,13 +347,10 @@ where
     let mut sends = JoinSet::new();
     let mut last_due: Option<tokio::time::Instant> = None;
     for seq in 0..schedule.frames {
-        let due = schedule.due_at(seq);
-        tokio::time::sleep_until(due.min(schedule.stop_at)).await;
-        let now = tokio::time::Instant::now();
-        if now >= schedule.stop_at {
+        let Some(due) = schedule.wait_for(seq).await else {
             report.lock().expect("report lock").unsent += schedule.frames - seq;
             break;
-        }
+        };
         // Only the sends still in flight stay in the set.
         while sends.try_join_next().is_some() {}
         if let Some(caps) = &caps {
@@ -746,7 +803,15 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
     let mut tensor = Tensor::raw(DType::U8, Layout::Nhwc, input.frame_shape(), data);
     tensor.encoding = opts.encoding;
     let mut senders = Vec::new();
-    for i in 0..opts.cameras {
+    let schedules = camera_schedules(
+        opts.cameras,
+        opts.fps,
+        opts.duration,
+        opts.in_step,
+        start,
+        start_us,
+    );
+    for (i, schedule) in schedules.into_iter().enumerate() {
         let template = Frame {
             camera: camera_name(i),
             seq: 0,
@@ -756,20 +821,6 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
             geometry,
             tensor: tensor.clone(),
         };
-        // Cameras are not in step: camera i starts i/n of a period after
-        // the first, as real cameras' phases fall, so that n frames do not
-        // all go out in the same instant.
-        let phase = if opts.in_step {
-            Duration::ZERO
-        } else {
-            Duration::from_secs_f64(i as f64 / opts.fps / opts.cameras as f64)
-        };
-        let schedule = Schedule::new(
-            opts.fps,
-            opts.duration,
-            start + phase,
-            start_us + phase.as_micros() as u64,
-        );
         let caps = opts.obey_hints.then(|| tally.caps.clone());
         let live_rx = live_rx.clone();
         let ledger = tally.ledger.clone();
@@ -903,6 +954,40 @@ mod tests {
         // Far-off frames saturate rather than overflow.
         assert_eq!(s.captured_at_us(u64::MAX), u64::MAX);
         assert_eq!(frames_per_camera(0.001, Duration::from_secs(1)), 1);
+    }
+
+    #[test]
+    fn cameras_out_of_step_are_spread_over_one_period_and_in_step_share_it() {
+        let start = tokio::time::Instant::now();
+        // 4 cameras at 10 fps for 1 s: 100 ms periods, 25 ms apart.
+        let spread = camera_schedules(4, 10.0, Duration::from_secs(1), false, start, 1_000);
+        assert_eq!(spread.len(), 4);
+        for (i, s) in spread.iter().enumerate() {
+            let phase = Duration::from_millis(25 * i as u64);
+            assert_eq!(s.frames(), 10, "camera {i}");
+            assert_eq!(s.period(), Duration::from_millis(100));
+            assert_eq!(s.due_at(0), start + phase, "camera {i}");
+            assert_eq!(s.captured_at_us(0), 1_000 + 25_000 * i as u64);
+            assert_eq!(s.stop_at(), start + phase + Duration::from_millis(1_100));
+        }
+        let in_step = camera_schedules(4, 10.0, Duration::from_secs(1), true, start, 0);
+        assert!(
+            in_step
+                .iter()
+                .all(|s| s.due_at(3) == start + Duration::from_millis(300))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_schedule_whose_time_is_up_hands_out_no_more_frames() {
+        let start = tokio::time::Instant::now() - Duration::from_secs(5);
+        // Every frame of a 1 s schedule that started 5 s ago is past its
+        // sending time; the first frame of a fresh one is due at once.
+        let s = Schedule::new(10.0, Duration::from_secs(1), start, 0);
+        assert_eq!(s.wait_for(0).await, None);
+        let now = tokio::time::Instant::now();
+        let fresh = Schedule::new(10.0, Duration::from_secs(1), now, 0);
+        assert_eq!(fresh.wait_for(0).await, Some(now));
     }
 
     /// A frame of camera `cam-1` with no pixels to speak of.
