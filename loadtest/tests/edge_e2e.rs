@@ -202,12 +202,24 @@ fn gateway_outage_drops_frames_keeps_memory_flat_and_recovers() {
         "edge RSS grew {growth_kib} KiB during the outage ({baseline} → {peak} KiB)"
     );
 
+    // Each camera reopens on its own: one whose `CameraOpen` came before
+    // the respawned worker registered is refused and retries a second
+    // later, so wait for both, not for a count the other may make alone.
     let after = edge
         .wait_for_results(Duration::from_secs(60), "results after the restart", |r| {
+            let fresh = |cam: &str| {
+                r.iter().any(|l| {
+                    l["status"] == "ok"
+                        && l["camera"] == cam
+                        && l["captured_at_us"].as_u64() > Some(up_us)
+                })
+            };
             r.iter()
                 .filter(|l| l["status"] == "ok" && l["captured_at_us"].as_u64() > Some(up_us))
                 .count()
                 >= 10
+                && fresh("front")
+                && fresh("side")
         })
         .unwrap();
     assert!(after.len() > results_at_restart);
@@ -231,7 +243,9 @@ fn gateway_outage_drops_frames_keeps_memory_flat_and_recovers() {
             after
                 .iter()
                 .any(|l| l["camera"] == cam && l["captured_at_us"].as_u64() > Some(up_us)),
-            "camera {cam} sent nothing after the reconnect"
+            "camera {cam} sent nothing after the reconnect; counters: {:?}; log tail:\n{}",
+            edge.camera_stats().get(cam),
+            tail(&edge.log(), 60)
         );
     }
 
@@ -275,4 +289,10 @@ async fn https_hook(c: &tidegate_loadtest::cluster::Cluster) -> (u16, receiver::
         .unwrap();
     let key = PrivateKeyDer::from_pem_file(certs.join("gateway.key")).unwrap();
     receiver::https_receiver(chain, key).await
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
