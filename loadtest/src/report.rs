@@ -25,6 +25,28 @@ pub struct Percentiles {
     pub max: f64,
 }
 
+impl Percentiles {
+    /// The percentiles of a histogram of microseconds, in milliseconds, and
+    /// its distribution: `[latency ms, fraction at or below it]` at every
+    /// percentile and at 99.9 %. `None` for an empty histogram.
+    pub fn of(hist: &Histogram<u64>) -> Option<(Percentiles, Vec<[f64; 2]>)> {
+        if hist.is_empty() {
+            return None;
+        }
+        let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+        let p = Percentiles {
+            p50: ms(0.50),
+            p90: ms(0.90),
+            p95: ms(0.95),
+            p99: ms(0.99),
+            max: hist.max() as f64 / 1000.0,
+        };
+        let mut qs: Vec<f64> = (0..=100).map(|i| i as f64 / 100.0).collect();
+        qs.insert(100, 0.999);
+        Some((p, qs.into_iter().map(|q| [ms(q), q]).collect()))
+    }
+}
+
 /// What a run measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
@@ -198,18 +220,9 @@ impl Report {
         } else {
             self.ok_within_budget as f64 / due as f64
         };
-        let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
-        if !hist.is_empty() {
-            self.e2e_ms = Percentiles {
-                p50: ms(0.50),
-                p90: ms(0.90),
-                p95: ms(0.95),
-                p99: ms(0.99),
-                max: hist.max() as f64 / 1000.0,
-            };
-            let mut qs: Vec<f64> = (0..=100).map(|i| i as f64 / 100.0).collect();
-            qs.insert(100, 0.999);
-            self.e2e_cdf_ms = qs.into_iter().map(|q| [ms(q), q]).collect();
+        if let Some((p, cdf)) = Percentiles::of(hist) {
+            self.e2e_ms = p;
+            self.e2e_cdf_ms = cdf;
         }
     }
 

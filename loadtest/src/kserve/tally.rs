@@ -248,19 +248,9 @@ impl Tally {
         } else {
             r.ok_within_budget as f64 / r.planned as f64
         };
-        let hist = &self.hist;
-        let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
-        if !hist.is_empty() {
-            r.e2e_ms = Percentiles {
-                p50: ms(0.50),
-                p90: ms(0.90),
-                p95: ms(0.95),
-                p99: ms(0.99),
-                max: hist.max() as f64 / 1000.0,
-            };
-            let mut qs: Vec<f64> = (0..=100).map(|i| i as f64 / 100.0).collect();
-            qs.insert(100, 0.999);
-            r.e2e_cdf_ms = qs.into_iter().map(|q| [ms(q), q]).collect();
+        if let Some((p, cdf)) = Percentiles::of(&self.hist) {
+            r.e2e_ms = p;
+            r.e2e_cdf_ms = cdf;
         }
         self.report
     }
