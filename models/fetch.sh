@@ -37,19 +37,8 @@ has_sha() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
 # tools_python: prints the python of a venv in the cache holding the pinned
 # tools of models/tools/requirements.txt (created once per requirements file).
 tools_python() {
-  local req="$here/tools/requirements.txt" venv
-  venv="$TIDEGATE_CACHE/venv/model-tools-$(sha256sum "$req" | cut -c1-12)"
-  if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
-    say "creating $venv (onnx, onnxruntime, numpy; pinned with sha256)" >&2
-    rm -rf "$venv"
-    python3 -m venv "$venv" \
-      || die "python3 -m venv failed; install python3-venv (make setup does) and re-run"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-      --require-hashes --only-binary=:all: --find-links "$dl" -r "$req" >&2 \
-      || die "pip install -r $req failed; check access to PyPI and re-run 'make setup'"
-    touch "$venv/.complete"
-  fi
-  printf '%s\n' "$venv/bin/python"
+  pinned_venv model-tools "$here/tools/requirements.txt" --find-links "$dl" \
+    || die "the model tools' venv could not be made (see above); re-run 'make setup'"
 }
 
 if has_sha "$bf_onnx" "$bf_sha" && has_sha "$bf_src" "$bf_src_sha"; then

@@ -94,3 +94,29 @@ fetch_deb() {
   printf 'apt-get download %s=%s wrote no .deb in %s\n' "$pkg" "$ver" "$dl" >&2
   return 1
 }
+
+# pinned_venv NAME REQUIREMENTS [PIP_ARGS...]: prints the python of a venv in
+# the cache holding exactly the files of REQUIREMENTS (each pinned with its
+# sha256: pip --require-hashes, wheels only), creating it once per
+# requirements file (`$TIDEGATE_CACHE/venv/NAME-<digest>`). Fails, saying
+# why, when the venv or the install cannot be made.
+pinned_venv() {
+  local name="$1" req="$2" venv
+  shift 2
+  venv="$TIDEGATE_CACHE/venv/$name-$(sha256sum "$req" | cut -c1-12)"
+  if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
+    printf 'creating %s (pinned with sha256)\n' "$venv" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv" || {
+      printf 'python3 -m venv failed; install python3-venv (make setup does) and re-run\n' >&2
+      return 1
+    }
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      --require-hashes --only-binary=:all: "$@" -r "$req" >&2 || {
+      printf 'pip install -r %s failed (CPython 3.11 wheels for x86_64 Linux; check access to PyPI) and re-run\n' "$req" >&2
+      return 1
+    }
+    touch "$venv/.complete"
+  fi
+  printf '%s\n' "$venv/bin/python"
+}

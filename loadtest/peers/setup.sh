@@ -8,20 +8,4 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../../scripts/cache.sh
 source "$here/../../scripts/cache.sh"
-req="$here/requirements.txt"
-venv="$TIDEGATE_CACHE/venv/peers-$(sha256sum "$req" | cut -c1-12)"
-if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
-  printf 'peers: creating %s (pytriton, fastapi, onnxruntime; pinned with sha256)\n' "$venv" >&2
-  rm -rf "$venv"
-  python3 -m venv "$venv" || {
-    echo "peers: python3 -m venv failed; install python3-venv (make setup does) and re-run" >&2
-    exit 1
-  }
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    --require-hashes --only-binary=:all: -r "$req" >&2 || {
-    echo "peers: pip install -r $req failed; check access to PyPI and re-run" >&2
-    exit 1
-  }
-  touch "$venv/.complete"
-fi
-printf '%s\n' "$venv/bin/python"
+pinned_venv peers "$here/requirements.txt"

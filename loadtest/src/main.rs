@@ -302,13 +302,18 @@ impl KserveArgs {
     }
 }
 
+/// Logs to stderr with `filter` (stdout carries the report).
+fn log_to_stderr(filter: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// `tidegate-loadtest kserve`: one run, its report on stdout (and in
 /// --report), its summary on stderr.
 fn run_kserve(args: &KserveArgs) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
-        .with_writer(std::io::stderr)
-        .init();
+    log_to_stderr(&args.log);
     let opts = args.options()?;
     let report = kserve::run_blocking(&opts)
         .with_context(|| format!("driving {} ({})", opts.url, opts.model))?;
@@ -428,10 +433,7 @@ impl ImpairArgs {
 /// `tidegate-loadtest impair`: relays until --seconds, Ctrl-C or SIGTERM,
 /// then prints the counters and writes --stats.
 fn impair(args: &ImpairArgs) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&args.log))
-        .with_writer(std::io::stderr)
-        .init();
+    log_to_stderr(&args.log);
     let config = args.config();
     config.validate().context(
         "checking the impairment flags (--rtt-ms is split in half each way; --jitter-ms, \
@@ -660,10 +662,7 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Kserve(args)) => return run_kserve(args),
         None => {}
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(&cli.log))
-        .with_writer(std::io::stderr)
-        .init();
+    log_to_stderr(&cli.log);
     anyhow::ensure!(
         cli.seconds > 0.0 && cli.seconds <= 600.0,
         "--seconds must be in (0, 600]"

@@ -464,6 +464,22 @@ fn split(
     Ok((body.slice(..header_len), body.slice(header_len..)))
 }
 
+/// The JSON header of `body` parsed as a `what` (see [`split`]), and the
+/// binary part after it.
+fn parse<T: serde::de::DeserializeOwned>(
+    body: &Bytes,
+    header_len: Option<usize>,
+    limits: &CodecLimits,
+    what: &'static str,
+) -> Result<(T, Bytes), CodecError> {
+    let (json, binary) = split(body, header_len, limits)?;
+    let wire = serde_json::from_slice(&json).map_err(|e| CodecError::Json {
+        what,
+        message: e.to_string(),
+    })?;
+    Ok((wire, binary))
+}
+
 /// The tensors a header lists, each a slice of `binary` in order, checked
 /// against `limits` and against the bytes there.
 fn take_tensors(
@@ -580,11 +596,7 @@ impl InferRequest {
         header_len: Option<usize>,
         limits: &CodecLimits,
     ) -> Result<Self, CodecError> {
-        let (json, binary) = split(body, header_len, limits)?;
-        let wire: WireRequest = serde_json::from_slice(&json).map_err(|e| CodecError::Json {
-            what: "request",
-            message: e.to_string(),
-        })?;
+        let (wire, binary): (WireRequest, _) = parse(body, header_len, limits, "request")?;
         if wire.outputs.len() > limits.max_tensors {
             return Err(CodecError::TooManyTensors {
                 count: wire.outputs.len(),
@@ -619,11 +631,7 @@ impl InferResponse {
         header_len: Option<usize>,
         limits: &CodecLimits,
     ) -> Result<Self, CodecError> {
-        let (json, binary) = split(body, header_len, limits)?;
-        let wire: WireResponse = serde_json::from_slice(&json).map_err(|e| CodecError::Json {
-            what: "response",
-            message: e.to_string(),
-        })?;
+        let (wire, binary): (WireResponse, _) = parse(body, header_len, limits, "response")?;
         Ok(InferResponse {
             model_name: wire.model_name,
             model_version: wire.model_version,
