@@ -1586,7 +1586,11 @@ async fn poll(
     let mut releasing: HashSet<LeaseId> = HashSet::new();
     // job names of unanswered sbatches, and until when to look for them
     let mut abandoned: Vec<(String, Instant)> = Vec::new();
-    let mut tick = tokio::time::interval(every);
+    // the first poll one interval after start, not at once: a lease
+    // watched in the meantime is looked at on the same schedule as later
+    // ones (and a test that swaps a tool after its acquire never races an
+    // immediate poll)
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failures = 0u32;
     loop {
