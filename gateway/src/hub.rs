@@ -21,7 +21,7 @@ use tidegate_lease::LeaseId;
 use tidegate_lease::showback::Usage;
 
 use crate::backpressure::{Backpressure, BackpressureConfig, CameraLoad};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, WorkerLabels};
 use crate::scheduler::{
     Action, Arrival, BatchId, Counters, EdgeId, Event, FrameId, Limits, Micros, Scheduler,
     WorkerId, WorkerModel,
@@ -529,6 +529,8 @@ struct WorkerEntry {
     static_name: Option<String>,
     /// Cancelled to send the worker a `Drain`.
     drain_request: CancellationToken,
+    /// Its `worker` label in the metrics ([`WorkerLabels`]).
+    label: String,
 }
 
 /// Most latency reports kept per model between two load reports.
@@ -552,6 +554,11 @@ struct State {
     /// still run, and its worker time goes to its edge's showback.
     gone_edges: std::collections::VecDeque<(EdgeId, Arc<str>)>,
     workers: HashMap<WorkerId, WorkerEntry>,
+    /// The `worker` label of each connected worker's series.
+    worker_labels: WorkerLabels,
+    /// `tidegate_queue_depth` of each model, last set (to set it only when
+    /// it moves).
+    queue_depths: HashMap<String, usize>,
     next_frame: u64,
     /// Frame-rate hints for cameras whose frames are shed; `None` when
     /// hints are turned off.
@@ -604,6 +611,8 @@ pub fn spawn(
         edges: HashMap::new(),
         gone_edges: std::collections::VecDeque::new(),
         workers: HashMap::new(),
+        worker_labels: WorkerLabels::default(),
+        queue_depths: HashMap::new(),
         next_frame: 1,
         served: HashMap::new(),
         usage: HashMap::new(),
@@ -683,9 +692,52 @@ impl State {
     /// it and its batches' timings; the scheduler re-homes or fails the
     /// frames it held.
     fn lose_worker(&mut self, worker: WorkerId) {
-        self.workers.remove(&worker);
+        if let Some(w) = self.workers.remove(&worker) {
+            self.release_label(&w);
+        }
         self.forget_batches(worker);
         self.step(Event::WorkerLost { worker });
+    }
+
+    /// A batch of `size` frames of `model` ran `latency_us` on `worker`:
+    /// its run time, and that over what its profile says, under its label.
+    fn observe_worker_batch(&self, worker: WorkerId, model: &str, size: usize, latency_us: u32) {
+        let Some(w) = self.workers.get(&worker) else {
+            return;
+        };
+        let labels = [w.label.as_str(), model];
+        self.metrics
+            .worker_batch
+            .with_label_values(&labels)
+            .observe(f64::from(latency_us) / 1e6);
+        let mut points: Vec<(u16, u32)> = w
+            .register
+            .profile
+            .iter()
+            .filter(|p| p.model == model)
+            .map(|p| (p.batch, p.latency_us))
+            .collect();
+        points.sort_unstable();
+        // a worker that registered no profile for the model said nothing
+        // to hold it to
+        if points.is_empty() {
+            return;
+        }
+        let batch = u16::try_from(size).unwrap_or(u16::MAX);
+        let profiled = crate::scheduler::profile_latency_us(&points, batch);
+        self.metrics
+            .worker_batch_over_profile
+            .with_label_values(&labels)
+            .observe(f64::from(latency_us) / profiled.max(1.0));
+    }
+
+    /// A worker's entry went: its label is released, and its series go
+    /// with the last connection holding it.
+    fn release_label(&mut self, w: &WorkerEntry) {
+        if let Some(label) = self.worker_labels.release(&w.label) {
+            let models = w.register.models.iter().map(|m| m.name.as_str());
+            self.metrics.worker_gone(&label, models);
+        }
     }
 
     /// Drops the timing of `worker`'s batches: the scheduler re-homes or
@@ -745,7 +797,20 @@ impl State {
         }
     }
 
-    fn update_worker_gauges(&self) {
+    fn update_worker_gauges(&mut self) {
+        for (model, depth) in self.scheduler.queue_lens() {
+            let last = self
+                .queue_depths
+                .entry(model.to_string())
+                .or_insert(usize::MAX);
+            if *last != depth {
+                *last = depth;
+                self.metrics
+                    .queue_depth
+                    .with_label_values(&[model])
+                    .set(depth as i64);
+            }
+        }
         self.metrics
             .workers_demoted
             .set(self.scheduler.demoted_count() as i64);
@@ -901,7 +966,9 @@ impl State {
                 if unbound {
                     tracing::info!(worker = worker.0, name = %register.worker, "static worker registered unbound; no batch until a lease binds it");
                 }
-                self.workers.insert(
+                let label = self.worker_labels.acquire(&register.worker);
+                self.metrics.worker_known(&label);
+                let replaced = self.workers.insert(
                     worker,
                     WorkerEntry {
                         register,
@@ -911,8 +978,12 @@ impl State {
                         lease,
                         static_name: static_worker,
                         drain_request,
+                        label,
                     },
                 );
+                if let Some(old) = replaced {
+                    self.release_label(&old);
+                }
                 self.step(Event::WorkerJoined { worker, models });
                 if drain {
                     self.step(Event::WorkerDraining { worker });
@@ -988,6 +1059,15 @@ impl State {
                         .inference
                         .with_label_values(&[model.as_str()])
                         .observe(inference_us as f64 / 1e6);
+                    self.observe_worker_batch(worker, &model, size, latency_us);
+                }
+                if let Some(w) = self.workers.get(&worker) {
+                    for (_, status) in &outcomes {
+                        self.metrics
+                            .worker_frames
+                            .with_label_values(&[w.label.as_str(), status.label()])
+                            .inc();
+                    }
                 }
                 self.step(Event::BatchFinished {
                     worker,
@@ -1176,7 +1256,11 @@ impl State {
                     .unwrap_or_default();
                 tracing::warn!(worker = worker.0, %name, "{reason}; dropping it");
                 self.metrics.workers_stalled.inc();
-                let lease = self.workers.remove(&worker).and_then(|w| w.lease);
+                let gone = self.workers.remove(&worker);
+                if let Some(w) = &gone {
+                    self.release_label(w);
+                }
+                let lease = gone.and_then(|w| w.lease);
                 self.forget_batches(worker);
                 if let Some(lease) = lease {
                     // The lease shell decides: a worker that registers
@@ -1887,6 +1971,74 @@ pub(crate) mod tests {
             metrics.worker_busy.with_label_values(&["", MODEL]).get(),
             0.0
         );
+        cancel.cancel();
+    }
+
+    /// A worker's batches are timed under its name, against its profile,
+    /// with its frames counted by status; frames waiting are the model's
+    /// queue depth; and its series go when it does.
+    #[tokio::test]
+    async fn a_workers_batches_and_frames_are_labelled_with_its_name_until_it_goes() {
+        let metrics = Metrics::new();
+        let (hub, cancel) = hub_with(metrics.clone());
+        let mut batches = connect_worker(&hub, None).await;
+        let mut answers = connect_edge(&hub).await;
+        let labels = ["lease-7", MODEL];
+        assert_eq!(
+            metrics
+                .worker_frames
+                .with_label_values(&["lease-7", "ok"])
+                .get(),
+            0,
+            "exported at 0 from registration"
+        );
+        let d = dispatched(&hub, &mut batches, 1).await;
+        // the worker holds two batches of one (the pipeline's depth): a
+        // third frame waits in the queue
+        let d2 = dispatched(&hub, &mut batches, 2).await;
+        send_frame(&hub, 3, 500).await;
+        hub.snapshot().await.unwrap();
+        assert!(batches.try_recv().is_err(), "two batches at a time");
+        assert_eq!(metrics.queue_depth.with_label_values(&[MODEL]).get(), 1);
+        answer(&hub, &d, ok_item).await;
+        recv_result(&mut answers).await;
+        let d3 = recv(&mut batches).await;
+        hub.snapshot().await.unwrap();
+        assert_eq!(metrics.queue_depth.with_label_values(&[MODEL]).get(), 0);
+        let failed = |id| ItemResult {
+            status: Status::Failed("boom".into()),
+            ..ok_item(id)
+        };
+        answer(&hub, &d2, failed).await;
+        answer(&hub, &d3, ok_item).await;
+        recv_result(&mut answers).await;
+        recv_result(&mut answers).await;
+        hub.snapshot().await.unwrap();
+        let frames = |s: &str| {
+            metrics
+                .worker_frames
+                .with_label_values(&["lease-7", s])
+                .get()
+        };
+        assert_eq!((frames("ok"), frames("failed"), frames("shed")), (2, 1, 0));
+        let batch = metrics.worker_batch.with_label_values(&labels);
+        assert_eq!(batch.get_sample_count(), 3);
+        let ratio = metrics.worker_batch_over_profile.with_label_values(&labels);
+        assert_eq!(ratio.get_sample_count(), 3);
+        // run time over the profile's 1 ms for a batch of one
+        let mean_ratio = ratio.get_sample_sum() / 3.0;
+        let mean_run = batch.get_sample_sum() / 3.0;
+        assert!(
+            (mean_ratio - mean_run / 1e-3).abs() < 1e-6 * mean_ratio.max(1.0),
+            "{mean_ratio} against {mean_run} s"
+        );
+        hub.send(HubMsg::WorkerGone {
+            worker: WorkerId(1),
+        })
+        .await;
+        hub.snapshot().await.unwrap();
+        let text = metrics.render();
+        assert!(!text.contains("worker=\"lease-7\""), "{text}");
         cancel.cancel();
     }
 

@@ -16,6 +16,18 @@ pub const LATENCY_BUCKETS: &[f64] = &[
 /// Batch-size buckets.
 pub const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 
+/// Buckets of a batch's run time over what its worker's profile says it
+/// takes: 1 is as profiled, 4 is four times slower.
+pub const RATIO_BUCKETS: &[f64] = &[0.5, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 10.0];
+
+/// Most distinct worker names labelled at once; the workers past it share
+/// the label [`OTHER_WORKERS`], so a fleet of thousands (or a worker that
+/// reconnects under new names) cannot blow up the series count.
+pub const MAX_WORKER_LABELS: usize = 64;
+
+/// The `worker` label of the workers past [`MAX_WORKER_LABELS`].
+pub const OTHER_WORKERS: &str = "other";
+
 /// Every gateway metric.
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -130,6 +142,67 @@ pub struct Metrics {
     /// `tidegate_build_info{version}`: 1, labelled with the gateway's
     /// version, to join on and to see which version runs where.
     pub build_info: IntGaugeVec,
+    /// `tidegate_queue_depth{model}`: frames queued in the gateway, not
+    /// yet dispatched: the saturation signal (it grows before frames are
+    /// shed).
+    pub queue_depth: IntGaugeVec,
+    /// `tidegate_worker_batch_seconds{worker,model}`: each batch's run
+    /// time on the worker of that name (see [`WorkerLabels`]).
+    pub worker_batch: HistogramVec,
+    /// `tidegate_worker_batch_over_profile{worker,model}`: each batch's run
+    /// time over what the worker's registered profile says a batch of that
+    /// size takes: the worker that is slower than it said.
+    pub worker_batch_over_profile: HistogramVec,
+    /// `tidegate_worker_frames_total{worker,status}`: frames each worker
+    /// answered, by the status it answered.
+    pub worker_frames: IntCounterVec,
+}
+
+/// The `worker` label of each connected worker: its name while fewer than
+/// [`MAX_WORKER_LABELS`] names are labelled, else [`OTHER_WORKERS`].
+/// Connections of one name share its label; a label's series are removed
+/// when its last connection goes ([`WorkerLabels::release`]), so the
+/// series count follows the fleet, not its history.
+#[derive(Debug, Default)]
+pub struct WorkerLabels {
+    /// Label to the connections holding it.
+    held: std::collections::HashMap<String, usize>,
+}
+
+impl WorkerLabels {
+    /// The label of a connection of worker `name`, held until released.
+    pub fn acquire(&mut self, name: &str) -> String {
+        let named = self.held.len() - usize::from(self.held.contains_key(OTHER_WORKERS));
+        let label = if self.held.contains_key(name) || named < MAX_WORKER_LABELS {
+            name
+        } else {
+            OTHER_WORKERS
+        };
+        *self.held.entry(label.to_string()).or_insert(0) += 1;
+        label.to_string()
+    }
+
+    /// A connection holding `label` went; the label once no connection
+    /// holds it any more (its series are to be removed).
+    pub fn release(&mut self, label: &str) -> Option<String> {
+        let n = self.held.get_mut(label)?;
+        *n -= 1;
+        if *n > 0 {
+            return None;
+        }
+        self.held.remove(label);
+        Some(label.to_string())
+    }
+
+    /// Labels held now.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// No label is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
 }
 
 /// Every value each fixed label takes, exported at 0 from the start: a
@@ -137,7 +210,8 @@ pub struct Metrics {
 /// `increase()`, and an alert on it needs one more.
 pub mod known {
     /// `tidegate_frames_total{status}` (with each model, as it becomes
-    /// known: [`super::Metrics::model_known`]).
+    /// known: [`super::Metrics::model_known`]), and
+    /// `tidegate_worker_frames_total{status}` (with each worker label).
     pub const FRAME_STATUSES: [&str; 4] = ["ok", "shed", "expired", "failed"];
     /// `tidegate_frames_rejected_total{reason}`.
     pub const REJECTED: [&str; 7] = [
@@ -393,6 +467,40 @@ impl Metrics {
                 &["version"],
             )
             .expect("valid gauge"),
+            queue_depth: IntGaugeVec::new(
+                Opts::new(
+                    "tidegate_queue_depth",
+                    "Frames queued in the gateway and not yet dispatched, by model.",
+                ),
+                &["model"],
+            )
+            .expect("valid gauge"),
+            worker_batch: HistogramVec::new(
+                HistogramOpts::new(
+                    "tidegate_worker_batch_seconds",
+                    "Run time of each batch, by worker name (at most 64 names; the rest are worker=\"other\") and model.",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["worker", "model"],
+            )
+            .expect("valid histogram"),
+            worker_batch_over_profile: HistogramVec::new(
+                HistogramOpts::new(
+                    "tidegate_worker_batch_over_profile",
+                    "Run time of each batch over what the worker's registered profile says a batch of its size takes, by worker and model.",
+                )
+                .buckets(RATIO_BUCKETS.to_vec()),
+                &["worker", "model"],
+            )
+            .expect("valid histogram"),
+            worker_frames: IntCounterVec::new(
+                Opts::new(
+                    "tidegate_worker_frames_total",
+                    "Frames each worker answered, by worker name and the status it answered (ok, shed, expired, failed).",
+                ),
+                &["worker", "status"],
+            )
+            .expect("valid counter"),
             registry,
         };
         for c in m.collectors() {
@@ -462,8 +570,31 @@ impl Metrics {
         for s in known::FRAME_STATUSES {
             self.frames.with_label_values(&[model, s]);
         }
+        self.queue_depth.with_label_values(&[model]);
         for r in known::DEMOTIONS {
             self.worker_demotions.with_label_values(&[model, r]);
+        }
+    }
+
+    /// A worker label came into use ([`WorkerLabels::acquire`]): its frame
+    /// counters are exported at 0 from now on.
+    pub fn worker_known(&self, label: &str) {
+        for s in known::FRAME_STATUSES {
+            self.worker_frames.with_label_values(&[label, s]);
+        }
+    }
+
+    /// No connection holds worker label `label` any more: its series go
+    /// (those of `models`, the models its connections served).
+    pub fn worker_gone<'a>(&self, label: &str, models: impl IntoIterator<Item = &'a str>) {
+        for s in known::FRAME_STATUSES {
+            let _ = self.worker_frames.remove_label_values(&[label, s]);
+        }
+        for m in models {
+            let _ = self.worker_batch.remove_label_values(&[label, m]);
+            let _ = self
+                .worker_batch_over_profile
+                .remove_label_values(&[label, m]);
         }
     }
 
@@ -503,6 +634,10 @@ impl Metrics {
             Box::new(self.leased_busy.clone()),
             Box::new(self.leased_paid.clone()),
             Box::new(self.lease_frames.clone()),
+            Box::new(self.queue_depth.clone()),
+            Box::new(self.worker_batch.clone()),
+            Box::new(self.worker_batch_over_profile.clone()),
+            Box::new(self.worker_frames.clone()),
         ]
     }
 
@@ -552,7 +687,32 @@ impl Default for Metrics {
 
 #[cfg(test)]
 mod tests {
-    use super::Metrics;
+    use super::{MAX_WORKER_LABELS, Metrics, OTHER_WORKERS, WorkerLabels};
+
+    /// Names are labels up to the bound, the rest share `other`; a label
+    /// is released (its series to go) with its last connection only.
+    #[test]
+    fn worker_labels_are_bounded_shared_by_name_and_released_with_the_last_connection() {
+        let mut l = WorkerLabels::default();
+        for i in 0..MAX_WORKER_LABELS {
+            assert_eq!(l.acquire(&format!("w{i}")), format!("w{i}"));
+        }
+        assert_eq!(l.acquire("w0"), "w0", "a second connection of a name");
+        assert_eq!(l.acquire("late-1"), OTHER_WORKERS);
+        assert_eq!(l.acquire("late-2"), OTHER_WORKERS);
+        assert_eq!(l.len(), MAX_WORKER_LABELS + 1);
+        assert_eq!(l.release("w0"), None, "one connection of w0 remains");
+        assert_eq!(l.release("w0"), Some("w0".to_string()));
+        assert_eq!(l.release("w0"), None, "released twice is a no-op");
+        assert_eq!(l.acquire("late-3"), "late-3", "a freed name slot is reused");
+        assert_eq!(l.release(OTHER_WORKERS), None);
+        assert_eq!(l.release(OTHER_WORKERS), Some(OTHER_WORKERS.to_string()));
+        for i in 1..MAX_WORKER_LABELS {
+            l.release(&format!("w{i}"));
+        }
+        l.release("late-3");
+        assert!(l.is_empty());
+    }
 
     #[test]
     fn every_series_is_named_before_it_has_a_value() {
@@ -569,7 +729,7 @@ mod tests {
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
         let process = names.iter().filter(|n| n.starts_with("process_")).count();
         assert!(process >= 5, "{names:?}");
-        assert_eq!(names.len() - process, 34 + 5 * 2, "{names:?}");
+        assert_eq!(names.len() - process, 38 + 7 * 2, "{names:?}");
     }
 
     #[test]

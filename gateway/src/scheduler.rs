@@ -505,6 +505,13 @@ impl ModelProfile {
     }
 }
 
+/// What a worker's profile `points` (batch size, µs; sorted by batch size)
+/// say a batch of `batch` frames takes, in µs: piecewise linear, and
+/// linear per frame beyond the last point. `points` must not be empty.
+pub fn profile_latency_us(points: &[(u16, u32)], batch: u16) -> f64 {
+    interpolate(points, batch, 0)
+}
+
 /// Piecewise-linear latency at `batch` from sorted profile points; beyond the
 /// last point it grows linearly per frame; with no points, the default.
 fn interpolate(points: &[(u16, u32)], batch: u16, default_latency_us: u32) -> f64 {
@@ -681,6 +688,11 @@ impl Scheduler {
     /// Frames queued for `model`.
     pub fn queue_len(&self, model: &str) -> usize {
         self.queues.get(model).map_or(0, BTreeSet::len)
+    }
+
+    /// Frames queued for each model that has had a queue (0 once drained).
+    pub fn queue_lens(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.queues.iter().map(|(m, q)| (m.as_str(), q.len()))
     }
 
     /// The next time something is due (a queued frame expires, or held
