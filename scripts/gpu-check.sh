@@ -184,6 +184,10 @@ if ((!rehearse)); then
   [ -e "$kit/lib/libnvrtc.so" ] || fail "NVRTC" "no libnvrtc.so.1x found in ${dirs[*]:-(no folder)}"
 fi
 
+# The CA the worker configs name: check-config reads it as the link would.
+"$kit/e2e/tidegate-gateway" dev-certs --out "$kit/certs" >/dev/null \
+  || die "cannot make a development CA with e2e/tidegate-gateway dev-certs"
+
 # worker_config PROVIDER [MODEL [SEARCH]]: writes KIT/w-PROVIDER.toml, or
 # KIT/w-PROVIDER-MODEL-SEARCH.toml (MODEL, default BlazeFace, only; SEARCH:
 # cuDNN's conv_algo_search on CUDA).
@@ -195,7 +199,7 @@ name = "gpu-check"
 token = "unused"
 [gateway]
 addr = "127.0.0.1:9"
-ca = "ca.pem"
+ca = "$kit/certs/ca.pem"
 [models]
 dir = "$kit/models"
 only = ["$model"]

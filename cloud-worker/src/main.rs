@@ -214,10 +214,19 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
     }
     if cli_is_check(&cli) {
+        // the CA the link will trust, read as the link reads it
+        tidegate_protocol::quic::client_config(&cfg.gateway.ca).with_context(|| {
+            format!(
+                "the CA certificate {} (gateway.ca, or --ca)",
+                cfg.gateway.ca.display()
+            )
+        })?;
         println!(
-            "config ok: {} model(s) load and run on {device}",
-            models.len()
+            "config ok: {} model(s) load and run on {device}, trusting {}",
+            models.len(),
+            cfg.gateway.ca.display()
         );
+        println!("  gateway {} as {}", cfg.gateway.addr, cfg.name);
         for m in &models {
             if let Some(p) = backend.preprocessing(&m.name) {
                 println!("  {}: preprocessing on {p}", m.name);

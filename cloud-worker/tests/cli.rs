@@ -27,6 +27,8 @@ fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
 /// [`check_config`].
 fn worker(addr: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
     let dir = tempfile::tempdir().unwrap();
+    // the CA the config trusts: check-config reads it as the link does
+    tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
     let cfg = dir.path().join("w.toml");
     let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
     std::fs::write(
@@ -65,6 +67,23 @@ fn gateway_host_names_from_the_environment_and_the_file_pass_check_config() {
 
     let out = check_config("gw.example.com:4433", &[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
+/// The CA the link will trust is read as the link reads it: a config whose
+/// CA is missing fails the check, naming the file and the setting.
+#[test]
+fn a_missing_ca_fails_check_config_naming_the_file_and_the_setting() {
+    let out = worker(
+        "127.0.0.1:9",
+        &[],
+        &["--ca", "/no/such/ca.pem", "check-config"],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("/no/such/ca.pem") && stderr.contains("gateway.ca"),
+        "{stderr}"
+    );
 }
 
 #[test]

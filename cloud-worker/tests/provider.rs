@@ -76,6 +76,8 @@ fn cuda_on_a_cpu_build_with_cpu_fallback_serves_on_the_cpu() {
 /// given extra runtime lines: (exit code, stdout, stderr).
 fn check_config(extra: &str) -> (Option<i32>, String, String) {
     let dir = tempfile::tempdir().unwrap();
+    // the CA the config trusts: check-config reads it as the link does
+    tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
     let cfg = dir.path().join("w.toml");
     std::fs::write(
         &cfg,

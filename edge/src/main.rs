@@ -74,10 +74,10 @@ struct Cli {
 enum Command {
     /// Run the edge (the default).
     Run,
-    /// Load and validate the config, print it (secrets redacted), and check
-    /// every camera as `run` would before reaching the gateway (its entry,
-    /// its URI, that a local file exists); exit non-zero naming each camera
-    /// that would be disabled.
+    /// Load and validate the config, read the CA files it names, print a
+    /// short summary (no secrets), and check every camera as `run` would
+    /// before reaching the gateway (its entry, its URI, that a local file
+    /// exists); exit non-zero naming each camera that would be disabled.
     CheckConfig,
 }
 
@@ -105,10 +105,15 @@ fn main() -> anyhow::Result<()> {
     let cfg = load_config(&cli)?;
     match cli.command {
         Some(Command::CheckConfig) => {
-            println!("{cfg:#?}");
-            if let Some(client) = webhook_client(&cfg)? {
-                println!("webhook client: {client:?}");
-            }
+            // the CA the uplink will trust, read as the uplink reads it
+            tidegate_protocol::quic::client_config(&cfg.gateway.ca).with_context(|| {
+                format!(
+                    "the CA certificate {} (gateway.ca, --ca or TIDEGATE_CA)",
+                    cfg.gateway.ca.display()
+                )
+            })?;
+            let webhook = webhook_client(&cfg)?;
+            println!("{}", summary(&cfg, webhook.as_ref()));
             // The checks `run` makes before it reaches the gateway: the
             // entry, the URI, and that a local file exists.
             let bad: Vec<String> = cfg
@@ -138,6 +143,54 @@ fn main() -> anyhow::Result<()> {
                 Some(cli.summary_every),
             )),
     }
+}
+
+/// Most cameras `check-config` lists one by one.
+const CAMERAS_LISTED: usize = 8;
+
+/// What `check-config` prints of a good config: a few lines, no secrets.
+fn summary(cfg: &EdgeConfig, webhook: Option<&Client>) -> String {
+    let g = &cfg.gateway;
+    let mut lines = vec![
+        format!("edge     {} ({} camera(s))", cfg.name, cfg.cameras.len()),
+        format!(
+            "gateway  {} (server name {}, CA {}, congestion {})",
+            g.addr,
+            g.server_name,
+            g.ca.display(),
+            g.congestion
+        ),
+    ];
+    for c in cfg.cameras.iter().take(CAMERAS_LISTED) {
+        lines.push(format!(
+            "camera   {}: {} -> {}, {} ms budget",
+            c.name, c.uri, c.model, c.budget_ms
+        ));
+    }
+    if cfg.cameras.len() > CAMERAS_LISTED {
+        lines.push(format!(
+            "camera   … {} more",
+            cfg.cameras.len() - CAMERAS_LISTED
+        ));
+    }
+    let mut sinks = Vec::new();
+    if cfg.sinks.stdout {
+        sinks.push("stdout".to_string());
+    }
+    if let Some(f) = &cfg.sinks.file {
+        sinks.push(format!("file {}", f.display()));
+    }
+    if let (Some(url), Some(c)) = (&cfg.sinks.webhook, webhook) {
+        sinks.push(format!("webhook {url} ({})", c.describe()));
+    }
+    if let Some(m) = &cfg.sinks.mqtt {
+        sinks.push(format!("mqtt {} topic {}", m.url, m.topic));
+    }
+    if sinks.is_empty() {
+        sinks.push("none".into());
+    }
+    lines.push(format!("sinks    {}", sinks.join(", ")));
+    lines.join("\n")
 }
 
 /// The webhook's client (its TLS set up, the CA file read), when the config

@@ -17,6 +17,8 @@ fn check_config(addr: &str, env: &[(&str, &str)]) -> Output {
 /// [`check_config`] with `more` appended to the file.
 fn check_config_with(addr: &str, more: &str, env: &[(&str, &str)]) -> Output {
     let dir = tempfile::tempdir().unwrap();
+    // the CA the config trusts: check-config reads it as the uplink does
+    tidegate_protocol::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
     let cfg = dir.path().join("edge.toml");
     std::fs::write(
         &cfg,
@@ -52,18 +54,16 @@ fn gateway_host_names_from_the_environment_and_the_file_pass_check_config() {
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(
-        stdout.contains("addr: GatewayAddr(gw.example.com:4433)")
-            && stdout.ends_with("config ok\n"),
+        stdout.contains("gateway  gw.example.com:4433 (")
+            && stdout.ends_with("config ok\n")
+            && stdout.lines().count() < 10,
         "{stdout}"
     );
 
     let out = check_config("localhost:4433", &[]);
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    assert!(
-        stdout.contains("addr: GatewayAddr(localhost:4433)"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("gateway  localhost:4433 ("), "{stdout}");
 }
 
 #[test]
@@ -98,7 +98,7 @@ fn check_config_sets_up_an_https_webhook_and_refuses_a_ca_it_cannot_use() {
     let out = text(&ok.stdout);
     assert!(ok.status.success(), "{out}{}", text(&ok.stderr));
     assert!(
-        out.contains("tls: true") && out.contains("authorization: Some"),
+        out.contains("webhook https://collector.example/hook (TLS, bearer token)"),
         "{out}"
     );
     assert!(!out.contains("s3cret"), "the token is printed: {out}");
@@ -112,6 +112,20 @@ fn check_config_sets_up_an_https_webhook_and_refuses_a_ca_it_cannot_use() {
     assert!(
         err.contains("sinks.webhook") && err.contains("nowhere/ca.pem"),
         "{err}"
+    );
+}
+
+#[test]
+fn a_gateway_ca_that_is_missing_fails_check_config_naming_the_file_and_the_setting() {
+    let out = check_config(
+        "127.0.0.1:4433",
+        &[("TIDEGATE_CA", "/no/such/gateway-ca.pem")],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("/no/such/gateway-ca.pem") && stderr.contains("gateway.ca"),
+        "{stderr}"
     );
 }
 

@@ -24,6 +24,8 @@
 //!   hold an edge's control messages to a rate.
 //! - [`config`]: the `Config` file and flags.
 //! - [`certs`]: dev CA and certificates (`tidegate-gateway dev-certs`).
+//! - [`preflight`]: `tidegate-gateway check-config`, every file and port
+//!   `run` needs, checked without running.
 //! - [`simulate`]: `tidegate-gateway simulate`, a trace replayed through the
 //!   autoscaler.
 
@@ -39,6 +41,7 @@ pub mod http_listener;
 pub mod hub;
 pub mod leasing;
 pub mod metrics;
+pub mod preflight;
 pub mod ratelimit;
 pub mod reload;
 pub mod scheduler;

@@ -44,7 +44,10 @@ struct Cli {
 enum Command {
     /// Run the gateway (the default).
     Run,
-    /// Load and validate the config, print the effective settings, exit.
+    /// Check what `run` needs without running: the config, every file it
+    /// names (TLS certificate and key, catalog, ledger, the provider's
+    /// tools) and the listen ports; print a short summary, exit 1 on a
+    /// failed check.
     CheckConfig,
     /// Generate a development CA and gateway certificate (never commit them).
     DevCerts {
@@ -154,8 +157,9 @@ fn main() -> anyhow::Result<()> {
         }
         Some(Command::CheckConfig) => {
             let cfg = load_config(&cli)?;
-            println!("{cfg:#?}");
-            println!("config ok");
+            let text =
+                tidegate_gateway::preflight::report(&cfg).map_err(|t| anyhow::anyhow!("{t}"))?;
+            println!("{text}");
             Ok(())
         }
         Some(Command::Run) | None => {
@@ -190,11 +194,12 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
         cfg.quic.congestion,
     )
     .context("loading the gateway's TLS certificate")?;
+    use tidegate_gateway::preflight::{Listener, bind_error};
     let endpoint = quinn::Endpoint::server(server_config, cfg.quic.listen)
-        .with_context(|| format!("binding QUIC on {}", cfg.quic.listen))?;
+        .map_err(|e| anyhow::anyhow!("{}", bind_error(Listener::Quic, cfg.quic.listen, &e)))?;
     let http = tokio::net::TcpListener::bind(cfg.http.listen)
         .await
-        .with_context(|| format!("binding HTTP on {}", cfg.http.listen))?;
+        .map_err(|e| anyhow::anyhow!("{}", bind_error(Listener::Http, cfg.http.listen, &e)))?;
     // Printed for scripts and tests that bind port 0.
     println!(
         "listening quic={} http={}",

@@ -1537,7 +1537,10 @@ fn the_cuda_worker_image_holds_all_that_its_cuda_path_loads_but_the_driver_and_r
     let config = args[1].clone();
     root.mount(&config, toml::to_string(&d.worker_toml).unwrap().as_bytes());
     let ca = string(&d.worker_toml["gateway"]["ca"]);
-    root.mount(&ca, b"");
+    // a real CA: check-config reads it as the worker's link does
+    let certs = tempfile::tempdir().unwrap();
+    let made = tidegate_gateway::certs::generate(certs.path(), &["localhost".to_string()]).unwrap();
+    root.mount(&ca, &std::fs::read(&made.ca_cert).unwrap());
     let run = |more: &[&str]| {
         let mut all = args.clone();
         all.extend(more.iter().map(|s| s.to_string()));

@@ -199,6 +199,17 @@ impl Client {
         })
     }
 
+    /// How it sends, for `check-config`: TLS or not, and whether a bearer
+    /// token goes with each request (never the token).
+    pub fn describe(&self) -> &'static str {
+        match (self.tls.is_some(), self.authorization.is_some()) {
+            (true, true) => "TLS, bearer token",
+            (true, false) => "TLS, no token",
+            (false, true) => "plain HTTP, bearer token",
+            (false, false) => "plain HTTP, no token",
+        }
+    }
+
     /// The endpoint.
     pub fn endpoint(&self) -> &Endpoint {
         &self.endpoint
