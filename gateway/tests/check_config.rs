@@ -121,3 +121,13 @@ fn a_port_in_use_names_the_flag_in_the_check_and_in_run() {
         "{t}"
     );
 }
+
+#[test]
+fn the_version_is_the_binarys_name_and_the_workspaces_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = gateway(dir.path(), &["--version"]);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        format!("tidegate-gateway {}", env!("CARGO_PKG_VERSION"))
+    );
+}

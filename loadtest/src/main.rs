@@ -144,9 +144,30 @@ struct Cli {
     /// retransmission within the budget.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=3))]
     copies: u8,
+    /// Print a progress line on stderr (sent, ok, shed, p99 so far) every
+    /// this many seconds; 0: none.
+    #[arg(long, default_value_t = 1.0, value_parser = progress_secs)]
+    progress: f64,
+    /// With --local: once the run is done, keep the gateway and workers up
+    /// (their URLs are printed) until interrupted (Ctrl-C or SIGTERM), for
+    /// a look at the status page, the metrics and the API.
+    #[arg(long, requires = "local")]
+    keep_up: bool,
     /// Log filter.
     #[arg(long, env = "TIDEGATE_LOG", default_value = "warn")]
     log: String,
+}
+
+/// `--progress`: seconds between progress lines, 0 for none.
+fn progress_secs(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if v == 0.0 || (0.1..=3600.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{v} is not 0 (no progress) or in [0.1, 3600] seconds"
+        ))
+    }
 }
 
 /// What the binary can do besides the load generator (which its flat flags
@@ -700,6 +721,11 @@ fn main() -> anyhow::Result<()> {
             c.spawn_worker_serving(&format!("worker-{i}"), &repository, &serve)?;
         }
         c.wait_for_workers(cli.workers, Duration::from_secs(60))?;
+        eprintln!(
+            "gateway: quic {}, status page http://{http}/, metrics http://{http}/metrics, API http://{http}/api/v1/",
+            c.quic,
+            http = c.http
+        );
         let out = (GatewayAddr::from(c.quic), c.ca(), c.edge_token.clone());
         cluster = Some(c);
         out
@@ -740,7 +766,8 @@ fn main() -> anyhow::Result<()> {
         drop(cluster);
         return result;
     }
-    let report = runtime.block_on(sim::run(&opts))?;
+    let every = (cli.progress > 0.0).then(|| Duration::from_secs_f64(cli.progress));
+    let report = runtime.block_on(sim::run_with_progress(&opts, every))?;
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
     if let Some(p) = &cli.report {
@@ -749,6 +776,13 @@ fn main() -> anyhow::Result<()> {
     if let Some(p) = &cli.svg {
         write_atomically(p, tidegate_loadtest::svg::render(&report))
             .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let (true, Some(c)) = (cli.keep_up, &cluster) {
+        eprintln!(
+            "keeping the cluster up: status page http://{http}/, metrics http://{http}/metrics; Ctrl-C or SIGTERM ends it",
+            http = c.http
+        );
+        runtime.block_on(tidegate_kit::signal::shutdown());
     }
     drop(cluster);
     if let Some(min) = cli.min_slo_attainment {

@@ -736,6 +736,31 @@ async fn keep_connected(
 
 /// Runs the simulation and returns its report.
 pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
+    run_with_progress(opts, None).await
+}
+
+/// One line of progress: the time since the run began and what has
+/// happened so far, with the p99 of the results in.
+pub fn progress_line(elapsed: Duration, r: &Report, p99_ms: Option<f64>) -> String {
+    let p99 = p99_ms.map_or_else(|| "-".to_string(), |p| format!("{p:.1} ms"));
+    format!(
+        "progress {:>5.1} s: sent {} ok {} ({} within budget) shed {} expired {} failed {} p99 {p99}",
+        elapsed.as_secs_f64(),
+        r.sent,
+        r.ok,
+        r.ok_within_budget,
+        r.shed,
+        r.expired,
+        r.failed
+    )
+}
+
+/// [`run`], printing a [`progress_line`] on stderr every `every` while it
+/// runs.
+pub async fn run_with_progress(
+    opts: &SimOptions,
+    every: Option<Duration>,
+) -> Result<Report, SimError> {
     if !FPS_RANGE.contains(&opts.fps) {
         return Err(SimError::Fps(opts.fps));
     }
@@ -797,6 +822,25 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
         stop.clone(),
     ));
 
+    let progress = every.map(|every| {
+        let (report, hist, stop) = (tally.report.clone(), tally.hist.clone(), stop.clone());
+        let began = tally.started;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(began + every, every);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let r = report.lock().expect("report lock").clone();
+                let p99 = {
+                    let h = hist.lock().expect("histogram lock");
+                    (h.len() > 0).then(|| h.value_at_quantile(0.99) as f64 / 1000.0)
+                };
+                eprintln!("{}", progress_line(began.elapsed(), &r, p99));
+            }
+        })
+    });
     // An open-loop schedule per camera: see [`Schedule`].
     let (start, start_us) = (tokio::time::Instant::now(), clock::now_us());
     let budget_us = frame_budget_us(opts.budget_ms);
@@ -865,6 +909,9 @@ pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
     let waiting = tally.ledger.lock().expect("ledger lock").settle(&mut rep);
     drop(sends);
     stop.cancel();
+    if let Some(p) = progress {
+        let _ = p.await;
+    }
     let _ = tokio::time::timeout(Duration::from_secs(5), link).await;
     debug_assert_eq!(
         rep.sent + rep.send_errors + rep.throttled + rep.unsent + rep.pending,

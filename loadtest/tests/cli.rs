@@ -27,6 +27,8 @@ fn a_local_run_writes_the_json_report_and_its_svg() {
             "2",
             "--min-slo-attainment",
             "0.5",
+            "--progress",
+            "0.5",
         ])
         .arg("--report")
         .arg(&json)
@@ -41,6 +43,24 @@ fn a_local_run_writes_the_json_report_and_its_svg() {
         .expect("tidegate-loadtest runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}\n{stderr}", out.status);
+    // its gateway's URLs, and progress while it ran
+    assert!(
+        stderr.contains("gateway: quic 127.0.0.1:")
+            && stderr.contains("status page http://127.0.0.1:"),
+        "{stderr}"
+    );
+    let progress: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("progress "))
+        .collect();
+    assert!(!progress.is_empty(), "no progress line: {stderr}");
+    assert!(
+        progress.iter().all(|l| l.contains(" sent ")
+            && l.contains(" ok ")
+            && l.contains(" shed ")
+            && l.contains(" p99 ")),
+        "{progress:?}"
+    );
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).expect("JSON report");
     let sent = report["sent"].as_u64().unwrap();
@@ -122,6 +142,17 @@ fn flags_it_cannot_honour_are_refused_before_anything_starts() {
             stderr.contains("--min-slo-attainment") && stderr.contains(bad),
             "{bad}: {stderr}"
         );
+    }
+    for bad in [["--keep-up", "--seconds=1"], ["--local", "--progress=0.01"]] {
+        let out = loadtest(&bad);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {stderr}");
+        let flag = if bad[0] == "--keep-up" {
+            "--local"
+        } else {
+            "--progress"
+        };
+        assert!(stderr.contains(flag), "{bad:?}: {stderr}");
     }
     let out = loadtest(&["--local", "--min-slo-attainment=1.5"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -259,4 +290,85 @@ fn the_shipped_scenarios_are_valid() {
         n += 1;
     }
     assert!(n >= 1, "no scenario in {}", dir.display());
+}
+
+/// `--keep-up` keeps the local cluster up after the run, its status page
+/// answering, until SIGTERM, on which it exits 0 and takes the cluster
+/// down.
+#[test]
+fn keep_up_keeps_the_local_cluster_up_until_sigterm() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tidegate-loadtest"))
+        .args(["--local", "--cameras", "1", "--fps", "5", "--seconds", "1"])
+        .args(["--progress", "0", "--keep-up"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tidegate-loadtest runs");
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut seen = Vec::new();
+    let http = loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        let Ok(line) = rx.recv_timeout(left) else {
+            let _ = child.kill();
+            panic!("no keep-up line within the guard: {seen:?}");
+        };
+        if let Some(rest) = line.strip_prefix("keeping the cluster up: status page http://") {
+            break rest.split('/').next().unwrap().to_string();
+        }
+        seen.push(line);
+    };
+    let mut conn = std::net::TcpStream::connect(&http).expect("the gateway still listens");
+    conn.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        conn,
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    tidegate_kit::signal::terminate(pid).expect("SIGTERM sent");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            panic!("still up 30 s after SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(
+        std::net::TcpStream::connect(&http).is_err(),
+        "the gateway outlived the load generator"
+    );
+}
+
+/// Each binary of the package names itself, with the workspace's version.
+#[test]
+fn every_binary_prints_its_own_name_and_version() {
+    for (name, exe) in [
+        ("tidegate-loadtest", env!("CARGO_BIN_EXE_tidegate-loadtest")),
+        ("tidegate-bench", env!("CARGO_BIN_EXE_tidegate-bench")),
+        ("tidegate-baseline", env!("CARGO_BIN_EXE_tidegate-baseline")),
+    ] {
+        let out = Command::new(exe).arg("--version").output().unwrap();
+        assert!(out.status.success(), "{name}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("{name} {}", env!("CARGO_PKG_VERSION"))
+        );
+    }
 }

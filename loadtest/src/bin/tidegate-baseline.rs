@@ -32,7 +32,7 @@ use tidegate_loadtest::kserve::baseline::{self, Baseline, BaselineOptions};
 ///
 ///   tidegate-baseline --model-dir models/blazeface --sessions 2 --threads 1 --port 8000
 #[derive(Debug, Parser)]
-#[command(version, about, long_about)]
+#[command(name = "tidegate-baseline", version, about, long_about)]
 struct Cli {
     /// The model's folder.
     #[arg(long, default_value = "models/blazeface")]
