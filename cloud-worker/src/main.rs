@@ -300,6 +300,8 @@ async fn serve(
     let mut backoff = link::redial_backoff(&link.name);
     let mut attempt = 0u32;
     let mut down_since: Option<Instant> = None;
+    // one WARN for an outage, then one every 30 s: not one per redial
+    let mut outage = tidegate_kit::backoff::Outage::new(Duration::from_secs(30));
     loop {
         let began = Instant::now();
         let result = link::run(link, executor.clone(), register.clone(), cancel.clone()).await;
@@ -315,6 +317,9 @@ async fn serve(
         if backoff.reset_if_up_for(began.elapsed(), STABLE) {
             attempt = 0;
             down_since = None;
+            if let Some((attempts, down_for)) = outage.recovered(began) {
+                tracing::info!(attempts, ?down_for, "the link to the gateway was back");
+            }
         }
         let since = *down_since.get_or_insert_with(Instant::now);
         if since.elapsed() >= reconnect {
@@ -326,11 +331,19 @@ async fn serve(
         }
         let delay = backoff.next_delay();
         attempt += 1;
-        tracing::warn!(
-            attempt,
-            ?delay,
-            "link to the gateway lost ({why}); redialling"
-        );
+        match outage.failed(Instant::now()) {
+            tidegate_kit::backoff::Loudness::Warn { down_for, .. } => tracing::warn!(
+                attempt,
+                ?delay,
+                ?down_for,
+                "link to the gateway lost ({why}); redialling"
+            ),
+            tidegate_kit::backoff::Loudness::Debug => tracing::debug!(
+                attempt,
+                ?delay,
+                "link to the gateway lost ({why}); redialling"
+            ),
+        }
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = cancel.cancelled() => return Ok(link::LinkEnd::Closed),

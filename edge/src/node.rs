@@ -53,7 +53,7 @@ use crate::sink::{FinishError, Sinks};
 use crate::uplink::{
     FrameEnds, Incoming, Lane, LaneStats, Unanswered, Uplink, UplinkError, UplinkOptions,
 };
-use tidegate_kit::backoff::Backoff;
+use tidegate_kit::backoff::{Backoff, Loudness, Outage};
 
 /// How long a finished camera waits for its frames in flight to settle.
 const SETTLE: Duration = Duration::from_secs(5);
@@ -90,6 +90,10 @@ pub const REDIAL_BASE: Duration = Duration::from_millis(200);
 /// so a gateway that accepts and then drops the edge at once is redialled
 /// once a second at most, not five times a second.
 pub const REDIAL_MAX: Duration = Duration::from_secs(1);
+
+/// While the gateway stays unreachable, a WARN line this often (with the
+/// attempts and how long it has been); the redials between are DEBUG.
+pub const OUTAGE_REMINDER: Duration = Duration::from_secs(30);
 /// Longest one dial may take to get a QUIC connection up. A dial into a
 /// dead link backs its Initial packets off (sent at 0, ~1 s, ~3 s, ~7 s at
 /// QUIC's default initial RTT): past this one is abandoned and, after the
@@ -365,16 +369,21 @@ impl FromLink {
     }
 }
 
-/// Logs, by camera, the frames [`Unanswered`] has just counted lost with
-/// a connection (`lost_connection`).
+/// Logs the frames [`Unanswered`] has just counted lost with a connection
+/// (`lost_connection`): one line for the connection, naming the cameras
+/// (each camera's count is in its `camera_stats`).
 fn lost_with_connection(lost: std::collections::BTreeMap<String, u64>, why: &str) {
-    for (camera, frames) in lost {
-        warn!(
-            camera,
-            frames,
-            "frames acknowledged by the gateway lost with the connection ({why}): their results never came"
-        );
+    if lost.is_empty() {
+        return;
     }
+    let frames: u64 = lost.values().sum();
+    let cameras: Vec<&str> = lost.keys().map(String::as_str).collect();
+    warn!(
+        frames,
+        cameras = cameras.len(),
+        "frames acknowledged by the gateway lost with the connection ({why}): their results never came (cameras {})",
+        cameras.join(", ")
+    );
 }
 
 /// What [`run`] returns.
@@ -722,6 +731,9 @@ async fn link(
         }
     };
     let mut backoff = Backoff::seeded(REDIAL_BASE, REDIAL_MAX, &cfg.name);
+    // one WARN for an outage, then one every OUTAGE_REMINDER: not one per
+    // redial
+    let mut outage = Outage::new(OUTAGE_REMINDER);
     let mut connected_before = false;
     loop {
         // Resolved at every dial: a redial follows a gateway that moved.
@@ -746,7 +758,12 @@ async fn link(
             // passing: retried like the gateway's.
             Err(e) if e.retryable() || (connected_before && e.is_local()) => {
                 let delay = backoff.next_delay();
-                warn!("{e}; retrying in {delay:?}");
+                match outage.failed(std::time::Instant::now()) {
+                    Loudness::Warn { attempts, down_for } => {
+                        warn!(attempts, ?down_for, "{e}; retrying in {delay:?}");
+                    }
+                    Loudness::Debug => debug!("{e}; retrying in {delay:?}"),
+                }
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = tokio::time::sleep(delay) => continue,
@@ -760,7 +777,12 @@ async fn link(
         };
         connected_before = true;
         let up_since = Instant::now();
-        info!(addr = %uplink.remote_address(), "connected");
+        match outage.recovered(std::time::Instant::now()) {
+            Some((attempts, down_for)) => {
+                info!(addr = %uplink.remote_address(), attempts, ?down_for, "connected again")
+            }
+            None => info!(addr = %uplink.remote_address(), "connected"),
+        }
         hints_tx.send_modify(|h| *h = HintBoard::default());
         link_tx.send_replace(Some(uplink.clone()));
         loop {
@@ -817,6 +839,8 @@ async fn link(
             );
         }
         let delay = backoff.next_delay();
+        // the outage's one loud line; the redials that fail are quiet
+        let _ = outage.failed(std::time::Instant::now());
         warn!(
             "connection to the gateway lost ({why}); frames are dropped until it is back; reconnecting in {delay:?}"
         );
@@ -1131,11 +1155,22 @@ async fn camera(
                     }
                     Err(e) if e.retryable() => {
                         if uplink.is_closed() {
-                            warn!("{e}; opening the camera again once the gateway is redialled");
+                            // the link logs the connection's loss once
+                            debug!("{e}; opening the camera again once the gateway is redialled");
                             open_on = None;
                             stats.set_state("waiting");
                         } else {
-                            warn!("{e}; retrying in 1 s");
+                            let first = match &e {
+                                UplinkError::Refused { code, .. } => {
+                                    uplink.first_refusal(*code, &cam.model)
+                                }
+                                _ => true,
+                            };
+                            if first {
+                                warn!("{e}; retrying in 1 s (cameras of model {} refused alike on this connection retry quietly)", cam.model);
+                            } else {
+                                debug!("{e}; retrying in 1 s");
+                            }
                             open_at = Some(Instant::now() + Duration::from_secs(1));
                         }
                     }
@@ -1212,7 +1247,12 @@ async fn camera(
                             outbound.handed(bytes);
                         }
                         Err(e) => {
-                            warn!("sending a frame: {e}; dropping frames until the camera is open again");
+                            if matches!(e, UplinkError::Lost(_)) {
+                                // the link logs the connection's loss once
+                                debug!("sending a frame: {e}; dropping frames until the camera is open again");
+                            } else {
+                                warn!("sending a frame: {e}; dropping frames until the camera is open again");
+                            }
                             stats.dropped_outage.fetch_add(1, Ordering::Relaxed);
                             lane = None;
                         }

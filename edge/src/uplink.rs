@@ -24,7 +24,7 @@
 //! This module has no GStreamer dependency, so `tidegate-loadtest`'s
 //! simulated cameras use it too.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -179,6 +179,9 @@ pub struct Uplink {
     order: Arc<SendOrder>,
     /// Windows in which a camera found the connection pressed.
     pressure: Arc<UplinkPressure>,
+    /// The kinds of camera refusal already logged on this connection
+    /// ([`Uplink::first_refusal`]).
+    refusals: Arc<Mutex<HashSet<(ErrorCode, String)>>>,
 }
 
 /// The windows in which one of a connection's cameras found its uplink
@@ -377,6 +380,7 @@ impl Uplink {
                 copies,
                 order: Arc::default(),
                 pressure: Arc::default(),
+                refusals: Arc::default(),
             },
             in_rx,
         ))
@@ -534,6 +538,17 @@ impl Uplink {
     /// Waits until the connection is gone and says why.
     pub async fn closed(&self) -> String {
         self.conn.closed().await.to_string()
+    }
+
+    /// Whether this is the first refusal with `code` for a camera of
+    /// `model` on this connection: cameras refused alike (no worker for
+    /// their model yet, while a gateway restarts) are logged once per
+    /// connection, not once per camera and retry.
+    pub fn first_refusal(&self, code: ErrorCode, model: &str) -> bool {
+        self.refusals
+            .lock()
+            .expect("refusals lock")
+            .insert((code, model.to_string()))
     }
 
     /// Whether the connection is gone.

@@ -196,6 +196,80 @@ fn from_nanos(nanos: u128) -> Duration {
     }
 }
 
+/// How loudly to log one failed attempt of a retry loop ([`Outage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loudness {
+    /// A WARN line: the first failure of an outage, or the outage has gone
+    /// on for another [`Outage`] period. `attempts` failed so far, over
+    /// `down_for`.
+    Warn {
+        /// Failed attempts in this outage, this one included.
+        attempts: u32,
+        /// Since the first failure of this outage.
+        down_for: Duration,
+    },
+    /// A DEBUG line: one more failure of an outage already reported.
+    Debug,
+}
+
+/// One outage of a retry loop, so that an ordinary disconnect is one log
+/// line, not one per attempt: the first failure is loud, then one failure
+/// every `every` while it lasts, and [`Outage::recovered`] says how long it
+/// was. Pure: the caller passes the time.
+#[derive(Debug, Clone)]
+pub struct Outage {
+    every: Duration,
+    /// First failure of the outage going on, and the last loud one.
+    since: Option<(std::time::Instant, std::time::Instant)>,
+    attempts: u32,
+}
+
+impl Outage {
+    /// No outage yet; a reminder every `every` while one lasts.
+    pub fn new(every: Duration) -> Outage {
+        Outage {
+            every,
+            since: None,
+            attempts: 0,
+        }
+    }
+
+    /// An attempt failed at `now`: how loudly to say so.
+    pub fn failed(&mut self, now: std::time::Instant) -> Loudness {
+        self.attempts = self.attempts.saturating_add(1);
+        match &mut self.since {
+            None => {
+                self.since = Some((now, now));
+                Loudness::Warn {
+                    attempts: 1,
+                    down_for: Duration::ZERO,
+                }
+            }
+            Some((first, loud)) if now.saturating_duration_since(*loud) >= self.every => {
+                *loud = now;
+                Loudness::Warn {
+                    attempts: self.attempts,
+                    down_for: now.saturating_duration_since(*first),
+                }
+            }
+            Some(_) => Loudness::Debug,
+        }
+    }
+
+    /// An attempt succeeded at `now`: the outage it ends, as (failed
+    /// attempts, time since its first failure), if there was one.
+    pub fn recovered(&mut self, now: std::time::Instant) -> Option<(u32, Duration)> {
+        let (first, _) = self.since.take()?;
+        let attempts = std::mem::take(&mut self.attempts);
+        Some((attempts, now.saturating_duration_since(first)))
+    }
+
+    /// Whether an outage is going on.
+    pub fn is_down(&self) -> bool {
+        self.since.is_some()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -397,5 +471,66 @@ mod tests {
                 prop_assert_eq!(s, exact.map_or(max, |e| e.min(max)));
             }
         }
+    }
+
+    /// The first failure is loud, the next ones quiet until the period has
+    /// passed, then one loud reminder counting them all; recovery reports
+    /// the outage once and starts afresh.
+    #[test]
+    fn an_outage_is_loud_once_then_once_a_period_and_recovery_reports_it() {
+        let t0 = std::time::Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut o = Outage::new(Duration::from_secs(30));
+        assert!(!o.is_down());
+        assert_eq!(o.recovered(at(0)), None, "nothing to recover from");
+        assert_eq!(
+            o.failed(at(0)),
+            Loudness::Warn {
+                attempts: 1,
+                down_for: Duration::ZERO
+            }
+        );
+        for ms in (1..30).map(|s| s * 1000) {
+            assert_eq!(o.failed(at(ms)), Loudness::Debug, "at {ms} ms");
+        }
+        assert_eq!(
+            o.failed(at(30_000)),
+            Loudness::Warn {
+                attempts: 31,
+                down_for: Duration::from_secs(30)
+            }
+        );
+        assert_eq!(o.failed(at(31_000)), Loudness::Debug);
+        assert!(o.is_down());
+        assert_eq!(o.recovered(at(40_000)), Some((32, Duration::from_secs(40))));
+        assert!(!o.is_down());
+        assert_eq!(
+            o.failed(at(50_000)),
+            Loudness::Warn {
+                attempts: 1,
+                down_for: Duration::ZERO
+            },
+            "a new outage is loud again"
+        );
+    }
+
+    /// Over any run of failures, loud lines are at most one per period
+    /// plus the first: what an outage adds to the log is bounded by its
+    /// length, not by its attempts.
+    #[test]
+    fn loud_lines_are_bounded_by_the_outages_length_not_its_attempts() {
+        let t0 = std::time::Instant::now();
+        let mut o = Outage::new(Duration::from_secs(10));
+        let mut loud = 0;
+        // 600 s of attempts every 100 ms
+        for i in 0..6000u64 {
+            if matches!(
+                o.failed(t0 + Duration::from_millis(i * 100)),
+                Loudness::Warn { .. }
+            ) {
+                loud += 1;
+            }
+        }
+        assert!((60..=61).contains(&loud), "{loud}");
     }
 }

@@ -115,6 +115,10 @@ pub(super) struct EdgeSession<'s> {
     /// The edge name's share of connections, cameras and partly received
     /// frames; dropped with the session.
     pub(super) quota: EdgeSlot,
+    /// Models whose cameras were refused for want of a worker since one of
+    /// them was last accepted: the wait is logged once per model, not once
+    /// per camera and retry.
+    pub(super) waiting_for_worker: Mutex<std::collections::HashSet<String>>,
 }
 
 impl EdgeSession<'_> {
@@ -306,6 +310,28 @@ impl EdgeSession<'_> {
         true
     }
 
+    /// Logs a camera's refusal. Waiting for a worker is ordinary (the
+    /// gateway or its workers are starting) and the edge retries each
+    /// camera every second: one INFO line per model until a camera of it is
+    /// accepted, the rest at DEBUG. Other refusals are the edge's to fix
+    /// and each is a WARN.
+    fn log_refusal(&self, open: &CameraOpen, reply: &ErrorReply) {
+        if !matches!(reply, ErrorReply::NoWorker { .. }) {
+            warn!(camera = %open.camera, message = %reply, "camera refused");
+            return;
+        }
+        let first = self
+            .waiting_for_worker
+            .lock()
+            .expect("waiting models lock")
+            .insert(open.model.clone());
+        if first {
+            info!(model = %open.model, "no worker serves the model yet: its cameras are told to retry later until one registers");
+        } else {
+            debug!(camera = %open.camera, message = %reply, "camera refused");
+        }
+    }
+
     /// The answer to a `CameraOpen`: `CameraAccepted`, or an `Error` that
     /// refuses this camera only.
     async fn open_camera(&self, open: CameraOpen) -> Message {
@@ -348,9 +374,13 @@ impl EdgeSession<'_> {
             if counted {
                 self.quota.close_camera(&open.camera);
             }
-            warn!(camera = %open.camera, message = %reply, "camera refused");
+            self.log_refusal(&open, &reply);
             return reply.to_message();
         }
+        self.waiting_for_worker
+            .lock()
+            .expect("waiting models lock")
+            .remove(&open.model);
         let served = served.expect("a model is served when nothing refused the camera");
         {
             // Opened again on this connection: the seqs it admitted stay
@@ -605,6 +635,7 @@ pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link, quota: E
         cameras: Cameras::default(),
         clock: Arc::new(Mutex::new(EdgeClock::new())),
         quota,
+        waiting_for_worker: Mutex::default(),
     };
     let mut was_revoked = false;
     tokio::select! {
