@@ -5,7 +5,6 @@ use prometheus::{
     CounterVec, Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
     IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
-use tidegate_lease::metrics::names;
 
 /// Latency buckets (seconds): fine below the 80 ms budget, coarse above.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -147,11 +146,15 @@ pub struct Metrics {
     /// shed).
     pub queue_depth: IntGaugeVec,
     /// `tidegate_worker_batch_seconds{worker,model}`: each batch's run
-    /// time on the worker of that name (see [`WorkerLabels`]).
+    /// time on the worker of that name (see [`WorkerLabels`]) as the
+    /// gateway sees it: from its dispatch (or the end of the batch before
+    /// it) to its result, transfer included, as the scheduler measures it.
     pub worker_batch: HistogramVec,
-    /// `tidegate_worker_batch_over_profile{worker,model}`: each batch's run
-    /// time over what the worker's registered profile says a batch of that
-    /// size takes: the worker that is slower than it said.
+    /// `tidegate_worker_batch_over_profile{worker,model}`: the worker's own
+    /// time on each batch (its frames' pre- and postprocessing and the
+    /// inference run, as it reports them) over what its registered profile,
+    /// which times the same work, says a batch of that size takes: the
+    /// worker that is slower than it said.
     pub worker_batch_over_profile: HistogramVec,
     /// `tidegate_worker_frames_total{worker,status}`: frames each worker
     /// answered, by the status it answered.
@@ -243,264 +246,266 @@ pub mod known {
     pub const ROLES: [&str; 2] = ["edge", "worker"];
 }
 
+/// A metric's name and help text.
+#[derive(Debug, Clone, Copy)]
+pub struct Def {
+    /// Its name, as Prometheus sees it.
+    pub name: &'static str,
+    /// Its help text (`# HELP`).
+    pub help: &'static str,
+}
+
+/// Every gateway metric's name and help, one constant per [`Metrics`]
+/// field (the field's name in capitals; the field documents it).
+#[allow(missing_docs)]
+pub mod defs {
+    use super::Def;
+    use tidegate_lease::metrics::names;
+
+    pub const FRAMES: Def = Def {
+        name: "tidegate_frames_total",
+        help: "Admitted frames by final status.",
+    };
+    pub const E2E_LATENCY: Def = Def {
+        name: "tidegate_e2e_latency_seconds",
+        help: "Capture-to-result latency measured by edges on their own clock.",
+    };
+    pub const QUEUE_WAIT: Def = Def {
+        name: "tidegate_queue_wait_seconds",
+        help: "Time frames waited in the gateway's queue.",
+    };
+    pub const ARRIVAL_AGE: Def = Def {
+        name: "tidegate_frame_age_on_arrival_seconds",
+        help: "Capture to arrival at the gateway (edge send path and link), from the edge's clock offset.",
+    };
+    pub const BATCH_SIZE: Def = Def {
+        name: "tidegate_batch_size",
+        help: "Frames per dispatched batch.",
+    };
+    pub const INFERENCE: Def = Def {
+        name: "tidegate_inference_seconds",
+        help: "Inference time per batch, reported by workers.",
+    };
+    pub const WORKERS: Def = Def {
+        name: "tidegate_workers",
+        help: "Registered workers by state.",
+    };
+    pub const EDGES_CONNECTED: Def = Def {
+        name: "tidegate_edges_connected",
+        help: "Connected edges.",
+    };
+    pub const REJECTED: Def = Def {
+        name: "tidegate_frames_rejected_total",
+        help: "Frames refused before admission (malformed, unknown camera).",
+    };
+    pub const CONTROL_DROPPED: Def = Def {
+        name: "tidegate_control_messages_dropped_total",
+        help: "Edge control messages over their connection's rate, dropped before reaching the hub, by kind (latency_report, clock_echo, camera_open).",
+    };
+    pub const QUIC_REFUSED: Def = Def {
+        name: "tidegate_quic_connections_refused_total",
+        help: "QUIC connections refused, by reason: unauthenticated (too many not logged in at once), edge_connections (its edge name has its most connections open).",
+    };
+    pub const HTTP_REFUSED: Def = Def {
+        name: "tidegate_http_connections_refused_total",
+        help: "HTTP API connections closed as they were accepted because [http] max_connections were open.",
+    };
+    pub const WORKERS_STALLED: Def = Def {
+        name: "tidegate_workers_stalled_total",
+        help: "Workers dropped because a batch went unanswered long past when it was due (a hung GPU or runtime).",
+    };
+    pub const WORKER_DEMOTIONS: Def = Def {
+        name: "tidegate_worker_demotions_total",
+        help: "Workers taken out of dispatch for failing their frames, by model and reason (short_result, malformed_result, failure_ratio).",
+    };
+    pub const WORKERS_DEMOTED: Def = Def {
+        name: "tidegate_workers_demoted",
+        help: "Workers demoted now for failing their frames: they get only probe batches until one succeeds.",
+    };
+    pub const UNDELIVERABLE: Def = Def {
+        name: "tidegate_results_undeliverable_total",
+        help: "Results that could not be sent: their edge had disconnected (before or while its result was written), or stopped taking results until its queue was full.",
+    };
+    pub const FRAMES_DROPPED: Def = Def {
+        name: "tidegate_frames_dropped_total",
+        help: "Admitted frames dropped unserved because nobody would get their result, by reason: edge_gone (their edge's connection closed while they were queued).",
+    };
+    pub const HINTS: Def = Def {
+        name: "tidegate_hints_total",
+        help: "Frame-rate hints sent to cameras whose frames were shed, by direction.",
+    };
+    pub const LEASES: Def = Def {
+        name: names::LEASES,
+        help: "Leases by instance type, tier and state.",
+    };
+    pub const COST_TOTAL: Def = Def {
+        name: names::COST_TOTAL,
+        help: "Lease cost charged in the ledger, by tier, in the catalog currency (the currency label).",
+    };
+    pub const COST_PER_1K_WITHIN_SLO: Def = Def {
+        name: names::COST_PER_1K_WITHIN_SLO,
+        help: "Lease cost per 1000 frames served within their deadline.",
+    };
+    pub const GPU_UTILIZATION: Def = Def {
+        name: names::GPU_UTILIZATION,
+        help: "Time leased workers spent running batches over the time they were leased.",
+    };
+    pub const LEASE_ACQUIRES: Def = Def {
+        name: "tidegate_lease_acquires_total",
+        help: "Leases asked of the provider, by tier and result (ok, no_capacity, error).",
+    };
+    pub const LEASE_ENDS: Def = Def {
+        name: "tidegate_lease_ends_total",
+        help: "Leases ended, by tier and reason (released, preempted, lost, failed).",
+    };
+    pub const LEASE_RELEASE_FAILURES: Def = Def {
+        name: "tidegate_lease_release_failures_total",
+        help: "Provider releases that failed; the lease stays draining, may still bill, and is retried.",
+    };
+    pub const SPEND_CAP: Def = Def {
+        name: "tidegate_spend_cap_per_hour",
+        help: "The configured cap on what live leases may cost per hour, in the catalog currency.",
+    };
+    pub const CONFIG_RELOADS: Def = Def {
+        name: "tidegate_config_reloads_total",
+        help: "Configuration reloads (SIGHUP or POST /api/v1/reload) by result.",
+    };
+    pub const CONFIG_LAST_RELOAD_OK: Def = Def {
+        name: "tidegate_config_last_reload_successful",
+        help: "Whether the last configuration reload succeeded (1) or was refused (0).",
+    };
+    pub const REVOKED: Def = Def {
+        name: "tidegate_connections_revoked_total",
+        help: "Connections closed because a reload took their credentials away, by role.",
+    };
+    pub const WORKER_BUSY: Def = Def {
+        name: "tidegate_worker_busy_seconds_total",
+        help: "Worker time spent on each edge's frames: each batch's run time split evenly among its frames.",
+    };
+    pub const LEASED_BUSY: Def = Def {
+        name: "tidegate_leased_busy_seconds_total",
+        help: "Time leased workers spent running batches.",
+    };
+    pub const LEASED_PAID: Def = Def {
+        name: "tidegate_leased_paid_seconds_total",
+        help: "Time leases were billed, summed over leases.",
+    };
+    pub const LEASE_FRAMES: Def = Def {
+        name: "tidegate_lease_frames_total",
+        help: "Frames leased workers answered ok within their deadline (within_slo) or not (late).",
+    };
+    pub const BUILD_INFO: Def = Def {
+        name: "tidegate_build_info",
+        help: "1, labelled with the version of the tidegate gateway running.",
+    };
+    pub const QUEUE_DEPTH: Def = Def {
+        name: "tidegate_queue_depth",
+        help: "Frames queued in the gateway and not yet dispatched, by model.",
+    };
+    pub const WORKER_BATCH: Def = Def {
+        name: "tidegate_worker_batch_seconds",
+        help: "Run time of each batch as the gateway sees it (dispatch to result, transfer included), by worker name (at most 64 names; the rest are worker=\"other\") and model.",
+    };
+    pub const WORKER_BATCH_OVER_PROFILE: Def = Def {
+        name: "tidegate_worker_batch_over_profile",
+        help: "The worker's own time on each batch (pre- and postprocessing and inference, as it reports them) over what its registered profile says a batch of its size takes, by worker and model.",
+    };
+    pub const WORKER_FRAMES: Def = Def {
+        name: "tidegate_worker_frames_total",
+        help: "Frames each worker answered, by worker name and the status it answered (ok, shed, expired, failed).",
+    };
+}
+
+// Constructors of one metric each: the names and help texts are fixed in
+// this file, so a failure is a bug here, not an input error.
+
+fn int_counters(d: Def, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(d.name, d.help), labels).expect("valid counter")
+}
+
+fn int_gauges(d: Def, labels: &[&str]) -> IntGaugeVec {
+    IntGaugeVec::new(Opts::new(d.name, d.help), labels).expect("valid gauge")
+}
+
+fn counters(d: Def, labels: &[&str]) -> CounterVec {
+    CounterVec::new(Opts::new(d.name, d.help), labels).expect("valid counter")
+}
+
+fn gauges(d: Def, labels: &[&str]) -> GaugeVec {
+    GaugeVec::new(Opts::new(d.name, d.help), labels).expect("valid gauge")
+}
+
+fn int_counter(d: Def) -> IntCounter {
+    IntCounter::new(d.name, d.help).expect("valid counter")
+}
+
+fn int_gauge(d: Def) -> IntGauge {
+    IntGauge::new(d.name, d.help).expect("valid gauge")
+}
+
+fn counter(d: Def) -> prometheus::Counter {
+    prometheus::Counter::new(d.name, d.help).expect("valid counter")
+}
+
+fn gauge(d: Def) -> Gauge {
+    Gauge::new(d.name, d.help).expect("valid gauge")
+}
+
+fn histograms(d: Def, buckets: &[f64], labels: &[&str]) -> HistogramVec {
+    HistogramVec::new(
+        HistogramOpts::new(d.name, d.help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("valid histogram")
+}
+
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
         let registry = Registry::new();
-        let hist = |name: &str, help: &str, buckets: &[f64]| {
-            HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
-                &["model"],
-            )
-            .expect("valid histogram")
-        };
         let m = Metrics {
-            frames: IntCounterVec::new(
-                Opts::new("tidegate_frames_total", "Admitted frames by final status."),
-                &["model", "status"],
-            )
-            .expect("valid counter"),
-            e2e_latency: hist(
-                "tidegate_e2e_latency_seconds",
-                "Capture-to-result latency measured by edges on their own clock.",
-                LATENCY_BUCKETS,
-            ),
-            queue_wait: hist(
-                "tidegate_queue_wait_seconds",
-                "Time frames waited in the gateway's queue.",
-                LATENCY_BUCKETS,
-            ),
-            arrival_age: hist(
-                "tidegate_frame_age_on_arrival_seconds",
-                "Capture to arrival at the gateway (edge send path and link), from the edge's clock offset.",
-                LATENCY_BUCKETS,
-            ),
-            batch_size: hist(
-                "tidegate_batch_size",
-                "Frames per dispatched batch.",
-                BATCH_BUCKETS,
-            ),
-            inference: hist(
-                "tidegate_inference_seconds",
-                "Inference time per batch, reported by workers.",
-                LATENCY_BUCKETS,
-            ),
-            workers: IntGaugeVec::new(
-                Opts::new("tidegate_workers", "Registered workers by state."),
-                &["state"],
-            )
-            .expect("valid gauge"),
-            edges_connected: IntGauge::new("tidegate_edges_connected", "Connected edges.")
-                .expect("valid gauge"),
-            rejected: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_frames_rejected_total",
-                    "Frames refused before admission (malformed, unknown camera).",
-                ),
-                &["reason"],
-            )
-            .expect("valid counter"),
-            control_dropped: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_control_messages_dropped_total",
-                    "Edge control messages over their connection's rate, dropped before reaching the hub, by kind (latency_report, clock_echo, camera_open).",
-                ),
-                &["kind"],
-            )
-            .expect("valid counter"),
-            quic_refused: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_quic_connections_refused_total",
-                    "QUIC connections refused, by reason: unauthenticated (too many not logged in at once), edge_connections (its edge name has its most connections open).",
-                ),
-                &["reason"],
-            )
-            .expect("valid counter"),
-            http_refused: IntCounter::new(
-                "tidegate_http_connections_refused_total",
-                "HTTP API connections closed as they were accepted because [http] max_connections were open.",
-            )
-            .expect("valid counter"),
-            workers_stalled: IntCounter::new(
-                "tidegate_workers_stalled_total",
-                "Workers dropped because a batch went unanswered long past when it was due (a hung GPU or runtime).",
-            )
-            .expect("valid counter"),
-            worker_demotions: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_worker_demotions_total",
-                    "Workers taken out of dispatch for failing their frames, by model and reason (short_result, malformed_result, failure_ratio).",
-                ),
-                &["model", "reason"],
-            )
-            .expect("valid counter"),
-            workers_demoted: IntGauge::new(
-                "tidegate_workers_demoted",
-                "Workers demoted now for failing their frames: they get only probe batches until one succeeds.",
-            )
-            .expect("valid gauge"),
-            undeliverable: IntCounter::new(
-                "tidegate_results_undeliverable_total",
-                "Results that could not be sent: their edge had disconnected (before or while its result was written), or stopped taking results until its queue was full.",
-            )
-            .expect("valid counter"),
-            frames_dropped: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_frames_dropped_total",
-                    "Admitted frames dropped unserved because nobody would get their result, by reason: edge_gone (their edge's connection closed while they were queued).",
-                ),
-                &["reason"],
-            )
-            .expect("valid counter"),
-            hints: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_hints_total",
-                    "Frame-rate hints sent to cameras whose frames were shed, by direction.",
-                ),
-                &["direction"],
-            )
-            .expect("valid counter"),
-            leases: IntGaugeVec::new(
-                Opts::new(names::LEASES, "Leases by instance type, tier and state."),
-                &["type", "tier", "state"],
-            )
-            .expect("valid gauge"),
-            cost_total: CounterVec::new(
-                Opts::new(
-                    names::COST_TOTAL,
-                    "Lease cost charged in the ledger, by tier, in the catalog currency (the currency label).",
-                ),
-                &["tier", "currency"],
-            )
-            .expect("valid counter"),
-            cost_per_1k_within_slo: Gauge::new(
-                names::COST_PER_1K_WITHIN_SLO,
-                "Lease cost per 1000 frames served within their deadline.",
-            )
-            .expect("valid gauge"),
-            gpu_utilization: Gauge::new(
-                names::GPU_UTILIZATION,
-                "Time leased workers spent running batches over the time they were leased.",
-            )
-            .expect("valid gauge"),
-            lease_acquires: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_lease_acquires_total",
-                    "Leases asked of the provider, by tier and result (ok, no_capacity, error).",
-                ),
-                &["tier", "result"],
-            )
-            .expect("valid counter"),
-            lease_ends: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_lease_ends_total",
-                    "Leases ended, by tier and reason (released, preempted, lost, failed).",
-                ),
-                &["tier", "reason"],
-            )
-            .expect("valid counter"),
-            lease_release_failures: IntCounter::new(
-                "tidegate_lease_release_failures_total",
-                "Provider releases that failed; the lease stays draining, may still bill, and is retried.",
-            )
-            .expect("valid counter"),
-            spend_cap: GaugeVec::new(
-                Opts::new(
-                    "tidegate_spend_cap_per_hour",
-                    "The configured cap on what live leases may cost per hour, in the catalog currency.",
-                ),
-                &[],
-            )
-            .expect("valid gauge"),
-            config_reloads: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_config_reloads_total",
-                    "Configuration reloads (SIGHUP or POST /api/v1/reload) by result.",
-                ),
-                &["result"],
-            )
-            .expect("valid counter"),
-            config_last_reload_ok: IntGauge::new(
-                "tidegate_config_last_reload_successful",
-                "Whether the last configuration reload succeeded (1) or was refused (0).",
-            )
-            .expect("valid gauge"),
-            revoked: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_connections_revoked_total",
-                    "Connections closed because a reload took their credentials away, by role.",
-                ),
-                &["role"],
-            )
-            .expect("valid counter"),
-            worker_busy: CounterVec::new(
-                Opts::new(
-                    "tidegate_worker_busy_seconds_total",
-                    "Worker time spent on each edge's frames: each batch's run time split evenly among its frames.",
-                ),
-                &["edge", "model"],
-            )
-            .expect("valid counter"),
-            leased_busy: prometheus::Counter::new(
-                "tidegate_leased_busy_seconds_total",
-                "Time leased workers spent running batches.",
-            )
-            .expect("valid counter"),
-            leased_paid: prometheus::Counter::new(
-                "tidegate_leased_paid_seconds_total",
-                "Time leases were billed, summed over leases.",
-            )
-            .expect("valid counter"),
-            lease_frames: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_lease_frames_total",
-                    "Frames leased workers answered ok within their deadline (within_slo) or not (late).",
-                ),
-                &["result"],
-            )
-            .expect("valid counter"),
-            build_info: IntGaugeVec::new(
-                Opts::new(
-                    "tidegate_build_info",
-                    "1, labelled with the version of the tidegate gateway running.",
-                ),
-                &["version"],
-            )
-            .expect("valid gauge"),
-            queue_depth: IntGaugeVec::new(
-                Opts::new(
-                    "tidegate_queue_depth",
-                    "Frames queued in the gateway and not yet dispatched, by model.",
-                ),
-                &["model"],
-            )
-            .expect("valid gauge"),
-            worker_batch: HistogramVec::new(
-                HistogramOpts::new(
-                    "tidegate_worker_batch_seconds",
-                    "Run time of each batch, by worker name (at most 64 names; the rest are worker=\"other\") and model.",
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
+            frames: int_counters(defs::FRAMES, &["model", "status"]),
+            e2e_latency: histograms(defs::E2E_LATENCY, LATENCY_BUCKETS, &["model"]),
+            queue_wait: histograms(defs::QUEUE_WAIT, LATENCY_BUCKETS, &["model"]),
+            arrival_age: histograms(defs::ARRIVAL_AGE, LATENCY_BUCKETS, &["model"]),
+            batch_size: histograms(defs::BATCH_SIZE, BATCH_BUCKETS, &["model"]),
+            inference: histograms(defs::INFERENCE, LATENCY_BUCKETS, &["model"]),
+            workers: int_gauges(defs::WORKERS, &["state"]),
+            edges_connected: int_gauge(defs::EDGES_CONNECTED),
+            rejected: int_counters(defs::REJECTED, &["reason"]),
+            control_dropped: int_counters(defs::CONTROL_DROPPED, &["kind"]),
+            quic_refused: int_counters(defs::QUIC_REFUSED, &["reason"]),
+            http_refused: int_counter(defs::HTTP_REFUSED),
+            workers_stalled: int_counter(defs::WORKERS_STALLED),
+            worker_demotions: int_counters(defs::WORKER_DEMOTIONS, &["model", "reason"]),
+            workers_demoted: int_gauge(defs::WORKERS_DEMOTED),
+            undeliverable: int_counter(defs::UNDELIVERABLE),
+            frames_dropped: int_counters(defs::FRAMES_DROPPED, &["reason"]),
+            hints: int_counters(defs::HINTS, &["direction"]),
+            leases: int_gauges(defs::LEASES, &["type", "tier", "state"]),
+            cost_total: counters(defs::COST_TOTAL, &["tier", "currency"]),
+            cost_per_1k_within_slo: gauge(defs::COST_PER_1K_WITHIN_SLO),
+            gpu_utilization: gauge(defs::GPU_UTILIZATION),
+            lease_acquires: int_counters(defs::LEASE_ACQUIRES, &["tier", "result"]),
+            lease_ends: int_counters(defs::LEASE_ENDS, &["tier", "reason"]),
+            lease_release_failures: int_counter(defs::LEASE_RELEASE_FAILURES),
+            spend_cap: gauges(defs::SPEND_CAP, &[]),
+            config_reloads: int_counters(defs::CONFIG_RELOADS, &["result"]),
+            config_last_reload_ok: int_gauge(defs::CONFIG_LAST_RELOAD_OK),
+            revoked: int_counters(defs::REVOKED, &["role"]),
+            worker_busy: counters(defs::WORKER_BUSY, &["edge", "model"]),
+            leased_busy: counter(defs::LEASED_BUSY),
+            leased_paid: counter(defs::LEASED_PAID),
+            lease_frames: int_counters(defs::LEASE_FRAMES, &["result"]),
+            build_info: int_gauges(defs::BUILD_INFO, &["version"]),
+            queue_depth: int_gauges(defs::QUEUE_DEPTH, &["model"]),
+            worker_batch: histograms(defs::WORKER_BATCH, LATENCY_BUCKETS, &["worker", "model"]),
+            worker_batch_over_profile: histograms(
+                defs::WORKER_BATCH_OVER_PROFILE,
+                RATIO_BUCKETS,
                 &["worker", "model"],
-            )
-            .expect("valid histogram"),
-            worker_batch_over_profile: HistogramVec::new(
-                HistogramOpts::new(
-                    "tidegate_worker_batch_over_profile",
-                    "Run time of each batch over what the worker's registered profile says a batch of its size takes, by worker and model.",
-                )
-                .buckets(RATIO_BUCKETS.to_vec()),
-                &["worker", "model"],
-            )
-            .expect("valid histogram"),
-            worker_frames: IntCounterVec::new(
-                Opts::new(
-                    "tidegate_worker_frames_total",
-                    "Frames each worker answered, by worker name and the status it answered (ok, shed, expired, failed).",
-                ),
-                &["worker", "status"],
-            )
-            .expect("valid counter"),
+            ),
+            worker_frames: int_counters(defs::WORKER_FRAMES, &["worker", "status"]),
             registry,
         };
         for c in m.collectors() {

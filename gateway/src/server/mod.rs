@@ -1,20 +1,22 @@
 //! The QUIC listener. Each connection gets its own task and tracing span.
 //! The first bidirectional stream is the control stream and must start with
 //! `Hello`; the token decides whether the peer is an edge or a worker. An
-//! edge's connection then runs as an `EdgeSession` (`server/edge.rs`).
+//! edge's connection then runs as an `EdgeSession` (`server/edge.rs`), a
+//! worker's as a `WorkerSession` (`server/worker.rs`).
 
 mod edge;
 mod edge_quota;
 mod error_reply;
 mod inflight;
+mod worker;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tidegate_protocol::quic::{read_message, read_message_of, write_message};
-use tidegate_protocol::{Drain, ErrorCode, Hello, Kind, Limits, Message, Role, Welcome};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tidegate_protocol::quic::{read_message_of, write_message};
+use tidegate_protocol::{ErrorCode, Hello, Kind, Limits, Message, Role, Welcome};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -24,7 +26,7 @@ use self::error_reply::ErrorReply;
 use self::inflight::ByteBudget;
 use crate::auth::Access;
 use crate::config::Config;
-use crate::hub::{Hub, HubMsg};
+use crate::hub::Hub;
 use crate::leasing::{Leasing, WorkerPass};
 use crate::metrics::Metrics;
 use crate::scheduler::{EdgeId, WorkerId};
@@ -169,16 +171,13 @@ impl Server {
         endpoint.close(0u32.into(), b"gateway shutting down");
     }
 
-    /// Serves one connection: its `Hello` within `limits.hello_timeout_ms`,
-    /// then its role's session. `login` holds its place among the
-    /// connections not logged in, until `Welcome`.
-    async fn connection(
+    /// The connection's `Hello`, on its first bidirectional stream within
+    /// `limits.hello_timeout_ms`, with that stream; `None` (the stranger
+    /// refused with the reason where there is one) otherwise.
+    async fn read_hello(
         &self,
-        session: u64,
-        conn: quinn::Connection,
-        login: OwnedSemaphorePermit,
-        cancel: CancellationToken,
-    ) {
+        conn: &quinn::Connection,
+    ) -> Option<(quinn::SendStream, quinn::RecvStream, Hello)> {
         let hello_timeout = Duration::from_millis(self.config.limits.hello_timeout_ms.into());
         // A Hello is two short strings: a stranger's body is read no
         // further than what its connection may send before login.
@@ -186,7 +185,7 @@ impl Server {
             max_header_bytes: tidegate_protocol::quic::BEFORE_LOGIN_RECEIVE_WINDOW as usize,
             ..self.limits
         };
-        let hello = tokio::time::timeout(hello_timeout, async {
+        tokio::time::timeout(hello_timeout, async {
             let (mut send, mut recv) = conn.accept_bi().await.ok()?;
             // Before login only a Hello is read: any other kind is refused
             // from its header, so a stranger cannot make the gateway buffer
@@ -197,7 +196,7 @@ impl Server {
                     let reply = ErrorReply::NoHello {
                         got: other.map(|m| m.kind()),
                     };
-                    refuse(&conn, &mut send, &reply).await;
+                    refuse(conn, &mut send, &reply).await;
                     None
                 }
                 Err(e) => {
@@ -206,13 +205,27 @@ impl Server {
                         code: e.code(),
                         error: e.to_string(),
                     };
-                    refuse(&conn, &mut send, &reply).await;
+                    refuse(conn, &mut send, &reply).await;
                     None
                 }
             }
         })
-        .await;
-        let Ok(Some((mut send, recv, hello))) = hello else {
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Serves one connection: its `Hello` within `limits.hello_timeout_ms`,
+    /// then its role's session. `login` holds its place among the
+    /// connections not logged in, until `Welcome`.
+    async fn connection(
+        &self,
+        session: u64,
+        conn: quinn::Connection,
+        login: OwnedSemaphorePermit,
+        cancel: CancellationToken,
+    ) {
+        let Some((mut send, recv, hello)) = self.read_hello(&conn).await else {
             debug!("no Hello; closing");
             conn.close(ErrorCode::Malformed.quic_code().into(), b"no Hello");
             return;
@@ -301,7 +314,7 @@ impl Server {
         };
         match edge_slot {
             Some(slot) => edge::run(self, EdgeId(session), link, slot).await,
-            None => self.worker(WorkerId(session), pass.as_ref(), link).await,
+            None => worker::run(self, WorkerId(session), pass.as_ref(), link).await,
         }
         drop(admitted);
         self.lease_link_closed(pass.as_ref()).await;
@@ -321,232 +334,6 @@ impl Server {
             None => {}
         }
     }
-
-    async fn worker(&self, id: WorkerId, pass: Option<&WorkerPass>, link: Link) {
-        let Link {
-            name,
-            conn,
-            mut ctl_send,
-            mut ctl_recv,
-            cancel,
-            revoked,
-        } = link;
-        // A worker sends Register right after Welcome. Until it does, its
-        // connection is bounded in time and still answers a revocation
-        // (a reload that removed its entry) and shutdown.
-        let read = tokio::select! {
-            r = tokio::time::timeout(
-                REGISTER_TIMEOUT,
-                read_message_of(&mut ctl_recv, &self.limits, &[Kind::Register]),
-            ) => r,
-            _ = revoked.cancelled() => {
-                let reply = ErrorReply::Revoked { role: Role::Worker, name };
-                warn!("{reply} before it registered; closing the connection");
-                refuse(&conn, &mut ctl_send, &reply).await;
-                return;
-            }
-            _ = cancel.cancelled() => {
-                conn.close(0u32.into(), b"gateway shutting down");
-                return;
-            }
-        };
-        let Ok(read) = read else {
-            let reply = ErrorReply::NoRegister {
-                name,
-                within: REGISTER_TIMEOUT,
-            };
-            warn!("{reply}");
-            refuse(&conn, &mut ctl_send, &reply).await;
-            return;
-        };
-        let register = match read {
-            Ok(Some(Message::Register(r))) => r,
-            other => {
-                let reply = ErrorReply::NotRegister {
-                    name,
-                    got: format!("{other:?}"),
-                };
-                warn!("{reply}");
-                refuse(&conn, &mut ctl_send, &reply).await;
-                return;
-            }
-        };
-        if register.worker != name {
-            // the name is what the API and the status page show, and what
-            // an operator drains: a worker may not take another's
-            let reply = ErrorReply::RegisteredAs {
-                name,
-                registered: register.worker,
-            };
-            warn!("{reply}");
-            refuse(&conn, &mut ctl_send, &reply).await;
-            return;
-        }
-        info!(
-            worker = %register.worker,
-            device = %register.device,
-            models = ?register.models.iter().map(|m| &m.name).collect::<Vec<_>>(),
-            "worker registered"
-        );
-        let (dispatch_tx, mut dispatch_rx) = mpsc::channel(DISPATCH_QUEUE);
-        let drain_request = CancellationToken::new();
-        if !self
-            .hub
-            .send(HubMsg::WorkerConnected {
-                worker: id,
-                register,
-                dispatch: dispatch_tx,
-                lease: match pass {
-                    Some(WorkerPass::Lease(l)) => Some(*l),
-                    _ => None,
-                },
-                static_worker: match pass {
-                    Some(WorkerPass::Static(name)) => Some(name.clone()),
-                    _ => None,
-                },
-                drain: drain_request.clone(),
-            })
-            .await
-        {
-            return;
-        }
-        if let Some(leasing) = &self.leasing {
-            match pass {
-                Some(WorkerPass::Lease(l)) => leasing.registered(*l).await,
-                Some(WorkerPass::Static(name)) => leasing.static_registered(name).await,
-                None => {}
-            }
-        }
-
-        let writer = {
-            let conn = conn.clone();
-            async move {
-                while let Some(d) = dispatch_rx.recv().await {
-                    let mut s = conn.open_uni().await?;
-                    write_message(&mut s, &Message::Dispatch(d))
-                        .await
-                        .map_err(|e| WorkerLinkError::Write(e.to_string()))?;
-                    s.finish()
-                        .map_err(|e| WorkerLinkError::Write(e.to_string()))?;
-                }
-                Ok::<(), WorkerLinkError>(())
-            }
-        };
-        let results = {
-            let conn = conn.clone();
-            // Runs until the link fails, and says how.
-            async move {
-                loop {
-                    let mut recv = match conn.accept_uni().await {
-                        Ok(r) => r,
-                        Err(e) => break WorkerLinkError::Connection(e),
-                    };
-                    match read_message(&mut recv, &self.limits).await {
-                        Ok(Some(Message::BatchResult(result))) => {
-                            self.hub
-                                .send(HubMsg::BatchDone { worker: id, result })
-                                .await;
-                        }
-                        Ok(Some(other)) => {
-                            warn!(kind = ?other.kind(), "unexpected message on a worker result stream")
-                        }
-                        Ok(None) => {}
-                        Err(e) => {
-                            // A batch result we cannot read: the worker is
-                            // broken. Treat it as lost so its frames are
-                            // re-homed or failed, never forgotten.
-                            warn!("unreadable batch result: {e}; dropping worker");
-                            break WorkerLinkError::Unreadable(e.to_string());
-                        }
-                    }
-                }
-            }
-        };
-        let control = async {
-            loop {
-                // A worker that misses heartbeats is lost now, not when the
-                // QUIC idle timeout fires: a frozen worker's batch is
-                // re-homed or failed while its frames may still make it.
-                let read = tokio::time::timeout(
-                    Duration::from_millis((HEARTBEAT_LOSS * HEARTBEAT_MS) as u64),
-                    read_message(&mut ctl_recv, &self.limits),
-                );
-                let Ok(msg) = read.await else {
-                    warn!(
-                        missed = HEARTBEAT_LOSS,
-                        "worker missed its heartbeats; treating it as lost"
-                    );
-                    break;
-                };
-                match msg {
-                    Ok(Some(Message::Drain(d))) => {
-                        info!(
-                            deadline_ms = d.deadline_ms,
-                            "worker is draining; no new batches"
-                        );
-                        self.hub.send(HubMsg::WorkerDraining { worker: id }).await;
-                    }
-                    Ok(Some(Message::Heartbeat(h))) => {
-                        debug!(queue = h.queue_depth, util = h.utilization, "heartbeat")
-                    }
-                    Ok(Some(other)) => {
-                        warn!(kind = ?other.kind(), "unexpected message on a worker control stream")
-                    }
-                    Ok(None) | Err(_) => break,
-                }
-            }
-        };
-        // An operator's drain: tell the worker once, then keep the
-        // connection until it has finished its batches and gone.
-        let drain_notice = async {
-            drain_request.cancelled().await;
-            let drain = Message::Drain(Drain {
-                deadline_ms: OPERATOR_DRAIN_MS,
-            });
-            match write_message(&mut ctl_send, &drain).await {
-                Ok(()) => info!("operator drain sent to the worker"),
-                Err(e) => warn!("sending Drain to the worker: {e}"),
-            }
-            std::future::pending::<()>().await
-        };
-        let mut was_revoked = false;
-        tokio::select! {
-            _ = cancel.cancelled() => conn.close(0u32.into(), b"gateway shutting down"),
-            _ = revoked.cancelled() => was_revoked = true,
-            _ = drain_notice => {},
-            r = writer => if let Err(e) = r { warn!("dispatch to worker failed: {e}") },
-            e = results => debug!("worker result streams ended: {e}"),
-            _ = control => {},
-            _ = conn.closed() => {},
-        }
-        if was_revoked {
-            // Its batches come back through WorkerGone below: re-homed or
-            // failed, never lost.
-            let reply = ErrorReply::Revoked {
-                role: Role::Worker,
-                name,
-            };
-            warn!("{reply}; closing the connection");
-            refuse(&conn, &mut ctl_send, &reply).await;
-        }
-        info!("worker disconnected");
-        conn.close(0u32.into(), b"bye");
-        self.hub.send(HubMsg::WorkerGone { worker: id }).await;
-    }
-}
-
-/// Why a worker's dispatch or result streams stopped.
-#[derive(Debug, thiserror::Error)]
-enum WorkerLinkError {
-    /// The connection closed or failed.
-    #[error("{0}")]
-    Connection(#[from] quinn::ConnectionError),
-    /// A batch could not be written.
-    #[error("writing a batch: {0}")]
-    Write(String),
-    /// A batch result could not be read.
-    #[error("unreadable batch result: {0}")]
-    Unreadable(String),
 }
 
 /// An authenticated connection's control stream and what ends it.
