@@ -574,116 +574,17 @@ fn start(
         path: cfg.ledger.clone(),
         source,
     };
-    let provider_err = |e: ProviderError| LeasingError::Provider(e.to_string());
     let now = wall_clock_ms();
     // Adopt what still runs, end the rest: no lease outlives its worker.
-    let adopted = match &mut source {
-        Source::Process { provider, .. } => {
-            provider
-                .adopt(&mut ledger, now)
-                .map_err(provider_err)?
-                .adopted
-        }
-        Source::Slurm(provider) => {
-            provider
-                .adopt(&mut ledger, now)
-                .map_err(provider_err)?
-                .adopted
-        }
-        Source::Kubernetes(provider) => {
-            provider
-                .adopt(&mut ledger, now)
-                .map_err(provider_err)?
-                .adopted
-        }
-        Source::Static(_) => Vec::new(),
-        #[cfg(test)]
-        Source::Fake(provider) => provider.adopt(&mut ledger).map_err(provider_err)?,
-    };
-    for rec in ledger.live_leases().map_err(ledger_err)? {
-        if !adopted.contains(&rec.id) {
-            let reason = if rec.state == LeaseState::Requested {
-                EndReason::Failed
-            } else {
-                EndReason::Lost
-            };
-            warn!(lease = %rec.id, provider = %rec.provider, "live lease not adopted after restart; ended");
-            ledger.mark_ended(rec.id, now, reason).map_err(ledger_err)?;
-        }
-    }
+    let adopted = adopt_live(cfg, &mut ledger, &mut source, now)?;
     let mut table = ledger.load_table().map_err(ledger_err)?;
     let epoch = tokio::time::Instant::now();
-    let mut releases = ReleaseQueue::new();
-    // An adopted lease's worker must redial this gateway: until it
-    // registers, it is absent.
-    let absent: HashMap<LeaseId, Millis> = adopted
-        .iter()
-        .filter(|id| table.get(**id).map(|e| e.state) == Some(LeaseState::Ready))
-        .map(|id| (*id, 0))
-        .collect();
-    for id in &adopted {
-        // the adopted worker registers again with the token it was given
-        table.rearm_claim(*id)?;
-        ledger.set_token_claimed(*id, false).map_err(ledger_err)?;
-        // A lease that was draining (being released, or under a spot
-        // notice) when the gateway went down: no policy would ever release
-        // it (it serves nothing), so release it now; the hub drains its
-        // worker if it registers again meanwhile.
-        if table.get(*id).map(|e| e.state) == Some(LeaseState::Draining) {
-            info!(lease = %id, "adopted lease was draining; releasing it");
-            releases.schedule(*id, 0, EndReason::Released);
-        }
-    }
-    if !adopted.is_empty() {
-        info!(adopted = ?adopted, "adopted live leases");
-    }
+    let (releases, absent) = rearm_adopted(cfg, &mut ledger, &mut table, &adopted)?;
     let events = source
         .take_events()
         .ok_or_else(|| LeasingError::Provider("provider events already taken".into()))?;
 
-    let mut pc = PolicyConfig::new(policy);
-    if let Some(h) = cfg.headroom {
-        pc.headroom = h;
-    }
-    pc.spend_cap_per_hour = cfg.spend_cap_per_hour.map(Money::from_units);
-    if let Some(cap) = cfg.spend_cap_per_hour {
-        metrics.spend_cap.with_label_values::<&str>(&[]).set(cap);
-    }
-    // Exported at 0 from the start, in the catalog's currency.
-    for tier in Tier::ALL {
-        metrics
-            .cost_total
-            .with_label_values(&[tier.as_str(), catalog.currency.as_str()]);
-    }
-    // the windows are bounded by validate(); saturating all the same
-    if let Some(s) = cfg.down_window_secs {
-        pc.down_window_ms = s.saturating_mul(1000);
-    }
-    if let Some(s) = cfg.release_window_secs {
-        pc.release_window_ms = s.saturating_mul(1000);
-    }
-    if let Some(s) = cfg.idle_timeout_secs {
-        pc.idle_timeout_ms = s.saturating_mul(1000);
-    }
-    pc.release_lead_ms = RELEASE_LEAD.as_millis() as Millis;
-    for m in &cfg.models {
-        if m.min_fps > 0.0 {
-            pc.schedule.push(ScheduleEntry {
-                model: m.name.clone(),
-                from_minute: 0,
-                to_minute: 24 * 60,
-                min_fps: m.min_fps,
-            });
-            pc.static_peak_fps.insert(m.name.clone(), m.min_fps);
-        }
-        if m.reserved > 0 {
-            pc.reserved.push(ReservedFloor {
-                model: m.name.clone(),
-                instance_type: m.instance_types[0].clone(),
-                count: m.reserved,
-            });
-        }
-    }
+    let pc = policy_config(cfg, policy, &metrics, &catalog.currency);
 
     let (tx, rx) = mpsc::channel(INBOX);
     let mut shell = Shell {
@@ -720,7 +621,159 @@ fn start(
         on_stop: cfg.on_stop,
     };
     shell.update_metrics(now);
-    let tick = Duration::from_millis(cfg.tick_ms);
+    spawn_shell(
+        shell,
+        (rx, events),
+        Duration::from_millis(cfg.tick_ms),
+        cancel,
+        tracker,
+    )?;
+    Ok(Leasing { tx })
+}
+
+/// Adopts with `source` the ledger's live leases whose worker still runs,
+/// and ends the rest (`failed` if never started, else `lost`): no lease
+/// outlives its worker. The adopted leases.
+fn adopt_live(
+    cfg: &LeasingConfig,
+    ledger: &mut Ledger,
+    source: &mut Source,
+    now: Millis,
+) -> Result<Vec<LeaseId>, LeasingError> {
+    let ledger_err = |source| LeasingError::Ledger {
+        path: cfg.ledger.clone(),
+        source,
+    };
+    let provider_err = |e: ProviderError| LeasingError::Provider(e.to_string());
+    let adopted = match source {
+        Source::Process { provider, .. } => {
+            provider.adopt(ledger, now).map_err(provider_err)?.adopted
+        }
+        Source::Slurm(provider) => provider.adopt(ledger, now).map_err(provider_err)?.adopted,
+        Source::Kubernetes(provider) => provider.adopt(ledger, now).map_err(provider_err)?.adopted,
+        Source::Static(_) => Vec::new(),
+        #[cfg(test)]
+        Source::Fake(provider) => provider.adopt(ledger).map_err(provider_err)?,
+    };
+    for rec in ledger.live_leases().map_err(ledger_err)? {
+        if !adopted.contains(&rec.id) {
+            let reason = if rec.state == LeaseState::Requested {
+                EndReason::Failed
+            } else {
+                EndReason::Lost
+            };
+            warn!(lease = %rec.id, provider = %rec.provider, "live lease not adopted after restart; ended");
+            ledger.mark_ended(rec.id, now, reason).map_err(ledger_err)?;
+        }
+    }
+    Ok(adopted)
+}
+
+/// After adoption: each adopted lease's token is armed again (its worker
+/// registers again with it), a lease adopted `ready` is absent until its
+/// worker does, and one adopted `draining` is released at once. The
+/// releases so scheduled, and the absent leases.
+fn rearm_adopted(
+    cfg: &LeasingConfig,
+    ledger: &mut Ledger,
+    table: &mut LeaseTable,
+    adopted: &[LeaseId],
+) -> Result<(ReleaseQueue, HashMap<LeaseId, Millis>), LeasingError> {
+    let ledger_err = |source| LeasingError::Ledger {
+        path: cfg.ledger.clone(),
+        source,
+    };
+    let mut releases = ReleaseQueue::new();
+    // An adopted lease's worker must redial this gateway: until it
+    // registers, it is absent.
+    let absent: HashMap<LeaseId, Millis> = adopted
+        .iter()
+        .filter(|id| table.get(**id).map(|e| e.state) == Some(LeaseState::Ready))
+        .map(|id| (*id, 0))
+        .collect();
+    for id in adopted {
+        // the adopted worker registers again with the token it was given
+        table.rearm_claim(*id)?;
+        ledger.set_token_claimed(*id, false).map_err(ledger_err)?;
+        // A lease that was draining (being released, or under a spot
+        // notice) when the gateway went down: no policy would ever release
+        // it (it serves nothing), so release it now; the hub drains its
+        // worker if it registers again meanwhile.
+        if table.get(*id).map(|e| e.state) == Some(LeaseState::Draining) {
+            info!(lease = %id, "adopted lease was draining; releasing it");
+            releases.schedule(*id, 0, EndReason::Released);
+        }
+    }
+    if !adopted.is_empty() {
+        info!(adopted = ?adopted, "adopted live leases");
+    }
+    Ok((releases, absent))
+}
+
+/// The autoscaler's configuration from `[leasing]`; exports the spend cap
+/// and every tier's cost counter at 0 in `currency`.
+fn policy_config(
+    cfg: &LeasingConfig,
+    policy: autoscale::PolicyName,
+    metrics: &Metrics,
+    currency: &str,
+) -> PolicyConfig {
+    let mut pc = PolicyConfig::new(policy);
+    if let Some(h) = cfg.headroom {
+        pc.headroom = h;
+    }
+    pc.spend_cap_per_hour = cfg.spend_cap_per_hour.map(Money::from_units);
+    if let Some(cap) = cfg.spend_cap_per_hour {
+        metrics.spend_cap.with_label_values::<&str>(&[]).set(cap);
+    }
+    // Exported at 0 from the start, in the catalog's currency.
+    for tier in Tier::ALL {
+        metrics
+            .cost_total
+            .with_label_values(&[tier.as_str(), currency]);
+    }
+    // the windows are bounded by validate(); saturating all the same
+    if let Some(s) = cfg.down_window_secs {
+        pc.down_window_ms = s.saturating_mul(1000);
+    }
+    if let Some(s) = cfg.release_window_secs {
+        pc.release_window_ms = s.saturating_mul(1000);
+    }
+    if let Some(s) = cfg.idle_timeout_secs {
+        pc.idle_timeout_ms = s.saturating_mul(1000);
+    }
+    pc.release_lead_ms = RELEASE_LEAD.as_millis() as Millis;
+    for m in &cfg.models {
+        if m.min_fps > 0.0 {
+            pc.schedule.push(ScheduleEntry {
+                model: m.name.clone(),
+                from_minute: 0,
+                to_minute: 24 * 60,
+                min_fps: m.min_fps,
+            });
+            pc.static_peak_fps.insert(m.name.clone(), m.min_fps);
+        }
+        if m.reserved > 0 {
+            pc.reserved.push(ReservedFloor {
+                model: m.name.clone(),
+                instance_type: m.instance_types[0].clone(),
+                count: m.reserved,
+            });
+        }
+    }
+
+    pc
+}
+
+/// Runs `shell` on a thread and runtime of its own until `cancel`; the
+/// tracker waits for it at shutdown.
+fn spawn_shell(
+    shell: Shell,
+    (rx, events): (mpsc::Receiver<LeasingMsg>, mpsc::Receiver<ProviderEvent>),
+    tick: Duration,
+    cancel: CancellationToken,
+    tracker: &TaskTracker,
+) -> Result<(), LeasingError> {
     // The shell blocks: SQLite writes (up to the ledger's busy timeout)
     // and the provider's tools. It runs on its own thread and runtime, so
     // the gateway's workers (QUIC, the hub, the API) never wait on it; the
@@ -744,7 +797,7 @@ fn start(
     tracker.spawn(async move {
         let _ = done_rx.await;
     });
-    Ok(Leasing { tx })
+    Ok(())
 }
 
 /// A ledger write of one lease's lifecycle.
@@ -1839,8 +1892,7 @@ impl Shell {
             return;
         };
         let now = wall_clock_ms();
-        let (model, instance_type, tier, reason) =
-            (a.model.as_str(), a.instance.name.as_str(), a.tier, a.reason);
+        let (model, instance_type, tier) = (a.model.as_str(), a.instance.name.as_str(), a.tier);
         let answer = match answer {
             Ok(answer) => answer,
             Err(panicked) => {
@@ -1860,105 +1912,120 @@ impl Shell {
             }
         };
         match answer {
-            Ok(acq) => {
-                let static_name = match &self.source {
-                    Source::Static(p) => p.worker_of(id).map(|w| w.name.clone()),
-                    _ => None,
-                };
-                // a static worker already connected holds its lease's
-                // (its own) token from now on; registered, it is ready
-                let link = static_name
-                    .as_ref()
-                    .and_then(|n| self.static_links.get(n).copied());
-                let entry = LeaseEntry {
-                    id,
+            Ok(acq) => self.acquired(id, a, acq, now).await,
+            Err(e) => self.acquire_failed(id, a, e, now).await,
+        }
+    }
+
+    /// The provider started lease `id` (asked for as `a`): it is recorded
+    /// starting (billing from now), a static worker is bound, and what
+    /// happened to it meanwhile (early events, a release asked for) is
+    /// carried out.
+    async fn acquired(&mut self, id: LeaseId, a: Acquiring, acq: Acquired, now: Millis) {
+        let (model, instance_type, tier, reason) =
+            (a.model.as_str(), a.instance.name.as_str(), a.tier, a.reason);
+        let static_name = match &self.source {
+            Source::Static(p) => p.worker_of(id).map(|w| w.name.clone()),
+            _ => None,
+        };
+        // a static worker already connected holds its lease's
+        // (its own) token from now on; registered, it is ready
+        let link = static_name
+            .as_ref()
+            .and_then(|n| self.static_links.get(n).copied());
+        let entry = LeaseEntry {
+            id,
+            instance_type: a.instance.name.clone(),
+            tier,
+            state: LeaseState::Starting,
+            token: acq.token.unwrap_or_else(|| a.token.digest()),
+            claimed: link.is_some(),
+        };
+        if let Err(e) = self.table.insert(entry) {
+            warn!(lease = %id, "lease table: {e}");
+        }
+        // its worker runs: a billing start that fails to be written
+        // is retried, never dropped
+        self.write(
+            id,
+            Write::Starting {
+                at: now,
+                pid: acq.pid,
+                data: acq.provider_data,
+            },
+        );
+        info!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, pid = ?acq.pid, "lease acquired");
+        self.metrics
+            .lease_acquires
+            .with_label_values(&[tier.as_str(), "ok"])
+            .inc();
+        if let Some(name) = static_name {
+            self.static_names.insert(id, name.clone());
+            if link.is_some()
+                && let Err(e) = self.ledger.set_token_claimed(id, true)
+            {
+                warn!(lease = %id, "recording the token claim: {e}");
+            }
+            info!(lease = %id, worker = %name, connected = link.is_some(), "static worker bound");
+            self.hub
+                .send(HubMsg::LeaseBound {
+                    lease: id,
+                    worker_name: name,
+                })
+                .await;
+            if link == Some(true) {
+                self.lease_registered(id);
+            }
+        }
+        for ev in a.early {
+            Box::pin(self.on_provider_event(ev)).await;
+        }
+        if a.release_wanted && !self.stopping {
+            Box::pin(self.execute(now, vec![Action::Release { lease: id }], 0)).await;
+        }
+    }
+
+    /// The provider refused or failed lease `id` (asked for as `a`): it
+    /// ends, `no_capacity` (the autoscaler hears of it and asks for
+    /// something else, within a bounded chain) or `failed` (acquisitions
+    /// pause).
+    async fn acquire_failed(&mut self, id: LeaseId, a: Acquiring, e: ProviderError, now: Millis) {
+        let (model, instance_type, tier) = (a.model.as_str(), a.instance.name.as_str(), a.tier);
+        warn!(lease = %id, model, instance_type, tier = tier.as_str(), "acquire failed: {e}");
+        if !a.early.is_empty() {
+            debug!(lease = %id, events = ?a.early, "events for a lease whose acquire failed dropped");
+        }
+        let refused = matches!(e, ProviderError::NoCapacity { .. });
+        let reason = if refused {
+            EndReason::NoCapacity
+        } else {
+            EndReason::Failed
+        };
+        self.end(id, now, reason);
+        let result = if refused { "no_capacity" } else { "error" };
+        self.metrics
+            .lease_acquires
+            .with_label_values(&[tier.as_str(), result])
+            .inc();
+        if !refused {
+            self.start_failed();
+        } else {
+            // the autoscaler hears of every refusal: it asks for
+            // that model, type and tier again only after a cool-off
+            // (spot: on-demand instead meanwhile), so a full fleet
+            // or quota is not asked, and recorded `failed`, every
+            // tick; what it asks instead is carried out within a
+            // bounded chain of refusals
+            let more = self.autoscaler.on_event(
+                now,
+                Event::AcquireRefused {
+                    model: a.model.clone(),
                     instance_type: a.instance.name.clone(),
                     tier,
-                    state: LeaseState::Starting,
-                    token: acq.token.unwrap_or_else(|| a.token.digest()),
-                    claimed: link.is_some(),
-                };
-                if let Err(e) = self.table.insert(entry) {
-                    warn!(lease = %id, "lease table: {e}");
-                }
-                // its worker runs: a billing start that fails to be written
-                // is retried, never dropped
-                self.write(
-                    id,
-                    Write::Starting {
-                        at: now,
-                        pid: acq.pid,
-                        data: acq.provider_data,
-                    },
-                );
-                info!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, pid = ?acq.pid, "lease acquired");
-                self.metrics
-                    .lease_acquires
-                    .with_label_values(&[tier.as_str(), "ok"])
-                    .inc();
-                if let Some(name) = static_name {
-                    self.static_names.insert(id, name.clone());
-                    if link.is_some()
-                        && let Err(e) = self.ledger.set_token_claimed(id, true)
-                    {
-                        warn!(lease = %id, "recording the token claim: {e}");
-                    }
-                    info!(lease = %id, worker = %name, connected = link.is_some(), "static worker bound");
-                    self.hub
-                        .send(HubMsg::LeaseBound {
-                            lease: id,
-                            worker_name: name,
-                        })
-                        .await;
-                    if link == Some(true) {
-                        self.lease_registered(id);
-                    }
-                }
-                for ev in a.early {
-                    Box::pin(self.on_provider_event(ev)).await;
-                }
-                if a.release_wanted && !self.stopping {
-                    Box::pin(self.execute(now, vec![Action::Release { lease: id }], 0)).await;
-                }
-            }
-            Err(e) => {
-                warn!(lease = %id, model, instance_type, tier = tier.as_str(), "acquire failed: {e}");
-                if !a.early.is_empty() {
-                    debug!(lease = %id, events = ?a.early, "events for a lease whose acquire failed dropped");
-                }
-                let refused = matches!(e, ProviderError::NoCapacity { .. });
-                let reason = if refused {
-                    EndReason::NoCapacity
-                } else {
-                    EndReason::Failed
-                };
-                self.end(id, now, reason);
-                let result = if refused { "no_capacity" } else { "error" };
-                self.metrics
-                    .lease_acquires
-                    .with_label_values(&[tier.as_str(), result])
-                    .inc();
-                if !refused {
-                    self.start_failed();
-                } else {
-                    // the autoscaler hears of every refusal: it asks for
-                    // that model, type and tier again only after a cool-off
-                    // (spot: on-demand instead meanwhile), so a full fleet
-                    // or quota is not asked, and recorded `failed`, every
-                    // tick; what it asks instead is carried out within a
-                    // bounded chain of refusals
-                    let more = self.autoscaler.on_event(
-                        now,
-                        Event::AcquireRefused {
-                            model: a.model.clone(),
-                            instance_type: a.instance.name.clone(),
-                            tier,
-                        },
-                    );
-                    if a.depth < 2 {
-                        Box::pin(self.execute(now, more, a.depth + 1)).await;
-                    }
-                }
+                },
+            );
+            if a.depth < 2 {
+                Box::pin(self.execute(now, more, a.depth + 1)).await;
             }
         }
     }

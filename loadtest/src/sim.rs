@@ -835,7 +835,7 @@ pub async fn run_with_progress(
                 let r = report.lock().expect("report lock").clone();
                 let p99 = {
                     let h = hist.lock().expect("histogram lock");
-                    (h.len() > 0).then(|| h.value_at_quantile(0.99) as f64 / 1000.0)
+                    (!h.is_empty()).then(|| h.value_at_quantile(0.99) as f64 / 1000.0)
                 };
                 eprintln!("{}", progress_line(began.elapsed(), &r, p99));
             }
