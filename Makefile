@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench bench-wan bench-peers gpu-check models-full fuzz clean-cache
+.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench bench-wan bench-hostile bench-peers bench-leasing gpu-check models-full fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -85,6 +85,30 @@ bench-wan: release
 	./target/release/tidegate-bench --report target/bench-wan.json wan --seconds $${SECONDS_PER_CASE:-30} \
 	  $${CASES:+--cases $$CASES} --markdown target/bench-wan.md
 	python3 scripts/splice-doc.py docs/benchmarks.md bench-wan target/bench-wan.md
+
+## Hostile edges, a lying worker and slowloris (issue 21), each beside a
+## legitimate load (4 cameras × 10 fps) on a fresh cluster: the legitimate
+## edge's ok share and p99 against its baseline in the same run, the
+## gateway's peak RSS against 256 MiB plus its budgets, and its return.
+## SECONDS_PER_CASE (default 15) is each run of the load; 10 cases, about
+## 6 minutes at 15 s. JSON in target/bench-hostile.json; the table is
+## written into docs/benchmarks.md ("Hostile edges"). CASES=liar runs only
+## the cases so named.
+bench-hostile: release
+	./target/release/tidegate-bench --report target/bench-hostile.json hostile --seconds $${SECONDS_PER_CASE:-15} \
+	  $${CASES:+--cases $$CASES} --markdown target/bench-hostile.md
+	python3 scripts/splice-doc.py docs/benchmarks.md bench-hostile target/bench-hostile.md
+
+## Every leasing policy x every shipped trace (lease/traces/) x 3 seeds x two
+## clouds (the default, and a harsh one: 420 s start-ups, 10x the catalog's
+## spot interruptions, 20 % of spot acquires refused), in the simulator
+## (lease/examples/bench-leasing.rs), about 2 minutes on 2 cores. The table
+## (mean and min-max over seeds; whether paid-block-aware meets its goal per
+## trace) is written into docs/leasing.md ("Benchmark"). SEEDS=1 runs fewer seeds.
+bench-leasing:
+	$(CARGO) run --release -p tidegate-lease --example bench-leasing -- \
+	  $${SEEDS:+--seeds $$SEEDS} --markdown $${CARGO_TARGET_DIR:-target}/bench-leasing.md
+	python3 scripts/splice-doc.py docs/leasing.md bench-leasing $${CARGO_TARGET_DIR:-target}/bench-leasing.md
 
 ## tidegate against the servers users know, on this machine: NVIDIA Triton
 ## (PyTriton, python backend + ONNX Runtime, dynamic batching), FastAPI +

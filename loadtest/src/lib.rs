@@ -24,8 +24,10 @@ macro_rules! debug_as_display {
     )+};
 }
 
+pub mod attack;
 pub mod cluster;
 pub mod edge_harness;
+pub mod hostilebench;
 pub mod impair;
 pub mod kserve;
 pub mod relay;

@@ -88,3 +88,140 @@ fn startup_benchmark_times_both_kinds_of_start() {
     let e = tidegate_loadtest::startup::run(0, "blazeface").unwrap_err();
     assert!(e.to_string().contains("runs must be in 1..=20"), "{e}");
 }
+
+/// Runs `tidegate-bench` with `args`, killed if it runs past `limit`:
+/// its exit status, stdout and stderr.
+fn bench(args: &[&str], limit: Duration) -> (std::process::ExitStatus, Vec<u8>, String) {
+    use std::io::Read;
+    let mut child = std::process::Command::new(
+        tidegate_loadtest::cluster::bin("tidegate-bench").expect("tidegate-bench built"),
+    )
+    .args(args)
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .expect("tidegate-bench runs");
+    // Drained on threads, so that a full pipe cannot stall the child.
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = stdout.read_to_end(&mut b);
+        b
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let until = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "tidegate-bench {args:?} ran past {limit:?}\n{}",
+                err.join().unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    (status, out.join().unwrap(), err.join().unwrap())
+}
+
+/// Every frame a report says was sent ended once: a result, a reset by
+/// its own lane, a refusal, or lost with its connection; none missing.
+fn assert_accounted(r: &serde_json::Value) {
+    let n = |k: &str| {
+        r[k].as_u64()
+            .unwrap_or_else(|| panic!("no count {k} in {r}"))
+    };
+    assert!(n("sent") > 0, "{r}");
+    assert_eq!(n("missing"), 0, "every frame sent got a result: {r}");
+    assert_eq!(n("duplicates"), 0, "{r}");
+    let ended: u64 = [
+        "ok",
+        "shed",
+        "expired",
+        "failed",
+        "reset",
+        "refused",
+        "lost_with_connection",
+    ]
+    .iter()
+    .map(|k| n(k))
+    .sum();
+    assert_eq!(ended, n("sent"), "{r}");
+}
+
+#[test]
+fn hostile_benchmark_runs_a_case_beside_its_baseline_and_accounts_for_every_frame() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let (json, md) = (dir.path().join("h.json"), dir.path().join("h.md"));
+    let (status, stdout, stderr) = bench(
+        &[
+            "--report",
+            json.to_str().unwrap(),
+            "hostile",
+            "--cases",
+            "trickle",
+            "--seconds",
+            "2",
+            "--markdown",
+            md.to_str().unwrap(),
+        ],
+        Duration::from_secs(300),
+    );
+    assert!(status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&stdout).expect("JSON on stdout");
+    let file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("--report written"))
+            .expect("JSON in --report");
+    assert_eq!(v, file, "the report file holds what stdout printed");
+    assert_eq!(v["bench"], "hostile");
+    let cases = v["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 1, "{v}");
+    let c = &cases[0];
+    assert_eq!(c["case"]["name"], "trickle");
+    assert_accounted(&c["baseline"]);
+    assert_accounted(&c["attacked"]);
+    let share = c["ok_share"].as_f64().expect("ok_share");
+    assert!((0.0..=1.0).contains(&share), "{c}");
+    // The memory: sampled in both runs, the bound the default budgets'.
+    let m = &c["memory"];
+    let bytes = |k: &str| m[k].as_u64().unwrap_or_else(|| panic!("no {k} in {m}"));
+    assert!(bytes("baseline_rss") > 0 && bytes("peak_rss") > 0, "{m}");
+    assert_eq!(bytes("bound"), (256 + 2 * 64) << 20, "{m}");
+    // The goals are the numbers' verdicts: a reason for each one failed.
+    let goals = c["goals"].as_object().expect("goals");
+    assert_eq!(goals.len(), 5, "{c}");
+    let failed = goals.values().filter(|g| g.as_bool() == Some(false)).count();
+    assert_eq!(failed, c["failures"].as_array().expect("failures").len());
+    // The attack ran: its streams were opened (16 at once).
+    assert!(c["attack"]["streams"].as_u64().unwrap_or(0) >= 16, "{c}");
+    let table = std::fs::read_to_string(&md).expect("--markdown written");
+    assert_eq!(table.lines().count(), 3, "{table}");
+    assert!(
+        table.lines().nth(2).unwrap().starts_with("| trickle |"),
+        "{table}"
+    );
+}
+
+#[test]
+fn hostile_benchmark_refuses_an_unknown_case_naming_the_known_ones() {
+    let (status, _, stderr) = bench(
+        &["hostile", "--cases", "nope", "--seconds", "2"],
+        Duration::from_secs(60),
+    );
+    assert!(!status.success());
+    assert!(
+        stderr.contains("nope") && stderr.contains("partial-frames"),
+        "{stderr}"
+    );
+    let (status, _, stderr) = bench(&["hostile", "--seconds", "0"], Duration::from_secs(60));
+    assert!(!status.success());
+    assert!(stderr.contains("--seconds must be in 1..=120"), "{stderr}");
+}

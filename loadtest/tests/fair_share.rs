@@ -21,10 +21,10 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tidegate_edge::uplink::{Uplink, UplinkOptions};
+use tidegate_loadtest::attack::edge::flood_thread;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
-use tidegate_loadtest::sim::{self, SimOptions};
-use tidegate_protocol::{CameraOpen, DType, Encoding, Frame, Layout, Tensor};
+use tidegate_loadtest::sim;
+use tidegate_protocol::Encoding;
 use tokio_util::sync::CancellationToken;
 
 /// Connections the attacker opens under its one edge name.
@@ -83,101 +83,6 @@ fn field(line: &str, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {key} in {line}"))
 }
 
-/// One attacking connection: opens `opts.cameras` cameras declaring the
-/// longest budget there is, sends each a frame every `1 / opts.fps` s
-/// without ever obeying a hint, reads (and drops) its results, and when
-/// `stop` fires closes the connection at once, with whatever it has queued
-/// at the gateway, as a crashing or vanishing edge does.
-async fn flood(opts: SimOptions, stop: CancellationToken) {
-    let client = tidegate_protocol::quic::client_config_with(&opts.ca, opts.congestion)
-        .expect("the CA loads");
-    let (uplink, mut incoming) = Uplink::connect_client(
-        &opts.gateway,
-        &opts.server_name,
-        client,
-        &opts.edge,
-        &opts.token,
-        UplinkOptions::default(),
-    )
-    .await
-    .expect("the attacker connects");
-    let mut lanes = Vec::with_capacity(opts.cameras);
-    let mut input = None;
-    for i in 0..opts.cameras {
-        let camera = format!("flood-{i}");
-        let accepted = uplink
-            .open_camera_with(CameraOpen {
-                camera: camera.clone(),
-                model: opts.model.clone(),
-                budget_ms: u32::MAX,
-                encoding: opts.encoding,
-                copies: 1,
-            })
-            .await
-            .expect("the attacker's camera opens");
-        input = Some(accepted.input);
-        lanes.push((camera.clone(), uplink.lane(&camera, 4, Default::default())));
-    }
-    let input = input.expect("at least one camera");
-    let (pixels, geometry) =
-        sim::frame_pixels(&input, opts.image.as_deref()).expect("the image loads");
-    let data = sim::encode_frame(&pixels, input.width, input.height, opts.encoding)
-        .expect("the frame encodes");
-    let mut tensor = Tensor::raw(DType::U8, Layout::Nhwc, input.frame_shape(), data);
-    tensor.encoding = opts.encoding;
-    let results = tokio::spawn(async move { while incoming.recv().await.is_some() {} });
-    let sending = async {
-        let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / opts.fps));
-        for seq in 1.. {
-            tick.tick().await;
-            for (camera, lane) in &lanes {
-                let frame = Frame {
-                    camera: camera.clone(),
-                    seq,
-                    captured_at_us: tidegate_edge::clock::now_us(),
-                    budget_us: u32::MAX,
-                    model: opts.model.clone(),
-                    geometry,
-                    tensor: tensor.clone(),
-                };
-                let until = tokio::time::Instant::now() + Duration::from_secs(60);
-                if lane.send(frame, until).await.is_err() {
-                    return;
-                }
-            }
-        }
-    };
-    tokio::select! {
-        _ = stop.cancelled() => {}
-        () = sending => {}
-    }
-    uplink.close();
-    results.abort();
-}
-
-/// The attacker: `ATTACK_CONNECTIONS` connections under one edge name
-/// (see [`flood`]) on a runtime of their own, until `stop` fires; the
-/// thread ends once every connection has closed.
-fn attack(opts: SimOptions, stop: CancellationToken) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async {
-            let floods: Vec<_> = (0..ATTACK_CONNECTIONS)
-                .map(|_| tokio::spawn(flood(opts.clone(), stop.clone())))
-                .collect();
-            for f in floods {
-                f.await.expect("an attacking connection runs");
-            }
-            // A moment for the closes to reach the gateway.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        });
-    })
-}
-
 #[test]
 fn a_flooding_edge_gets_only_its_share_and_its_queued_frames_die_with_its_connections() {
     let mut c = Cluster::start(&ClusterOptions {
@@ -195,7 +100,10 @@ fn a_flooding_edge_gets_only_its_share_and_its_queued_frames_die_with_its_connec
     let mut attacker = c.sim_options("attacker", ATTACK_CAMERAS, 4.0, 120.0);
     attacker.encoding = jpeg;
     let stop = CancellationToken::new();
-    let attack = attack(attacker, stop.clone());
+    // `ATTACK_CONNECTIONS` connections under one edge name, each opening
+    // its cameras with the longest budget there is and flooding them,
+    // never obeying a hint, until `stop` fires.
+    let attack = flood_thread(attacker, ATTACK_CONNECTIONS, stop.clone());
     wait_until(
         &c,
         Duration::from_secs(30),
@@ -225,7 +133,10 @@ fn a_flooding_edge_gets_only_its_share_and_its_queued_frames_die_with_its_connec
         },
     );
     stop.cancel();
-    attack.join().expect("the attacker stops");
+    attack
+        .join()
+        .expect("the attacker stops")
+        .expect("the attacker connects and floods");
     wait_until(&c, Duration::from_secs(30), "every edge gone", || {
         metric(&c, "tidegate_edges_connected") == 0.0
     });

@@ -14,22 +14,18 @@
 //! configured budgets plus fixed slack, never a speed. Every attack is
 //! bounded in streams, bytes and time.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use tidegate_loadtest::attack::edge::{ask_camera, camera_open, partial_frames, trickle};
+use tidegate_loadtest::attack::rss::RssWatch;
+use tidegate_loadtest::attack::stranger::strangers;
+use tidegate_loadtest::attack::{AttackError, LoggedIn, MIB, Target};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim;
-use tidegate_protocol::quic::{
-    BEFORE_LOGIN_RECEIVE_WINDOW, HandshakeError, RECEIVE_WINDOW, client_config, dial, handshake,
-    read_answer, write_message,
-};
-use tidegate_protocol::{
-    CameraOpen, Encoding, ErrorCode, Header, Hello, Kind, Limits, Message, Role,
-};
-
-const MIB: u64 = 1024 * 1024;
+use tidegate_protocol::quic::{BEFORE_LOGIN_RECEIVE_WINDOW, HandshakeError, RECEIVE_WINDOW};
+use tidegate_protocol::{ErrorCode, Message};
+use tokio_util::sync::CancellationToken;
 
 /// The tests here load the machine on purpose and measure one process's
 /// memory: one at a time.
@@ -64,65 +60,12 @@ fn cluster(limits: &str) -> Cluster {
 
 /// The gateway's resident set (bytes), from /proc.
 fn rss(c: &Cluster) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", c.gateway_pid()))
-        .expect("the gateway's /proc status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS in /proc/<pid>/status");
-    kib * 1024
+    tidegate_loadtest::attack::rss::rss(c.gateway_pid()).expect("the gateway's VmRSS in /proc")
 }
 
-/// Samples the gateway's resident set every 20 ms on a thread of its own
-/// until dropped; [`Peak::max`] is the highest seen.
-struct Peak {
-    max: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Peak {
-    fn watch(c: &Cluster) -> Peak {
-        let path = format!("/proc/{}/status", c.gateway_pid());
-        let max = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (max, stop) = (max.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let kib = std::fs::read_to_string(&path).ok().and_then(|s| {
-                        s.lines()
-                            .find_map(|l| l.strip_prefix("VmRSS:"))
-                            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-                    });
-                    if let Some(kib) = kib {
-                        max.fetch_max(kib * 1024, Ordering::Relaxed);
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            })
-        };
-        Peak {
-            max,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    fn max(&self) -> u64 {
-        self.max.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for Peak {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// Samples the gateway's resident set every 20 ms until dropped.
+fn peak(c: &Cluster) -> RssWatch {
+    RssWatch::watch(c.gateway_pid(), Duration::from_millis(20))
 }
 
 /// The legitimate edge: 4 cameras × 10 fps for `seconds`, on a thread.
@@ -163,81 +106,12 @@ fn counter(c: &Cluster, series: &str) -> u64 {
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
+    tidegate_loadtest::attack::runtime().expect("a tokio runtime")
 }
 
 /// Logs in as edge `name`: the connection and its control stream.
-async fn login(
-    c: &Cluster,
-    name: &str,
-) -> Result<(quinn::Connection, quinn::SendStream, quinn::RecvStream), HandshakeError> {
-    login_with(c, name, client_config(&c.ca()).unwrap()).await
-}
-
-/// [`login`] for an attacker that buffers as much as it likes: its own
-/// send window never holds it back, only the gateway's flow control.
-async fn login_greedy(
-    c: &Cluster,
-    name: &str,
-) -> Result<(quinn::Connection, quinn::SendStream, quinn::RecvStream), HandshakeError> {
-    let mut cfg = client_config(&c.ca()).unwrap();
-    let mut t = quinn::TransportConfig::default();
-    t.send_window(4 << 30);
-    cfg.transport_config(Arc::new(t));
-    login_with(c, name, cfg).await
-}
-
-async fn login_with(
-    c: &Cluster,
-    name: &str,
-    cfg: quinn::ClientConfig,
-) -> Result<(quinn::Connection, quinn::SendStream, quinn::RecvStream), HandshakeError> {
-    let conn = dial(c.quic, "localhost", cfg).await.expect("dial");
-    let hello = Hello {
-        role: Role::Edge,
-        name: name.into(),
-        token: c.edge_token.clone(),
-    };
-    let (send, recv, _) = handshake(&conn, hello, &Limits::default()).await?;
-    Ok((conn, send, recv))
-}
-
-/// Opens a frame stream declaring a `declared`-byte body and sends the
-/// header and `sent` bytes of it, never finishing it; returns when the
-/// stream fails (stopped by the gateway) or its connection closes.
-///
-/// The attacker's own view of a stop is not reliable: quinn reports a
-/// write blocked on connection flow control as blocked before it looks at
-/// whether the stream was stopped. The gateway's counters are what the
-/// test reads.
-async fn partial_frame(conn: quinn::Connection, declared: usize, sent: usize) {
-    let Ok(mut s) = conn.open_uni().await else {
-        return;
-    };
-    let mut head = Vec::new();
-    Header {
-        kind: Kind::Frame,
-        len: declared,
-    }
-    .encode(&mut head);
-    if s.write_all(&head).await.is_err() {
-        return;
-    }
-    let chunk = vec![0u8; MIB as usize];
-    let mut left = sent;
-    while left > 0 {
-        let n = left.min(chunk.len());
-        if s.write_all(&chunk[..n]).await.is_err() {
-            return;
-        }
-        left -= n;
-    }
-    // Held open: dropping it would finish it.
-    conn.closed().await;
+async fn login(c: &Cluster, name: &str) -> Result<LoggedIn, AttackError> {
+    tidegate_loadtest::attack::login(&Target::of(c), name).await
 }
 
 /// 32 streams of 40 MiB, never finished, from one logged-in edge: the
@@ -259,26 +133,22 @@ fn partly_sent_frames_hold_no_more_than_the_edges_budget_and_are_reset() {
     let load = legitimate_load(&c, 8.0);
     std::thread::sleep(Duration::from_millis(1500));
     let baseline = rss(&c);
-    let peak = Peak::watch(&c);
+    let peak = peak(&c);
     let rt = runtime();
+    let target = Target::of(&c);
     let conn = rt.block_on(async {
-        let (conn, send, recv) = tokio::time::timeout(WAIT, login_greedy(&c, "edge-hostile"))
+        // The control stream stays open with the connection.
+        let attack = partial_frames(
+            &target,
+            "edge-hostile",
+            32,
+            40 * MIB as usize,
+            40 * MIB as usize - 1,
+        );
+        tokio::time::timeout(WAIT, attack)
             .await
             .expect("in time")
-            .expect("welcome");
-        for _ in 0..32 {
-            tokio::spawn(partial_frame(
-                conn.clone(),
-                40 * MIB as usize,
-                40 * MIB as usize - 1,
-            ));
-        }
-        // The control stream stays open with the connection.
-        tokio::spawn(async move {
-            let _control = (send, recv);
-            std::future::pending::<()>().await
-        });
-        conn
+            .expect("welcome")
     });
     // Until the gateway has refused or reset every stream.
     let until = Instant::now() + WAIT;
@@ -345,33 +215,17 @@ fn a_trickling_frame_stream_is_reset_after_its_read_timeout() {
     let rt = runtime();
     let stopped = rt.block_on(async {
         let (conn, _send, _recv) = login(&c, "edge-hostile").await.expect("welcome");
-        let mut s = conn.open_uni().await.expect("a frame stream opens");
-        let mut head = Vec::new();
-        Header {
-            kind: Kind::Frame,
-            len: MIB as usize,
-        }
-        .encode(&mut head);
-        s.write_all(&head).await.expect("header");
         // One byte every 100 ms, until the gateway stops the stream or
         // `WAIT` passes.
-        let trickle = async {
-            for _ in 0..(WAIT.as_millis() / 100) {
-                if s.write_all(&[0]).await.is_err() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        };
-        trickle.await;
-        tokio::time::timeout(Duration::from_secs(5), s.stopped()).await
+        let every = Duration::from_millis(100);
+        let bytes = (WAIT.as_millis() / every.as_millis()) as u64;
+        trickle(&conn, MIB as usize, every, bytes, &CancellationToken::new())
+            .await
+            .expect("a frame stream opens")
     });
-    match stopped {
-        Ok(Ok(Some(code))) => assert_eq!(
-            u32::try_from(code.into_inner()).ok(),
-            Some(ErrorCode::Overloaded.quic_code())
-        ),
-        other => panic!("the trickling stream was not stopped: {other:?}"),
+    match stopped.stopped_with {
+        Some(code) => assert_eq!(Some(code), Some(ErrorCode::Overloaded.quic_code())),
+        None => panic!("the trickling stream was not stopped: {stopped:?}"),
     }
     assert_eq!(rejected(&c, "read_timeout"), 1);
 }
@@ -390,31 +244,16 @@ fn connections_that_never_log_in_can_push_nothing_and_only_so_many_are_let_in() 
     let load = legitimate_load(&c, 8.0);
     std::thread::sleep(Duration::from_millis(1500));
     let baseline = rss(&c);
-    let peak = Peak::watch(&c);
+    let peak = peak(&c);
     let rt = runtime();
-    let (connected, refused, pushed) = rt.block_on(async {
-        tokio::time::timeout(WAIT, async {
-            let attempts: Vec<_> = (0..10)
-                .map(|_| {
-                    let (addr, cfg) = (c.quic, client_config(&c.ca()).unwrap());
-                    tokio::spawn(async move { stranger(addr, cfg).await })
-                })
-                .collect();
-            let (mut connected, mut refused, mut pushed) = (0, 0, 0);
-            for a in attempts {
-                match a.await.expect("stranger task") {
-                    Stranger::Refused => refused += 1,
-                    Stranger::Closed { pushed: p } => {
-                        connected += 1;
-                        pushed += p;
-                    }
-                }
-            }
-            (connected, refused, pushed)
-        })
-        .await
-        .expect("the strangers end in time")
+    let target = Target::of(&c);
+    let got = rt.block_on(async {
+        tokio::time::timeout(WAIT, strangers(&target, 10))
+            .await
+            .expect("the strangers end in time")
+            .expect("each stranger is let in or refused")
     });
+    let (connected, refused, pushed) = (got.connected, got.refused, got.pushed);
     let peak_rss = peak.max();
     drop(peak);
     eprintln!(
@@ -449,46 +288,6 @@ fn connections_that_never_log_in_can_push_nothing_and_only_so_many_are_let_in() 
     assert_served(&load.join().expect("the legitimate load's thread"));
 }
 
-/// How a connection that never logs in fared.
-#[derive(Debug)]
-enum Stranger {
-    /// Refused as it arrived (QUIC `CONNECTION_REFUSED`).
-    Refused,
-    /// Let in, then closed by the gateway; `pushed` is 1 if it could open
-    /// a unidirectional stream at all.
-    Closed { pushed: u32 },
-}
-
-/// Connects without logging in, tries to open a unidirectional stream (to
-/// push 64 MiB into), and waits for the gateway to close the connection.
-async fn stranger(addr: std::net::SocketAddr, cfg: quinn::ClientConfig) -> Stranger {
-    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    endpoint.set_default_client_config(cfg);
-    let conn = match endpoint.connect(addr, "localhost").unwrap().await {
-        Ok(conn) => conn,
-        Err(quinn::ConnectionError::ConnectionClosed(close))
-            if close.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED =>
-        {
-            return Stranger::Refused;
-        }
-        Err(e) => panic!("a stranger's connection failed otherwise: {e}"),
-    };
-    let push = async {
-        let mut s = conn.open_uni().await.ok()?;
-        let chunk = vec![0u8; MIB as usize];
-        for _ in 0..64 {
-            s.write_all(&chunk).await.ok()?;
-        }
-        Some(())
-    };
-    let pushed = tokio::select! {
-        p = push => u32::from(p.is_some()),
-        _ = conn.closed() => 0,
-    };
-    conn.closed().await;
-    Stranger::Closed { pushed }
-}
-
 /// `max_connections_per_edge` = 2: an edge's third connection is refused
 /// at login with a reason that names the limit, another edge is not, and
 /// once one of the two has gone the edge logs in again.
@@ -502,7 +301,10 @@ fn an_edge_past_its_connections_is_refused_with_the_limit_named() {
             let (first, _s1, _r1) = login(&c, "edge-hostile").await.expect("first");
             let (_second, _s2, _r2) = login(&c, "edge-hostile").await.expect("second");
             match login(&c, "edge-hostile").await {
-                Err(HandshakeError::Refused { code, message }) => {
+                Err(AttackError::Login {
+                    source: HandshakeError::Refused { code, message },
+                    ..
+                }) => {
                     assert_eq!(code, ErrorCode::Overloaded, "{message}");
                     assert!(message.contains("max_connections_per_edge"), "{message}");
                     assert!(message.contains("edge-hostile"), "{message}");
@@ -545,22 +347,13 @@ fn an_edges_cameras_are_capped_over_all_its_connections() {
     let rt = runtime();
     rt.block_on(async {
         tokio::time::timeout(WAIT, async {
-            let limits = Limits::default();
             let (a, mut a_send, mut a_recv) = login(&c, "edge-hostile").await.expect("a");
             let (_b, mut b_send, mut b_recv) = login(&c, "edge-hostile").await.expect("b");
-            let open = |camera: &str| {
-                Message::CameraOpen(CameraOpen {
-                    camera: camera.into(),
-                    model: "blazeface".into(),
-                    budget_ms: 80,
-                    encoding: Encoding::Raw,
-                    copies: 1,
-                })
-            };
             let ask =
                 async |send: &mut quinn::SendStream, recv: &mut quinn::RecvStream, camera: &str| {
-                    write_message(send, &open(camera)).await.unwrap();
-                    read_answer(recv, &limits).await.unwrap().unwrap()
+                    ask_camera(send, recv, camera_open(camera, "blazeface"))
+                        .await
+                        .unwrap()
                 };
             for cam in ["cam-0", "cam-1"] {
                 let m = ask(&mut a_send, &mut a_recv, cam).await;

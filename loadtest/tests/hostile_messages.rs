@@ -12,33 +12,16 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use tidegate_loadtest::attack::edge::{latency_report_flood, name_of, read_error, refused_login};
+use tidegate_loadtest::attack::http::{closed_by_server, half_a_request};
+use tidegate_loadtest::attack::{Target, login};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::sim;
-use tidegate_protocol::quic::{client_config, dial, read_message, write_message};
-use tidegate_protocol::{
-    CUT_MARK, CameraOpen, Encoding, ErrorCode, ErrorMsg, Hello, LatencyReport, Limits, Message,
-    Role,
-};
+use tidegate_protocol::quic::write_message;
+use tidegate_protocol::{CUT_MARK, CameraOpen, Encoding, ErrorCode, ErrorMsg, Limits, Message};
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// `len` bytes of UTF-8 made of `c`, padded with ASCII: the longest string
-/// the protocol lets a peer send is 1024 bytes.
-fn name_of(c: char, len: usize) -> String {
-    let mut s = String::new();
-    while s.len() + c.len_utf8() <= len {
-        s.push(c);
-    }
-    while s.len() < len {
-        s.push('x');
-    }
-    s
+    tidegate_loadtest::attack::runtime().unwrap()
 }
 
 /// The value of the counter series `series` (name and labels, exactly as
@@ -67,23 +50,6 @@ fn metrics_within(c: &Cluster, within: Duration) -> String {
     }
 }
 
-/// The `Error` a conforming client reads on its control stream, at the
-/// protocol's default limits (passing over the clock probes and hints the
-/// gateway sends beside it): a malformed stream fails the test.
-async fn read_error(recv: &mut quinn::RecvStream) -> ErrorMsg {
-    let until = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let read = tokio::time::timeout_at(until, read_message(recv, &Limits::default()))
-            .await
-            .expect("the gateway answers within 20 s");
-        match read {
-            Ok(Some(Message::Error(e))) => return e,
-            Ok(Some(Message::ClockProbe(_) | Message::ControlHint(_))) => continue,
-            other => panic!("expected an Error the protocol decodes, got {other:?}"),
-        }
-    }
-}
-
 fn assert_fitted(e: &ErrorMsg, quoted: &str) {
     let limits = Limits::default();
     assert!(e.message.len() <= limits.max_string_bytes, "{e:?}");
@@ -103,18 +69,11 @@ fn a_login_refusal_quoting_a_1024_byte_name_is_decoded_as_a_refusal() {
     let c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
     let rt = runtime();
     rt.block_on(async {
+        let target = Target::of(&c);
         for name in [name_of('é', 1024), name_of('🦀', 1024), name_of('n', 1024)] {
-            let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+            let e = refused_login(&target, &name)
                 .await
-                .expect("dial");
-            let (mut send, mut recv) = conn.open_bi().await.expect("control stream");
-            let hello = Message::Hello(Hello {
-                role: Role::Edge,
-                name: name.clone(),
-                token: "not-the-token".into(),
-            });
-            write_message(&mut send, &hello).await.expect("Hello sent");
-            let e = read_error(&mut recv).await;
+                .expect("an Error the protocol decodes");
             assert_eq!(e.code, ErrorCode::Unauthorized, "{e:?}");
             assert!(e.message.starts_with("edge '"), "{e:?}");
             assert_fitted(&e, &name);
@@ -127,18 +86,9 @@ fn a_camera_refusal_quoting_1024_byte_camera_and_model_names_is_decoded_as_a_ref
     let c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
     let rt = runtime();
     rt.block_on(async {
-        let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
+        let (_conn, mut send, mut recv) = login(&Target::of(&c), "edge-1")
             .await
-            .expect("dial");
-        let hello = Hello {
-            role: Role::Edge,
-            name: "edge-1".into(),
-            token: c.edge_token.clone(),
-        };
-        let (mut send, mut recv, _) =
-            tidegate_protocol::quic::handshake(&conn, hello, &Limits::default())
-                .await
-                .expect("edge-1 logs in");
+            .expect("edge-1 logs in");
         // No worker serves the model: the refusal quotes both names, and
         // the camera's connection stays open for the next.
         let cases = [
@@ -156,7 +106,9 @@ fn a_camera_refusal_quoting_1024_byte_camera_and_model_names_is_decoded_as_a_ref
             write_message(&mut send, &open)
                 .await
                 .expect("CameraOpen sent");
-            let e = read_error(&mut recv).await;
+            let e = read_error(&mut recv, Duration::from_secs(20))
+                .await
+                .expect("an Error the protocol decodes");
             assert_eq!(e.code, ErrorCode::Unavailable, "{e:?}");
             assert!(e.message.starts_with("camera '"), "{e:?}");
             assert_fitted(&e, &camera);
@@ -186,58 +138,14 @@ fn a_latency_report_flood_is_dropped_counted_and_closed_while_a_camera_beside_it
     let camera = std::thread::spawn(move || sim::run_blocking(&legit));
 
     let rt = runtime();
-    let (sent, refusal) = rt.block_on(async {
-        let conn = dial(c.quic, "localhost", client_config(&c.ca()).unwrap())
-            .await
-            .expect("dial");
-        let hello = Hello {
-            role: Role::Edge,
-            name: "flooder".into(),
-            token: c.edge_token.clone(),
-        };
-        let (mut send, mut recv, _) =
-            tidegate_protocol::quic::handshake(&conn, hello, &Limits::default())
-                .await
-                .expect("the flooder logs in");
-        // Read the control stream beside the flood, so the refusal is
-        // taken as it comes.
-        let reader = tokio::spawn(async move {
-            tokio::time::timeout(
-                Duration::from_secs(30),
-                read_message(&mut recv, &Limits::default()),
-            )
-            .await
-        });
+    let flood = rt.block_on(async {
         // At most 200,000 reports or 20 s, whichever ends first; the
         // gateway closes the connection long before either.
-        let until = Instant::now() + Duration::from_secs(20);
-        let mut sent = 0u64;
-        while sent < 200_000 && Instant::now() < until {
-            let report = Message::LatencyReport(LatencyReport {
-                camera: "nobody".into(),
-                seq: sent,
-                e2e_us: 1,
-            });
-            if write_message(&mut send, &report).await.is_err() {
-                break;
-            }
-            sent += 1;
-        }
-        let read = reader.await.expect("reader task");
-        // The Error on the stream, or (if the close overtook it) the
-        // connection's close reason, which carries the same code and text.
-        let refusal = match read {
-            Ok(Ok(Some(Message::Error(e)))) => Some((e.code, e.message)),
-            _ => match conn.close_reason() {
-                Some(quinn::ConnectionError::ApplicationClosed(a)) => {
-                    ErrorCode::from_quic_code(a.error_code.into())
-                        .map(|code| (code, String::from_utf8_lossy(&a.reason).into_owned()))
-                }
-                _ => None,
-            },
-        };
-        (sent, refusal)
+        latency_report_flood(&Target::of(&c), "flooder", 200_000, Duration::from_secs(20))
+            .await
+            .expect("the flooder logs in")
     });
+    let (sent, refusal) = (flood.sent, flood.refusal);
 
     let report = camera
         .join()
@@ -271,28 +179,6 @@ fn a_latency_report_flood_is_dropped_counted_and_closed_while_a_camera_beside_it
     );
     assert_eq!(report.lost_with_connection, 0, "{report:#?}");
     assert!(report.results() > 0, "{report:#?}");
-}
-
-/// Sends half a request head: a slowloris client's opening.
-fn half_a_request(addr: std::net::SocketAddr) -> std::io::Result<TcpStream> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: tidegate\r\nX-Slow: ")?;
-    Ok(s)
-}
-
-/// Whether the server has closed `s` (end of stream or reset), without
-/// waiting.
-fn closed_by_server(s: &mut TcpStream) -> bool {
-    let mut buf = [0u8; 512];
-    s.set_nonblocking(true).expect("nonblocking");
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
-            Err(_) => return true,
-        }
-    }
 }
 
 #[test]

@@ -1,5 +1,7 @@
 //! A lying worker is demoted: real gateway and worker processes on
-//! 127.0.0.1, plus a worker this test plays itself over QUIC. The liar
+//! 127.0.0.1, plus a worker that lies over QUIC
+//! (`tidegate_loadtest::attack::worker`, shared with `tidegate-bench
+//! hostile`). The liar
 //! registers BlazeFace with a profile far faster than the real worker's, so
 //! the scheduler prefers it, and then answers only half of each batch, or
 //! `shed` for every frame. Every frame sent must still get exactly one
@@ -7,27 +9,14 @@
 //! liar must get nothing but probe batches (one frame each, one per
 //! back-off), the real worker serving the rest.
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tidegate_loadtest::attack::worker::{
+    LiarOptions, Lie, Received, model_as_registered, spawn_liar,
+};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::sim;
-use tidegate_protocol::quic::{client_config, dial, handshake, read_message, write_message};
-use tidegate_protocol::{
-    BatchResult, Codec, Heartbeat, Hello, InputSpec, ItemResult, Limits, Message, ModelInfo,
-    ProfilePoint, Register, Role, ShedReason, Status,
-};
-
-/// How the liar answers a batch.
-#[derive(Debug, Clone, Copy)]
-enum Lie {
-    /// Answers the first half of the frames `ok` (rounded down: nothing of
-    /// a batch of one, so that its single-frame probes fail too), and
-    /// nothing for the rest.
-    HalfOfEachBatch,
-    /// Answers every frame `shed`, a status only the gateway may assign.
-    ShedEverything,
-}
+use tokio_util::sync::CancellationToken;
 
 /// The health settings the gateway runs with: short back-offs, so that a
 /// run of a few seconds sees several probes.
@@ -40,9 +29,6 @@ const PROBE_FRAMES: usize = 1;
 const PIPELINE_DEPTH: usize = 2;
 /// The liar's largest batch.
 const LIAR_MAX_BATCH: u16 = 8;
-
-/// A batch the liar was sent: when, and how many frames.
-type Received = Arc<Mutex<Vec<(Instant, usize)>>>;
 
 /// The value of a counter or gauge summed over its label sets.
 fn metric_sum(text: &str, name: &str) -> f64 {
@@ -68,134 +54,6 @@ fn most_probes(span: Duration) -> usize {
     n
 }
 
-/// BlazeFace as the real worker registered it, from the gateway's API.
-fn blazeface(c: &Cluster) -> ModelInfo {
-    let (status, body) = c.get("/api/v1/models").expect("gateway answers");
-    assert_eq!(status, 200, "{body}");
-    let models: serde_json::Value = serde_json::from_str(&body).expect("JSON models");
-    let m = models
-        .as_array()
-        .and_then(|a| a.iter().find(|m| m["name"] == "blazeface"))
-        .unwrap_or_else(|| panic!("no blazeface in {body}"));
-    ModelInfo {
-        name: "blazeface".into(),
-        version: m["version"].as_u64().expect("version") as u32,
-        input: serde_json::from_value::<InputSpec>(m["input"].clone()).expect("input spec"),
-        max_batch: LIAR_MAX_BATCH,
-        labels: serde_json::from_value(m["labels"].clone()).expect("labels"),
-    }
-}
-
-/// Runs the liar until `stop` fires or the gateway closes it: registers
-/// `model` as worker `liar`, heartbeats, and answers every batch as `lie`
-/// says, noting each batch in `received`. Sends `()` on `registered` once
-/// it has registered.
-#[allow(clippy::too_many_arguments)]
-async fn liar(
-    gateway: std::net::SocketAddr,
-    ca: std::path::PathBuf,
-    token: String,
-    model: ModelInfo,
-    lie: Lie,
-    received: Received,
-    registered: std::sync::mpsc::Sender<()>,
-    stop: tokio::sync::oneshot::Receiver<()>,
-) {
-    let limits = Limits::default();
-    let conn = dial(gateway, "localhost", client_config(&ca).expect("CA"))
-        .await
-        .expect("liar dials");
-    let hello = Hello {
-        role: Role::Worker,
-        name: "liar".into(),
-        token,
-    };
-    let (mut ctl_send, _ctl_recv, welcome) =
-        handshake(&conn, hello, &limits).await.expect("welcome");
-    let register = Register {
-        worker: "liar".into(),
-        device: "a liar".into(),
-        // Far faster than a CPU: the scheduler prefers it.
-        profile: vec![
-            ProfilePoint {
-                model: model.name.clone(),
-                batch: 1,
-                latency_us: 300,
-            },
-            ProfilePoint {
-                model: model.name.clone(),
-                batch: LIAR_MAX_BATCH,
-                latency_us: 600,
-            },
-        ],
-        models: vec![model],
-        codecs: vec![Codec::Raw],
-    };
-    write_message(&mut ctl_send, &Message::Register(register))
-        .await
-        .expect("register");
-    let _ = registered.send(());
-    let heartbeats = async move {
-        let every = Duration::from_millis(u64::from(welcome.heartbeat_ms.max(100)));
-        loop {
-            let hb = Message::Heartbeat(Heartbeat {
-                queue_depth: 0,
-                utilization: 0.0,
-            });
-            if write_message(&mut ctl_send, &hb).await.is_err() {
-                break;
-            }
-            tokio::time::sleep(every).await;
-        }
-    };
-    let batches = async {
-        while let Ok(mut recv) = conn.accept_uni().await {
-            let Ok(Some(Message::Dispatch(d))) = read_message(&mut recv, &limits).await else {
-                continue;
-            };
-            received
-                .lock()
-                .unwrap()
-                .push((Instant::now(), d.items.len()));
-            let answer = |id, status| ItemResult {
-                id,
-                status,
-                detections: Vec::new(),
-                timings: Default::default(),
-                outputs: Vec::new(),
-            };
-            let items = match lie {
-                Lie::HalfOfEachBatch => d
-                    .items
-                    .iter()
-                    .take(d.items.len() / 2)
-                    .map(|i| answer(i.id, Status::Ok))
-                    .collect(),
-                Lie::ShedEverything => d
-                    .items
-                    .iter()
-                    .map(|i| answer(i.id, Status::Shed(ShedReason::Overloaded)))
-                    .collect(),
-            };
-            let result = Message::BatchResult(BatchResult {
-                batch: d.batch,
-                items,
-            });
-            let Ok(mut s) = conn.open_uni().await else {
-                break;
-            };
-            if write_message(&mut s, &result).await.is_ok() {
-                let _ = s.finish();
-            }
-        }
-    };
-    tokio::select! {
-        _ = heartbeats => {},
-        _ = batches => {},
-        _ = stop => conn.close(0u32.into(), b"test over"),
-    }
-}
-
 /// One run: a real worker and a liar that lies as `lie` says, 4 cameras
 /// at 15 fps for 8 s. Checks the invariants the module docs state.
 fn a_lying_worker_is_demoted_and_then_only_probed(lie: Lie) {
@@ -211,33 +69,23 @@ fn a_lying_worker_is_demoted_and_then_only_probed(lie: Lie) {
     c.wait_for_workers(1, Duration::from_secs(45))
         .unwrap_or_else(|e| panic!("{e}\nworker log:\n{}", c.worker_log("worker-1")));
 
-    let received: Received = Arc::default();
-    let (registered_tx, registered) = std::sync::mpsc::channel();
-    let (stop_liar, stop) = tokio::sync::oneshot::channel();
-    let liar_thread = {
-        let (quic, ca, token) = (c.quic, c.ca(), c.worker_token().to_string());
-        let model = blazeface(&c);
-        let received = received.clone();
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime")
-                .block_on(liar(
-                    quic,
-                    ca,
-                    token,
-                    model,
-                    lie,
-                    received,
-                    registered_tx,
-                    stop,
-                ))
-        })
-    };
-    registered
-        .recv_timeout(Duration::from_secs(10))
-        .expect("the liar registers");
+    let received = Received::default();
+    let stop_liar = CancellationToken::new();
+    let liar_thread = spawn_liar(
+        LiarOptions {
+            gateway: c.quic,
+            ca: c.ca(),
+            token: c.worker_token().to_string(),
+            name: "liar".into(),
+            model: model_as_registered(&c, "blazeface", LIAR_MAX_BATCH)
+                .expect("BlazeFace as the real worker registered it"),
+            lie,
+        },
+        received.clone(),
+        stop_liar.clone(),
+        Duration::from_secs(10),
+    )
+    .expect("the liar registers");
     c.wait_for_workers(2, Duration::from_secs(10))
         .expect("the gateway lists the liar");
 
@@ -329,8 +177,11 @@ fn a_lying_worker_is_demoted_and_then_only_probed(lie: Lie) {
         log()
     );
 
-    let _ = stop_liar.send(());
-    liar_thread.join().expect("liar thread");
+    stop_liar.cancel();
+    liar_thread
+        .join()
+        .expect("liar thread")
+        .expect("the liar ran");
 }
 
 #[test]

@@ -17,6 +17,11 @@
 //!   (`tidegate_loadtest::wanbench`): RTT, loss, bursts, a bandwidth cap
 //!   and blackouts, each congestion controller on the same links, raw
 //!   against JPEG; a Markdown table with `--markdown`.
+//! - `hostile`: each attack class of issue 21 (hostile edges, a lying
+//!   worker, slowloris) beside a legitimate load, on a fresh cluster each
+//!   (`tidegate_loadtest::hostilebench`): the legitimate edge's p99 and ok
+//!   share against its baseline in the same run, the gateway's peak RSS
+//!   against its bound and its return; a Markdown table with `--markdown`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -26,11 +31,11 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::report::{Report, write_atomically};
-use tidegate_loadtest::{relay, schedbench, sim, startup, wanbench};
+use tidegate_loadtest::{hostilebench, relay, schedbench, sim, startup, wanbench};
 
 /// tidegate benchmarks (JSON on stdout, and in --report).
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(name = "tidegate-bench", version, about)]
 struct Cli {
     /// Write the JSON report here too.
     #[arg(long, global = true)]
@@ -98,6 +103,21 @@ enum Command {
         /// Seed of the relays' random draws (loss, bursts, jitter).
         #[arg(long, default_value_t = 19)]
         seed: u64,
+        /// Write the table as Markdown here too.
+        #[arg(long)]
+        markdown: Option<PathBuf>,
+    },
+    /// Hostile edges, a lying worker and slowloris, each beside a
+    /// legitimate load (4 cameras × 10 fps) on a fresh local cluster.
+    Hostile {
+        /// Seconds of the legitimate load alone, and again beside the
+        /// attack (1 to 120).
+        #[arg(long, default_value_t = 15.0)]
+        seconds: f64,
+        /// Run only the cases whose names start with these (comma
+        /// separated); all by default.
+        #[arg(long, value_delimiter = ',')]
+        cases: Vec<String>,
         /// Write the table as Markdown here too.
         #[arg(long)]
         markdown: Option<PathBuf>,
@@ -184,6 +204,11 @@ fn main() -> anyhow::Result<()> {
             seed,
             markdown,
         } => wan(seconds, &cases, seed, markdown.as_deref())?,
+        Command::Hostile {
+            seconds,
+            cases,
+            markdown,
+        } => hostile(seconds, &cases, markdown.as_deref())?,
     };
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");
@@ -242,6 +267,62 @@ fn wan(
         "bench": "wan",
         "seconds": seconds,
         "seed": seed,
+        "cases": results,
+    }))
+}
+
+/// Runs the hostile cases `cases` (all when empty), the legitimate load
+/// `seconds` alone and `seconds` beside each attack.
+fn hostile(
+    seconds: f64,
+    cases: &[String],
+    markdown: Option<&std::path::Path>,
+) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(
+        (1.0..=120.0).contains(&seconds),
+        "--seconds must be in 1..=120"
+    );
+    let cases = hostilebench::select(cases)?;
+    let mut results = Vec::with_capacity(cases.len());
+    for case in &cases {
+        eprintln!("hostile: {} ({}) ...", case.name, case.about);
+        let r = hostilebench::run_case(case, seconds)?;
+        eprintln!(
+            "hostile: {}: p99 {:.1} → {:.1} ms, {:.1} % ok, missing {}, peak RSS {} MiB (bound {} MiB): {}",
+            case.name,
+            r.baseline.e2e_ms.p99,
+            r.attacked.e2e_ms.p99,
+            r.ok_share * 100.0,
+            r.attacked.missing,
+            r.memory.peak_rss >> 20,
+            r.memory.bound >> 20,
+            if r.failures.is_empty() {
+                "every goal met".to_string()
+            } else {
+                r.failures.join("; ")
+            }
+        );
+        results.push(r);
+    }
+    let table = hostilebench::markdown(&results, seconds);
+    eprintln!("{table}");
+    if let Some(p) = markdown {
+        write_atomically(p, &table).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(json!({
+        "bench": "hostile",
+        "seconds": seconds,
+        "legitimate_load": {
+            "cameras": hostilebench::LEGIT_LOAD.0,
+            "fps": hostilebench::LEGIT_LOAD.1,
+        },
+        "goals": {
+            "rss_base_bytes": hostilebench::RSS_BASE,
+            "min_ok_share": hostilebench::MIN_OK_SHARE,
+            "max_p99_ratio": hostilebench::MAX_P99_RATIO,
+            "given_back_factor": hostilebench::GIVEN_BACK_FACTOR,
+            "given_back_within_s": hostilebench::GIVEN_BACK_WITHIN.as_secs(),
+        },
         "cases": results,
     }))
 }

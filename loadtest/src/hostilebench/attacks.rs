@@ -1,0 +1,280 @@
+//! Each case's attack, kept up from when it starts until the bench stops
+//! it: an attack the gateway ends (a refused wave, a closed flood) starts
+//! again, so that the legitimate load runs beside it throughout. Each runs
+//! on a thread and runtime of its own and returns its tally as JSON.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tidegate_protocol::{ErrorCode, Message};
+use tokio_util::sync::CancellationToken;
+
+use super::{Attack, HOSTILE};
+use crate::attack::edge::{self, ControlFlood};
+use crate::attack::stranger::{Strangers, strangers};
+use crate::attack::worker::{self, LiarOptions, Received};
+use crate::attack::{AttackError, MIB, Target, http, login, runtime};
+use crate::cluster::Cluster;
+
+/// An attack running on its own thread; its tally when it ends.
+pub(super) type Running = std::thread::JoinHandle<Result<Value, AttackError>>;
+
+/// Partial frames: streams a wave, and their declared and sent bytes.
+const PARTIAL_STREAMS: usize = 32;
+const PARTIAL_DECLARED: usize = 40 * MIB as usize;
+/// A wave's connection is closed after this, and the next opened.
+const PARTIAL_WAVE: Duration = Duration::from_secs(3);
+/// Trickling streams at once, one byte a second each.
+const TRICKLE_STREAMS: usize = 16;
+/// Strangers a wave.
+const STRANGERS: usize = 32;
+/// The starving edge: connections, cameras on each, frames/s per camera.
+const FLOOD_CONNECTIONS: usize = 2;
+const FLOOD_CAMERAS: usize = 64;
+const FLOOD_FPS: f64 = 4.0;
+/// Most `LatencyReport`s per flooding connection.
+const FLOOD_REPORTS: u64 = 400_000;
+/// Half-open HTTP connections held.
+const SLOWLORIS: usize = 1000;
+/// Connections and cameras each tried under one edge name.
+const MANY_CONNECTIONS: usize = 12;
+const MANY_CAMERAS: usize = 160;
+/// The liar's largest batch.
+const LIAR_MAX_BATCH: u16 = 8;
+
+/// Starts `attack` against `c`; it runs until `stop` fires, and at most
+/// `max_time`.
+pub(super) fn spawn(
+    attack: Attack,
+    c: &Cluster,
+    stop: CancellationToken,
+    max_time: Duration,
+) -> Result<Running, AttackError> {
+    let t = Target::of(c);
+    let until = Instant::now() + max_time;
+    Ok(match attack {
+        Attack::Liar(lie) => {
+            let opts = LiarOptions {
+                gateway: t.quic,
+                ca: t.ca.clone(),
+                token: t.worker_token.clone(),
+                name: "liar".into(),
+                model: worker::model_as_registered(c, "blazeface", LIAR_MAX_BATCH)?,
+                lie,
+            };
+            let received = Received::default();
+            let thread = worker::spawn_liar(
+                opts,
+                received.clone(),
+                stop.clone(),
+                Duration::from_secs(20),
+            )?;
+            std::thread::spawn(move || {
+                wait(&stop, until);
+                stop.cancel();
+                let ended = thread.join();
+                let batches = received.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let frames: usize = batches.iter().map(|(_, n)| n).sum();
+                match ended {
+                    Ok(r) => r?,
+                    Err(_) => return Err(AttackError::Task("the liar panicked".into())),
+                }
+                Ok(json!({ "lie": lie, "batches": batches.len(), "frames": frames }))
+            })
+        }
+        Attack::Slowloris => std::thread::spawn(move || {
+            let held = http::hold(t.http, SLOWLORIS, Duration::from_secs(1), &stop, until);
+            Ok(json!(held))
+        }),
+        Attack::Starve => {
+            let mut opts = c.sim_options(HOSTILE, FLOOD_CAMERAS, FLOOD_FPS, max_time.as_secs_f64());
+            opts.encoding = tidegate_protocol::Encoding::Jpeg { quality: 90 };
+            std::thread::spawn(move || {
+                let floods = edge::flood_thread(opts, FLOOD_CONNECTIONS, stop)
+                    .join()
+                    .map_err(|_| AttackError::Task("the flood panicked".into()))??;
+                let frames: u64 = floods.iter().map(|f| f.frames).sum();
+                Ok(json!({
+                    "connections": FLOOD_CONNECTIONS,
+                    "cameras_each": FLOOD_CAMERAS,
+                    "fps": FLOOD_FPS,
+                    "budget_us": u32::MAX,
+                    "frames": frames,
+                }))
+            })
+        }
+        _ => std::thread::spawn(move || runtime()?.block_on(on_quic(attack, t, stop, until))),
+    })
+}
+
+/// Sleeps until `stop` fires or `until` passes.
+fn wait(stop: &CancellationToken, until: Instant) {
+    while !stop.is_cancelled() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether the attack is to go on.
+fn going(stop: &CancellationToken, until: Instant) -> bool {
+    !stop.is_cancelled() && Instant::now() < until
+}
+
+/// The attacks that speak QUIC from this runtime.
+async fn on_quic(
+    attack: Attack,
+    t: Target,
+    stop: CancellationToken,
+    until: Instant,
+) -> Result<Value, AttackError> {
+    match attack {
+        Attack::PartialFrames => partial_frames(&t, &stop, until).await,
+        Attack::Trickle => trickle(&t, &stop, until).await,
+        Attack::BeforeHello => {
+            let (mut total, mut waves) = (Strangers::default(), 0u64);
+            while going(&stop, until) {
+                total.add(strangers(&t, STRANGERS).await?);
+                waves += 1;
+            }
+            Ok(json!({ "waves": waves, "each": STRANGERS, "strangers": total }))
+        }
+        Attack::LongNames => long_names(&t, &stop, until).await,
+        Attack::ControlFlood => {
+            let (mut floods, mut sent, mut refused) = (0u64, 0u64, 0u64);
+            while going(&stop, until) {
+                let left = until.saturating_duration_since(Instant::now());
+                let ControlFlood { sent: n, refusal } = tokio::select! {
+                    f = edge::latency_report_flood(&t, HOSTILE, FLOOD_REPORTS, left) => f?,
+                    _ = stop.cancelled() => break,
+                };
+                floods += 1;
+                sent += n;
+                refused +=
+                    u64::from(refusal.is_some_and(|(code, _)| code == ErrorCode::Overloaded));
+            }
+            Ok(json!({ "connections": floods, "reports_sent": sent, "closed_as_floods": refused }))
+        }
+        Attack::ManyConnections => {
+            let left = until.saturating_duration_since(Instant::now());
+            let m = edge::multiply(&t, HOSTILE, MANY_CONNECTIONS, MANY_CAMERAS, stop, left).await?;
+            Ok(
+                json!({ "connections_tried": MANY_CONNECTIONS, "cameras_each": MANY_CAMERAS, "got": m }),
+            )
+        }
+        Attack::Starve | Attack::Slowloris | Attack::Liar(_) => {
+            unreachable!("started on threads of their own by `spawn`")
+        }
+    }
+}
+
+/// Waves of [`PARTIAL_STREAMS`] frames of 40 MiB, each sent but for its
+/// last byte, on a new connection every [`PARTIAL_WAVE`].
+async fn partial_frames(
+    t: &Target,
+    stop: &CancellationToken,
+    until: Instant,
+) -> Result<Value, AttackError> {
+    let mut waves = 0u64;
+    while going(stop, until) {
+        let conn = edge::partial_frames(
+            t,
+            HOSTILE,
+            PARTIAL_STREAMS,
+            PARTIAL_DECLARED,
+            PARTIAL_DECLARED - 1,
+        )
+        .await?;
+        waves += 1;
+        tokio::select! {
+            _ = tokio::time::sleep(PARTIAL_WAVE) => {}
+            _ = stop.cancelled() => {}
+        }
+        conn.close(0u32.into(), b"wave over");
+    }
+    Ok(json!({
+        "waves": waves,
+        "streams_each": PARTIAL_STREAMS,
+        "declared_bytes": PARTIAL_DECLARED,
+    }))
+}
+
+/// [`TRICKLE_STREAMS`] frame streams at once on one connection, one byte
+/// a second each, each opened again when the gateway stops it.
+async fn trickle(
+    t: &Target,
+    stop: &CancellationToken,
+    until: Instant,
+) -> Result<Value, AttackError> {
+    let (conn, send, recv) = login(t, HOSTILE).await?;
+    crate::attack::hold_control(&conn, send, recv);
+    let streams: Vec<_> = (0..TRICKLE_STREAMS)
+        .map(|_| {
+            let (conn, stop) = (conn.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut opened, mut stopped, mut bytes) = (0u64, 0u64, 0u64);
+                while going(&stop, until) {
+                    let left = until.saturating_duration_since(Instant::now()).as_secs();
+                    let every = Duration::from_secs(1);
+                    let tr = edge::trickle(&conn, MIB as usize, every, left.max(1), &stop).await?;
+                    opened += 1;
+                    bytes += tr.bytes;
+                    stopped +=
+                        u64::from(tr.stopped_with == Some(ErrorCode::Overloaded.quic_code()));
+                }
+                Ok::<_, AttackError>((opened, stopped, bytes))
+            })
+        })
+        .collect();
+    let (mut opened, mut stopped, mut bytes) = (0, 0, 0);
+    for s in streams {
+        let (o, st, b) = s.await.map_err(|e| AttackError::Task(e.to_string()))??;
+        (opened, stopped, bytes) = (opened + o, stopped + st, bytes + b);
+    }
+    conn.close(0u32.into(), b"attack over");
+    Ok(json!({
+        "streams_at_once": TRICKLE_STREAMS,
+        "streams": opened,
+        "stopped_by_the_gateway": stopped,
+        "bytes": bytes,
+    }))
+}
+
+/// Logins with 1024-byte names (two- and four-byte UTF-8, and ASCII) and
+/// a wrong token, and camera opens quoting a 1024-byte camera and model,
+/// one after another; every refusal must decode and be fitted.
+async fn long_names(
+    t: &Target,
+    stop: &CancellationToken,
+    until: Instant,
+) -> Result<Value, AttackError> {
+    let names = [
+        edge::name_of('é', 1024),
+        edge::name_of('🦀', 1024),
+        edge::name_of('n', 1024),
+    ];
+    let (camera, model) = (edge::name_of('🦀', 1024), edge::name_of('€', 1024));
+    let (mut refusals, mut fitted, mut unfitted) = (0u64, 0u64, Vec::new());
+    let (conn, mut send, mut recv) = login(t, HOSTILE).await?;
+    while going(stop, until) {
+        for name in &names {
+            let e = edge::refused_login(t, name).await?;
+            refusals += 1;
+            match edge::fitted(&e, name) {
+                Ok(()) if e.code == ErrorCode::Unauthorized => fitted += 1,
+                Ok(()) => unfitted.push(format!("login refused with {:?}", e.code)),
+                Err(why) => unfitted.push(format!("login refusal: {why}")),
+            }
+        }
+        let open = edge::camera_open(&camera, &model);
+        refusals += 1;
+        match edge::ask_camera(&mut send, &mut recv, open).await? {
+            Message::Error(e) => match edge::fitted(&e, &camera) {
+                Ok(()) => fitted += 1,
+                Err(why) => unfitted.push(format!("camera refusal: {why}")),
+            },
+            other => unfitted.push(format!("camera answered {:?}", other.kind())),
+        }
+    }
+    conn.close(0u32.into(), b"attack over");
+    unfitted.truncate(10);
+    Ok(json!({ "refusals": refusals, "fitted": fitted, "not_fitted_first_10": unfitted }))
+}
