@@ -26,6 +26,21 @@ pub struct WorkerConfig {
     /// ONNX Runtime settings.
     #[serde(default)]
     pub runtime: RuntimeConfig,
+    /// The Prometheus endpoint (off unless `listen` is set).
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`: where the worker serves `/metrics`
+/// ([`crate::metrics`]).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address to serve `/metrics` on, e.g. `127.0.0.1:9101` (port 0: any
+    /// free port, printed at start as `metrics listening on ADDR`). Unset:
+    /// no metrics endpoint.
+    #[serde(default)]
+    pub listen: Option<std::net::SocketAddr>,
 }
 
 impl std::fmt::Debug for WorkerConfig {
@@ -43,6 +58,7 @@ impl std::fmt::Debug for WorkerConfig {
             .field("gateway", &self.gateway)
             .field("models", &self.models)
             .field("runtime", &self.runtime)
+            .field("metrics", &self.metrics)
             .finish()
     }
 }
@@ -583,6 +599,17 @@ mod tests {
             err.contains("warmup_wedged_after") && err.contains("unknown field"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn metrics_are_off_unless_listen_is_set_and_a_bad_address_names_the_field() {
+        assert_eq!(parse("").unwrap().metrics.listen, None);
+        let on = parse("[metrics]\nlisten = \"127.0.0.1:9101\"\n").unwrap();
+        assert_eq!(on.metrics.listen, Some("127.0.0.1:9101".parse().unwrap()));
+        let bad = parse("[metrics]\nlisten = \"localhost\"\n").unwrap_err();
+        assert!(bad.to_string().contains("listen"), "{bad}");
+        let unknown = parse("[metrics]\nport = 9101\n").unwrap_err();
+        assert!(unknown.to_string().contains("port"), "{unknown}");
     }
 
     #[test]

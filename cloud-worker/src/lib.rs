@@ -14,7 +14,8 @@
 //!    so that async code (the QUIC link) submits jobs without blocking.
 //!
 //! Beside the data path, [`watchdog`] watches the executor's running job
-//! and ends the process when ONNX Runtime or the device is wedged.
+//! and ends the process when ONNX Runtime or the device is wedged, and
+//! [`metrics`] serves the worker's batches and GPUs to Prometheus.
 
 pub mod backend;
 pub mod codec;
@@ -24,6 +25,7 @@ pub mod executor;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod link;
+pub mod metrics;
 pub mod model;
 pub mod preprocess;
 pub mod runtime;

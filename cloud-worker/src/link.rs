@@ -26,6 +26,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::backend::{FrameInput, FrameOutcome};
 use crate::executor::{Executor, Job, SubmitError};
+use crate::metrics::WorkerMetrics;
 
 /// Where and as whom to dial in.
 #[derive(Clone)]
@@ -164,6 +165,8 @@ struct Load {
     in_flight: AtomicU64,
     /// Dispatch streams accepted so far.
     taken: AtomicU64,
+    /// Where each answered batch is counted, when metrics are on.
+    metrics: Option<WorkerMetrics>,
 }
 
 /// A drain ends once no batch has arrived for this long with none in flight.
@@ -184,6 +187,18 @@ pub async fn run(
     executor: Arc<Executor>,
     register: Register,
     cancel: CancellationToken,
+) -> Result<LinkEnd, LinkError> {
+    run_observed(cfg, executor, register, cancel, None).await
+}
+
+/// [`run`], counting each batch answered in `metrics` (batches, frames by
+/// status, the backend's run time) as its result is sent.
+pub async fn run_observed(
+    cfg: &LinkConfig,
+    executor: Arc<Executor>,
+    register: Register,
+    cancel: CancellationToken,
+    metrics: Option<WorkerMetrics>,
 ) -> Result<LinkEnd, LinkError> {
     let client = tidegate_protocol::quic::client_config(&cfg.ca)?;
     // Resolved now, not once at start: a redial follows a gateway that moved.
@@ -208,7 +223,10 @@ pub async fn run(
         .map_err(|e| broken(&e))?;
     info!(gateway = %cfg.gateway, addr = %conn.remote_address(), "registered");
 
-    let load = Arc::new(Load::default());
+    let load = Arc::new(Load {
+        metrics,
+        ..Load::default()
+    });
     // One task per dispatch stream, from its first byte to its answer, so
     // that a batch still being read counts as in flight.
     let batches = TaskTracker::new();
@@ -524,6 +542,7 @@ async fn serve_batch(
         items,
     } = dispatch;
     let ids: Vec<u64> = items.iter().map(|i| i.id).collect();
+    let model_name = load.metrics.as_ref().map(|_| model.clone());
     let job = Job {
         model,
         frames: items
@@ -547,6 +566,7 @@ async fn serve_batch(
         }
     };
     load.in_flight.fetch_sub(1, Ordering::Relaxed);
+    let ran = answered.is_ok();
     let outcomes = answered.unwrap_or_else(|status| {
         let unrun = FrameOutcome {
             status,
@@ -557,6 +577,10 @@ async fn serve_batch(
         vec![unrun; ids.len()]
     });
     let items = item_results(&ids, outcomes, &Limits::default());
+    // counted as answered, with the statuses sent
+    if let (Some(m), Some(model)) = (&load.metrics, &model_name) {
+        m.on_batch(model, &items, ran);
+    }
     let result = Message::BatchResult(BatchResult { batch, items });
     match conn.open_uni().await {
         Ok(mut s) => {

@@ -13,6 +13,7 @@ use tidegate_worker::backend::{Backend, OrtBackend, Preprocessing, batch_buckets
 use tidegate_worker::config::WorkerConfig;
 use tidegate_worker::executor::{Activity, Executor};
 use tidegate_worker::link::{self, LinkConfig};
+use tidegate_worker::metrics::{self, WorkerMetrics};
 use tidegate_worker::model::Repository;
 use tidegate_worker::runtime::{Runtime, RuntimeOptions};
 use tidegate_worker::watchdog;
@@ -34,7 +35,7 @@ use tracing::info;
 #[derive(Debug, Parser)]
 #[command(version, about, long_about)]
 struct Cli {
-    /// Config file (TOML): name, [gateway], [models], [runtime].
+    /// Config file (TOML): name, [gateway], [models], [runtime], [metrics].
     #[arg(long, short, env = "TIDEGATE_WORKER_CONFIG")]
     config: PathBuf,
     /// Gateway address, host:port (overrides `gateway.addr`): an IP address
@@ -59,6 +60,11 @@ struct Cli {
     /// libonnxruntime.so to load (overrides `runtime.library`).
     #[arg(long, env = "TIDEGATE_ORT_LIB", global = true)]
     ort_lib: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (overrides
+    /// `metrics.listen`), e.g. 127.0.0.1:9101; port 0 takes a free one,
+    /// printed as `metrics listening on ADDR`. Off when unset.
+    #[arg(long, env = "TIDEGATE_METRICS_LISTEN", global = true)]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Log filter.
     #[arg(long, env = "TIDEGATE_LOG", default_value = "info", global = true)]
     log: String,
@@ -104,6 +110,9 @@ fn load_config(cli: &Cli) -> anyhow::Result<WorkerConfig> {
     }
     if let Some(l) = &cli.ort_lib {
         cfg.runtime.library = Some(l.clone());
+    }
+    if let Some(a) = cli.metrics_listen {
+        cfg.metrics.listen = Some(a);
     }
     cfg.validate()?;
     Ok(cfg)
@@ -247,6 +256,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         EXECUTOR_QUEUE,
         activity,
     ));
+    let metrics = cfg
+        .metrics
+        .listen
+        .map(|addr| (addr, worker_metrics(&register, &executor)));
     let reconnect = Duration::from_secs(cfg.gateway.reconnect_secs);
     let link = LinkConfig {
         gateway: cfg.gateway.addr.clone(),
@@ -271,7 +284,19 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             info!("SIGTERM/Ctrl-C: draining");
             on_signal.cancel();
         });
-        serve(&link, executor.clone(), register, cancel, reconnect).await
+        let observed = match metrics {
+            Some((addr, m)) => Some(serve_metrics(addr, m, cancel.clone()).await?),
+            None => None,
+        };
+        serve(
+            &link,
+            executor.clone(),
+            register,
+            cancel,
+            reconnect,
+            observed,
+        )
+        .await
     })?;
     info!(?end, "exiting");
     // Joins the backend thread; should a job be wedged, the watchdog ends
@@ -294,6 +319,7 @@ async fn serve(
     register: Register,
     cancel: CancellationToken,
     reconnect: Duration,
+    metrics: Option<WorkerMetrics>,
 ) -> anyhow::Result<link::LinkEnd> {
     /// A link that stayed up this long counts as a fresh start.
     const STABLE: Duration = Duration::from_secs(10);
@@ -304,7 +330,14 @@ async fn serve(
     let mut outage = tidegate_kit::backoff::Outage::new(Duration::from_secs(30));
     loop {
         let began = Instant::now();
-        let result = link::run(link, executor.clone(), register.clone(), cancel.clone()).await;
+        let result = link::run_observed(
+            link,
+            executor.clone(),
+            register.clone(),
+            cancel.clone(),
+            metrics.clone(),
+        )
+        .await;
         let why = match result {
             Ok(link::LinkEnd::Drained) => return Ok(link::LinkEnd::Drained),
             Ok(link::LinkEnd::Closed) => "the gateway closed the link".to_string(),
@@ -355,6 +388,43 @@ async fn serve(
             return Ok(link::LinkEnd::Closed);
         }
     }
+}
+
+/// The worker's metrics: its models and device as registered, its GPUs
+/// (NVML, or `gpu="none"`), and `executor`'s queue and busy time.
+fn worker_metrics(register: &Register, executor: &Arc<Executor>) -> WorkerMetrics {
+    let models: Vec<String> = register.models.iter().map(|m| m.name.clone()).collect();
+    let m = WorkerMetrics::new(&models, &register.device, metrics::gpu_source());
+    // A weak hold: the executor is joined at exit only once no one else
+    // holds it.
+    let e = Arc::downgrade(executor);
+    m.watch_backend(executor.activity(), move || {
+        e.upgrade().map_or(0, |e| e.busy_us())
+    });
+    m
+}
+
+/// Binds `[metrics] listen`, says where on stdout (`metrics listening on
+/// ADDR`, the port chosen when it was 0), and serves `/metrics` until
+/// `cancel` fires; `metrics`, for the link to count its batches in.
+async fn serve_metrics(
+    addr: std::net::SocketAddr,
+    metrics: WorkerMetrics,
+    cancel: CancellationToken,
+) -> anyhow::Result<WorkerMetrics> {
+    let listener = metrics::bind(addr).await?;
+    let bound = listener
+        .local_addr()
+        .context("reading the metrics listener's address")?;
+    println!("metrics listening on {bound}");
+    info!(%bound, "serving /metrics");
+    let served = metrics.clone();
+    tokio::spawn(async move {
+        if let Err(e) = metrics::serve(listener, served, cancel).await {
+            tracing::warn!("the metrics listener stopped: {e}");
+        }
+    });
+    Ok(metrics)
 }
 
 /// The device as registered: the backend's (`cpu (N threads)`, `cuda:N`),
@@ -452,5 +522,26 @@ mod tests {
     fn cli_definition_is_consistent() {
         use clap::CommandFactory;
         super::Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn metrics_listen_flag_overrides_the_file_and_left_unset_keeps_it() {
+        use clap::Parser;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("w.toml");
+        std::fs::write(
+            &p,
+            "name = \"w\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"ca.pem\"\n[metrics]\nlisten = \"127.0.0.1:9101\"\n",
+        )
+        .unwrap();
+        let path = p.to_str().unwrap();
+        let listen = |extra: &[&str]| {
+            let args = [&["tidegate-worker", "--config", path], extra].concat();
+            let cli = super::Cli::try_parse_from(args).unwrap();
+            super::load_config(&cli).unwrap().metrics.listen
+        };
+        assert_eq!(listen(&[]), Some("127.0.0.1:9101".parse().unwrap()));
+        let flag = listen(&["--metrics-listen", "127.0.0.1:0"]);
+        assert_eq!(flag, Some("127.0.0.1:0".parse().unwrap()));
     }
 }

@@ -23,6 +23,21 @@ pub struct EdgeConfig {
     /// Where results go.
     #[serde(default)]
     pub sinks: SinksConfig,
+    /// The Prometheus endpoint (off unless `listen` is set).
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`: where the edge serves `/metrics` (`crate::metrics`, with
+/// the `capture` feature).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address to serve `/metrics` on, e.g. `127.0.0.1:9102` (port 0: any
+    /// free port, printed at start as `metrics listening on ADDR`). Unset:
+    /// no metrics endpoint.
+    #[serde(default)]
+    pub listen: Option<std::net::SocketAddr>,
 }
 
 /// Where results go; every sink configured gets every result.
@@ -468,6 +483,19 @@ mod tests {
 
     const BASE: &str =
         "name = \"e\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:4433\"\nca = \"ca.pem\"\n";
+
+    #[test]
+    fn metrics_are_off_unless_listen_is_set_and_unknown_keys_are_refused() {
+        assert_eq!(parse(BASE).metrics.listen, None);
+        let on = parse(&format!("{BASE}[metrics]\nlisten = \"127.0.0.1:9102\"\n"));
+        assert_eq!(on.metrics.listen, Some("127.0.0.1:9102".parse().unwrap()));
+        let bad = toml::from_str::<EdgeConfig>(&format!("{BASE}[metrics]\nlisten = \"nowhere\"\n"))
+            .unwrap_err();
+        assert!(bad.to_string().contains("listen"), "{bad}");
+        let unknown =
+            toml::from_str::<EdgeConfig>(&format!("{BASE}[metrics]\nport = 1\n")).unwrap_err();
+        assert!(unknown.to_string().contains("port"), "{unknown}");
+    }
 
     #[test]
     fn camera_without_model_is_named_in_the_error() {

@@ -8,9 +8,11 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tidegate_edge::config::{EdgeConfig, Secret};
-use tidegate_edge::node::{NodeOptions, preflight};
+use tidegate_edge::metrics::EdgeMetrics;
+use tidegate_edge::node::{CameraSummary, NodeOptions, preflight};
 use tidegate_edge::sink::webhook::{Client, Endpoint, QueueLimits, RetryPolicy, Webhook};
 use tidegate_edge::sink::{Sinks, open_results_file};
+use tokio_util::sync::CancellationToken;
 
 /// The bearer token sent to the webhook, when set.
 const WEBHOOK_TOKEN_ENV: &str = "TIDEGATE_WEBHOOK_TOKEN";
@@ -29,7 +31,7 @@ use tidegate_protocol::GatewayAddr;
 #[derive(Debug, Parser)]
 #[command(version, about, long_about)]
 struct Cli {
-    /// Config file (TOML): name, [gateway], [[cameras]].
+    /// Config file (TOML): name, [gateway], [[cameras]], [sinks], [metrics].
     #[arg(long, short, env = "TIDEGATE_EDGE_CONFIG")]
     config: PathBuf,
     /// Gateway address, host:port (overrides `gateway.addr`): an IP address
@@ -63,6 +65,13 @@ struct Cli {
         global = true
     )]
     summary_every: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (overrides
+    /// `metrics.listen`), e.g. 127.0.0.1:9102; port 0 takes a free one,
+    /// printed on stderr as `metrics listening on ADDR`. Off when unset. The
+    /// figures are those of the last `camera_stats` (every
+    /// --summary-every seconds).
+    #[arg(long, env = "TIDEGATE_METRICS_LISTEN", global = true)]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Log filter.
     #[arg(long, env = "TIDEGATE_LOG", default_value = "info", global = true)]
     log: String,
@@ -91,6 +100,9 @@ fn load_config(cli: &Cli) -> anyhow::Result<EdgeConfig> {
     }
     if let Some(t) = &cli.token {
         cfg.token = Secret(t.clone());
+    }
+    if let Some(a) = cli.metrics_listen {
+        cfg.metrics.listen = Some(a);
     }
     cfg.validate()?;
     Ok(cfg)
@@ -193,6 +205,32 @@ fn summary(cfg: &EdgeConfig, webhook: Option<&Client>) -> String {
     lines.join("\n")
 }
 
+/// With `[metrics] listen`: serves `/metrics` there, says where on stderr
+/// (`metrics listening on ADDR`; stdout carries results), and returns where
+/// the node publishes the counters the metrics read. They are published
+/// with each summary, so `summarising` (a non-zero `--summary-every`) is
+/// required.
+async fn serve_metrics(
+    cfg: &EdgeConfig,
+    summarising: bool,
+) -> anyhow::Result<Option<tokio::sync::watch::Sender<Vec<CameraSummary>>>> {
+    let Some(addr) = cfg.metrics.listen else {
+        return Ok(None);
+    };
+    if !summarising {
+        anyhow::bail!(
+            "metrics.listen (or --metrics-listen) needs --summary-every above 0: the metrics are the counters of each summary; give e.g. --summary-every 10"
+        );
+    }
+    let (tx, rx) = tokio::sync::watch::channel(Vec::new());
+    let cameras: Vec<String> = cfg.cameras.iter().map(|c| c.name.clone()).collect();
+    let metrics = EdgeMetrics::new(&cameras, rx);
+    // Ends with the process: the node's run is the whole of its life.
+    let bound = tidegate_edge::metrics::serve(addr, metrics, CancellationToken::new()).await?;
+    eprintln!("metrics listening on {bound}");
+    Ok(Some(tx))
+}
+
 /// The webhook's client (its TLS set up, the CA file read), when the config
 /// has a webhook.
 fn webhook_client(cfg: &EdgeConfig) -> anyhow::Result<Option<Client>> {
@@ -250,10 +288,12 @@ async fn run(
             .context("sinks.mqtt")?;
         sinks.mqtt = Some(tidegate_edge::sink::mqtt::Mqtt::spawn(settings));
     }
+    let summary_every = summary_every.filter(|&s| s > 0).map(Duration::from_secs);
+    let stats = serve_metrics(&cfg, summary_every.is_some()).await?;
     let options = NodeOptions {
         max_frames,
-        summary_every: summary_every.filter(|&s| s > 0).map(Duration::from_secs),
-        stats: None,
+        summary_every,
+        stats,
     };
     let summary = tidegate_edge::node::run(cfg, sinks, options, tidegate_kit::signal::shutdown())
         .await
@@ -268,5 +308,26 @@ mod tests {
     fn cli_definition_is_consistent() {
         use clap::CommandFactory;
         super::Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn metrics_listen_flag_overrides_the_file_and_left_unset_keeps_it() {
+        use clap::Parser;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("e.toml");
+        std::fs::write(
+            &p,
+            "name = \"e\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"ca.pem\"\n[metrics]\nlisten = \"127.0.0.1:9102\"\n",
+        )
+        .unwrap();
+        let path = p.to_str().unwrap();
+        let listen = |extra: &[&str]| {
+            let args = [&["tidegate-edge", "--config", path], extra].concat();
+            let cli = super::Cli::try_parse_from(args).unwrap();
+            super::load_config(&cli).unwrap().metrics.listen
+        };
+        assert_eq!(listen(&[]), Some("127.0.0.1:9102".parse().unwrap()));
+        let flag = listen(&["--metrics-listen", "127.0.0.1:0"]);
+        assert_eq!(flag, Some("127.0.0.1:0".parse().unwrap()));
     }
 }

@@ -1,9 +1,10 @@
 //! deploy/ against the gateway that it watches: the Prometheus rules pass
 //! Prometheus's own `promtool` (syntax and the unit tests in
 //! `rules_test.yml`), every PromQL query of the Grafana dashboard parses,
-//! and both use only series the gateway exports, while the dashboard shows
-//! every one of them. `promtool` is unpacked into the cache by
-//! `scripts/setup.sh`.
+//! and both use only series the gateway exports (the dashboard also those
+//! that workers and edges export on their own `/metrics`, listed in
+//! `deploy/grafana/series/`), while the dashboard shows every one of the
+//! gateway's. `promtool` is unpacked into the cache by `scripts/setup.sh`.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -177,12 +178,37 @@ fn the_dashboard_is_a_grafana_model_with_no_overlapping_panels() {
     }
 }
 
+/// The series a worker and an edge export on their own `/metrics`, as
+/// listed in `deploy/grafana/series/{worker,edge}.txt`. The gateway's tests
+/// do not build the worker and edge crates; each of those holds its list
+/// equal to what it exports (`the_series_file_lists_exactly_what_a_worker_exports`,
+/// `..._an_edge_exports`).
+fn worker_and_edge_series() -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for who in ["worker", "edge"] {
+        let path = repo().join(format!("deploy/grafana/series/{who}.txt"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let names: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
+        assert!(
+            names
+                .iter()
+                .any(|n| n.starts_with(&format!("tidegate_{who}_"))),
+            "{} lists no tidegate_{who}_ series",
+            path.display()
+        );
+        out.extend(names.into_iter().map(String::from));
+    }
+    out
+}
+
 #[test]
 fn rules_and_dashboard_use_only_exported_series_and_show_them_all() {
-    let exported: BTreeSet<String> = Metrics::new().series_names().into_iter().collect();
+    let gateway: BTreeSet<String> = Metrics::new().series_names().into_iter().collect();
+    let others = worker_and_edge_series();
     let rules = std::fs::read_to_string(repo().join("deploy/prometheus/rules.yml")).unwrap();
     let in_rules = series_in(&rules);
-    let unknown: Vec<_> = in_rules.difference(&exported).collect();
+    let unknown: Vec<_> = in_rules.difference(&gateway).collect();
     assert!(
         unknown.is_empty(),
         "rules.yml uses series the gateway does not export: {unknown:?}"
@@ -194,11 +220,30 @@ fn rules_and_dashboard_use_only_exported_series_and_show_them_all() {
         .map(|(_, q)| q + "\n")
         .collect();
     let in_dashboard = series_in(&queries);
-    let unknown: Vec<_> = in_dashboard.difference(&exported).collect();
+    let everyone: BTreeSet<String> = gateway.union(&others).cloned().collect();
+    let unknown: Vec<_> = in_dashboard.difference(&everyone).collect();
     assert!(
         unknown.is_empty(),
-        "the dashboard uses series the gateway does not export: {unknown:?}"
+        "the dashboard uses series that neither the gateway, a worker nor an edge exports: {unknown:?}"
     );
+    // The "Workers and edges" row: GPU utilisation, memory and power, the
+    // worker's batch time, edge camera rates and drops, uplink RTT and loss.
+    for name in [
+        "tidegate_worker_gpu_utilization_ratio",
+        "tidegate_worker_gpu_memory_used_bytes",
+        "tidegate_worker_gpu_power_watts",
+        "tidegate_worker_gpu_info",
+        "tidegate_worker_batch_run_seconds_bucket",
+        "tidegate_edge_frames_seen_total",
+        "tidegate_edge_frames_dropped_total",
+        "tidegate_edge_uplink_rtt_seconds",
+        "tidegate_edge_frames_unanswered",
+    ] {
+        assert!(
+            in_dashboard.contains(name),
+            "{name} is not on the dashboard"
+        );
+    }
     assert!(
         queries.contains("process_cpu_seconds_total")
             && queries.contains("process_resident_memory_bytes"),
@@ -216,7 +261,7 @@ fn rules_and_dashboard_use_only_exported_series_and_show_them_all() {
     };
     // The standard process_* metrics are the process's, not tidegate's:
     // the dashboard shows CPU and memory of them, not all seven.
-    let missing: Vec<_> = exported
+    let missing: Vec<_> = gateway
         .iter()
         .filter(|n| !n.starts_with("process_") && !shown(n))
         .collect();
