@@ -6,7 +6,8 @@
 #      clients the fetch steps use.
 #   2. The ONNX Runtime shared library, extracted from a pinned PyPI wheel
 #      (sha256 checked) into the tidegate cache, where tidegate-worker finds it.
-#   3. promtool, from the pinned Debian prometheus package (sha256 checked).
+#   3. promtool and prometheus, from the pinned Debian prometheus package
+#      (sha256 checked), unpacked into the cache.
 #   4. NVRTC (the CUDA runtime compiler, no GPU needed), from NVIDIA's pinned
 #      PyPI wheel (sha256 checked), for the GPU kernel's compile check.
 #   5. The models and test imagery (models/fetch.sh and scripts/test-video.sh,
@@ -46,6 +47,7 @@ apt_packages=(
   python3-venv  # models/fetch.sh: the pinned onnx tools (BlazeFace batch rewrite, emotion and CenterNet conversion)
   slurmctld slurmd slurm-client munge  # the slurm lease provider's tests run a private one-node cluster
   mosquitto  # the edge's MQTT sink tests run a private broker on 127.0.0.1
+  chromium  # loadtest/tests/status_page.rs renders the gateway's status page headless
 )
 missing=()
 for p in "${apt_packages[@]}"; do
@@ -99,18 +101,22 @@ else
   say "ONNX Runtime $ORT_VERSION: installed in $ort_dir"
 fi
 
-# --- 3. promtool -------------------------------------------------------------
+# --- 3. promtool and prometheus ----------------------------------------------
 # gateway/tests/deploy.rs checks deploy/'s alert rules and dashboard with
-# Prometheus's own promtool. It comes from Debian's `prometheus` package,
-# pinned by version and sha256 (fetch_deb, scripts/cache.sh), and is unpacked
-# into the cache, not installed, so no Prometheus service starts here.
+# Prometheus's own promtool, and loadtest/tests/prometheus_live.rs runs a
+# real Prometheus server (on 127.0.0.1, started by the test) against a
+# gateway. Both come from Debian's `prometheus` package, pinned by version
+# and sha256 (fetch_deb, scripts/cache.sh), and are unpacked into the cache,
+# not installed, so no Prometheus service starts here.
 PROMETHEUS_DEB_VERSION=2.42.0+ds-5+deb12u1
 PROMETHEUS_DEB_SHA256=81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55
 PROMTOOL_SHA256=14d9c8acdc5d1321dc2092400111c586f09ac350f23f2383d1679b2bf256e583
+PROMETHEUS_SHA256=814f078f68af9ad7b644fd25299211399c8f19ad9adf8b0a1b86a3bd9755baa0
 promtool_dir="$TIDEGATE_CACHE/promtool"
-if [ -x "$promtool_dir/promtool" ] \
-  && [ "$(sha256sum "$promtool_dir/promtool" | cut -d' ' -f1)" = "$PROMTOOL_SHA256" ]; then
-  say "promtool: present in $promtool_dir"
+if [ -x "$promtool_dir/promtool" ] && [ -x "$promtool_dir/prometheus" ] \
+  && [ "$(sha256sum "$promtool_dir/promtool" | cut -d' ' -f1)" = "$PROMTOOL_SHA256" ] \
+  && [ "$(sha256sum "$promtool_dir/prometheus" | cut -d' ' -f1)" = "$PROMETHEUS_SHA256" ]; then
+  say "promtool and prometheus: present in $promtool_dir"
 else
   deb="$(fetch_deb prometheus "$PROMETHEUS_DEB_VERSION" "$PROMETHEUS_DEB_SHA256")" \
     || die "could not fetch prometheus=$PROMETHEUS_DEB_VERSION for promtool (see above)"
@@ -118,9 +124,10 @@ else
   dpkg-deb -x "$deb" "$tmp"
   mkdir -p "$promtool_dir"
   verify_sha256 "$tmp/usr/bin/promtool" "$PROMTOOL_SHA256" || die "promtool checksum mismatch"
-  mv "$tmp/usr/bin/promtool" "$promtool_dir/promtool"
+  verify_sha256 "$tmp/usr/bin/prometheus" "$PROMETHEUS_SHA256" || die "prometheus checksum mismatch"
+  mv "$tmp/usr/bin/promtool" "$tmp/usr/bin/prometheus" "$promtool_dir/"
   rm -rf "$tmp"
-  say "promtool: $("$promtool_dir/promtool" --version 2>&1 | head -1) in $promtool_dir"
+  say "promtool and prometheus: $("$promtool_dir/prometheus" --version 2>&1 | head -1) in $promtool_dir"
 fi
 
 # --- 4. NVRTC ----------------------------------------------------------------

@@ -80,6 +80,8 @@ fn router_with_slots(state: ApiState, slots: Arc<tokio::sync::Semaphore>) -> Rou
         .route("/api/v1/cameras", get(cameras))
         .route("/api/v1/workers", get(workers))
         .route("/api/v1/models", get(models))
+        .route("/api/v1/status", get(status_json))
+        .route("/api/v1/timeline", get(timeline))
         .route("/api/v1/leases", get(leases))
         .route("/api/v1/costs", get(costs))
         .route("/api/v1/costs.csv", get(costs_csv))
@@ -234,10 +236,11 @@ async fn release_lease(
     }
 }
 
-/// The status page (`status.rs`).
-async fn status_page(State(s): State<ApiState>) -> Response {
+/// The status page's model (`status.rs`) as of now: the hub's snapshot,
+/// and with `[leasing]` the ledger's live leases and costs.
+async fn status_model(s: &ApiState) -> Result<crate::status::StatusModel, Response> {
     let Some(snap) = s.hub.snapshot().await else {
-        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response();
+        return Err((StatusCode::SERVICE_UNAVAILABLE, "shutting down\n").into_response());
     };
     let now = tidegate_lease::provider::wall_clock_ms();
     let leasing = match &s.leasing {
@@ -248,18 +251,47 @@ async fn status_page(State(s): State<ApiState>) -> Response {
                 .await,
         ) {
             (Ok(live), Ok(costs), Ok(recent)) => Some((live, costs, recent)),
-            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return internal(e),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return Err(internal(e)),
         },
         None => None,
     };
+    let spend_cap_per_hour = spend_cap(&s.metrics);
     let view = leasing
         .as_ref()
         .map(|(live, costs, recent)| crate::status::LeasingView {
             live,
             costs,
             recent,
+            spend_cap_per_hour,
         });
-    Html(crate::status::render(&snap, view, now)).into_response()
+    Ok(crate::status::build(&snap, view, now))
+}
+
+/// `leasing.spend_cap_per_hour`, as the gateway exports it
+/// (`tidegate_spend_cap_per_hour`, set only when configured): read back
+/// without creating the series.
+fn spend_cap(metrics: &Metrics) -> Option<f64> {
+    use prometheus::core::Collector;
+    let families = metrics.spend_cap.collect();
+    let sample = families.first()?.get_metric().first()?;
+    Some(sample.get_gauge().get_value()).filter(|cap| *cap > 0.0)
+}
+
+/// The status page (`status.rs`): the model as of now, and the script that
+/// keeps it current from `/api/v1/status`.
+async fn status_page(State(s): State<ApiState>) -> Response {
+    match status_model(&s).await {
+        Ok(m) => Html(crate::status::page(&m)).into_response(),
+        Err(answer) => answer,
+    }
+}
+
+/// `GET /api/v1/status`: what the status page shows, as JSON.
+async fn status_json(State(s): State<ApiState>) -> Response {
+    match status_model(&s).await {
+        Ok(m) => Json(m).into_response(),
+        Err(answer) => answer,
+    }
 }
 
 /// Ready when at least one worker is registered.
@@ -287,6 +319,7 @@ snapshot_route!(edges, edges);
 snapshot_route!(cameras, cameras);
 snapshot_route!(workers, workers);
 snapshot_route!(models, models);
+snapshot_route!(timeline, timeline);
 
 fn no_leasing() -> Response {
     (
@@ -711,6 +744,17 @@ mod tests {
             .nth(1)
             .and_then(|c| c.parse().ok())
             .unwrap_or_else(|| panic!("no status line: {answer:?}"))
+    }
+
+    #[test]
+    fn the_spend_cap_is_read_back_without_creating_its_series() {
+        let metrics = Metrics::new();
+        assert_eq!(spend_cap(&metrics), None);
+        let series = "\ntidegate_spend_cap_per_hour ";
+        assert!(!metrics.render().contains(series), "no cap, no series");
+        metrics.spend_cap.with_label_values::<&str>(&[]).set(20.5);
+        assert_eq!(spend_cap(&metrics), Some(20.5));
+        assert!(metrics.render().contains(series));
     }
 
     #[test]

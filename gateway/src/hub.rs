@@ -240,6 +240,8 @@ pub struct Snapshot {
     pub workers: Vec<WorkerView>,
     /// Models served by at least one worker.
     pub models: Vec<ModelView>,
+    /// The last 15 minutes, interval by interval (`crate::timeline`).
+    pub timeline: crate::timeline::TimelineView,
 }
 
 /// An edge in a [`Snapshot`].
@@ -308,6 +310,9 @@ pub struct ModelView {
     pub workers: usize,
     /// Class names, indexed by a detection's `class`.
     pub labels: Vec<String>,
+    /// The budget its frames are held to (ms): the strictest its open
+    /// cameras declared, else the latest frame's; 0 when neither is known.
+    pub budget_ms: f64,
 }
 
 /// What the lease shell observes each tick ([`HubMsg::LoadReport`]).
@@ -581,6 +586,8 @@ struct State {
     latencies: HashMap<String, Vec<f64>>,
     /// The latest frame budget per model (µs).
     budgets: HashMap<String, u32>,
+    /// The last 15 minutes, for the status page.
+    timeline: crate::timeline::Timeline,
 }
 
 /// Capacity of the hub's inbox.
@@ -621,6 +628,7 @@ pub fn spawn(
         static_bindings: HashMap::new(),
         latencies: HashMap::new(),
         budgets: HashMap::new(),
+        timeline: crate::timeline::Timeline::new(tidegate_lease::provider::wall_clock_ms()),
     };
     let (last_tx, last) = watch::channel(None);
     tracker.spawn(run(state, rx, last_tx, cancel));
@@ -699,9 +707,19 @@ impl State {
         self.step(Event::WorkerLost { worker });
     }
 
-    /// A batch of `size` frames of `model` ran `latency_us` on `worker`:
-    /// its run time, and that over what its profile says, under its label.
-    fn observe_worker_batch(&self, worker: WorkerId, model: &str, size: usize, latency_us: u32) {
+    /// A batch of `size` frames of `model` ran `latency_us` on `worker` as
+    /// the gateway saw it (transfer included), of which the worker reported
+    /// `compute_us` of its own work: the run time, and the worker's time
+    /// over what its profile (which times the same work) says, under its
+    /// label.
+    fn observe_worker_batch(
+        &self,
+        worker: WorkerId,
+        model: &str,
+        size: usize,
+        latency_us: u32,
+        compute_us: u64,
+    ) {
         let Some(w) = self.workers.get(&worker) else {
             return;
         };
@@ -728,7 +746,7 @@ impl State {
         self.metrics
             .worker_batch_over_profile
             .with_label_values(&labels)
-            .observe(f64::from(latency_us) / profiled.max(1.0));
+            .observe(compute_us as f64 / profiled.max(1.0));
     }
 
     /// A worker's entry went: its label is released, and its series go
@@ -921,6 +939,7 @@ impl State {
                         .find(|(id, _)| *id == edge)
                         .map_or_else(|| Arc::from(""), |(_, name)| name.clone()),
                 };
+                self.timeline.arrival(now, &edge_name, &frame.camera);
                 self.pending.insert(
                     id,
                     Pending {
@@ -935,6 +954,8 @@ impl State {
                 self.step(Event::FrameArrived(arrival));
             }
             HubMsg::Latency { model, e2e } => {
+                let now = self.now();
+                self.timeline.latency(now, e2e.as_secs_f64() * 1e3);
                 let samples = self.latencies.entry(model.clone()).or_default();
                 if samples.len() < LATENCY_SAMPLES {
                     samples.push(e2e.as_secs_f64() * 1e3);
@@ -1023,10 +1044,16 @@ impl State {
                 }
                 let mut outcomes = Vec::with_capacity(result.items.len());
                 let mut inference_us = 0;
+                // the worker's own time on the batch, as its profile
+                // measures it: each frame's pre- and postprocessing, and
+                // the one inference run
+                let mut per_frame_us = 0u64;
                 let share = u64::from(latency_us) / result.items.len().max(1) as u64;
                 let shared_buffer = result.items.len() > 1;
                 for mut item in result.items {
                     inference_us = inference_us.max(item.timings.inference_us);
+                    per_frame_us += u64::from(item.timings.preprocess_us)
+                        + u64::from(item.timings.postprocess_us);
                     if shared_buffer {
                         // Raw outputs slice the whole batch's buffer: copied
                         // out, a result waiting for its edge holds its own
@@ -1059,7 +1086,18 @@ impl State {
                         .inference
                         .with_label_values(&[model.as_str()])
                         .observe(inference_us as f64 / 1e6);
-                    self.observe_worker_batch(worker, &model, size, latency_us);
+                    let compute_us = per_frame_us + u64::from(inference_us);
+                    self.observe_worker_batch(worker, &model, size, latency_us, compute_us);
+                    let now = self.now();
+                    if let Some(w) = self.workers.get(&worker) {
+                        let name = w.register.worker.as_str();
+                        let times = crate::timeline::BatchTimes {
+                            run_us: latency_us,
+                            own_us: compute_us,
+                        };
+                        self.timeline
+                            .batch(now, worker.0, name, &model, size, times);
+                    }
                 }
                 if let Some(w) = self.workers.get(&worker) {
                     for (_, status) in &outcomes {
@@ -1256,6 +1294,8 @@ impl State {
                     .unwrap_or_default();
                 tracing::warn!(worker = worker.0, %name, "{reason}; dropping it");
                 self.metrics.workers_stalled.inc();
+                let now = self.now();
+                self.timeline.stalled(now, &name, &reason);
                 let gone = self.workers.remove(&worker);
                 if let Some(w) = &gone {
                     self.release_label(w);
@@ -1315,6 +1355,9 @@ impl State {
                 let Some(p) = self.pending.remove(&frame) else {
                     return;
                 };
+                let now = self.now();
+                self.timeline
+                    .outcome(now, &p.edge_name, &p.frame.camera, &status);
                 if p.busy_us > 0 {
                     self.metrics
                         .worker_busy
@@ -1483,6 +1526,7 @@ impl State {
                     queued: self.scheduler.queue_len(&m.name),
                     workers: 0,
                     labels: m.labels.clone(),
+                    budget_ms: self.budget_ms(&m.name),
                 });
                 v.max_batch = v.max_batch.max(m.max_batch);
                 if serving {
@@ -1533,6 +1577,7 @@ impl State {
                 })
                 .collect(),
             models: models.into_values().collect(),
+            timeline: self.timeline.view(self.now()),
         };
         snap.edges.sort_by_key(|e| e.id);
         snap.workers.sort_by_key(|w| w.id);
@@ -2000,17 +2045,28 @@ pub(crate) mod tests {
         hub.snapshot().await.unwrap();
         assert!(batches.try_recv().is_err(), "two batches at a time");
         assert_eq!(metrics.queue_depth.with_label_values(&[MODEL]).get(), 1);
-        answer(&hub, &d, ok_item).await;
+        // 0.5 + 2 + 0.5 ms of the worker's own time: three times the
+        // profile's 1 ms for a batch of one, whatever the transfer took
+        let timed = |id| ItemResult {
+            timings: Timings {
+                preprocess_us: 500,
+                inference_us: 2000,
+                postprocess_us: 500,
+                ..Timings::default()
+            },
+            ..ok_item(id)
+        };
+        answer(&hub, &d, timed).await;
         recv_result(&mut answers).await;
         let d3 = recv(&mut batches).await;
         hub.snapshot().await.unwrap();
         assert_eq!(metrics.queue_depth.with_label_values(&[MODEL]).get(), 0);
         let failed = |id| ItemResult {
             status: Status::Failed("boom".into()),
-            ..ok_item(id)
+            ..timed(id)
         };
         answer(&hub, &d2, failed).await;
-        answer(&hub, &d3, ok_item).await;
+        answer(&hub, &d3, timed).await;
         recv_result(&mut answers).await;
         recv_result(&mut answers).await;
         hub.snapshot().await.unwrap();
@@ -2025,12 +2081,10 @@ pub(crate) mod tests {
         assert_eq!(batch.get_sample_count(), 3);
         let ratio = metrics.worker_batch_over_profile.with_label_values(&labels);
         assert_eq!(ratio.get_sample_count(), 3);
-        // run time over the profile's 1 ms for a batch of one
-        let mean_ratio = ratio.get_sample_sum() / 3.0;
-        let mean_run = batch.get_sample_sum() / 3.0;
         assert!(
-            (mean_ratio - mean_run / 1e-3).abs() < 1e-6 * mean_ratio.max(1.0),
-            "{mean_ratio} against {mean_run} s"
+            (ratio.get_sample_sum() - 9.0).abs() < 1e-9,
+            "three batches at 3x their profile: {}",
+            ratio.get_sample_sum()
         );
         hub.send(HubMsg::WorkerGone {
             worker: WorkerId(1),

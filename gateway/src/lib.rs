@@ -18,7 +18,10 @@
 //!   the status page at `/`).
 //! - [`http_listener`]: the API's accept loop: a connection cap and a
 //!   header-read timeout.
-//! - [`status`]: the status page, rendered from the API's snapshot.
+//! - [`status`]: the live status page and the model it renders
+//!   (`/api/v1/status`), from the API's snapshot.
+//! - [`timeline`]: the pure ring of 5 s intervals (15 minutes) behind the
+//!   status page's plots, rates and problems banner.
 //! - [`metrics`]: Prometheus metrics, registered in one place.
 //! - [`ratelimit`]: the pure token bucket and per-connection policy that
 //!   hold an edge's control messages to a rate.
@@ -48,3 +51,4 @@ pub mod scheduler;
 pub mod server;
 pub mod simulate;
 pub mod status;
+pub mod timeline;

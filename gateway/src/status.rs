@@ -1,18 +1,54 @@
-//! The status page (`GET /`): one HTML page an operator can open in a
-//! browser, rendered on the server from the same snapshot as the JSON API,
-//! with no script. It refreshes itself every few seconds.
+//! The live status page (`GET /`) and the model it renders
+//! (`GET /api/v1/status`).
 //!
-//! Every string that comes from outside (edge, camera, worker and model
-//! names, device descriptions, lease provider data) is HTML-escaped.
+//! [`build`] turns the hub's [`Snapshot`] (with its [`crate::timeline`]),
+//! the lease ledger's view and the clock into a [`StatusModel`]: rates over
+//! the last minute that add up, cameras sorted worst first, each worker's
+//! batch times against its profile, each lease's time left in the block it
+//! has paid for, and the [`Problem`]s the banner shows. It is pure, and
+//! tested without sockets.
+//!
+//! [`page`] is one HTML document, served by the gateway with everything
+//! inline (no CDN, no fetch anywhere else): the model as of the request,
+//! and a small script (`status_page.html`) that draws it, plots the last
+//! 15 minutes as inline SVG, and fetches `/api/v1/status` every
+//! [`POLL_MS`] to draw it again. Every name from outside (edge, camera,
+//! worker, model, provider) reaches the document through `textContent`
+//! only; the embedded JSON has its `<`, `>` and `&` escaped, so no name can
+//! close its `<script>`.
 
-use std::fmt::Write;
+use serde::Serialize;
 
+use tidegate_lease::billing::{Granularity, paid_until};
 use tidegate_lease::ledger::{CostReport, LeaseRecord};
 
-use crate::hub::Snapshot;
+use crate::hub::{Snapshot, WorkerView};
+use crate::scheduler::Counters;
+use crate::timeline::{FrameCounts, Percentiles, Point, Stall};
 
-/// Seconds between the page's own refreshes.
-pub const REFRESH_SECS: u32 = 5;
+/// How often the page fetches the model again (ms).
+pub const POLL_MS: u32 = 2000;
+
+/// Shed share of the frames that ended in the last minute above which the
+/// banner flags shedding: past 5 %, cameras lose frames an operator should
+/// hear about (the SLO is 99 % ok).
+pub const SHED_ALERT_RATIO: f64 = 0.05;
+
+/// Frames that must have ended in the last minute before the shed share is
+/// judged: a few frames of a camera that just opened are not a trend.
+pub const SHED_ALERT_MIN_FRAMES: u64 = 20;
+
+/// Share of `leasing.spend_cap_per_hour` that the live leases' summed
+/// hourly price must reach to be flagged (the `TidegateSpendNearCap`
+/// alert's 90 %).
+pub const SPEND_ALERT_RATIO: f64 = 0.9;
+
+/// How long a worker dropped as stalled stays on the banner (ms).
+pub const STALL_SHOWN_MS: u64 = 5 * 60 * 1000;
+
+/// How far back the status page's cost by edge reaches: a day (the split
+/// reads every usage row of the range).
+pub const RECENT_MS: u64 = 24 * 3600 * 1000;
 
 /// `s` with `&`, `<`, `>`, `"` and `'` escaped, for HTML or SVG text and
 /// attribute values.
@@ -31,34 +67,8 @@ pub fn escape(s: &str) -> String {
     out
 }
 
-/// A table: its caption, header cells and rows (already escaped), or a line
-/// saying there is nothing.
-fn table(out: &mut String, caption: &str, head: &[&str], rows: &[Vec<String>], none: &str) {
-    let _ = writeln!(out, "<h2>{caption}</h2>");
-    if rows.is_empty() {
-        let _ = writeln!(out, "<p class=\"none\">{none}</p>");
-        return;
-    }
-    out.push_str("<table>\n<tr>");
-    for h in head {
-        let _ = write!(out, "<th>{h}</th>");
-    }
-    out.push_str("</tr>\n");
-    for r in rows {
-        out.push_str("<tr>");
-        for cell in r {
-            let _ = write!(out, "<td>{cell}</td>");
-        }
-        out.push_str("</tr>\n");
-    }
-    out.push_str("</table>\n");
-}
-
-/// How far back the status page's cost by edge reaches: a day (the split
-/// reads every usage row of the range).
-pub const RECENT_MS: u64 = 24 * 3600 * 1000;
-
-/// Leasing, when configured: the live leases and what all leases cost.
+/// Leasing, when configured: the live leases, what all leases cost, and
+/// the cap on what live leases may cost per hour.
 #[derive(Debug, Clone, Copy)]
 pub struct LeasingView<'a> {
     /// Leases not ended.
@@ -67,29 +77,957 @@ pub struct LeasingView<'a> {
     pub costs: &'a CostReport,
     /// The last [`RECENT_MS`], split by edge.
     pub recent: &'a CostReport,
+    /// `leasing.spend_cap_per_hour`, when set.
+    pub spend_cap_per_hour: Option<f64>,
 }
 
-/// The page. `now_ms` dates it.
-pub fn render(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) -> String {
-    let mut out = String::new();
-    let _ = write!(
-        out,
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-         <meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\">\
-         <title>tidegate</title><style>\
-         body{{font-family:system-ui,sans-serif;margin:1.5em;color:#222}}\
-         table{{border-collapse:collapse;margin-bottom:1em}}\
-         th,td{{border:1px solid #ccc;padding:.25em .6em;text-align:left}}\
-         th{{background:#f0f0f0}}.none{{color:#777}}\
-         </style></head><body>\n<h1>tidegate gateway</h1>\n\
-         <p>At {now_ms} ms since the Unix epoch; refreshes every {REFRESH_SECS} s. \
-         JSON: <a href=\"/api/v1/frames\">frames</a>, <a href=\"/api/v1/workers\">workers</a>, \
-         <a href=\"/api/v1/leases\">leases</a>; <a href=\"/metrics\">metrics</a>.</p>\n"
+/// Something the banner at the top of the page flags.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Problem {
+    /// `shedding`, `worker_demoted`, `worker_stalled`, `spend_near_cap` or
+    /// `no_worker`.
+    pub kind: &'static str,
+    /// What is wrong, for an operator.
+    pub message: String,
+}
+
+/// The last minute: the window of every rate on the page.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Window {
+    /// Start (ms since the Unix epoch).
+    pub start_ms: u64,
+    /// End (ms since the Unix epoch): the end of the last whole interval.
+    pub end_ms: u64,
+    /// Its length (s); shorter than a minute in the gateway's first one.
+    pub seconds: f64,
+    /// Frames in it.
+    pub frames: FrameCounts,
+    /// Frames admitted per second (the cameras' rates add up to it).
+    pub admitted_fps: Option<f64>,
+    /// Frames answered `ok` per second.
+    pub ok_fps: Option<f64>,
+    /// Shed over ended.
+    pub shed_ratio: Option<f64>,
+    /// End-to-end latency edges reported.
+    pub latency: Option<Percentiles>,
+}
+
+/// A registered worker and one model it serves, with its batches over the
+/// window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkerRow {
+    /// Session id.
+    pub id: u64,
+    /// Registered name.
+    pub name: String,
+    /// Device.
+    pub device: String,
+    /// Model of this row.
+    pub model: String,
+    /// `serving`, `serving lease-N`, `draining`, `demoted` or `unbound`.
+    pub state: String,
+    /// Batches it returned in the window.
+    pub batches: u64,
+    /// Frames in them.
+    pub frames: u64,
+    /// Frames per batch.
+    pub mean_batch: Option<f64>,
+    /// Mean run time per batch (ms).
+    pub mean_ms: Option<f64>,
+    /// p95 of the run times (ms).
+    pub p95_ms: Option<f64>,
+    /// Mean of the worker's own time per batch (ms): pre- and
+    /// postprocessing and inference, as it reports them, without the
+    /// transfer; what its profile times.
+    pub own_ms: Option<f64>,
+    /// What its registered profile says a batch of the mean size takes
+    /// (ms); `None` with no batch or no profile for the model.
+    pub profile_ms: Option<f64>,
+}
+
+/// A model with workers, or one cameras ask for.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelRow {
+    /// Name.
+    pub name: String,
+    /// Version (`None`: no worker serves it).
+    pub version: Option<u32>,
+    /// Workers that may serve it.
+    pub workers: usize,
+    /// Frames queued now.
+    pub queued: usize,
+    /// Largest batch.
+    pub max_batch: u16,
+    /// Open cameras sending it frames.
+    pub cameras: usize,
+    /// Budget (ms; 0 when not known).
+    pub budget_ms: f64,
+}
+
+/// A camera, over the window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CameraRow {
+    /// Its edge's name.
+    pub edge: String,
+    /// Camera name.
+    pub camera: String,
+    /// Model (`None` for a camera closed since).
+    pub model: Option<String>,
+    /// Open now.
+    pub open: bool,
+    /// Its frames in the window.
+    pub frames: FrameCounts,
+    /// Admitted per second over the window.
+    pub admitted_fps: Option<f64>,
+    /// `ok` per second over the window.
+    pub ok_fps: Option<f64>,
+    /// Shed over ended.
+    pub shed_ratio: Option<f64>,
+    /// The frame-rate cap the gateway's hints hold it to, if any.
+    pub cap_fps: Option<f64>,
+}
+
+/// A live lease.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LeaseRow {
+    /// Id.
+    pub id: u64,
+    /// Provider.
+    pub provider: String,
+    /// Instance type.
+    pub instance_type: String,
+    /// Tier.
+    pub tier: &'static str,
+    /// Lifecycle state.
+    pub state: &'static str,
+    /// Price per hour (currency units).
+    pub price_per_hour: f64,
+    /// Currency.
+    pub currency: String,
+    /// `hour` or `second`.
+    pub billing: &'static str,
+    /// Billing start (ms since the Unix epoch), once the provider accepted.
+    pub billing_start_ms: Option<u64>,
+    /// End of what is already paid for: releasing earlier saves nothing.
+    pub paid_until_ms: Option<u64>,
+    /// Time left in that block (ms); 0 once per-second billing is past its
+    /// minimum.
+    pub block_left_ms: Option<u64>,
+    /// Cost so far (currency units).
+    pub cost: f64,
+}
+
+/// One edge's share of the last day's cost.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EdgeCost {
+    /// Edge name (`None`: leases that served nothing).
+    pub edge: Option<String>,
+    /// Cost (currency units).
+    pub cost: f64,
+    /// Frames answered `ok` within their deadline.
+    pub frames_within_slo: u64,
+    /// Frames answered otherwise.
+    pub frames_late: u64,
+    /// Worker time (s).
+    pub busy_seconds: f64,
+    /// Cost per 1000 frames within the SLO.
+    pub cost_per_1k_within_slo: Option<f64>,
+}
+
+/// Leasing on the page.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LeasingModel {
+    /// Live leases, newest first.
+    pub leases: Vec<LeaseRow>,
+    /// Their summed hourly price: what the spend cap holds.
+    pub spend_per_hour: f64,
+    /// `leasing.spend_cap_per_hour`.
+    pub spend_cap_per_hour: Option<f64>,
+    /// Currency of the ledger.
+    pub currency: String,
+    /// Cost of every lease so far.
+    pub total_cost: f64,
+    /// Frames leased workers answered within the SLO, so far.
+    pub frames_within_slo: u64,
+    /// And otherwise.
+    pub frames_late: u64,
+    /// Cost per 1000 frames within the SLO, so far.
+    pub cost_per_1k_within_slo: Option<f64>,
+    /// The last day's cost by edge, and idle leases last.
+    pub last_day_by_edge: Vec<EdgeCost>,
+}
+
+/// Everything the page shows; served as `GET /api/v1/status`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StatusModel {
+    /// When (ms since the Unix epoch).
+    pub now_ms: u64,
+    /// What the banner flags; empty when all is well.
+    pub problems: Vec<Problem>,
+    /// Frame counters since the gateway started.
+    pub totals: Counters,
+    /// The last minute.
+    pub window: Window,
+    /// Length of each plotted interval (ms).
+    pub interval_ms: u64,
+    /// The last 15 minutes, oldest first.
+    pub points: Vec<Point>,
+    /// The strictest budget of a served model (ms): the plot's line.
+    pub budget_ms: Option<f64>,
+    /// Workers, by id, one row per model.
+    pub workers: Vec<WorkerRow>,
+    /// Workers dropped as stalled, newest last.
+    pub stalls: Vec<Stall>,
+    /// Models, by name.
+    pub models: Vec<ModelRow>,
+    /// Cameras, worst shed share first.
+    pub cameras: Vec<CameraRow>,
+    /// Frames of cameras the window could not track one by one.
+    pub other_cameras: FrameCounts,
+    /// With `[leasing]`.
+    pub leasing: Option<LeasingModel>,
+}
+
+/// `count` per second over `seconds`; `None` for an empty window.
+fn rate(count: u64, seconds: f64) -> Option<f64> {
+    (seconds > 0.0).then(|| count as f64 / seconds)
+}
+
+/// The model of the page at `now_ms`.
+pub fn build(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) -> StatusModel {
+    let recent = &snap.timeline.recent;
+    let seconds = recent.end_ms.saturating_sub(recent.start_ms) as f64 / 1e3;
+    let window = Window {
+        start_ms: recent.start_ms,
+        end_ms: recent.end_ms,
+        seconds,
+        frames: recent.frames,
+        admitted_fps: rate(recent.frames.admitted, seconds),
+        ok_fps: rate(recent.frames.ok, seconds),
+        shed_ratio: recent.shed_ratio,
+        latency: recent.latency,
+    };
+    let budget_ms = snap
+        .models
+        .iter()
+        .map(|m| m.budget_ms)
+        .filter(|b| *b > 0.0)
+        .min_by(f64::total_cmp);
+    let mut model = StatusModel {
+        now_ms,
+        problems: Vec::new(),
+        totals: snap.frames,
+        window,
+        interval_ms: snap.timeline.interval_ms,
+        points: snap.timeline.points.clone(),
+        budget_ms,
+        workers: worker_rows(snap),
+        stalls: snap.timeline.stalls.clone(),
+        models: model_rows(snap),
+        cameras: camera_rows(snap, seconds),
+        other_cameras: recent.other_cameras,
+        leasing: leasing.map(|l| leasing_model(l, now_ms)),
+    };
+    model.problems = problems(&model);
+    model
+}
+
+/// A worker's state, in words.
+fn worker_state(w: &WorkerView) -> String {
+    if w.unbound {
+        "unbound".into()
+    } else if w.draining {
+        "draining".into()
+    } else if w.demoted {
+        "demoted".into()
+    } else if let Some(l) = w.lease {
+        format!("serving lease-{l}")
+    } else {
+        "serving".into()
+    }
+}
+
+fn worker_rows(snap: &Snapshot) -> Vec<WorkerRow> {
+    let recent = &snap.timeline.recent;
+    let mut rows = Vec::new();
+    for w in &snap.workers {
+        for model in &w.models {
+            let done = recent
+                .workers
+                .iter()
+                .find(|r| r.id == w.id && &r.model == model);
+            let (batches, frames) = done.map_or((0, 0), |d| (d.batches, d.frames));
+            let mean_batch = (batches > 0).then(|| frames as f64 / batches as f64);
+            let mut points: Vec<(u16, u32)> = w
+                .profile
+                .iter()
+                .filter(|(m, _, _)| m == model)
+                .map(|(_, b, us)| (*b, *us))
+                .collect();
+            points.sort_unstable();
+            let profile_ms = mean_batch.filter(|_| !points.is_empty()).map(|mean| {
+                let size = (mean.round() as u16).max(1);
+                crate::scheduler::profile_latency_us(&points, size) / 1e3
+            });
+            rows.push(WorkerRow {
+                id: w.id,
+                name: w.name.clone(),
+                device: w.device.clone(),
+                model: model.clone(),
+                state: worker_state(w),
+                batches,
+                frames,
+                mean_batch,
+                mean_ms: done.filter(|_| batches > 0).map(|d| d.mean_ms),
+                p95_ms: done.filter(|_| batches > 0).map(|d| d.p95_ms),
+                own_ms: done.filter(|_| batches > 0).map(|d| d.own_ms),
+                profile_ms,
+            });
+        }
+    }
+    rows
+}
+
+fn model_rows(snap: &Snapshot) -> Vec<ModelRow> {
+    let cameras_of = |name: &str| snap.cameras.iter().filter(|c| c.model == name).count();
+    let mut rows: Vec<ModelRow> = snap
+        .models
+        .iter()
+        .map(|m| ModelRow {
+            name: m.name.clone(),
+            version: Some(m.version),
+            workers: m.workers,
+            queued: m.queued,
+            max_batch: m.max_batch,
+            cameras: cameras_of(&m.name),
+            budget_ms: m.budget_ms,
+        })
+        .collect();
+    for c in &snap.cameras {
+        if !rows.iter().any(|r| r.name == c.model) {
+            rows.push(ModelRow {
+                name: c.model.clone(),
+                version: None,
+                workers: 0,
+                queued: 0,
+                max_batch: 0,
+                cameras: cameras_of(&c.model),
+                budget_ms: 0.0,
+            });
+        }
+    }
+    rows.sort_by(|a, b| a.name.cmp(&b.name));
+    rows
+}
+
+/// Open cameras and those with frames in the window, sorted by shed share
+/// (worst first), then by frames admitted, then by name.
+fn camera_rows(snap: &Snapshot, seconds: f64) -> Vec<CameraRow> {
+    let edge_name = |id: u64| {
+        snap.edges
+            .iter()
+            .find(|e| e.id == id)
+            .map_or_else(|| format!("#{id}"), |e| e.name.clone())
+    };
+    let recent = &snap.timeline.recent.cameras;
+    let row = |edge: String, camera: String, model, open, frames: FrameCounts, cap| CameraRow {
+        edge,
+        camera,
+        model,
+        open,
+        admitted_fps: rate(frames.admitted, seconds),
+        ok_fps: rate(frames.ok, seconds),
+        shed_ratio: frames.shed_ratio(),
+        frames,
+        cap_fps: cap,
+    };
+    let mut rows: Vec<CameraRow> = snap
+        .cameras
+        .iter()
+        .map(|c| {
+            let edge = edge_name(c.edge);
+            let frames = recent
+                .iter()
+                .find(|r| r.edge == edge && r.camera == c.camera)
+                .map(|r| r.frames)
+                .unwrap_or_default();
+            let cap = c.load.as_ref().and_then(|l| l.cap_fps);
+            row(
+                edge,
+                c.camera.clone(),
+                Some(c.model.clone()),
+                true,
+                frames,
+                cap,
+            )
+        })
+        .collect();
+    for r in recent {
+        if !rows
+            .iter()
+            .any(|o| o.edge == r.edge && o.camera == r.camera)
+        {
+            rows.push(row(
+                r.edge.clone(),
+                r.camera.clone(),
+                None,
+                false,
+                r.frames,
+                None,
+            ));
+        }
+    }
+    rows.sort_by(|a, b| {
+        let shed = |r: &CameraRow| r.shed_ratio.unwrap_or(0.0);
+        shed(b)
+            .total_cmp(&shed(a))
+            .then(b.frames.admitted.cmp(&a.frames.admitted))
+            .then_with(|| (&a.edge, &a.camera).cmp(&(&b.edge, &b.camera)))
+    });
+    rows
+}
+
+fn lease_row(r: &LeaseRecord, now_ms: u64) -> LeaseRow {
+    let paid = r
+        .billing_start
+        .map(|s| paid_until(s, now_ms, r.granularity));
+    LeaseRow {
+        id: r.id.0,
+        provider: r.provider.clone(),
+        instance_type: r.instance_type.clone(),
+        tier: r.tier.as_str(),
+        state: r.state.label(),
+        price_per_hour: r.price_per_hour.units(),
+        currency: r.currency.clone(),
+        billing: match r.granularity {
+            Granularity::Hour => "hour",
+            Granularity::Second { .. } => "second",
+        },
+        billing_start_ms: r.billing_start,
+        paid_until_ms: paid,
+        block_left_ms: paid.map(|p| p.saturating_sub(now_ms)),
+        cost: r.cost.units(),
+    }
+}
+
+fn leasing_model(l: LeasingView<'_>, now_ms: u64) -> LeasingModel {
+    let c = l.costs;
+    let mut by_edge: Vec<EdgeCost> = l
+        .recent
+        .by_edge
+        .iter()
+        .map(|(edge, s)| EdgeCost {
+            edge: Some(edge.clone()),
+            cost: s.cost.units(),
+            frames_within_slo: s.frames_within_slo,
+            frames_late: s.frames_late,
+            busy_seconds: s.busy_seconds,
+            cost_per_1k_within_slo: s.cost_per_1k_within_slo,
+        })
+        .collect();
+    if l.recent.idle.0 > 0 {
+        by_edge.push(EdgeCost {
+            edge: None,
+            cost: l.recent.idle.units(),
+            frames_within_slo: 0,
+            frames_late: 0,
+            busy_seconds: 0.0,
+            cost_per_1k_within_slo: None,
+        });
+    }
+    let currency = c
+        .currency
+        .clone()
+        .or_else(|| l.live.first().map(|r| r.currency.clone()))
+        .unwrap_or_default();
+    LeasingModel {
+        leases: l.live.iter().map(|r| lease_row(r, now_ms)).collect(),
+        spend_per_hour: l.live.iter().map(|r| r.price_per_hour.units()).sum(),
+        spend_cap_per_hour: l.spend_cap_per_hour,
+        currency,
+        total_cost: c.total.units(),
+        frames_within_slo: c.frames_within_slo,
+        frames_late: c.frames_late,
+        cost_per_1k_within_slo: c.cost_per_1k_within_slo,
+        last_day_by_edge: by_edge,
+    }
+}
+
+/// What the banner flags, in the order it shows them.
+pub fn problems(m: &StatusModel) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let f = &m.window.frames;
+    if let Some(ratio) = m.window.shed_ratio
+        && f.ended() >= SHED_ALERT_MIN_FRAMES
+        && ratio > SHED_ALERT_RATIO
+    {
+        out.push(Problem {
+            kind: "shedding",
+            message: format!(
+                "{:.1} % of frames shed over the last {:.0} s ({} of {}); over {:.0} % is flagged",
+                ratio * 100.0,
+                m.window.seconds,
+                f.shed,
+                f.ended(),
+                SHED_ALERT_RATIO * 100.0
+            ),
+        });
+    }
+    let mut demoted: Vec<&str> = m
+        .workers
+        .iter()
+        .filter(|w| w.state == "demoted")
+        .map(|w| w.name.as_str())
+        .collect();
+    demoted.dedup();
+    for name in demoted {
+        out.push(Problem {
+            kind: "worker_demoted",
+            message: format!("worker {name} is demoted for failing its frames: it gets only probe batches until one succeeds"),
+        });
+    }
+    for s in m
+        .stalls
+        .iter()
+        .filter(|s| m.now_ms.saturating_sub(s.at_ms) <= STALL_SHOWN_MS)
+    {
+        out.push(Problem {
+            kind: "worker_stalled",
+            message: format!("worker {} was dropped as stalled: {}", s.worker, s.reason),
+        });
+    }
+    if let Some(l) = &m.leasing
+        && let Some(cap) = l.spend_cap_per_hour
+        && cap > 0.0
+        && l.spend_per_hour >= SPEND_ALERT_RATIO * cap
+    {
+        out.push(Problem {
+            kind: "spend_near_cap",
+            message: format!(
+                "live leases cost {:.2} {cur}/h, {:.0} % of the {:.2} {cur}/h cap: the autoscaler cannot add capacity past it",
+                l.spend_per_hour,
+                l.spend_per_hour / cap * 100.0,
+                cap,
+                cur = l.currency
+            ),
+        });
+    }
+    for model in m.models.iter().filter(|r| r.workers == 0 && r.cameras > 0) {
+        out.push(Problem {
+            kind: "no_worker",
+            message: format!(
+                "no worker serves model {} for its {} open camera(s): their frames are shed",
+                model.name, model.cameras
+            ),
+        });
+    }
+    out
+}
+
+/// Camera rows shown before the rest are collapsed behind "N more".
+pub const TOP_CAMERAS: usize = 10;
+
+/// The page's document: the model as of the request, embedded, drawn once
+/// on the server (so that a client without script, or before it runs,
+/// sees the tables and the banner), and the script that draws it again
+/// with the plots and polls for the next.
+pub fn page(model: &StatusModel) -> String {
+    let json = serde_json::to_string(model).unwrap_or_else(|_| "null".into());
+    // In a <script> element only `</script` ends it; escaping every `<`
+    // (and `>`, `&`) as a JSON \u escape keeps any name inside the data.
+    let json = json
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026");
+    let mut out = PAGE.to_string();
+    for (mark, html) in first_paint(model) {
+        out = out.replace(mark, &html);
+    }
+    out.replace("/*POLL_MS*/2000", &POLL_MS.to_string())
+        .replace("/*MODEL*/null", &json)
+}
+
+/// A cell of a server-drawn table: text (escaped when drawn) or markup.
+enum Cell {
+    Text(String),
+    Markup(String),
+}
+
+impl From<String> for Cell {
+    fn from(s: String) -> Cell {
+        Cell::Text(s)
+    }
+}
+
+impl From<&str> for Cell {
+    fn from(s: &str) -> Cell {
+        Cell::Text(s.to_string())
+    }
+}
+
+/// A table as the page's script draws it (`table()` in
+/// `status_page.html`): `numeric` columns right-aligned, rows from
+/// `hide_from` on hidden; or a line saying there is nothing.
+fn table_html(
+    head: &[&str],
+    rows: Vec<Vec<Cell>>,
+    none: &str,
+    numeric: &[usize],
+    hide_from: Option<usize>,
+) -> String {
+    if rows.is_empty() {
+        return format!("<p class=\"none\">{}</p>", escape(none));
+    }
+    let mut out = String::from("<table><tr>");
+    for h in head {
+        out += &format!("<th>{}</th>", escape(h));
+    }
+    out += "</tr>";
+    for (k, row) in rows.into_iter().enumerate() {
+        let hidden = hide_from.is_some_and(|h| k >= h);
+        out += if hidden { "<tr hidden=\"\">" } else { "<tr>" };
+        for (i, c) in row.into_iter().enumerate() {
+            let class = if numeric.contains(&i) {
+                " class=\"n\""
+            } else {
+                ""
+            };
+            let inner = match c {
+                Cell::Text(t) => escape(&t),
+                Cell::Markup(m) => m,
+            };
+            out += &format!("<td{class}>{inner}</td>");
+        }
+        out += "</tr>";
+    }
+    out + "</table>"
+}
+
+/// `v` to `digits` decimals, or a dash.
+fn num(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "—".into(), |v| format!("{v:.digits$}"))
+}
+
+/// `v` ms to a tenth, or a dash.
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "—".into(), |v| format!("{v:.1} ms"))
+}
+
+/// A ratio as a percentage, or a dash.
+fn pct(r: Option<f64>) -> String {
+    r.map_or_else(|| "—".into(), |r| format!("{:.1} %", r * 100.0))
+}
+
+/// `ms` since the Unix epoch as ISO 8601 UTC, to the second
+/// (`2026-12-05T04:37:13Z`).
+pub fn iso8601(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// A length of time in words: `45 s`, `12 min`, `3 h 5 min`, `4 d`.
+pub fn span(ms: u64) -> String {
+    let s = (ms + 500) / 1000;
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min", s / 60),
+        3600..172_800 => format!("{} h {} min", s / 3600, s / 60 % 60),
+        _ => format!("{} d", s / 86_400),
+    }
+}
+
+/// A time as people read it (`3 min ago`, `in 12 min`), with its ISO 8601
+/// UTC in the title (`when()` in the script).
+fn when(at_ms: u64, now_ms: u64) -> String {
+    let text = match at_ms.abs_diff(now_ms) {
+        0..2000 => "just now".to_string(),
+        d if at_ms < now_ms => format!("{} ago", span(d)),
+        d => format!("in {}", span(d)),
+    };
+    let iso = iso8601(at_ms);
+    format!("<time datetime=\"{iso}\" title=\"{iso}\">{text}</time>")
+}
+
+/// The page's first paint: each placeholder in `status_page.html` and the
+/// markup the script would draw there.
+fn first_paint(m: &StatusModel) -> Vec<(&'static str, String)> {
+    let hidden = |h: bool| {
+        if h {
+            " hidden".to_string()
+        } else {
+            String::new()
+        }
+    };
+    let problems: String = m
+        .problems
+        .iter()
+        .map(|p| format!("<li data-kind=\"{}\">{}</li>", p.kind, escape(&p.message)))
+        .collect();
+    let more = m.cameras.len().saturating_sub(TOP_CAMERAS);
+    let l = m.leasing.as_ref();
+    vec![
+        ("<!--BANNER_HIDDEN-->", hidden(m.problems.is_empty())),
+        ("<!--PROBLEMS-->", problems),
+        ("<!--WORKERS-->", workers_html(m)),
+        ("<!--MODELS-->", models_html(m)),
+        ("<!--CAMERAS-->", cameras_html(m)),
+        ("<!--MORE_HIDDEN-->", hidden(more == 0)),
+        ("<!--MORE-->", format!("{more} more")),
+        ("<!--LEASING_HIDDEN-->", hidden(l.is_none())),
+        (
+            "<!--LEASES-->",
+            l.map(|l| leases_html(l, m.now_ms)).unwrap_or_default(),
+        ),
+        ("<!--COSTS-->", l.map(costs_html).unwrap_or_default()),
+        ("<!--TOTALS-->", totals_html(&m.totals)),
+    ]
+}
+
+fn workers_html(m: &StatusModel) -> String {
+    let rows = m
+        .workers
+        .iter()
+        .map(|w| {
+            // the worker's own time against its profile, which times the
+            // same work: the transfer is the link's, not the worker's
+            let ratio = w
+                .own_ms
+                .zip(w.profile_ms)
+                .map(|(mean, p)| format!("× {:.2}", mean / p.max(0.001)));
+            vec![
+                w.name.as_str().into(),
+                w.model.as_str().into(),
+                w.device.as_str().into(),
+                w.state.as_str().into(),
+                w.batches.to_string().into(),
+                w.frames.to_string().into(),
+                num(w.mean_batch, 1).into(),
+                ms(w.mean_ms).into(),
+                ms(w.p95_ms).into(),
+                ms(w.own_ms).into(),
+                ms(w.profile_ms).into(),
+                ratio.unwrap_or_else(|| "—".into()).into(),
+            ]
+        })
+        .collect();
+    let mut out = table_html(
+        &[
+            "worker",
+            "model",
+            "device",
+            "state",
+            "batches",
+            "frames",
+            "mean batch",
+            "mean batch time",
+            "p95 batch time",
+            "worker's own time",
+            "profile at mean batch",
+            "own vs profile",
+        ],
+        rows,
+        "No worker is registered.",
+        &[4, 5, 6, 7, 8, 9, 10, 11],
+        None,
     );
-    let f = &snap.frames;
-    table(
-        &mut out,
-        "Frames",
+    for s in &m.stalls {
+        out += &format!(
+            "<p class=\"warn\">Worker {} dropped as stalled {}: {}</p>",
+            escape(&s.worker),
+            when(s.at_ms, m.now_ms),
+            escape(&s.reason)
+        );
+    }
+    out
+}
+
+fn models_html(m: &StatusModel) -> String {
+    let rows = m
+        .models
+        .iter()
+        .map(|r| {
+            vec![
+                r.name.as_str().into(),
+                r.version
+                    .map_or_else(|| "—".into(), |v| v.to_string())
+                    .into(),
+                r.workers.to_string().into(),
+                r.cameras.to_string().into(),
+                r.queued.to_string().into(),
+                r.max_batch.to_string().into(),
+                (if r.budget_ms > 0.0 {
+                    format!("{} ms", r.budget_ms)
+                } else {
+                    "—".into()
+                })
+                .into(),
+            ]
+        })
+        .collect();
+    table_html(
+        &[
+            "model",
+            "version",
+            "workers",
+            "cameras",
+            "queued",
+            "max batch",
+            "budget",
+        ],
+        rows,
+        "No model is served and no camera is open.",
+        &[2, 3, 4, 5, 6],
+        None,
+    )
+}
+
+fn cameras_html(m: &StatusModel) -> String {
+    let rows = m
+        .cameras
+        .iter()
+        .map(|c| {
+            vec![
+                c.edge.as_str().into(),
+                c.camera.as_str().into(),
+                c.model
+                    .as_deref()
+                    .filter(|_| c.open)
+                    .unwrap_or("(closed)")
+                    .into(),
+                num(c.admitted_fps, 2).into(),
+                num(c.ok_fps, 2).into(),
+                pct(c.shed_ratio).into(),
+                c.cap_fps
+                    .map_or_else(|| "none".into(), |f| format!("{f:.1}/s"))
+                    .into(),
+            ]
+        })
+        .collect();
+    table_html(
+        &[
+            "edge",
+            "camera",
+            "model",
+            "admitted/s",
+            "ok/s",
+            "shed",
+            "rate cap",
+        ],
+        rows,
+        "No camera is open.",
+        &[3, 4, 5],
+        Some(TOP_CAMERAS),
+    )
+}
+
+fn leases_html(l: &LeasingModel, now_ms: u64) -> String {
+    let rows = l
+        .leases
+        .iter()
+        .map(|r| {
+            let since = r
+                .billing_start_ms
+                .map_or_else(|| Cell::from("not yet"), |t| Cell::Markup(when(t, now_ms)));
+            let left = match (r.paid_until_ms, r.block_left_ms) {
+                (Some(until), Some(left)) if left > 0 => {
+                    Cell::Markup(format!("{} ({} left)", when(until, now_ms), span(left)))
+                }
+                (Some(_), _) => "per second now".into(),
+                _ => "—".into(),
+            };
+            vec![
+                format!("lease-{}", r.id).into(),
+                r.provider.as_str().into(),
+                r.instance_type.as_str().into(),
+                r.tier.into(),
+                r.state.into(),
+                format!("{:.2} {}/h", r.price_per_hour, r.currency).into(),
+                since,
+                left,
+                format!("{:.2} {}", r.cost, r.currency).into(),
+            ]
+        })
+        .collect();
+    table_html(
+        &[
+            "lease",
+            "provider",
+            "type",
+            "tier",
+            "state",
+            "price",
+            "billing since",
+            "paid block ends",
+            "cost so far",
+        ],
+        rows,
+        "No lease is live.",
+        &[5, 8],
+        None,
+    )
+}
+
+fn costs_html(l: &LeasingModel) -> String {
+    let rows = l
+        .last_day_by_edge
+        .iter()
+        .map(|e| {
+            vec![
+                e.edge.as_deref().unwrap_or("(idle leases)").into(),
+                format!("{:.2} {}", e.cost, l.currency).into(),
+                e.frames_within_slo.to_string().into(),
+                e.frames_late.to_string().into(),
+                format!("{:.1}", e.busy_seconds).into(),
+                num(e.cost_per_1k_within_slo, 4).into(),
+            ]
+        })
+        .collect();
+    table_html(
+        &[
+            "edge",
+            "cost",
+            "within SLO",
+            "late",
+            "worker s",
+            "per 1000 within SLO",
+        ],
+        rows,
+        "No lease has served a frame yet.",
+        &[1, 2, 3, 4, 5],
+        None,
+    )
+}
+
+fn totals_html(t: &Counters) -> String {
+    let row = [
+        t.admitted,
+        t.ok,
+        t.shed,
+        t.expired,
+        t.failed,
+        t.queued,
+        t.dispatched,
+    ]
+    .iter()
+    .map(|v| Cell::from(v.to_string()))
+    .collect();
+    table_html(
         &[
             "admitted",
             "ok",
@@ -99,238 +1037,445 @@ pub fn render(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) ->
             "queued",
             "on workers",
         ],
-        &[[
-            f.admitted,
-            f.ok,
-            f.shed,
-            f.expired,
-            f.failed,
-            f.queued,
-            f.dispatched,
-        ]
-        .iter()
-        .map(u64::to_string)
-        .collect()],
+        vec![row],
         "",
-    );
-    let models: Vec<Vec<String>> = snap
-        .models
-        .iter()
-        .map(|m| {
-            vec![
-                escape(&m.name),
-                m.version.to_string(),
-                m.workers.to_string(),
-                m.queued.to_string(),
-                m.max_batch.to_string(),
-            ]
-        })
-        .collect();
-    table(
-        &mut out,
-        "Models",
-        &["model", "version", "workers", "queued", "max batch"],
-        &models,
-        "No model is served: no worker has registered.",
-    );
-    let workers: Vec<Vec<String>> = snap
-        .workers
-        .iter()
-        .map(|w| {
-            vec![
-                escape(&w.name),
-                escape(&w.device),
-                escape(&w.models.join(", ")),
-                match (w.unbound, w.draining, w.lease) {
-                    (true, _, _) => "unbound (waits for a lease)".into(),
-                    (false, true, _) => "draining".into(),
-                    (false, false, _) if w.demoted => "demoted (failing; probed)".into(),
-                    (false, false, Some(l)) => format!("serving lease-{l}"),
-                    (false, false, None) => "serving".into(),
-                },
-            ]
-        })
-        .collect();
-    table(
-        &mut out,
-        "Workers",
-        &["worker", "device", "models", "state"],
-        &workers,
-        "No worker is registered.",
-    );
-    let edge_name = |id: u64| {
-        snap.edges
-            .iter()
-            .find(|e| e.id == id)
-            .map_or_else(|| format!("#{id}"), |e| e.name.clone())
-    };
-    let cameras: Vec<Vec<String>> = snap
-        .cameras
-        .iter()
-        .map(|c| {
-            let (arrival, ok, cap) = match &c.load {
-                Some(l) => (
-                    format!("{:.1}", l.arrival_fps),
-                    format!("{:.1}", l.ok_fps),
-                    l.cap_fps
-                        .map_or_else(|| "none".into(), |c| format!("{c:.1}")),
-                ),
-                None => ("…".into(), "…".into(), "none".into()),
-            };
-            vec![
-                escape(&edge_name(c.edge)),
-                escape(&c.camera),
-                escape(&c.model),
-                arrival,
-                ok,
-                cap,
-            ]
-        })
-        .collect();
-    table(
-        &mut out,
-        "Cameras",
-        &["edge", "camera", "model", "frames/s in", "ok/s", "rate cap"],
-        &cameras,
-        "No camera is open.",
-    );
-    if let Some(l) = leasing {
-        let rows: Vec<Vec<String>> = l
-            .live
-            .iter()
-            .map(|r| {
-                vec![
-                    r.id.to_string(),
-                    escape(&r.provider),
-                    escape(&r.instance_type),
-                    r.tier.as_str().into(),
-                    r.state.label().into(),
-                    format!("{} {}/h", r.price_per_hour, escape(&r.currency)),
-                    format!("{}", r.cost),
-                ]
-            })
-            .collect();
-        table(
-            &mut out,
-            "Live leases",
-            &[
-                "lease",
-                "provider",
-                "type",
-                "tier",
-                "state",
-                "price",
-                "cost so far",
-            ],
-            &rows,
-            "No lease is live.",
-        );
-        let c = l.costs;
-        let currency = escape(c.currency.as_deref().unwrap_or(""));
-        let per_1k = c
-            .cost_per_1k_within_slo
-            .map_or_else(|| "—".into(), |v| format!("{v:.4} {currency}"));
-        let _ = writeln!(
-            out,
-            "<p>All leases so far: <b>{} {currency}</b>; frames within the SLO {}, late {}; cost per 1000 frames within the SLO {per_1k}.</p>",
-            c.total, c.frames_within_slo, c.frames_late
-        );
-        let r = l.recent;
-        let rows: Vec<Vec<String>> = r
-            .by_edge
-            .iter()
-            .map(|(edge, s)| {
-                vec![
-                    escape(edge),
-                    format!("{} {currency}", s.cost),
-                    s.frames_within_slo.to_string(),
-                    s.frames_late.to_string(),
-                    format!("{:.1}", s.busy_seconds),
-                    s.cost_per_1k_within_slo
-                        .map_or_else(|| "—".into(), |v| format!("{v:.4} {currency}")),
-                ]
-            })
-            .chain((r.idle.0 > 0).then(|| {
-                vec![
-                    "<i>idle leases</i>".into(),
-                    format!("{} {currency}", r.idle),
-                    "0".into(),
-                    "0".into(),
-                    "0.0".into(),
-                    "—".into(),
-                ]
-            }))
-            .collect();
-        table(
-            &mut out,
-            "Cost by edge, last 24 hours (each lease's cost split by the worker time its frames took)",
-            &[
-                "edge",
-                "cost",
-                "within SLO",
-                "late",
-                "worker s",
-                "per 1000 within SLO",
-            ],
-            &rows,
-            "No lease has served a frame yet.",
-        );
-    }
-    out.push_str("</body></html>\n");
-    out
+        &[0, 1, 2, 3, 4, 5, 6],
+        None,
+    )
 }
+
+/// The page's template: HTML, CSS and script, all inline.
+const PAGE: &str = include_str!("status_page.html");
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::{CameraView, EdgeView, WorkerView};
+    use crate::hub::{CameraView, EdgeView, ModelView};
+    use crate::timeline::{CameraWindow, RecentWindow, TimelineView, WorkerWindow};
+    use tidegate_lease::{LeaseId, Money};
+
+    const NOW: u64 = 1_764_694_800_000;
+
+    fn counts(admitted: u64, ok: u64, shed: u64) -> FrameCounts {
+        FrameCounts {
+            admitted,
+            ok,
+            shed,
+            ..FrameCounts::default()
+        }
+    }
+
+    fn camera(edge: u64, name: &str, model: &str) -> CameraView {
+        CameraView {
+            edge,
+            camera: name.into(),
+            model: model.into(),
+            load: None,
+        }
+    }
+
+    fn worker(id: u64, name: &str, demoted: bool) -> WorkerView {
+        WorkerView {
+            id,
+            name: name.into(),
+            device: "cpu".into(),
+            models: vec!["blazeface".into()],
+            profile: vec![
+                ("blazeface".into(), 1, 4_000),
+                ("blazeface".into(), 4, 10_000),
+            ],
+            draining: false,
+            demoted,
+            lease: None,
+            unbound: false,
+        }
+    }
+
+    fn blazeface(workers: usize) -> ModelView {
+        ModelView {
+            name: "blazeface".into(),
+            version: 1,
+            input: tidegate_protocol::InputSpec {
+                width: 128,
+                height: 128,
+                channels: 3,
+                dtype: tidegate_protocol::DType::U8,
+                layout: tidegate_protocol::Layout::Nhwc,
+                color: tidegate_protocol::ColorOrder::Rgb,
+                resize: tidegate_protocol::Resize::Stretch,
+            },
+            max_batch: 8,
+            queued: 0,
+            workers,
+            labels: Vec::new(),
+            budget_ms: 80.0,
+        }
+    }
+
+    /// A gateway 2 minutes up: two edges, three cameras with frames in the
+    /// last minute (one closed since), a worker with 10 batches.
+    fn snapshot(lobby_shed: u64) -> Snapshot {
+        let recent = RecentWindow {
+            start_ms: NOW - 65_000,
+            end_ms: NOW - 5_000,
+            frames: counts(600 + 120 + 60, 600 - lobby_shed + 120 + 60, lobby_shed),
+            shed_ratio: None,
+            latency: Percentiles::of(&mut [10.0, 20.0, 30.0]),
+            cameras: vec![
+                CameraWindow {
+                    edge: "dock".into(),
+                    camera: "gone".into(),
+                    frames: counts(60, 60, 0),
+                },
+                CameraWindow {
+                    edge: "lobby".into(),
+                    camera: "door".into(),
+                    frames: counts(600, 600 - lobby_shed, lobby_shed),
+                },
+                CameraWindow {
+                    edge: "yard".into(),
+                    camera: "gate".into(),
+                    frames: counts(120, 120, 0),
+                },
+            ],
+            other_cameras: FrameCounts::default(),
+            workers: vec![WorkerWindow {
+                id: 3,
+                name: "w-1".into(),
+                model: "blazeface".into(),
+                batches: 10,
+                frames: 40,
+                mean_ms: 12.0,
+                p95_ms: 15.0,
+                own_ms: 9.0,
+            }],
+        };
+        let mut recent = recent;
+        recent.shed_ratio = recent.frames.shed_ratio();
+        Snapshot {
+            edges: vec![
+                EdgeView {
+                    id: 1,
+                    name: "lobby".into(),
+                },
+                EdgeView {
+                    id: 2,
+                    name: "yard".into(),
+                },
+            ],
+            cameras: vec![
+                camera(2, "gate", "blazeface"),
+                camera(1, "door", "blazeface"),
+            ],
+            workers: vec![worker(3, "w-1", false)],
+            models: vec![blazeface(1)],
+            timeline: TimelineView {
+                now_ms: NOW,
+                interval_ms: crate::timeline::INTERVAL_MS,
+                recent,
+                ..TimelineView::default()
+            },
+            ..Snapshot::default()
+        }
+    }
 
     #[test]
-    fn the_cost_by_edge_table_escapes_names_and_shows_idle_leases() {
-        use tidegate_lease::Money;
-        use tidegate_lease::showback::Share;
-        let mut costs = CostReport {
-            currency: Some("CNY".into()),
-            total: Money::from_units(30.0),
-            idle: Money::from_units(10.0),
-            ..CostReport::default()
-        };
-        costs.by_edge.insert(
-            "<b>lobby</b>".into(),
-            Share {
-                cost: Money::from_units(20.0),
-                frames_within_slo: 4000,
-                frames_late: 3,
-                busy_seconds: 12.5,
-                cost_per_1k_within_slo: Some(5.0),
-            },
+    fn camera_rates_add_up_to_the_admitted_rate_and_sort_worst_first() {
+        let m = build(&snapshot(60), None, NOW);
+        assert_eq!(m.window.seconds, 60.0);
+        assert_eq!(m.window.admitted_fps, Some(13.0));
+        let names: Vec<(&str, &str, bool)> = m
+            .cameras
+            .iter()
+            .map(|c| (c.edge.as_str(), c.camera.as_str(), c.open))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("lobby", "door", true),
+                ("yard", "gate", true),
+                ("dock", "gone", false)
+            ],
+            "shed first, then by frames admitted"
         );
-        let snap = Snapshot {
-            frames: crate::scheduler::Counters::default(),
-            edges: Vec::new(),
-            cameras: Vec::new(),
-            workers: Vec::new(),
-            models: Vec::new(),
-        };
-        let leasing = LeasingView {
-            live: &[],
-            costs: &CostReport {
-                currency: Some("CNY".into()),
-                ..CostReport::default()
+        let sum: f64 = m.cameras.iter().filter_map(|c| c.admitted_fps).sum();
+        assert!((sum - 13.0).abs() < 1e-9, "{sum}");
+        assert_eq!(m.cameras[0].shed_ratio, Some(0.1));
+        assert_eq!(m.cameras[0].admitted_fps, Some(10.0));
+        assert_eq!(m.cameras[2].model, None);
+    }
+
+    #[test]
+    fn a_worker_row_holds_its_batch_time_against_its_profile() {
+        let m = build(&snapshot(0), None, NOW);
+        let w = &m.workers[0];
+        assert_eq!((w.batches, w.frames, w.mean_batch), (10, 40, Some(4.0)));
+        assert_eq!((w.mean_ms, w.p95_ms), (Some(12.0), Some(15.0)));
+        assert_eq!(w.profile_ms, Some(10.0), "the profile's point at batch 4");
+        assert_eq!(
+            w.own_ms,
+            Some(9.0),
+            "the worker's own time, not the round trip"
+        );
+        let html = workers_html(&m);
+        assert!(html.contains("× 0.90"), "own time over the profile: {html}");
+        assert_eq!(w.state, "serving");
+        assert_eq!(m.budget_ms, Some(80.0));
+    }
+
+    #[test]
+    fn light_load_flags_nothing() {
+        // 1 of 60 shed at the door: 1/780 overall, far under 5 %
+        let m = build(&snapshot(1), None, NOW);
+        assert_eq!(m.problems, Vec::new());
+    }
+
+    #[test]
+    fn shedding_is_flagged_above_five_percent_of_enough_frames() {
+        // 39 of 780 is exactly 5 %: not flagged; 40 is
+        assert!(build(&snapshot(39), None, NOW).problems.is_empty());
+        let m = build(&snapshot(40), None, NOW);
+        assert_eq!(m.problems.len(), 1, "{:?}", m.problems);
+        assert_eq!(m.problems[0].kind, "shedding");
+        assert!(
+            m.problems[0]
+                .message
+                .starts_with("5.1 % of frames shed over the last 60 s (40 of 780)"),
+            "{:?}",
+            m.problems
+        );
+        // too few frames to judge: 3 of 10 shed is not flagged
+        let mut few = snapshot(0);
+        few.timeline.recent.frames = counts(10, 7, 3);
+        few.timeline.recent.shed_ratio = few.timeline.recent.frames.shed_ratio();
+        assert!(build(&few, None, NOW).problems.is_empty());
+    }
+
+    #[test]
+    fn demoted_and_recently_stalled_workers_and_models_without_workers_are_flagged() {
+        let mut s = snapshot(0);
+        s.workers.push(worker(4, "w-2", true));
+        s.timeline.stalls = vec![
+            Stall {
+                at_ms: NOW - STALL_SHOWN_MS - 1,
+                worker: "old".into(),
+                reason: "long ago".into(),
             },
+            Stall {
+                at_ms: NOW - 60_000,
+                worker: "w-9".into(),
+                reason: "batch 7 unanswered".into(),
+            },
+        ];
+        s.cameras.push(camera(1, "<b>cam</b>", "yolo"));
+        let m = build(&s, None, NOW);
+        let kinds: Vec<&str> = m.problems.iter().map(|p| p.kind).collect();
+        assert_eq!(
+            kinds,
+            ["worker_demoted", "worker_stalled", "no_worker"],
+            "{:?}",
+            m.problems
+        );
+        assert!(m.problems[0].message.contains("w-2"));
+        assert!(
+            m.problems[1]
+                .message
+                .contains("w-9 was dropped as stalled: batch 7 unanswered")
+        );
+        assert_eq!(
+            m.problems[2].message,
+            "no worker serves model yolo for its 1 open camera(s): their frames are shed"
+        );
+        let yolo = m.models.iter().find(|r| r.name == "yolo").unwrap();
+        assert_eq!((yolo.version, yolo.workers, yolo.cameras), (None, 0, 1));
+    }
+
+    fn lease(id: u64, price: f64, start: Option<u64>, granularity: Granularity) -> LeaseRecord {
+        LeaseRecord {
+            id: LeaseId(id),
+            provider: "process".into(),
+            model: Some("blazeface".into()),
+            instance_type: "a100".into(),
+            tier: tidegate_lease::catalog::Tier::Spot,
+            price_per_hour: Money::from_units(price),
+            currency: "EUR".into(),
+            granularity,
+            state: tidegate_lease::lifecycle::LeaseState::Ready,
+            requested_at: 0,
+            billing_start: start,
+            ready_at: start,
+            ended_at: None,
+            last_seen_at: None,
+            pid: None,
+            provider_data: None,
+            cost: Money::ZERO,
+            frames_within_slo: 0,
+            frames_late: 0,
+            token_claimed: false,
+            token: None,
+        }
+    }
+
+    #[test]
+    fn leases_show_the_time_left_in_their_paid_block_and_spend_near_the_cap_is_flagged() {
+        let live = [
+            // 100 min into hourly billing: 20 min left in the second hour
+            lease(1, 5.0, Some(NOW - 100 * 60_000), Granularity::Hour),
+            // per-second billing past its 60 s minimum: nothing prepaid
+            lease(
+                2,
+                4.0,
+                Some(NOW - 120_000),
+                Granularity::Second { minimum_secs: 60 },
+            ),
+            lease(3, 0.5, None, Granularity::Hour),
+        ];
+        let costs = CostReport::default();
+        let view = |cap| LeasingView {
+            live: &live,
+            costs: &costs,
             recent: &costs,
+            spend_cap_per_hour: cap,
         };
-        let html = render(&snap, Some(leasing), 0);
-        assert!(html.contains("Cost by edge"), "{html}");
+        let m = build(&snapshot(0), Some(view(Some(10.5))), NOW);
+        let l = m.leasing.as_ref().unwrap();
+        assert_eq!(l.spend_per_hour, 9.5);
+        assert_eq!(l.leases[0].block_left_ms, Some(20 * 60_000));
+        assert_eq!(l.leases[0].paid_until_ms, Some(NOW + 20 * 60_000));
+        assert_eq!(l.leases[1].block_left_ms, Some(0));
+        assert_eq!(
+            (l.leases[2].paid_until_ms, l.leases[2].block_left_ms),
+            (None, None)
+        );
+        assert_eq!(
+            m.problems.len(),
+            1,
+            "9.5 is 90.5 % of 10.5: {:?}",
+            m.problems
+        );
+        assert_eq!(m.problems[0].kind, "spend_near_cap");
         assert!(
-            html.contains("<td>&lt;b&gt;lobby&lt;/b&gt;</td><td>20.00 CNY</td><td>4000</td><td>3</td><td>12.5</td><td>5.0000 CNY</td>"),
-            "{html}"
+            build(&snapshot(0), Some(view(Some(10.6))), NOW)
+                .problems
+                .is_empty(),
+            "89.6 %"
         );
         assert!(
-            html.contains("<td><i>idle leases</i></td><td>10.00 CNY</td>"),
+            build(&snapshot(0), Some(view(None)), NOW)
+                .problems
+                .is_empty(),
+            "no cap"
+        );
+    }
+
+    #[test]
+    fn the_page_embeds_the_model_with_no_way_out_of_its_script() {
+        let mut s = snapshot(0);
+        s.cameras.push(camera(
+            1,
+            "</script><img src=x onerror=alert(1)>",
+            "blazeface",
+        ));
+        s.edges[0].name = "lobby & <b>co</b>".into();
+        s.workers[0].name = "<i>w</i>".into();
+        let m = build(&s, None, NOW);
+        let html = page(&m);
+        assert!(html.contains("<td>&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;</td>"));
+        assert!(html.contains("<td>lobby &amp; &lt;b&gt;co&lt;/b&gt;</td>"));
+        assert!(html.contains("<td>&lt;i&gt;w&lt;/i&gt;</td>"));
+        assert!(!html.contains("<i>w"), "a name leaked as markup");
+        assert!(!html.contains("<img"), "a name leaked as markup");
+        assert!(!html.contains("<b>co"), "a name leaked as markup");
+        assert_eq!(
+            html.matches("</script>").count(),
+            2,
+            "only the page's own two scripts end"
+        );
+        assert!(html.contains(r"\u003c/script\u003e\u003cimg src=x onerror=alert(1)\u003e"));
+        assert!(
+            !html.contains("/*MODEL*/") && html.contains(&format!("const POLL_MS = {POLL_MS};"))
+        );
+        // what the script parses is the model
+        let start = html.find(r#"type="application/json">"#).unwrap() + 24;
+        let end = start + html[start..].find("</script>").unwrap();
+        let back: serde_json::Value = serde_json::from_str(&html[start..end]).unwrap();
+        assert_eq!(back, serde_json::to_value(&m).unwrap());
+        // The only URL is the SVG namespace (a name, never fetched).
+        let urls = html.matches("http://").count() + html.matches("https://").count();
+        let svg_ns = html.matches("\"http://www.w3.org/2000/svg\"").count();
+        assert_eq!(urls, svg_ns, "nothing is fetched from elsewhere");
+        assert!(
+            !html.contains("innerHTML"),
+            "names go in through textContent only"
+        );
+    }
+
+    #[test]
+    fn times_read_as_iso_8601_and_in_words() {
+        assert_eq!(iso8601(0), "1970-01-01T00:00:00Z");
+        assert_eq!(iso8601(NOW), "2025-12-02T17:00:00Z");
+        assert_eq!(iso8601(951_782_400_999), "2000-02-29T00:00:00Z");
+        assert_eq!(iso8601(1_709_213_400_000), "2024-02-29T13:30:00Z");
+        // every instant parses back to itself, to the second
+        for ms in [
+            0,
+            86_399_000,
+            951_868_799_000,
+            NOW + 59_000,
+            4_102_444_800_000,
+        ] {
+            assert_eq!(crate::api::parse_time(&iso8601(ms)), Ok(ms), "{ms}");
+        }
+        assert_eq!(span(44_600), "45 s");
+        assert_eq!(span(12 * 60_000 + 59_000), "12 min");
+        assert_eq!(span(3 * 3_600_000 + 5 * 60_000), "3 h 5 min");
+        assert_eq!(span(4 * 86_400_000), "4 d");
+        assert_eq!(
+            when(NOW - 180_000, NOW),
+            "<time datetime=\"2025-12-02T16:57:00Z\" title=\"2025-12-02T16:57:00Z\">3 min ago</time>"
+        );
+        assert!(when(NOW + 20 * 60_000, NOW).ends_with(">in 20 min</time>"));
+        assert!(when(NOW - 1_000, NOW).ends_with(">just now</time>"));
+    }
+
+    #[test]
+    fn the_first_paint_draws_the_tables_with_long_lists_collapsed() {
+        let mut s = snapshot(60);
+        for k in 0..12 {
+            s.cameras
+                .push(camera(2, &format!("extra-{k:02}"), "blazeface"));
+        }
+        let live = [lease(4, 5.0, Some(NOW - 100 * 60_000), Granularity::Hour)];
+        let costs = CostReport::default();
+        let view = LeasingView {
+            live: &live,
+            costs: &costs,
+            recent: &costs,
+            spend_cap_per_hour: None,
+        };
+        let m = build(&s, Some(view), NOW);
+        let html = page(&m);
+        assert!(!html.contains("<!--"), "every placeholder is filled");
+        assert_eq!(m.cameras.len(), 15);
+        let cameras = &html[html.find("<div id=\"cameras\">").unwrap()..];
+        let cameras = &cameras[..cameras.find("</div>").unwrap()];
+        assert_eq!(cameras.matches("<tr>").count(), 1 + TOP_CAMERAS);
+        assert_eq!(cameras.matches("<tr hidden=\"\">").count(), 5);
+        assert!(cameras.starts_with("<div id=\"cameras\"><table><tr><th>edge</th>"));
+        assert!(cameras.contains("<tr><td>lobby</td><td>door</td><td>blazeface</td><td class=\"n\">10.00</td><td class=\"n\">9.00</td><td class=\"n\">10.0 %</td><td>none</td></tr>"), "{cameras}");
+        assert!(html.contains("<button id=\"cameras-more\">5 more</button>"));
+        // 60 of 780 shed at the door: flagged, before any script runs
+        assert!(
+            html.contains("<div id=\"banner\"><b>Problems</b><ul id=\"problems\"><li data-kind=\"shedding\">7.7 % of frames shed"),
             "{html}"
         );
-        assert!(!html.contains("<b>lobby"), "unescaped: {html}");
+        assert!(page(&build(&snapshot(0), None, NOW)).contains("<div id=\"banner\" hidden>"));
+        assert!(html.contains("<td>lease-4</td><td>process</td><td>a100</td><td>spot</td><td>ready</td><td class=\"n\">5.00 EUR/h</td><td><time"), "{html}");
+        assert!(
+            html.contains(">in 20 min</time> (20 min left)</td>"),
+            "{html}"
+        );
+        assert!(html.contains("<td>w-1</td><td>blazeface</td><td>cpu</td><td>serving</td><td class=\"n\">10</td><td class=\"n\">40</td><td class=\"n\">4.0</td><td class=\"n\">12.0 ms</td><td class=\"n\">15.0 ms</td><td class=\"n\">9.0 ms</td><td class=\"n\">10.0 ms</td><td class=\"n\">× 0.90</td>"), "{html}");
     }
 
     #[test]
@@ -338,46 +1483,6 @@ mod tests {
         assert_eq!(
             escape(r#"<script>alert("x&y's")</script>"#),
             "&lt;script&gt;alert(&quot;x&amp;y&#39;s&quot;)&lt;/script&gt;"
-        );
-        let snap = Snapshot {
-            edges: vec![EdgeView {
-                id: 1,
-                name: "edge<1>".into(),
-            }],
-            cameras: vec![CameraView {
-                edge: 1,
-                camera: "<img src=x onerror=alert(1)>".into(),
-                model: "blazeface".into(),
-                load: None,
-            }],
-            workers: vec![WorkerView {
-                id: 2,
-                name: "w\"1".into(),
-                device: "cpu".into(),
-                models: vec!["blazeface".into()],
-                profile: Vec::new(),
-                draining: true,
-                demoted: false,
-                lease: None,
-                unbound: false,
-            }],
-            ..Snapshot::default()
-        };
-        let page = render(&snap, None, 7);
-        assert!(!page.contains("<img"), "{page}");
-        assert!(
-            page.contains("&lt;img src=x onerror=alert(1)&gt;"),
-            "{page}"
-        );
-        assert!(page.contains("edge&lt;1&gt;"), "{page}");
-        assert!(
-            page.contains("w&quot;1") && page.contains("draining"),
-            "{page}"
-        );
-        assert!(page.contains("No model is served"), "{page}");
-        assert!(
-            !page.contains("Live leases"),
-            "no leasing section without leasing"
         );
     }
 }

@@ -1,0 +1,425 @@
+//! A real Prometheus server (Debian's, unpacked into the cache by
+//! `scripts/setup.sh`) on 127.0.0.1 scrapes a real gateway with a CPU
+//! worker every second and evaluates `deploy/prometheus/rules.yml`, under a
+//! light load and then under an overload, and every query of
+//! `deploy/grafana/tidegate.json` is run against what it scraped.
+//!
+//! The rules are loaded with every duration divided by [`SCALE`] (a minute
+//! becomes a second: `[5m]` is `[5s]`, `for: 2m` is `for: 2s`), so that an
+//! hour of alerting plays out in a minute. What is asserted is that the
+//! alerts agree with what the load generator measured, never a speed:
+//! under light load no alert fires unless the load generator saw its
+//! condition hold; under an overload that sheds most frames the fast SLO
+//! burn fires; alerts about things that did not happen (no workers,
+//! malformed frames, stalls, floods, leases) never fire.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::report::Report;
+use tidegate_loadtest::sim;
+
+/// Rule durations are divided by this: a minute of the rules is a second.
+const SCALE: u64 = 60;
+
+/// Alerts that must stay quiet whatever the load: nothing they watch
+/// happens in this test.
+const NEVER: &[&str] = &[
+    "TidegateNoWorkers",
+    "TidegateMalformedFrames",
+    "TidegateWorkerStalled",
+    "TidegateWorkerDemoted",
+    "TidegateControlFlood",
+    "TidegateHttpConnectionsRefused",
+    "TidegateConfigReloadFailed",
+    "TidegateSpendNearCap",
+    "TidegateGpuUtilizationLow",
+    "TidegateLeaseReleaseFailing",
+    "TidegateLeaseAcquireErrors",
+    "TidegateLeasesFailingToStart",
+    "TidegateProviderNoCapacity",
+    "TidegateLeasesLost",
+];
+
+/// `prometheus` from `TIDEGATE_PROMETHEUS`, else the cache's.
+fn prometheus_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("TIDEGATE_PROMETHEUS").filter(|v| !v.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let p = tidegate_worker::runtime::cache_dir()
+        .expect("the tidegate cache")
+        .join("promtool/prometheus");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/setup.sh, which unpacks it from Debian's prometheus package",
+        p.display()
+    );
+    p
+}
+
+/// `text` with every duration in a range selector or a `for:` divided by
+/// [`SCALE`] (at least one second).
+fn scaled(text: &str) -> String {
+    let seconds = |n: u64, unit: &str| -> u64 {
+        let s = match unit {
+            "s" => n,
+            "m" => n * 60,
+            "h" => n * 3600,
+            "d" => n * 86_400,
+            _ => unreachable!("unit {unit}"),
+        };
+        (s / SCALE).max(1)
+    };
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let mut l = line.to_string();
+        // `for: 10m`
+        if let Some((head, d)) = l.split_once("for: ") {
+            let (n, unit) = d.trim().split_at(d.trim().len() - 1);
+            if let Ok(n) = n.parse::<u64>() {
+                l = format!("{head}for: {}s", seconds(n, unit));
+            }
+        }
+        // `[5m]`
+        let mut rebuilt = String::new();
+        let mut rest = l.as_str();
+        while let Some(open) = rest.find('[') {
+            let Some(close) = rest[open..].find(']') else {
+                break;
+            };
+            let inner = &rest[open + 1..open + close];
+            rebuilt.push_str(&rest[..open]);
+            let (n, unit) = inner.split_at(inner.len().saturating_sub(1));
+            match n.parse::<u64>() {
+                Ok(n) if ["s", "m", "h", "d"].contains(&unit) => {
+                    rebuilt.push_str(&format!("[{}s]", seconds(n, unit)));
+                }
+                _ => rebuilt.push_str(&rest[open..=open + close]),
+            }
+            rest = &rest[open + close + 1..];
+        }
+        rebuilt.push_str(rest);
+        out.push_str(&rebuilt);
+        out.push('\n');
+    }
+    out
+}
+
+/// A Prometheus server scraping `target` every second, killed on drop.
+struct Prometheus {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    fn start(target: SocketAddr) -> Prometheus {
+        let dir = tempfile::tempdir().unwrap();
+        let rules = std::fs::read_to_string(workspace_root().join("deploy/prometheus/rules.yml"))
+            .expect("deploy/prometheus/rules.yml");
+        std::fs::write(dir.path().join("rules.yml"), scaled(&rules)).unwrap();
+        std::fs::write(
+            dir.path().join("prometheus.yml"),
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: [rules.yml]\nscrape_configs:\n  - job_name: tidegate\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        // a free port: bound, read and let go (Prometheus binds it next)
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
+        let child = Command::new(prometheus_binary())
+            .current_dir(dir.path())
+            .arg("--config.file=prometheus.yml")
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("prometheus starts");
+        let p = Prometheus {
+            child,
+            addr,
+            _dir: dir,
+        };
+        let until = Instant::now() + Duration::from_secs(60);
+        while get(p.addr, "/-/ready").is_none_or(|(code, _)| code != 200) {
+            assert!(Instant::now() < until, "prometheus not ready: {}", p.log());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        p
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("prometheus.log")).unwrap_or_default()
+    }
+
+    /// The alerts by state (`firing`, `pending`).
+    fn alerts(&self) -> Vec<(String, String)> {
+        let (code, body) = get(self.addr, "/api/v1/alerts").expect("the alerts API answers");
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v["data"]["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                (
+                    a["labels"]["alertname"].as_str().unwrap().to_string(),
+                    a["state"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    fn firing(&self) -> BTreeSet<String> {
+        self.alerts()
+            .into_iter()
+            .filter(|(_, s)| s == "firing")
+            .map(|(n, _)| n)
+            .collect()
+    }
+
+    /// Whether `query` returns any series now; the error if it fails.
+    fn has_data(&self, query: &str) -> Result<bool, String> {
+        let path = format!("/api/v1/query?query={}", encode(query));
+        let (code, body) = get(self.addr, &path).ok_or("no answer")?;
+        let v: Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+        if code != 200 || v["status"] != "success" {
+            return Err(body);
+        }
+        let r = &v["data"]["result"];
+        Ok(match v["data"]["resultType"].as_str() {
+            Some("vector") | Some("matrix") => r.as_array().is_some_and(|a| !a.is_empty()),
+            _ => !r.is_null(),
+        })
+    }
+
+    /// Whether the gateway's scrapes succeed.
+    fn target_up(&self) -> bool {
+        self.has_data("up{job=\"tidegate\"} == 1").unwrap_or(false)
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Percent-encodes a query parameter.
+fn encode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// HTTP/1.0 GET: (status, body), or `None` when nothing answers.
+fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_string()))
+}
+
+/// Runs a load on its own thread.
+fn load(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> std::thread::JoinHandle<Report> {
+    let mut opts = c.sim_options("edge-1", cameras, fps, seconds);
+    // an overload keeps overloading: the cameras ignore the rate hints
+    opts.obey_hints = false;
+    opts.in_step = false;
+    std::thread::spawn(move || sim::run_blocking(&opts).expect("the load runs"))
+}
+
+/// Not ok over frames due, as the load generator saw them.
+fn not_ok_share(r: &Report) -> f64 {
+    1.0 - r.slo_attainment
+}
+
+/// The dashboard's queries, with Grafana's variables filled in.
+fn dashboard_queries(root: &Path) -> Vec<(String, String)> {
+    let d: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("deploy/grafana/tidegate.json")).unwrap(),
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    for p in d["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            if let Some(expr) = t["expr"].as_str() {
+                let q = expr
+                    .replace("$__rate_interval", "15s")
+                    .replace("$__range", "120s")
+                    .replace("$__interval", "5s")
+                    .replace("$model", ".*");
+                out.push((p["title"].as_str().unwrap_or("?").to_string(), q));
+            }
+        }
+    }
+    out
+}
+
+/// The series names (`tidegate_…`, `process_…`) a query reads; recording
+/// rules' names (with a colon) are left out.
+fn series_in(q: &str) -> BTreeSet<String> {
+    q.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|t| (t.starts_with("tidegate_") || t.starts_with("process_")) && !t.contains(':'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Series that exist only with leasing (this cluster has none), a spend
+/// cap, or a worker label's ratio to its profile before a batch was timed
+/// against one: their panels may be empty here.
+const LEASING_ONLY: &[&str] = &[
+    "tidegate_leases",
+    "tidegate_cost_total",
+    "tidegate_spend_cap_per_hour",
+    "tidegate_leased_busy_seconds_total",
+    "tidegate_leased_paid_seconds_total",
+    "tidegate_lease_frames_total",
+    "tidegate:cost_per_hour",
+];
+
+#[test]
+fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
+    let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    c.spawn_worker("worker-1").expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(60))
+        .expect("worker registers");
+    let prom = Prometheus::start(c.http);
+    let until = Instant::now() + Duration::from_secs(30);
+    while !prom.target_up() {
+        assert!(
+            Instant::now() < until,
+            "no scrape of the gateway: {}",
+            prom.log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+
+    // Light load: an alert may fire only if its condition held.
+    let light = load(&c, 2, 5.0, 15.0).join().unwrap();
+    let firing = prom.firing();
+    for name in NEVER {
+        assert!(
+            !firing.contains(*name),
+            "{name} fired under light load: {firing:?}"
+        );
+    }
+    // the worker does what its profile says at light load: its own time,
+    // not the transfer, is held to the profile
+    assert!(
+        !firing.contains("TidegateWorkerSlowerThanProfile"),
+        "a worker at light load is not slower than its profile: {firing:?}"
+    );
+    if not_ok_share(&light) < 0.01 {
+        assert!(
+            !firing.contains("TidegateSloBurnFast") && !firing.contains("TidegateSloBurnSlow"),
+            "an SLO burn fired with {:.2} % of frames not ok: {firing:?}",
+            100.0 * not_ok_share(&light)
+        );
+    }
+    if light.e2e_ms.p95 <= 80.0 {
+        assert!(
+            !firing.contains("TidegateE2eLatencyOverBudget"),
+            "p95 {} ms, yet {firing:?}",
+            light.e2e_ms.p95
+        );
+    }
+
+    // Overload: far more than one CPU worker serves, hints ignored.
+    let heavy = load(&c, 32, 30.0, 30.0);
+    let mut fired = BTreeSet::new();
+    let until = Instant::now() + Duration::from_secs(90);
+    while !heavy.is_finished() || !fired.contains("TidegateSloBurnFast") {
+        fired.extend(prom.firing());
+        if Instant::now() > until {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let heavy = heavy.join().unwrap();
+    fired.extend(prom.firing());
+    eprintln!(
+        "light: {:.2} % not ok, p95 {:.1} ms, firing {firing:?}; overload: {:.1} % not ok, fired {fired:?}",
+        100.0 * not_ok_share(&light),
+        light.e2e_ms.p95,
+        100.0 * not_ok_share(&heavy)
+    );
+    assert_eq!(heavy.missing, 0, "every frame sent has its result");
+    assert!(
+        not_ok_share(&heavy) > 0.5,
+        "not an overload: {:.1} % not ok (the test needs one to assert on)",
+        100.0 * not_ok_share(&heavy)
+    );
+    assert!(
+        fired.contains("TidegateSloBurnFast"),
+        "{:.1} % of frames not ok, yet the fast burn did not fire: {fired:?}\n{}",
+        100.0 * not_ok_share(&heavy),
+        prom.log()
+    );
+    for name in NEVER {
+        assert!(
+            !fired.contains(*name),
+            "{name} fired under an overload: {fired:?}"
+        );
+    }
+
+    // Every dashboard query runs; each returns data unless it is about
+    // leasing, which this cluster does not do.
+    let mut empty = Vec::new();
+    let gateway: BTreeSet<String> = tidegate_gateway::metrics::Metrics::new()
+        .series_names()
+        .into_iter()
+        .collect();
+    for (title, q) in dashboard_queries(&workspace_root()) {
+        // the workers' and edges' own series: their endpoints are not
+        // scraped here (their crates' tests scrape them)
+        if series_in(&q).iter().any(|s| !gateway.contains(s)) {
+            continue;
+        }
+        match prom.has_data(&q) {
+            Ok(true) => {}
+            Ok(false) if LEASING_ONLY.iter().any(|s| q.contains(s)) => {}
+            Ok(false) => empty.push(format!("{title}: {q}")),
+            Err(e) => panic!("{title}: {q} failed: {e}"),
+        }
+    }
+    assert!(
+        empty.is_empty(),
+        "dashboard queries with no data under load: {empty:#?}"
+    );
+}
+
+#[test]
+fn durations_are_scaled_in_selectors_and_for_clauses_only() {
+    let rules =
+        "expr: rate(x[5m]) / y[1h] > 2 and z{a=\"[b]\"}\nfor: 10m\nsummary: \"over 15 minutes\"\n";
+    assert_eq!(
+        scaled(rules),
+        "expr: rate(x[5s]) / y[60s] > 2 and z{a=\"[b]\"}\nfor: 10s\nsummary: \"over 15 minutes\"\n"
+    );
+}
