@@ -76,7 +76,7 @@ pub struct LeasingConfig {
     /// The SQLite ledger file (created if missing).
     pub ledger: PathBuf,
     /// Scaling policy: `paid-block-aware` (default), `tidal`,
-    /// `reactive-idle-timeout` or `static-peak`.
+    /// `reactive-idle-timeout`, `idle-timeout-spot` or `static-peak`.
     #[serde(default = "default_policy")]
     pub policy: String,
     /// Autoscaler tick (ms).

@@ -72,7 +72,8 @@ enum Command {
         /// Trace file (CSV: `t_secs,model,fps`, one row per minute).
         #[arg(long)]
         trace: PathBuf,
-        /// Policy: static-peak, reactive-idle-timeout, tidal or paid-block-aware.
+        /// Policy: static-peak, reactive-idle-timeout, idle-timeout-spot, tidal
+        /// or paid-block-aware.
         #[arg(long)]
         policy: String,
         /// Pricing catalog (TOML); default: the built-in catalog.
@@ -85,6 +86,133 @@ enum Command {
         #[arg(long)]
         seed: Option<u64>,
     },
+    /// Write a synthetic arrival trace (CSV, as `simulate --trace` reads
+    /// it) of a kind with its documented default parameters
+    /// (lease/src/tracegen.rs, docs/leasing.md "Traces"): diurnal, weekly
+    /// (an office week), burst (72 h, mean 320 and peak 487 GPUs), growth
+    /// (a week), flip (high and low every 50-70 minutes) or noise (random
+    /// spikes). The same kind and seed always give the same trace.
+    ///
+    /// Example:
+    ///   tidegate-gateway generate-trace --kind weekly --seed 7 --out week.csv
+    GenerateTrace {
+        /// diurnal, weekly, burst, growth, flip or noise.
+        #[arg(long)]
+        kind: String,
+        /// Seed of the random draws.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Write the CSV to this file instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Put renting (the simulator's cost under each policy) next to owning
+    /// the fleet that static-peak rents for the same trace: the period's
+    /// share of depreciation and operations plus power for the busy hours,
+    /// and the utilisation over the fleet's life above which owning is
+    /// cheaper (docs/leasing.md, "Renting against owning"). JSON, or a
+    /// Markdown table with --markdown.
+    ///
+    /// Example:
+    ///   tidegate-gateway own-vs-rent --trace lease/traces/burst-72h-v100.csv --catalog lease/catalog/v100.toml --purchase-per-gpu 7803 --kw-per-gpu 0.45 --price-per-kwh 0.8 --ops-per-gpu-year 1500
+    OwnVsRent(OwnVsRentCmd),
+}
+
+/// The flags of `own-vs-rent`. Amounts are in the catalog's currency.
+#[derive(Debug, clap::Args)]
+struct OwnVsRentCmd {
+    /// Trace file (CSV: `t_secs,model,fps`, one row per minute).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Pricing catalog (TOML); default: the built-in catalog.
+    #[arg(long)]
+    catalog: Option<PathBuf>,
+    /// Rent under this policy only; default: every policy.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Seed of the simulator's random draws; default 42.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Purchase price of one GPU with its share of the server.
+    #[arg(
+        long,
+        required_unless_present = "purchase_per_server",
+        conflicts_with = "purchase_per_server"
+    )]
+    purchase_per_gpu: Option<f64>,
+    /// Purchase price of one server (with --gpus-per-server).
+    #[arg(long, requires = "gpus_per_server")]
+    purchase_per_server: Option<f64>,
+    /// GPUs in one server.
+    #[arg(long)]
+    gpus_per_server: Option<u32>,
+    /// Years over which the purchase is written off.
+    #[arg(long, default_value_t = 3.0)]
+    years: f64,
+    /// kW drawn by one busy GPU with its share of the server and cooling.
+    #[arg(long)]
+    kw_per_gpu: f64,
+    /// Price of a kWh.
+    #[arg(long)]
+    price_per_kwh: f64,
+    /// Hosting and operations per GPU per year.
+    #[arg(long, default_value_t = 0.0)]
+    ops_per_gpu_year: f64,
+    /// GPUs owned; default: static-peak's fleet for the trace.
+    #[arg(long)]
+    fleet_gpus: Option<u32>,
+    /// Print a Markdown table instead of JSON.
+    #[arg(long)]
+    markdown: bool,
+}
+
+/// Runs `own-vs-rent` and prints its result.
+fn own_vs_rent(cmd: &OwnVsRentCmd) -> anyhow::Result<()> {
+    use tidegate_lease::own::Ownership;
+    let one_line = |e: simulate::SimulateError| anyhow::anyhow!("{e}");
+    let ownership = match (
+        cmd.purchase_per_gpu,
+        cmd.purchase_per_server,
+        cmd.gpus_per_server,
+    ) {
+        (Some(per_gpu), _, _) => Ownership {
+            purchase_per_gpu: per_gpu,
+            depreciation_years: cmd.years,
+            kw_per_gpu: cmd.kw_per_gpu,
+            price_per_kwh: cmd.price_per_kwh,
+            ops_per_gpu_year: cmd.ops_per_gpu_year,
+        },
+        (None, Some(server), Some(gpus)) => Ownership::per_server(
+            server,
+            gpus,
+            cmd.years,
+            cmd.kw_per_gpu,
+            cmd.price_per_kwh,
+            cmd.ops_per_gpu_year,
+        )
+        .map_err(|e| one_line(e.into()))?,
+        _ => anyhow::bail!(
+            "give --purchase-per-gpu, or --purchase-per-server with --gpus-per-server"
+        ),
+    };
+    let args = simulate::OwnArgs {
+        trace: cmd.trace.clone(),
+        catalog: cmd.catalog.clone(),
+        policy: cmd.policy.clone(),
+        seed: cmd.seed,
+        ownership,
+        fleet_gpus: cmd.fleet_gpus,
+    };
+    let r = simulate::own_vs_rent(&args).map_err(one_line)?;
+    if cmd.markdown {
+        print!("{}", r.to_markdown());
+    } else {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&r).expect("the comparison serialises")
+        );
+    }
+    Ok(())
 }
 
 fn load_config(cli: &Cli) -> anyhow::Result<Config> {
@@ -155,6 +283,15 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Some(Command::GenerateTrace { kind, seed, out }) => {
+            let csv = simulate::generate_trace(kind, *seed, out.as_deref())
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            if out.is_none() {
+                print!("{csv}");
+            }
+            Ok(())
+        }
+        Some(Command::OwnVsRent(cmd)) => own_vs_rent(cmd),
         Some(Command::CheckConfig) => {
             let cfg = load_config(&cli)?;
             let text =

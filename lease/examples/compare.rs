@@ -1,17 +1,21 @@
-//! Prints the policy comparison table for the three shipped traces.
+//! Prints the policy comparison table for the shipped traces.
 //!
-//! `cargo run --release -p tidegate-lease --example compare [-- --json] [--trace NAME] [--headroom 0.03] [--tick-secs 60]`
+//! `cargo run --release -p tidegate-lease --example compare [-- --json] [--trace NAME] [--headroom 0.03] [--tick-secs 60] [--cloud default|harsh|ideal]`
 //!
 //! Each trace is replayed through the real autoscaler under every policy
-//! with the default catalog and simulator options; the `vs static` column
-//! is the cost relative to `static-peak` on the same trace.
+//! with its catalog (the default one, or the one `trace::catalog_for`
+//! names: V100s for `burst-72h-v100`) and the default simulator options
+//! (the cloud: the catalog's `[cloud]`, or the `--cloud` preset);
+//! the `vs static` column is the cost relative to `static-peak` on the
+//! same trace. `make bench-leasing` runs the same over seeds and clouds.
 
 use std::path::Path;
 
 use tidegate_lease::autoscale::PolicyName;
 use tidegate_lease::catalog::Catalog;
+use tidegate_lease::cloud::{CloudConfig, CloudPreset};
 use tidegate_lease::sim::{SimOptions, simulate, table_header, table_row};
-use tidegate_lease::trace::{SHIPPED, Trace};
+use tidegate_lease::trace::{SHIPPED, Trace, catalog_for};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -23,13 +27,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .cloned()
     };
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
-    let catalog = Catalog::default_catalog();
+    let default_catalog = Catalog::default_catalog();
     let mut opts = SimOptions::default();
     if let Some(h) = flag("--headroom") {
         opts.headroom = Some(h.parse()?);
     }
     if let Some(t) = flag("--tick-secs") {
         opts.tick_ms = t.parse::<u64>()? * 1000;
+    }
+    if let Some(c) = flag("--cloud") {
+        opts.cloud = Some(CloudConfig::preset(c.parse::<CloudPreset>()?));
     }
     let only = flag("--trace");
     if !json {
@@ -40,6 +47,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             continue;
         }
         let trace = Trace::load(&dir.join(format!("{name}.csv")))?;
+        let catalog = match catalog_for(name) {
+            Some(file) => Catalog::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join(file))?,
+            None => default_catalog.clone(),
+        };
         let reports: Vec<_> = PolicyName::ALL
             .into_iter()
             .map(|p| simulate(&trace, p, &catalog, &opts))

@@ -1,5 +1,6 @@
 //! Regenerates the committed traces in `lease/traces/` from
-//! `tidegate_lease::trace::generate`.
+//! `tidegate_lease::trace::generate` (the three hand-shaped traces and the
+//! seeded suite of `tidegate_lease::tracegen::suite`).
 //!
 //! `cargo run -p tidegate-lease --example gen-traces`
 

@@ -53,9 +53,9 @@
 //! lease starts), and at the block end it is released as surplus if the
 //! spot lease is ready by then; if not, it is kept for another block.
 //!
-//! The baselines (`static-peak`, `reactive-idle-timeout`, `tidal`) are the
-//! same code with parts switched off, so the simulator compares policies,
-//! not implementations.
+//! The baselines (`static-peak`, `reactive-idle-timeout`,
+//! `idle-timeout-spot`, `tidal`) are the same code with parts switched off,
+//! so the simulator compares policies, not implementations.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
@@ -80,6 +80,13 @@ pub enum PolicyName {
     /// On-demand only; scales up on the observed rate; a lease idle for
     /// `idle_timeout` is released (like SkyPilot's autostop).
     ReactiveIdleTimeout,
+    /// `reactive-idle-timeout`'s scale-up and release rule, but it leases
+    /// spot, falling back to on-demand for `spot_refused_cooloff` after a
+    /// refusal (and replacing a preempted lease on-demand): the fair
+    /// baseline for the tiered policies, which differ from it in their
+    /// release logic, not in the prices they may pay. No reserved floor,
+    /// no schedule.
+    IdleTimeoutSpot,
     /// Reserved floor + spot + on-demand, tidal schedule with pre-warm,
     /// surplus released at once (newest first), whatever was paid.
     Tidal,
@@ -90,9 +97,10 @@ pub enum PolicyName {
 
 impl PolicyName {
     /// Every policy, in table order.
-    pub const ALL: [PolicyName; 4] = [
+    pub const ALL: [PolicyName; 5] = [
         PolicyName::StaticPeak,
         PolicyName::ReactiveIdleTimeout,
+        PolicyName::IdleTimeoutSpot,
         PolicyName::Tidal,
         PolicyName::PaidBlockAware,
     ];
@@ -102,13 +110,20 @@ impl PolicyName {
         match self {
             PolicyName::StaticPeak => "static-peak",
             PolicyName::ReactiveIdleTimeout => "reactive-idle-timeout",
+            PolicyName::IdleTimeoutSpot => "idle-timeout-spot",
             PolicyName::Tidal => "tidal",
             PolicyName::PaidBlockAware => "paid-block-aware",
         }
     }
 
+    /// Reserved floor, spot and the tidal schedule.
     fn uses_tiers(self) -> bool {
         matches!(self, PolicyName::Tidal | PolicyName::PaidBlockAware)
+    }
+
+    /// Spot (with on-demand as the fallback).
+    fn uses_spot(self) -> bool {
+        self.uses_tiers() || self == PolicyName::IdleTimeoutSpot
     }
 }
 
@@ -120,7 +135,9 @@ impl fmt::Display for PolicyName {
 
 /// An unknown policy name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown policy {0:?}; use static-peak, reactive-idle-timeout, tidal or paid-block-aware")]
+#[error(
+    "unknown policy {0:?}; use static-peak, reactive-idle-timeout, idle-timeout-spot, tidal or paid-block-aware"
+)]
 pub struct UnknownPolicy(pub String);
 
 impl FromStr for PolicyName {
@@ -705,7 +722,9 @@ impl Autoscaler {
             .retain(|id, _| orphans.iter().any(|l| l.id == *id));
         let hold = match self.cfg.policy {
             PolicyName::StaticPeak => Some(0),
-            PolicyName::ReactiveIdleTimeout => Some(self.cfg.idle_timeout_ms),
+            PolicyName::ReactiveIdleTimeout | PolicyName::IdleTimeoutSpot => {
+                Some(self.cfg.idle_timeout_ms)
+            }
             PolicyName::Tidal => Some(self.cfg.surplus_hold_ms),
             PolicyName::PaidBlockAware => None,
         };
@@ -785,7 +804,7 @@ impl Autoscaler {
                     .unwrap_or(rate);
                 (peak * (1.0 + h), f64::INFINITY)
             }
-            PolicyName::ReactiveIdleTimeout => {
+            PolicyName::ReactiveIdleTimeout | PolicyName::IdleTimeoutSpot => {
                 let t = rate * (1.0 + h) + queue_fps;
                 (t, t)
             }
@@ -801,7 +820,7 @@ impl Autoscaler {
             }
         };
 
-        let spot_ok = policy.uses_tiers()
+        let spot_ok = policy.uses_spot()
             && self
                 .spot_refused_until
                 .get(&load.model)
@@ -971,7 +990,7 @@ impl Autoscaler {
                     st.surplus_since = None;
                 }
             }
-            PolicyName::ReactiveIdleTimeout => {
+            PolicyName::ReactiveIdleTimeout | PolicyName::IdleTimeoutSpot => {
                 // a dispatcher packs work onto the oldest workers, so the
                 // newest `surplus` worth of workers are the idle ones
                 let mut cands = releasable;
@@ -1304,6 +1323,122 @@ mod tests {
         assert!(a.on_event(14 * 60_000, obs()).is_empty());
         assert_eq!(
             a.on_event(15 * 60_000, obs()),
+            vec![Action::Release { lease: LeaseId(2) }]
+        );
+    }
+
+    /// The tier of every acquire in `acts`.
+    fn acquire_tiers(acts: &[Action]) -> Vec<Tier> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Acquire { tier, .. } => Some(*tier),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn idle_timeout_spot_scales_up_on_spot_without_reserved_floor_or_schedule() {
+        let mut c = cfg(PolicyName::IdleTimeoutSpot);
+        // given a floor and a schedule, it uses neither
+        c.reserved = vec![floor("m", "a100", 2)];
+        c.schedule = vec![ScheduleEntry {
+            model: "m".into(),
+            from_minute: 0,
+            to_minute: 1440,
+            min_fps: 900.0,
+        }];
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let acts = a.on_event(
+            60_000,
+            Event::Tick(Observation {
+                models: vec![load(250.0)],
+                leases: vec![],
+            }),
+        );
+        assert_eq!(acquire_tiers(&acts), vec![Tier::Spot; 3]);
+        assert!(acts.iter().all(|a| matches!(
+            a,
+            Action::Acquire {
+                reason: AcquireReason::Demand,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn idle_timeout_spot_falls_back_to_on_demand_for_the_cool_off_after_a_spot_refusal() {
+        let c = cfg(PolicyName::IdleTimeoutSpot);
+        let cooloff = c.spot_refused_cooloff_ms;
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        let acts = a.on_event(0, refused("a100", Tier::Spot));
+        assert_eq!(acquire_tiers(&acts), vec![Tier::OnDemand]);
+        let tick = |a: &mut Autoscaler, now| {
+            a.on_event(
+                now,
+                Event::Tick(Observation {
+                    models: vec![load(150.0)],
+                    leases: vec![],
+                }),
+            )
+        };
+        assert_eq!(
+            acquire_tiers(&tick(&mut a, 60_000)),
+            vec![Tier::OnDemand; 2]
+        );
+        assert_eq!(
+            acquire_tiers(&tick(&mut a, cooloff - 60_000)),
+            vec![Tier::OnDemand; 2]
+        );
+        assert_eq!(acquire_tiers(&tick(&mut a, cooloff)), vec![Tier::Spot; 2]);
+        // a preempted spot lease is replaced on-demand at once
+        let acts = a.on_event(
+            cooloff + 1000,
+            Event::PreemptionNotice {
+                lease: LeaseId(7),
+                deadline: cooloff + 121_000,
+            },
+        );
+        assert_eq!(acts, vec![Action::StopDispatch { lease: LeaseId(7) }]);
+        a.on_event(
+            cooloff + 60_000,
+            Event::Tick(Observation {
+                models: vec![load(90.0)],
+                leases: vec![view(8, Tier::Spot, 0, LeaseState::Ready)],
+            }),
+        );
+        let acts = a.on_event(
+            cooloff + 61_000,
+            Event::PreemptionNotice {
+                lease: LeaseId(8),
+                deadline: cooloff + 181_000,
+            },
+        );
+        assert_eq!(acts[0], Action::StopDispatch { lease: LeaseId(8) });
+        assert_eq!(acquire_tiers(&acts), vec![Tier::OnDemand]);
+    }
+
+    #[test]
+    fn idle_timeout_spot_releases_a_lease_idle_five_minutes_whatever_its_paid_block() {
+        let mut a = Autoscaler::new(cfg(PolicyName::IdleTimeoutSpot), Catalog::default_catalog());
+        let leases = vec![
+            view(1, Tier::Spot, 0, LeaseState::Ready),
+            view(2, Tier::Spot, 60_000, LeaseState::Ready),
+        ];
+        let obs = |fps| {
+            Event::Tick(Observation {
+                models: vec![load(fps)],
+                leases: leases.clone(),
+            })
+        };
+        // idle from minute 10; busy again at minute 13 resets it
+        assert!(a.on_event(10 * 60_000, obs(80.0)).is_empty());
+        assert!(a.on_event(13 * 60_000, obs(180.0)).is_empty());
+        assert!(a.on_event(14 * 60_000, obs(80.0)).is_empty());
+        assert!(a.on_event(18 * 60_000, obs(80.0)).is_empty());
+        // five idle minutes, 18 minutes into its paid hour: released
+        assert_eq!(
+            a.on_event(19 * 60_000, obs(80.0)),
             vec![Action::Release { lease: LeaseId(2) }]
         );
     }

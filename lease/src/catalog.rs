@@ -15,6 +15,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::billing::Granularity;
+use crate::cloud::{CloudConfig, CloudError, CloudSection};
 
 /// An amount of money in millionths of the catalog's currency unit.
 ///
@@ -173,8 +174,28 @@ pub struct InstanceType {
     pub granularity: Granularity,
     /// Expected spot preemptions per hour of a spot lease.
     pub spot_interruptions_per_hour: f64,
-    /// Seconds from acquire until the worker is warm.
+    /// Seconds from acquire until the worker is warm: the median (the
+    /// autoscaler plans with it).
     pub startup_secs: u32,
+    /// The 95th percentile of the start-up, seconds (at least the median;
+    /// equal to it for a constant start-up, the default).
+    pub startup_p95_secs: u32,
+    /// How many leases of this type the cloud has (the simulator refuses an
+    /// acquire beyond it).
+    pub capacity: Capacity,
+}
+
+/// How many leases of one type the cloud has, per tier (None: unlimited).
+/// The reserved tier's capacity is the reserved commitment, not set here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capacity {
+    /// On-demand leases at most.
+    #[serde(default)]
+    pub on_demand: Option<u32>,
+    /// Spot leases at most.
+    #[serde(default)]
+    pub spot: Option<u32>,
 }
 
 /// The whole catalog.
@@ -184,6 +205,9 @@ pub struct Catalog {
     pub currency: String,
     /// Instance types, in file order.
     pub instances: Vec<InstanceType>,
+    /// How the simulated cloud behaves (`[cloud]`; default: the `default`
+    /// preset).
+    pub cloud: CloudConfig,
 }
 
 /// Why a catalog could not be loaded.
@@ -264,6 +288,9 @@ pub enum CatalogError {
         /// On-demand price.
         on_demand: f64,
     },
+    /// The `[cloud]` section is invalid.
+    #[error("[cloud]: {0}")]
+    Cloud(#[from] CloudError),
     /// Any other out-of-range field.
     #[error("instance {instance:?}: field {field} {reason}")]
     Field {
@@ -282,6 +309,8 @@ struct RawCatalog {
     currency: String,
     #[serde(default)]
     instance: Vec<RawInstance>,
+    #[serde(default)]
+    cloud: Option<CloudSection>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -297,6 +326,9 @@ struct RawInstance {
     billing_minimum_secs: Option<u32>,
     spot_interruptions_per_hour: f64,
     startup_secs: u32,
+    startup_p95_secs: Option<u32>,
+    #[serde(default)]
+    capacity: Capacity,
     price_per_hour: RawPrices,
 }
 
@@ -348,6 +380,7 @@ impl Catalog {
         Ok(Catalog {
             currency,
             instances,
+            cloud: raw.cloud.unwrap_or_default().resolve()?,
         })
     }
 
@@ -408,6 +441,17 @@ fn validate_instance(r: RawInstance) -> Result<InstanceType, CatalogError> {
             &name,
             "startup_secs",
             "is over an hour; is it in seconds?",
+        ));
+    }
+    let startup_p95_secs = r.startup_p95_secs.unwrap_or(r.startup_secs);
+    if !(r.startup_secs..=3600).contains(&startup_p95_secs) {
+        return Err(field(
+            &name,
+            "startup_p95_secs",
+            format!(
+                "is {startup_p95_secs}; must be within startup_secs ({})..=3600 (the p95 of the start-up, at least its median)",
+                r.startup_secs
+            ),
         ));
     }
     let granularity = match r.billing.as_str() {
@@ -490,6 +534,8 @@ fn validate_instance(r: RawInstance) -> Result<InstanceType, CatalogError> {
         granularity,
         spot_interruptions_per_hour: r.spot_interruptions_per_hour,
         startup_secs: r.startup_secs,
+        startup_p95_secs,
+        capacity: r.capacity,
     })
 }
 

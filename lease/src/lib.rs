@@ -4,6 +4,8 @@
 //! about those leases that does not need the gateway's sockets:
 //!
 //! * [`catalog`]: instance types and prices (TOML), validated on load;
+//! * [`cloud`]: the simulated cloud (start-up draws, spot refusals and
+//!   reclaim waves, capacity, reserved commitments), pure;
 //! * [`billing`]: the one definition of a lease's billing blocks;
 //! * [`lifecycle`]: requested → starting → ready → draining → ended, checked;
 //! * [`table`]: the live lease table and one-time lease tokens;
@@ -14,8 +16,13 @@
 //! * [`pacing`]: when the gateway's shell may act again (acquire backoff,
 //!   start timeout, provider releases due and retried), also pure;
 //! * [`trace`] and [`sim`]: arrival traces and the simulator that replays
-//!   them through the real autoscaler;
-//! * [`metrics`]: the values behind the gateway's leasing metrics.
+//!   them through the real autoscaler; [`queue`]: its queueing model of
+//!   serving (deadline, batching, shedding) in virtual time;
+//! * [`tracegen`]: seeded generators of trace shapes (diurnal, office
+//!   week, burst, growth, flip, noise) and the suite shipped in `traces/`;
+//! * [`metrics`]: the values behind the gateway's leasing metrics;
+//! * [`own`]: renting against owning (what a bought fleet would cost, and
+//!   the utilisation at which buying pays).
 //!
 //! The pure parts (billing, lifecycle, autoscale, pacing, sim) take `now` as an
 //! argument and never read a clock, so a week of tidal load is simulated in
@@ -24,15 +31,19 @@
 pub mod autoscale;
 pub mod billing;
 pub mod catalog;
+pub mod cloud;
 pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
+pub mod own;
 pub mod pacing;
 pub mod provider;
+pub mod queue;
 pub mod showback;
 pub mod sim;
 pub mod table;
 pub mod trace;
+pub mod tracegen;
 
 pub use billing::Millis;
 pub use catalog::{Catalog, Money, Tier};

@@ -16,6 +16,11 @@
 //! | `day-night` | 7 days; 50 GPUs at night, 200 by day, ramps 06:30–08:30 and 19:00–21:00 UTC, ±3% day-to-day, 2% per-minute noise |
 //! | `sale-burst` | 72 h; diurnal base plus a sale burst each evening, the biggest on day 3; scaled to average 320 and peak 487 GPUs |
 //! | `spiky` | 48 h; 80 GPUs base, 2% noise, about one spike an hour (+30 to +150 GPUs, 1–2 min rise, 5–20 min) |
+//!
+//! The other shipped traces (an office week, the 72-hour V100 burst, a week
+//! of growth, flips, noise, two weeks of day and night) come from the
+//! seeded generators of [`crate::tracegen`]; [`SHIPPED`] names them all and
+//! [`generate`] and [`describe`] cover them all.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -98,8 +103,14 @@ pub enum TraceError {
         max: u64,
     },
     /// Unknown generator name.
-    #[error("unknown trace {0:?}; the generator knows day-night, sale-burst and spiky")]
+    #[error(
+        "unknown trace {0:?}; the shipped traces are day-night, sale-burst, spiky, diurnal-2w, office-week, burst-72h-v100, growth-week, flip and noise"
+    )]
     Unknown(String),
+    /// A suite trace's generator refused its parameters (a defect in the
+    /// suite's list).
+    #[error(transparent)]
+    Generator(#[from] crate::tracegen::GenError),
 }
 
 impl Trace {
@@ -195,6 +206,25 @@ impl Trace {
         s
     }
 
+    /// One row a minute from t = 0 for `model` [`TRACE_MODEL`], `gpus[i]`
+    /// GPUs of load (of `fps_per_gpu` frames/s each, negative taken as 0)
+    /// in minute `i`, rounded to 0.1 frames/s as the CSV is, so that a
+    /// generated trace equals its parsed file.
+    pub fn from_gpus(name: &str, gpus: &[f64], fps_per_gpu: f64) -> Trace {
+        Trace {
+            name: name.to_string(),
+            rows: gpus
+                .iter()
+                .enumerate()
+                .map(|(i, g)| TraceRow {
+                    t_ms: i as u64 * STEP_MS,
+                    model: TRACE_MODEL.to_string(),
+                    fps: ((g.max(0.0) * fps_per_gpu) * 10.0).round() / 10.0,
+                })
+                .collect(),
+        }
+    }
+
     /// Time just after the last row.
     pub fn end_ms(&self) -> Millis {
         self.rows.last().map_or(0, |r| r.t_ms + STEP_MS)
@@ -270,11 +300,44 @@ impl SplitMix64 {
     }
 }
 
-/// Names of the shipped traces.
-pub const SHIPPED: [&str; 3] = ["day-night", "sale-burst", "spiky"];
+/// Names of the shipped traces: the three of this module's generators,
+/// then the suite of [`crate::tracegen::suite`].
+pub const SHIPPED: [&str; 9] = [
+    "day-night",
+    "sale-burst",
+    "spiky",
+    "diurnal-2w",
+    "office-week",
+    "burst-72h-v100",
+    "growth-week",
+    "flip",
+    "noise",
+];
+
+/// Whether the shipped trace `name` is smooth (diurnal, weekly, growth or
+/// burst: load that a schedule and a trend can follow) rather than spiky,
+/// flipping or noisy. The utilisation goal applies to smooth traces only.
+pub fn is_smooth(name: &str) -> bool {
+    !matches!(name, "spiky" | "flip" | "noise")
+}
+
+/// The catalog a shipped trace is meant for, relative to the lease crate
+/// (`catalog/v100.toml` for `burst-72h-v100`); None: the default catalog.
+pub fn catalog_for(name: &str) -> Option<&'static str> {
+    crate::tracegen::suite()
+        .into_iter()
+        .find(|s| s.name == name)
+        .and_then(|s| s.catalog)
+}
 
 /// The comment written at the top of a shipped trace's CSV.
 pub fn describe(name: &str) -> Result<String, TraceError> {
+    if let Some(s) = crate::tracegen::suite()
+        .into_iter()
+        .find(|s| s.name == name)
+    {
+        return Ok(s.spec.describe(s.name, s.seed));
+    }
     let shape = match name {
         "day-night" => {
             "7 days; 50 GPUs of load at night, 200 by day; ramps 06:30-08:30 and 19:00-21:00 UTC;\n\
@@ -296,10 +359,7 @@ pub fn describe(name: &str) -> Result<String, TraceError> {
     ))
 }
 
-fn smoothstep(x: f64) -> f64 {
-    let x = x.clamp(0.0, 1.0);
-    x * x * (3.0 - 2.0 * x)
-}
+use crate::tracegen::smoothstep;
 
 /// Generates a shipped trace by name.
 pub fn generate(name: &str) -> Result<Trace, TraceError> {
@@ -307,21 +367,17 @@ pub fn generate(name: &str) -> Result<Trace, TraceError> {
         "day-night" => day_night(),
         "sale-burst" => sale_burst(),
         "spiky" => spiky(),
-        other => return Err(TraceError::Unknown(other.to_string())),
+        other => {
+            let Some(s) = crate::tracegen::suite()
+                .into_iter()
+                .find(|s| s.name == other)
+            else {
+                return Err(TraceError::Unknown(other.to_string()));
+            };
+            return Ok(s.spec.generate(s.name, s.seed)?);
+        }
     };
-    Ok(Trace {
-        name: name.to_string(),
-        rows: gpus
-            .into_iter()
-            .enumerate()
-            .map(|(i, g)| TraceRow {
-                t_ms: i as u64 * STEP_MS,
-                model: TRACE_MODEL.to_string(),
-                // rounded as the CSV is, so generated == parsed(file)
-                fps: ((g.max(0.0) * FPS_PER_GPU) * 10.0).round() / 10.0,
-            })
-            .collect(),
-    })
+    Ok(Trace::from_gpus(name, &gpus, FPS_PER_GPU))
 }
 
 fn day_night() -> Vec<f64> {

@@ -134,7 +134,10 @@ fn check(r: &SimReport, cap: Option<Money>, trace: &Trace) {
         r.lease_log.iter().filter(|l| l.held_at_end).count() as u64
     );
     // every frame accounted for
-    assert_eq!(r.frames_total, r.frames_within_slo + r.frames_shed);
+    assert_eq!(
+        r.frames_total,
+        r.frames_within_slo + r.frames_late + r.frames_shed
+    );
     let served: u64 = r.lease_log.iter().map(|l| l.frames_served).sum();
     assert_eq!(served, r.frames_within_slo);
     let expected: f64 = trace.rows.iter().map(|row| row.fps * 60.0).sum();

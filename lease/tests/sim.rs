@@ -3,6 +3,7 @@
 
 use tidegate_lease::autoscale::PolicyName;
 use tidegate_lease::catalog::{Catalog, Money, Tier};
+use tidegate_lease::cloud::{CloudConfig, CloudPreset};
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::sim::{SimOptions, simulate};
 use tidegate_lease::trace::Trace;
@@ -28,6 +29,8 @@ fn h100_only() -> SimOptions {
         reserved_floor: Some(0),
         record_leases: true,
         warm_start: false,
+        // hand computations need the constant 150 s start-up
+        cloud: Some(CloudConfig::preset(CloudPreset::Ideal)),
         ..SimOptions::default()
     }
 }
@@ -130,7 +133,15 @@ fn day_night_goal_paid_block_aware_vs_static_peak() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/day-night.csv");
     let tr = Trace::load(&path).unwrap();
     let c = Catalog::default_catalog();
-    let o = SimOptions::default();
+    // The goal as set and measured (issue 6) on the ideal cloud: constant
+    // start-ups, independent refusals and interruptions. On the default
+    // cloud paid-block-aware reaches 91.9% utilisation at 33.6% of the cost
+    // (docs/leasing.md, "Simulator"); `make bench-leasing` checks both
+    // clouds against their own goals.
+    let o = SimOptions {
+        cloud: Some(CloudConfig::preset(CloudPreset::Ideal)),
+        ..SimOptions::default()
+    };
     let stat = simulate(&tr, PolicyName::StaticPeak, &c, &o);
     let pba = simulate(&tr, PolicyName::PaidBlockAware, &c, &o);
     let ratio = pba.cost_total.units() / stat.cost_total.units();
@@ -141,4 +152,114 @@ fn day_night_goal_paid_block_aware_vs_static_peak() {
     assert!(pba.utilisation >= 0.92, "utilisation {}", pba.utilisation);
     assert!(pba.slo_attainment >= 0.99, "SLO {}", pba.slo_attainment);
     assert!(ratio <= 0.40, "cost ratio {ratio}");
+}
+
+/// Options for the queueing checks: one H100 type, no cloud randomness.
+fn queued_h100() -> SimOptions {
+    SimOptions {
+        record_ticks: true,
+        ..h100_only()
+    }
+}
+
+#[test]
+fn every_frame_is_within_the_slo_late_or_shed_and_the_served_ones_have_latencies() {
+    // 20 min at 1500 fps, a 20 min burst at 6000 (the leases needed take
+    // 150 s to start, so frames are shed meanwhile), then 20 min at 800.
+    let tr = trace(&[(20, 1500.0), (20, 6000.0), (20, 800.0)]);
+    let r = simulate(
+        &tr,
+        PolicyName::PaidBlockAware,
+        &Catalog::default_catalog(),
+        &queued_h100(),
+    );
+    assert_eq!(r.frames_total, 1500 * 1200 + 6000 * 1200 + 800 * 1200);
+    assert_eq!(
+        r.frames_total,
+        r.frames_within_slo + r.frames_late + r.frames_shed
+    );
+    // no batch runs longer than planned (no jitter): none is late, and every
+    // latency is within the budget and above network + one batch (2.93 ms)
+    assert_eq!(r.frames_late, 0);
+    assert!(r.frames_shed > 0, "the burst outran the start-up");
+    let served: u64 = r.lease_log.iter().map(|l| l.frames_served).sum();
+    assert_eq!(served, r.frames_within_slo + r.frames_late);
+    let (p50, p95, p99) = (
+        r.latency_p50_ms.unwrap(),
+        r.latency_p95_ms.unwrap(),
+        r.latency_p99_ms.unwrap(),
+    );
+    assert!(20.0 + 2.928 <= p50 && p50 <= p95 && p95 <= p99 && p99 <= 80.0);
+    assert!(r.worst_tick_p95_ms.unwrap() <= 80.0);
+    assert!(r.gpu_hours_running > 0.0);
+    assert!((r.slo_attainment - r.frames_within_slo as f64 / r.frames_total as f64).abs() < 1e-12);
+}
+
+#[test]
+fn the_autoscaler_is_shown_the_queue_and_the_latency_of_each_tick() {
+    let tr = trace(&[(20, 1500.0), (20, 6000.0), (20, 800.0)]);
+    let r = simulate(
+        &tr,
+        PolicyName::PaidBlockAware,
+        &Catalog::default_catalog(),
+        &queued_h100(),
+    );
+    // one record per tick (60 s) and one for the end
+    assert_eq!(r.ticks.len(), 61);
+    let arrived: u64 = r.ticks.iter().map(|t| t.arrived).sum();
+    let ended: u64 = r.ticks.iter().map(|t| t.within_slo + t.late + t.shed).sum();
+    assert_eq!(arrived, r.frames_total);
+    assert_eq!(ended, r.frames_total);
+    // while the burst outruns the fleet the queue is non-empty at some tick
+    // and p95 rises towards the budget; at 800 fps on a warm fleet it is
+    // far below
+    let burst = &r.ticks[21..24];
+    assert!(burst.iter().any(|t| t.queue_depth > 0), "{burst:#?}");
+    let worst = burst.iter().filter_map(|t| t.p95_ms).fold(0.0, f64::max);
+    let calm = r.ticks[50].p95_ms.unwrap();
+    assert!(worst > calm, "burst p95 {worst} vs calm {calm}");
+    assert!(r.ticks.iter().filter_map(|t| t.p95_ms).all(|p| p <= 80.0));
+}
+
+#[test]
+fn batches_that_run_long_make_frames_late_and_cost_slo_attainment() {
+    let tr = trace(&[(30, 1800.0)]);
+    let c = Catalog::default_catalog();
+    let exact = simulate(&tr, PolicyName::StaticPeak, &c, &queued_h100());
+    let jittery = simulate(
+        &tr,
+        PolicyName::StaticPeak,
+        &c,
+        &SimOptions {
+            batch_jitter: 0.5,
+            ..queued_h100()
+        },
+    );
+    assert_eq!(exact.frames_late, 0);
+    assert!(jittery.frames_late > 0);
+    assert_eq!(
+        jittery.frames_total,
+        jittery.frames_within_slo + jittery.frames_late + jittery.frames_shed
+    );
+    assert!(jittery.slo_attainment < exact.slo_attainment);
+}
+
+#[test]
+fn bad_queue_options_are_refused_with_the_reason() {
+    let o = SimOptions {
+        slot_us: 0,
+        ..SimOptions::default()
+    };
+    let e = o.queue_config().unwrap_err().to_string();
+    assert!(e.contains("slot 0"), "{e}");
+    let o = SimOptions {
+        network_ms: 90.0,
+        ..SimOptions::default()
+    };
+    assert!(
+        o.queue_config()
+            .unwrap_err()
+            .to_string()
+            .contains("below the budget")
+    );
 }

@@ -198,7 +198,10 @@ fn hostile_benchmark_runs_a_case_beside_its_baseline_and_accounts_for_every_fram
     // The goals are the numbers' verdicts: a reason for each one failed.
     let goals = c["goals"].as_object().expect("goals");
     assert_eq!(goals.len(), 5, "{c}");
-    let failed = goals.values().filter(|g| g.as_bool() == Some(false)).count();
+    let failed = goals
+        .values()
+        .filter(|g| g.as_bool() == Some(false))
+        .count();
     assert_eq!(failed, c["failures"].as_array().expect("failures").len());
     // The attack ran: its streams were opened (16 at once).
     assert!(c["attack"]["streams"].as_u64().unwrap_or(0) >= 16, "{c}");
