@@ -2,7 +2,8 @@
 //! scale each camera to the model's input ([`capture`], feature `capture`);
 //! the [`uplink`] sends each frame over QUIC to the gateway and receives
 //! results, which go to a [`sink`] with their end-to-end latency measured on
-//! the edge's own [`clock`]. With `[metrics] listen`, `metrics` (feature
+//! the edge's own [`clock`]; [`uplink_stats`] keeps what the QUIC link did
+//! across its connections. With `[metrics] listen`, `metrics` (feature
 //! `capture`) serves each camera's counters to Prometheus.
 
 pub mod adapt;
@@ -19,3 +20,4 @@ pub mod node;
 pub mod outbound;
 pub mod sink;
 pub mod uplink;
+pub mod uplink_stats;

@@ -68,8 +68,8 @@ struct Cli {
     /// Serve Prometheus metrics at http://ADDR/metrics (overrides
     /// `metrics.listen`), e.g. 127.0.0.1:9102; port 0 takes a free one,
     /// printed on stderr as `metrics listening on ADDR`. Off when unset. The
-    /// figures are those of the last `camera_stats` (every
-    /// --summary-every seconds).
+    /// cameras' figures are those of the last `camera_stats` (every
+    /// --summary-every seconds); the QUIC uplink's are read at the scrape.
     #[arg(long, env = "TIDEGATE_METRICS_LISTEN", global = true)]
     metrics_listen: Option<std::net::SocketAddr>,
     /// Log filter.
@@ -207,12 +207,14 @@ fn summary(cfg: &EdgeConfig, webhook: Option<&Client>) -> String {
 
 /// With `[metrics] listen`: serves `/metrics` there, says where on stderr
 /// (`metrics listening on ADDR`; stdout carries results), and returns where
-/// the node publishes the counters the metrics read. They are published
+/// the node publishes the counters the metrics read (and reads `uplink`,
+/// the record the node's link keeps, at each scrape). They are published
 /// with each summary, so `summarising` (a non-zero `--summary-every`) is
 /// required.
 async fn serve_metrics(
     cfg: &EdgeConfig,
     summarising: bool,
+    uplink: std::sync::Arc<tidegate_edge::uplink_stats::UplinkStats>,
 ) -> anyhow::Result<Option<tokio::sync::watch::Sender<Vec<CameraSummary>>>> {
     let Some(addr) = cfg.metrics.listen else {
         return Ok(None);
@@ -224,7 +226,7 @@ async fn serve_metrics(
     }
     let (tx, rx) = tokio::sync::watch::channel(Vec::new());
     let cameras: Vec<String> = cfg.cameras.iter().map(|c| c.name.clone()).collect();
-    let metrics = EdgeMetrics::new(&cameras, rx);
+    let metrics = EdgeMetrics::new(&cameras, rx, uplink);
     // Ends with the process: the node's run is the whole of its life.
     let bound = tidegate_edge::metrics::serve(addr, metrics, CancellationToken::new()).await?;
     eprintln!("metrics listening on {bound}");
@@ -289,11 +291,13 @@ async fn run(
         sinks.mqtt = Some(tidegate_edge::sink::mqtt::Mqtt::spawn(settings));
     }
     let summary_every = summary_every.filter(|&s| s > 0).map(Duration::from_secs);
-    let stats = serve_metrics(&cfg, summary_every.is_some()).await?;
+    let uplink = tidegate_edge::node::uplink_stats(&cfg);
+    let stats = serve_metrics(&cfg, summary_every.is_some(), uplink.clone()).await?;
     let options = NodeOptions {
         max_frames,
         summary_every,
         stats,
+        uplink: Some(uplink),
     };
     let summary = tidegate_edge::node::run(cfg, sinks, options, tidegate_kit::signal::shutdown())
         .await

@@ -2,17 +2,24 @@
 //! `[metrics] listen` address: each configured camera's frames (seen,
 //! passed, skipped, dropped, handed, delivered, ended without a result),
 //! its results, the frame rate and quality in force, and its uplink's round
-//! trip.
+//! trip; and what the QUIC link itself did (bytes, datagrams, packets sent
+//! and lost, congestion window, round trip, dials, disconnects and
+//! reconnects).
 //!
-//! Nothing is counted twice: the series are read at scrape time from the
-//! node's own per-camera counters, the [`CameraSummary`] it publishes with
-//! each `camera_stats` line ([`crate::node::NodeOptions::stats`], every
+//! Nothing is counted twice: the camera series are read at scrape time from
+//! the node's own per-camera counters, the [`CameraSummary`] it publishes
+//! with each `camera_stats` line ([`crate::node::NodeOptions::stats`], every
 //! `--summary-every` seconds). A scrape therefore shows the figures of the
 //! last `camera_stats` line, never newer ones. The `camera` label takes only
 //! the configured cameras' names, each exported from the start (at 0 until
-//! its first summary).
+//! its first summary). The uplink series are read at scrape time from the
+//! link's [`UplinkStats`] ([`crate::node::NodeOptions::uplink`]): the live
+//! connection's QUIC statistics plus the totals of those that ended. Their
+//! one label, `gateway`, is the gateway's address as configured.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{self, MetricFamily, MetricType};
@@ -21,6 +28,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::node::CameraSummary;
+use crate::uplink_stats::{DialResult, DisconnectReason, UplinkReading, UplinkStats};
+use tidegate_protocol::quic::Congestion;
 
 /// The file, from the workspace root, that lists
 /// [`EdgeMetrics::series_names`], one a line, for the dashboard's check.
@@ -33,23 +42,25 @@ enum Kind {
     Gauge,
 }
 
-/// A camera's value for one label value.
-type Read = fn(&CameraSummary) -> f64;
+/// The value of one series, read from what the family describes (a
+/// camera's summary, the uplink's reading).
+type Read<T> = fn(&T) -> f64;
 
-/// One exported family: its name, help and kind, the label beside
-/// `camera` (if any), and a value per label value (`""` without a label).
-struct Family {
+/// One exported family: its name, help and kind, the label beside the
+/// source's own (`camera`, `gateway`), if any, and a value per label value
+/// (`""` without a label).
+struct Family<T: 'static> {
     name: &'static str,
     help: &'static str,
     kind: Kind,
     label: Option<&'static str>,
-    values: &'static [(&'static str, Read)],
+    values: &'static [(&'static str, Read<T>)],
 }
 
 /// The states a camera's task reports (`CameraSummary::state`).
 pub const CAMERA_STATES: [&str; 5] = ["starting", "running", "waiting", "stopped", "failed"];
 
-const FAMILIES: &[Family] = &[
+const FAMILIES: &[Family<CameraSummary>] = &[
     Family {
         name: "tidegate_edge_frames_seen_total",
         help: "Frames the camera's pipeline produced.",
@@ -211,6 +222,135 @@ const FAMILIES: &[Family] = &[
     },
 ];
 
+/// The uplink's families, one series per label value, labelled `gateway`.
+const UPLINK_FAMILIES: &[Family<UplinkReading>] = &[
+    Family {
+        name: "tidegate_edge_uplink_sent_bytes_total",
+        help: "Bytes of UDP payload sent to the gateway over every connection (QUIC headers, encryption and retransmissions included).",
+        kind: Kind::Counter,
+        label: None,
+        values: &[("", |r| r.totals.sent_bytes as f64)],
+    },
+    Family {
+        name: "tidegate_edge_uplink_received_bytes_total",
+        help: "Bytes of UDP payload received from the gateway over every connection.",
+        kind: Kind::Counter,
+        label: None,
+        values: &[("", |r| r.totals.received_bytes as f64)],
+    },
+    Family {
+        name: "tidegate_edge_uplink_sent_datagrams_total",
+        help: "UDP datagrams sent to the gateway over every connection.",
+        kind: Kind::Counter,
+        label: None,
+        values: &[("", |r| r.totals.sent_datagrams as f64)],
+    },
+    Family {
+        name: "tidegate_edge_uplink_sent_packets_total",
+        help: "QUIC packets sent over every connection (a datagram may carry several): what the loss share is of.",
+        kind: Kind::Counter,
+        label: None,
+        values: &[("", |r| r.totals.sent_packets as f64)],
+    },
+    Family {
+        name: "tidegate_edge_uplink_lost_packets_total",
+        help: "QUIC packets sent and declared lost, over every connection.",
+        kind: Kind::Counter,
+        label: None,
+        values: &[("", |r| r.totals.lost_packets as f64)],
+    },
+    Family {
+        name: "tidegate_edge_uplink_congestion_events_total",
+        help: "Times the congestion controller cut its window, over every connection.",
+        kind: Kind::Counter,
+        label: None,
+        values: &[("", |r| r.totals.congestion_events as f64)],
+    },
+    Family {
+        name: "tidegate_edge_uplink_cwnd_bytes",
+        help: "The live connection's congestion window (0 without a connection).",
+        kind: Kind::Gauge,
+        label: None,
+        values: &[("", |r| r.cwnd as f64)],
+    },
+    Family {
+        name: "tidegate_edge_uplink_smoothed_rtt_seconds",
+        help: "The live connection's smoothed round trip (0 without a connection).",
+        kind: Kind::Gauge,
+        label: None,
+        values: &[("", |r| r.rtt.as_secs_f64())],
+    },
+    Family {
+        name: "tidegate_edge_uplink_congestion_controller",
+        help: "1 for the congestion controller of what the edge sends (gateway.congestion), 0 for the others.",
+        kind: Kind::Gauge,
+        label: Some("controller"),
+        values: &[
+            ("cubic", |r| {
+                f64::from(u8::from(r.congestion == Congestion::Cubic))
+            }),
+            ("newreno", |r| {
+                f64::from(u8::from(r.congestion == Congestion::NewReno))
+            }),
+            ("bbr", |r| {
+                f64::from(u8::from(r.congestion == Congestion::Bbr))
+            }),
+        ],
+    },
+    Family {
+        name: "tidegate_edge_uplink_connected",
+        help: "1 while a connection to the gateway is up, else 0.",
+        kind: Kind::Gauge,
+        label: None,
+        values: &[("", |r| f64::from(u8::from(r.connected)))],
+    },
+    Family {
+        name: "tidegate_edge_uplink_last_connect_age_seconds",
+        help: "Seconds since the last connection to the gateway was set up (0 before the first), on the edge's monotonic clock.",
+        kind: Kind::Gauge,
+        label: None,
+        values: &[("", |r| r.since_connect.as_secs_f64())],
+    },
+    Family {
+        name: "tidegate_edge_uplink_dials_total",
+        help: "Dials of the gateway by result: ok (connected and welcomed), timeout (no QUIC connection or no Welcome in time), refused (the gateway said no), failed (name, TLS, protocol or local socket).",
+        kind: Kind::Counter,
+        label: Some("result"),
+        values: &[
+            ("ok", |r| r.dials(DialResult::Ok) as f64),
+            ("timeout", |r| r.dials(DialResult::Timeout) as f64),
+            ("refused", |r| r.dials(DialResult::Refused) as f64),
+            ("failed", |r| r.dials(DialResult::Failed) as f64),
+        ],
+    },
+    Family {
+        name: "tidegate_edge_uplink_disconnects_total",
+        help: "Connections to the gateway that ended, by reason: timeout (QUIC idle timeout), reset (stateless reset), closed_by_gateway, closed_by_edge (no answer in time, a broken control stream, or stopping), error (a QUIC transport error).",
+        kind: Kind::Counter,
+        label: Some("reason"),
+        values: &[
+            ("timeout", |r| {
+                r.disconnects(DisconnectReason::Timeout) as f64
+            }),
+            ("reset", |r| r.disconnects(DisconnectReason::Reset) as f64),
+            ("closed_by_gateway", |r| {
+                r.disconnects(DisconnectReason::ClosedByGateway) as f64
+            }),
+            ("closed_by_edge", |r| {
+                r.disconnects(DisconnectReason::ClosedByEdge) as f64
+            }),
+            ("error", |r| r.disconnects(DisconnectReason::Error) as f64),
+        ],
+    },
+    Family {
+        name: "tidegate_edge_uplink_reconnects_total",
+        help: "Connections to the gateway set up after an earlier one (the first is not a reconnect).",
+        kind: Kind::Counter,
+        label: None,
+        values: &[("", |r| r.reconnects as f64)],
+    },
+];
+
 /// A camera's summary before its first `camera_stats`: every count 0.
 pub fn starting(camera: &str) -> CameraSummary {
     CameraSummary {
@@ -288,13 +428,21 @@ impl Collector for CameraCollector {
 
 /// The camera families for `cameras`, one series per camera and label value.
 pub fn camera_families(cameras: &[CameraSummary]) -> Vec<MetricFamily> {
-    FAMILIES
+    let sources: Vec<(&str, &CameraSummary)> =
+        cameras.iter().map(|c| (c.camera.as_str(), c)).collect();
+    families(FAMILIES, "camera", &sources)
+}
+
+/// The families of `table` for `sources`, one series per source and label
+/// value, each source's series labelled `key` with its name.
+fn families<T>(table: &[Family<T>], key: &str, sources: &[(&str, &T)]) -> Vec<MetricFamily> {
+    table
         .iter()
         .map(|f| {
             let mut metrics = Vec::new();
-            for c in cameras {
+            for (name, source) in sources {
                 for (value, read) in f.values {
-                    let mut labels = vec![label("camera", &c.camera)];
+                    let mut labels = vec![label(key, name)];
                     if let Some(name) = f.label {
                         labels.push(label(name, value));
                     }
@@ -303,12 +451,12 @@ pub fn camera_families(cameras: &[CameraSummary]) -> Vec<MetricFamily> {
                     match f.kind {
                         Kind::Counter => {
                             let mut v = proto::Counter::default();
-                            v.set_value(read(c));
+                            v.set_value(read(source));
                             m.set_counter(v);
                         }
                         Kind::Gauge => {
                             let mut v = proto::Gauge::default();
-                            v.set_value(read(c));
+                            v.set_value(read(source));
                             m.set_gauge(v);
                         }
                     }
@@ -329,6 +477,37 @@ pub fn camera_families(cameras: &[CameraSummary]) -> Vec<MetricFamily> {
         .collect()
 }
 
+/// The descriptions of `table`'s families, labelled `key` and their own
+/// label.
+fn descs<T>(table: &[Family<T>], key: &str) -> Vec<Desc> {
+    table
+        .iter()
+        .map(|f| {
+            let mut labels = vec![key.to_string()];
+            labels.extend(f.label.map(str::to_string));
+            Desc::new(f.name.into(), f.help.into(), labels, Default::default()).expect("valid desc")
+        })
+        .collect()
+}
+
+/// The uplink's families, read from the link's record at each scrape.
+#[derive(Debug)]
+struct UplinkCollector {
+    stats: Arc<UplinkStats>,
+    descs: Vec<Desc>,
+}
+
+impl Collector for UplinkCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let r = self.stats.read(Instant::now());
+        families(UPLINK_FAMILIES, "gateway", &[(r.gateway.as_str(), &r)])
+    }
+}
+
 fn label(name: &str, value: &str) -> proto::LabelPair {
     let mut l = proto::LabelPair::default();
     l.set_name(name.to_string());
@@ -344,19 +523,16 @@ pub struct EdgeMetrics {
 
 impl EdgeMetrics {
     /// Registers the camera families of `cameras` (the configured names),
-    /// read from `stats` (the node's summaries) at each scrape, the build
-    /// and the process.
-    pub fn new(cameras: &[String], stats: watch::Receiver<Vec<CameraSummary>>) -> Self {
+    /// read from `stats` (the node's summaries) at each scrape, the
+    /// uplink's, read from `uplink` (the record the node's link keeps,
+    /// [`crate::node::NodeOptions::uplink`]) at each scrape, the build and
+    /// the process.
+    pub fn new(
+        cameras: &[String],
+        stats: watch::Receiver<Vec<CameraSummary>>,
+        uplink: Arc<UplinkStats>,
+    ) -> Self {
         let registry = Registry::new();
-        let descs = FAMILIES
-            .iter()
-            .map(|f| {
-                let mut labels = vec!["camera".to_string()];
-                labels.extend(f.label.map(str::to_string));
-                Desc::new(f.name.into(), f.help.into(), labels, Default::default())
-                    .expect("valid desc")
-            })
-            .collect();
         let mut unique = cameras.to_vec();
         unique.sort();
         unique.dedup();
@@ -364,9 +540,15 @@ impl EdgeMetrics {
             .register(Box::new(CameraCollector {
                 cameras: unique,
                 stats,
-                descs,
+                descs: descs(FAMILIES, "camera"),
             }))
             .expect("camera metric names are unique");
+        registry
+            .register(Box::new(UplinkCollector {
+                stats: uplink,
+                descs: descs(UPLINK_FAMILIES, "gateway"),
+            }))
+            .expect("uplink metric names are unique");
         let build = IntGaugeVec::new(
             Opts::new(
                 "tidegate_edge_build_info",
@@ -393,6 +575,7 @@ impl EdgeMetrics {
     /// `gateway/tests/deploy.rs` checks the dashboard against it.
     pub fn series_names() -> Vec<String> {
         let mut names: Vec<String> = FAMILIES.iter().map(|f| f.name.to_string()).collect();
+        names.extend(UPLINK_FAMILIES.iter().map(|f| f.name.to_string()));
         names.push("tidegate_edge_build_info".into());
         #[cfg(target_os = "linux")]
         names.extend(
@@ -461,9 +644,142 @@ mod tests {
     use super::*;
 
     fn metrics(cameras: &[&str]) -> (EdgeMetrics, watch::Sender<Vec<CameraSummary>>) {
+        let (m, tx, _) = metrics_with_uplink(cameras);
+        (m, tx)
+    }
+
+    fn metrics_with_uplink(
+        cameras: &[&str],
+    ) -> (
+        EdgeMetrics,
+        watch::Sender<Vec<CameraSummary>>,
+        Arc<UplinkStats>,
+    ) {
         let (tx, rx) = watch::channel(Vec::new());
         let names: Vec<String> = cameras.iter().map(|c| c.to_string()).collect();
-        (EdgeMetrics::new(&names, rx), tx)
+        let uplink = Arc::new(UplinkStats::new("gw.example:4433", Congestion::Bbr));
+        (EdgeMetrics::new(&names, rx, uplink.clone()), tx, uplink)
+    }
+
+    /// A connection whose figures are fixed.
+    #[derive(Debug)]
+    struct Fixed(crate::uplink_stats::QuicReading);
+
+    impl crate::uplink_stats::QuicSource for Fixed {
+        fn reading(&self) -> crate::uplink_stats::QuicReading {
+            self.0
+        }
+    }
+
+    #[test]
+    fn the_uplink_is_exported_at_zero_before_its_first_connection() {
+        let (m, _tx, _uplink) = metrics_with_uplink(&["door"]);
+        let text = m.render();
+        let g = "gateway=\"gw.example:4433\"";
+        for line in [
+            format!("tidegate_edge_uplink_sent_bytes_total{{{g}}} 0"),
+            format!("tidegate_edge_uplink_received_bytes_total{{{g}}} 0"),
+            format!("tidegate_edge_uplink_sent_datagrams_total{{{g}}} 0"),
+            format!("tidegate_edge_uplink_lost_packets_total{{{g}}} 0"),
+            format!("tidegate_edge_uplink_cwnd_bytes{{{g}}} 0"),
+            format!("tidegate_edge_uplink_smoothed_rtt_seconds{{{g}}} 0"),
+            format!("tidegate_edge_uplink_connected{{{g}}} 0"),
+            format!("tidegate_edge_uplink_last_connect_age_seconds{{{g}}} 0"),
+            format!("tidegate_edge_uplink_reconnects_total{{{g}}} 0"),
+            format!("tidegate_edge_uplink_congestion_controller{{{g},controller=\"bbr\"}} 1"),
+            format!("tidegate_edge_uplink_congestion_controller{{{g},controller=\"cubic\"}} 0"),
+            "# TYPE tidegate_edge_uplink_sent_bytes_total counter".to_string(),
+            "# TYPE tidegate_edge_uplink_cwnd_bytes gauge".to_string(),
+        ] {
+            assert!(text.contains(&line), "{line} not in:\n{text}");
+        }
+        for r in DialResult::ALL {
+            let line = format!(
+                "tidegate_edge_uplink_dials_total{{{g},result=\"{}\"}} 0",
+                r.name()
+            );
+            assert!(text.contains(&line), "{line} not in:\n{text}");
+        }
+        for r in DisconnectReason::ALL {
+            let line = format!(
+                "tidegate_edge_uplink_disconnects_total{{{g},reason=\"{}\"}} 0",
+                r.name()
+            );
+            assert!(text.contains(&line), "{line} not in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn the_uplink_reading_is_exported_as_it_is() {
+        use crate::uplink_stats::{QuicReading, QuicTotals};
+        let (m, _tx, uplink) = metrics_with_uplink(&["door"]);
+        let ended = QuicReading {
+            totals: QuicTotals {
+                sent_bytes: 5000,
+                received_bytes: 700,
+                sent_datagrams: 5,
+                sent_packets: 6,
+                lost_packets: 1,
+                congestion_events: 1,
+            },
+            cwnd: 9000,
+            rtt: std::time::Duration::from_millis(40),
+        };
+        let t0 = Instant::now();
+        uplink.dialled(t0, Arc::new(Fixed(ended)));
+        uplink.disconnected(DisconnectReason::Reset);
+        let live = QuicReading {
+            totals: QuicTotals {
+                sent_bytes: 100,
+                sent_packets: 2,
+                ..QuicTotals::default()
+            },
+            cwnd: 14_720,
+            rtt: std::time::Duration::from_millis(25),
+        };
+        uplink.dialled(t0, Arc::new(Fixed(live)));
+        let text = m.render();
+        let g = "gateway=\"gw.example:4433\"";
+        for line in [
+            format!("tidegate_edge_uplink_sent_bytes_total{{{g}}} 5100"),
+            format!("tidegate_edge_uplink_received_bytes_total{{{g}}} 700"),
+            format!("tidegate_edge_uplink_sent_packets_total{{{g}}} 8"),
+            format!("tidegate_edge_uplink_lost_packets_total{{{g}}} 1"),
+            format!("tidegate_edge_uplink_cwnd_bytes{{{g}}} 14720"),
+            format!("tidegate_edge_uplink_smoothed_rtt_seconds{{{g}}} 0.025"),
+            format!("tidegate_edge_uplink_connected{{{g}}} 1"),
+            format!("tidegate_edge_uplink_reconnects_total{{{g}}} 1"),
+            format!("tidegate_edge_uplink_dials_total{{{g},result=\"ok\"}} 2"),
+            format!("tidegate_edge_uplink_disconnects_total{{{g},reason=\"reset\"}} 1"),
+        ] {
+            assert!(text.contains(&line), "{line} not in:\n{text}");
+        }
+        assert!(!text.contains("camera=\"door\",gateway"), "{text}");
+    }
+
+    /// The label values written in the table are the classifications'
+    /// own names, in the same order.
+    #[test]
+    fn uplink_label_values_are_the_fixed_sets() {
+        let values = |name: &str| -> Vec<&str> {
+            UPLINK_FAMILIES
+                .iter()
+                .find(|f| f.name == name)
+                .unwrap()
+                .values
+                .iter()
+                .map(|(v, _)| *v)
+                .collect()
+        };
+        let dials: Vec<&str> = DialResult::ALL.iter().map(|r| r.name()).collect();
+        assert_eq!(values("tidegate_edge_uplink_dials_total"), dials);
+        let reasons: Vec<&str> = DisconnectReason::ALL.iter().map(|r| r.name()).collect();
+        assert_eq!(values("tidegate_edge_uplink_disconnects_total"), reasons);
+        let controllers: Vec<&str> = Congestion::ALL.iter().map(|c| c.name()).collect();
+        assert_eq!(
+            values("tidegate_edge_uplink_congestion_controller"),
+            controllers
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //!   link task ── dial (jittered exponential backoff) ──► Uplink ──watch──► camera tasks
+//!      │  each dial, connection and its end ─► UplinkStats (read by /metrics)
 //!      │  results ─► SinkWriter thread ─► Sinks (stdout / file / webhook), latency report
 //!      └─ hints ─► HintBoard ──watch──► camera tasks ─► FrameGate limits
 //!
@@ -53,6 +54,7 @@ use crate::sink::{FinishError, Sinks};
 use crate::uplink::{
     FrameEnds, Incoming, Lane, LaneStats, Unanswered, Uplink, UplinkError, UplinkOptions,
 };
+use crate::uplink_stats::{DisconnectReason, UplinkStats};
 use tidegate_kit::backoff::{Backoff, Loudness, Outage};
 
 /// How long a finished camera waits for its frames in flight to settle.
@@ -115,6 +117,10 @@ pub struct NodeOptions {
     /// Also publish every camera's counters here, each `summary_every` and
     /// at the end (for an embedding program, or a test).
     pub stats: Option<watch::Sender<Vec<CameraSummary>>>,
+    /// Record each dial, connection and disconnect of the uplink here
+    /// (what `/metrics` reads at each scrape); unset, the node keeps its
+    /// own record, unread.
+    pub uplink: Option<Arc<UplinkStats>>,
 }
 
 /// The gateway's hints in force: the latest for all cameras, and the latest
@@ -477,16 +483,17 @@ pub async fn run(
     let (fatal_tx, mut fatal_rx) = mpsc::channel::<UplinkError>(1);
     let unanswered = Arc::new(Unanswered::default());
 
+    let shell = LinkShell {
+        link_tx,
+        hints_tx,
+        results: results_tx,
+        fatal: fatal_tx,
+        stats: options.uplink.clone().unwrap_or_else(|| uplink_stats(&cfg)),
+        cancel: cancel.clone(),
+    };
     let link_task = tokio::spawn(
-        link(
-            cfg.clone(),
-            link_tx,
-            hints_tx,
-            results_tx,
-            fatal_tx,
-            cancel.clone(),
-        )
-        .instrument(info_span!("link", gateway = %cfg.gateway.addr, edge = %cfg.name)),
+        link(cfg.clone(), shell)
+            .instrument(info_span!("link", gateway = %cfg.gateway.addr, edge = %cfg.name)),
     );
 
     let mut stats: Vec<(String, Arc<CameraStats>)> = Vec::new();
@@ -703,21 +710,46 @@ pub async fn run(
     })
 }
 
-/// Keeps a connection to the gateway: dials with jittered exponential
-/// backoff (each dial bounded by [`DIAL_ATTEMPT`]), publishes the uplink,
-/// forwards results, applies hints, and starts over when the connection is
-/// lost, telling the node after the connection's last result. The CA is
-/// loaded once, here: a redial never reads it again. The backoff starts
-/// again from [`REDIAL_BASE`] only after a connection has stayed up
-/// [`REDIAL_MAX`].
-async fn link(
-    cfg: EdgeConfig,
+/// A record of the uplink to `cfg`'s gateway, labelled with its address
+/// as configured, for [`NodeOptions::uplink`] and the metrics.
+pub fn uplink_stats(cfg: &EdgeConfig) -> Arc<UplinkStats> {
+    Arc::new(UplinkStats::new(
+        &cfg.gateway.addr.to_string(),
+        cfg.gateway.congestion,
+    ))
+}
+
+/// What the link task hands on and listens to, beside its config.
+struct LinkShell {
+    /// The live uplink, for the cameras (`None` between connections).
     link_tx: watch::Sender<Option<Uplink>>,
     hints_tx: watch::Sender<HintBoard>,
     results: queue::Sender<FromLink>,
+    /// A failure that ends the node (a refusal for good, a local fault).
     fatal: mpsc::Sender<UplinkError>,
+    /// Each dial and each connection's end, for the metrics.
+    stats: Arc<UplinkStats>,
     cancel: CancellationToken,
-) {
+}
+
+/// How [`LinkShell::serve`] ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Served {
+    /// The connection ended and the node has been told, after its results.
+    Ended,
+    /// The edge is stopping (or the node stopped reading): the link ends.
+    Stopped,
+}
+
+/// Keeps a connection to the gateway: dials with jittered exponential
+/// backoff (each dial bounded by [`DIAL_ATTEMPT`]), publishes the uplink,
+/// forwards results, applies hints ([`LinkShell::serve`]), and starts over
+/// when the connection is lost, telling the node after the connection's
+/// last result. The CA is loaded once, here: a redial never reads it again.
+/// The backoff starts again from [`REDIAL_BASE`] only after a connection
+/// has stayed up [`REDIAL_MAX`]. Every dial and every connection's end is
+/// recorded in the shell's [`UplinkStats`].
+async fn link(cfg: EdgeConfig, shell: LinkShell) {
     let client = match tidegate_protocol::quic::client_config_with(
         &cfg.gateway.ca,
         cfg.gateway.congestion,
@@ -726,7 +758,7 @@ async fn link(
         Err(e) => {
             let e = UplinkError::Tls(e);
             error!("gateway.ca: {e}");
-            let _ = fatal.send(e).await;
+            let _ = shell.fatal.send(e).await;
             return;
         }
     };
@@ -749,14 +781,20 @@ async fn link(
             },
         );
         let connected = tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = shell.cancel.cancelled() => return,
             r = dial => r,
         };
-        let (uplink, mut incoming) = match connected {
+        let (uplink, incoming) = match connected {
             Ok(u) => u,
-            // A local failure (no UDP socket) once the edge has worked is
-            // passing: retried like the gateway's.
-            Err(e) if e.retryable() || (connected_before && e.is_local()) => {
+            Err(e) => {
+                shell.stats.dial_failed(&e);
+                // A local failure (no UDP socket) once the edge has worked
+                // is passing: retried like the gateway's.
+                if !(e.retryable() || (connected_before && e.is_local())) {
+                    error!("{e}");
+                    let _ = shell.fatal.send(e).await;
+                    return;
+                }
                 let delay = backoff.next_delay();
                 match outage.failed(std::time::Instant::now()) {
                     Loudness::Warn { attempts, down_for } => {
@@ -765,14 +803,9 @@ async fn link(
                     Loudness::Debug => debug!("{e}; retrying in {delay:?}"),
                 }
                 tokio::select! {
-                    _ = cancel.cancelled() => return,
+                    _ = shell.cancel.cancelled() => return,
                     _ = tokio::time::sleep(delay) => continue,
                 }
-            }
-            Err(e) => {
-                error!("{e}");
-                let _ = fatal.send(e).await;
-                return;
             }
         };
         connected_before = true;
@@ -783,54 +816,17 @@ async fn link(
             }
             None => info!(addr = %uplink.remote_address(), "connected"),
         }
-        hints_tx.send_modify(|h| *h = HintBoard::default());
-        link_tx.send_replace(Some(uplink.clone()));
-        loop {
-            tokio::select! {
-                _ = cancel.cancelled() => {
-                    link_tx.send_replace(None);
-                    uplink.close();
-                    return;
-                }
-                msg = incoming.recv() => match msg {
-                    Some(Incoming::Result(r)) => {
-                        let e2e = crate::clock::now_us().saturating_sub(r.captured_at_us);
-                        uplink.report_latency(&r.camera, r.seq, e2e);
-                        let r = FromLink::Result(r);
-                        let size = r.held_bytes();
-                        // The node stops reading when it stops: so may we.
-                        tokio::select! {
-                            _ = cancel.cancelled() => {
-                                link_tx.send_replace(None);
-                                uplink.close();
-                                return;
-                            }
-                            sent = results.send(r, size) => if sent.is_err() {
-                                return;
-                            },
-                        }
-                    }
-                    Some(Incoming::Hint(h)) => {
-                        info!(camera = %h.camera, max_fps = h.max_fps, motion_threshold = h.motion_threshold, "control hint");
-                        hints_tx.send_modify(|b| b.apply(&h));
-                    }
-                    None => break,
-                },
-            }
-        }
-        // Every result the connection delivered has been forwarded: the
-        // frames still waiting for one will never get it. The node counts
-        // them once it has handled those results.
-        let ended = FromLink::Ended(uplink.id());
-        let size = ended.held_bytes();
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            sent = results.send(ended, size) => if sent.is_err() {
-                return;
-            },
+        shell
+            .stats
+            .dialled(std::time::Instant::now(), Arc::new(uplink.clone()));
+        if shell.serve(&uplink, incoming).await == Served::Stopped {
+            return;
         }
         let why = uplink.closed().await;
-        link_tx.send_replace(None);
+        shell.link_tx.send_replace(None);
+        if let Some(e) = uplink.close_reason() {
+            shell.stats.disconnected(DisconnectReason::of(&e));
+        }
         let up_for = up_since.elapsed();
         if !backoff.reset_if_stable(up_for) {
             debug!(
@@ -845,9 +841,66 @@ async fn link(
             "connection to the gateway lost ({why}); frames are dropped until it is back; reconnecting in {delay:?}"
         );
         tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = shell.cancel.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
+    }
+}
+
+impl LinkShell {
+    /// Publishes `uplink` to the cameras, forwards its results to the node
+    /// and applies its hints until the connection ends, then tells the node
+    /// that it ended (after its last result).
+    async fn serve(&self, uplink: &Uplink, mut incoming: queue::Receiver<Incoming>) -> Served {
+        self.hints_tx.send_modify(|h| *h = HintBoard::default());
+        self.link_tx.send_replace(Some(uplink.clone()));
+        loop {
+            tokio::select! {
+                _ = self.cancel.cancelled() => return self.stop(uplink),
+                msg = incoming.recv() => match msg {
+                    Some(Incoming::Result(r)) => {
+                        let e2e = crate::clock::now_us().saturating_sub(r.captured_at_us);
+                        uplink.report_latency(&r.camera, r.seq, e2e);
+                        let r = FromLink::Result(r);
+                        let size = r.held_bytes();
+                        // The node stops reading when it stops: so may we.
+                        tokio::select! {
+                            _ = self.cancel.cancelled() => return self.stop(uplink),
+                            sent = self.results.send(r, size) => if sent.is_err() {
+                                return Served::Stopped;
+                            },
+                        }
+                    }
+                    Some(Incoming::Hint(h)) => {
+                        info!(camera = %h.camera, max_fps = h.max_fps, motion_threshold = h.motion_threshold, "control hint");
+                        self.hints_tx.send_modify(|b| b.apply(&h));
+                    }
+                    None => break,
+                },
+            }
+        }
+        // Every result the connection delivered has been forwarded: the
+        // frames still waiting for one will never get it. The node counts
+        // them once it has handled those results.
+        let ended = FromLink::Ended(uplink.id());
+        let size = ended.held_bytes();
+        tokio::select! {
+            _ = self.cancel.cancelled() => Served::Stopped,
+            sent = self.results.send(ended, size) => if sent.is_err() {
+                Served::Stopped
+            } else {
+                Served::Ended
+            },
+        }
+    }
+
+    /// The edge is stopping: the cameras let go of `uplink`, which is
+    /// closed.
+    fn stop(&self, uplink: &Uplink) -> Served {
+        self.link_tx.send_replace(None);
+        uplink.close();
+        self.stats.disconnected(DisconnectReason::ClosedByEdge);
+        Served::Stopped
     }
 }
 

@@ -85,6 +85,18 @@ pub enum UplinkError {
         /// What failed.
         reason: String,
     },
+    /// No QUIC connection came up within the dial's bound
+    /// ([`UplinkOptions::dial_timeout`]): the dial was abandoned.
+    #[error(
+        "connecting to gateway {addr}: no QUIC connection within {after:?} (is the link down?); \
+         this dial is abandoned, the next starts afresh"
+    )]
+    DialTimeout {
+        /// Gateway address.
+        addr: GatewayAddr,
+        /// The bound it waited.
+        after: Duration,
+    },
     /// The gateway refused us (bad token, unknown model...).
     #[error("gateway refused: {message} ({code:?})")]
     Refused {
@@ -122,6 +134,7 @@ impl UplinkError {
         match self {
             UplinkError::Refused { code, .. } => code.retryable(),
             UplinkError::Connect { .. }
+            | UplinkError::DialTimeout { .. }
             | UplinkError::Lost(_)
             | UplinkError::Unresponsive { .. } => true,
             _ => false,
@@ -240,7 +253,7 @@ pub struct UplinkOptions {
     /// Longest wait for the QUIC connection (the gateway's name resolved,
     /// the QUIC handshake done); `None`: as long as QUIC tries (its idle
     /// timeout). Past it the dial is abandoned and the connect fails with
-    /// [`UplinkError::Connect`] (retryable): a dial into a dead link backs
+    /// [`UplinkError::DialTimeout`] (retryable): a dial into a dead link backs
     /// its Initial packets off (1 s, 2 s, 4 s...), so a fresh dial once
     /// the link is back connects sooner than the old one's next Initial.
     pub dial_timeout: Option<Duration>,
@@ -329,16 +342,17 @@ impl Uplink {
             reason,
         };
         let dial = tidegate_protocol::quic::dial_addr(addr, server_name, client);
-        let dialled = match options.dial_timeout {
-            // Dropping the dial abandons it: its endpoint and socket go.
-            Some(limit) => tokio::time::timeout(limit, dial).await.map_err(|_| {
-                connect_err(format!(
-                    "no QUIC connection within {limit:?} (is the link down?); \
-                     this dial is abandoned, the next starts afresh"
-                ))
-            })?,
-            None => dial.await,
-        };
+        let dialled =
+            match options.dial_timeout {
+                // Dropping the dial abandons it: its endpoint and socket go.
+                Some(limit) => tokio::time::timeout(limit, dial).await.map_err(|_| {
+                    UplinkError::DialTimeout {
+                        addr: addr.clone(),
+                        after: limit,
+                    }
+                })?,
+                None => dial.await,
+            };
         let conn = dialled.map_err(|e| match e {
             tidegate_protocol::quic::DialError::Bind(e) => UplinkError::Bind(e),
             other => connect_err(other.to_string()),
@@ -528,6 +542,30 @@ impl Uplink {
             congestion_events: p.congestion_events,
             sent_bytes: stats.udp_tx.bytes,
         }
+    }
+
+    /// The connection's counters since it was set up, and its path now
+    /// (what [`crate::uplink_stats::UplinkStats`] carries across
+    /// connections). Still readable once the connection has ended.
+    pub fn quic_reading(&self) -> crate::uplink_stats::QuicReading {
+        let s = self.conn.stats();
+        crate::uplink_stats::QuicReading {
+            totals: crate::uplink_stats::QuicTotals {
+                sent_bytes: s.udp_tx.bytes,
+                received_bytes: s.udp_rx.bytes,
+                sent_datagrams: s.udp_tx.datagrams,
+                sent_packets: s.path.sent_packets,
+                lost_packets: s.path.lost_packets,
+                congestion_events: s.path.congestion_events,
+            },
+            cwnd: s.path.cwnd,
+            rtt: s.path.rtt,
+        }
+    }
+
+    /// Why the connection ended; `None` while it lives.
+    pub fn close_reason(&self) -> Option<quinn::ConnectionError> {
+        self.conn.close_reason()
     }
 
     /// Closes the connection.

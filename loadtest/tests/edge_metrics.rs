@@ -155,12 +155,34 @@ fn an_edges_metrics_are_its_camera_counters_and_parse() {
     );
     let max_fps = v("tidegate_edge_camera_max_fps{camera=\"ball\"}");
     assert!(max_fps > 0.0 && max_fps <= 10.0, "{max_fps}");
-    // the configured camera, and no other, is labelled
+    // the configured camera, and no other, is labelled; the uplink's own
+    // series are labelled with the gateway instead
     for series in edge_samples.keys() {
-        if series.contains('{') && !series.starts_with("tidegate_edge_build_info") {
+        if series.contains('{')
+            && !series.starts_with("tidegate_edge_build_info")
+            && !series.contains("gateway=\"")
+        {
             assert!(series.contains("camera=\"ball\""), "{series}");
         }
     }
+    let uplink = |name: &str| -> f64 {
+        edge_samples
+            .iter()
+            .find(|(s, _)| s.starts_with(&format!("{name}{{gateway=\"")))
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+    };
+    // the QUIC link carried the frames the gateway acknowledged (each a
+    // JPEG of well over 100 bytes)
+    assert_eq!(uplink("tidegate_edge_uplink_connected"), 1.0, "{text}");
+    assert!(
+        uplink("tidegate_edge_uplink_sent_bytes_total") > 100.0 * delivered,
+        "{text}"
+    );
+    assert!(
+        uplink("tidegate_edge_uplink_received_bytes_total") > 0.0,
+        "{text}"
+    );
 
     // The same figures as one camera_stats line the edge printed: the
     // metrics are that summary, not a count of their own.
