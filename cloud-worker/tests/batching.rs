@@ -12,13 +12,10 @@
 use std::fs;
 
 use tidegate_protocol::{DType, Geometry, Layout, Status, Tensor};
+use tidegate_testkit::pb;
 use tidegate_worker::backend::{Backend, FrameInput, FrameOutcome, OrtBackend};
 use tidegate_worker::model::Repository;
 use tidegate_worker::runtime::RuntimeOptions;
-
-/// Protobuf encoding, just enough for an ONNX ModelProto.
-#[path = "support/pb.rs"]
-mod pb;
 
 const FLOAT: i64 = 1;
 const UINT8: i64 = 2;

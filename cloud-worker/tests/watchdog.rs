@@ -16,9 +16,7 @@ use std::fs;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-/// Protobuf encoding, just enough for an ONNX ModelProto.
-#[path = "support/pb.rs"]
-mod pb;
+use tidegate_testkit::pb;
 
 const FLOAT: i64 = 1;
 const INT64: i64 = 7;

@@ -3,15 +3,13 @@
 
 #![cfg(feature = "capture")]
 
-#[path = "support/clip.rs"]
-mod clip;
-
 use std::time::Duration;
 
 use tidegate_edge::capture::{
     CameraStopped, Capture, CaptureError, CaptureOptions, CaptureSpec, Resize, StreamError,
     SupervisedCapture, SupervisorOptions,
 };
+use tidegate_testkit::clip;
 
 const WAIT: Duration = Duration::from_secs(15);
 

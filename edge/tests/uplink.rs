@@ -11,7 +11,9 @@
 //! afresh; frames awaiting their results when the connection drops are
 //! counted lost with it, and every frame sent ends once; a CA file
 //! rewritten while the edge runs does not stop a redial, and one missing
-//! at start is reported as a local problem. Every wait is bounded.
+//! at start is reported as a local problem. The uplink's QUIC counters
+//! cover what was sent, within QUIC's framing, and carry over reconnects,
+//! each counted once with its reason. Every wait is bounded.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -535,7 +537,7 @@ async fn a_dial_into_a_dead_link_is_abandoned_at_its_dial_timeout() {
         .await
         .expect("the dial gives up within its bound")
         .unwrap_err();
-    assert!(matches!(err, UplinkError::Connect { .. }), "{err:?}");
+    assert!(matches!(err, UplinkError::DialTimeout { .. }), "{err:?}");
     assert!(err.retryable(), "the node redials after {err}");
     assert!(
         err.to_string().contains("no QUIC connection within"),
@@ -938,12 +940,7 @@ async fn frame_past_its_deadline_is_reset_and_never_arrives() {
 }
 
 #[cfg(feature = "capture")]
-#[path = "support/clip.rs"]
-mod clip;
-
-#[cfg(feature = "capture")]
-#[path = "support/shaped_link.rs"]
-mod shaped_link;
+use tidegate_testkit::{clip, shaped_link};
 
 #[cfg(feature = "capture")]
 mod node {
@@ -954,6 +951,9 @@ mod node {
         Summary, run,
     };
     use tidegate_edge::sink::Sinks;
+    use tidegate_edge::uplink_stats::{
+        DialResult, DisconnectReason, QuicTotals, UplinkReading, UplinkStats,
+    };
     use tokio::sync::watch;
 
     /// Waits until `pred(frames)` holds.
@@ -1006,11 +1006,17 @@ mod node {
         }
 
         fn start_cfg(cfg: EdgeConfig) -> Node {
+            Node::start_recording(cfg, None)
+        }
+
+        /// [`Node::start_cfg`], the node recording its uplink in `uplink`.
+        fn start_recording(cfg: EdgeConfig, uplink: Option<Arc<UplinkStats>>) -> Node {
             let (stats_tx, stats) = watch::channel(Vec::new());
             let (stop, stop_rx) = oneshot::channel::<()>();
             let options = NodeOptions {
                 summary_every: Some(Duration::from_millis(50)),
                 stats: Some(stats_tx),
+                uplink,
                 ..NodeOptions::default()
             };
             let task = tokio::spawn(run(cfg, Sinks::default(), options, async move {
@@ -1043,6 +1049,157 @@ mod node {
                 .unwrap()
                 .unwrap()
         }
+    }
+
+    /// Bytes of one frame's tensor: the camera sends raw 64×64 RGB.
+    const RAW_FRAME: u64 = 64 * 64 * 3;
+    /// What a `Frame` message adds to its tensor (header, camera, model,
+    /// shape, geometry), at most.
+    const FRAME_FRAMING: u64 = 256;
+    /// What QUIC adds to a datagram beyond the stream data it carries
+    /// (header, packet number, AEAD tag, frame headers, ACKs), or a
+    /// datagram of its own carries (ACK, PING, a small control message),
+    /// at most.
+    const PER_DATAGRAM: u64 = 96;
+    /// A connection's bytes beyond its frames and datagrams' overhead: the
+    /// handshake (Initials padded to 1200 bytes), path MTU probes, `Hello`
+    /// and `CameraOpen`, and a frame cut short when the connection went.
+    const PER_CONNECTION: u64 = 32 * 1024;
+
+    /// Every counter of `b` is at least `a`'s.
+    fn not_backwards(a: &QuicTotals, b: &QuicTotals) -> bool {
+        b.sent_bytes >= a.sent_bytes
+            && b.received_bytes >= a.received_bytes
+            && b.sent_datagrams >= a.sent_datagrams
+            && b.sent_packets >= a.sent_packets
+            && b.lost_packets >= a.lost_packets
+            && b.congestion_events >= a.congestion_events
+    }
+
+    /// The uplink's QUIC counters on a real link (127.0.0.1): the bytes
+    /// sent cover every frame the gateway read whole and stay within the
+    /// frames handed plus QUIC's framing; the gateway closing the
+    /// connection twice makes exactly two reconnects, each loss counted
+    /// with its reason; and no counter goes backwards across them, read
+    /// every few milliseconds throughout as a scrape would.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn uplink_counters_cover_what_was_sent_and_carry_over_reconnects() {
+        const KICKS: u64 = 2;
+        // Frames the gateway reads on each connection before the next step:
+        // enough that one connection counted twice, or not at all, falls
+        // outside the bounds below.
+        const PER_LINK: usize = 20;
+        let gw = FakeGateway::start();
+        let cfg = edge_config(
+            &gw,
+            "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nencoding = \"raw\"",
+        );
+        let uplink = tidegate_edge::node::uplink_stats(&cfg);
+        let zero = uplink.read(std::time::Instant::now());
+        assert_eq!(zero.totals, QuicTotals::default());
+        assert!(!zero.connected && zero.dials == [0; 4] && zero.reconnects == 0);
+
+        // Reads the record as a scrape does until told to stop (bounded).
+        let (done_tx, mut done) = oneshot::channel::<()>();
+        let sampler = tokio::spawn({
+            let uplink = uplink.clone();
+            async move {
+                let deadline = tokio::time::Instant::now() + 8 * WAIT;
+                let mut last: UplinkReading = uplink.read(std::time::Instant::now());
+                let mut reads = 1u64;
+                while tokio::time::Instant::now() < deadline && done.try_recv().is_err() {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let now = uplink.read(std::time::Instant::now());
+                    assert!(
+                        not_backwards(&last.totals, &now.totals),
+                        "a counter went backwards: {:?} then {:?}",
+                        last.totals,
+                        now.totals
+                    );
+                    assert!(now.reconnects >= last.reconnects && now.dials >= last.dials);
+                    last = now;
+                    reads += 1;
+                }
+                reads
+            }
+        });
+
+        let node = Node::start_recording(cfg, Some(uplink.clone()));
+        until(&gw, "frames on the first connection", |f| {
+            on_conn(f, 1) >= PER_LINK
+        })
+        .await;
+        let first = uplink.read(std::time::Instant::now());
+        assert!(first.connected, "{first:?}");
+        assert!(
+            first.totals.sent_bytes >= PER_LINK as u64 * RAW_FRAME,
+            "the gateway read {PER_LINK} frames of {RAW_FRAME} bytes: {first:?}"
+        );
+        assert!(first.cwnd > 0 && first.rtt > Duration::ZERO, "{first:?}");
+        let mut kicked_at = std::time::Instant::now();
+        for n in 2..=KICKS as usize + 1 {
+            kicked_at = std::time::Instant::now();
+            gw.kick.notify_one();
+            until(&gw, "frames after the gateway closed the connection", |f| {
+                on_conn(f, n) >= PER_LINK
+            })
+            .await;
+        }
+        let live = uplink.read(std::time::Instant::now());
+        assert!(live.connected, "{live:?}");
+        assert!(
+            live.since_connect <= kicked_at.elapsed(),
+            "the last connect came after the last kick: {live:?}"
+        );
+        let summary = node.stop().await;
+        let _ = done_tx.send(());
+        let reads = sampler.await.expect("no counter went backwards");
+        assert!(reads > 1);
+
+        let r = uplink.read(std::time::Instant::now());
+        assert_eq!(r.reconnects, KICKS, "{r:?}");
+        assert_eq!(r.dials(DialResult::Ok), KICKS + 1, "{r:?}");
+        assert_eq!(
+            r.disconnects(DisconnectReason::ClosedByGateway),
+            KICKS,
+            "{r:?}"
+        );
+        // The node closed the last connection as it stopped.
+        assert_eq!(r.disconnects(DisconnectReason::ClosedByEdge), 1, "{r:?}");
+        assert_eq!(r.disconnects.iter().sum::<u64>(), KICKS + 1, "{r:?}");
+        assert!(!r.connected && r.cwnd == 0, "{r:?}");
+        assert!(
+            not_backwards(&live.totals, &r.totals),
+            "{live:?} then {r:?}"
+        );
+
+        // Bounds, not speed: every frame the gateway read whole went out
+        // at least once, on whichever connection; nothing went out beyond
+        // the frames handed and QUIC's framing of them and of the rest.
+        let connections = (KICKS + 1) as usize;
+        assert_eq!(gw.connections.load(Ordering::SeqCst), connections);
+        let read_whole = gw.frames().len() as u64;
+        let handed = summary.cameras[0].handed;
+        assert!(handed >= read_whole, "{summary:?}");
+        let t = r.totals;
+        assert!(
+            t.sent_bytes >= read_whole * RAW_FRAME,
+            "{read_whole} frames of {RAW_FRAME} bytes read, {t:?}"
+        );
+        let most = handed * (RAW_FRAME + FRAME_FRAMING)
+            + t.sent_datagrams * PER_DATAGRAM
+            + connections as u64 * PER_CONNECTION;
+        assert!(
+            t.sent_bytes <= most,
+            "{handed} frames handed allow {most} bytes, {t:?}"
+        );
+        // A datagram carries one packet or more, and a frame's 12 KiB
+        // need at least eight datagrams of at most 1500 bytes.
+        assert!(t.sent_packets >= t.sent_datagrams, "{t:?}");
+        assert!(t.sent_datagrams >= read_whole * (RAW_FRAME / 1500), "{t:?}");
+        assert!(t.lost_packets <= t.sent_packets, "{t:?}");
+        // Welcome, CameraAccepted and the acknowledgements came back.
+        assert!(t.received_bytes > 0, "{t:?}");
     }
 
     // The test source runs at exactly 20 fps on its own clock, which is the
@@ -1353,11 +1510,13 @@ mod node {
     async fn a_dead_link_is_dialled_afresh_after_each_bounded_attempt() {
         let (_dir, ca, _) = tls();
         let dark = DarkLink::start().await;
-        let node = Node::start_cfg(edge_with_cameras(
+        let cfg = edge_with_cameras(
             dark.addr,
             &ca,
             "[[cameras]]\nname = \"cam\"\nmodel = \"m\"\nuri = \"test://ball\"\n",
-        ));
+        );
+        let uplink = tidegate_edge::node::uplink_stats(&cfg);
+        let node = Node::start_recording(cfg, Some(uplink.clone()));
         // Two attempts and the longest delays between: the third dial is
         // due by then. With 5 s of slack for a loaded machine, the wait is
         // still shorter than two QUIC idle timeouts (10 s each), which is
@@ -1375,6 +1534,17 @@ mod node {
         let summary = node.stop().await;
         let cam = &summary.cameras[0];
         assert_eq!((cam.handed, cam.results), (0, 0), "{cam:?}");
+        // Each attempt that ended is one timeout, and sent its Initial; the
+        // one under way when the node stopped, if any, is not counted.
+        let r = uplink.read(std::time::Instant::now());
+        let (timeouts, sent) = (r.dials(DialResult::Timeout), dark.dials() as u64);
+        assert!(
+            timeouts <= sent && sent <= timeouts + 1,
+            "{sent} dials seen, {r:?}"
+        );
+        assert_eq!(r.dials.iter().sum::<u64>(), timeouts, "{r:?}");
+        assert_eq!((r.reconnects, r.connected), (0, false), "{r:?}");
+        assert_eq!(r.disconnects, [0; 5], "{r:?}");
     }
 
     /// The gateway answers each frame 300 ms after reading it, and drops

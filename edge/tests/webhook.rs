@@ -16,9 +16,7 @@ use tidegate_edge::sink::webhook::{
 use tokio::net::TcpListener;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-#[path = "support/receiver.rs"]
-mod receiver;
-use receiver::{Requests, answer, https_receiver};
+use tidegate_testkit::receiver::{Requests, answer, https_receiver};
 
 /// A server that answers the n-th request with `statuses[n]` (the last one
 /// repeats) and records each request's body.

@@ -1,5 +1,5 @@
 //! The Kubernetes provider through kube's real client against
-//! `support/mini_kube.rs`: an in-process API server (core v1 Pods and
+//! `testkit/src/mini_kube.rs`: an in-process API server (core v1 Pods and
 //! Secrets, list/watch/create/delete/patch, garbage collection) whose
 //! "kubelet" runs each Pod's container as a local process on a node with 2
 //! GPUs. No Kubernetes API server can be installed on this machine, so this
@@ -10,16 +10,9 @@
 //! that only guard against a hang; no test asserts how fast anything
 //! happens.
 
-#[path = "support/mini_kube.rs"]
-mod mini_kube;
-#[path = "support/provider.rs"]
-mod provider;
-
 use std::path::Path;
 use std::time::Duration;
 
-use mini_kube::MiniKube;
-use provider::{GUARD, WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
 use serde_json::Value;
 use tidegate_lease::catalog::{Catalog, Tier};
 use tidegate_lease::ledger::Ledger;
@@ -29,6 +22,10 @@ use tidegate_lease::provider::kubernetes::{
 };
 use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
 use tidegate_lease::table::LeaseId;
+use tidegate_testkit::mini_kube::MiniKube;
+use tidegate_testkit::provider::{
+    GUARD, WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for,
+};
 
 const NS: &str = "tidegate";
 

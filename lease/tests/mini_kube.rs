@@ -1,13 +1,10 @@
-//! The MiniKube test double (`support/mini_kube.rs`) driven through the
+//! The MiniKube test double (`testkit/src/mini_kube.rs`) driven through the
 //! real kube client and `kube::runtime::watcher`, as the Kubernetes lease
 //! provider drives it: create, watch, patch, evict and delete pods and
 //! secrets, and check that it answers as the apiserver and kubelet do.
 //! Shell scripts stand in for `tidegate-worker`. Waits are bounded by a
 //! guard that only protects against a hang; no test asserts how fast
 //! anything happens.
-
-#[path = "support/mini_kube.rs"]
-mod mini_kube;
 
 use std::fmt::Debug;
 use std::path::Path;
@@ -23,9 +20,9 @@ use kube::api::{
 use kube::core::PartialObjectMeta;
 use kube::runtime::watcher;
 use kube::{Client, Resource};
-use mini_kube::{MiniKube, NAMESPACE};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+use tidegate_testkit::mini_kube::{self, MiniKube, NAMESPACE};
 
 const GUARD: Duration = Duration::from_secs(30);
 

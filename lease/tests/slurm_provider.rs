@@ -1,5 +1,5 @@
 //! The Slurm provider against a real Slurm cluster on this host
-//! (`support/mini_slurm.rs`: munged + slurmctld + slurmd on 127.0.0.1). A
+//! (`testkit/src/mini_slurm.rs`: munged + slurmctld + slurmd on 127.0.0.1). A
 //! shell script stands in for `tidegate-worker`: it writes its environment
 //! to a file, and on SIGTERM writes a `drained` file and exits 0, as the
 //! worker drains. The tests of the tools' deadlines (a slurmctld that does
@@ -7,22 +7,19 @@
 //! folder, with or without the cluster. Waits are bounded by timeouts that
 //! only guard against a hang; no test asserts how fast anything happens.
 
-#[path = "support/mini_slurm.rs"]
-mod mini_slurm;
-#[path = "support/provider.rs"]
-mod provider;
-
 use std::path::Path;
 use std::time::Duration;
 
-use mini_slurm::{GRACE_SECS, MiniSlurm};
-use provider::{GUARD, WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for};
 use tidegate_lease::catalog::{Catalog, Tier};
 use tidegate_lease::ledger::{Ledger, NewLease};
 use tidegate_lease::lifecycle::{EndReason, LeaseState};
 use tidegate_lease::provider::slurm::{JobId, SlurmConfig, SlurmData, SlurmProvider};
 use tidegate_lease::provider::{Provider, ProviderError, ProviderEvent, wall_clock_ms};
 use tidegate_lease::table::LeaseId;
+use tidegate_testkit::mini_slurm::{GRACE_SECS, MiniSlurm};
+use tidegate_testkit::provider::{
+    GUARD, WORKER, acquire_recorded, ended, env_of, next_event, spec, var, wait_for,
+};
 
 fn config(slurm: &MiniSlurm, out: &Path, script: &str) -> SlurmConfig {
     let mut cfg = SlurmConfig::new("sh", &["-c", script], "ondemand");
@@ -347,7 +344,7 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
     assert!(slurm.live_jobs().is_empty());
 }
 
-/// The Slurm tool `tool` as installed (see `support/mini_slurm.rs`).
+/// The Slurm tool `tool` as installed (see `testkit/src/mini_slurm.rs`).
 fn installed(tool: &str) -> std::path::PathBuf {
     ["/usr/bin", "/usr/sbin", "/bin", "/sbin"]
         .iter()

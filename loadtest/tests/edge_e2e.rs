@@ -6,17 +6,13 @@
 //! stays flat and its frames are dropped and counted, after which it
 //! reconnects by itself and results flow again.
 
-#[path = "support/astronaut.rs"]
-mod astronaut;
-#[path = "../../edge/tests/support/receiver.rs"]
-mod receiver;
-
 use std::time::Duration;
 
-use astronaut::{FACE, astronaut, started_cluster};
 use tidegate_loadtest::edge_harness::{
     EdgeCamera, EdgeProcess, edge_config, epoch_us, h264_mp4_from_png,
 };
+use tidegate_testkit::astronaut::{FACE, astronaut, started_cluster};
+use tidegate_testkit::receiver;
 
 #[test]
 fn h264_file_streams_end_to_end_and_the_face_is_found_in_every_frame() {

@@ -11,16 +11,13 @@
 //! sent. How soon after the link's return it serves again is logged, and is
 //! `make bench-wan`'s to measure.
 
-#[path = "support/astronaut.rs"]
-mod astronaut;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use astronaut::{astronaut, started_cluster};
 use tidegate_loadtest::cluster::plain;
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config_via, epoch_us};
 use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
+use tidegate_testkit::astronaut::{astronaut, started_cluster};
 
 /// Longer than QUIC's idle timeout (10 s): the connection dies in the dark.
 const BLACKOUT: Duration = Duration::from_secs(15);

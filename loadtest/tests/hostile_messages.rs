@@ -5,9 +5,6 @@
 //! and asserts invariants (what is decoded, counted, answered and closed),
 //! never speed.
 
-#[path = "support/astronaut.rs"]
-mod astronaut;
-
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! workers started from those Pods that dial back over QUIC on 127.0.0.1,
 //! simulated cameras, and a spot node reclaimed under a serving worker.
 //!
-//! The API server is the test double of `lease/tests/support/mini_kube.rs`
+//! The API server is the test double of `testkit/src/mini_kube.rs`
 //! (no Kubernetes API server can be installed on this machine): kube's real
 //! client talks HTTP to it, and its "kubelet" runs each Pod's container as
 //! a local process on one node with 2 GPUs; each lease asks for one. When
@@ -14,22 +14,16 @@
 //! one result. On a clean stop the gateway deletes its Pods and their token
 //! Secrets. Every wait is bounded; nothing asserts on speed.
 
-#[path = "../../lease/tests/support/mini_kube.rs"]
-mod mini_kube;
-
-#[path = "support/leasing.rs"]
-mod support;
-
 use std::time::Duration;
 
-use mini_kube::MiniKube;
 use serde_json::Value;
-use support::{
+use tidegate_loadtest::cluster::Cluster;
+use tidegate_testkit::leasing::{
     CATALOG, assert_every_frame_answered_once, first_spot_lease, leases, ok_frames, one_edge,
     one_worker_leasing, settled_counters, sim_opts, spawn_sim, spot_taken_and_replaced, state,
     wait_until_explained,
 };
-use tidegate_loadtest::cluster::Cluster;
+use tidegate_testkit::mini_kube::MiniKube;
 
 const NS: &str = "tidegate";
 
@@ -124,7 +118,7 @@ fn with_on_stop_keep_a_restart_adopts_the_running_pods_and_pays_no_new_lease() {
     let billed = |c: &Cluster| {
         leases(c, false)
             .into_iter()
-            .filter(|l| !l["billing_start"].is_null())
+            .filter(|l| !l["billing_started_at"].is_null())
             .count()
     };
     let billed_before = billed(&c);
@@ -168,7 +162,7 @@ fn with_on_stop_keep_a_restart_adopts_the_running_pods_and_pays_no_new_lease() {
         "no new lease was paid for: {:#?}",
         leases(&c, false)
     );
-    for k in ["id", "requested_at", "billing_start", "ready_at", "tier"] {
+    for k in ["id", "requested_at", "billing_started_at", "ready_at", "tier"] {
         assert_eq!(after[0][k], before[0][k], "{k} changed");
     }
     assert_eq!(state(&after[0]), "ready", "{:#}", after[0]);

@@ -17,17 +17,15 @@
 //! by every worker, so their standalone profiles would over-state what each
 //! delivers here. Every wait is bounded; nothing asserts on speed.
 
-#[path = "support/leasing.rs"]
-mod support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{
+use tidegate_gateway::api::parse_time;
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
+use tidegate_testkit::leasing::{
     CATALOG, assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts,
     spawn_sim, state, wait_until,
 };
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
 
 /// One leasing gateway at a time: each spawns several workers.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -164,7 +162,7 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
         assert_eq!(l["tier"], "spot", "paid-block-aware buys spot: {l}");
         // billed from the provider's answer on
         let answered = state(l) != "requested";
-        assert_eq!(l["billing_start"].as_u64().is_some(), answered, "{l}");
+        assert_eq!(l["billing_started_at"].as_str().is_some(), answered, "{l}");
     }
 
     // (b) the load is gone: the surplus goes at its block end, the floor stays.
@@ -176,8 +174,9 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
     assert!(!released.is_empty(), "{all:#?}");
     for l in &released {
         assert_eq!(reason(l), "released", "{l}");
-        let start = l["billing_start"].as_u64().unwrap();
-        let end = l["ended_at"].as_u64().unwrap();
+        // instants are RFC 3339 UTC with milliseconds
+        let at = |k: &str| parse_time(l[k].as_str().unwrap()).unwrap();
+        let (start, end) = (at("billing_started_at"), at("ended_at"));
         assert!(
             end >= start + BILLING_MINIMUM_MS,
             "released before its paid block ended: {l}"
@@ -234,18 +233,26 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
     assert_eq!(code, 200, "{body}");
     let costs: Value = serde_json::from_str(&body).unwrap();
     assert!(costs["total"].as_f64().unwrap() > 0.0, "{costs}");
-    assert_eq!(costs["by_tier"]["spot"], costs["total"], "{costs}");
+    assert_eq!(
+        costs["by_tier"],
+        serde_json::json!([{"tier": "spot", "cost": costs["total"]}]),
+        "{costs}"
+    );
     // The showback: every answered frame is the one edge's and the one
     // model's, and the leases' cost is theirs or idle, to the micro-unit.
     let total = costs["total"].as_f64().unwrap();
     let idle = costs["idle"].as_f64().unwrap();
-    for (split, key) in [("by_edge", "edge-1"), ("by_model", "blazeface")] {
-        let shares = costs[split].as_object().expect(split);
+    for (split, field, key) in [
+        ("by_edge", "edge", "edge-1"),
+        ("by_model", "model", "blazeface"),
+    ] {
+        let shares = costs[split].as_array().expect(split);
         assert_eq!(shares.len(), 1, "{split}: {costs}");
-        let s = &shares[key];
+        let s = &shares[0];
+        assert_eq!(s[field], key, "{split}: {costs}");
         let frames = s["frames_within_slo"].as_u64().unwrap() + s["frames_late"].as_u64().unwrap();
         assert_eq!(frames, answered, "{split}: {costs}");
-        assert!(s["busy_seconds"].as_f64().unwrap() > 0.0, "{costs}");
+        assert!(s["busy_s"].as_f64().unwrap() > 0.0, "{costs}");
         let cost = s["cost"].as_f64().unwrap();
         assert!((cost + idle - total).abs() < 1e-6, "{split}: {costs}");
         assert!(cost > 0.0, "{costs}");
@@ -404,7 +411,13 @@ fn gateway_crash_and_restart_adopts_live_leases_and_leaks_no_worker() {
             .iter()
             .find(|l| l["id"] == b["id"])
             .expect("lease kept in the ledger");
-        for k in ["requested_at", "billing_start", "ready_at", "pid", "tier"] {
+        for k in [
+            "requested_at",
+            "billing_started_at",
+            "ready_at",
+            "pid",
+            "tier",
+        ] {
             assert_eq!(a[k], b[k], "{k} changed: {b} -> {a}");
         }
         assert_eq!(state(a), "ready", "{a}");

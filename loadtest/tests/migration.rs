@@ -10,15 +10,12 @@
 //! to the gateway from an upstream socket that it swaps for a new one once
 //! frames flow. Bounded in frames and time; nothing asserts on speed.
 
-#[path = "support/astronaut.rs"]
-mod astronaut;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use astronaut::started_cluster;
+use tidegate_testkit::astronaut::started_cluster;
 use tokio::net::UdpSocket;
 use tokio::sync::watch;
 

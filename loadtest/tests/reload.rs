@@ -13,16 +13,13 @@
 //!
 //! Every wait is bounded; nothing asserts on speed.
 
-#[path = "support/leasing.rs"]
-mod support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{settled_counters, wait_until};
 use tidegate_gateway::auth::hash_token;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
+use tidegate_testkit::leasing::{settled_counters, wait_until};
 
 fn entry(kind: &str, name: &str, token: &str) -> String {
     format!(

@@ -13,18 +13,15 @@
 //! assertions are about accounting, statuses and deadlines the gateway
 //! itself enforces.
 
-#[path = "support/leasing.rs"]
-mod support;
-
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{ok_frames, settled_counters, wait_until};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim::{self, SimOptions};
+use tidegate_testkit::leasing::{ok_frames, settled_counters, wait_until};
 
 /// The tests in this file each load the machine on purpose; run them one at
 /// a time so one test's overload is not another's light load.
@@ -210,6 +207,13 @@ fn an_operator_drain_needs_the_admin_token_and_ends_the_worker_cleanly() {
         .post("/api/v1/workers/worker-9/drain", Some(&admin))
         .expect("POST");
     assert_eq!(code, 404, "{body}");
+    let refused: Value = serde_json::from_str(&body).expect("a JSON error");
+    assert!(
+        refused["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("\"worker-9\"")),
+        "{body}"
+    );
     assert_eq!(
         c.worker_exit("worker-1"),
         None,
@@ -394,18 +398,16 @@ fn a_real_edge_obeys_the_rate_hint() {
     // The gateway's view of edge-2's cameras, sampled while the flood
     // lasts until, capped, they send slower than they did before any hint
     // (asserted below).
+    // (an edge is named by its configured name wherever the API names it)
     let edge2_cameras = || -> Vec<Value> {
-        let edges = get_json(&c, "/api/v1/edges");
-        let Some(id) = edges
-            .as_array()
-            .and_then(|a| a.iter().find(|e| e["name"] == "edge-2"))
-            .map(|e| e["id"].clone())
-        else {
-            return Vec::new();
-        };
         let cams = get_json(&c, "/api/v1/cameras");
         cams.as_array()
-            .map(|a| a.iter().filter(|cam| cam["edge"] == id).cloned().collect())
+            .map(|a| {
+                a.iter()
+                    .filter(|cam| cam["edge"] == "edge-2")
+                    .cloned()
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let real = watch_obedience(flood_ends, &load, edge2_cameras);

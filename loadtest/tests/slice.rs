@@ -1,12 +1,8 @@
 //! The walking skeleton, end to end: real gateway, worker and edge processes
 //! on 127.0.0.1, BlazeFace on astronaut.png, and bad input at each hop.
 
-#[path = "support/astronaut.rs"]
-mod astronaut;
-
 use std::time::Duration;
 
-use astronaut::{FACE, astronaut, started_cluster};
 use bytes::Bytes;
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
@@ -15,6 +11,7 @@ use tidegate_loadtest::sim::frame_pixels;
 use tidegate_protocol::{
     DType, ErrorCode, Frame, FrameResult, Kind, Layout, MAGIC, Status, Tensor, VERSION,
 };
+use tidegate_testkit::astronaut::{FACE, astronaut, started_cluster};
 
 #[test]
 fn astronaut_face_round_trips_through_edge_gateway_and_worker() {

@@ -3,7 +3,7 @@
 //! workers running as job steps that dial back over QUIC on 127.0.0.1,
 //! simulated cameras, and Slurm's own preemption of the spot partition.
 //!
-//! The test cluster (`lease/tests/support/mini_slurm.rs`) has one node with
+//! The test cluster (`testkit/src/mini_slurm.rs`) has one node with
 //! 2 GPUs; each lease asks for one. A spot lease is preempted when another
 //! tenant's on-demand job needs both GPUs: Slurm signals the worker (it
 //! drains), the gateway gets the notice, stops dispatching to it and leases
@@ -11,21 +11,15 @@
 //! frame sent still gets exactly one result. On a clean stop the gateway
 //! cancels its jobs. Every wait is bounded; nothing asserts on speed.
 
-#[path = "../../lease/tests/support/mini_slurm.rs"]
-mod mini_slurm;
-
-#[path = "support/leasing.rs"]
-mod support;
-
 use std::time::Duration;
 
-use mini_slurm::MiniSlurm;
 use serde_json::Value;
-use support::{
+use tidegate_loadtest::cluster::Cluster;
+use tidegate_testkit::leasing::{
     CATALOG, first_spot_lease, leases, one_edge, one_worker_leasing, settled_counters,
     spot_taken_and_replaced, state,
 };
-use tidegate_loadtest::cluster::Cluster;
+use tidegate_testkit::mini_slurm::MiniSlurm;
 
 fn job_of(l: &Value) -> u64 {
     let data: Value = serde_json::from_str(l["provider_data"].as_str().expect("provider data"))

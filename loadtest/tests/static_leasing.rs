@@ -18,18 +18,15 @@
 //!
 //! Every wait is bounded; nothing asserts on speed.
 
-#[path = "support/leasing.rs"]
-mod support;
-
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, command, plain, workspace_root};
+use tidegate_testkit::leasing::{
     assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts, spawn_sim, state,
     wait_until,
 };
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, command, plain, workspace_root};
 
 /// The static worker's name and its provisioned token.
 const NAME: &str = "gpu-a";
@@ -126,7 +123,7 @@ fn wait_bound(c: &Cluster, session: &Value, not: &[u64], what: &str) -> u64 {
     wait_until(c, Duration::from_secs(60), what, || {
         bound = ready_lease(c, not).filter(|id| {
             worker_view(c)
-                .is_some_and(|w| w["id"] == *session && w["lease"] == *id && w["unbound"] == false)
+                .is_some_and(|w| w["session"] == *session && w["lease"] == *id && w["unbound"] == false)
         });
         bound.is_some()
     });
@@ -147,7 +144,7 @@ fn wait_released(c: &Cluster, id: u64, what: &str) {
 fn assert_same_link(c: &Cluster, w: &mut StaticWorker, session: &Value) {
     assert!(w.running(), "the static worker exited: {}", worker_log(c));
     let view = worker_view(c).expect("the static worker is registered");
-    assert_eq!(view["id"], *session, "a new connection: {view}");
+    assert_eq!(view["session"], *session, "a new connection: {view}");
     let log = worker_log(c);
     assert!(
         !log.contains("redialling") && !log.contains("link to the gateway lost"),
@@ -180,7 +177,7 @@ fn a_static_worker_keeps_its_connection_unbound_between_leases_and_serves_whenev
             let Some(v) = worker_view(&c) else {
                 return false;
             };
-            session = v["id"].clone();
+            session = v["session"].clone();
             v["unbound"] == true && v["draining"] == true && v["lease"].is_null()
         },
     );

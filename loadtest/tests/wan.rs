@@ -5,17 +5,14 @@
 //! its budget counted ok — never speed: what share arrives within the
 //! budget on which link is `make bench-wan`'s to measure.
 
-#[path = "support/astronaut.rs"]
-mod astronaut;
-
 use std::time::Duration;
 
-use astronaut::{astronaut, started_cluster};
 use tidegate_edge::uplink::{Incoming, Uplink};
 use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim;
 use tidegate_protocol::{Encoding, Frame, ShedReason, Status, Tensor};
+use tidegate_testkit::astronaut::{astronaut, started_cluster};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

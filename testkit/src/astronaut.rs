@@ -1,8 +1,8 @@
-//! The walking skeleton's fixture, shared by `slice.rs` and `edge_e2e.rs`:
-//! a gateway with one BlazeFace worker, the astronaut test image, and
-//! where BlazeFace finds the face in it.
-
-#![allow(dead_code)]
+//! The walking skeleton's fixture, used by `loadtest/tests/` (`slice.rs`,
+//! `edge_e2e.rs`, `edge_wan.rs`, `wan.rs`, `migration.rs`,
+//! `hostile_messages.rs`): a gateway with one BlazeFace worker, the
+//! astronaut test image, and where BlazeFace finds the face in it.
+//! Feature `astronaut`.
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1,4 +1,5 @@
-//! Test clips written with GStreamer.
+//! Test clips written with GStreamer, for the edge's file sources
+//! (`edge/tests/sources.rs`, `uplink.rs`). Feature `capture`.
 
 use gstreamer as gst;
 use gstreamer::prelude::*;

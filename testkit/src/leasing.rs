@@ -1,10 +1,9 @@
-//! Helpers shared by the leasing tests (`leasing.rs`, `slurm_leasing.rs`,
-//! `kubernetes_leasing.rs`):
-//! the per-second test catalog, simulated cameras, and polling the
-//! gateway's API with its log on failure. `scheduling.rs` uses the polling
-//! and the settled frame counters too (its gateway leases nothing).
-
-#![allow(dead_code)]
+//! Helpers of the load tests' leasing tests (`loadtest/tests/leasing.rs`,
+//! `static_leasing.rs`, `slurm_leasing.rs`, `kubernetes_leasing.rs`,
+//! `reload.rs`): the per-second test catalog, simulated cameras, and
+//! polling the gateway's API with its log on failure. `scheduling.rs` uses
+//! the polling and the settled frame counters too (its gateway leases
+//! nothing). Feature `leasing`.
 
 use std::time::{Duration, Instant};
 
@@ -56,11 +55,11 @@ pub fn leases(c: &Cluster, live: bool) -> Vec<Value> {
 }
 
 pub fn state(l: &Value) -> &str {
-    l["state"]["state"].as_str().unwrap_or("?")
+    l["state"].as_str().unwrap_or("?")
 }
 
 pub fn reason(l: &Value) -> &str {
-    l["state"]["reason"].as_str().unwrap_or("")
+    l["end_reason"].as_str().unwrap_or("")
 }
 
 /// Every frame the cameras sent got exactly one result, and some were ok.

@@ -113,8 +113,10 @@
 //!   `sinceSeconds`/`timestamps`. `fieldValidation` is ignored (unknown
 //!   fields are dropped, as with the default `Warn`, but without a warning).
 //! - `workingDir` is ignored: a container starts in a fresh empty folder.
-
-#![allow(dead_code)]
+//!
+//! Used by `lease/tests/kubernetes_provider.rs`,
+//! `loadtest/tests/kubernetes_leasing.rs`, and `lease/tests/mini_kube.rs`,
+//! which checks its own behaviour. Feature `kube`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;

@@ -7,11 +7,10 @@
 //! three partitions: `ondemand` (never preempted), `spot` (preempted by
 //! `ondemand` with `PreemptMode=CANCEL` and `GraceTime=3`, so its jobs get
 //! SIGTERM, then SIGKILL 3 s later) and `spotrq` (the same with
-//! `PreemptMode=REQUEUE`: a preempted job goes back to the queue). Dropping it cancels every job, then
-//! stops the daemons. Shared by the lease provider's tests and the
-//! gateway's end-to-end test.
-
-#![allow(dead_code)]
+//! `PreemptMode=REQUEUE`: a preempted job goes back to the queue).
+//! Dropping it cancels every job, then stops the daemons. Used by
+//! `lease/tests/slurm_provider.rs` and `loadtest/tests/slurm_leasing.rs`.
+//! Feature `slurm`.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

@@ -1,5 +1,6 @@
-//! Protobuf encoding, just enough for an ONNX ModelProto (the tests'
-//! hand-encoded models).
+//! Protobuf encoding, just enough for an ONNX ModelProto: the worker
+//! tests' hand-encoded models (`cloud-worker/tests/batching.rs`,
+//! `watchdog.rs`). Feature `worker`.
 
 pub fn varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {

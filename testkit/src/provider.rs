@@ -1,11 +1,11 @@
-//! Helpers shared by the provider tests that run a stand-in worker
-//! (`slurm_provider.rs`, `kubernetes_provider.rs`): the worker script,
-//! lease specs, bounded waits for provider events and files.
+//! Helpers of the lease provider tests that run a stand-in worker
+//! (`lease/tests/slurm_provider.rs`, `kubernetes_provider.rs`): the worker
+//! script, lease specs, bounded waits for provider events and files.
+//! Feature `provider`.
 
-#![allow(dead_code)]
-
+use std::fmt;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tidegate_lease::catalog::{Catalog, Tier};
 use tidegate_lease::ledger::{Ledger, NewLease};
@@ -57,15 +57,16 @@ pub async fn ended(rx: &mut mpsc::Receiver<ProviderEvent>, want: LeaseId) -> (En
 
 /// Polls `done` until it holds; past the guard, fails with `what` and
 /// `context()` (the cluster's state).
-pub async fn wait_for(what: &str, context: impl Fn() -> String, mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + GUARD;
-    while !done() {
-        assert!(
-            Instant::now() < until,
-            "timed out waiting for {what}\n{}",
-            context()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+pub async fn wait_for(what: &str, context: impl Fn() -> String, done: impl FnMut() -> bool) {
+    crate::eventually(Explained(what, context), GUARD, done).await
+}
+
+/// `what`, then `context()` on the next lines, computed only when shown.
+struct Explained<'a, F>(&'a str, F);
+
+impl<F: Fn() -> String> fmt::Display for Explained<'_, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}\n{}", self.0, (self.1)())
     }
 }
 

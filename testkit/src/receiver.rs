@@ -1,9 +1,7 @@
-//! A test receiver of webhook POSTs, plain or over TLS (shared by
-//! edge/tests/webhook.rs and loadtest/tests/edge_e2e.rs): it reads one
+//! A test receiver of webhook POSTs, plain or over TLS (used by
+//! `edge/tests/webhook.rs` and `loadtest/tests/edge_e2e.rs`): it reads one
 //! HTTP/1.1 request per connection, checks it is a JSON POST to `/hook`,
-//! records its head (lowercased) and body, and answers.
-
-#![allow(dead_code)]
+//! records its head (lowercased) and body, and answers. Feature `edge`.
 
 use std::sync::{Arc, Mutex};
 

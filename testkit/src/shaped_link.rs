@@ -2,7 +2,8 @@
 //! edge to the gateway leave at most `rate` bytes per second (0: as fast as
 //! they come) after a one-way delay, and are dropped when more than
 //! [`QUEUE`] of them would wait (a bottleneck's drop-tail buffer). The way
-//! back is not shaped. The rate can change while it runs.
+//! back is not shaped. The rate can change while it runs. Used by
+//! `edge/tests/uplink.rs`. Feature `edge`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use tokio::time::Instant;
 pub const QUEUE: Duration = Duration::from_millis(300);
 
 /// A running relay; dropping it stops it.
+#[derive(Debug)]
 pub struct ShapedLink {
     /// Where the edge sends (the gateway's address for it).
     pub addr: SocketAddr,
