@@ -187,18 +187,49 @@ fn error(pid: u32, signal: Signal, e: Errno) -> SignalError {
 /// Returns when this process is asked to stop: SIGTERM or Ctrl-C
 /// (SIGINT). The binaries hand it to their run loops, which then drain.
 ///
+/// The handlers are installed when it is first polled: a process that
+/// announces it is ready to be stopped should take [`Stop::install`] first.
+///
 /// # Panics
 ///
 /// When the SIGTERM handler cannot be installed (no signal driver in the
 /// tokio runtime: build it with `enable_all`).
 #[cfg(feature = "shutdown")]
 pub async fn shutdown() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing the SIGTERM handler");
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term.recv() => {},
+    Stop::install()
+        .expect("installing the SIGTERM and SIGINT handlers")
+        .wait()
+        .await
+}
+
+/// SIGTERM and SIGINT caught from the moment it is made: a signal sent
+/// before [`Stop::wait`] is polled is not lost, nor does it kill the
+/// process by its default action.
+#[cfg(feature = "shutdown")]
+#[derive(Debug)]
+pub struct Stop {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+#[cfg(feature = "shutdown")]
+impl Stop {
+    /// Installs the handlers. Must run inside a tokio runtime with its
+    /// signal driver (`enable_all`).
+    pub fn install() -> std::io::Result<Stop> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Stop {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Returns at the first SIGTERM or SIGINT since [`Stop::install`].
+    pub async fn wait(mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {},
+            _ = self.int.recv() => {},
+        }
     }
 }
 

@@ -778,11 +778,18 @@ fn main() -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if let (true, Some(c)) = (cli.keep_up, &cluster) {
+        // caught before it is announced: a SIGTERM right after the line
+        // below ends the wait, not the process (which would leave its
+        // cluster running)
+        let stop = {
+            let _in = runtime.enter();
+            tidegate_kit::signal::Stop::install().context("installing the signal handlers")?
+        };
         eprintln!(
             "keeping the cluster up: status page http://{http}/, metrics http://{http}/metrics; Ctrl-C or SIGTERM ends it",
             http = c.http
         );
-        runtime.block_on(tidegate_kit::signal::shutdown());
+        runtime.block_on(stop.wait());
     }
     drop(cluster);
     if let Some(min) = cli.min_slo_attainment {

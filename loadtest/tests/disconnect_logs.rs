@@ -50,9 +50,21 @@ fn a_gateway_restart_and_an_edge_leaving_are_a_few_lines_not_one_per_camera() {
     // The gateway dies; it comes back without its worker, so every camera
     // is told to retry later, once a second, until the worker registers.
     c.kill_gateway();
-    std::thread::sleep(Duration::from_secs(6));
+    std::thread::sleep(Duration::from_secs(2));
     c.restart_gateway().unwrap();
-    std::thread::sleep(Duration::from_secs(3));
+    // The edge notices the loss (its idle timeout), redials and reopens its
+    // cameras; with no worker yet, each is told to retry later. Once that
+    // has begun, two more seconds of retries, then the worker.
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    while !plain(&c.gateway_log()).contains("no worker serves the model yet") {
+        assert!(
+            std::time::Instant::now() < until,
+            "the edge's cameras were never refused for want of a worker:\n{}",
+            plain(&c.gateway_log())
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
     c.respawn_worker("worker-1").unwrap();
     c.wait_for_workers(1, Duration::from_secs(60)).unwrap();
     let before = edge.results().len();
