@@ -73,6 +73,10 @@ pub struct Metrics {
     /// edge's connection closed while they were queued, or before they
     /// arrived).
     pub frames_dropped: IntCounterVec,
+    /// `tidegate_frames_retried_total`: frames a worker failed (or left
+    /// unanswered in its result) that went to another worker instead of
+    /// failing; once a frame.
+    pub frames_retried: IntCounter,
     /// `tidegate_workers_stalled_total`: workers dropped because a batch
     /// went unanswered long past when it was due.
     pub workers_stalled: IntCounter,
@@ -310,6 +314,10 @@ pub mod defs {
         name: "tidegate_http_connections_refused_total",
         help: "HTTP API connections closed as they were accepted because [http] max_connections were open.",
     };
+    pub const FRAMES_RETRIED: Def = Def {
+        name: "tidegate_frames_retried_total",
+        help: "Frames a worker failed that were sent to another worker instead of failing (at most once a frame, while their deadline allowed).",
+    };
     pub const WORKERS_STALLED: Def = Def {
         name: "tidegate_workers_stalled_total",
         help: "Workers dropped because a batch went unanswered long past when it was due (a hung GPU or runtime).",
@@ -476,6 +484,7 @@ impl Metrics {
             control_dropped: int_counters(defs::CONTROL_DROPPED, &["kind"]),
             quic_refused: int_counters(defs::QUIC_REFUSED, &["reason"]),
             http_refused: int_counter(defs::HTTP_REFUSED),
+            frames_retried: int_counter(defs::FRAMES_RETRIED),
             workers_stalled: int_counter(defs::WORKERS_STALLED),
             worker_demotions: int_counters(defs::WORKER_DEMOTIONS, &["model", "reason"]),
             workers_demoted: int_gauge(defs::WORKERS_DEMOTED),
@@ -619,6 +628,7 @@ impl Metrics {
             Box::new(self.http_refused.clone()),
             Box::new(self.undeliverable.clone()),
             Box::new(self.frames_dropped.clone()),
+            Box::new(self.frames_retried.clone()),
             Box::new(self.workers_stalled.clone()),
             Box::new(self.worker_demotions.clone()),
             Box::new(self.workers_demoted.clone()),
@@ -734,7 +744,7 @@ mod tests {
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
         let process = names.iter().filter(|n| n.starts_with("process_")).count();
         assert!(process >= 5, "{names:?}");
-        assert_eq!(names.len() - process, 38 + 7 * 2, "{names:?}");
+        assert_eq!(names.len() - process, 39 + 7 * 2, "{names:?}");
     }
 
     #[test]

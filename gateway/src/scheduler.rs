@@ -259,6 +259,9 @@ pub struct Counters {
     /// Times a lost worker's frame was queued again (not part of the
     /// identity: such a frame is still in flight, then ends once).
     pub requeued: u64,
+    /// Times a frame a worker failed was queued again for another worker
+    /// (at most once a frame; not part of the identity either).
+    pub retried: u64,
 }
 
 impl Counters {
@@ -337,6 +340,9 @@ struct Queued {
     enqueued: Micros,
     /// When it was (last) dispatched; queue time ends there.
     dispatched: Option<Micros>,
+    /// The worker that failed it, once it is queued again for another:
+    /// never sent back there, and not retried a second time.
+    failed_on: Option<WorkerId>,
 }
 
 /// An observed batch time counts at most this many times the current
@@ -1003,6 +1009,7 @@ impl Scheduler {
             arrival: a,
             enqueued: now,
             dispatched: None,
+            failed_on: None,
         };
         // It trails its connection's close: its result has nowhere to go.
         if self.gone_set.contains(&q.arrival.edge) {
@@ -1236,39 +1243,16 @@ impl Scheduler {
                 .last()
                 .unwrap_or(1);
             if fit < target {
-                // Hold, but only while it pays and is safe: no later than the
-                // last moment a full target batch would still make the
-                // earliest deadline (with a margin for profile error), no
-                // longer than the batch should take to fill at the measured
-                // arrival rate (counted from when its first frame came), and
-                // for a busy worker no later than just before it frees.
-                let safe = (profile.latency(target) as f64 * HOLD_LATENCY_SAFETY) as Micros;
-                let mut latest = first_deadline
-                    .saturating_sub(safe)
-                    .saturating_sub(HOLD_GUARD_US);
-                let head_enqueued = self.queues[&model]
-                    .first()
-                    .and_then(|(_, id)| self.queued.get(id))
-                    .map_or(now, |q| q.enqueued);
-                // The rate as of the head's arrival: it must not decay while
-                // the frames wait, or the hold would keep extending itself.
-                let rate = self
-                    .demand
-                    .get(&model)
-                    .map_or(0.0, |d| d.rate(head_enqueued));
-                if rate > 0.0 {
-                    let fill = (target as f64 / rate * FILL_SLACK).min(u32::MAX as f64) as Micros;
-                    latest = latest.min(head_enqueued.saturating_add(fill));
-                }
-                if start > now {
-                    latest = latest.min(start.saturating_sub(PIPELINE_LEAD_US));
-                }
+                let latest = self.hold_limit(now, &model, &profile, target, first_deadline, start);
                 if now < latest {
                     self.hold_until = Some(self.hold_until.map_or(latest, |h| h.min(latest)));
                     continue;
                 }
             }
-            let mut frames = self.pick_fair(&model, fit);
+            let mut frames = self.pick_fair(&model, fit, wid);
+            if frames.is_empty() {
+                continue; // all it could take are frames it failed
+            }
             let batch = BatchId(self.next_batch);
             self.next_batch += 1;
             self.counters.dispatched += frames.len() as u64;
@@ -1296,23 +1280,69 @@ impl Scheduler {
         }
     }
 
+    /// How long a batch smaller than `target` may be held for more frames
+    /// on a worker free at `start`: only while it pays and is safe. No later
+    /// than the last moment a full target batch would still make the
+    /// earliest deadline (with a margin for profile error), no longer than
+    /// the batch should take to fill at the measured arrival rate (counted
+    /// from when its first frame came), and for a busy worker no later than
+    /// just before it frees.
+    fn hold_limit(
+        &self,
+        now: Micros,
+        model: &str,
+        profile: &ModelProfile,
+        target: usize,
+        first_deadline: Micros,
+        start: Micros,
+    ) -> Micros {
+        let safe = (profile.latency(target) as f64 * HOLD_LATENCY_SAFETY) as Micros;
+        let mut latest = first_deadline
+            .saturating_sub(safe)
+            .saturating_sub(HOLD_GUARD_US);
+        let head_enqueued = self.queues[model]
+            .first()
+            .and_then(|(_, id)| self.queued.get(id))
+            .map_or(now, |q| q.enqueued);
+        // The rate as of the head's arrival: it must not decay while the
+        // frames wait, or the hold would keep extending itself.
+        let rate = self
+            .demand
+            .get(model)
+            .map_or(0.0, |d| d.rate(head_enqueued));
+        if rate > 0.0 {
+            let fill = (target as f64 / rate * FILL_SLACK).min(u32::MAX as f64) as Micros;
+            latest = latest.min(head_enqueued.saturating_add(fill));
+        }
+        if start > now {
+            latest = latest.min(start.saturating_sub(PIPELINE_LEAD_US));
+        }
+        latest
+    }
+
     /// Takes up to `n` queued frames of `model` for one batch, earliest
     /// deadline first. Each pick goes to the account with the lowest
     /// start-time fair queuing tag (served least for its weight; the most
     /// urgent head among equals) and takes that account's most urgent
-    /// frame. Every frame of the model has a deadline at or after the
-    /// model's earliest, which the caller cut the batch to, so whichever
-    /// frames are picked make their deadlines.
-    fn pick_fair(&mut self, model: &str, n: usize) -> Vec<Queued> {
+    /// frame that `worker` did not fail before. Every frame of the model
+    /// has a deadline at or after the model's earliest, which the caller cut
+    /// the batch to, so whichever frames are picked make their deadlines.
+    fn pick_fair(&mut self, model: &str, n: usize, worker: WorkerId) -> Vec<Queued> {
         let mut picked = Vec::with_capacity(n);
         while picked.len() < n {
             let Some(sets) = self.by_account.get(model) else {
                 break;
             };
+            // A frame this worker failed goes to another one.
+            let sendable = |id: &FrameId| {
+                self.queued
+                    .get(id)
+                    .is_none_or(|q| q.failed_on != Some(worker))
+            };
             let next = sets
                 .iter()
                 .filter_map(|(account, set)| {
-                    let (deadline, id) = *set.first()?;
+                    let &(deadline, id) = set.iter().find(|(_, id)| sendable(id))?;
                     let tag = self.shares.get(account).map_or(self.vnow, |s| s.vtime);
                     Some(((tag, deadline, id), account))
                 })
@@ -1418,13 +1448,39 @@ impl Scheduler {
                     }
                 }
             };
-            self.complete(now, &q, status, out);
+            if matches!(status, Status::Failed(_)) && self.can_retry(now, &q, worker) {
+                self.counters.retried += 1;
+                self.enqueue(Queued {
+                    failed_on: Some(worker),
+                    ..q
+                });
+            } else {
+                self.complete(now, &q, status, out);
+            }
         }
         // Answers that matched no frame: another batch's ids, or repeats.
         tally.foreign = answers.saturating_sub(tally.ok + tally.failed);
         if let Some(model) = model {
             self.judge(now, worker, batch, &model, tally, out);
         }
+    }
+
+    /// Whether a frame `worker` failed goes to another worker instead of
+    /// failing: once per frame, while another available worker serves its
+    /// model and could still meet its deadline, its edge is connected, and
+    /// its camera has no newer frame queued (which supersedes it).
+    fn can_retry(&self, now: Micros, q: &Queued, worker: WorkerId) -> bool {
+        let a = &q.arrival;
+        let elsewhere = self
+            .workers
+            .iter()
+            .filter(|(id, w)| **id != worker && w.available())
+            .filter_map(|(_, w)| Some(w.start_at(now) + w.models.get(&a.model)?.latency(1)))
+            .min();
+        q.failed_on.is_none()
+            && elsewhere.is_some_and(|finish| finish <= a.deadline)
+            && !self.gone_set.contains(&a.edge)
+            && !self.by_camera.contains_key(&(a.edge, a.camera.clone()))
     }
 
     /// Judges a returned batch by its worker's health policy; says so if
@@ -2467,13 +2523,21 @@ mod tests {
                 .collect()
         };
         // Seven failed frames are too few to judge; the eighth demotes.
+        // Each failed frame goes to the honest worker instead of failing.
         for id in 1..=8u64 {
             let t = id * 10_000;
             let d = sent(&s.on_event(t, frame(id, "c", t + 80_000)));
             assert_eq!(d.len(), 1);
             assert_eq!(d[0].0, 1, "the fast worker takes frame {id}");
             let a = s.on_event(t + 1_000, done(1, d[0].2, id, failed()));
-            assert_eq!(completes(&a), vec![(id, failed())]);
+            assert!(completes(&a).is_empty(), "frame {id}: {a:?}");
+            let retry = sent(&a);
+            assert_eq!(
+                retry.iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+                vec![(2, 1)]
+            );
+            let ok = s.on_event(t + 6_000, done(2, retry[0].2, id, Status::Ok));
+            assert_eq!(completes(&ok), vec![(id, Status::Ok)]);
             if id < 8 {
                 assert!(demotions(&a).is_empty(), "frame {id}: {a:?}");
             } else {
@@ -2537,6 +2601,138 @@ mod tests {
             worker: WorkerId(1)
         }));
         assert_eq!(s.demoted_count(), 0);
+        assert!(s.counters().balanced());
+    }
+
+    /// What `BatchFinished` of one frame `f` on worker `w` looks like.
+    fn one_done(w: u64, batch: BatchId, f: u64, status: Status) -> Event {
+        Event::BatchFinished {
+            worker: WorkerId(w),
+            batch,
+            outcomes: vec![(FrameId(f), status)],
+            latency_us: 1_000,
+        }
+    }
+
+    /// The (worker, frames, batch) of each dispatch in `a`.
+    fn sent_to(a: &[Action]) -> Vec<(u64, Vec<u64>, BatchId)> {
+        a.iter()
+            .filter_map(|a| match a {
+                Action::Dispatch {
+                    worker,
+                    batch,
+                    frames,
+                    ..
+                } => Some((worker.0, frames.iter().map(|f| f.0).collect(), *batch)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_frame_a_worker_fails_goes_once_to_another_and_never_back() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, worker(2, 1, 5_000));
+        let failed = || Status::Failed("boom".into());
+        let d = sent_to(&s.on_event(0, frame(1, "c", 80_000)));
+        assert_eq!(d[0].0, 1);
+        // Failed on 1: queued for 2, not completed.
+        let a = s.on_event(1_000, one_done(1, d[0].2, 1, failed()));
+        assert!(completes(&a).is_empty(), "{a:?}");
+        let d = sent_to(&a);
+        assert_eq!((d[0].0, d[0].1.clone()), (2, vec![1]));
+        assert_eq!(s.counters().retried, 1);
+        assert!(s.counters().balanced());
+        // Failed again on 2: no second retry, it fails with 2's reason.
+        let a = s.on_event(
+            6_000,
+            one_done(2, d[0].2, 1, Status::Failed("again".into())),
+        );
+        assert_eq!(completes(&a), vec![(1, Status::Failed("again".into()))]);
+        assert_eq!(s.counters().retried, 1);
+        assert_eq!(s.counters().failed, 1);
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn a_retried_frame_waits_for_another_worker_while_the_one_that_failed_it_idles() {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 4, 1_000));
+        s.on_event(0, worker(2, 4, 5_000));
+        let d = sent_to(&s.on_event(0, frame(1, "c", 80_000)));
+        assert_eq!(d[0].0, 1);
+        // 2 is busy with another camera's frame when 1 fails frame 1.
+        let busy = sent_to(&s.on_event(100, frame(2, "d", 80_100)));
+        assert_eq!(busy[0].0, 2);
+        let a = s.on_event(
+            1_000,
+            one_done(1, d[0].2, 1, Status::Failed("boom".into())),
+        );
+        // 1 is idle, yet the frame it failed waits for 2.
+        assert!(sent_to(&a).is_empty(), "{a:?}");
+        assert!(completes(&a).is_empty(), "{a:?}");
+        assert_eq!(s.queue_len("m"), 1);
+        // A new frame meanwhile goes to 1; the retried one does not join it.
+        let a = s.on_event(2_000, frame(3, "e", 82_000));
+        assert_eq!(
+            sent_to(&a).into_iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+            vec![(1, vec![3])]
+        );
+        // When 2 frees, it takes the retried frame.
+        let a = s.on_event(5_100, one_done(2, busy[0].2, 2, Status::Ok));
+        assert_eq!(completes(&a), vec![(2, Status::Ok)]);
+        assert_eq!(
+            sent_to(&a).into_iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+            vec![(2, vec![1])]
+        );
+        assert!(s.counters().balanced());
+    }
+
+    #[test]
+    fn a_failed_frame_fails_without_another_worker_time_or_a_connected_edge() {
+        let failed = || Status::Failed("boom".into());
+        // No other worker.
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        let d = sent_to(&s.on_event(0, frame(1, "c", 80_000)));
+        let a = s.on_event(1_000, one_done(1, d[0].2, 1, failed()));
+        assert_eq!(completes(&a), vec![(1, failed())]);
+        // Another worker, but too slow for what is left of the budget.
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, worker(2, 1, 50_000));
+        let d = sent_to(&s.on_event(0, frame(1, "c", 40_000)));
+        assert_eq!(d[0].0, 1);
+        let a = s.on_event(1_000, one_done(1, d[0].2, 1, failed()));
+        assert_eq!(completes(&a), vec![(1, failed())]);
+        // A newer frame of the same camera is queued: it supersedes.
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, worker(2, 1, 5_000));
+        let d = sent_to(&s.on_event(0, frame(1, "c", 80_000)));
+        let busy = sent_to(&s.on_event(0, frame(2, "other", 80_000)));
+        assert_eq!((d[0].0, busy[0].0), (1, 2));
+        s.on_event(500, frame(3, "c", 80_500));
+        let a = s.on_event(1_000, one_done(1, d[0].2, 1, failed()));
+        assert!(completes(&a).contains(&(1, failed())), "{a:?}");
+        // A frame the worker left out of its answer is retried as well.
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 1_000));
+        s.on_event(0, worker(2, 1, 5_000));
+        let d = sent_to(&s.on_event(0, frame(1, "c", 80_000)));
+        let a = s.on_event(
+            1_000,
+            Event::BatchFinished {
+                worker: WorkerId(1),
+                batch: d[0].2,
+                outcomes: vec![],
+                latency_us: 1_000,
+            },
+        );
+        assert_eq!(sent_to(&a)[0].1, vec![1]);
+        assert_eq!(sent_to(&a)[0].0, 2);
+        assert_eq!(s.counters().retried, 1);
         assert!(s.counters().balanced());
     }
 

@@ -80,6 +80,9 @@ struct World {
     probes: HashSet<BatchId>,
     /// Outstanding batches: (worker, batch, frames).
     batches: Vec<(WorkerId, BatchId, Vec<FrameId>)>,
+    /// The workers that failed each frame (answered `failed` or left it
+    /// out): it is never sent back to one, and after two it ends.
+    failed_by: HashMap<FrameId, HashSet<WorkerId>>,
 }
 
 impl World {
@@ -122,6 +125,17 @@ impl World {
                     );
                     for f in &frames {
                         prop_assert!(!self.completed.contains(f), "dispatched a finished frame");
+                        let failed = self.failed_by.get(f);
+                        prop_assert!(
+                            !failed.is_some_and(|by| by.contains(&worker)),
+                            "{:?} sent back to the worker that failed it",
+                            f
+                        );
+                        prop_assert!(
+                            failed.is_none_or(|by| by.len() < 2),
+                            "{:?} tried again after failing twice",
+                            f
+                        );
                         prop_assert!(
                             self.now <= self.deadlines[f],
                             "dispatched after its deadline"
@@ -257,6 +271,17 @@ proptest! {
                             (*f, st)
                         })
                         .collect();
+                    if !w.dropped.contains(&worker) {
+                        // what the scheduler counts failed: the first frame
+                        // if failed, the last if left out
+                        let failed = frames
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, _)| (fail_one && *i == 0) || *i >= answered);
+                        for (_, f) in failed {
+                            w.failed_by.entry(*f).or_default().insert(worker);
+                        }
+                    }
                     w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 5_000 })?;
                 }
                 Step::Advance { us } => {

@@ -176,6 +176,25 @@ fn a_lying_worker_is_demoted_and_then_only_probed(lie: Lie) {
         report.failed,
         log()
     );
+    // Each frame the liar failed went once to the honest worker, or failed
+    // where that could not be (no time left, a newer frame of its camera
+    // queued): for a liar that fails every frame, exactly one or the other.
+    let (_, text) = c.get("/metrics").expect("metrics");
+    let retried = metric_sum(&text, "tidegate_frames_retried_total");
+    if lie == Lie::ShedEverything {
+        assert_eq!(
+            retried as u64 + report.failed,
+            total as u64,
+            "retried {retried} + failed {} != the liar's {total} frames; {}",
+            report.failed,
+            log()
+        );
+    } else {
+        assert!(
+            retried as u64 <= total as u64,
+            "retried {retried}, the liar got {total}"
+        );
+    }
 
     stop_liar.cancel();
     liar_thread

@@ -360,7 +360,7 @@ pub struct CaseResult {
 }
 
 /// The gateway's counters a case reports (every label set of each).
-pub const COUNTERS: [&str; 9] = [
+pub const COUNTERS: [&str; 10] = [
     "tidegate_frames_total",
     "tidegate_frames_rejected_total",
     "tidegate_frames_dropped_total",
@@ -368,6 +368,7 @@ pub const COUNTERS: [&str; 9] = [
     "tidegate_control_messages_dropped_total",
     "tidegate_http_connections_refused_total",
     "tidegate_worker_demotions_total",
+    "tidegate_frames_retried_total",
     "tidegate_results_undeliverable_total",
     "tidegate_workers_demoted",
 ];
