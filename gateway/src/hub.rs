@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use serde::Serialize;
 use tidegate_protocol::queue;
 use tidegate_protocol::{
     BatchResult, Codec, ControlHint, Dispatch, DispatchItem, Encoding, ErrorCode, Frame,
@@ -227,8 +226,9 @@ pub enum HubMsg {
     },
 }
 
-/// A point-in-time view of the gateway, served as JSON by the API.
-#[derive(Debug, Clone, Default, Serialize)]
+/// A point-in-time view of the gateway; the API's bodies are built from it
+/// (`crate::api::json`).
+#[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     /// Frame accounting.
     pub frames: Counters,
@@ -245,7 +245,7 @@ pub struct Snapshot {
 }
 
 /// An edge in a [`Snapshot`].
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct EdgeView {
     /// Session id.
     pub id: u64,
@@ -254,22 +254,23 @@ pub struct EdgeView {
 }
 
 /// A camera in a [`Snapshot`].
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct CameraView {
-    /// Edge session id.
-    pub edge: u64,
+    /// Its edge's session id.
+    pub session: u64,
+    /// Its edge's configured name.
+    pub edge: String,
     /// Camera name.
     pub camera: String,
     /// Model.
     pub model: String,
     /// Measured load and the frame-rate cap in force (after its first
     /// measurement window).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub load: Option<CameraLoad>,
 }
 
 /// A worker in a [`Snapshot`].
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct WorkerView {
     /// Session id.
     pub id: u64,
@@ -279,8 +280,8 @@ pub struct WorkerView {
     pub device: String,
     /// Models it serves.
     pub models: Vec<String>,
-    /// Measured latency per model and batch size (µs).
-    pub profile: Vec<(String, u16, u32)>,
+    /// Measured latency per model and batch size, as registered.
+    pub profile: Vec<tidegate_protocol::ProfilePoint>,
     /// Takes no new batch (it is draining, or an unbound static worker).
     pub draining: bool,
     /// Demoted for failing its frames: it gets only probe batches until
@@ -294,7 +295,7 @@ pub struct WorkerView {
 }
 
 /// A model in a [`Snapshot`].
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone)]
 pub struct ModelView {
     /// Name.
     pub name: String,
@@ -786,7 +787,11 @@ impl State {
 
     fn step(&mut self, event: Event) {
         let now = self.now();
+        let retried = self.scheduler.counters().retried;
         let actions = self.scheduler.on_event(now, event);
+        self.metrics
+            .frames_retried
+            .inc_by(self.scheduler.counters().retried - retried);
         for a in actions {
             self.act(a);
         }
@@ -1549,7 +1554,8 @@ impl State {
                 .iter()
                 .flat_map(|(id, e)| {
                     e.cameras.iter().map(|(c, (m, _))| CameraView {
-                        edge: id.0,
+                        session: id.0,
+                        edge: e.name.to_string(),
                         camera: c.clone(),
                         model: m.clone(),
                         load: self.backpressure.as_ref().and_then(|bp| bp.load(*id, c)),
@@ -1564,12 +1570,7 @@ impl State {
                     name: w.register.worker.clone(),
                     device: w.register.device.clone(),
                     models: w.register.models.iter().map(|m| m.name.clone()).collect(),
-                    profile: w
-                        .register
-                        .profile
-                        .iter()
-                        .map(|p| (p.model.clone(), p.batch, p.latency_us))
-                        .collect(),
+                    profile: w.register.profile.clone(),
                     draining: w.draining,
                     demoted: self.scheduler.is_demoted(*id),
                     lease: w.lease.map(|l| l.0),
@@ -1582,7 +1583,7 @@ impl State {
         snap.edges.sort_by_key(|e| e.id);
         snap.workers.sort_by_key(|w| w.id);
         snap.cameras
-            .sort_by(|a, b| (a.edge, &a.camera).cmp(&(b.edge, &b.camera)));
+            .sort_by(|a, b| (&a.edge, a.session, &a.camera).cmp(&(&b.edge, b.session, &b.camera)));
         snap.models.sort_by(|a, b| a.name.cmp(&b.name));
         snap
     }

@@ -18,13 +18,13 @@
 //! close its `<script>`.
 
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use tidegate_lease::billing::{Granularity, paid_until};
 use tidegate_lease::ledger::{CostReport, LeaseRecord};
 
+use crate::api::json::{FrameCounts, FrameTotals, Percentiles, Point, Stall, Timestamp};
 use crate::hub::{Snapshot, WorkerView};
-use crate::scheduler::Counters;
-use crate::timeline::{FrameCounts, Percentiles, Point, Stall};
 
 /// How often the page fetches the model again (ms).
 pub const POLL_MS: u32 = 2000;
@@ -82,24 +82,25 @@ pub struct LeasingView<'a> {
 }
 
 /// Something the banner at the top of the page flags.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct Problem {
     /// `shedding`, `worker_demoted`, `worker_stalled`, `spend_near_cap` or
     /// `no_worker`.
+    #[schema(value_type = String)]
     pub kind: &'static str,
     /// What is wrong, for an operator.
     pub message: String,
 }
 
 /// The last minute: the window of every rate on the page.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct Window {
-    /// Start (ms since the Unix epoch).
-    pub start_ms: u64,
-    /// End (ms since the Unix epoch): the end of the last whole interval.
-    pub end_ms: u64,
+    /// Start.
+    pub start_at: Timestamp,
+    /// End: the end of the last whole interval.
+    pub end_at: Timestamp,
     /// Its length (s); shorter than a minute in the gateway's first one.
-    pub seconds: f64,
+    pub length_s: f64,
     /// Frames in it.
     pub frames: FrameCounts,
     /// Frames admitted per second (the cameras' rates add up to it).
@@ -114,18 +115,21 @@ pub struct Window {
 
 /// A registered worker and one model it serves, with its batches over the
 /// window.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct WorkerRow {
-    /// Session id.
-    pub id: u64,
+    /// Its connection's number.
+    pub session: u64,
     /// Registered name.
     pub name: String,
     /// Device.
     pub device: String,
     /// Model of this row.
     pub model: String,
-    /// `serving`, `serving lease-N`, `draining`, `demoted` or `unbound`.
-    pub state: String,
+    /// `serving`, `draining`, `demoted` or `unbound`.
+    #[schema(value_type = String)]
+    pub state: &'static str,
+    /// The lease it serves (its id), if any.
+    pub lease: Option<u64>,
     /// Batches it returned in the window.
     pub batches: u64,
     /// Frames in them.
@@ -146,7 +150,7 @@ pub struct WorkerRow {
 }
 
 /// A model with workers, or one cameras ask for.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ModelRow {
     /// Name.
     pub name: String,
@@ -165,9 +169,9 @@ pub struct ModelRow {
 }
 
 /// A camera, over the window.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct CameraRow {
-    /// Its edge's name.
+    /// Its edge's configured name.
     pub edge: String,
     /// Camera name.
     pub camera: String,
@@ -188,28 +192,31 @@ pub struct CameraRow {
 }
 
 /// A live lease.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct LeaseRow {
-    /// Id.
+    /// Its id (the number `POST /api/v1/leases/{id}/release` takes).
     pub id: u64,
     /// Provider.
     pub provider: String,
     /// Instance type.
     pub instance_type: String,
-    /// Tier.
+    /// `on_demand`, `spot` or `reserved`.
+    #[schema(value_type = String)]
     pub tier: &'static str,
     /// Lifecycle state.
+    #[schema(value_type = String)]
     pub state: &'static str,
     /// Price per hour (currency units).
     pub price_per_hour: f64,
     /// Currency.
     pub currency: String,
     /// `hour` or `second`.
+    #[schema(value_type = String)]
     pub billing: &'static str,
-    /// Billing start (ms since the Unix epoch), once the provider accepted.
-    pub billing_start_ms: Option<u64>,
+    /// Billing start, once the provider accepted.
+    pub billing_started_at: Option<Timestamp>,
     /// End of what is already paid for: releasing earlier saves nothing.
-    pub paid_until_ms: Option<u64>,
+    pub paid_until_at: Option<Timestamp>,
     /// Time left in that block (ms); 0 once per-second billing is past its
     /// minimum.
     pub block_left_ms: Option<u64>,
@@ -218,9 +225,9 @@ pub struct LeaseRow {
 }
 
 /// One edge's share of the last day's cost.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct EdgeCost {
-    /// Edge name (`None`: leases that served nothing).
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct EdgeCostRow {
+    /// The edge's configured name (`null`: leases that served nothing).
     pub edge: Option<String>,
     /// Cost (currency units).
     pub cost: f64,
@@ -229,13 +236,13 @@ pub struct EdgeCost {
     /// Frames answered otherwise.
     pub frames_late: u64,
     /// Worker time (s).
-    pub busy_seconds: f64,
+    pub busy_s: f64,
     /// Cost per 1000 frames within the SLO.
     pub cost_per_1k_within_slo: Option<f64>,
 }
 
 /// Leasing on the page.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct LeasingModel {
     /// Live leases, newest first.
     pub leases: Vec<LeaseRow>,
@@ -254,18 +261,18 @@ pub struct LeasingModel {
     /// Cost per 1000 frames within the SLO, so far.
     pub cost_per_1k_within_slo: Option<f64>,
     /// The last day's cost by edge, and idle leases last.
-    pub last_day_by_edge: Vec<EdgeCost>,
+    pub last_day_by_edge: Vec<EdgeCostRow>,
 }
 
 /// Everything the page shows; served as `GET /api/v1/status`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct StatusModel {
-    /// When (ms since the Unix epoch).
-    pub now_ms: u64,
+    /// The instant it describes.
+    pub generated_at: Timestamp,
     /// What the banner flags; empty when all is well.
     pub problems: Vec<Problem>,
     /// Frame counters since the gateway started.
-    pub totals: Counters,
+    pub totals: FrameTotals,
     /// The last minute.
     pub window: Window,
     /// Length of each plotted interval (ms).
@@ -298,14 +305,14 @@ pub fn build(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) -> 
     let recent = &snap.timeline.recent;
     let seconds = recent.end_ms.saturating_sub(recent.start_ms) as f64 / 1e3;
     let window = Window {
-        start_ms: recent.start_ms,
-        end_ms: recent.end_ms,
-        seconds,
-        frames: recent.frames,
+        start_at: Timestamp(recent.start_ms),
+        end_at: Timestamp(recent.end_ms),
+        length_s: seconds,
+        frames: recent.frames.into(),
         admitted_fps: rate(recent.frames.admitted, seconds),
         ok_fps: rate(recent.frames.ok, seconds),
         shed_ratio: recent.shed_ratio,
-        latency: recent.latency,
+        latency: recent.latency.map(Percentiles::from),
     };
     let budget_ms = snap
         .models
@@ -314,36 +321,34 @@ pub fn build(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) -> 
         .filter(|b| *b > 0.0)
         .min_by(f64::total_cmp);
     let mut model = StatusModel {
-        now_ms,
+        generated_at: Timestamp(now_ms),
         problems: Vec::new(),
-        totals: snap.frames,
+        totals: snap.frames.into(),
         window,
         interval_ms: snap.timeline.interval_ms,
-        points: snap.timeline.points.clone(),
+        points: snap.timeline.points.iter().map(Point::from).collect(),
         budget_ms,
         workers: worker_rows(snap),
-        stalls: snap.timeline.stalls.clone(),
+        stalls: snap.timeline.stalls.iter().map(Stall::from).collect(),
         models: model_rows(snap),
         cameras: camera_rows(snap, seconds),
-        other_cameras: recent.other_cameras,
+        other_cameras: recent.other_cameras.into(),
         leasing: leasing.map(|l| leasing_model(l, now_ms)),
     };
     model.problems = problems(&model);
     model
 }
 
-/// A worker's state, in words.
-fn worker_state(w: &WorkerView) -> String {
+/// A worker's state, in a word (its lease is beside it).
+fn worker_state(w: &WorkerView) -> &'static str {
     if w.unbound {
-        "unbound".into()
+        "unbound"
     } else if w.draining {
-        "draining".into()
+        "draining"
     } else if w.demoted {
-        "demoted".into()
-    } else if let Some(l) = w.lease {
-        format!("serving lease-{l}")
+        "demoted"
     } else {
-        "serving".into()
+        "serving"
     }
 }
 
@@ -361,8 +366,8 @@ fn worker_rows(snap: &Snapshot) -> Vec<WorkerRow> {
             let mut points: Vec<(u16, u32)> = w
                 .profile
                 .iter()
-                .filter(|(m, _, _)| m == model)
-                .map(|(_, b, us)| (*b, *us))
+                .filter(|p| &p.model == model)
+                .map(|p| (p.batch, p.latency_us))
                 .collect();
             points.sort_unstable();
             let profile_ms = mean_batch.filter(|_| !points.is_empty()).map(|mean| {
@@ -370,11 +375,12 @@ fn worker_rows(snap: &Snapshot) -> Vec<WorkerRow> {
                 crate::scheduler::profile_latency_us(&points, size) / 1e3
             });
             rows.push(WorkerRow {
-                id: w.id,
+                session: w.id,
                 name: w.name.clone(),
                 device: w.device.clone(),
                 model: model.clone(),
                 state: worker_state(w),
+                lease: w.lease,
                 batches,
                 frames,
                 mean_batch,
@@ -423,29 +429,26 @@ fn model_rows(snap: &Snapshot) -> Vec<ModelRow> {
 /// Open cameras and those with frames in the window, sorted by shed share
 /// (worst first), then by frames admitted, then by name.
 fn camera_rows(snap: &Snapshot, seconds: f64) -> Vec<CameraRow> {
-    let edge_name = |id: u64| {
-        snap.edges
-            .iter()
-            .find(|e| e.id == id)
-            .map_or_else(|| format!("#{id}"), |e| e.name.clone())
-    };
     let recent = &snap.timeline.recent.cameras;
-    let row = |edge: String, camera: String, model, open, frames: FrameCounts, cap| CameraRow {
-        edge,
-        camera,
-        model,
-        open,
-        admitted_fps: rate(frames.admitted, seconds),
-        ok_fps: rate(frames.ok, seconds),
-        shed_ratio: frames.shed_ratio(),
-        frames,
-        cap_fps: cap,
-    };
+    let row =
+        |edge: String, camera: String, model, open, frames: crate::timeline::FrameCounts, cap| {
+            CameraRow {
+                edge,
+                camera,
+                model,
+                open,
+                admitted_fps: rate(frames.admitted, seconds),
+                ok_fps: rate(frames.ok, seconds),
+                shed_ratio: frames.shed_ratio(),
+                frames: frames.into(),
+                cap_fps: cap,
+            }
+        };
     let mut rows: Vec<CameraRow> = snap
         .cameras
         .iter()
         .map(|c| {
-            let edge = edge_name(c.edge);
+            let edge = c.edge.clone();
             let frames = recent
                 .iter()
                 .find(|r| r.edge == edge && r.camera == c.camera)
@@ -503,8 +506,8 @@ fn lease_row(r: &LeaseRecord, now_ms: u64) -> LeaseRow {
             Granularity::Hour => "hour",
             Granularity::Second { .. } => "second",
         },
-        billing_start_ms: r.billing_start,
-        paid_until_ms: paid,
+        billing_started_at: r.billing_start.map(Timestamp),
+        paid_until_at: paid.map(Timestamp),
         block_left_ms: paid.map(|p| p.saturating_sub(now_ms)),
         cost: r.cost.units(),
     }
@@ -512,26 +515,26 @@ fn lease_row(r: &LeaseRecord, now_ms: u64) -> LeaseRow {
 
 fn leasing_model(l: LeasingView<'_>, now_ms: u64) -> LeasingModel {
     let c = l.costs;
-    let mut by_edge: Vec<EdgeCost> = l
+    let mut by_edge: Vec<EdgeCostRow> = l
         .recent
         .by_edge
         .iter()
-        .map(|(edge, s)| EdgeCost {
+        .map(|(edge, s)| EdgeCostRow {
             edge: Some(edge.clone()),
             cost: s.cost.units(),
             frames_within_slo: s.frames_within_slo,
             frames_late: s.frames_late,
-            busy_seconds: s.busy_seconds,
+            busy_s: s.busy_seconds,
             cost_per_1k_within_slo: s.cost_per_1k_within_slo,
         })
         .collect();
     if l.recent.idle.0 > 0 {
-        by_edge.push(EdgeCost {
+        by_edge.push(EdgeCostRow {
             edge: None,
             cost: l.recent.idle.units(),
             frames_within_slo: 0,
             frames_late: 0,
-            busy_seconds: 0.0,
+            busy_s: 0.0,
             cost_per_1k_within_slo: None,
         });
     }
@@ -566,7 +569,7 @@ pub fn problems(m: &StatusModel) -> Vec<Problem> {
             message: format!(
                 "{:.1} % of frames shed over the last {:.0} s ({} of {}); over {:.0} % is flagged",
                 ratio * 100.0,
-                m.window.seconds,
+                m.window.length_s,
                 f.shed,
                 f.ended(),
                 SHED_ALERT_RATIO * 100.0
@@ -589,7 +592,7 @@ pub fn problems(m: &StatusModel) -> Vec<Problem> {
     for s in m
         .stalls
         .iter()
-        .filter(|s| m.now_ms.saturating_sub(s.at_ms) <= STALL_SHOWN_MS)
+        .filter(|s| m.generated_at.0.saturating_sub(s.stalled_at.0) <= STALL_SHOWN_MS)
     {
         out.push(Problem {
             kind: "worker_stalled",
@@ -721,24 +724,8 @@ fn pct(r: Option<f64>) -> String {
 /// `ms` since the Unix epoch as ISO 8601 UTC, to the second
 /// (`2026-12-05T04:37:13Z`).
 pub fn iso8601(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    let full = crate::api::json::rfc3339(ms);
+    format!("{}Z", &full[..19])
 }
 
 /// A length of time in words: `45 s`, `12 min`, `3 h 5 min`, `4 d`.
@@ -792,7 +779,8 @@ fn first_paint(m: &StatusModel) -> Vec<(&'static str, String)> {
         ("<!--LEASING_HIDDEN-->", hidden(l.is_none())),
         (
             "<!--LEASES-->",
-            l.map(|l| leases_html(l, m.now_ms)).unwrap_or_default(),
+            l.map(|l| leases_html(l, m.generated_at.0))
+                .unwrap_or_default(),
         ),
         ("<!--COSTS-->", l.map(costs_html).unwrap_or_default()),
         ("<!--TOTALS-->", totals_html(&m.totals)),
@@ -814,7 +802,9 @@ fn workers_html(m: &StatusModel) -> String {
                 w.name.as_str().into(),
                 w.model.as_str().into(),
                 w.device.as_str().into(),
-                w.state.as_str().into(),
+                w.lease
+                    .map_or_else(|| w.state.to_string(), |l| format!("{} lease-{l}", w.state))
+                    .into(),
                 w.batches.to_string().into(),
                 w.frames.to_string().into(),
                 num(w.mean_batch, 1).into(),
@@ -850,7 +840,7 @@ fn workers_html(m: &StatusModel) -> String {
         out += &format!(
             "<p class=\"warn\">Worker {} dropped as stalled {}: {}</p>",
             escape(&s.worker),
-            when(s.at_ms, m.now_ms),
+            when(s.stalled_at.0, m.generated_at.0),
             escape(&s.reason)
         );
     }
@@ -941,12 +931,13 @@ fn leases_html(l: &LeasingModel, now_ms: u64) -> String {
         .leases
         .iter()
         .map(|r| {
-            let since = r
-                .billing_start_ms
-                .map_or_else(|| Cell::from("not yet"), |t| Cell::Markup(when(t, now_ms)));
-            let left = match (r.paid_until_ms, r.block_left_ms) {
+            let since = r.billing_started_at.map_or_else(
+                || Cell::from("not yet"),
+                |t| Cell::Markup(when(t.0, now_ms)),
+            );
+            let left = match (r.paid_until_at, r.block_left_ms) {
                 (Some(until), Some(left)) if left > 0 => {
-                    Cell::Markup(format!("{} ({} left)", when(until, now_ms), span(left)))
+                    Cell::Markup(format!("{} ({} left)", when(until.0, now_ms), span(left)))
                 }
                 (Some(_), _) => "per second now".into(),
                 _ => "—".into(),
@@ -993,7 +984,7 @@ fn costs_html(l: &LeasingModel) -> String {
                 format!("{:.2} {}", e.cost, l.currency).into(),
                 e.frames_within_slo.to_string().into(),
                 e.frames_late.to_string().into(),
-                format!("{:.1}", e.busy_seconds).into(),
+                format!("{:.1}", e.busy_s).into(),
                 num(e.cost_per_1k_within_slo, 4).into(),
             ]
         })
@@ -1014,7 +1005,7 @@ fn costs_html(l: &LeasingModel) -> String {
     )
 }
 
-fn totals_html(t: &Counters) -> String {
+fn totals_html(t: &FrameTotals) -> String {
     let row = [
         t.admitted,
         t.ok,
@@ -1051,7 +1042,9 @@ const PAGE: &str = include_str!("status_page.html");
 mod tests {
     use super::*;
     use crate::hub::{CameraView, EdgeView, ModelView};
-    use crate::timeline::{CameraWindow, RecentWindow, TimelineView, WorkerWindow};
+    use crate::timeline::{
+        CameraWindow, FrameCounts, Percentiles, RecentWindow, Stall, TimelineView, WorkerWindow,
+    };
     use tidegate_lease::{LeaseId, Money};
 
     const NOW: u64 = 1_764_694_800_000;
@@ -1065,9 +1058,10 @@ mod tests {
         }
     }
 
-    fn camera(edge: u64, name: &str, model: &str) -> CameraView {
+    fn camera(session: u64, edge: &str, name: &str, model: &str) -> CameraView {
         CameraView {
-            edge,
+            session,
+            edge: edge.into(),
             camera: name.into(),
             model: model.into(),
             load: None,
@@ -1080,10 +1074,13 @@ mod tests {
             name: name.into(),
             device: "cpu".into(),
             models: vec!["blazeface".into()],
-            profile: vec![
-                ("blazeface".into(), 1, 4_000),
-                ("blazeface".into(), 4, 10_000),
-            ],
+            profile: [(1, 4_000), (4, 10_000)]
+                .map(|(batch, latency_us)| tidegate_protocol::ProfilePoint {
+                    model: "blazeface".into(),
+                    batch,
+                    latency_us,
+                })
+                .to_vec(),
             draining: false,
             demoted,
             lease: None,
@@ -1164,8 +1161,8 @@ mod tests {
                 },
             ],
             cameras: vec![
-                camera(2, "gate", "blazeface"),
-                camera(1, "door", "blazeface"),
+                camera(2, "yard", "gate", "blazeface"),
+                camera(1, "lobby", "door", "blazeface"),
             ],
             workers: vec![worker(3, "w-1", false)],
             models: vec![blazeface(1)],
@@ -1182,7 +1179,7 @@ mod tests {
     #[test]
     fn camera_rates_add_up_to_the_admitted_rate_and_sort_worst_first() {
         let m = build(&snapshot(60), None, NOW);
-        assert_eq!(m.window.seconds, 60.0);
+        assert_eq!(m.window.length_s, 60.0);
         assert_eq!(m.window.admitted_fps, Some(13.0));
         let names: Vec<(&str, &str, bool)> = m
             .cameras
@@ -1267,7 +1264,7 @@ mod tests {
                 reason: "batch 7 unanswered".into(),
             },
         ];
-        s.cameras.push(camera(1, "<b>cam</b>", "yolo"));
+        s.cameras.push(camera(1, "lobby", "<b>cam</b>", "yolo"));
         let m = build(&s, None, NOW);
         let kinds: Vec<&str> = m.problems.iter().map(|p| p.kind).collect();
         assert_eq!(
@@ -1341,10 +1338,13 @@ mod tests {
         let l = m.leasing.as_ref().unwrap();
         assert_eq!(l.spend_per_hour, 9.5);
         assert_eq!(l.leases[0].block_left_ms, Some(20 * 60_000));
-        assert_eq!(l.leases[0].paid_until_ms, Some(NOW + 20 * 60_000));
+        assert_eq!(
+            l.leases[0].paid_until_at,
+            Some(Timestamp(NOW + 20 * 60_000))
+        );
         assert_eq!(l.leases[1].block_left_ms, Some(0));
         assert_eq!(
-            (l.leases[2].paid_until_ms, l.leases[2].block_left_ms),
+            (l.leases[2].paid_until_at, l.leases[2].block_left_ms),
             (None, None)
         );
         assert_eq!(
@@ -1373,10 +1373,10 @@ mod tests {
         let mut s = snapshot(0);
         s.cameras.push(camera(
             1,
+            "lobby & <b>co</b>",
             "</script><img src=x onerror=alert(1)>",
             "blazeface",
         ));
-        s.edges[0].name = "lobby & <b>co</b>".into();
         s.workers[0].name = "<i>w</i>".into();
         let m = build(&s, None, NOW);
         let html = page(&m);
@@ -1443,7 +1443,7 @@ mod tests {
         let mut s = snapshot(60);
         for k in 0..12 {
             s.cameras
-                .push(camera(2, &format!("extra-{k:02}"), "blazeface"));
+                .push(camera(2, "yard", &format!("extra-{k:02}"), "blazeface"));
         }
         let live = [lease(4, 5.0, Some(NOW - 100 * 60_000), Granularity::Hour)];
         let costs = CostReport::default();
