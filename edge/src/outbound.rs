@@ -1,7 +1,7 @@
 //! A camera's frames on their way out: encoded after the capture pipeline
 //! (JPEG at the quality adaptation chose, or PNG; raw passes through), and
 //! the camera fitted to its uplink once a [`WINDOW`] by the pure
-//! [`LinkFit`]. The camera task in `node.rs` only moves frames and windows
+//! [`LinkFit`]. The camera task in `node/camera.rs` only moves frames and windows
 //! in and decisions out.
 
 use std::time::Duration;
