@@ -398,127 +398,16 @@ fn field(instance: &str, field: &'static str, reason: impl Into<String>) -> Cata
     }
 }
 
+/// One instance type of the file, checked field by field; the error
+/// names the type and the field.
 fn validate_instance(r: RawInstance) -> Result<InstanceType, CatalogError> {
     let name = r.name.clone();
-    if name.is_empty()
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
-    {
-        return Err(field(
-            &name,
-            "name",
-            "must be non-empty ASCII letters, digits, '-', '_' or '.'",
-        ));
-    }
-    for (f, v) in [
-        ("gpu_memory_gib", r.gpu_memory_gib),
-        ("fp16_tflops", r.fp16_tflops),
-        ("memory_bandwidth_gbs", r.memory_bandwidth_gbs),
-    ] {
-        if !v.is_finite() || v < 0.0 {
-            return Err(field(&name, f, format!("is {v}; must be a number >= 0")));
-        }
-    }
-    if r.fp16_tflops <= 0.0 {
-        return Err(field(
-            &name,
-            "fp16_tflops",
-            "must be > 0 (the simulator divides by it)",
-        ));
-    }
-    if !r.spot_interruptions_per_hour.is_finite()
-        || !(0.0..=1.0).contains(&r.spot_interruptions_per_hour)
-    {
-        return Err(field(
-            &name,
-            "spot_interruptions_per_hour",
-            format!("is {}; must be within 0..=1", r.spot_interruptions_per_hour),
-        ));
-    }
-    if r.startup_secs > 3600 {
-        return Err(field(
-            &name,
-            "startup_secs",
-            "is over an hour; is it in seconds?",
-        ));
-    }
-    let startup_p95_secs = r.startup_p95_secs.unwrap_or(r.startup_secs);
-    if !(r.startup_secs..=3600).contains(&startup_p95_secs) {
-        return Err(field(
-            &name,
-            "startup_p95_secs",
-            format!(
-                "is {startup_p95_secs}; must be within startup_secs ({})..=3600 (the p95 of the start-up, at least its median)",
-                r.startup_secs
-            ),
-        ));
-    }
-    let granularity = match r.billing.as_str() {
-        "hour" => {
-            if r.billing_minimum_secs.is_some() {
-                return Err(field(
-                    &name,
-                    "billing_minimum_secs",
-                    "only applies to billing = \"second\"",
-                ));
-            }
-            Granularity::Hour
-        }
-        "second" => {
-            let minimum_secs = r.billing_minimum_secs.unwrap_or(60);
-            if minimum_secs == 0 || minimum_secs > 3600 {
-                return Err(field(
-                    &name,
-                    "billing_minimum_secs",
-                    format!("is {minimum_secs}; must be within 1..=3600"),
-                ));
-            }
-            Granularity::Second { minimum_secs }
-        }
-        other => {
-            return Err(CatalogError::UnknownGranularity {
-                instance: name,
-                value: other.to_string(),
-            });
-        }
-    };
+    check_name(&name)?;
+    check_hardware(&r)?;
+    let startup_p95_secs = check_spot_and_startup(&r)?;
+    let granularity = billing_granularity(&r)?;
+    check_prices(&name, &r.price_per_hour)?;
     let p = &r.price_per_hour;
-    for (tier, price) in [
-        (Tier::OnDemand, p.on_demand),
-        (Tier::Spot, p.spot),
-        (Tier::Reserved, p.reserved),
-    ] {
-        if !price.is_finite() || price < 0.0 {
-            return Err(CatalogError::NegativePrice {
-                instance: name,
-                tier,
-                price,
-            });
-        }
-        if price > MAX_PRICE_PER_HOUR {
-            return Err(CatalogError::PriceTooHigh {
-                instance: name,
-                tier,
-                price,
-                max: MAX_PRICE_PER_HOUR,
-            });
-        }
-    }
-    if p.spot >= p.on_demand {
-        return Err(CatalogError::SpotNotCheaper {
-            instance: name,
-            spot: p.spot,
-            on_demand: p.on_demand,
-        });
-    }
-    if p.reserved > p.on_demand {
-        return Err(CatalogError::ReservedAboveOnDemand {
-            instance: name,
-            reserved: p.reserved,
-            on_demand: p.on_demand,
-        });
-    }
     Ok(InstanceType {
         name: r.name,
         gpu_model: r.gpu_model,
@@ -537,6 +426,154 @@ fn validate_instance(r: RawInstance) -> Result<InstanceType, CatalogError> {
         startup_p95_secs,
         capacity: r.capacity,
     })
+}
+
+/// An instance type's name: ASCII letters, digits, '-', '_' or '.'.
+fn check_name(name: &str) -> Result<(), CatalogError> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+    {
+        return Err(field(
+            name,
+            "name",
+            "must be non-empty ASCII letters, digits, '-', '_' or '.'",
+        ));
+    }
+    Ok(())
+}
+
+/// Its GPU figures: numbers, none negative, and FP16 throughput above
+/// zero (the simulator divides by it).
+fn check_hardware(r: &RawInstance) -> Result<(), CatalogError> {
+    let name = &r.name;
+    for (f, v) in [
+        ("gpu_memory_gib", r.gpu_memory_gib),
+        ("fp16_tflops", r.fp16_tflops),
+        ("memory_bandwidth_gbs", r.memory_bandwidth_gbs),
+    ] {
+        if !v.is_finite() || v < 0.0 {
+            return Err(field(name, f, format!("is {v}; must be a number >= 0")));
+        }
+    }
+    if r.fp16_tflops <= 0.0 {
+        return Err(field(
+            name,
+            "fp16_tflops",
+            "must be > 0 (the simulator divides by it)",
+        ));
+    }
+    Ok(())
+}
+
+/// Its spot interruption rate (within 0..=1 per hour) and start-up times
+/// (at most an hour, the p95 no less than the median); returns the p95,
+/// which defaults to the median.
+fn check_spot_and_startup(r: &RawInstance) -> Result<u32, CatalogError> {
+    let name = &r.name;
+    if !r.spot_interruptions_per_hour.is_finite()
+        || !(0.0..=1.0).contains(&r.spot_interruptions_per_hour)
+    {
+        return Err(field(
+            name,
+            "spot_interruptions_per_hour",
+            format!("is {}; must be within 0..=1", r.spot_interruptions_per_hour),
+        ));
+    }
+    if r.startup_secs > 3600 {
+        return Err(field(
+            name,
+            "startup_secs",
+            "is over an hour; is it in seconds?",
+        ));
+    }
+    let startup_p95_secs = r.startup_p95_secs.unwrap_or(r.startup_secs);
+    if !(r.startup_secs..=3600).contains(&startup_p95_secs) {
+        return Err(field(
+            name,
+            "startup_p95_secs",
+            format!(
+                "is {startup_p95_secs}; must be within startup_secs ({})..=3600 (the p95 of the start-up, at least its median)",
+                r.startup_secs
+            ),
+        ));
+    }
+    Ok(startup_p95_secs)
+}
+
+/// How it is billed: by the hour, or by the second with a minimum
+/// (60 s unless given, at most an hour).
+fn billing_granularity(r: &RawInstance) -> Result<Granularity, CatalogError> {
+    let name = &r.name;
+    match r.billing.as_str() {
+        "hour" => {
+            if r.billing_minimum_secs.is_some() {
+                return Err(field(
+                    name,
+                    "billing_minimum_secs",
+                    "only applies to billing = \"second\"",
+                ));
+            }
+            Ok(Granularity::Hour)
+        }
+        "second" => {
+            let minimum_secs = r.billing_minimum_secs.unwrap_or(60);
+            if minimum_secs == 0 || minimum_secs > 3600 {
+                return Err(field(
+                    name,
+                    "billing_minimum_secs",
+                    format!("is {minimum_secs}; must be within 1..=3600"),
+                ));
+            }
+            Ok(Granularity::Second { minimum_secs })
+        }
+        other => Err(CatalogError::UnknownGranularity {
+            instance: name.clone(),
+            value: other.to_string(),
+        }),
+    }
+}
+
+/// Its prices: each a number within 0..=[`MAX_PRICE_PER_HOUR`], spot
+/// below on-demand, reserved not above it.
+fn check_prices(name: &str, p: &RawPrices) -> Result<(), CatalogError> {
+    for (tier, price) in [
+        (Tier::OnDemand, p.on_demand),
+        (Tier::Spot, p.spot),
+        (Tier::Reserved, p.reserved),
+    ] {
+        if !price.is_finite() || price < 0.0 {
+            return Err(CatalogError::NegativePrice {
+                instance: name.to_string(),
+                tier,
+                price,
+            });
+        }
+        if price > MAX_PRICE_PER_HOUR {
+            return Err(CatalogError::PriceTooHigh {
+                instance: name.to_string(),
+                tier,
+                price,
+                max: MAX_PRICE_PER_HOUR,
+            });
+        }
+    }
+    if p.spot >= p.on_demand {
+        return Err(CatalogError::SpotNotCheaper {
+            instance: name.to_string(),
+            spot: p.spot,
+            on_demand: p.on_demand,
+        });
+    }
+    if p.reserved > p.on_demand {
+        return Err(CatalogError::ReservedAboveOnDemand {
+            instance: name.to_string(),
+            reserved: p.reserved,
+            on_demand: p.on_demand,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -207,6 +207,47 @@ pub struct TolerationConfig {
     pub effect: Option<String>,
 }
 
+impl TolerationConfig {
+    /// Checks the operator, its key or value, and the effect; `field`
+    /// names this toleration in the message.
+    fn validate(&self, field: &str) -> Result<(), String> {
+        match self.operator.as_deref() {
+            None | Some("Equal") => {
+                if self.key.is_none() {
+                    return Err(format!("{field}: operator Equal needs a key"));
+                }
+            }
+            Some("Exists") => {
+                if self.value.is_some() {
+                    return Err(format!("{field}: operator Exists takes no value"));
+                }
+            }
+            Some(o) => {
+                return Err(format!("{field}: operator {o:?} must be Equal or Exists"));
+            }
+        }
+        if let Some(e) = &self.effect
+            && !["NoSchedule", "PreferNoSchedule", "NoExecute"].contains(&e.as_str())
+        {
+            return Err(format!(
+                "{field}: effect {e:?} must be NoSchedule, PreferNoSchedule or NoExecute"
+            ));
+        }
+        Ok(())
+    }
+
+    /// As a Pod spec's toleration.
+    fn to_toleration(&self) -> Toleration {
+        Toleration {
+            key: self.key.clone(),
+            operator: self.operator.clone(),
+            value: self.value.clone(),
+            effect: self.effect.clone(),
+            toleration_seconds: None,
+        }
+    }
+}
+
 /// A Secret or ConfigMap mounted read-only into every worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -323,6 +364,17 @@ impl KubernetesConfig {
     /// ranges) so that a mistake stops the gateway at start, not at the
     /// first acquire; the message names the field.
     pub fn validate(&self) -> Result<(), String> {
+        self.validate_image_and_names()?;
+        self.validate_resources_and_env()?;
+        self.validate_node_selectors()?;
+        self.validate_placements()?;
+        self.validate_mounts_and_identity()?;
+        self.validate_timeouts()
+    }
+
+    /// The image, its pull policy, and the names the provider builds on:
+    /// namespace, name prefix, GPU resource.
+    fn validate_image_and_names(&self) -> Result<(), String> {
         if self.image.trim().is_empty() || self.image.contains(char::is_whitespace) {
             return Err(format!(
                 "image = {:?} is not an image reference",
@@ -357,6 +409,12 @@ impl KubernetesConfig {
                 self.gpu_resource
             ));
         }
+        Ok(())
+    }
+
+    /// CPU and memory quantities, and the extra environment (whose names
+    /// must not be those the provider sets per lease).
+    fn validate_resources_and_env(&self) -> Result<(), String> {
         for (field, q) in [
             ("resources.cpu", &self.resources.cpu),
             ("resources.memory", &self.resources.memory),
@@ -377,6 +435,12 @@ impl KubernetesConfig {
                 return Err(format!("env.{k} is set by the provider for each lease"));
             }
         }
+        Ok(())
+    }
+
+    /// Every node selector (the pool's, per instance type, per tier) is
+    /// made of node labels.
+    fn validate_node_selectors(&self) -> Result<(), String> {
         let selectors = std::iter::once(("node_selector".to_string(), &self.node_selector))
             .chain(
                 self.instance_node_selectors
@@ -396,31 +460,16 @@ impl KubernetesConfig {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Each tier's tolerations and priority class, and that some tier has
+    /// a placement at all.
+    fn validate_placements(&self) -> Result<(), String> {
         for (tier, p) in self.placements() {
             for (i, t) in p.tolerations.iter().enumerate() {
                 let field = format!("tiers.{}.tolerations[{i}]", tier_field(tier));
-                match t.operator.as_deref() {
-                    None | Some("Equal") => {
-                        if t.key.is_none() {
-                            return Err(format!("{field}: operator Equal needs a key"));
-                        }
-                    }
-                    Some("Exists") => {
-                        if t.value.is_some() {
-                            return Err(format!("{field}: operator Exists takes no value"));
-                        }
-                    }
-                    Some(o) => {
-                        return Err(format!("{field}: operator {o:?} must be Equal or Exists"));
-                    }
-                }
-                if let Some(e) = &t.effect
-                    && !["NoSchedule", "PreferNoSchedule", "NoExecute"].contains(&e.as_str())
-                {
-                    return Err(format!(
-                        "{field}: effect {e:?} must be NoSchedule, PreferNoSchedule or NoExecute"
-                    ));
-                }
+                t.validate(&field)?;
             }
             if let Some(pc) = &p.priority_class
                 && !pc.split('.').all(is_dns_label)
@@ -437,6 +486,12 @@ impl KubernetesConfig {
         {
             return Err("tiers: no tier has a placement, so nothing could be leased".into());
         }
+        Ok(())
+    }
+
+    /// Mounts, the objects named for pulling images and for the Pod's
+    /// identity, and its user id.
+    fn validate_mounts_and_identity(&self) -> Result<(), String> {
         for (i, m) in self.mounts.iter().enumerate() {
             let source_ok = match (&m.secret, &m.config_map) {
                 (Some(n), None) | (None, Some(n)) => n.split('.').all(is_dns_label),
@@ -462,6 +517,13 @@ impl KubernetesConfig {
                 self.run_as_user.unwrap_or_default()
             ));
         }
+        Ok(())
+    }
+
+    /// The grace period (the notice a preempted Pod gets) and the release
+    /// and API timeouts: finite, positive where a zero would wait for
+    /// nothing, and within their bounds.
+    fn validate_timeouts(&self) -> Result<(), String> {
         if self.termination_grace_period_secs > MAX_GRACE_SECS {
             return Err(format!(
                 "termination_grace_period_secs = {} must be at most {MAX_GRACE_SECS}",
@@ -582,121 +644,13 @@ impl KubernetesConfig {
                     tier_field(spec.tier)
                 ),
             })?;
-        let plain = |name: &str, value: String| EnvVar {
-            name: name.to_string(),
-            value: Some(value),
-            value_from: None,
-        };
-        let mut env: Vec<EnvVar> = self.env.iter().map(|(k, v)| plain(k, v.clone())).collect();
-        env.extend([
-            plain("TIDEGATE_LEASE_ID", spec.lease.0.to_string()),
-            EnvVar {
-                name: "TIDEGATE_LEASE_TOKEN".into(),
-                value: None,
-                value_from: Some(EnvVarSource {
-                    secret_key_ref: Some(SecretKeySelector {
-                        name: self.secret_name(spec.lease),
-                        key: TOKEN_KEY.into(),
-                        optional: Some(false),
-                    }),
-                    ..EnvVarSource::default()
-                }),
-            },
-            plain("TIDEGATE_INSTANCE_TYPE", spec.instance.name.clone()),
-            plain("TIDEGATE_GPU_MODEL", spec.instance.gpu_model.clone()),
-            plain("TIDEGATE_LEASE_TIER", spec.tier.as_str().to_string()),
-            EnvVar {
-                name: "TIDEGATE_POD_NAME".into(),
-                value: None,
-                value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector {
-                        api_version: None,
-                        field_path: "metadata.name".into(),
-                    }),
-                    ..EnvVarSource::default()
-                }),
-            },
-        ]);
-        let mut limits = BTreeMap::new();
-        let gpus = self.gpus_for(&spec.instance);
-        if gpus > 0 {
-            limits.insert(self.gpu_resource.clone(), Quantity(gpus.to_string()));
-        }
-        if let Some(c) = &self.resources.cpu {
-            limits.insert("cpu".into(), Quantity(c.clone()));
-        }
-        if let Some(m) = &self.resources.memory {
-            limits.insert("memory".into(), Quantity(m.clone()));
-        }
-        let mut selector = self.node_selector.clone();
-        if let Some(s) = self.instance_node_selectors.get(&spec.instance.name) {
-            selector.extend(s.clone());
-        }
-        selector.extend(placement.node_selector.clone());
-        let (volumes, mounts): (Vec<Volume>, Vec<VolumeMount>) = self
-            .mounts
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let name = format!("mount-{i}");
-                let volume = Volume {
-                    name: name.clone(),
-                    secret: m.secret.as_ref().map(|s| {
-                        k8s_openapi::api::core::v1::SecretVolumeSource {
-                            secret_name: Some(s.clone()),
-                            ..Default::default()
-                        }
-                    }),
-                    config_map: m.config_map.as_ref().map(|c| {
-                        k8s_openapi::api::core::v1::ConfigMapVolumeSource {
-                            name: c.clone(),
-                            ..Default::default()
-                        }
-                    }),
-                    ..Volume::default()
-                };
-                let mount = VolumeMount {
-                    name,
-                    mount_path: m.path.clone(),
-                    read_only: Some(true),
-                    ..VolumeMount::default()
-                };
-                (volume, mount)
-            })
-            .unzip();
-        let container = Container {
-            name: CONTAINER.into(),
-            image: Some(self.image.clone()),
-            image_pull_policy: self.image_pull_policy.clone(),
-            command: (!self.command.is_empty()).then(|| self.command.clone()),
-            args: (!self.args.is_empty()).then(|| self.args.clone()),
-            env: Some(env),
-            resources: (!limits.is_empty()).then(|| ResourceRequirements {
-                // requests default to the limits
-                limits: Some(limits),
-                ..ResourceRequirements::default()
-            }),
-            volume_mounts: (!mounts.is_empty()).then_some(mounts),
-            security_context: Some(SecurityContext {
-                allow_privilege_escalation: Some(false),
-                capabilities: Some(Capabilities {
-                    drop: Some(vec!["ALL".into()]),
-                    add: None,
-                }),
-                ..SecurityContext::default()
-            }),
-            ..Container::default()
-        };
+        let (volumes, mounts) = self.volumes();
+        let container = self.worker_container(spec, mounts);
+        let selector = self.node_selector_for(spec, placement);
         let tolerations: Vec<Toleration> = placement
             .tolerations
             .iter()
-            .map(|t| Toleration {
-                key: t.key.clone(),
-                operator: t.operator.clone(),
-                value: t.value.clone(),
-                effect: t.effect.clone(),
-                toleration_seconds: None,
-            })
+            .map(TolerationConfig::to_toleration)
             .collect();
         Ok(Pod {
             metadata: ObjectMeta {
@@ -737,6 +691,144 @@ impl KubernetesConfig {
             }),
             status: None,
         })
+    }
+
+    /// The worker's container: its image and command, the lease's
+    /// environment, its resource limits and `mounts`, no privileges.
+    fn worker_container(&self, spec: &LeaseSpec, mounts: Vec<VolumeMount>) -> Container {
+        let limits = self.limits(spec);
+        Container {
+            name: CONTAINER.into(),
+            image: Some(self.image.clone()),
+            image_pull_policy: self.image_pull_policy.clone(),
+            command: (!self.command.is_empty()).then(|| self.command.clone()),
+            args: (!self.args.is_empty()).then(|| self.args.clone()),
+            env: Some(self.worker_env(spec)),
+            resources: (!limits.is_empty()).then(|| ResourceRequirements {
+                // requests default to the limits
+                limits: Some(limits),
+                ..ResourceRequirements::default()
+            }),
+            volume_mounts: (!mounts.is_empty()).then_some(mounts),
+            security_context: Some(SecurityContext {
+                allow_privilege_escalation: Some(false),
+                capabilities: Some(Capabilities {
+                    drop: Some(vec!["ALL".into()]),
+                    add: None,
+                }),
+                ..SecurityContext::default()
+            }),
+            ..Container::default()
+        }
+    }
+
+    /// The worker's environment: the configured one, then the lease's
+    /// identity, its token (read from the lease's Secret, never written
+    /// into the spec), its type and tier, and the Pod's own name.
+    fn worker_env(&self, spec: &LeaseSpec) -> Vec<EnvVar> {
+        let plain = |name: &str, value: String| EnvVar {
+            name: name.to_string(),
+            value: Some(value),
+            value_from: None,
+        };
+        let mut env: Vec<EnvVar> = self.env.iter().map(|(k, v)| plain(k, v.clone())).collect();
+        env.extend([
+            plain("TIDEGATE_LEASE_ID", spec.lease.0.to_string()),
+            EnvVar {
+                name: "TIDEGATE_LEASE_TOKEN".into(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    secret_key_ref: Some(SecretKeySelector {
+                        name: self.secret_name(spec.lease),
+                        key: TOKEN_KEY.into(),
+                        optional: Some(false),
+                    }),
+                    ..EnvVarSource::default()
+                }),
+            },
+            plain("TIDEGATE_INSTANCE_TYPE", spec.instance.name.clone()),
+            plain("TIDEGATE_GPU_MODEL", spec.instance.gpu_model.clone()),
+            plain("TIDEGATE_LEASE_TIER", spec.tier.as_str().to_string()),
+            EnvVar {
+                name: "TIDEGATE_POD_NAME".into(),
+                value: None,
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        api_version: None,
+                        field_path: "metadata.name".into(),
+                    }),
+                    ..EnvVarSource::default()
+                }),
+            },
+        ]);
+        env
+    }
+
+    /// The container's limits: the instance type's GPUs (none for a CPU
+    /// type), and the configured CPU and memory.
+    fn limits(&self, spec: &LeaseSpec) -> BTreeMap<String, Quantity> {
+        let mut limits = BTreeMap::new();
+        let gpus = self.gpus_for(&spec.instance);
+        if gpus > 0 {
+            limits.insert(self.gpu_resource.clone(), Quantity(gpus.to_string()));
+        }
+        if let Some(c) = &self.resources.cpu {
+            limits.insert("cpu".into(), Quantity(c.clone()));
+        }
+        if let Some(m) = &self.resources.memory {
+            limits.insert("memory".into(), Quantity(m.clone()));
+        }
+        limits
+    }
+
+    /// The Pod's node selector: the pool's, then the instance type's, then
+    /// the tier's; a later one wins on the same label.
+    fn node_selector_for(
+        &self,
+        spec: &LeaseSpec,
+        placement: &Placement,
+    ) -> BTreeMap<String, String> {
+        let mut selector = self.node_selector.clone();
+        if let Some(s) = self.instance_node_selectors.get(&spec.instance.name) {
+            selector.extend(s.clone());
+        }
+        selector.extend(placement.node_selector.clone());
+        selector
+    }
+
+    /// The configured mounts, read-only: the Pod's volumes and the
+    /// container's mounts of them (`mount-<i>`).
+    fn volumes(&self) -> (Vec<Volume>, Vec<VolumeMount>) {
+        self.mounts
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let name = format!("mount-{i}");
+                let volume = Volume {
+                    name: name.clone(),
+                    secret: m.secret.as_ref().map(|s| {
+                        k8s_openapi::api::core::v1::SecretVolumeSource {
+                            secret_name: Some(s.clone()),
+                            ..Default::default()
+                        }
+                    }),
+                    config_map: m.config_map.as_ref().map(|c| {
+                        k8s_openapi::api::core::v1::ConfigMapVolumeSource {
+                            name: c.clone(),
+                            ..Default::default()
+                        }
+                    }),
+                    ..Volume::default()
+                };
+                let mount = VolumeMount {
+                    name,
+                    mount_path: m.path.clone(),
+                    read_only: Some(true),
+                    ..VolumeMount::default()
+                };
+                (volume, mount)
+            })
+            .unzip()
     }
 }
 

@@ -43,19 +43,18 @@
 //! other providers.
 
 pub mod config;
+mod create;
+mod pool_watch;
 pub mod watch;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Secret};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Preconditions};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, Event};
 use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -64,10 +63,11 @@ pub use self::config::{
     KubernetesConfig, KubernetesTiers, LABEL_LEASE, LABEL_POOL, Mount, Placement,
     REQUIRED_PERMISSIONS, TolerationConfig, WorkerResources,
 };
+use self::create::PodCreation;
+use self::pool_watch::watch_pods;
 pub use self::watch::{PodView, PodWatch, Step};
 use super::{
     Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
-    wall_clock_ms,
 };
 use crate::billing::Millis;
 use crate::ledger::Ledger;
@@ -79,15 +79,10 @@ pub const PROVIDER_NAME: &str = "kubernetes";
 
 /// How often `release` checks whether the deleted Pod is gone.
 const RELEASE_POLL: Duration = Duration::from_millis(200);
-/// Uids of gone Pods remembered, so a late creation record cannot bring
-/// one back.
-const GONE_KEPT: usize = 4096;
 /// How long the watch deletes a Pod that an acquire gave up creating, if
 /// the API server makes it after all (a creation queued behind a slow
 /// server); later ones are deleted by the next start's adoption.
 const ABANDONED_WATCH: Duration = Duration::from_secs(900);
-/// Most abandoned Pod names the watch keeps at once (the oldest go first).
-const ABANDONED_KEPT: usize = 1024;
 
 /// What the ledger keeps of a lease's Pod, for adoption.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -672,99 +667,21 @@ impl Provider for KubernetesProvider {
         async move {
             let (pod, secret) = built?;
             let (instance, tier) = (spec.instance.name, spec.tier);
-            let created_for = instance.clone();
-            let (stray_pods, stray_secrets) = (pods.clone(), secrets.clone());
-            let (stray_pod, stray_secret) = (pod_name.clone(), secret_name.clone());
-            let create = async move {
-                let pp = PostParams::default();
-                // the Secret first: the Pod reads it when it starts
-                match secrets.create(&pp, &secret).await {
-                    Ok(_) => {}
-                    Err(e) if is_status(&e, 409) => {
-                        // left by an earlier attempt for this lease id
-                        secrets
-                            .delete(&secret_name, &DeleteParams::default())
-                            .await
-                            .map_err(|e| {
-                                api_error(Some(lease), "replacing a stale token secret", &e)
-                            })?;
-                        secrets
-                            .create(&pp, &secret)
-                            .await
-                            .map_err(|e| api_error(Some(lease), "creating its token secret", &e))?;
-                    }
-                    Err(e) => {
-                        return Err(api_error(Some(lease), "creating its token secret", &e));
-                    }
-                }
-                let created = match pods.create(&pp, &pod).await {
-                    Ok(p) => p,
-                    Err(e) => {
-                        let _ = secrets.delete(&secret_name, &DeleteParams::default()).await;
-                        return Err(match &e {
-                            kube::Error::Api(s)
-                                if s.is_forbidden() && s.message.contains("quota") =>
-                            {
-                                ProviderError::NoCapacity {
-                                    instance_type: created_for.clone(),
-                                    tier,
-                                    detail: s.message.clone(),
-                                }
-                            }
-                            kube::Error::Api(s) if s.is_already_exists() => kube_error(
-                                Some(lease),
-                                format!("creating pod {pod_name}"),
-                                format!(
-                                    "{}; is another gateway using name_prefix in this namespace?",
-                                    s.message
-                                ),
-                            ),
-                            _ => api_error(Some(lease), format!("creating pod {pod_name}"), &e),
-                        });
-                    }
-                };
-                let uid = created.metadata.uid.clone().unwrap_or_default();
-                let owner = config::owned_by(&pod_name, &uid);
-                if let Err(e) = secrets
-                    .patch(&secret_name, &PatchParams::default(), &Patch::Merge(&owner))
-                    .await
-                {
-                    tracing::warn!(%lease, error = %e, "the token secret could not be given to its pod; it is deleted on release instead");
-                }
-                Ok(created)
+            let creation = PodCreation {
+                lease,
+                instance_type: instance.clone(),
+                tier,
+                pods,
+                secrets,
+                pod,
+                secret,
+                pod_name,
+                secret_name,
             };
             let created = run_on(&rt, async move {
-                match tokio::time::timeout(limit, create).await {
+                match tokio::time::timeout(limit, creation.create()).await {
                     Ok(created) => created,
-                    Err(_) => {
-                        // the server may have made the Pod and lost the
-                        // answer, or may make it yet: nothing may run
-                        // that no lease holds
-                        let _ = abandon.send(Cmd::Abandoned {
-                            pod: stray_pod.clone(),
-                            secret: stray_secret.clone(),
-                        });
-                        let cleaned = delete_stray(
-                            &stray_pods,
-                            &stray_secrets,
-                            &stray_pod,
-                            &stray_secret,
-                            limit,
-                        )
-                        .await;
-                        let cleanup = match cleaned {
-                            Ok(()) => format!("pod {stray_pod} and its token secret deleted in case they were made, and deleted if made later"),
-                            Err(e) => {
-                                tracing::warn!(%lease, pod = %stray_pod, error = %e, "a pod whose creation timed out may run: the watch deletes it when it sees it, or the gateway's next start does");
-                                format!("deleting pod {stray_pod} in case it was made failed too ({e})")
-                            }
-                        };
-                        Err(kube_error(
-                            Some(lease),
-                            format!("creating pod {stray_pod}"),
-                            format!("the API server did not answer within {limit_secs} s (api_timeout_secs); {cleanup}"),
-                        ))
-                    }
+                    Err(_) => Err(creation.abandon(&abandon, limit, limit_secs).await),
                 }
             })
             .await?;
@@ -888,359 +805,4 @@ impl Provider for KubernetesProvider {
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
         self.events_rx.take()
     }
-}
-
-/// What the watch loop knows: the pool's Pods as last seen, and the held
-/// leases' watches.
-struct WatchState {
-    pods: HashMap<String, PodView>,
-    init: Option<HashMap<String, PodView>>,
-    gone: HashSet<String>,
-    gone_order: VecDeque<String>,
-    watches: HashMap<LeaseId, PodWatch>,
-    /// Pods an acquire gave up creating: their token Secret, and until
-    /// when the watch deletes them.
-    abandoned: HashMap<String, (String, tokio::time::Instant)>,
-}
-
-impl WatchState {
-    fn mark_gone(&mut self, uid: &str) {
-        if self.gone.insert(uid.to_string()) {
-            self.gone_order.push_back(uid.to_string());
-            if self.gone_order.len() > GONE_KEPT
-                && let Some(old) = self.gone_order.pop_front()
-            {
-                self.gone.remove(&old);
-            }
-        }
-    }
-
-    /// Remembers that an acquire gave up creating Pod `pod`.
-    fn abandon(&mut self, pod: String, secret: String) {
-        let now = tokio::time::Instant::now();
-        self.abandoned.retain(|_, (_, until)| *until > now);
-        if self.abandoned.len() >= ABANDONED_KEPT
-            && let Some(oldest) = self
-                .abandoned
-                .iter()
-                .min_by_key(|(_, (_, until))| *until)
-                .map(|(name, _)| name.clone())
-        {
-            self.abandoned.remove(&oldest);
-        }
-        self.abandoned.insert(pod, (secret, now + ABANDONED_WATCH));
-    }
-
-    /// Pod `name` and its Secret's name, when it is one an acquire gave
-    /// up creating that is there to delete: no lease watches it, and it
-    /// is not being deleted yet.
-    fn stray(&mut self, name: &str) -> Option<(PodView, String)> {
-        let (secret, until) = self.abandoned.get(name)?.clone();
-        if until <= tokio::time::Instant::now() {
-            self.abandoned.remove(name);
-            return None;
-        }
-        if !self.leases_of(name).is_empty() {
-            return None;
-        }
-        let view = self.pods.get(name).filter(|v| v.deleting_at.is_none())?;
-        Some((view.clone(), secret))
-    }
-
-    /// The leases watching Pod `name`.
-    fn leases_of(&self, name: &str) -> Vec<LeaseId> {
-        self.watches
-            .values()
-            .filter(|w| w.pod == name)
-            .map(|w| w.lease)
-            .collect()
-    }
-}
-
-/// Watches the pool's Pods and turns what happens to held ones into
-/// provider events.
-async fn watch_pods(
-    pods: Api<Pod>,
-    secrets: Api<Secret>,
-    cfg: KubernetesConfig,
-    grace_ms: Millis,
-    mut cmds: mpsc::UnboundedReceiver<Cmd>,
-    events: mpsc::Sender<ProviderEvent>,
-    held: Held,
-) {
-    let stream = watcher::watcher(
-        pods.clone(),
-        watcher::Config::default().labels(&cfg.selector()),
-    )
-    .default_backoff();
-    let mut stream = std::pin::pin!(stream);
-    // a Pod missing from a re-list may have been created after it: its
-    // existence is checked by name before it counts as gone
-    let (checked_tx, mut checked) = mpsc::unbounded_channel::<(String, String, bool)>();
-    let mut st = WatchState {
-        pods: HashMap::new(),
-        init: None,
-        gone: HashSet::new(),
-        gone_order: VecDeque::new(),
-        watches: HashMap::new(),
-        abandoned: HashMap::new(),
-    };
-    let mut failures = 0u32;
-    loop {
-        // Pods that may be ones an acquire gave up creating
-        let mut maybe_strays: Vec<String> = Vec::new();
-        let changed: Vec<LeaseId> = tokio::select! {
-            cmd = cmds.recv() => match cmd {
-                Some(Cmd::Watch(watch)) => {
-                    let (w, view) = *watch;
-                    let lease = w.lease;
-                    if !st.gone.contains(&view.uid) {
-                        st.pods.entry(view.name.clone()).or_insert(view);
-                    }
-                    st.watches.insert(lease, w);
-                    vec![lease]
-                }
-                Some(Cmd::Releasing(lease, releasing)) => {
-                    if let Some(w) = st.watches.get_mut(&lease) {
-                        w.releasing = releasing;
-                    }
-                    if releasing { Vec::new() } else { vec![lease] }
-                }
-                Some(Cmd::Forget(lease, done)) => {
-                    st.watches.remove(&lease);
-                    let _ = done.send(());
-                    Vec::new()
-                }
-                Some(Cmd::Abandoned { pod, secret }) => {
-                    maybe_strays.push(pod.clone());
-                    st.abandon(pod, secret);
-                    Vec::new()
-                }
-                None => return,
-            },
-            Some((name, uid, exists)) = checked.recv() => {
-                if exists {
-                    Vec::new()
-                } else {
-                    if st.pods.get(&name).is_some_and(|v| v.uid == uid) {
-                        st.pods.remove(&name);
-                    }
-                    st.mark_gone(&uid);
-                    st.leases_of(&name)
-                }
-            },
-            ev = stream.next() => match ev {
-                None => return,
-                Some(Err(e)) => {
-                    failures += 1;
-                    if failures == 1 || failures.is_multiple_of(30) {
-                        tracing::warn!(error = %e, failures, "watching worker pods failed; retrying, leases kept as they were");
-                    }
-                    Vec::new()
-                }
-                Some(Ok(ev)) => {
-                    failures = 0;
-                    match ev {
-                        Event::Apply(p) => {
-                            let v = PodView::of(&p);
-                            let name = v.name.clone();
-                            st.pods.insert(name.clone(), v);
-                            maybe_strays.push(name.clone());
-                            st.leases_of(&name)
-                        }
-                        Event::Delete(p) => {
-                            let v = PodView::of(&p);
-                            st.pods.remove(&v.name);
-                            st.abandoned.remove(&v.name);
-                            st.mark_gone(&v.uid);
-                            st.leases_of(&v.name)
-                        }
-                        Event::Init => {
-                            st.init = Some(HashMap::new());
-                            Vec::new()
-                        }
-                        Event::InitApply(p) => {
-                            let v = PodView::of(&p);
-                            if let Some(init) = st.init.as_mut() {
-                                init.insert(v.name.clone(), v);
-                            }
-                            Vec::new()
-                        }
-                        Event::InitDone => {
-                            let listed = st.init.take().unwrap_or_default();
-                            for w in st.watches.values() {
-                                if !listed.contains_key(&w.pod) {
-                                    spawn_check(&pods, &w.pod, &w.uid, &checked_tx);
-                                }
-                            }
-                            // keep the unlisted held Pods until checked
-                            let mut next = listed;
-                            for w in st.watches.values() {
-                                if let Some(v) = st.pods.get(&w.pod) && !next.contains_key(&w.pod) {
-                                    next.insert(w.pod.clone(), v.clone());
-                                }
-                            }
-                            st.pods = next;
-                            maybe_strays.extend(st.abandoned.keys().cloned());
-                            st.watches.keys().copied().collect()
-                        }
-                    }
-                }
-            },
-        };
-        for name in maybe_strays {
-            if let Some((view, secret)) = st.stray(&name) {
-                tracing::warn!(pod = %view.name, phase = %view.phase, "the API server made a worker pod after its acquire gave up waiting; no lease holds it, deleting it so it does not bill");
-                delete_pod(
-                    &pods,
-                    &secrets,
-                    &view.name,
-                    &view.uid,
-                    secret,
-                    "a worker pod no lease holds",
-                );
-            }
-        }
-        if !observe(
-            &mut st, &changed, grace_ms, &pods, &secrets, &cfg, &events, &held,
-        )
-        .await
-        {
-            return;
-        }
-    }
-}
-
-/// Deletes Pod `name`, if it is still the one with `uid`, then Secret
-/// `secret`, in the background; a failure is logged, saying `what` Pod it
-/// was.
-fn delete_pod(
-    pods: &Api<Pod>,
-    secrets: &Api<Secret>,
-    name: &str,
-    uid: &str,
-    secret: String,
-    what: &'static str,
-) {
-    let (pods, secrets) = (pods.clone(), secrets.clone());
-    let (name, uid) = (name.to_string(), uid.to_string());
-    tokio::spawn(async move {
-        let dp = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(uid),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
-        };
-        if let Err(e) = pods.delete(&name, &dp).await
-            && !is_status(&e, 404)
-            && !is_status(&e, 409)
-        {
-            tracing::warn!(pod = %name, error = %e, "deleting {what}");
-        }
-        if let Err(e) = secrets.delete(&secret, &DeleteParams::default()).await
-            && !is_status(&e, 404)
-        {
-            tracing::warn!(%secret, error = %e, "deleting the token secret of {what}");
-        }
-    });
-}
-
-/// Checks whether Pod `name` (with `uid`) still exists; answers on `tx`.
-/// An API server that cannot answer keeps it: the next re-list decides.
-fn spawn_check(
-    pods: &Api<Pod>,
-    name: &str,
-    uid: &str,
-    tx: &mpsc::UnboundedSender<(String, String, bool)>,
-) {
-    let (pods, name, uid, tx) = (pods.clone(), name.to_string(), uid.to_string(), tx.clone());
-    tokio::spawn(async move {
-        let exists = match pods.get_opt(&name).await {
-            Ok(Some(p)) => p.metadata.uid.as_deref() == Some(uid.as_str()),
-            Ok(None) => false,
-            Err(e) => {
-                tracing::debug!(pod = %name, error = %e, "checking a pod missing from a re-list");
-                true
-            }
-        };
-        let _ = tx.send((name, uid, exists));
-    });
-}
-
-/// Folds the Pods of `leases` into their watches and sends what follows.
-/// `false` once the event channel is closed.
-#[allow(clippy::too_many_arguments)]
-async fn observe(
-    st: &mut WatchState,
-    leases: &[LeaseId],
-    grace_ms: Millis,
-    pods: &Api<Pod>,
-    secrets: &Api<Secret>,
-    cfg: &KubernetesConfig,
-    events: &mpsc::Sender<ProviderEvent>,
-    held: &Held,
-) -> bool {
-    let now = wall_clock_ms();
-    let mut out = Vec::new();
-    for lease in leases {
-        let Some(w) = st.watches.get_mut(lease) else {
-            continue;
-        };
-        let pod = st.pods.get(&w.pod);
-        match w.observe(pod, now, grace_ms) {
-            Step::Nothing => {}
-            Step::Waiting { detail } => {
-                tracing::warn!(%lease, pod = %w.pod, %detail, "worker pod cannot start yet");
-            }
-            Step::Notice { deadline } => {
-                let why = pod
-                    .and_then(|p| p.disruption.clone())
-                    .map(|(r, m)| format!("{r}: {m}"))
-                    .unwrap_or_else(|| "deleted".into());
-                tracing::info!(%lease, pod = %w.pod, deadline, %why, "Kubernetes is taking the worker pod: spot notice");
-                out.push(ProviderEvent::PreemptionNotice {
-                    lease: *lease,
-                    deadline,
-                });
-            }
-            Step::Ended {
-                reason,
-                detail,
-                late_notice,
-                delete,
-            } => {
-                if let Some(deadline) = late_notice {
-                    out.push(ProviderEvent::PreemptionNotice {
-                        lease: *lease,
-                        deadline,
-                    });
-                }
-                if delete {
-                    delete_pod(
-                        pods,
-                        secrets,
-                        &w.pod,
-                        &w.uid,
-                        cfg.secret_name(*lease),
-                        "a finished worker pod",
-                    );
-                }
-                tracing::info!(%lease, ?reason, %detail, "worker pod ended");
-                st.watches.remove(lease);
-                lock(held).remove(lease);
-                out.push(ProviderEvent::Ended {
-                    lease: *lease,
-                    reason,
-                    detail,
-                });
-            }
-        }
-    }
-    for ev in out {
-        if events.send(ev).await.is_err() {
-            return false;
-        }
-    }
-    true
 }

@@ -68,6 +68,10 @@ use crate::catalog::{Catalog, Money, Tier};
 use crate::lifecycle::LeaseState;
 use crate::table::LeaseId;
 
+mod scale;
+
+use self::scale::Allowance;
+
 /// One day in ms.
 pub const DAY_MS: Millis = 86_400_000;
 
@@ -466,10 +470,6 @@ pub struct Autoscaler {
 
 /// How many ms of history to keep for trend and down-window.
 const HISTORY_MS: Millis = 30 * 60_000;
-/// Most the trend may add to the observed rate (fraction of it).
-const MAX_TREND_GROWTH: f64 = 0.25;
-/// Trend window.
-const TREND_MS: Millis = 10 * 60_000;
 
 impl Autoscaler {
     /// A policy over `catalog`.
@@ -633,8 +633,10 @@ impl Autoscaler {
         self.pending_burn = Money::ZERO;
         let kept = self.floor_kept();
         let mut actions = Vec::new();
-        let mut burn = self.burn();
-        let mut budget = self.cfg.max_acquire_per_event;
+        let mut allow = Allowance {
+            burn: self.burn(),
+            acquires_left: self.cfg.max_acquire_per_event,
+        };
         for load in &obs.models {
             let st = self
                 .models
@@ -653,10 +655,10 @@ impl Autoscaler {
                 st.history.pop_front();
             }
             st.learner.observe(now, load.arrival_fps);
-            self.scale_model(now, load, &kept, &mut burn, &mut budget, &mut actions);
+            self.scale_model(now, load, &kept, &mut allow, &mut actions);
         }
         self.release_orphans(now, &obs.models, &kept, &mut actions);
-        self.pending_burn = burn - self.burn();
+        self.pending_burn = allow.burn - self.burn();
         actions
     }
 
@@ -748,278 +750,6 @@ impl Autoscaler {
         }
     }
 
-    fn scale_model(
-        &mut self,
-        now: Millis,
-        load: &ModelLoad,
-        kept: &BTreeSet<LeaseId>,
-        burn: &mut Money,
-        budget: &mut u32,
-        actions: &mut Vec<Action>,
-    ) {
-        let policy = self.cfg.policy;
-        let h = self.cfg.headroom;
-        let Some((best_od_type, _, _)) = self.best_type(load, Tier::OnDemand, |_| true) else {
-            return;
-        };
-        let lead = self.startup_ms(&best_od_type) + 60_000;
-        let st = &self.models[&load.model];
-        let rate = load.arrival_fps.max(0.0);
-        let recent_max = st
-            .history
-            .iter()
-            .filter(|(t, _)| *t + self.cfg.down_window_ms >= now)
-            .map(|(_, r)| *r)
-            .fold(rate, f64::max);
-        let slope = trend(&st.history, now);
-        let queue_fps = if load.p95_ms > load.budget_ms {
-            load.queue_depth as f64 / self.cfg.queue_drain_secs.max(1.0)
-        } else {
-            0.0
-        };
-
-        // the leases of this model
-        let mine: Vec<LeaseView> = self
-            .leases
-            .values()
-            .filter(|l| l.model == load.model)
-            .cloned()
-            .collect();
-        let serving = |l: &LeaseView| {
-            !l.state.is_ended() && l.state != LeaseState::Draining && !self.stopped.contains(&l.id)
-        };
-        let capacity: f64 = mine
-            .iter()
-            .filter(|l| serving(l))
-            .map(|l| Self::lease_fps(load, l))
-            .sum();
-
-        let (up_target, down_target) = match policy {
-            PolicyName::StaticPeak => {
-                let peak = self
-                    .cfg
-                    .static_peak_fps
-                    .get(&load.model)
-                    .copied()
-                    .unwrap_or(rate);
-                (peak * (1.0 + h), f64::INFINITY)
-            }
-            PolicyName::ReactiveIdleTimeout | PolicyName::IdleTimeoutSpot => {
-                let t = rate * (1.0 + h) + queue_fps;
-                (t, t)
-            }
-            PolicyName::Tidal | PolicyName::PaidBlockAware => {
-                // a fitted ramp is followed for one start-up, but a spike's
-                // steep edge is not extrapolated beyond MAX_TREND_GROWTH
-                let extrapolated =
-                    rate + (slope.max(0.0) * lead as f64).min(rate * MAX_TREND_GROWTH);
-                let sched = self.schedule_max(&load.model, now, now + lead);
-                let up = (rate.max(extrapolated).max(sched)) * (1.0 + h) + queue_fps;
-                let down = recent_max.max(sched) * (1.0 + h) + queue_fps;
-                (up, down.max(up))
-            }
-        };
-
-        let spot_ok = policy.uses_spot()
-            && self
-                .spot_refused_until
-                .get(&load.model)
-                .is_none_or(|&until| until <= now);
-        // Paid-block-aware rebalancing: an on-demand lease (a preemption
-        // replacement, or bought while spot was refused) whose block ends
-        // within a start-up is retired: its capacity is not counted for
-        // scale-up, so a spot replacement starts now and is warm when the
-        // on-demand block ends and the lease is released as surplus (if the
-        // replacement is not ready by then, the lease is kept for another
-        // block: see the scale-down). A lease with no billing start yet is
-        // taken to start now (`LeaseView::paid_until`), so it is not
-        // retiring.
-        let retiring: f64 = if policy == PolicyName::PaidBlockAware && spot_ok {
-            mine.iter()
-                .filter(|l| serving(l) && l.tier == Tier::OnDemand)
-                .filter(|l| {
-                    l.paid_until(now).saturating_sub(now)
-                        <= self.startup_ms(&l.instance_type) + self.cfg.release_window_ms + 60_000
-                })
-                .map(|l| Self::lease_fps(load, l))
-                .sum()
-        } else {
-            0.0
-        };
-
-        // --- scale up ---
-        let mut cap = capacity - retiring;
-        // reserved floor first
-        if policy.uses_tiers() {
-            for floor in self.cfg.reserved.clone() {
-                if floor.model != load.model
-                    || !self.may_ask(now, &load.model, &floor.instance_type, Tier::Reserved)
-                {
-                    continue;
-                }
-                let have = mine
-                    .iter()
-                    .filter(|l| l.tier == Tier::Reserved && l.instance_type == floor.instance_type)
-                    .count() as u32;
-                let Some(it) = self.catalog.get(&floor.instance_type) else {
-                    continue;
-                };
-                let price = it.price_per_hour.reserved;
-                let fps = load
-                    .throughput_fps
-                    .get(&floor.instance_type)
-                    .copied()
-                    .unwrap_or(0.0);
-                for _ in have..floor.count {
-                    if *budget == 0 || !self.within_cap(*burn, price) {
-                        break;
-                    }
-                    *burn += price;
-                    *budget -= 1;
-                    cap += fps;
-                    actions.push(Action::Acquire {
-                        model: load.model.clone(),
-                        instance_type: floor.instance_type.clone(),
-                        tier: Tier::Reserved,
-                        reason: AcquireReason::ReservedFloor,
-                    });
-                }
-            }
-        }
-        let tier = if spot_ok { Tier::Spot } else { Tier::OnDemand };
-        let askable = |ty: &str| self.may_ask(now, &load.model, ty, tier);
-        if let Some((ty, fps, price)) = self.best_type(load, tier, askable) {
-            let reason = if capacity + 1e-9 >= up_target {
-                AcquireReason::Rebalance
-            } else if up_target > rate * (1.0 + h) + queue_fps + 1e-9 {
-                AcquireReason::Schedule
-            } else {
-                AcquireReason::Demand
-            };
-            while cap + 1e-9 < up_target && *budget > 0 {
-                if !self.within_cap(*burn, price) {
-                    tracing::debug!(model = %load.model, "spend cap reached; not scaling up");
-                    break;
-                }
-                *burn += price;
-                *budget -= 1;
-                cap += fps;
-                actions.push(Action::Acquire {
-                    model: load.model.clone(),
-                    instance_type: ty.clone(),
-                    tier,
-                    reason,
-                });
-            }
-        }
-
-        // --- scale down ---
-        // Releasing a lease that serves must leave enough *ready* capacity:
-        // a lease still requested or starting counts for scale-up (nothing
-        // is acquired twice) but serves nothing yet, and may never start.
-        let ready_cap: f64 = mine
-            .iter()
-            .filter(|l| serving(l) && l.state == LeaseState::Ready)
-            .map(|l| Self::lease_fps(load, l))
-            .sum();
-        let surplus = Surplus {
-            all: cap + retiring - down_target,
-            ready: ready_cap - down_target,
-        };
-        let releasable: Vec<&LeaseView> = mine
-            .iter()
-            .filter(|l| serving(l) && !kept.contains(&l.id))
-            .collect();
-        match policy {
-            PolicyName::StaticPeak => {}
-            PolicyName::PaidBlockAware => {
-                let mut surplus = surplus;
-                let mut cands = releasable;
-                cands.sort_by(|a, b| {
-                    a.paid_until(now)
-                        .cmp(&b.paid_until(now))
-                        .then(b.price_per_hour.cmp(&a.price_per_hour))
-                        .then(a.id.cmp(&b.id))
-                });
-                for l in cands {
-                    let fps = Self::lease_fps(load, l);
-                    if !surplus.covers(l, fps) {
-                        continue;
-                    }
-                    let left = l.paid_until(now).saturating_sub(now);
-                    if left > self.cfg.release_window_ms {
-                        continue;
-                    }
-                    // hourly blocks are prepaid: a release completing after
-                    // this one ends would pay for the next in full
-                    if l.granularity == Granularity::Hour && left < self.cfg.release_lead_ms {
-                        continue;
-                    }
-                    surplus.take(l, fps);
-                    actions.push(Action::Release { lease: l.id });
-                }
-            }
-            PolicyName::Tidal => {
-                let st = self
-                    .models
-                    .get_mut(&load.model)
-                    .expect("model state exists");
-                // a surplus is at least one whole lease that could go
-                if releasable
-                    .iter()
-                    .any(|l| surplus.covers(l, Self::lease_fps(load, l)))
-                {
-                    let since = *st.surplus_since.get_or_insert(now);
-                    if now >= since + self.cfg.surplus_hold_ms {
-                        let mut surplus = surplus;
-                        let mut cands = releasable;
-                        // newest first, whatever it has paid
-                        cands.sort_by(|a, b| {
-                            b.billing_start.cmp(&a.billing_start).then(b.id.cmp(&a.id))
-                        });
-                        for l in cands {
-                            let fps = Self::lease_fps(load, l);
-                            if surplus.covers(l, fps) {
-                                surplus.take(l, fps);
-                                actions.push(Action::Release { lease: l.id });
-                            }
-                        }
-                        st.surplus_since = None;
-                    }
-                } else {
-                    st.surplus_since = None;
-                }
-            }
-            PolicyName::ReactiveIdleTimeout | PolicyName::IdleTimeoutSpot => {
-                // a dispatcher packs work onto the oldest workers, so the
-                // newest `surplus` worth of workers are the idle ones
-                let mut cands = releasable;
-                cands.sort_by(|a, b| b.billing_start.cmp(&a.billing_start).then(b.id.cmp(&a.id)));
-                let mut left = surplus;
-                let mut idle_now = BTreeSet::new();
-                for l in cands {
-                    let fps = Self::lease_fps(load, l);
-                    if left.covers(l, fps) {
-                        left.take(l, fps);
-                        idle_now.insert(l.id);
-                    }
-                }
-                for l in mine.iter() {
-                    if !idle_now.contains(&l.id) {
-                        self.idle_since.remove(&l.id);
-                    }
-                }
-                for id in idle_now {
-                    let since = *self.idle_since.entry(id).or_insert(now);
-                    if now >= since + self.cfg.idle_timeout_ms {
-                        self.idle_since.remove(&id);
-                        actions.push(Action::Release { lease: id });
-                    }
-                }
-            }
-        }
-    }
-
     fn on_notice(&mut self, now: Millis, lease: LeaseId) -> Vec<Action> {
         let mut actions = vec![Action::StopDispatch { lease }];
         self.stopped.insert(lease);
@@ -1094,59 +824,9 @@ impl Autoscaler {
     }
 }
 
-/// What a model's leases may shed without falling below its down-target:
-/// `all` counts every lease that serves or will (and what this event
-/// acquired), `ready` only those ready now. A lease not yet ready may go
-/// within `all`; a ready one only within both, so that a lease serving now
-/// is never released on the strength of one still starting.
-#[derive(Debug, Clone, Copy)]
-struct Surplus {
-    all: f64,
-    ready: f64,
-}
-
-impl Surplus {
-    /// Whether `l` (of `fps`) may be released.
-    fn covers(&self, l: &LeaseView, fps: f64) -> bool {
-        self.all + 1e-9 >= fps && (l.state != LeaseState::Ready || self.ready + 1e-9 >= fps)
-    }
-
-    /// `l` (of `fps`) is released.
-    fn take(&mut self, l: &LeaseView, fps: f64) {
-        self.all -= fps;
-        if l.state == LeaseState::Ready {
-            self.ready -= fps;
-        }
-    }
-}
-
-/// Least-squares slope (fps per ms) of the rate over the last
-/// [`TREND_MS`]; a fit rather than two points, so per-minute noise does
-/// not read as a ramp. Points later than `now` (the wall clock stepped
-/// back) are not part of the last [`TREND_MS`] and are left out.
-fn trend(history: &VecDeque<(Millis, f64)>, now: Millis) -> f64 {
-    let pts: Vec<(f64, f64)> = history
-        .iter()
-        .filter(|(t, _)| *t <= now && *t + TREND_MS >= now)
-        .map(|(t, r)| (now.saturating_sub(*t) as f64, *r))
-        .collect();
-    if pts.len() < 3 {
-        return 0.0;
-    }
-    let n = pts.len() as f64;
-    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
-    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
-    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    if sxx <= 0.0 {
-        return 0.0;
-    }
-    // x is age (ms before now), so the slope over time is the negative
-    -sxy / sxx
-}
-
 #[cfg(test)]
 mod tests {
+    use super::scale::trend;
     use super::*;
 
     fn load(fps: f64) -> ModelLoad {

@@ -1,0 +1,429 @@
+//! The watch loop: one task that watches the pool's Pods (kube's watcher,
+//! re-listed after any break), keeps them as last seen, folds the held
+//! leases' Pods into their [`PodWatch`]es and sends what follows as
+//! [`ProviderEvent`]s; it deletes finished Pods, and Pods an acquire gave up
+//! creating that the API server made after all. The provider talks to it
+//! with [`Cmd`]s and shares [`Held`] with it, which the loop changes only to
+//! drop a lease whose Pod ended. What a Pod's state means is
+//! [`PodWatch::observe`]'s to decide, not the loop's.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::api::{Api, DeleteParams, Preconditions};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use tokio::sync::mpsc;
+
+use super::super::{ProviderEvent, wall_clock_ms};
+use super::{
+    ABANDONED_WATCH, Cmd, Held, KubernetesConfig, PodView, PodWatch, Step, is_status, lock,
+};
+use crate::billing::Millis;
+use crate::table::LeaseId;
+
+/// Uids of gone Pods remembered, so a late creation record cannot bring
+/// one back.
+const GONE_KEPT: usize = 4096;
+/// Most abandoned Pod names the watch keeps at once (the oldest go first).
+const ABANDONED_KEPT: usize = 1024;
+
+/// What the watch loop knows: the pool's Pods as last seen, and the held
+/// leases' watches.
+pub(super) struct WatchState {
+    pods: HashMap<String, PodView>,
+    init: Option<HashMap<String, PodView>>,
+    gone: HashSet<String>,
+    gone_order: VecDeque<String>,
+    watches: HashMap<LeaseId, PodWatch>,
+    /// Pods an acquire gave up creating: their token Secret, and until
+    /// when the watch deletes them.
+    abandoned: HashMap<String, (String, tokio::time::Instant)>,
+}
+
+impl WatchState {
+    fn mark_gone(&mut self, uid: &str) {
+        if self.gone.insert(uid.to_string()) {
+            self.gone_order.push_back(uid.to_string());
+            if self.gone_order.len() > GONE_KEPT
+                && let Some(old) = self.gone_order.pop_front()
+            {
+                self.gone.remove(&old);
+            }
+        }
+    }
+
+    /// Remembers that an acquire gave up creating Pod `pod`.
+    fn abandon(&mut self, pod: String, secret: String) {
+        let now = tokio::time::Instant::now();
+        self.abandoned.retain(|_, (_, until)| *until > now);
+        if self.abandoned.len() >= ABANDONED_KEPT
+            && let Some(oldest) = self
+                .abandoned
+                .iter()
+                .min_by_key(|(_, (_, until))| *until)
+                .map(|(name, _)| name.clone())
+        {
+            self.abandoned.remove(&oldest);
+        }
+        self.abandoned.insert(pod, (secret, now + ABANDONED_WATCH));
+    }
+
+    /// Pod `name` and its Secret's name, when it is one an acquire gave
+    /// up creating that is there to delete: no lease watches it, and it
+    /// is not being deleted yet.
+    fn stray(&mut self, name: &str) -> Option<(PodView, String)> {
+        let (secret, until) = self.abandoned.get(name)?.clone();
+        if until <= tokio::time::Instant::now() {
+            self.abandoned.remove(name);
+            return None;
+        }
+        if !self.leases_of(name).is_empty() {
+            return None;
+        }
+        let view = self.pods.get(name).filter(|v| v.deleting_at.is_none())?;
+        Some((view.clone(), secret))
+    }
+
+    /// The leases watching Pod `name`.
+    fn leases_of(&self, name: &str) -> Vec<LeaseId> {
+        self.watches
+            .values()
+            .filter(|w| w.pod == name)
+            .map(|w| w.lease)
+            .collect()
+    }
+
+    /// Takes an order from the provider; returns the leases whose Pod may
+    /// mean news now. Pods an acquire gave up creating go to `maybe_strays`.
+    fn on_cmd(&mut self, cmd: Cmd, maybe_strays: &mut Vec<String>) -> Vec<LeaseId> {
+        match cmd {
+            Cmd::Watch(watch) => {
+                let (w, view) = *watch;
+                let lease = w.lease;
+                if !self.gone.contains(&view.uid) {
+                    self.pods.entry(view.name.clone()).or_insert(view);
+                }
+                self.watches.insert(lease, w);
+                vec![lease]
+            }
+            Cmd::Releasing(lease, releasing) => {
+                if let Some(w) = self.watches.get_mut(&lease) {
+                    w.releasing = releasing;
+                }
+                if releasing { Vec::new() } else { vec![lease] }
+            }
+            Cmd::Forget(lease, done) => {
+                self.watches.remove(&lease);
+                let _ = done.send(());
+                Vec::new()
+            }
+            Cmd::Abandoned { pod, secret } => {
+                maybe_strays.push(pod.clone());
+                self.abandon(pod, secret);
+                Vec::new()
+            }
+        }
+    }
+
+    /// The answer of a check whether Pod `name` (`uid`), missing from a
+    /// re-list, `exists`: if not, it is gone, and the leases watching it
+    /// are returned.
+    fn on_checked(&mut self, name: &str, uid: &str, exists: bool) -> Vec<LeaseId> {
+        if exists {
+            return Vec::new();
+        }
+        if self.pods.get(name).is_some_and(|v| v.uid == uid) {
+            self.pods.remove(name);
+        }
+        self.mark_gone(uid);
+        self.leases_of(name)
+    }
+
+    /// Folds one watch event into the Pods as last seen; returns the
+    /// leases whose Pod changed. Pods that may be strays go to
+    /// `maybe_strays`.
+    fn on_watch_event(
+        &mut self,
+        ev: Event<Pod>,
+        pods: &Api<Pod>,
+        checked_tx: &mpsc::UnboundedSender<(String, String, bool)>,
+        maybe_strays: &mut Vec<String>,
+    ) -> Vec<LeaseId> {
+        match ev {
+            Event::Apply(p) => {
+                let v = PodView::of(&p);
+                let name = v.name.clone();
+                self.pods.insert(name.clone(), v);
+                maybe_strays.push(name.clone());
+                self.leases_of(&name)
+            }
+            Event::Delete(p) => {
+                let v = PodView::of(&p);
+                self.pods.remove(&v.name);
+                self.abandoned.remove(&v.name);
+                self.mark_gone(&v.uid);
+                self.leases_of(&v.name)
+            }
+            Event::Init => {
+                self.init = Some(HashMap::new());
+                Vec::new()
+            }
+            Event::InitApply(p) => {
+                let v = PodView::of(&p);
+                if let Some(init) = self.init.as_mut() {
+                    init.insert(v.name.clone(), v);
+                }
+                Vec::new()
+            }
+            Event::InitDone => self.relisted(pods, checked_tx, maybe_strays),
+        }
+    }
+
+    /// A re-list is complete: it replaces the Pods as last seen, except
+    /// held Pods it did not list, which are kept until a check by name
+    /// (answered on `checked_tx`) says whether they are gone. Every lease
+    /// is looked at again, and every abandoned Pod may be a stray.
+    fn relisted(
+        &mut self,
+        pods: &Api<Pod>,
+        checked_tx: &mpsc::UnboundedSender<(String, String, bool)>,
+        maybe_strays: &mut Vec<String>,
+    ) -> Vec<LeaseId> {
+        let listed = self.init.take().unwrap_or_default();
+        for w in self.watches.values() {
+            if !listed.contains_key(&w.pod) {
+                spawn_check(pods, &w.pod, &w.uid, checked_tx);
+            }
+        }
+        // keep the unlisted held Pods until checked
+        let mut next = listed;
+        for w in self.watches.values() {
+            if let Some(v) = self.pods.get(&w.pod)
+                && !next.contains_key(&w.pod)
+            {
+                next.insert(w.pod.clone(), v.clone());
+            }
+        }
+        self.pods = next;
+        maybe_strays.extend(self.abandoned.keys().cloned());
+        self.watches.keys().copied().collect()
+    }
+
+    /// Deletes the Pods among `maybe_strays` that an acquire gave up
+    /// creating and no lease holds (see [`WatchState::stray`]).
+    fn delete_strays(&mut self, maybe_strays: Vec<String>, pods: &Api<Pod>, secrets: &Api<Secret>) {
+        for name in maybe_strays {
+            if let Some((view, secret)) = self.stray(&name) {
+                tracing::warn!(pod = %view.name, phase = %view.phase, "the API server made a worker pod after its acquire gave up waiting; no lease holds it, deleting it so it does not bill");
+                delete_pod(
+                    pods,
+                    secrets,
+                    &view.name,
+                    &view.uid,
+                    secret,
+                    "a worker pod no lease holds",
+                );
+            }
+        }
+    }
+}
+
+/// Watches the pool's Pods and turns what happens to held ones into
+/// provider events.
+pub(super) async fn watch_pods(
+    pods: Api<Pod>,
+    secrets: Api<Secret>,
+    cfg: KubernetesConfig,
+    grace_ms: Millis,
+    mut cmds: mpsc::UnboundedReceiver<Cmd>,
+    events: mpsc::Sender<ProviderEvent>,
+    held: Held,
+) {
+    let stream = watcher::watcher(
+        pods.clone(),
+        watcher::Config::default().labels(&cfg.selector()),
+    )
+    .default_backoff();
+    let mut stream = std::pin::pin!(stream);
+    // a Pod missing from a re-list may have been created after it: its
+    // existence is checked by name before it counts as gone
+    let (checked_tx, mut checked) = mpsc::unbounded_channel::<(String, String, bool)>();
+    let mut st = WatchState {
+        pods: HashMap::new(),
+        init: None,
+        gone: HashSet::new(),
+        gone_order: VecDeque::new(),
+        watches: HashMap::new(),
+        abandoned: HashMap::new(),
+    };
+    let mut failures = 0u32;
+    loop {
+        // Pods that may be ones an acquire gave up creating
+        let mut maybe_strays: Vec<String> = Vec::new();
+        let changed: Vec<LeaseId> = tokio::select! {
+            cmd = cmds.recv() => match cmd {
+                Some(cmd) => st.on_cmd(cmd, &mut maybe_strays),
+                None => return,
+            },
+            Some((name, uid, exists)) = checked.recv() => st.on_checked(&name, &uid, exists),
+            ev = stream.next() => match ev {
+                None => return,
+                Some(Err(e)) => {
+                    failures += 1;
+                    if failures == 1 || failures.is_multiple_of(30) {
+                        tracing::warn!(error = %e, failures, "watching worker pods failed; retrying, leases kept as they were");
+                    }
+                    Vec::new()
+                }
+                Some(Ok(ev)) => {
+                    failures = 0;
+                    st.on_watch_event(ev, &pods, &checked_tx, &mut maybe_strays)
+                }
+            },
+        };
+        st.delete_strays(maybe_strays, &pods, &secrets);
+        if !observe(
+            &mut st, &changed, grace_ms, &pods, &secrets, &cfg, &events, &held,
+        )
+        .await
+        {
+            return;
+        }
+    }
+}
+
+/// Deletes Pod `name`, if it is still the one with `uid`, then Secret
+/// `secret`, in the background; a failure is logged, saying `what` Pod it
+/// was.
+fn delete_pod(
+    pods: &Api<Pod>,
+    secrets: &Api<Secret>,
+    name: &str,
+    uid: &str,
+    secret: String,
+    what: &'static str,
+) {
+    let (pods, secrets) = (pods.clone(), secrets.clone());
+    let (name, uid) = (name.to_string(), uid.to_string());
+    tokio::spawn(async move {
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        if let Err(e) = pods.delete(&name, &dp).await
+            && !is_status(&e, 404)
+            && !is_status(&e, 409)
+        {
+            tracing::warn!(pod = %name, error = %e, "deleting {what}");
+        }
+        if let Err(e) = secrets.delete(&secret, &DeleteParams::default()).await
+            && !is_status(&e, 404)
+        {
+            tracing::warn!(%secret, error = %e, "deleting the token secret of {what}");
+        }
+    });
+}
+
+/// Checks whether Pod `name` (with `uid`) still exists; answers on `tx`.
+/// An API server that cannot answer keeps it: the next re-list decides.
+fn spawn_check(
+    pods: &Api<Pod>,
+    name: &str,
+    uid: &str,
+    tx: &mpsc::UnboundedSender<(String, String, bool)>,
+) {
+    let (pods, name, uid, tx) = (pods.clone(), name.to_string(), uid.to_string(), tx.clone());
+    tokio::spawn(async move {
+        let exists = match pods.get_opt(&name).await {
+            Ok(Some(p)) => p.metadata.uid.as_deref() == Some(uid.as_str()),
+            Ok(None) => false,
+            Err(e) => {
+                tracing::debug!(pod = %name, error = %e, "checking a pod missing from a re-list");
+                true
+            }
+        };
+        let _ = tx.send((name, uid, exists));
+    });
+}
+
+/// Folds the Pods of `leases` into their watches and sends what follows.
+/// `false` once the event channel is closed.
+#[allow(clippy::too_many_arguments)]
+async fn observe(
+    st: &mut WatchState,
+    leases: &[LeaseId],
+    grace_ms: Millis,
+    pods: &Api<Pod>,
+    secrets: &Api<Secret>,
+    cfg: &KubernetesConfig,
+    events: &mpsc::Sender<ProviderEvent>,
+    held: &Held,
+) -> bool {
+    let now = wall_clock_ms();
+    let mut out = Vec::new();
+    for lease in leases {
+        let Some(w) = st.watches.get_mut(lease) else {
+            continue;
+        };
+        let pod = st.pods.get(&w.pod);
+        match w.observe(pod, now, grace_ms) {
+            Step::Nothing => {}
+            Step::Waiting { detail } => {
+                tracing::warn!(%lease, pod = %w.pod, %detail, "worker pod cannot start yet");
+            }
+            Step::Notice { deadline } => {
+                let why = pod
+                    .and_then(|p| p.disruption.clone())
+                    .map(|(r, m)| format!("{r}: {m}"))
+                    .unwrap_or_else(|| "deleted".into());
+                tracing::info!(%lease, pod = %w.pod, deadline, %why, "Kubernetes is taking the worker pod: spot notice");
+                out.push(ProviderEvent::PreemptionNotice {
+                    lease: *lease,
+                    deadline,
+                });
+            }
+            Step::Ended {
+                reason,
+                detail,
+                late_notice,
+                delete,
+            } => {
+                if let Some(deadline) = late_notice {
+                    out.push(ProviderEvent::PreemptionNotice {
+                        lease: *lease,
+                        deadline,
+                    });
+                }
+                if delete {
+                    delete_pod(
+                        pods,
+                        secrets,
+                        &w.pod,
+                        &w.uid,
+                        cfg.secret_name(*lease),
+                        "a finished worker pod",
+                    );
+                }
+                tracing::info!(%lease, ?reason, %detail, "worker pod ended");
+                st.watches.remove(lease);
+                lock(held).remove(lease);
+                out.push(ProviderEvent::Ended {
+                    lease: *lease,
+                    reason,
+                    detail,
+                });
+            }
+        }
+    }
+    for ev in out {
+        if events.send(ev).await.is_err() {
+            return false;
+        }
+    }
+    true
+}

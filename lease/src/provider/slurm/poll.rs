@@ -1,0 +1,359 @@
+//! The poller: one task that owns the watches of the held jobs, polls
+//! `squeue` for them every `poll_interval_ms` and sends what each row means
+//! as a [`ProviderEvent`]; it also cancels requeued jobs, and jobs that an
+//! `sbatch` which did not answer queued after all. The provider talks to it
+//! with [`Cmd`]s and shares [`HeldJobs`] with it, which the poller changes
+//! only to drop a job Slurm reported ended (before it sends the end). What
+//! a row means is [`JobWatch::observe`]'s to decide, not the poller's.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::super::{ProviderError, ProviderEvent, wall_clock_ms};
+use super::parse::{JobId, JobInfo, parse_stray_jobs};
+use super::tools::{Tools, tool_error};
+use super::watch::{JobWatch, Step};
+use crate::billing::Millis;
+use crate::lifecycle::EndReason;
+use crate::table::LeaseId;
+
+/// How long the poller looks for a job that an `sbatch` which did not
+/// answer may queue yet (its request waiting in a busy controller's
+/// queue), and cancels it.
+const ABANDONED_WATCH: Duration = Duration::from_secs(900);
+/// Most such job names the poller looks for at once (the oldest go first).
+const ABANDONED_KEPT: usize = 256;
+
+/// An order from the provider to the poller.
+#[derive(Debug)]
+pub(super) enum Cmd {
+    /// Watch this job (just submitted, or adopted).
+    Watch(JobWatch),
+    /// Stop watching (release, detach); the reply comes once no event for
+    /// it can follow.
+    Forget(LeaseId, oneshot::Sender<()>),
+    /// We are cancelling it (`true`): its end is ours, not news (`release`
+    /// waits for it and forgets it); or the release failed (`false`): the
+    /// job may run on, and its end is news again.
+    Releasing(LeaseId, bool),
+    /// An `sbatch` for the job of this name did not answer: a job of the
+    /// name that appears within [`ABANDONED_WATCH`] is no lease's, and is
+    /// cancelled.
+    Abandoned(String),
+}
+
+/// The jobs held, shared with the poller, which drops a job once Slurm
+/// reports it ended (before it sends the end), so the map holds live jobs
+/// only. Never locked across an `.await`.
+pub(super) type HeldJobs = Arc<Mutex<HashMap<LeaseId, JobId>>>;
+
+/// The held jobs, locked.
+pub(super) fn lock(jobs: &HeldJobs) -> MutexGuard<'_, HashMap<LeaseId, JobId>> {
+    // a panic while holding it cannot leave the map half-updated
+    jobs.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Has the poller watch `w`'s job, and holds it.
+pub(super) fn watch_job(
+    cmds: &mpsc::UnboundedSender<Cmd>,
+    jobs: &HeldJobs,
+    w: JobWatch,
+) -> Result<(), ProviderError> {
+    let (lease, job) = (w.lease, w.job);
+    cmds.send(Cmd::Watch(w)).map_err(|_| {
+        tool_error(
+            Some(lease),
+            "watching its job".into(),
+            "the poller has stopped".into(),
+        )
+    })?;
+    lock(jobs).insert(lease, job);
+    Ok(())
+}
+
+/// Cancels the live jobs named in `abandoned`: queued by an `sbatch` that
+/// did not answer, after its acquire gave up, they belong to no lease. A
+/// name whose job is cancelled is looked for no more (one `sbatch` queues
+/// one job). Failures are logged; the next poll tries again.
+async fn cancel_strays(tools: &Tools, abandoned: &mut Vec<(String, Instant)>) {
+    let names: Vec<&str> = abandoned.iter().map(|(n, _)| n.as_str()).collect();
+    let args = [
+        "--noheader".to_string(),
+        format!("--name={}", names.join(",")),
+        "--format=%i|%j|%T".to_string(),
+    ];
+    let out = match tools.run(None, "squeue", &args, None, &[]).await {
+        Ok(out) => out,
+        Err(e) => {
+            tracing::debug!(error = %e, "looking for jobs queued by unanswered sbatches");
+            return;
+        }
+    };
+    for (job, name) in parse_stray_jobs(&out) {
+        match tools
+            .run(None, "scancel", &[job.to_string()], None, &[])
+            .await
+        {
+            Ok(_) => {
+                tracing::warn!(%job, job_name = %name, "Slurm queued a job after its sbatch had stopped waiting for the answer; no lease holds it, cancelled so it does not bill");
+                abandoned.retain(|(n, _)| *n != name);
+            }
+            Err(e) => {
+                tracing::warn!(%job, job_name = %name, error = %e, "cancelling a job no lease holds failed; trying again at the next poll");
+            }
+        }
+    }
+}
+
+/// Has the poller stop watching `lease`; returns once it has.
+pub(super) async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
+    let (tx, rx) = oneshot::channel();
+    if cmds.send(Cmd::Forget(lease, tx)).is_ok() {
+        let _ = rx.await;
+    }
+}
+
+/// The poller: owns the watches, polls `squeue`, sends events.
+pub(super) async fn run(
+    tools: Tools,
+    every: Duration,
+    notice: Duration,
+    mut cmds: mpsc::UnboundedReceiver<Cmd>,
+    events: mpsc::Sender<ProviderEvent>,
+    held: HeldJobs,
+) {
+    let mut watches: HashMap<LeaseId, JobWatch> = HashMap::new();
+    let mut releasing: HashSet<LeaseId> = HashSet::new();
+    // job names of unanswered sbatches, and until when to look for them
+    let mut abandoned: Vec<(String, Instant)> = Vec::new();
+    // the first poll one interval after start, not at once: a lease
+    // watched in the meantime is looked at on the same schedule as later
+    // ones (and a test that swaps a tool after its acquire never races an
+    // immediate poll)
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            cmd = cmds.recv() => match cmd {
+                Some(Cmd::Watch(w)) => {
+                    watches.insert(w.lease, w);
+                }
+                Some(Cmd::Releasing(lease, true)) => {
+                    releasing.insert(lease);
+                }
+                Some(Cmd::Releasing(lease, false)) => {
+                    releasing.remove(&lease);
+                }
+                Some(Cmd::Forget(lease, done)) => {
+                    watches.remove(&lease);
+                    releasing.remove(&lease);
+                    let _ = done.send(());
+                }
+                Some(Cmd::Abandoned(name)) => {
+                    if abandoned.len() >= ABANDONED_KEPT {
+                        abandoned.remove(0);
+                    }
+                    abandoned.push((name, Instant::now() + ABANDONED_WATCH));
+                }
+                None => return,
+            },
+            _ = tick.tick() => {
+                let now = Instant::now();
+                abandoned.retain(|(_, until)| *until > now);
+                if !abandoned.is_empty() {
+                    cancel_strays(&tools, &mut abandoned).await;
+                }
+                if watches.is_empty() {
+                    continue;
+                }
+                let jobs: Vec<JobId> = watches.values().map(|w| w.job).collect();
+                match tools.squeue(&jobs).await {
+                    Ok(infos) => {
+                        failures = 0;
+                        if !poll_once(&tools, &mut watches, &releasing, &infos, notice, &events, &held).await {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        // the controller may be restarting; the jobs run on
+                        failures += 1;
+                        if failures == 1 || failures.is_multiple_of(30) {
+                            tracing::warn!(error = %e, failures, "squeue failed; leases kept as they were");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Folds one `squeue` answer into the watches and sends what it means;
+/// `false` once nobody listens to the events. A job that ended is dropped
+/// from the watches and from the held jobs before its end is sent.
+async fn poll_once(
+    tools: &Tools,
+    watches: &mut HashMap<LeaseId, JobWatch>,
+    releasing: &HashSet<LeaseId>,
+    infos: &[JobInfo],
+    notice: Duration,
+    events: &mpsc::Sender<ProviderEvent>,
+    held: &HeldJobs,
+) -> bool {
+    let now = wall_clock_ms();
+    let mut ended = Vec::new();
+    let mut out = Vec::new();
+    for w in watches.values_mut() {
+        let (lease, job) = (w.lease, w.job);
+        if releasing.contains(&lease) {
+            // release() waits for its end and forgets it
+            continue;
+        }
+        let info = infos.iter().find(|i| i.id == job);
+        let notice_first = |deadline: Option<Millis>, out: &mut Vec<ProviderEvent>| {
+            if let Some(deadline) = deadline {
+                out.push(ProviderEvent::PreemptionNotice { lease, deadline });
+            }
+        };
+        match w.observe(info, now, notice) {
+            Step::Nothing => {}
+            Step::Notice { deadline } => {
+                tracing::info!(%lease, %job, deadline, "Slurm preempts the job: spot notice");
+                notice_first(Some(deadline), &mut out);
+            }
+            Step::CancelRequeued { late_notice } => {
+                // the notice first: the worker is gone either way
+                notice_first(late_notice, &mut out);
+                let r = tools
+                    .run(Some(lease), "scancel", &[job.to_string()], None, &[])
+                    .await;
+                if let Err(e) = r {
+                    // Slurm may start it again: keep it held and watched,
+                    // and cancel again at the next poll (or see it end)
+                    tracing::warn!(%lease, %job, error = %e, "cancelling a requeued job failed; retrying at the next poll");
+                    continue;
+                }
+                ended.push(lease);
+                out.push(ProviderEvent::Ended {
+                    lease,
+                    reason: EndReason::Preempted,
+                    detail: format!("Slurm job {job} was preempted and requeued; cancelled"),
+                });
+            }
+            Step::Ended {
+                reason,
+                detail,
+                late_notice,
+            } => {
+                notice_first(late_notice, &mut out);
+                ended.push(lease);
+                out.push(ProviderEvent::Ended {
+                    lease,
+                    reason,
+                    detail,
+                });
+            }
+        }
+    }
+    if !ended.is_empty() {
+        let mut held = lock(held);
+        for lease in ended {
+            watches.remove(&lease);
+            held.remove(&lease);
+        }
+    }
+    for ev in out {
+        if events.send(ev).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::slurm::watch::tests::{NOTICE, info};
+
+    /// Points the provider's `scancel` at `true` or `false` (a symlink:
+    /// nothing is written that a forked child could hold open).
+    fn fake_scancel(dir: &std::path::Path, works: bool) {
+        let target = ["/bin", "/usr/bin"]
+            .iter()
+            .map(|d| std::path::Path::new(d).join(if works { "true" } else { "false" }))
+            .find(|p| p.exists())
+            .expect("true and false are installed");
+        let link = dir.join("scancel");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(target, link).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_requeued_job_whose_scancel_fails_stays_held_and_watched() {
+        let dir = tempfile::tempdir().unwrap();
+        let tools = Tools {
+            bin_dir: Some(dir.path().to_path_buf()),
+            slurm_conf: None,
+            timeout: Duration::from_secs(30),
+        };
+        let lease = LeaseId(1);
+        let mut watches = HashMap::from([(lease, JobWatch::new(lease, JobId(7), true))]);
+        let held = HeldJobs::default();
+        lock(&held).insert(lease, JobId(7));
+        let (tx, mut rx) = mpsc::channel(16);
+        let requeued = [info("PENDING", Some(4000))];
+        let releasing = HashSet::new();
+
+        fake_scancel(dir.path(), false);
+        assert!(
+            poll_once(
+                &tools,
+                &mut watches,
+                &releasing,
+                &requeued,
+                NOTICE,
+                &tx,
+                &held
+            )
+            .await
+        );
+        // the notice goes out (its worker is gone), but the lease does not end
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(ProviderEvent::PreemptionNotice { lease: l, deadline: 34_000 }) if l == lease
+        ));
+        assert!(rx.try_recv().is_err());
+        assert!(watches.contains_key(&lease));
+        assert_eq!(lock(&held).get(&lease), Some(&JobId(7)));
+
+        // the next poll cancels again; this time it works, and it ends
+        fake_scancel(dir.path(), true);
+        assert!(
+            poll_once(
+                &tools,
+                &mut watches,
+                &releasing,
+                &requeued,
+                NOTICE,
+                &tx,
+                &held
+            )
+            .await
+        );
+        match rx.try_recv() {
+            Ok(ProviderEvent::Ended {
+                lease: l, reason, ..
+            }) => {
+                assert_eq!(l, lease);
+                assert_eq!(reason, EndReason::Preempted);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(rx.try_recv().is_err());
+        assert!(watches.is_empty());
+        assert!(lock(&held).is_empty());
+    }
+}
