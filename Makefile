@@ -102,9 +102,8 @@ bench-hostile: release
 ## Every leasing policy x every shipped trace (lease/traces/) x 3 seeds x two
 ## clouds (the default, and a harsh one: 420 s start-ups, 10x the catalog's
 ## spot interruptions, 20 % of spot acquires refused), in the simulator
-## (lease/examples/bench-leasing.rs): about 30 CPU-minutes a seed with the
-## current serving model, so SEEDS=1 (one seed) for a run under an hour on 2
-## cores. The table (mean and min-max over seeds; whether paid-block-aware
+## (lease/examples/bench-leasing.rs): 270 runs, about 45 minutes on 2 cores
+## (SEEDS=1 runs one seed). The table (mean and min-max over seeds; whether paid-block-aware
 ## meets its goal per trace) is written into docs/leasing.md ("Benchmark").
 bench-leasing:
 	$(CARGO) run --release -p tidegate-lease --example bench-leasing -- \
