@@ -147,6 +147,7 @@ fn routes() -> OpenApiRouter<ApiState> {
         .routes(routes!(frames))
         .routes(routes!(edges))
         .routes(routes!(cameras))
+        .routes(routes!(camera_thumbnail))
         .routes(routes!(workers))
         .routes(routes!(models))
         .routes(routes!(status_json))
@@ -439,7 +440,9 @@ async fn status_model(s: &ApiState) -> Result<crate::status::StatusModel, Respon
             recent,
             spend_cap_per_hour,
         });
-    Ok(crate::status::build(&snap, view, now))
+    let mut model = crate::status::build(&snap, view, now);
+    crate::status::add_thumbnails(&mut model, s.hub.thumbnails());
+    Ok(model)
 }
 
 /// `leasing.spend_cap_per_hour`, as the gateway exports it
@@ -536,6 +539,42 @@ async fn cameras(State(s): State<ApiState>) -> Response {
     match snapshot(&s).await {
         Ok(snap) => Json(json::cameras(&snap)).into_response(),
         Err(answer) => answer,
+    }
+}
+
+/// The camera's latest served frame, its content area with its
+/// detections outlined, as a JPEG of at most `status.thumbnail_max_px` on
+/// its long side; a new one at most every `status.thumbnail_interval_ms`.
+/// Off unless `[status] thumbnails = true`.
+#[utoipa::path(get, path = "/api/v1/cameras/{edge}/{camera}/thumbnail.jpg", tag = "status",
+    params(
+        ("edge" = String, Path, description = "The edge's configured name"),
+        ("camera" = String, Path, description = "The camera's name"),
+    ),
+    responses(
+        (status = 200, description = "The thumbnail (`Cache-Control: no-store`)", content_type = "image/jpeg", body = json::Jpeg),
+        (status = 400, description = "The path is not an edge and a camera", body = ApiError),
+        (status = 404, description = "Thumbnails are off, or the camera has none (not open, no frame served ok yet, or its frames are no picture)", body = ApiError),
+        (status = 503, description = "Too many requests", body = ApiError),
+    ))]
+async fn camera_thumbnail(
+    State(s): State<ApiState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Response {
+    let Path((edge, camera)) = match path {
+        Ok(p) => p,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("edge and camera: {e}")),
+    };
+    match s.hub.thumbnails().get(&edge, &camera) {
+        Ok((_, jpeg)) => (
+            [
+                (header::CONTENT_TYPE, "image/jpeg"),
+                (header::CACHE_CONTROL, "no-store"),
+            ],
+            jpeg,
+        )
+            .into_response(),
+        Err(why) => error(StatusCode::NOT_FOUND, why.to_string()),
     }
 }
 
@@ -1154,6 +1193,105 @@ mod tests {
         server.abort();
     }
 
+    /// `GET route` on `addr`; the head (lower-case) and the body's bytes.
+    async fn get_bytes(addr: std::net::SocketAddr, route: &str) -> (String, Vec<u8>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {route} HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut raw))
+            .await
+            .expect("answered in time")
+            .unwrap();
+        let end = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a head");
+        let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+        (head, raw[end + 4..].to_vec())
+    }
+
+    #[tokio::test]
+    async fn a_cameras_thumbnail_is_a_jpeg_when_on_and_a_json_404_saying_how_when_off() {
+        use crate::hub::{HintBox, HubMsg};
+        use crate::thumbnail::{ThumbnailConfig, render};
+        let (state, cancel) = state(false);
+        let (results, _answers) = tidegate_protocol::queue::channel(8, 1 << 20);
+        let edge = crate::scheduler::EdgeId(4);
+        let hub = &state.hub;
+        hub.send(HubMsg::EdgeConnected {
+            edge,
+            name: "lobby".into(),
+            weight: 1,
+            results,
+            hints: HintBox::new(),
+        })
+        .await;
+        hub.send(HubMsg::CameraOpened {
+            edge,
+            camera: "front door".into(),
+            model: "blazeface".into(),
+            budget_ms: 80,
+        })
+        .await;
+        let thumbnails = hub.thumbnails().clone();
+        let (addr, server) = serve(router(state.clone())).await;
+        let route = "/api/v1/cameras/lobby/front%20door/thumbnail.jpg";
+        let off = request(addr, "GET", route, None).await;
+        assert_eq!(off.status, 404, "{off:?}");
+        let e = off.error_message();
+        assert!(
+            e.contains("[status]") && e.contains("thumbnails = true"),
+            "{e}"
+        );
+        let status = request(addr, "GET", "/api/v1/status", None).await;
+        let status: serde_json::Value = serde_json::from_str(&status.body).unwrap();
+        assert!(status["thumbnails"].is_null(), "{status}");
+
+        thumbnails.configure(Some(ThumbnailConfig {
+            interval: std::time::Duration::from_secs(2),
+            max_px: 48,
+        }));
+        let none = request(addr, "GET", route, None).await;
+        assert_eq!(none.status, 404, "{none:?}");
+        assert!(
+            none.error_message()
+                .contains("no thumbnail of camera \"front door\"")
+        );
+        let frame = tidegate_protocol::Tensor::raw(
+            tidegate_protocol::DType::U8,
+            tidegate_protocol::Layout::Nhwc,
+            vec![1, 64, 64, 3],
+            vec![90u8; 64 * 64 * 3].into(),
+        );
+        let geometry = tidegate_protocol::Geometry::letterbox(1280, 720, 64, 64);
+        let ticket = thumbnails
+            .begin("lobby", "front door", std::time::Instant::now())
+            .unwrap();
+        let jpeg = render(&frame, &geometry, &[], ticket.max_px);
+        assert!(thumbnails.finish(ticket, jpeg).is_none());
+        let (head, body) = get_bytes(addr, route).await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("content-type: image/jpeg"), "{head}");
+        assert!(head.contains("cache-control: no-store"), "{head}");
+        let img = image::load_from_memory(&body).unwrap();
+        assert_eq!((img.width(), img.height()), (48, 27));
+
+        let status = request(addr, "GET", "/api/v1/status", None).await;
+        let status: serde_json::Value = serde_json::from_str(&status.body).unwrap();
+        assert_eq!(status["thumbnails"]["max_px"], 48, "{status}");
+        assert_eq!(status["thumbnails"]["interval_ms"], 2000, "{status}");
+        let n = status["cameras"][0]["thumbnail"]
+            .as_u64()
+            .expect("a number");
+        let page = request(addr, "GET", "/", None).await;
+        let url = format!("/api/v1/cameras/lobby/front%20door/thumbnail.jpg?n={n}");
+        assert!(page.body.contains(&url), "the first paint shows it");
+        server.abort();
+        cancel.cancel();
+    }
+
     #[tokio::test]
     async fn cameras_and_edges_name_the_edge_by_its_configured_name() {
         use crate::hub::{HintBox, HubMsg};
@@ -1492,6 +1630,7 @@ mod tests {
             ("GET", "/api/v1/frames"),
             ("GET", "/api/v1/edges"),
             ("GET", "/api/v1/cameras"),
+            ("GET", "/api/v1/cameras/{edge}/{camera}/thumbnail.jpg"),
             ("GET", "/api/v1/workers"),
             ("GET", "/api/v1/models"),
             ("GET", "/api/v1/status"),
@@ -1511,7 +1650,11 @@ mod tests {
         let (state, cancel) = state(true);
         let (addr, server) = serve(router(state)).await;
         for (method, path, op) in &operations {
-            let route = path.replace("{name}", "nobody").replace("{id}", "1");
+            let route = path
+                .replace("{name}", "nobody")
+                .replace("{id}", "1")
+                .replace("{edge}", "e")
+                .replace("{camera}", "c");
             let a = request(addr, method, &route, Some("Bearer s3cret")).await;
             // reached its handler: not the fallbacks
             assert_ne!(a.status, 405, "{method} {path}: {a:?}");

@@ -35,6 +35,9 @@ pub struct Config {
     /// connections before login, connections and cameras per edge name.
     #[serde(default)]
     pub limits: LimitsConfig,
+    /// The status page: its camera thumbnails.
+    #[serde(default)]
+    pub status: StatusConfig,
 }
 
 /// Where leases come from.
@@ -354,6 +357,72 @@ fn is_sha256_hex(s: &str) -> bool {
 
 fn default_http_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9090))
+}
+
+/// The status page's settings.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatusConfig {
+    /// Keep a JPEG of each camera's latest served frame with its
+    /// detections drawn, for the status page and
+    /// `/api/v1/cameras/{edge}/{camera}/thumbnail.jpg`. Off by default: it
+    /// decodes and encodes frames on the gateway.
+    #[serde(default)]
+    pub thumbnails: bool,
+    /// Least time between two thumbnails of one camera (ms).
+    #[serde(default = "default_thumbnail_interval_ms")]
+    pub thumbnail_interval_ms: u32,
+    /// Longest side of a thumbnail (pixels).
+    #[serde(default = "default_thumbnail_max_px")]
+    pub thumbnail_max_px: u32,
+}
+
+impl Default for StatusConfig {
+    fn default() -> Self {
+        StatusConfig {
+            thumbnails: false,
+            thumbnail_interval_ms: default_thumbnail_interval_ms(),
+            thumbnail_max_px: default_thumbnail_max_px(),
+        }
+    }
+}
+
+impl StatusConfig {
+    /// Checks values that serde cannot: a rate a page can follow and a
+    /// size that is a thumbnail.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.thumbnail_interval_ms < 250 {
+            return Err(ConfigError::Invalid(format!(
+                "status.thumbnail_interval_ms = {} would encode frames faster than a page shows them; use at least 250",
+                self.thumbnail_interval_ms
+            )));
+        }
+        if !(32..=640).contains(&self.thumbnail_max_px) {
+            return Err(ConfigError::Invalid(format!(
+                "status.thumbnail_max_px = {} must be 32..=640",
+                self.thumbnail_max_px
+            )));
+        }
+        Ok(())
+    }
+
+    /// The hub's thumbnail settings; `None` when thumbnails are off.
+    pub fn thumbnails(&self) -> Option<crate::thumbnail::ThumbnailConfig> {
+        self.thumbnails.then(|| crate::thumbnail::ThumbnailConfig {
+            interval: std::time::Duration::from_millis(self.thumbnail_interval_ms.into()),
+            max_px: self.thumbnail_max_px,
+        })
+    }
+}
+
+/// A page redraws every 2 s: a thumbnail as often is as fresh as it shows.
+fn default_thumbnail_interval_ms() -> u32 {
+    2000
+}
+
+/// A row of a table: readable boxes at a few kilobytes a JPEG.
+fn default_thumbnail_max_px() -> u32 {
+    160
 }
 
 /// Scheduling settings.
@@ -780,6 +849,7 @@ impl Config {
         }
         self.validate_weights()?;
         self.limits.validate()?;
+        self.status.validate()?;
         if let Some(l) = &self.leasing {
             l.validate()?;
         }
@@ -864,11 +934,27 @@ impl LeasingConfig {
     }
 
     /// Checks what serde cannot: the policy, the catalog and every
-    /// instance type named, the provider's section, and the numbers.
+    /// instance type named, the provider's section, and the numbers. The
+    /// first fault found, in the order of the steps below, is the one
+    /// reported.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
         self.policy_name()?;
         let catalog = self.load_catalog()?;
+        self.validate_numbers()?;
+        self.validate_sections_match_provider()?;
+        match self.provider {
+            ProviderKind::Process => self.validate_process()?,
+            ProviderKind::Static => self.validate_static(&catalog)?,
+            ProviderKind::Slurm => self.validate_slurm(&catalog)?,
+            ProviderKind::Kubernetes => self.validate_kubernetes(&catalog)?,
+        }
+        self.validate_models(&catalog)?;
+        self.validate_release_window(&catalog)
+    }
+
+    /// The tick, the spend cap, the timeouts and windows, the headroom.
+    fn validate_numbers(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         if !(100..=3_600_000).contains(&self.tick_ms) {
             return bad(format!(
                 "leasing.tick_ms = {} must be between 100 and 3600000",
@@ -902,6 +988,11 @@ impl LeasingConfig {
         {
             return bad(format!("leasing.headroom = {h} must be in [0, 10]"));
         }
+        Ok(())
+    }
+
+    /// No provider section is set but the chosen provider's.
+    fn validate_sections_match_provider(&self) -> Result<(), ConfigError> {
         let sections = [
             (
                 ProviderKind::Process,
@@ -928,98 +1019,122 @@ impl LeasingConfig {
                     ProviderKind::Slurm => "slurm",
                     ProviderKind::Kubernetes => "kubernetes",
                 };
-                return bad(format!("{section} is only used with provider = \"{name}\""));
+                return Err(ConfigError::Invalid(format!(
+                    "{section} is only used with provider = \"{name}\""
+                )));
             }
         }
-        match self.provider {
-            ProviderKind::Process => {
-                let Some(p) = &self.process else {
-                    return bad(
-                        "leasing.provider = \"process\" needs a [leasing.process] section with the worker `command`".into(),
-                    );
-                };
-                if p.command.trim().is_empty() {
-                    return bad(
-                        "leasing.process.command is empty; name the tidegate-worker binary".into(),
-                    );
-                }
-                use tidegate_lease::provider::{MAX_NOTICE_PERIOD_SECS, checked_secs};
-                checked_secs(
-                    "leasing.process.notice_period_secs",
-                    p.notice_period_secs,
-                    MAX_NOTICE_PERIOD_SECS,
-                )
-                .map_err(ConfigError::Invalid)?;
-                if let Some(t) = p.preempt_spot_after_secs {
-                    checked_secs(
-                        "leasing.process.preempt_spot_after_secs",
-                        t,
-                        MAX_LEASING_SECS as f64,
-                    )
-                    .map_err(ConfigError::Invalid)?;
-                }
-            }
-            ProviderKind::Static => {
-                if self.on_stop == OnStop::Keep {
-                    return bad("leasing.on_stop = \"keep\" needs workers that the next start adopts (process, slurm or kubernetes); static workers are bound again as they dial in".into());
-                }
-                if self.static_workers.is_empty() {
-                    return bad("leasing.provider = \"static\" needs at least one [[leasing.static_workers]]".into());
-                }
-                for w in &self.static_workers {
-                    if catalog.get(&w.instance_type).is_none() {
-                        return bad(format!(
-                            "static worker '{}': instance type '{}' is not in the catalog",
-                            w.name, w.instance_type
-                        ));
-                    }
-                }
-                tidegate_lease::provider::static_workers::StaticProvider::new(
-                    tidegate_lease::provider::static_workers::StaticConfig {
-                        workers: self.static_workers.clone(),
-                    },
-                )
-                .map_err(|e| ConfigError::Invalid(format!("leasing.static_workers: {e}")))?;
-            }
-            ProviderKind::Slurm => {
-                let Some(s) = &self.slurm else {
-                    return bad(
-                        "leasing.provider = \"slurm\" needs a [leasing.slurm] section with the worker `command` and [leasing.slurm.partitions]".into(),
-                    );
-                };
-                s.validate()
-                    .map_err(|e| ConfigError::Invalid(format!("leasing.slurm.{e}")))?;
-                for t in s.gres.keys() {
-                    if catalog.get(t).is_none() {
-                        return bad(format!(
-                            "leasing.slurm.gres: instance type '{t}' is not in the catalog"
-                        ));
-                    }
-                }
-            }
-            ProviderKind::Kubernetes => {
-                let Some(k) = &self.kubernetes else {
-                    return bad(
-                        "leasing.provider = \"kubernetes\" needs a [leasing.kubernetes] section with the worker `image`".into(),
-                    );
-                };
-                k.validate()
-                    .map_err(|e| ConfigError::Invalid(format!("leasing.kubernetes.{e}")))?;
-                for (field, types) in [
-                    ("gpus", k.gpus.keys().collect::<Vec<_>>()),
-                    (
-                        "instance_node_selectors",
-                        k.instance_node_selectors.keys().collect(),
-                    ),
-                ] {
-                    if let Some(t) = types.into_iter().find(|t| catalog.get(t).is_none()) {
-                        return bad(format!(
-                            "leasing.kubernetes.{field}: instance type '{t}' is not in the catalog"
-                        ));
-                    }
-                }
+        Ok(())
+    }
+
+    /// `provider = "process"`: its section, with a command and sane
+    /// notice and preemption times.
+    fn validate_process(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let Some(p) = &self.process else {
+            return bad(
+                "leasing.provider = \"process\" needs a [leasing.process] section with the worker `command`".into(),
+            );
+        };
+        if p.command.trim().is_empty() {
+            return bad("leasing.process.command is empty; name the tidegate-worker binary".into());
+        }
+        use tidegate_lease::provider::{MAX_NOTICE_PERIOD_SECS, checked_secs};
+        checked_secs(
+            "leasing.process.notice_period_secs",
+            p.notice_period_secs,
+            MAX_NOTICE_PERIOD_SECS,
+        )
+        .map_err(ConfigError::Invalid)?;
+        if let Some(t) = p.preempt_spot_after_secs {
+            checked_secs(
+                "leasing.process.preempt_spot_after_secs",
+                t,
+                MAX_LEASING_SECS as f64,
+            )
+            .map_err(ConfigError::Invalid)?;
+        }
+        Ok(())
+    }
+
+    /// `provider = "static"`: at least one worker, each of a catalog
+    /// type, as the static provider accepts them; not `on_stop = "keep"`.
+    fn validate_static(&self, catalog: &tidegate_lease::Catalog) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.on_stop == OnStop::Keep {
+            return bad("leasing.on_stop = \"keep\" needs workers that the next start adopts (process, slurm or kubernetes); static workers are bound again as they dial in".into());
+        }
+        if self.static_workers.is_empty() {
+            return bad(
+                "leasing.provider = \"static\" needs at least one [[leasing.static_workers]]"
+                    .into(),
+            );
+        }
+        for w in &self.static_workers {
+            if catalog.get(&w.instance_type).is_none() {
+                return bad(format!(
+                    "static worker '{}': instance type '{}' is not in the catalog",
+                    w.name, w.instance_type
+                ));
             }
         }
+        tidegate_lease::provider::static_workers::StaticProvider::new(
+            tidegate_lease::provider::static_workers::StaticConfig {
+                workers: self.static_workers.clone(),
+            },
+        )
+        .map_err(|e| ConfigError::Invalid(format!("leasing.static_workers: {e}")))?;
+        Ok(())
+    }
+
+    /// `provider = "slurm"`: its section, valid, its `gres` types in the
+    /// catalog.
+    fn validate_slurm(&self, catalog: &tidegate_lease::Catalog) -> Result<(), ConfigError> {
+        let Some(s) = &self.slurm else {
+            return Err(ConfigError::Invalid(
+                "leasing.provider = \"slurm\" needs a [leasing.slurm] section with the worker `command` and [leasing.slurm.partitions]".into(),
+            ));
+        };
+        s.validate()
+            .map_err(|e| ConfigError::Invalid(format!("leasing.slurm.{e}")))?;
+        if let Some(t) = s.gres.keys().find(|t| catalog.get(t).is_none()) {
+            return Err(ConfigError::Invalid(format!(
+                "leasing.slurm.gres: instance type '{t}' is not in the catalog"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `provider = "kubernetes"`: its section, valid, every instance type
+    /// it maps in the catalog.
+    fn validate_kubernetes(&self, catalog: &tidegate_lease::Catalog) -> Result<(), ConfigError> {
+        let Some(k) = &self.kubernetes else {
+            return Err(ConfigError::Invalid(
+                "leasing.provider = \"kubernetes\" needs a [leasing.kubernetes] section with the worker `image`".into(),
+            ));
+        };
+        k.validate()
+            .map_err(|e| ConfigError::Invalid(format!("leasing.kubernetes.{e}")))?;
+        for (field, types) in [
+            ("gpus", k.gpus.keys().collect::<Vec<_>>()),
+            (
+                "instance_node_selectors",
+                k.instance_node_selectors.keys().collect(),
+            ),
+        ] {
+            if let Some(t) = types.into_iter().find(|t| catalog.get(t).is_none()) {
+                return Err(ConfigError::Invalid(format!(
+                    "leasing.kubernetes.{field}: instance type '{t}' is not in the catalog"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// At least one model, none twice, each with catalog instance types
+    /// and sane rates.
+    fn validate_models(&self, catalog: &tidegate_lease::Catalog) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.models.is_empty() {
             return bad("[leasing] scales nothing: add a [[leasing.models]] with its name, instance_types and worker_fps".into());
         }
@@ -1059,7 +1174,7 @@ impl LeasingConfig {
                 ));
             }
         }
-        self.validate_release_window(&catalog)
+        Ok(())
     }
 
     /// Paid-block-aware releases a surplus lease at a tick within
@@ -1113,6 +1228,38 @@ impl LeasingConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thumbnails_are_off_by_default_and_bad_rates_sizes_and_keys_are_refused_by_name() {
+        let cfg = Config::default_config();
+        assert_eq!(cfg.status, StatusConfig::default());
+        assert!(!cfg.status.thumbnails && cfg.status.thumbnails().is_none());
+        assert_eq!(
+            (
+                cfg.status.thumbnail_interval_ms,
+                cfg.status.thumbnail_max_px
+            ),
+            (2000, 160)
+        );
+        let on: Config =
+            toml::from_str("[status]\nthumbnails = true\nthumbnail_max_px = 640\n").unwrap();
+        on.validate().unwrap();
+        let t = on.status.thumbnails().unwrap();
+        assert_eq!((t.interval.as_millis(), t.max_px), (2000, 640));
+        for (text, key) in [
+            ("thumbnail_interval_ms = 249", "thumbnail_interval_ms"),
+            ("thumbnail_max_px = 31", "thumbnail_max_px"),
+            ("thumbnail_max_px = 641", "thumbnail_max_px"),
+        ] {
+            let cfg: Config = toml::from_str(&format!("[status]\n{text}\n")).unwrap();
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+        let e = toml::from_str::<Config>("[status]\nthumbnail = true\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `thumbnail`"), "{e}");
+    }
 
     #[test]
     fn limits_default_to_bounded_budgets_and_values_that_let_nothing_through_are_refused() {

@@ -25,6 +25,7 @@ use crate::scheduler::{
     Action, Arrival, BatchId, Counters, EdgeId, Event, FrameId, Limits, Micros, Scheduler,
     WorkerId, WorkerModel,
 };
+use crate::thumbnail::Thumbnails;
 
 /// Control hints on their way to one edge. The latest hint per camera
 /// wins: one the connection has not written yet is replaced, never queued
@@ -390,6 +391,9 @@ pub struct Hub {
     tx: mpsc::Sender<HubMsg>,
     /// What the hub had not yet reported when it stopped.
     last: watch::Receiver<Option<LoadReport>>,
+    /// The cameras' thumbnails, which the hub makes (off until
+    /// configured).
+    thumbnails: Thumbnails,
 }
 
 /// A model that some worker serves, as `CameraOpen` is answered from it.
@@ -435,6 +439,12 @@ impl ServedModel {
 }
 
 impl Hub {
+    /// The cameras' thumbnails: turned on with
+    /// [`Thumbnails::configure`], read by the API.
+    pub fn thumbnails(&self) -> &Thumbnails {
+        &self.thumbnails
+    }
+
     /// Sends a message to the hub; false when the hub has stopped.
     pub async fn send(&self, msg: HubMsg) -> bool {
         self.tx.send(msg).await.is_ok()
@@ -589,6 +599,10 @@ struct State {
     budgets: HashMap<String, u32>,
     /// The last 15 minutes, for the status page.
     timeline: crate::timeline::Timeline,
+    /// Each open camera's latest thumbnail, rendered off the hub's task.
+    thumbnails: Thumbnails,
+    /// Owns the thumbnails' blocking renders, so shutdown waits for them.
+    tracker: tokio_util::task::TaskTracker,
 }
 
 /// Capacity of the hub's inbox.
@@ -607,6 +621,7 @@ pub fn spawn(
     tracker: &tokio_util::task::TaskTracker,
 ) -> Hub {
     let (tx, rx) = mpsc::channel(INBOX);
+    let thumbnails = Thumbnails::default();
     let state = State {
         origin: Instant::now(),
         scheduler: Scheduler::new(limits),
@@ -630,10 +645,16 @@ pub fn spawn(
         latencies: HashMap::new(),
         budgets: HashMap::new(),
         timeline: crate::timeline::Timeline::new(tidegate_lease::provider::wall_clock_ms()),
+        thumbnails: thumbnails.clone(),
+        tracker: tracker.clone(),
     };
     let (last_tx, last) = watch::channel(None);
     tracker.spawn(run(state, rx, last_tx, cancel));
-    Hub { tx, last }
+    Hub {
+        tx,
+        last,
+        thumbnails,
+    }
 }
 
 async fn run(
@@ -897,6 +918,7 @@ impl State {
                     "edge connection gone; its queued frames dropped"
                 );
                 if let Some(gone) = self.edges.remove(&edge) {
+                    self.forget_thumbnails(&gone);
                     if self.gone_edges.len() >= GONE_EDGES_KEPT {
                         self.gone_edges.pop_front();
                     }
@@ -1418,6 +1440,9 @@ impl State {
                         .observe(queue_us as f64 / 1e6);
                 }
                 let ok = status == Status::Ok;
+                if ok {
+                    self.thumbnail(&p, &detections);
+                }
                 let result = FrameResult {
                     camera: p.frame.camera,
                     seq: p.frame.seq,
@@ -1434,6 +1459,51 @@ impl State {
                 if !delivered {
                     self.metrics.undeliverable.inc();
                 }
+            }
+        }
+    }
+
+    /// Starts a thumbnail of a frame served `ok`, on a blocking task, if
+    /// its camera is open and due for one (at most one per interval, and
+    /// one under way) and thumbnails are on.
+    fn thumbnail(&self, p: &Pending, detections: &[tidegate_protocol::Detection]) {
+        // A frame trailing its edge's EdgeGone would make a thumbnail
+        // nobody forgets.
+        let open = self
+            .edges
+            .get(&p.edge)
+            .is_some_and(|e| e.cameras.contains_key(&p.frame.camera));
+        if !open {
+            return;
+        }
+        let Some(ticket) = self
+            .thumbnails
+            .begin(&p.edge_name, &p.frame.camera, Instant::now())
+        else {
+            return;
+        };
+        let store = self.thumbnails.clone();
+        let (tensor, geometry) = (p.frame.tensor.clone(), p.frame.geometry);
+        let detections = detections.to_vec();
+        let (edge, camera) = (p.edge_name.clone(), p.frame.camera.clone());
+        self.tracker.spawn_blocking(move || {
+            let jpeg = crate::thumbnail::render(&tensor, &geometry, &detections, ticket.max_px);
+            if let Some(e) = store.finish(ticket, jpeg) {
+                tracing::warn!(edge = %edge, camera = %camera, "no thumbnail: {e}");
+            }
+        });
+    }
+
+    /// Drops the thumbnails of a gone connection's cameras, except those
+    /// that another connection of its edge still has open.
+    fn forget_thumbnails(&self, gone: &EdgeEntry) {
+        for camera in gone.cameras.keys() {
+            let still_open = self
+                .edges
+                .values()
+                .any(|e| e.name == gone.name && e.cameras.contains_key(camera));
+            if !still_open {
+                self.thumbnails.forget(&gone.name, camera);
             }
         }
     }
@@ -2094,6 +2164,78 @@ pub(crate) mod tests {
         hub.snapshot().await.unwrap();
         let text = metrics.render();
         assert!(!text.contains("worker=\"lease-7\""), "{text}");
+        cancel.cancel();
+    }
+
+    /// With thumbnails on, a frame served `ok` of an open camera gives its
+    /// thumbnail, with its boxes; the next within the interval gives none;
+    /// and the thumbnail goes with its edge. Off, nothing is kept.
+    #[tokio::test]
+    async fn an_ok_frame_gives_one_thumbnail_per_interval_which_goes_with_its_edge() {
+        use crate::thumbnail::{NoThumbnail, ThumbnailConfig};
+        let (hub, cancel) = hub();
+        let mut batches = connect_worker(&hub, None).await;
+        let mut answers = connect_edge(&hub).await;
+        hub.send(HubMsg::CameraOpened {
+            edge: EdgeId(1),
+            camera: "cam".into(),
+            model: MODEL.into(),
+            budget_ms: 80,
+        })
+        .await;
+        let boxed = |id| ItemResult {
+            detections: vec![tidegate_protocol::Detection {
+                x1: 0.0,
+                y1: 0.0,
+                x2: 2.0,
+                y2: 2.0,
+                score: 0.9,
+                class: 0,
+                keypoints: Vec::new(),
+            }],
+            ..ok_item(id)
+        };
+        let d = dispatched(&hub, &mut batches, 1).await;
+        answer(&hub, &d, boxed).await;
+        recv_result(&mut answers).await;
+        assert_eq!(hub.thumbnails().cameras(), 0, "off: nothing kept");
+        assert_eq!(hub.thumbnails().get("e", "cam"), Err(NoThumbnail::Off));
+
+        hub.thumbnails().configure(Some(ThumbnailConfig {
+            interval: Duration::from_secs(3600),
+            max_px: 32,
+        }));
+        let d = dispatched(&hub, &mut batches, 2).await;
+        answer(&hub, &d, boxed).await;
+        recv_result(&mut answers).await;
+        // Rendered on a blocking task: wait for it, boundedly.
+        let mut made = None;
+        for _ in 0..500 {
+            if let Ok(t) = hub.thumbnails().get("e", "cam") {
+                made = Some(t);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (number, jpeg) = made.expect("a thumbnail within 5 s");
+        let img = image::load_from_memory(&jpeg).unwrap().to_rgb8();
+        // A 2×2 source drawn at 2×2: the 2 px outline covers it.
+        assert_eq!(img.dimensions(), (2, 2));
+        assert!(img.pixels().all(|p| p[1] > 150), "{img:?}");
+        // The next frame is within the interval: no render starts.
+        let d = dispatched(&hub, &mut batches, 3).await;
+        answer(&hub, &d, boxed).await;
+        recv_result(&mut answers).await;
+        assert_eq!(hub.thumbnails().get("e", "cam").unwrap().0, number);
+        assert_eq!(hub.thumbnails().numbers().len(), 1);
+
+        hub.send(HubMsg::EdgeGone { edge: EdgeId(1) }).await;
+        hub.snapshot().await.unwrap();
+        assert_eq!(hub.thumbnails().cameras(), 0);
+        assert!(matches!(
+            hub.thumbnails().get("e", "cam"),
+            Err(NoThumbnail::NoneYet { .. })
+        ));
         cancel.cancel();
     }
 

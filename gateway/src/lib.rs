@@ -20,6 +20,8 @@
 //!   header-read timeout.
 //! - [`status`]: the live status page and the model it renders
 //!   (`/api/v1/status`), from the API's snapshot.
+//! - [`thumbnail`]: camera thumbnails with their detections drawn (the
+//!   pure renderer, and the store the hub fills and the API serves).
 //! - [`timeline`]: the pure ring of 5 s intervals (15 minutes) behind the
 //!   status page's plots, rates and problems banner.
 //! - [`metrics`]: Prometheus metrics, registered in one place.
@@ -51,4 +53,5 @@ pub mod scheduler;
 pub mod server;
 pub mod simulate;
 pub mod status;
+pub mod thumbnail;
 pub mod timeline;

@@ -364,6 +364,7 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
             ..Default::default()
         });
     let hub = hub::spawn(limits, hints, metrics.clone(), cancel.clone(), &tracker);
+    hub.thumbnails().configure(cfg.status.thumbnails());
     let leasing = match &cfg.leasing {
         Some(l) => Some(
             leasing::spawn(

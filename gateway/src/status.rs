@@ -189,6 +189,22 @@ pub struct CameraRow {
     pub shed_ratio: Option<f64>,
     /// The frame-rate cap the gateway's hints hold it to, if any.
     pub cap_fps: Option<f64>,
+    /// The number of its latest thumbnail, which changes with each new
+    /// one (the page puts it in the thumbnail's URL to fetch a new one);
+    /// `None` while it has none, and when thumbnails are off.
+    pub thumbnail: Option<u64>,
+}
+
+/// Camera thumbnails, as configured under `[status]`.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ThumbnailInfo {
+    /// Least time between two thumbnails of a camera (ms).
+    pub interval_ms: u64,
+    /// Longest side of a thumbnail (px).
+    pub max_px: u32,
+    /// Frames that gave no thumbnail (no picture, or corrupt) since the
+    /// gateway started.
+    pub refused: u64,
 }
 
 /// A live lease.
@@ -293,6 +309,9 @@ pub struct StatusModel {
     pub other_cameras: FrameCounts,
     /// With `[leasing]`.
     pub leasing: Option<LeasingModel>,
+    /// Camera thumbnails (`GET /api/v1/cameras/{edge}/{camera}/thumbnail.jpg`);
+    /// `None` when they are off (`[status] thumbnails`).
+    pub thumbnails: Option<ThumbnailInfo>,
 }
 
 /// `count` per second over `seconds`; `None` for an empty window.
@@ -334,9 +353,27 @@ pub fn build(snap: &Snapshot, leasing: Option<LeasingView<'_>>, now_ms: u64) -> 
         cameras: camera_rows(snap, seconds),
         other_cameras: recent.other_cameras.into(),
         leasing: leasing.map(|l| leasing_model(l, now_ms)),
+        thumbnails: None,
     };
     model.problems = problems(&model);
     model
+}
+
+/// Says in `model` whether thumbnails are on, and which cameras have one
+/// (its number).
+pub fn add_thumbnails(model: &mut StatusModel, thumbnails: &crate::thumbnail::Thumbnails) {
+    let Some(config) = thumbnails.config() else {
+        return;
+    };
+    model.thumbnails = Some(ThumbnailInfo {
+        interval_ms: config.interval.as_millis() as u64,
+        max_px: config.max_px,
+        refused: thumbnails.refused(),
+    });
+    let numbers = thumbnails.numbers();
+    for c in &mut model.cameras {
+        c.thumbnail = numbers.get(&(c.edge.clone(), c.camera.clone())).copied();
+    }
 }
 
 /// A worker's state, in a word (its lease is beside it).
@@ -442,6 +479,7 @@ fn camera_rows(snap: &Snapshot, seconds: f64) -> Vec<CameraRow> {
                 shed_ratio: frames.shed_ratio(),
                 frames: frames.into(),
                 cap_fps: cap,
+                thumbnail: None,
             }
         };
     let mut rows: Vec<CameraRow> = snap
@@ -887,12 +925,34 @@ fn models_html(m: &StatusModel) -> String {
     )
 }
 
+/// `s` as one URL path segment: unreserved bytes kept, the rest
+/// percent-encoded (as the page's `encodeURIComponent`).
+fn path_segment(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A camera's thumbnail: the URL of its number `n`.
+pub fn thumbnail_url(edge: &str, camera: &str, n: u64) -> String {
+    format!(
+        "/api/v1/cameras/{}/{}/thumbnail.jpg?n={n}",
+        path_segment(edge),
+        path_segment(camera)
+    )
+}
+
 fn cameras_html(m: &StatusModel) -> String {
     let rows = m
         .cameras
         .iter()
         .map(|c| {
-            vec![
+            let mut row: Vec<Cell> = vec![
                 c.edge.as_str().into(),
                 c.camera.as_str().into(),
                 c.model
@@ -906,19 +966,34 @@ fn cameras_html(m: &StatusModel) -> String {
                 c.cap_fps
                     .map_or_else(|| "none".into(), |f| format!("{f:.1}/s"))
                     .into(),
-            ]
+            ];
+            if m.thumbnails.is_some() {
+                row.push(match c.thumbnail {
+                    Some(n) => Cell::Markup(format!(
+                        "<img class=\"thumb\" src=\"{}\" alt=\"{}\">",
+                        escape(&thumbnail_url(&c.edge, &c.camera, n)),
+                        escape(&format!("latest frame of {}", c.camera))
+                    )),
+                    None => "—".into(),
+                });
+            }
+            row
         })
         .collect();
+    let mut head = vec![
+        "edge",
+        "camera",
+        "model",
+        "admitted/s",
+        "ok/s",
+        "shed",
+        "rate cap",
+    ];
+    if m.thumbnails.is_some() {
+        head.push("latest frame");
+    }
     table_html(
-        &[
-            "edge",
-            "camera",
-            "model",
-            "admitted/s",
-            "ok/s",
-            "shed",
-            "rate cap",
-        ],
+        &head,
         rows,
         "No camera is open.",
         &[3, 4, 5],

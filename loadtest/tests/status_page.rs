@@ -14,7 +14,12 @@
 //!   Chromium logged no console message);
 //! - with cameras open for a model whose last worker was drained, the
 //!   banner says that no worker serves it; and the page, once its polls
-//!   fail, keeps that state and says since when it is stale.
+//!   fail, keeps that state and says since when it is stale; thumbnails
+//!   being off, the thumbnail route answers a JSON 404 saying how to turn
+//!   them on, and the page has no thumbnail column;
+//! - with `[status] thumbnails = true`, every camera sending JPEG frames
+//!   has a thumbnail: a JPEG within `thumbnail_max_px` from the route, and
+//!   on the page an `<img>` that loads.
 //!
 //! Skipped, saying so, when no Chromium is installed (`scripts/setup.sh`
 //! installs Debian's `chromium`). Every wait is bounded; nothing asserts
@@ -440,6 +445,22 @@ fn the_status_page_banner_flags_cameras_whose_model_lost_its_last_worker() {
         item.contains("no worker serves model blazeface for its 4 open camera(s)"),
         "{item}"
     );
+    // Thumbnails are off by default: the route says how to turn them on,
+    // and the page has no column for them.
+    let (code, body) = c
+        .get("/api/v1/cameras/edge-1/cam-0/thumbnail.jpg")
+        .expect("GET thumbnail");
+    assert_eq!(code, 404, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let message = error["error"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("[status]") && message.contains("thumbnails = true"),
+        "{body}"
+    );
+    assert!(
+        !r.dom.contains("<th>latest frame</th>"),
+        "no thumbnail column when off"
+    );
     // The page while the cameras are still open, for the stale check.
     let (code, html) = c.get("/").expect("GET /");
     assert_eq!(code, 200, "{html}");
@@ -468,4 +489,129 @@ fn the_status_page_banner_flags_cameras_whose_model_lost_its_last_worker() {
         r.dom.contains("<div class=\"card\" id=\"card-p95\">"),
         "the script drew the state it came with"
     );
+}
+
+/// `GET path` on the gateway: the head (lower-case) and the body's bytes.
+fn get_bytes(c: &Cluster, path: &str) -> (String, Vec<u8>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(c.http).expect("the gateway's HTTP port");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("a read timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n"
+    )
+    .expect("the request sent");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("the answer read");
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head: {}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+    (head, raw[end + 4..].to_vec())
+}
+
+/// Longest side of the thumbnails of the case below (px).
+const THUMBNAIL_MAX_PX: u32 = 96;
+
+#[test]
+fn camera_thumbnails_when_on_are_bounded_jpegs_that_the_page_shows() {
+    let Some(browser) = chromium() else {
+        eprintln!(
+            "SKIPPED: no chromium on PATH (scripts/setup.sh installs Debian's chromium; or set TIDEGATE_CHROMIUM)"
+        );
+        return;
+    };
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // ClusterOptions has no `[status]` lines; its `[limits]` lines end
+    // the file, so a `[status]` table can follow them.
+    let opts = ClusterOptions {
+        limits: format!(
+            "\n[status]\nthumbnails = true\nthumbnail_interval_ms = 500\nthumbnail_max_px = {THUMBNAIL_MAX_PX}\n"
+        ),
+        ..ClusterOptions::default()
+    };
+    let mut c = Cluster::start(&opts).expect("gateway starts");
+    c.spawn_worker("worker-1").expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(90))
+        .expect("worker registers");
+    // Cameras stay open for the whole case (a thumbnail goes with its
+    // camera), sending JPEG frames of the test picture.
+    let mut load_opts = c.sim_options("edge-1", 3, 2.0, PROBLEM_LOAD_SECS);
+    load_opts.in_step = false;
+    load_opts.budget_ms = LIGHT_BUDGET_MS;
+    load_opts.encoding = tidegate_protocol::Encoding::Jpeg { quality: 85 };
+    let load = std::thread::spawn(move || sim::run_blocking(&load_opts));
+    wait_until(
+        &c,
+        Duration::from_secs(30),
+        "a thumbnail of each of 3 cameras",
+        || {
+            let status = json(&c, "/api/v1/status");
+            let cams = status["cameras"].as_array().cloned().unwrap_or_default();
+            let with = cams.iter().filter(|c| c["thumbnail"].is_u64()).count();
+            if with == 3 && status["thumbnails"]["max_px"] == THUMBNAIL_MAX_PX {
+                Ok(())
+            } else {
+                Err(status.to_string())
+            }
+        },
+    );
+    let status = json(&c, "/api/v1/status");
+    for cam in status["cameras"].as_array().expect("cameras") {
+        let (edge, camera) = (
+            cam["edge"].as_str().unwrap(),
+            cam["camera"].as_str().unwrap(),
+        );
+        let (head, body) = get_bytes(
+            &c,
+            &format!("/api/v1/cameras/{edge}/{camera}/thumbnail.jpg"),
+        );
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("content-type: image/jpeg"), "{head}");
+        assert!(head.contains("cache-control: no-store"), "{head}");
+        let img = image::load_from_memory_with_format(&body, image::ImageFormat::Jpeg)
+            .unwrap_or_else(|e| panic!("{camera}: not a JPEG ({e})"));
+        let (w, h) = (img.width(), img.height());
+        assert!(
+            w > 0 && h > 0 && w.max(h) <= THUMBNAIL_MAX_PX,
+            "{camera}: {w}×{h}"
+        );
+        // BlazeFace finds the test picture's face: its box is drawn.
+        let lime = img
+            .to_rgb8()
+            .pixels()
+            .filter(|p| p[1] > 180 && p[0] < 100 && p[2] < 100)
+            .count();
+        assert!(lime >= 8, "{camera}: no box outline ({lime} lime pixels)");
+    }
+
+    let r = render(&browser, &c, &["--dump-dom".to_string()]);
+    assert_script_ran_clean(&r);
+    let cameras = between(&r.dom, "<div id=\"cameras\">", "</div>");
+    assert!(cameras.contains("<th>latest frame</th>"), "{cameras}");
+    let imgs: Vec<&str> = cameras
+        .match_indices("<img ")
+        .map(|(i, _)| &cameras[i..i + cameras[i..].find('>').unwrap_or(0)])
+        .collect();
+    assert_eq!(imgs.len(), 3, "{cameras}");
+    for img in imgs {
+        assert!(img.contains("thumbnail.jpg?n="), "{img}");
+        // The page puts the drawn size in the title once it has loaded.
+        let title = between(img, "title=\"", " px\"");
+        let size: Vec<u32> = title
+            .trim_start_matches("title=\"")
+            .trim_end_matches(" px\"")
+            .split('×')
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        assert!(
+            size.len() == 2 && size[0] > 0 && size[0].max(size[1]) <= THUMBNAIL_MAX_PX,
+            "loaded within the bound: {img}"
+        );
+    }
+    load.join()
+        .expect("the simulated edge did not panic")
+        .expect("the simulated edge ran to its end");
 }

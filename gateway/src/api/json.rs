@@ -56,6 +56,24 @@ impl utoipa::PartialSchema for Timestamp {
 
 impl ToSchema for Timestamp {}
 
+/// A JPEG file, as a body's schema in the document (the body itself is
+/// the file's bytes).
+#[derive(Debug)]
+pub struct Jpeg;
+
+impl utoipa::PartialSchema for Jpeg {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)))
+            .description(Some("A JPEG file."))
+            .into()
+    }
+}
+
+impl ToSchema for Jpeg {}
+
 /// `ms` since the Unix epoch as RFC 3339 UTC with milliseconds
 /// (`2026-12-05T22:57:07.123Z`).
 pub fn rfc3339(ms: u64) -> String {
