@@ -2665,10 +2665,7 @@ mod tests {
         // 2 is busy with another camera's frame when 1 fails frame 1.
         let busy = sent_to(&s.on_event(100, frame(2, "d", 80_100)));
         assert_eq!(busy[0].0, 2);
-        let a = s.on_event(
-            1_000,
-            one_done(1, d[0].2, 1, Status::Failed("boom".into())),
-        );
+        let a = s.on_event(1_000, one_done(1, d[0].2, 1, Status::Failed("boom".into())));
         // 1 is idle, yet the frame it failed waits for 2.
         assert!(sent_to(&a).is_empty(), "{a:?}");
         assert!(completes(&a).is_empty(), "{a:?}");
@@ -2676,14 +2673,20 @@ mod tests {
         // A new frame meanwhile goes to 1; the retried one does not join it.
         let a = s.on_event(2_000, frame(3, "e", 82_000));
         assert_eq!(
-            sent_to(&a).into_iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+            sent_to(&a)
+                .into_iter()
+                .map(|d| (d.0, d.1))
+                .collect::<Vec<_>>(),
             vec![(1, vec![3])]
         );
         // When 2 frees, it takes the retried frame.
         let a = s.on_event(5_100, one_done(2, busy[0].2, 2, Status::Ok));
         assert_eq!(completes(&a), vec![(2, Status::Ok)]);
         assert_eq!(
-            sent_to(&a).into_iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+            sent_to(&a)
+                .into_iter()
+                .map(|d| (d.0, d.1))
+                .collect::<Vec<_>>(),
             vec![(2, vec![1])]
         );
         assert!(s.counters().balanced());

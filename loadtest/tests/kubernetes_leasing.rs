@@ -162,7 +162,13 @@ fn with_on_stop_keep_a_restart_adopts_the_running_pods_and_pays_no_new_lease() {
         "no new lease was paid for: {:#?}",
         leases(&c, false)
     );
-    for k in ["id", "requested_at", "billing_started_at", "ready_at", "tier"] {
+    for k in [
+        "id",
+        "requested_at",
+        "billing_started_at",
+        "ready_at",
+        "tier",
+    ] {
         assert_eq!(after[0][k], before[0][k], "{k} changed");
     }
     assert_eq!(state(&after[0]), "ready", "{:#}", after[0]);

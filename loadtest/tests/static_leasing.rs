@@ -122,8 +122,9 @@ fn wait_bound(c: &Cluster, session: &Value, not: &[u64], what: &str) -> u64 {
     let mut bound = None;
     wait_until(c, Duration::from_secs(60), what, || {
         bound = ready_lease(c, not).filter(|id| {
-            worker_view(c)
-                .is_some_and(|w| w["session"] == *session && w["lease"] == *id && w["unbound"] == false)
+            worker_view(c).is_some_and(|w| {
+                w["session"] == *session && w["lease"] == *id && w["unbound"] == false
+            })
         });
         bound.is_some()
     });
