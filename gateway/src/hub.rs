@@ -900,98 +900,13 @@ impl State {
                     e.cameras.insert(camera, (model, budget_ms));
                 }
             }
-            HubMsg::EdgeGone { edge } => {
-                // Its queued frames are dropped (`edge_gone`, counted), and
-                // so are its frames that trail this message; those on a
-                // worker still finish, and their results are counted
-                // undeliverable when they complete.
-                let before = self.scheduler.counters().shed;
-                self.step(Event::EdgeGone { edge });
-                let c = self.scheduler.counters();
-                // What was on the workers, and what had ended, as it went:
-                // no more than the first of its frames can end after.
-                tracing::info!(
-                    edge = edge.0,
-                    dropped = c.shed - before,
-                    on_workers = c.dispatched,
-                    ended = c.ok + c.failed + c.expired,
-                    "edge connection gone; its queued frames dropped"
-                );
-                if let Some(gone) = self.edges.remove(&edge) {
-                    self.forget_thumbnails(&gone);
-                    if self.gone_edges.len() >= GONE_EDGES_KEPT {
-                        self.gone_edges.pop_front();
-                    }
-                    self.gone_edges.push_back((edge, gone.name));
-                }
-                if let Some(bp) = self.backpressure.as_mut() {
-                    bp.forget_edge(edge);
-                }
-                self.metrics.edges_connected.set(self.edges.len() as i64);
-            }
+            HubMsg::EdgeGone { edge } => self.edge_gone(edge),
             HubMsg::Frame {
                 edge,
                 frame,
                 deadline,
-            } => {
-                let id = FrameId(self.next_frame);
-                self.next_frame += 1;
-                let deadline = self.at(deadline);
-                let arrival = Arrival {
-                    id,
-                    edge,
-                    camera: frame.camera.clone(),
-                    model: frame.model.clone(),
-                    deadline,
-                };
-                let now = self.now();
-                // A frame can trail its edge's EdgeGone (separate tasks):
-                // it is still admitted and accounted, but tracking its
-                // camera for hints would outlive the edge.
-                if let Some(bp) = self.backpressure.as_mut()
-                    && self.edges.contains_key(&edge)
-                {
-                    bp.on_arrival(now, edge, &frame.camera);
-                }
-                if self.budgets.get(&frame.model) != Some(&frame.budget_us) {
-                    self.budgets.insert(frame.model.clone(), frame.budget_us);
-                }
-                let edge_name = match self.edges.get(&edge) {
-                    Some(e) => e.name.clone(),
-                    // it trails its edge's EdgeGone
-                    None => self
-                        .gone_edges
-                        .iter()
-                        .rev()
-                        .find(|(id, _)| *id == edge)
-                        .map_or_else(|| Arc::from(""), |(_, name)| name.clone()),
-                };
-                self.timeline.arrival(now, &edge_name, &frame.camera);
-                self.pending.insert(
-                    id,
-                    Pending {
-                        edge,
-                        edge_name,
-                        frame,
-                        deadline,
-                        served_by: None,
-                        busy_us: 0,
-                    },
-                );
-                self.step(Event::FrameArrived(arrival));
-            }
-            HubMsg::Latency { model, e2e } => {
-                let now = self.now();
-                self.timeline.latency(now, e2e.as_secs_f64() * 1e3);
-                let samples = self.latencies.entry(model.clone()).or_default();
-                if samples.len() < LATENCY_SAMPLES {
-                    samples.push(e2e.as_secs_f64() * 1e3);
-                }
-                self.metrics
-                    .e2e_latency
-                    .with_label_values(&[model.as_str()])
-                    .observe(e2e.as_secs_f64());
-            }
+            } => self.frame_arrived(edge, frame, deadline),
+            HubMsg::Latency { model, e2e } => self.latency_reported(model, e2e),
             HubMsg::WorkerConnected {
                 worker,
                 register,
@@ -1037,110 +952,7 @@ impl State {
                     self.step(Event::WorkerDraining { worker });
                 }
             }
-            HubMsg::BatchDone { worker, result } => {
-                // Run time, not time since dispatch: a pipelined batch waits
-                // on the worker for the one before it to finish.
-                let done = Instant::now();
-                let batch = BatchId(result.batch);
-                let (latency_us, size) = match self.started.remove(&batch) {
-                    Some((w, t, n)) if w == worker => {
-                        let previous = self.last_done.insert(worker, done);
-                        let began = previous.map_or(t, |p| p.max(t));
-                        let us = done.saturating_duration_since(began).as_micros();
-                        (us.min(u32::MAX as u128) as u32, n)
-                    }
-                    other => {
-                        // Not (or no longer) this worker's batch: its frames
-                        // were re-homed or failed when the worker left the
-                        // scheduler (a rebound static worker); they end
-                        // there, so this late result is not theirs.
-                        if let Some(entry) = other {
-                            self.started.insert(batch, entry);
-                        }
-                        tracing::debug!(
-                            worker = worker.0,
-                            batch = batch.0,
-                            "result of a batch re-homed meanwhile; ignored"
-                        );
-                        return;
-                    }
-                };
-                let lease = self.workers.get(&worker).and_then(|w| w.lease);
-                if let Some(l) = lease {
-                    self.served.entry(l).or_default().busy_us += u64::from(latency_us);
-                }
-                let mut outcomes = Vec::with_capacity(result.items.len());
-                let mut inference_us = 0;
-                // the worker's own time on the batch, as its profile
-                // measures it: each frame's pre- and postprocessing, and
-                // the one inference run
-                let mut per_frame_us = 0u64;
-                let share = u64::from(latency_us) / result.items.len().max(1) as u64;
-                let shared_buffer = result.items.len() > 1;
-                for mut item in result.items {
-                    inference_us = inference_us.max(item.timings.inference_us);
-                    per_frame_us += u64::from(item.timings.preprocess_us)
-                        + u64::from(item.timings.postprocess_us);
-                    if shared_buffer {
-                        // Raw outputs slice the whole batch's buffer: copied
-                        // out, a result waiting for its edge holds its own
-                        // bytes (what its queue counts), not its batch's.
-                        for o in &mut item.outputs {
-                            o.data = Bytes::copy_from_slice(&o.data);
-                        }
-                    }
-                    let id = FrameId(item.id);
-                    // Every answer goes to the scheduler, which judges the
-                    // worker by them (one for a frame the batch does not
-                    // hold is malformed); only the batch's own frames take
-                    // their answer's outputs.
-                    outcomes.push((id, item.status.clone()));
-                    if !self.scheduler.batch_holds(batch, id) {
-                        continue;
-                    }
-                    if let Some(p) = self.pending.get_mut(&id) {
-                        p.served_by = lease;
-                        p.busy_us = share;
-                        self.outputs.insert(id, item);
-                    }
-                }
-                let model = outcomes
-                    .iter()
-                    .find_map(|(id, _)| self.pending.get(id))
-                    .map(|p| p.frame.model.clone());
-                if let Some(model) = model.filter(|_| size > 0) {
-                    self.metrics
-                        .inference
-                        .with_label_values(&[model.as_str()])
-                        .observe(inference_us as f64 / 1e6);
-                    let compute_us = per_frame_us + u64::from(inference_us);
-                    self.observe_worker_batch(worker, &model, size, latency_us, compute_us);
-                    let now = self.now();
-                    if let Some(w) = self.workers.get(&worker) {
-                        let name = w.register.worker.as_str();
-                        let times = crate::timeline::BatchTimes {
-                            run_us: latency_us,
-                            own_us: compute_us,
-                        };
-                        self.timeline
-                            .batch(now, worker.0, name, &model, size, times);
-                    }
-                }
-                if let Some(w) = self.workers.get(&worker) {
-                    for (_, status) in &outcomes {
-                        self.metrics
-                            .worker_frames
-                            .with_label_values(&[w.label.as_str(), status.label()])
-                            .inc();
-                    }
-                }
-                self.step(Event::BatchFinished {
-                    worker,
-                    batch: BatchId(result.batch),
-                    outcomes,
-                    latency_us,
-                });
-            }
+            HubMsg::BatchDone { worker, result } => self.batch_done(worker, result),
             HubMsg::WorkerDraining { worker } => {
                 if let Some(w) = self.workers.get_mut(&worker) {
                     w.draining = true;
@@ -1148,92 +960,16 @@ impl State {
                 }
                 self.step(Event::WorkerDraining { worker });
             }
-            HubMsg::DrainWorker { name, reply } => {
-                let ids: Vec<WorkerId> = self
-                    .workers
-                    .iter()
-                    .filter(|(_, w)| w.register.worker == name)
-                    .map(|(id, _)| *id)
-                    .collect();
-                for worker in &ids {
-                    if let Some(w) = self.workers.get_mut(worker) {
-                        w.drain_request.cancel();
-                        w.retiring = true;
-                        if !w.draining {
-                            w.draining = true;
-                            tracing::info!(worker = worker.0, %name, "operator drains the worker");
-                            self.step(Event::WorkerDraining { worker: *worker });
-                        }
-                    }
-                }
-                let _ = reply.send(ids.len());
-            }
-            HubMsg::LeaseDraining { lease } => {
-                self.draining_leases.insert(lease);
-                let ids: Vec<WorkerId> = self
-                    .workers
-                    .iter()
-                    .filter(|(_, w)| w.lease == Some(lease) && !w.draining)
-                    .map(|(id, _)| *id)
-                    .collect();
-                for worker in ids {
-                    if let Some(w) = self.workers.get_mut(&worker) {
-                        w.draining = true;
-                    }
-                    self.step(Event::WorkerDraining { worker });
-                }
-            }
+            HubMsg::DrainWorker { name, reply } => self.drain_worker(name, reply),
+            HubMsg::LeaseDraining { lease } => self.lease_draining(lease),
             HubMsg::LeaseEnded { lease } => {
                 for worker in self.forget_lease(lease) {
                     tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
                     self.lose_worker(worker);
                 }
             }
-            HubMsg::LeaseBound { lease, worker_name } => {
-                self.static_bindings.insert(worker_name.clone(), lease);
-                let ids: Vec<WorkerId> = self
-                    .workers
-                    .iter()
-                    .filter(|(_, w)| {
-                        w.static_name.as_deref() == Some(worker_name.as_str())
-                            && w.lease != Some(lease)
-                    })
-                    .map(|(id, _)| *id)
-                    .collect();
-                for worker in ids {
-                    let drain = self.draining_leases.contains(&lease);
-                    let Some(w) = self.workers.get_mut(&worker) else {
-                        continue;
-                    };
-                    w.lease = Some(lease);
-                    if w.retiring {
-                        // it drains and exits; its lease ends when it goes
-                        continue;
-                    }
-                    w.draining = drain;
-                    tracing::info!(worker = worker.0, name = %worker_name, %lease, "static worker bound; it serves the lease");
-                    self.rejoin_worker(worker);
-                }
-            }
-            HubMsg::LeaseUnbound { lease } => {
-                for worker in self.forget_lease(lease) {
-                    let Some(w) = self.workers.get_mut(&worker) else {
-                        continue;
-                    };
-                    if w.static_name.is_none() {
-                        // only a static worker outlives its lease
-                        tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
-                        self.lose_worker(worker);
-                        continue;
-                    }
-                    w.lease = None;
-                    tracing::info!(worker = worker.0, %lease, "static worker unbound; it stays connected and takes no batch");
-                    if !w.draining {
-                        w.draining = true;
-                        self.step(Event::WorkerDraining { worker });
-                    }
-                }
-            }
+            HubMsg::LeaseBound { lease, worker_name } => self.lease_bound(lease, worker_name),
+            HubMsg::LeaseUnbound { lease } => self.lease_unbound(lease),
             HubMsg::LoadReport { models, reply } => {
                 let _ = reply.send(self.load_report(models));
             }
@@ -1243,6 +979,293 @@ impl State {
             }
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
+            }
+        }
+    }
+
+    /// An edge's connection closed: its queued frames are dropped and it is forgotten.
+    fn edge_gone(&mut self, edge: EdgeId) {
+        // Its queued frames are dropped (`edge_gone`, counted), and
+        // so are its frames that trail this message; those on a
+        // worker still finish, and their results are counted
+        // undeliverable when they complete.
+        let before = self.scheduler.counters().shed;
+        self.step(Event::EdgeGone { edge });
+        let c = self.scheduler.counters();
+        // What was on the workers, and what had ended, as it went:
+        // no more than the first of its frames can end after.
+        tracing::info!(
+            edge = edge.0,
+            dropped = c.shed - before,
+            on_workers = c.dispatched,
+            ended = c.ok + c.failed + c.expired,
+            "edge connection gone; its queued frames dropped"
+        );
+        if let Some(gone) = self.edges.remove(&edge) {
+            self.forget_thumbnails(&gone);
+            if self.gone_edges.len() >= GONE_EDGES_KEPT {
+                self.gone_edges.pop_front();
+            }
+            self.gone_edges.push_back((edge, gone.name));
+        }
+        if let Some(bp) = self.backpressure.as_mut() {
+            bp.forget_edge(edge);
+        }
+        self.metrics.edges_connected.set(self.edges.len() as i64);
+    }
+
+    /// A frame read from an edge: admitted, tracked until it completes, and handed to the scheduler.
+    fn frame_arrived(&mut self, edge: EdgeId, frame: Frame, deadline: Instant) {
+        let id = FrameId(self.next_frame);
+        self.next_frame += 1;
+        let deadline = self.at(deadline);
+        let arrival = Arrival {
+            id,
+            edge,
+            camera: frame.camera.clone(),
+            model: frame.model.clone(),
+            deadline,
+        };
+        let now = self.now();
+        // A frame can trail its edge's EdgeGone (separate tasks):
+        // it is still admitted and accounted, but tracking its
+        // camera for hints would outlive the edge.
+        if let Some(bp) = self.backpressure.as_mut()
+            && self.edges.contains_key(&edge)
+        {
+            bp.on_arrival(now, edge, &frame.camera);
+        }
+        if self.budgets.get(&frame.model) != Some(&frame.budget_us) {
+            self.budgets.insert(frame.model.clone(), frame.budget_us);
+        }
+        let edge_name = match self.edges.get(&edge) {
+            Some(e) => e.name.clone(),
+            // it trails its edge's EdgeGone
+            None => self
+                .gone_edges
+                .iter()
+                .rev()
+                .find(|(id, _)| *id == edge)
+                .map_or_else(|| Arc::from(""), |(_, name)| name.clone()),
+        };
+        self.timeline.arrival(now, &edge_name, &frame.camera);
+        self.pending.insert(
+            id,
+            Pending {
+                edge,
+                edge_name,
+                frame,
+                deadline,
+                served_by: None,
+                busy_us: 0,
+            },
+        );
+        self.step(Event::FrameArrived(arrival));
+    }
+
+    /// An edge reported a frame's capture-to-result latency.
+    fn latency_reported(&mut self, model: String, e2e: Duration) {
+        let now = self.now();
+        self.timeline.latency(now, e2e.as_secs_f64() * 1e3);
+        let samples = self.latencies.entry(model.clone()).or_default();
+        if samples.len() < LATENCY_SAMPLES {
+            samples.push(e2e.as_secs_f64() * 1e3);
+        }
+        self.metrics
+            .e2e_latency
+            .with_label_values(&[model.as_str()])
+            .observe(e2e.as_secs_f64());
+    }
+
+    /// A worker answered a batch: its answers, timings and outputs recorded, and the scheduler told.
+    fn batch_done(&mut self, worker: WorkerId, result: BatchResult) {
+        // Run time, not time since dispatch: a pipelined batch waits
+        // on the worker for the one before it to finish.
+        let done = Instant::now();
+        let batch = BatchId(result.batch);
+        let (latency_us, size) = match self.started.remove(&batch) {
+            Some((w, t, n)) if w == worker => {
+                let previous = self.last_done.insert(worker, done);
+                let began = previous.map_or(t, |p| p.max(t));
+                let us = done.saturating_duration_since(began).as_micros();
+                (us.min(u32::MAX as u128) as u32, n)
+            }
+            other => {
+                // Not (or no longer) this worker's batch: its frames
+                // were re-homed or failed when the worker left the
+                // scheduler (a rebound static worker); they end
+                // there, so this late result is not theirs.
+                if let Some(entry) = other {
+                    self.started.insert(batch, entry);
+                }
+                tracing::debug!(
+                    worker = worker.0,
+                    batch = batch.0,
+                    "result of a batch re-homed meanwhile; ignored"
+                );
+                return;
+            }
+        };
+        let lease = self.workers.get(&worker).and_then(|w| w.lease);
+        if let Some(l) = lease {
+            self.served.entry(l).or_default().busy_us += u64::from(latency_us);
+        }
+        let mut outcomes = Vec::with_capacity(result.items.len());
+        let mut inference_us = 0;
+        // the worker's own time on the batch, as its profile
+        // measures it: each frame's pre- and postprocessing, and
+        // the one inference run
+        let mut per_frame_us = 0u64;
+        let share = u64::from(latency_us) / result.items.len().max(1) as u64;
+        let shared_buffer = result.items.len() > 1;
+        for mut item in result.items {
+            inference_us = inference_us.max(item.timings.inference_us);
+            per_frame_us +=
+                u64::from(item.timings.preprocess_us) + u64::from(item.timings.postprocess_us);
+            if shared_buffer {
+                // Raw outputs slice the whole batch's buffer: copied
+                // out, a result waiting for its edge holds its own
+                // bytes (what its queue counts), not its batch's.
+                for o in &mut item.outputs {
+                    o.data = Bytes::copy_from_slice(&o.data);
+                }
+            }
+            let id = FrameId(item.id);
+            // Every answer goes to the scheduler, which judges the
+            // worker by them (one for a frame the batch does not
+            // hold is malformed); only the batch's own frames take
+            // their answer's outputs.
+            outcomes.push((id, item.status.clone()));
+            if !self.scheduler.batch_holds(batch, id) {
+                continue;
+            }
+            if let Some(p) = self.pending.get_mut(&id) {
+                p.served_by = lease;
+                p.busy_us = share;
+                self.outputs.insert(id, item);
+            }
+        }
+        let model = outcomes
+            .iter()
+            .find_map(|(id, _)| self.pending.get(id))
+            .map(|p| p.frame.model.clone());
+        if let Some(model) = model.filter(|_| size > 0) {
+            self.metrics
+                .inference
+                .with_label_values(&[model.as_str()])
+                .observe(inference_us as f64 / 1e6);
+            let compute_us = per_frame_us + u64::from(inference_us);
+            self.observe_worker_batch(worker, &model, size, latency_us, compute_us);
+            let now = self.now();
+            if let Some(w) = self.workers.get(&worker) {
+                let name = w.register.worker.as_str();
+                let times = crate::timeline::BatchTimes {
+                    run_us: latency_us,
+                    own_us: compute_us,
+                };
+                self.timeline
+                    .batch(now, worker.0, name, &model, size, times);
+            }
+        }
+        if let Some(w) = self.workers.get(&worker) {
+            for (_, status) in &outcomes {
+                self.metrics
+                    .worker_frames
+                    .with_label_values(&[w.label.as_str(), status.label()])
+                    .inc();
+            }
+        }
+        self.step(Event::BatchFinished {
+            worker,
+            batch: BatchId(result.batch),
+            outcomes,
+            latency_us,
+        });
+    }
+
+    /// The operator drains the workers registered as `name`; answers how many.
+    fn drain_worker(&mut self, name: String, reply: oneshot::Sender<usize>) {
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.register.worker == name)
+            .map(|(id, _)| *id)
+            .collect();
+        for worker in &ids {
+            if let Some(w) = self.workers.get_mut(worker) {
+                w.drain_request.cancel();
+                w.retiring = true;
+                if !w.draining {
+                    w.draining = true;
+                    tracing::info!(worker = worker.0, %name, "operator drains the worker");
+                    self.step(Event::WorkerDraining { worker: *worker });
+                }
+            }
+        }
+        let _ = reply.send(ids.len());
+    }
+
+    /// A lease is being released: its worker takes no new batch.
+    fn lease_draining(&mut self, lease: LeaseId) {
+        self.draining_leases.insert(lease);
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.lease == Some(lease) && !w.draining)
+            .map(|(id, _)| *id)
+            .collect();
+        for worker in ids {
+            if let Some(w) = self.workers.get_mut(&worker) {
+                w.draining = true;
+            }
+            self.step(Event::WorkerDraining { worker });
+        }
+    }
+
+    /// A leased worker registered: its lease is bound to it.
+    fn lease_bound(&mut self, lease: LeaseId, worker_name: String) {
+        self.static_bindings.insert(worker_name.clone(), lease);
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                w.static_name.as_deref() == Some(worker_name.as_str()) && w.lease != Some(lease)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for worker in ids {
+            let drain = self.draining_leases.contains(&lease);
+            let Some(w) = self.workers.get_mut(&worker) else {
+                continue;
+            };
+            w.lease = Some(lease);
+            if w.retiring {
+                // it drains and exits; its lease ends when it goes
+                continue;
+            }
+            w.draining = drain;
+            tracing::info!(worker = worker.0, name = %worker_name, %lease, "static worker bound; it serves the lease");
+            self.rejoin_worker(worker);
+        }
+    }
+
+    /// A lease lost its worker.
+    fn lease_unbound(&mut self, lease: LeaseId) {
+        for worker in self.forget_lease(lease) {
+            let Some(w) = self.workers.get_mut(&worker) else {
+                continue;
+            };
+            if w.static_name.is_none() {
+                // only a static worker outlives its lease
+                tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
+                self.lose_worker(worker);
+                continue;
+            }
+            w.lease = None;
+            tracing::info!(worker = worker.0, %lease, "static worker unbound; it stays connected and takes no batch");
+            if !w.draining {
+                w.draining = true;
+                self.step(Event::WorkerDraining { worker });
             }
         }
     }
@@ -1274,42 +1297,7 @@ impl State {
                 batch,
                 model,
                 frames,
-            } => {
-                let items: Vec<DispatchItem> = frames
-                    .iter()
-                    .filter_map(|id| {
-                        let p = self.pending.get(id)?;
-                        Some(DispatchItem {
-                            id: id.0,
-                            camera: p.frame.camera.clone(),
-                            seq: p.frame.seq,
-                            geometry: p.frame.geometry,
-                            tensor: p.frame.tensor.clone(),
-                        })
-                    })
-                    .collect();
-                self.metrics
-                    .batch_size
-                    .with_label_values(&[model.as_str()])
-                    .observe(items.len() as f64);
-                self.started
-                    .insert(batch, (worker, Instant::now(), items.len()));
-                let msg = Dispatch {
-                    batch: batch.0,
-                    model,
-                    items,
-                };
-                let sent = self
-                    .workers
-                    .get(&worker)
-                    .is_some_and(|w| w.dispatch.try_send(msg).is_ok());
-                if !sent {
-                    // The worker's connection is gone or wedged: treat it as
-                    // lost so its frames are re-homed or failed.
-                    tracing::warn!(worker = worker.0, "dispatch channel closed; worker lost");
-                    self.lose_worker(worker);
-                }
-            }
+            } => self.dispatch(worker, batch, model, frames),
             Action::DropWorker { worker, reason } => {
                 // The scheduler has already re-homed or failed its frames.
                 // Dropping its entry drops its dispatch channel, which ends
@@ -1378,88 +1366,129 @@ impl State {
                 status,
                 queue_us,
                 capacity,
-            } => {
-                let Some(p) = self.pending.remove(&frame) else {
-                    return;
-                };
-                let now = self.now();
-                self.timeline
-                    .outcome(now, &p.edge_name, &p.frame.camera, &status);
-                if p.busy_us > 0 {
-                    self.metrics
-                        .worker_busy
-                        .with_label_values(&[&*p.edge_name, p.frame.model.as_str()])
-                        .inc_by(p.busy_us as f64 / 1e6);
-                }
-                if let Some(l) = p.served_by {
-                    let on_time = status == Status::Ok && self.now() <= p.deadline;
-                    let s = self.served.entry(l).or_default();
-                    let models = self.usage.entry((l, p.edge_name.clone())).or_default();
-                    if !models.contains_key(&p.frame.model) {
-                        models.insert(p.frame.model.clone(), Usage::default());
-                    }
-                    let u = models.get_mut(&p.frame.model).expect("inserted above");
-                    if on_time {
-                        s.within_slo += 1;
-                        u.within_slo += 1;
-                    } else {
-                        s.late += 1;
-                        u.late += 1;
-                    }
-                    u.busy_us += p.busy_us;
-                }
-                let (detections, mut timings, outputs) = match self.outputs.remove(&frame) {
-                    Some(item) => (item.detections, item.timings, item.outputs),
-                    None => Default::default(),
-                };
-                timings.queue_us = queue_us;
-                let model = p.frame.model.as_str();
-                if status == Status::Shed(tidegate_protocol::ShedReason::EdgeGone) {
-                    // Never run, and nobody is there to take its result.
-                    self.metrics
-                        .frames
-                        .with_label_values(&[model, status.label()])
-                        .inc();
-                    self.metrics
-                        .frames_dropped
-                        .with_label_values(&["edge_gone"])
-                        .inc();
-                    return;
-                }
-                if let Some(bp) = self.backpressure.as_mut() {
-                    bp.on_outcome_as(p.edge, &p.frame.camera, &status, capacity);
-                }
-                self.metrics
-                    .frames
-                    .with_label_values(&[model, status.label()])
-                    .inc();
-                if matches!(status, Status::Ok | Status::Failed(_)) {
-                    self.metrics
-                        .queue_wait
-                        .with_label_values(&[model])
-                        .observe(queue_us as f64 / 1e6);
-                }
-                let ok = status == Status::Ok;
-                if ok {
-                    self.thumbnail(&p, &detections);
-                }
-                let result = FrameResult {
-                    camera: p.frame.camera,
+            } => self.complete(frame, status, queue_us, capacity),
+        }
+    }
+
+    /// The scheduler sends a batch: its frames' tensors go to the worker's dispatch channel; a closed or full channel loses the worker.
+    fn dispatch(&mut self, worker: WorkerId, batch: BatchId, model: String, frames: Vec<FrameId>) {
+        let items: Vec<DispatchItem> = frames
+            .iter()
+            .filter_map(|id| {
+                let p = self.pending.get(id)?;
+                Some(DispatchItem {
+                    id: id.0,
+                    camera: p.frame.camera.clone(),
                     seq: p.frame.seq,
-                    captured_at_us: p.frame.captured_at_us,
-                    detections: if ok { detections } else { Vec::new() },
-                    outputs: if ok { outputs } else { Vec::new() },
-                    status,
-                    timings,
-                };
-                let delivered = self.edges.get(&p.edge).is_some_and(|e| {
-                    let size = result.held_bytes();
-                    e.results.try_send(result, size).is_ok()
-                });
-                if !delivered {
-                    self.metrics.undeliverable.inc();
-                }
+                    geometry: p.frame.geometry,
+                    tensor: p.frame.tensor.clone(),
+                })
+            })
+            .collect();
+        self.metrics
+            .batch_size
+            .with_label_values(&[model.as_str()])
+            .observe(items.len() as f64);
+        self.started
+            .insert(batch, (worker, Instant::now(), items.len()));
+        let msg = Dispatch {
+            batch: batch.0,
+            model,
+            items,
+        };
+        let sent = self
+            .workers
+            .get(&worker)
+            .is_some_and(|w| w.dispatch.try_send(msg).is_ok());
+        if !sent {
+            // The worker's connection is gone or wedged: treat it as
+            // lost so its frames are re-homed or failed.
+            tracing::warn!(worker = worker.0, "dispatch channel closed; worker lost");
+            self.lose_worker(worker);
+        }
+    }
+
+    /// A frame ended: its result (or status) goes to its edge, and its latency, outcome and cost are recorded.
+    fn complete(&mut self, frame: FrameId, status: Status, queue_us: u32, capacity: bool) {
+        let Some(p) = self.pending.remove(&frame) else {
+            return;
+        };
+        let now = self.now();
+        self.timeline
+            .outcome(now, &p.edge_name, &p.frame.camera, &status);
+        if p.busy_us > 0 {
+            self.metrics
+                .worker_busy
+                .with_label_values(&[&*p.edge_name, p.frame.model.as_str()])
+                .inc_by(p.busy_us as f64 / 1e6);
+        }
+        if let Some(l) = p.served_by {
+            let on_time = status == Status::Ok && self.now() <= p.deadline;
+            let s = self.served.entry(l).or_default();
+            let models = self.usage.entry((l, p.edge_name.clone())).or_default();
+            if !models.contains_key(&p.frame.model) {
+                models.insert(p.frame.model.clone(), Usage::default());
             }
+            let u = models.get_mut(&p.frame.model).expect("inserted above");
+            if on_time {
+                s.within_slo += 1;
+                u.within_slo += 1;
+            } else {
+                s.late += 1;
+                u.late += 1;
+            }
+            u.busy_us += p.busy_us;
+        }
+        let (detections, mut timings, outputs) = match self.outputs.remove(&frame) {
+            Some(item) => (item.detections, item.timings, item.outputs),
+            None => Default::default(),
+        };
+        timings.queue_us = queue_us;
+        let model = p.frame.model.as_str();
+        if status == Status::Shed(tidegate_protocol::ShedReason::EdgeGone) {
+            // Never run, and nobody is there to take its result.
+            self.metrics
+                .frames
+                .with_label_values(&[model, status.label()])
+                .inc();
+            self.metrics
+                .frames_dropped
+                .with_label_values(&["edge_gone"])
+                .inc();
+            return;
+        }
+        if let Some(bp) = self.backpressure.as_mut() {
+            bp.on_outcome_as(p.edge, &p.frame.camera, &status, capacity);
+        }
+        self.metrics
+            .frames
+            .with_label_values(&[model, status.label()])
+            .inc();
+        if matches!(status, Status::Ok | Status::Failed(_)) {
+            self.metrics
+                .queue_wait
+                .with_label_values(&[model])
+                .observe(queue_us as f64 / 1e6);
+        }
+        let ok = status == Status::Ok;
+        if ok {
+            self.thumbnail(&p, &detections);
+        }
+        let result = FrameResult {
+            camera: p.frame.camera,
+            seq: p.frame.seq,
+            captured_at_us: p.frame.captured_at_us,
+            detections: if ok { detections } else { Vec::new() },
+            outputs: if ok { outputs } else { Vec::new() },
+            status,
+            timings,
+        };
+        let delivered = self.edges.get(&p.edge).is_some_and(|e| {
+            let size = result.held_bytes();
+            e.results.try_send(result, size).is_ok()
+        });
+        if !delivered {
+            self.metrics.undeliverable.inc();
         }
     }
 
