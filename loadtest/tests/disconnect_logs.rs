@@ -49,6 +49,9 @@ fn a_gateway_restart_and_an_edge_leaving_are_a_few_lines_not_one_per_camera() {
 
     // The gateway dies; it comes back without its worker, so every camera
     // is told to retry later, once a second, until the worker registers.
+    // The worker is frozen first: left alone it redials the restarted
+    // gateway, and may register before the edge is back.
+    c.signal_worker("worker-1", "STOP").unwrap();
     c.kill_gateway();
     std::thread::sleep(Duration::from_secs(2));
     c.restart_gateway().unwrap();
@@ -65,6 +68,7 @@ fn a_gateway_restart_and_an_edge_leaving_are_a_few_lines_not_one_per_camera() {
         std::thread::sleep(Duration::from_millis(100));
     }
     std::thread::sleep(Duration::from_secs(2));
+    // a fresh worker (the frozen one is killed)
     c.respawn_worker("worker-1").unwrap();
     c.wait_for_workers(1, Duration::from_secs(60)).unwrap();
     let before = edge.results().len();

@@ -165,7 +165,7 @@ fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_f
     // It reconnected by itself: a second connection.
     let connected: Vec<&String> = link_lines
         .iter()
-        .filter(|l| l.contains("tidegate_edge::node: connected"))
+        .filter(|l| l.contains("tidegate_edge::node::link: connected"))
         .collect();
     assert!(
         connected.len() >= 2,
