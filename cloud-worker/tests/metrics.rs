@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -16,6 +16,7 @@ use tidegate_protocol::quic::{read_message, server_config, write_message};
 use tidegate_protocol::{
     DType, Dispatch, DispatchItem, Geometry, Layout, Limits, Message, Status, Tensor, Welcome,
 };
+use tidegate_testkit::promtool::promtool;
 
 /// Bounds every wait, so that a broken worker fails the test instead of
 /// hanging it; no assertion depends on how fast anything runs.
@@ -151,27 +152,6 @@ async fn serve_one_batch(endpoint: &quinn::Endpoint) -> (quinn::Connection, Vec<
     // keep the control stream: dropping it would end the link
     std::mem::forget((ctl_send, ctl_recv));
     (conn, result.items.into_iter().map(|i| i.status).collect())
-}
-
-/// `TIDEGATE_PROMTOOL`, else `promtool/promtool` in the cache that
-/// `scripts/setup.sh` fills, as `gateway/tests/deploy.rs` finds it.
-fn promtool() -> PathBuf {
-    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty());
-    if let Some(p) = var("TIDEGATE_PROMTOOL") {
-        return PathBuf::from(p);
-    }
-    let cache = var("TIDEGATE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| var("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("tidegate")))
-        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/tidegate")))
-        .expect("HOME is set");
-    let p = cache.join("promtool/promtool");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/setup.sh, which unpacks promtool from Debian's prometheus package",
-        p.display()
-    );
-    p
 }
 
 /// The value of the series whose line starts with `series ` in `text`.

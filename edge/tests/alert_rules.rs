@@ -11,7 +11,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use tidegate_testkit::promtool::{run_promtool, series_in};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -25,66 +25,6 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// `TIDEGATE_PROMTOOL`, else `promtool/promtool` in the cache that
-/// `scripts/setup.sh` fills (`$TIDEGATE_CACHE`, `$XDG_CACHE_HOME/tidegate`
-/// or `~/.cache/tidegate`), as `gateway/tests/deploy.rs` finds it.
-fn promtool() -> PathBuf {
-    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty());
-    if let Some(p) = var("TIDEGATE_PROMTOOL") {
-        return PathBuf::from(p);
-    }
-    let cache = var("TIDEGATE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| var("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("tidegate")))
-        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/tidegate")))
-        .expect("HOME is set");
-    let p = cache.join("promtool/promtool");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/setup.sh, which unpacks promtool from Debian's prometheus package",
-        p.display()
-    );
-    p
-}
-
-/// Runs promtool in `deploy/prometheus`; its output, or a failure with it.
-fn run_promtool(args: &[&str]) -> String {
-    let out = Command::new(promtool())
-        .args(args)
-        .current_dir(repo().join("deploy/prometheus"))
-        .output()
-        .expect("promtool runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
-    text
-}
-
-/// Every `tidegate_…` series name in `text`.
-fn series_in(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let bytes = text.as_bytes();
-    let mut i = 0;
-    while let Some(at) = text[i..].find("tidegate_") {
-        let start = i + at;
-        let boundary = start == 0 || {
-            let b = bytes[start - 1];
-            !(b.is_ascii_alphanumeric() || b == b'_' || b == b':')
-        };
-        let end = text[start..]
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .map_or(text.len(), |n| start + n);
-        if boundary {
-            out.insert(text[start..end].to_string());
-        }
-        i = end;
-    }
-    out
-}
-
 /// The names after `key` on lines of `text` that start with it.
 fn values_of<'a>(text: &'a str, key: &str) -> Vec<&'a str> {
     text.lines()
@@ -95,9 +35,15 @@ fn values_of<'a>(text: &'a str, key: &str) -> Vec<&'a str> {
 
 #[test]
 fn worker_and_edge_rules_pass_promtool_and_their_unit_tests() {
-    let checked = run_promtool(&["check", "rules", "workers_edges.yml"]);
+    let checked = run_promtool(
+        &["check", "rules", "workers_edges.yml"],
+        &repo().join("deploy/prometheus"),
+    );
     assert!(checked.contains("SUCCESS"), "{checked}");
-    let tested = run_promtool(&["test", "rules", "workers_edges_test.yml"]);
+    let tested = run_promtool(
+        &["test", "rules", "workers_edges_test.yml"],
+        &repo().join("deploy/prometheus"),
+    );
     assert!(tested.contains("SUCCESS"), "{tested}");
 }
 

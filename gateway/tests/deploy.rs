@@ -8,77 +8,16 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde_json::Value;
 use tidegate_gateway::metrics::Metrics;
+use tidegate_testkit::promtool::{run_promtool, series_in};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("workspace root")
         .to_path_buf()
-}
-
-/// `TIDEGATE_PROMTOOL`, else `promtool/promtool` in the cache that
-/// `scripts/setup.sh` fills (`$TIDEGATE_CACHE`, `$XDG_CACHE_HOME/tidegate`
-/// or `~/.cache/tidegate`).
-fn promtool() -> PathBuf {
-    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty());
-    if let Some(p) = var("TIDEGATE_PROMTOOL") {
-        return PathBuf::from(p);
-    }
-    let cache = var("TIDEGATE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| var("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("tidegate")))
-        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/tidegate")))
-        .expect("HOME is set");
-    let p = cache.join("promtool/promtool");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/setup.sh, which unpacks promtool from Debian's prometheus package",
-        p.display()
-    );
-    p
-}
-
-/// Runs promtool; its output, or a failure with it.
-fn run_promtool(args: &[&str], dir: &Path) -> String {
-    let out = Command::new(promtool())
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("promtool runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
-    text
-}
-
-/// Every `tidegate_…` series name in `text` (recording rules, named
-/// `tidegate:…`, are not series of the gateway).
-fn series_in(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let bytes = text.as_bytes();
-    let mut i = 0;
-    while let Some(at) = text[i..].find("tidegate_") {
-        let start = i + at;
-        let boundary = start == 0 || {
-            let b = bytes[start - 1];
-            !(b.is_ascii_alphanumeric() || b == b'_' || b == b':')
-        };
-        let end = text[start..]
-            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-            .map_or(text.len(), |n| start + n);
-        if boundary {
-            out.insert(text[start..end].to_string());
-        }
-        i = end;
-    }
-    out
 }
 
 fn dashboard() -> Value {

@@ -9,12 +9,12 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
+use tidegate_testkit::promtool::promtool;
 
 /// Bounds every wait, so that a broken edge fails the test instead of
 /// hanging it; no assertion depends on how fast anything runs.
@@ -45,27 +45,6 @@ fn samples(text: &str, prefix: &str) -> BTreeMap<String, f64> {
             Some((series.to_string(), v.parse().ok()?))
         })
         .collect()
-}
-
-/// `TIDEGATE_PROMTOOL`, else `promtool/promtool` in the cache that
-/// `scripts/setup.sh` fills, as `gateway/tests/deploy.rs` finds it.
-fn promtool() -> PathBuf {
-    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty());
-    if let Some(p) = var("TIDEGATE_PROMTOOL") {
-        return PathBuf::from(p);
-    }
-    let cache = var("TIDEGATE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| var("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("tidegate")))
-        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/tidegate")))
-        .expect("HOME is set");
-    let p = cache.join("promtool/promtool");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/setup.sh, which unpacks promtool from Debian's prometheus package",
-        p.display()
-    );
-    p
 }
 
 /// The address in the edge's `metrics listening on ADDR` line (stderr).

@@ -21,6 +21,8 @@ pub mod mini_kube;
 pub mod mini_slurm;
 #[cfg(feature = "worker")]
 pub mod pb;
+#[cfg(feature = "prometheus")]
+pub mod promtool;
 #[cfg(feature = "provider")]
 pub mod provider;
 #[cfg(feature = "edge")]
