@@ -1170,13 +1170,14 @@ impl Scheduler {
         }
     }
 
-    /// Earliest finish of one frame of `model` on any worker, counting the
-    /// batches each worker already has.
-    fn best_finish(&self, model: &str, now: Micros) -> Option<Micros> {
+    /// Earliest finish of one frame of `model` on any worker but `except`
+    /// (the one that failed the frame, if any), counting the batches each
+    /// worker already has.
+    fn best_finish(&self, model: &str, now: Micros, except: Option<WorkerId>) -> Option<Micros> {
         self.workers
-            .values()
-            .filter(|w| w.available())
-            .filter_map(|w| Some(w.start_at(now) + w.models.get(model)?.latency(1)))
+            .iter()
+            .filter(|(id, w)| Some(**id) != except && w.available())
+            .filter_map(|(_, w)| Some(w.start_at(now) + w.models.get(model)?.latency(1)))
             .min()
     }
 
@@ -1223,7 +1224,11 @@ impl Scheduler {
                 if start + profile.latency(1) <= deadline {
                     break Some(deadline);
                 }
-                if self.best_finish(&model, now).is_some_and(|f| f <= deadline) {
+                let failed_on = self.queued.get(&id).and_then(|q| q.failed_on);
+                if self
+                    .best_finish(&model, now, failed_on)
+                    .is_some_and(|f| f <= deadline)
+                {
                     break None;
                 }
                 let q = self.unqueue(id).expect("queued frame is indexed");
@@ -1471,14 +1476,10 @@ impl Scheduler {
     /// its camera has no newer frame queued (which supersedes it).
     fn can_retry(&self, now: Micros, q: &Queued, worker: WorkerId) -> bool {
         let a = &q.arrival;
-        let elsewhere = self
-            .workers
-            .iter()
-            .filter(|(id, w)| **id != worker && w.available())
-            .filter_map(|(_, w)| Some(w.start_at(now) + w.models.get(&a.model)?.latency(1)))
-            .min();
         q.failed_on.is_none()
-            && elsewhere.is_some_and(|finish| finish <= a.deadline)
+            && self
+                .best_finish(&a.model, now, Some(worker))
+                .is_some_and(|finish| finish <= a.deadline)
             && !self.gone_set.contains(&a.edge)
             && !self.by_camera.contains_key(&(a.edge, a.camera.clone()))
     }
