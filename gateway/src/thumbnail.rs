@@ -459,8 +459,7 @@ impl Thumbnails {
     pub fn begin(&self, edge: &str, camera: &str, now: Instant) -> Option<Ticket> {
         let mut s = self.lock();
         let config = s.config?;
-        s.next += 1;
-        let id = s.next;
+        let id = s.next + 1;
         let key = (edge.to_string(), camera.to_string());
         let slot = s.cameras.entry(key.clone()).or_default();
         let due = slot
@@ -471,6 +470,7 @@ impl Thumbnails {
         }
         slot.running = Some(id);
         slot.started = Some(now);
+        s.next = id;
         Some(Ticket {
             key,
             id,
