@@ -1515,8 +1515,11 @@ impl State {
         let (tensor, geometry) = (p.frame.tensor.clone(), p.frame.geometry);
         let detections = detections.to_vec();
         let (edge, camera) = (p.edge_name.clone(), p.frame.camera.clone());
+        let counted = self.metrics.thumbnails.clone();
         self.tracker.spawn_blocking(move || {
             let jpeg = crate::thumbnail::render(&tensor, &geometry, &detections, ticket.max_px);
+            let result = if jpeg.is_ok() { "rendered" } else { "refused" };
+            counted.with_label_values(&[result]).inc();
             if let Some(e) = store.finish(ticket, jpeg) {
                 tracing::warn!(edge = %edge, camera = %camera, "no thumbnail: {e}");
             }

@@ -64,6 +64,10 @@ pub struct Metrics {
     /// `tidegate_http_connections_refused_total`: HTTP connections closed
     /// as they were accepted, the API's connection cap being reached.
     pub http_refused: IntCounter,
+    /// `tidegate_thumbnails_total{result}`: camera thumbnails drawn for
+    /// the status page (`[status] thumbnails`): `rendered`, or `refused`
+    /// when the frame was no picture or could not be encoded.
+    pub thumbnails: IntCounterVec,
     /// `tidegate_results_undeliverable_total`: results whose edge had gone
     /// (before or while they were written), or had stopped taking them (its
     /// queue full).
@@ -246,6 +250,8 @@ pub mod known {
     pub const ACQUIRE_RESULTS: [&str; 3] = ["ok", "no_capacity", "error"];
     /// `tidegate_config_reloads_total{result}`.
     pub const RELOADS: [&str; 2] = ["ok", "error"];
+    /// `tidegate_thumbnails_total{result}`.
+    pub const THUMBNAILS: [&str; 2] = ["rendered", "refused"];
     /// `tidegate_connections_revoked_total{role}`.
     pub const ROLES: [&str; 2] = ["edge", "worker"];
 }
@@ -313,6 +319,10 @@ pub mod defs {
     pub const HTTP_REFUSED: Def = Def {
         name: "tidegate_http_connections_refused_total",
         help: "HTTP API connections closed as they were accepted because [http] max_connections were open.",
+    };
+    pub const THUMBNAILS: Def = Def {
+        name: "tidegate_thumbnails_total",
+        help: "Camera thumbnails drawn for the status page, by result: rendered, or refused (the frame was no picture, or did not encode).",
     };
     pub const FRAMES_RETRIED: Def = Def {
         name: "tidegate_frames_retried_total",
@@ -484,6 +494,7 @@ impl Metrics {
             control_dropped: int_counters(defs::CONTROL_DROPPED, &["kind"]),
             quic_refused: int_counters(defs::QUIC_REFUSED, &["reason"]),
             http_refused: int_counter(defs::HTTP_REFUSED),
+            thumbnails: int_counters(defs::THUMBNAILS, &["result"]),
             frames_retried: int_counter(defs::FRAMES_RETRIED),
             workers_stalled: int_counter(defs::WORKERS_STALLED),
             worker_demotions: int_counters(defs::WORKER_DEMOTIONS, &["model", "reason"]),
@@ -561,6 +572,9 @@ impl Metrics {
         for r in known::RELOADS {
             self.config_reloads.with_label_values(&[r]);
         }
+        for r in known::THUMBNAILS {
+            self.thumbnails.with_label_values(&[r]);
+        }
         for r in known::ROLES {
             self.revoked.with_label_values(&[r]);
         }
@@ -626,6 +640,7 @@ impl Metrics {
             Box::new(self.control_dropped.clone()),
             Box::new(self.quic_refused.clone()),
             Box::new(self.http_refused.clone()),
+            Box::new(self.thumbnails.clone()),
             Box::new(self.undeliverable.clone()),
             Box::new(self.frames_dropped.clone()),
             Box::new(self.frames_retried.clone()),
@@ -744,7 +759,7 @@ mod tests {
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
         let process = names.iter().filter(|n| n.starts_with("process_")).count();
         assert!(process >= 5, "{names:?}");
-        assert_eq!(names.len() - process, 39 + 7 * 2, "{names:?}");
+        assert_eq!(names.len() - process, 40 + 7 * 2, "{names:?}");
     }
 
     #[test]

@@ -139,6 +139,18 @@ pub enum ClusterError {
         /// The gateway's log.
         log: String,
     },
+    /// A worker started with `--metrics-listen` never said where.
+    #[error(
+        "worker {name} did not print `metrics listening on ADDR` within {timeout:?}; its log:\n{log}"
+    )]
+    NoMetricsAddr {
+        /// The worker.
+        name: String,
+        /// How long.
+        timeout: Duration,
+        /// Its log.
+        log: String,
+    },
     /// `GET /api/v1/workers` answered 200 with something other than JSON.
     #[error("GET /api/v1/workers answered 200 but not JSON ({source}): {body}")]
     WorkersNotJson {
@@ -470,18 +482,45 @@ impl Cluster {
         models_dir: &Path,
         models: &[&str],
     ) -> Result<(), ClusterError> {
+        self.spawn_worker_with(name, models_dir, models, &[])
+    }
+
+    /// Starts a worker serving BlazeFace with `args` added to its command
+    /// line (`--metrics-listen 127.0.0.1:0`, say). Its stdout and stderr
+    /// both go to its log ([`Cluster::worker_log`]).
+    pub fn spawn_worker_with_args(
+        &mut self,
+        name: &str,
+        args: &[&str],
+    ) -> Result<(), ClusterError> {
+        self.spawn_worker_with(name, &workspace_root().join("models"), &["blazeface"], args)
+    }
+
+    fn spawn_worker_with(
+        &mut self,
+        name: &str,
+        models_dir: &Path,
+        models: &[&str],
+        args: &[&str],
+    ) -> Result<(), ClusterError> {
         let cfg = self.worker_config(name, models_dir, models)?;
         let log_path = self.dir.path().join(format!("{name}.log"));
         let log = std::fs::File::create(&log_path).map_err(|source| ClusterError::Write {
+            path: log_path.clone(),
+            source,
+        })?;
+        let out = log.try_clone().map_err(|source| ClusterError::Write {
             path: log_path,
             source,
         })?;
         let child = command("tidegate-worker")?
             .arg("--config")
             .arg(cfg)
+            .args(args)
             .env("TIDEGATE_WORKER_TOKEN", &self.worker_token)
             .env("TIDEGATE_LOG", "info")
-            .stdout(Stdio::null())
+            .env_remove("TIDEGATE_METRICS_LISTEN")
+            .stdout(out)
             .stderr(log)
             .spawn()
             .map_err(|source| ClusterError::Spawn {
@@ -500,6 +539,33 @@ impl Cluster {
     /// A worker's log so far.
     pub fn worker_log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// Where a worker started with `--metrics-listen` serves `/metrics`,
+    /// read from its `metrics listening on ADDR` line within `timeout`.
+    pub fn worker_metrics_addr(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<SocketAddr, ClusterError> {
+        let until = Instant::now() + timeout;
+        loop {
+            let log = self.worker_log(name);
+            if let Some(addr) = log.lines().find_map(|l| {
+                l.strip_prefix("metrics listening on ")
+                    .and_then(|a| a.trim().parse().ok())
+            }) {
+                return Ok(addr);
+            }
+            if Instant::now() >= until {
+                return Err(ClusterError::NoMetricsAddr {
+                    name: name.to_string(),
+                    timeout,
+                    log,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Sends `signal` (a `kill -s` name: STOP, CONT, TERM, ...) to a worker.

@@ -76,6 +76,14 @@ pub enum EdgeHarnessError {
         /// The edge's log.
         log: String,
     },
+    /// An edge started with `--metrics-listen` never said where.
+    #[error("the edge did not print `metrics listening on ADDR` within {timeout:?}; log:\n{log}")]
+    NoMetricsAddr {
+        /// How long.
+        timeout: Duration,
+        /// The edge's log.
+        log: String,
+    },
     /// The edge's state could not be read.
     #[error("waiting for the edge to exit: {source}")]
     Wait {
@@ -280,6 +288,25 @@ impl EdgeProcess {
     /// Its stderr so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Where an edge started with `--metrics-listen` serves `/metrics`,
+    /// read from its `metrics listening on ADDR` line within `timeout`.
+    pub fn metrics_addr(&self, timeout: Duration) -> Result<SocketAddr, EdgeHarnessError> {
+        let until = Instant::now() + timeout;
+        loop {
+            let log = self.log();
+            if let Some(addr) = log.lines().find_map(|l| {
+                l.strip_prefix("metrics listening on ")
+                    .and_then(|a| a.trim().parse().ok())
+            }) {
+                return Ok(addr);
+            }
+            if Instant::now() >= until {
+                return Err(EdgeHarnessError::NoMetricsAddr { timeout, log });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// The latest `camera_stats` line of each camera.

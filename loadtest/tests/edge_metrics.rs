@@ -47,25 +47,6 @@ fn samples(text: &str, prefix: &str) -> BTreeMap<String, f64> {
         .collect()
 }
 
-/// The address in the edge's `metrics listening on ADDR` line (stderr).
-fn metrics_addr(edge: &EdgeProcess) -> SocketAddr {
-    let until = Instant::now() + BOUND;
-    loop {
-        let log = edge.log();
-        if let Some(addr) = log
-            .lines()
-            .find_map(|l| l.strip_prefix("metrics listening on "))
-        {
-            return addr.trim().parse().expect("a socket address");
-        }
-        assert!(
-            Instant::now() < until,
-            "the edge never said where its metrics listen:\n{log}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 #[test]
 fn an_edges_metrics_are_its_camera_counters_and_parse() {
     let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
@@ -84,7 +65,7 @@ fn an_edges_metrics_are_its_camera_counters_and_parse() {
     .unwrap();
     // counters every second (EdgeProcess), which the metrics read
     let edge = EdgeProcess::spawn(&c, &cfg, &["--metrics-listen", "127.0.0.1:0"]).unwrap();
-    let addr = metrics_addr(&edge);
+    let addr = edge.metrics_addr(BOUND).unwrap();
     edge.wait_for_results(BOUND, "results", |r| r.len() >= 10)
         .unwrap();
 

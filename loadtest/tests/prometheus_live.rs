@@ -1,7 +1,9 @@
 //! A real Prometheus server (Debian's, unpacked into the cache by
-//! `scripts/setup.sh`) on 127.0.0.1 scrapes a real gateway with a CPU
-//! worker every second and evaluates `deploy/prometheus/rules.yml`, under a
-//! light load and then under an overload, and every query of
+//! `scripts/setup.sh`) on 127.0.0.1 scrapes, every second, a real gateway,
+//! its CPU worker's `/metrics` and a real `tidegate-edge` with a `test://`
+//! camera, as the jobs of docs/operations.md. It evaluates
+//! `deploy/prometheus/rules.yml` and `workers_edges.yml` under a light load
+//! and then under an overload, and every query of
 //! `deploy/grafana/tidegate.json` is run against what it scraped.
 //!
 //! The rules are loaded with every duration divided by [`SCALE`] (a minute
@@ -22,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim;
 
@@ -45,6 +48,13 @@ const NEVER: &[&str] = &[
     "TidegateLeasesFailingToStart",
     "TidegateProviderNoCapacity",
     "TidegateLeasesLost",
+    // workers_edges.yml: a CPU worker has no GPU to fill or heat, and an
+    // edge on 127.0.0.1 loses no packets and keeps its one connection
+    "TidegateWorkerGpuMemoryNearFull",
+    "TidegateWorkerGpuHot",
+    "TidegateEdgeUplinkLossHigh",
+    "TidegateEdgeReconnecting",
+    "TidegateEdgeUplinkDown",
 ];
 
 /// `prometheus` from `TIDEGATE_PROMETHEUS`, else the cache's.
@@ -111,7 +121,7 @@ fn scaled(text: &str) -> String {
     out
 }
 
-/// A Prometheus server scraping `target` every second, killed on drop.
+/// A Prometheus server scraping its targets every second, killed on drop.
 struct Prometheus {
     child: Child,
     addr: SocketAddr,
@@ -119,15 +129,25 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    fn start(target: SocketAddr) -> Prometheus {
+    /// Scrapes each `(job, address)` and evaluates both rule files.
+    fn start(targets: &[(&str, SocketAddr)]) -> Prometheus {
         let dir = tempfile::tempdir().unwrap();
-        let rules = std::fs::read_to_string(workspace_root().join("deploy/prometheus/rules.yml"))
-            .expect("deploy/prometheus/rules.yml");
-        std::fs::write(dir.path().join("rules.yml"), scaled(&rules)).unwrap();
+        for file in ["rules.yml", "workers_edges.yml"] {
+            let rules =
+                std::fs::read_to_string(workspace_root().join("deploy/prometheus").join(file))
+                    .unwrap_or_else(|e| panic!("deploy/prometheus/{file}: {e}"));
+            std::fs::write(dir.path().join(file), scaled(&rules)).unwrap();
+        }
+        let jobs: String = targets
+            .iter()
+            .map(|(job, addr)| {
+                format!("  - job_name: {job}\n    static_configs:\n      - targets: ['{addr}']\n")
+            })
+            .collect();
         std::fs::write(
             dir.path().join("prometheus.yml"),
             format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: [rules.yml]\nscrape_configs:\n  - job_name: tidegate\n    static_configs:\n      - targets: ['{target}']\n"
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: [rules.yml, workers_edges.yml]\nscrape_configs:\n{jobs}"
             ),
         )
         .unwrap();
@@ -207,9 +227,10 @@ impl Prometheus {
         })
     }
 
-    /// Whether the gateway's scrapes succeed.
-    fn target_up(&self) -> bool {
-        self.has_data("up{job=\"tidegate\"} == 1").unwrap_or(false)
+    /// Whether the scrapes of `job` succeed.
+    fn target_up(&self, job: &str) -> bool {
+        self.has_data(&format!("up{{job=\"{job}\"}} == 1"))
+            .unwrap_or(false)
     }
 }
 
@@ -281,15 +302,6 @@ fn dashboard_queries(root: &Path) -> Vec<(String, String)> {
     out
 }
 
-/// The series names (`tidegate_…`, `process_…`) a query reads; recording
-/// rules' names (with a colon) are left out.
-fn series_in(q: &str) -> BTreeSet<String> {
-    q.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
-        .filter(|t| (t.starts_with("tidegate_") || t.starts_with("process_")) && !t.contains(':'))
-        .map(str::to_string)
-        .collect()
-}
-
 /// Series that exist only with leasing (this cluster has none), a spend
 /// cap, or a worker label's ratio to its profile before a batch was timed
 /// against one: their panels may be empty here.
@@ -303,22 +315,67 @@ const LEASING_ONLY: &[&str] = &[
     "tidegate:cost_per_hour",
 ];
 
+/// Series a worker exports only when NVML reads a GPU; this one runs on
+/// the CPU and says so in `tidegate_worker_gpu_info{gpu="none"}`.
+const GPU_ONLY: &[&str] = &[
+    "tidegate_worker_gpu_utilization_ratio",
+    "tidegate_worker_gpu_memory_used_bytes",
+    "tidegate_worker_gpu_memory_total_bytes",
+    "tidegate_worker_gpu_power_watts",
+    "tidegate_worker_gpu_temperature_celsius",
+];
+
+/// Bounds each wait for a process to start or a scrape to succeed.
+const BOUND: Duration = Duration::from_secs(90);
+
+/// A real edge with metrics and one `test://` camera at 10 fps.
+fn edge_with_metrics(c: &Cluster) -> (EdgeProcess, SocketAddr) {
+    let cfg = edge_config(
+        c,
+        "edge-1",
+        &[EdgeCamera::new(
+            "ball",
+            "test://ball?width=320&height=240",
+            "blazeface",
+            10.0,
+        )],
+    )
+    .expect("the edge config");
+    let edge =
+        EdgeProcess::spawn(c, &cfg, &["--metrics-listen", "127.0.0.1:0"]).expect("the edge starts");
+    let addr = edge.metrics_addr(BOUND).expect("the edge serves metrics");
+    (edge, addr)
+}
+
 #[test]
 fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
     let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
-    c.spawn_worker("worker-1").expect("worker starts");
-    c.wait_for_workers(1, Duration::from_secs(60))
-        .expect("worker registers");
-    let prom = Prometheus::start(c.http);
-    let until = Instant::now() + Duration::from_secs(30);
-    while !prom.target_up() {
-        assert!(
-            Instant::now() < until,
-            "no scrape of the gateway: {}",
-            prom.log()
-        );
-        std::thread::sleep(Duration::from_millis(500));
+    c.spawn_worker_with_args("worker-1", &["--metrics-listen", "127.0.0.1:0"])
+        .expect("worker starts");
+    c.wait_for_workers(1, BOUND).expect("worker registers");
+    let worker = c
+        .worker_metrics_addr("worker-1", BOUND)
+        .expect("the worker serves metrics");
+    let (edge, edge_metrics) = edge_with_metrics(&c);
+    let jobs = [
+        ("tidegate-gateway", c.http),
+        ("tidegate-worker", worker),
+        ("tidegate-edge", edge_metrics),
+    ];
+    let prom = Prometheus::start(&jobs);
+    let until = Instant::now() + BOUND;
+    for (job, addr) in jobs {
+        while !prom.target_up(job) {
+            assert!(
+                Instant::now() < until,
+                "no scrape of {job} at {addr}: {}",
+                prom.log()
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
     }
+    edge.wait_for_results(BOUND, "the edge's first results", |r| !r.is_empty())
+        .expect("the edge's camera gets results");
 
     // Light load: an alert may fire only if its condition held.
     let light = load(&c, 2, 5.0, 15.0).join().unwrap();
@@ -388,22 +445,15 @@ fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
         );
     }
 
-    // Every dashboard query runs; each returns data unless it is about
-    // leasing, which this cluster does not do.
+    // Every dashboard query runs, on the gateway's, the worker's and the
+    // edge's scrapes; each returns data unless it is about leasing, which
+    // this cluster does not do, or a GPU, which its worker lacks.
     let mut empty = Vec::new();
-    let gateway: BTreeSet<String> = tidegate_gateway::metrics::Metrics::new()
-        .series_names()
-        .into_iter()
-        .collect();
     for (title, q) in dashboard_queries(&workspace_root()) {
-        // the workers' and edges' own series: their endpoints are not
-        // scraped here (their crates' tests scrape them)
-        if series_in(&q).iter().any(|s| !gateway.contains(s)) {
-            continue;
-        }
         match prom.has_data(&q) {
             Ok(true) => {}
             Ok(false) if LEASING_ONLY.iter().any(|s| q.contains(s)) => {}
+            Ok(false) if GPU_ONLY.iter().any(|s| q.contains(s)) => {}
             Ok(false) => empty.push(format!("{title}: {q}")),
             Err(e) => panic!("{title}: {q} failed: {e}"),
         }

@@ -614,4 +614,26 @@ fn camera_thumbnails_when_on_are_bounded_jpegs_that_the_page_shows() {
     load.join()
         .expect("the simulated edge did not panic")
         .expect("the simulated edge ran to its end");
+
+    // The metrics count each render once: every camera's was rendered,
+    // and the refusals are the status page's (none: JPEG pictures).
+    let status = json(&c, "/api/v1/status");
+    let (code, metrics) = c.get("/metrics").expect("GET /metrics");
+    assert_eq!(code, 200, "{metrics}");
+    let counted = |result: &str| -> f64 {
+        let series = format!("tidegate_thumbnails_total{{result=\"{result}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in:\n{metrics}"))
+    };
+    assert!(counted("rendered") >= 3.0, "{metrics}");
+    assert_eq!(
+        counted("refused"),
+        status["thumbnails"]["refused"]
+            .as_f64()
+            .expect("thumbnails.refused"),
+        "{status}"
+    );
 }
