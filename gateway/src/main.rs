@@ -332,8 +332,14 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
     )
     .context("loading the gateway's TLS certificate")?;
     use tidegate_gateway::preflight::{Listener, bind_error};
-    let endpoint = quinn::Endpoint::server(server_config, cfg.quic.listen)
-        .map_err(|e| anyhow::anyhow!("{}", bind_error(Listener::Quic, cfg.quic.listen, &e)))?;
+    let (endpoint, buffers) =
+        tidegate_protocol::quic::server_endpoint(server_config, cfg.quic.listen)
+            .map_err(|e| anyhow::anyhow!("{}", bind_error(Listener::Quic, cfg.quic.listen, &e)))?;
+    tracing::info!(
+        recv = buffers.recv,
+        send = buffers.send,
+        "QUIC socket buffers (bytes)"
+    );
     let http = tokio::net::TcpListener::bind(cfg.http.listen)
         .await
         .map_err(|e| anyhow::anyhow!("{}", bind_error(Listener::Http, cfg.http.listen, &e)))?;

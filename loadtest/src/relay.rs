@@ -616,8 +616,12 @@ impl RawServer {
         let certs = cluster.dir().join("certs");
         let cfg = server_config(&certs.join("gateway.pem"), &certs.join("gateway.key"))
             .map_err(RelayError::RawServerTls)?;
-        let endpoint = quinn::Endpoint::server(cfg, (std::net::Ipv4Addr::LOCALHOST, 0).into())
-            .map_err(RelayError::RawServerBind)?;
+        // the gateway's socket buffers, so that only the relay differs
+        let (endpoint, _) = tidegate_protocol::quic::server_endpoint(
+            cfg,
+            (std::net::Ipv4Addr::LOCALHOST, 0).into(),
+        )
+        .map_err(RelayError::RawServerBind)?;
         let ep = endpoint.clone();
         tokio::spawn(async move {
             while let Some(incoming) = ep.accept().await {

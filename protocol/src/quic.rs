@@ -179,6 +179,83 @@ fn transport(keep_alive: bool, congestion: Congestion) -> quinn::TransportConfig
     t
 }
 
+/// Bytes asked of the kernel for each QUIC socket's receive and send
+/// buffers. The default (208 KiB on Linux) overflows when a burst of
+/// frames lands at once, 20 cameras in step sending 48 KiB each: the
+/// kernel drops the datagrams, QUIC resends them a round trip later, and
+/// frames wait on loss recovery (docs/benchmarks.md, "Peers"). Linux caps
+/// the request at `net.core.rmem_max` / `wmem_max`; [`udp_socket`] warns
+/// when it got less.
+pub const SOCKET_BUFFER_BYTES: usize = 4 * 1024 * 1024;
+
+/// The buffer sizes a QUIC socket got from the kernel (bytes; what
+/// `getsockopt` reads back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketBuffers {
+    /// `SO_RCVBUF`.
+    pub recv: usize,
+    /// `SO_SNDBUF`.
+    pub send: usize,
+}
+
+/// A UDP socket bound to `addr` for a QUIC endpoint, with receive and
+/// send buffers of [`SOCKET_BUFFER_BYTES`] asked for. Logs one warning
+/// (per process) naming the sysctl to raise when the kernel granted less;
+/// the socket is usable either way.
+pub fn udp_socket(addr: SocketAddr) -> std::io::Result<(std::net::UdpSocket, SocketBuffers)> {
+    let socket = std::net::UdpSocket::bind(addr)?;
+    let s = socket2::SockRef::from(&socket);
+    // Best effort: a kernel that refuses keeps its default, read back below.
+    let _ = s.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
+    let _ = s.set_send_buffer_size(SOCKET_BUFFER_BYTES);
+    let got = SocketBuffers {
+        recv: s.recv_buffer_size()?,
+        send: s.send_buffer_size()?,
+    };
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    // Linux reports twice what it grants (the doubling covers its
+    // bookkeeping), so a full grant reads back as at least the request.
+    if got.recv < SOCKET_BUFFER_BYTES || got.send < SOCKET_BUFFER_BYTES {
+        WARNED.call_once(|| {
+            tracing::warn!(
+                recv = got.recv,
+                send = got.send,
+                wanted = SOCKET_BUFFER_BYTES,
+                "the kernel granted QUIC sockets smaller buffers than asked: bursts of frames may be dropped and resent; raise net.core.rmem_max and net.core.wmem_max to at least {SOCKET_BUFFER_BYTES} (docs/operations.md)"
+            );
+        });
+    }
+    Ok((socket, got))
+}
+
+/// A QUIC server endpoint on `addr` ([`udp_socket`]'s buffers) with
+/// `config`, on the current Tokio runtime.
+pub fn server_endpoint(
+    config: quinn::ServerConfig,
+    addr: SocketAddr,
+) -> std::io::Result<(quinn::Endpoint, SocketBuffers)> {
+    let (socket, got) = udp_socket(addr)?;
+    let endpoint = quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(config),
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )?;
+    Ok((endpoint, got))
+}
+
+/// A QUIC client endpoint on `bind` ([`udp_socket`]'s buffers), on the
+/// current Tokio runtime.
+pub fn client_endpoint(bind: SocketAddr) -> std::io::Result<quinn::Endpoint> {
+    let (socket, _) = udp_socket(bind)?;
+    quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        None,
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )
+}
+
 /// A server configuration from a PEM certificate chain and PEM private key,
 /// with the default congestion controller.
 pub fn server_config(cert_chain: &Path, key: &Path) -> Result<quinn::ServerConfig, TlsError> {
@@ -523,7 +600,7 @@ pub async fn dial(
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     };
-    let mut endpoint = quinn::Endpoint::client(bind).map_err(DialError::Bind)?;
+    let mut endpoint = client_endpoint(bind).map_err(DialError::Bind)?;
     endpoint.set_default_client_config(config);
     let connect = |reason: String| DialError::Connect { addr, reason };
     endpoint
@@ -672,7 +749,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let tls = crate::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
         let server = server_config(&tls.server_cert, &tls.server_key).unwrap();
-        let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let (endpoint, _) = server_endpoint(server, "127.0.0.1:0".parse().unwrap()).unwrap();
         let accepting = endpoint.clone();
         tokio::spawn(async move {
             while let Some(incoming) = accepting.accept().await {
@@ -781,5 +858,31 @@ mod tests {
             matches!(&err, DialError::Connect { addr, .. } if *addr == b),
             "{err:?}"
         );
+    }
+
+    /// What Linux grants for a request of `want` bytes under `cap` (its
+    /// `net.core.*mem_max`): the request, at most the cap and at least
+    /// its floor, doubled.
+    fn linux_grant(want: usize, cap: &str) -> usize {
+        let cap: usize = std::fs::read_to_string(format!("/proc/sys/net/core/{cap}"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        want.min(cap).max(2304) * 2
+    }
+
+    #[tokio::test]
+    async fn quic_sockets_ask_for_large_buffers_and_get_what_the_kernel_allows() {
+        let (socket, got) = udp_socket("127.0.0.1:0".parse().unwrap()).unwrap();
+        assert_eq!(got.recv, linux_grant(SOCKET_BUFFER_BYTES, "rmem_max"));
+        assert_eq!(got.send, linux_grant(SOCKET_BUFFER_BYTES, "wmem_max"));
+        // what the socket itself reports, not a figure made up beside it
+        let s = socket2::SockRef::from(&socket);
+        assert_eq!(s.recv_buffer_size().unwrap(), got.recv);
+        // the server endpoint carries them, and a client dials through one
+        let l = listener();
+        let conn = dial(l.addr, "localhost", l.client.clone()).await.unwrap();
+        conn.close(0u32.into(), b"done");
     }
 }
