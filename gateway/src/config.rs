@@ -561,6 +561,11 @@ pub struct LimitsConfig {
     /// what the rate refills, before it is closed as a flood.
     #[serde(default = "default_control_flood_drops")]
     pub control_flood_drops: u32,
+    /// How long an edge name is refused at login after one of its
+    /// connections was closed as a flood (ms); doubles with each flood in
+    /// a row, up to a minute. 0: never refused.
+    #[serde(default = "default_control_flood_cooldown_ms")]
+    pub control_flood_cooldown_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -576,6 +581,7 @@ impl Default for LimitsConfig {
             control_messages_per_second: default_control_messages_per_second(),
             control_burst: default_control_burst(),
             control_flood_drops: default_control_flood_drops(),
+            control_flood_cooldown_ms: default_control_flood_cooldown_ms(),
         }
     }
 }
@@ -599,6 +605,9 @@ fn default_control_burst() -> u32 {
 }
 fn default_control_flood_drops() -> u32 {
     crate::ratelimit::ControlRate::DEFAULT_FLOOD
+}
+fn default_control_flood_cooldown_ms() -> u64 {
+    crate::ratelimit::FloodCooldowns::DEFAULT_BASE.as_millis() as u64
 }
 
 /// A 4K RGB frame (24.9 MB) twice over; a 720p one (2.8 MB) 24 times.
@@ -898,6 +907,13 @@ impl LimitsConfig {
                     "limits.{key} = 0 would drop or close every edge's control stream; use at least 1"
                 )));
             }
+        }
+        let most = crate::ratelimit::FloodCooldowns::MAX.as_millis() as u64;
+        if l.control_flood_cooldown_ms > most {
+            return Err(ConfigError::Invalid(format!(
+                "limits.control_flood_cooldown_ms = {} is over the longest cooldown, {most} ms (it doubles up to that with each flood in a row); use at most {most}, or 0 to turn it off",
+                l.control_flood_cooldown_ms
+            )));
         }
         Ok(())
     }
@@ -1730,6 +1746,10 @@ mod tests {
             (
                 "[limits]\ncontrol_flood_drops = 0",
                 "limits.control_flood_drops",
+            ),
+            (
+                "[limits]\ncontrol_flood_cooldown_ms = 60001",
+                "limits.control_flood_cooldown_ms",
             ),
         ] {
             let cfg: Config = toml::from_str(&format!("{text}\n")).unwrap();

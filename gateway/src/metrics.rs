@@ -58,8 +58,10 @@ pub struct Metrics {
     pub control_dropped: IntCounterVec,
     /// `tidegate_quic_connections_refused_total{reason}`: QUIC connections
     /// refused: `unauthenticated` (at accept, `limits.max_unauthenticated`
-    /// connections not logged in yet) or `edge_connections` (at login,
-    /// `limits.max_connections_per_edge` of its name open).
+    /// connections not logged in yet), `edge_connections` (at login,
+    /// `limits.max_connections_per_edge` of its name open) or
+    /// `flood_cooldown` (at login, its name closed as a control flood
+    /// moments ago: `limits.control_flood_cooldown_ms`).
     pub quic_refused: IntCounterVec,
     /// `tidegate_http_connections_refused_total`: HTTP connections closed
     /// as they were accepted, the API's connection cap being reached.
@@ -237,7 +239,7 @@ pub mod known {
     /// `tidegate_control_messages_dropped_total{kind}`.
     pub const CONTROL_KINDS: [&str; 4] = ["camera_open", "latency_report", "clock_echo", "other"];
     /// `tidegate_quic_connections_refused_total{reason}`.
-    pub const QUIC_REFUSED: [&str; 2] = ["unauthenticated", "edge_connections"];
+    pub const QUIC_REFUSED: [&str; 3] = ["unauthenticated", "edge_connections", "flood_cooldown"];
     /// `tidegate_frames_dropped_total{reason}`.
     pub const FRAMES_DROPPED: [&str; 1] = ["edge_gone"];
     /// `tidegate_worker_demotions_total{reason}` (with each model).
@@ -314,7 +316,7 @@ pub mod defs {
     };
     pub const QUIC_REFUSED: Def = Def {
         name: "tidegate_quic_connections_refused_total",
-        help: "QUIC connections refused, by reason: unauthenticated (too many not logged in at once), edge_connections (its edge name has its most connections open).",
+        help: "QUIC connections refused, by reason: unauthenticated (too many not logged in at once), edge_connections (its edge name has its most connections open), flood_cooldown (its edge name was closed as a control flood moments ago).",
     };
     pub const HTTP_REFUSED: Def = Def {
         name: "tidegate_http_connections_refused_total",

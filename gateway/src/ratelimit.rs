@@ -9,9 +9,13 @@
 //! half a million reports a second raised everyone's p99 several times
 //! over. Messages over the rate are dropped before they reach the hub (the
 //! shell counts them by kind); a connection that keeps sending far over it
-//! is closed.
+//! is closed, and its edge name is kept out for a while
+//! ([`FloodCooldowns`]): without that, a flooder closed within a tenth of
+//! a second logs in again at once, and each new connection's burst and
+//! tolerated drops are read and decoded again, a hundred times a minute.
 
-use std::time::Instant;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 /// A token bucket: `per_second` tokens a second, holding at most `burst`.
 /// Starts full. Pure: the caller says what time it is.
@@ -156,10 +160,180 @@ impl ControlGate {
     }
 }
 
+/// Edge names whose connection was closed as a control flood, and until
+/// when each is refused at login. The cooldown is `base` for a name's
+/// first flood and doubles with each flood that follows within
+/// [`FloodCooldowns::FORGET_AFTER`] of the last cooldown's end, up to
+/// [`FloodCooldowns::MAX`]. A `base` of zero turns it off. Pure: the
+/// caller says what time it is.
+#[derive(Debug, Clone)]
+pub struct FloodCooldowns {
+    base: Duration,
+    names: HashMap<String, Strikes>,
+}
+
+/// One name's floods.
+#[derive(Debug, Clone, Copy)]
+struct Strikes {
+    /// Floods in a row (each within [`FloodCooldowns::FORGET_AFTER`] of
+    /// the last cooldown's end).
+    count: u32,
+    /// Refused at login until then.
+    until: Instant,
+}
+
+impl FloodCooldowns {
+    /// The longest cooldown.
+    pub const MAX: Duration = Duration::from_secs(60);
+    /// A name that has not flooded for this long after its cooldown ended
+    /// starts again from `base`, and is forgotten.
+    pub const FORGET_AFTER: Duration = Duration::from_secs(300);
+    /// Names remembered at once; past it, the one whose cooldown ended
+    /// first is forgotten. Only authenticated edges flood, so this is far
+    /// above any fleet's need.
+    pub const MAX_NAMES: usize = 4096;
+    /// The first cooldown by default: one second takes a flooder that
+    /// reconnects at once from a hundred closes a minute to a handful
+    /// (1 + 2 + 4 + 8 + 16 + 32 s), while an edge that flooded once by
+    /// mistake is back within a second.
+    pub const DEFAULT_BASE: Duration = Duration::from_secs(1);
+
+    /// Nobody refused; `base` is the first cooldown (zero: never refuse).
+    pub fn new(base: Duration) -> Self {
+        FloodCooldowns {
+            base: base.min(Self::MAX),
+            names: HashMap::new(),
+        }
+    }
+
+    /// Records that a connection of `name` was closed as a flood at `now`;
+    /// returns how long the name is refused from then.
+    pub fn flooded(&mut self, name: &str, now: Instant) -> Duration {
+        if self.base.is_zero() {
+            return Duration::ZERO;
+        }
+        self.forget_old(now);
+        let count = match self.names.get(name) {
+            Some(s) if now < s.until + Self::FORGET_AFTER => s.count.saturating_add(1),
+            _ => 1,
+        };
+        let doublings = (count - 1).min(16);
+        let cooldown = self.base.saturating_mul(1u32 << doublings).min(Self::MAX);
+        if !self.names.contains_key(name) && self.names.len() >= Self::MAX_NAMES {
+            let first = self
+                .names
+                .iter()
+                .min_by_key(|(_, s)| s.until)
+                .map(|(n, _)| n.clone());
+            if let Some(first) = first {
+                self.names.remove(&first);
+            }
+        }
+        // a cooldown never ends earlier than one already imposed
+        let until = self
+            .names
+            .get(name)
+            .map_or(now + cooldown, |s| s.until.max(now + cooldown));
+        self.names
+            .insert(name.to_string(), Strikes { count, until });
+        until - now
+    }
+
+    /// How much longer `name` is refused at `now`; `None` when it may log
+    /// in.
+    pub fn refused(&self, name: &str, now: Instant) -> Option<Duration> {
+        let s = self.names.get(name)?;
+        (now < s.until).then(|| s.until - now)
+    }
+
+    /// Names remembered now.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Whether no name is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    fn forget_old(&mut self, now: Instant) {
+        self.names.retain(|_, s| now < s.until + Self::FORGET_AFTER);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    #[test]
+    fn a_flooded_name_is_refused_for_a_doubling_cooldown_and_others_are_not() {
+        let t0 = Instant::now();
+        let mut c = FloodCooldowns::new(Duration::from_secs(1));
+        assert_eq!(c.refused("e", t0), None);
+        assert_eq!(c.flooded("e", t0), Duration::from_secs(1));
+        assert_eq!(c.refused("e", t0), Some(Duration::from_secs(1)));
+        assert_eq!(c.refused("other", t0), None);
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(c.refused("e", t1), None, "refused until, not at, its end");
+        // floods again as soon as it is back: 2 s, then 4 s, ...
+        assert_eq!(c.flooded("e", t1), Duration::from_secs(2));
+        let t2 = t1 + Duration::from_secs(2);
+        assert_eq!(c.flooded("e", t2), Duration::from_secs(4));
+        // ... up to a minute, however many floods follow
+        let mut t = t2;
+        for _ in 0..40 {
+            t += Duration::from_secs(61);
+            assert!(c.flooded("e", t) <= FloodCooldowns::MAX);
+        }
+        assert_eq!(c.refused("e", t), Some(FloodCooldowns::MAX));
+    }
+
+    #[test]
+    fn a_name_quiet_long_enough_starts_again_from_the_base_and_is_forgotten() {
+        let t0 = Instant::now();
+        let mut c = FloodCooldowns::new(Duration::from_millis(500));
+        c.flooded("e", t0);
+        c.flooded("e", t0 + Duration::from_secs(1));
+        let ended = t0 + Duration::from_secs(2);
+        let later = ended + FloodCooldowns::FORGET_AFTER;
+        assert_eq!(c.flooded("x", later), Duration::from_millis(500));
+        assert_eq!(c.len(), 1, "e forgotten once x's flood was recorded");
+        assert_eq!(c.flooded("e", later), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn a_flood_seen_twice_at_once_never_shortens_the_cooldown() {
+        // two connections of one name closed in the same instant: the
+        // second flood doubles, and a later, shorter one cannot cut it
+        let t0 = Instant::now();
+        let mut c = FloodCooldowns::new(Duration::from_secs(8));
+        c.flooded("e", t0);
+        assert_eq!(c.flooded("e", t0), Duration::from_secs(16));
+        assert_eq!(c.refused("e", t0), Some(Duration::from_secs(16)));
+    }
+
+    #[test]
+    fn a_zero_base_refuses_nobody_and_remembers_nothing() {
+        let t0 = Instant::now();
+        let mut c = FloodCooldowns::new(Duration::ZERO);
+        assert_eq!(c.flooded("e", t0), Duration::ZERO);
+        assert_eq!(c.refused("e", t0), None);
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn the_names_remembered_are_bounded() {
+        let t0 = Instant::now();
+        let mut c = FloodCooldowns::new(Duration::from_secs(1));
+        for i in 0..FloodCooldowns::MAX_NAMES + 10 {
+            c.flooded(&format!("e{i}"), t0 + Duration::from_millis(i as u64));
+        }
+        assert_eq!(c.len(), FloodCooldowns::MAX_NAMES);
+        // the earliest to end were the ones let go
+        assert_eq!(c.refused("e0", t0), None);
+        let last = FloodCooldowns::MAX_NAMES + 9;
+        assert!(c.refused(&format!("e{last}"), t0).is_some());
+    }
 
     #[test]
     fn a_full_bucket_passes_a_burst_then_refuses() {

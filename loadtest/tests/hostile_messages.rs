@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use tidegate_loadtest::attack::edge::{latency_report_flood, name_of, read_error, refused_login};
 use tidegate_loadtest::attack::http::{closed_by_server, half_a_request};
-use tidegate_loadtest::attack::{Target, login};
+use tidegate_loadtest::attack::{AttackError, Target, login};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::sim;
-use tidegate_protocol::quic::write_message;
+use tidegate_protocol::quic::{HandshakeError, write_message};
 use tidegate_protocol::{CUT_MARK, CameraOpen, Encoding, ErrorCode, ErrorMsg, Limits, Message};
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -121,7 +121,7 @@ fn a_latency_report_flood_is_dropped_counted_and_closed_while_a_camera_beside_it
         // Low enough that any flood a loaded test machine can send goes
         // over it; the legitimate camera's reports (10 a second) do not.
         limits:
-            "control_messages_per_second = 100\ncontrol_burst = 100\ncontrol_flood_drops = 2000"
+            "control_messages_per_second = 100\ncontrol_burst = 100\ncontrol_flood_drops = 2000\ncontrol_flood_cooldown_ms = 60000"
                 .into(),
         ..ClusterOptions::default()
     })
@@ -157,7 +157,34 @@ fn a_latency_report_flood_is_dropped_counted_and_closed_while_a_camera_beside_it
     assert_eq!(code, ErrorCode::Overloaded, "{message}");
     assert!(message.starts_with("control stream flooded"), "{message}");
 
+    // Its name is kept out for the cooldown (a minute here, so that no
+    // machine is slow enough to see it end): logging in again at once, with
+    // the right token, is refused saying when to come back.
+    let again = rt.block_on(login(&Target::of(&c), "flooder"));
+    match again {
+        Err(AttackError::Login {
+            source: HandshakeError::Refused { code, message },
+            ..
+        }) => {
+            assert_eq!(code, ErrorCode::Overloaded, "{message}");
+            assert!(
+                message.starts_with("edge 'flooder' refused: its connection was closed for flooding its control stream; log in again in "),
+                "{message}"
+            );
+        }
+        Err(e) => panic!("the flooder's next login failed otherwise: {e}"),
+        Ok(_) => panic!("the flooder logged in again during its cooldown"),
+    }
+
     let metrics = metrics_within(&c, Duration::from_secs(10));
+    assert_eq!(
+        counter(
+            &metrics,
+            "tidegate_quic_connections_refused_total{reason=\"flood_cooldown\"}"
+        ),
+        1.0,
+        "one login refused for the cooldown"
+    );
     let dropped = counter(
         &metrics,
         "tidegate_control_messages_dropped_total{kind=\"latency_report\"}",

@@ -293,7 +293,12 @@ impl EdgeSession<'_> {
                 rate: gate.rate(),
                 dropped: gate.dropped(),
             };
-            warn!(dropped = gate.dropped(), "{reply}");
+            let cooldown = self.server.edge_flooded(self.quota.name());
+            warn!(
+                dropped = gate.dropped(),
+                cooldown_ms = cooldown.as_millis() as u64,
+                "{reply}"
+            );
             refuse(&self.conn, &mut *self.ctl_send.lock().await, &reply).await;
             return false;
         }

@@ -60,6 +60,26 @@ pub(crate) enum QuotaError {
         /// The limit.
         max: usize,
     },
+    /// A connection of the edge was closed as a control flood, and its
+    /// cooldown has not ended ([`crate::ratelimit::FloodCooldowns`]).
+    #[error(
+        "its connection was closed for flooding its control stream; log in again in {retry_after_ms} ms (limits.control_flood_cooldown_ms, doubling with each flood in a row)"
+    )]
+    FloodCooldown {
+        /// Time left in the cooldown.
+        retry_after_ms: u64,
+    },
+}
+
+impl QuotaError {
+    /// The `reason` label of `tidegate_quic_connections_refused_total`
+    /// for a refused login.
+    pub(crate) fn refused_reason(&self) -> &'static str {
+        match self {
+            QuotaError::FloodCooldown { .. } => "flood_cooldown",
+            QuotaError::Connections { .. } | QuotaError::Cameras { .. } => "edge_connections",
+        }
+    }
 }
 
 impl EdgeQuotas {
@@ -155,6 +175,11 @@ impl EdgeSlot {
                 release_camera(usage, camera);
             }
         }
+    }
+
+    /// The edge's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
     }
 
     /// The budget for partly received frames that the edge's connections

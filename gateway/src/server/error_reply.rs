@@ -305,6 +305,12 @@ mod tests {
                 name: s(),
                 quota: crate::server::edge_quota::QuotaError::Connections { max: 8 },
             },
+            ErrorReply::EdgeQuota {
+                name: s(),
+                quota: crate::server::edge_quota::QuotaError::FloodCooldown {
+                    retry_after_ms: u64::MAX,
+                },
+            },
             ErrorReply::NoWorker {
                 camera: s(),
                 model: s(),

@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tidegate_protocol::quic::HandshakeError;
 use tidegate_protocol::{ErrorCode, Message};
 use tokio_util::sync::CancellationToken;
 
@@ -138,21 +139,7 @@ async fn on_quic(
             Ok(json!({ "waves": waves, "each": STRANGERS, "strangers": total }))
         }
         Attack::LongNames => long_names(&t, &stop, until).await,
-        Attack::ControlFlood => {
-            let (mut floods, mut sent, mut refused) = (0u64, 0u64, 0u64);
-            while going(&stop, until) {
-                let left = until.saturating_duration_since(Instant::now());
-                let ControlFlood { sent: n, refusal } = tokio::select! {
-                    f = edge::latency_report_flood(&t, HOSTILE, FLOOD_REPORTS, left) => f?,
-                    _ = stop.cancelled() => break,
-                };
-                floods += 1;
-                sent += n;
-                refused +=
-                    u64::from(refusal.is_some_and(|(code, _)| code == ErrorCode::Overloaded));
-            }
-            Ok(json!({ "connections": floods, "reports_sent": sent, "closed_as_floods": refused }))
-        }
+        Attack::ControlFlood => control_flood(&t, &stop, until).await,
         Attack::ManyConnections => {
             let left = until.saturating_duration_since(Instant::now());
             let m = edge::multiply(&t, HOSTILE, MANY_CONNECTIONS, MANY_CAMERAS, stop, left).await?;
@@ -277,4 +264,46 @@ async fn long_names(
     conn.close(0u32.into(), b"attack over");
     unfitted.truncate(10);
     Ok(json!({ "refusals": refusals, "fitted": fitted, "not_fitted_first_10": unfitted }))
+}
+
+/// Floods `LatencyReport`s from one connection after another, logging in
+/// again as soon as each is closed, as a flooder would; a login refused
+/// while its name's cooldown runs is counted and tried again at once.
+async fn control_flood(
+    t: &Target,
+    stop: &CancellationToken,
+    until: Instant,
+) -> Result<Value, AttackError> {
+    let (mut floods, mut sent, mut refused, mut cooled) = (0u64, 0u64, 0u64, 0u64);
+    while going(stop, until) {
+        let left = until.saturating_duration_since(Instant::now());
+        let flood = tokio::select! {
+            f = edge::latency_report_flood(t, HOSTILE, FLOOD_REPORTS, left) => f,
+            _ = stop.cancelled() => break,
+        };
+        let ControlFlood { sent: n, refusal } = match flood {
+            Ok(f) => f,
+            Err(AttackError::Login {
+                source:
+                    HandshakeError::Refused {
+                        code: ErrorCode::Overloaded,
+                        ..
+                    },
+                ..
+            }) => {
+                cooled += 1;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        floods += 1;
+        sent += n;
+        refused += u64::from(refusal.is_some_and(|(code, _)| code == ErrorCode::Overloaded));
+    }
+    Ok(json!({
+        "connections": floods,
+        "reports_sent": sent,
+        "closed_as_floods": refused,
+        "logins_refused_in_cooldown": cooled,
+    }))
 }
