@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench bench-wan bench-hostile bench-peers bench-leasing gpu-check models-full fuzz clean-cache
+.PHONY: setup build release images images-cuda demo test lint fmt loadtest loadtest-scenario bench bench-wan bench-hostile bench-peers bench-leasing profile-frame gpu-check models-full fuzz clean-cache
 
 ## Install what is missing: Debian GStreamer packages, ONNX Runtime, models, test images and video.
 setup:
@@ -120,6 +120,15 @@ bench-leasing:
 bench-peers: release
 	python3 scripts/bench-peers.py $${ALIGNED:+--aligned} --markdown target/bench-peers.md
 	python3 scripts/splice-doc.py docs/benchmarks.md bench-peers$${ALIGNED:+-aligned} target/bench-peers.md
+
+## Where a frame's CPU goes: the gateway and 2 workers under a steady load,
+## recorded with perf (Debian's linux-perf) and split by what each sample's
+## symbol belongs to (scripts/profile-frame.py); the table is written into
+## docs/benchmarks.md ("Where a frame's CPU goes"). About a minute.
+profile-frame: release
+	@command -v perf >/dev/null || { echo "perf is missing: sudo apt-get install linux-perf"; exit 1; }
+	python3 scripts/profile-frame.py --markdown target/profile-frame.md
+	python3 scripts/splice-doc.py docs/benchmarks.md profile-frame target/profile-frame.md
 
 ## On a machine with an NVIDIA GPU: the worker's GPU tests, CUDA benchmarks,
 ## start-up and an end-to-end load test with a CUDA worker
