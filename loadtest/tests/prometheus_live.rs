@@ -464,6 +464,85 @@ fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
     );
 }
 
+/// Lease alerts that a gateway leasing one worker for a light load with
+/// room under its spend cap never has cause to fire.
+const NEVER_WHILE_LEASING: &[&str] = &[
+    "TidegateNoWorkers",
+    "TidegateSpendNearCap",
+    "TidegateLeaseReleaseFailing",
+    "TidegateLeaseAcquireErrors",
+    "TidegateLeasesFailingToStart",
+    "TidegateProviderNoCapacity",
+    "TidegateLeasesLost",
+];
+
+#[test]
+fn leasing_dashboard_queries_return_data_from_a_leasing_gateway_and_no_lease_alert_fires() {
+    // The process provider leases one BlazeFace worker for a 10 frames/s
+    // floor, on the test catalog (per-second billing, 2 s start-ups), under
+    // a spend cap far above its price.
+    let leasing = "catalog = \"catalog.toml\"\nledger = \"leases.db\"\npolicy = \"tidal\"\ntick_ms = 500\nheadroom = 0.0\nspend_cap_per_hour = 100.0\n[[leasing.models]]\nname = \"blazeface\"\ninstance_types = [\"cpu-test\"]\nmin_fps = 10\nworker_fps = 20\nmeasure = false\n";
+    let mut c = Cluster::start_leasing(
+        &ClusterOptions {
+            edges: vec!["edge-1".into()],
+            workers: Vec::new(),
+            ..ClusterOptions::default()
+        },
+        leasing,
+        "",
+        &[("catalog.toml", tidegate_testkit::leasing::CATALOG)],
+    )
+    .expect("a leasing gateway starts");
+    c.wait_for_workers(1, BOUND)
+        .expect("the leased worker registers");
+    let prom = Prometheus::start(&[("tidegate-gateway", c.http)]);
+    let until = Instant::now() + BOUND;
+    while !prom.target_up("tidegate-gateway") {
+        assert!(Instant::now() < until, "no scrape: {}", prom.log());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let light = load(&c, 2, 5.0, 15.0).join().unwrap();
+    assert_eq!(light.missing, 0, "every frame sent has its result");
+
+    let firing = prom.firing();
+    for name in NEVER_WHILE_LEASING {
+        assert!(
+            !firing.contains(*name),
+            "{name} fired while leasing one worker: {firing:?}"
+        );
+    }
+    // Every query about leasing, which the other test cannot fill, returns
+    // data here; waited for (bounded) since a counter's first rate takes
+    // two scrapes.
+    let leasing_queries: Vec<(String, String)> = dashboard_queries(&workspace_root())
+        .into_iter()
+        .filter(|(_, q)| LEASING_ONLY.iter().any(|s| q.contains(s)))
+        .collect();
+    assert!(
+        leasing_queries.len() >= LEASING_ONLY.len(),
+        "the dashboard shows every leasing series: {leasing_queries:#?}"
+    );
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut empty = Vec::new();
+        for (title, q) in &leasing_queries {
+            match prom.has_data(q) {
+                Ok(true) => {}
+                Ok(false) => empty.push(format!("{title}: {q}")),
+                Err(e) => panic!("{title}: {q} failed: {e}"),
+            }
+        }
+        if empty.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "leasing queries with no data from a leasing gateway: {empty:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 #[test]
 fn durations_are_scaled_in_selectors_and_for_clauses_only() {
     let rules =
