@@ -8,7 +8,7 @@
 #   scripts/gpu-check.sh --kit DIR --rehearse
 #                                        the same without a GPU: checks the kit
 #                                        and runs the CPU half (tests skip)
-#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5 6;
+#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5 6 7;
 #                                        the kit check of step 1 always runs)
 #
 # Needs on the GPU machine: the NVIDIA driver (libcuda), NVRTC, and CUDA 13 +
@@ -31,7 +31,9 @@
 # each model and CenterNet's throughput per mode, in the same run; 6. end to
 # end: tidegate-loadtest --local (a gateway and one worker on 127.0.0.1, QUIC,
 # the 80 ms budget) with the worker on CUDA, BlazeFace and CenterNet; it
-# fails unless E2E_MIN_SLO (default 0.9) of the frames due are ok in budget.
+# fails unless E2E_MIN_SLO (default 0.9) of the frames due are ok in budget;
+# 7. the worker's /metrics on the GPU: NVML's utilisation, memory, power and
+# temperature, which the dashboard's GPU panels read.
 #
 # A failing step does not stop the others: each step's status is recorded,
 # a summary closes the log, and the exit status is 1 if any step failed.
@@ -61,7 +63,7 @@ if [ -z "$kit" ]; then
   bash "$here/gpu-kit.sh" "$kit" || die "building the kit failed (see above)"
 fi
 for n in $(tr ',' ' ' <<<"$only"); do
-  case "$n" in 1b | 1c | 2 | 3 | 4 | 5 | 6) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5 6)" ;; esac
+  case "$n" in 1b | 1c | 2 | 3 | 4 | 5 | 6 | 7) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5 6 7)" ;; esac
 done
 # want N: whether step N runs.
 want() { [ -z "$only" ] || [[ "$only" == *",$1,"* ]]; }
@@ -340,6 +342,68 @@ if want 6; then
       step "end to end $m, $cams cameras x $fps fps, $pre worker" e2e "$m" "$cams" "$fps"
     done
   fi
+fi
+
+# gpu_metrics: a worker on $pre with --metrics-listen (its gateway need not
+# answer: /metrics is served from the start), scraped once its models are
+# warm. On a GPU, each series the dashboard's GPU panels read (utilisation,
+# memory used and total, power, temperature) must be there for a real GPU
+# index, with gpu_info naming the board; in a rehearsal, the CPU's
+# gpu_info{gpu="none"} and no per-GPU series.
+gpu_metrics() {
+  local wlog="${OUT:-$kit}/worker-metrics.log" pid addr="" rc=0
+  "$kit/bin/tidegate-worker" --config "$kit/w-$pre.toml" --metrics-listen 127.0.0.1:0 \
+    --log warn >"$wlog" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 1200); do
+    addr=$(sed -n 's/^metrics listening on //p' "$wlog" | head -1)
+    [ -n "$addr" ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [ -z "$addr" ]; then
+    echo "  the worker never said where its metrics listen; its log ends:"
+    tail -5 "$wlog"
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    return 1
+  fi
+  python3 - "$addr" "$rehearse" <<'PY' || rc=$?
+import re, sys, urllib.request
+addr, rehearse = sys.argv[1], sys.argv[2] == "1"
+text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+def gpus(name):
+    return {m.group(1): line.rsplit(" ", 1)[1] for line in text.splitlines()
+            if line.startswith(name + "{") and (m := re.search(r'gpu="([^"]*)"', line))}
+info = gpus("tidegate_worker_gpu_info")
+print(f"  tidegate_worker_gpu_info: {info}")
+per_gpu = ["tidegate_worker_gpu_utilization_ratio", "tidegate_worker_gpu_memory_used_bytes",
+           "tidegate_worker_gpu_memory_total_bytes", "tidegate_worker_gpu_power_watts",
+           "tidegate_worker_gpu_temperature_celsius"]
+bad = []
+if rehearse:
+    if list(info) != ["none"]:
+        bad.append(f"a CPU worker exports gpu_info {info}, not gpu=none alone")
+    bad += [f"{n} exported on a CPU: {gpus(n)}" for n in per_gpu if gpus(n)]
+else:
+    if not info or "none" in info:
+        bad.append(f"no GPU read through NVML: gpu_info {info}")
+    for n in per_gpu:
+        got = {g: v for g, v in gpus(n).items() if g != "none"}
+        print(f"  {n}: {got}")
+        if not got:
+            bad.append(f"{n}: no series for a GPU")
+for b in bad:
+    print(f"  {b}")
+sys.exit(1 if bad else 0)
+PY
+  kill "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  return "$rc"
+}
+if want 7; then
+  say "7. worker metrics on $pre: the GPU series the dashboard's GPU panels read (NVML)"
+  step "worker metrics $pre" gpu_metrics
 fi
 
 summary
