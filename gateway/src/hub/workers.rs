@@ -1,0 +1,377 @@
+//! The worker side of the hub: workers joining, draining, stalling and
+//! leaving, their leases bound and unbound, the batches they return, and
+//! what they serve.
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tidegate_protocol::{BatchResult, Codec, Register};
+use tokio::sync::oneshot;
+
+use tidegate_lease::LeaseId;
+
+use super::ServedModel;
+use super::state::{State, WorkerEntry};
+use crate::scheduler::{BatchId, Event, FrameId, WorkerId, WorkerModel};
+
+impl State {
+    /// A lease has ended or been unbound: forget its drain and its static
+    /// binding, and return the workers that served it.
+    pub(super) fn forget_lease(&mut self, lease: LeaseId) -> Vec<WorkerId> {
+        self.draining_leases.remove(&lease);
+        self.static_bindings.retain(|_, l| *l != lease);
+        self.workers
+            .iter()
+            .filter(|(_, w)| w.lease == Some(lease))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// A worker has gone (disconnected, lease ended, or wedged): forget
+    /// it and its batches' timings; the scheduler re-homes or fails the
+    /// frames it held.
+    pub(super) fn lose_worker(&mut self, worker: WorkerId) {
+        if let Some(w) = self.workers.remove(&worker) {
+            self.release_label(&w);
+        }
+        self.forget_batches(worker);
+        self.step(Event::WorkerLost { worker });
+    }
+
+    /// A batch of `size` frames of `model` ran `latency_us` on `worker` as
+    /// the gateway saw it (transfer included), of which the worker reported
+    /// `compute_us` of its own work: the run time, and the worker's time
+    /// over what its profile (which times the same work) says, under its
+    /// label.
+    fn observe_worker_batch(
+        &self,
+        worker: WorkerId,
+        model: &str,
+        size: usize,
+        latency_us: u32,
+        compute_us: u64,
+    ) {
+        let Some(w) = self.workers.get(&worker) else {
+            return;
+        };
+        let labels = [w.label.as_str(), model];
+        self.metrics
+            .worker_batch
+            .with_label_values(&labels)
+            .observe(f64::from(latency_us) / 1e6);
+        let mut points: Vec<(u16, u32)> = w
+            .register
+            .profile
+            .iter()
+            .filter(|p| p.model == model)
+            .map(|p| (p.batch, p.latency_us))
+            .collect();
+        points.sort_unstable();
+        // a worker that registered no profile for the model said nothing
+        // to hold it to
+        if points.is_empty() {
+            return;
+        }
+        let batch = u16::try_from(size).unwrap_or(u16::MAX);
+        let profiled = crate::scheduler::profile_latency_us(&points, batch);
+        self.metrics
+            .worker_batch_over_profile
+            .with_label_values(&labels)
+            .observe(compute_us as f64 / profiled.max(1.0));
+    }
+
+    /// A worker's entry went: its label is released, and its series go
+    /// with the last connection holding it.
+    pub(super) fn release_label(&mut self, w: &WorkerEntry) {
+        if let Some(label) = self.worker_labels.release(&w.label) {
+            let models = w.register.models.iter().map(|m| m.name.as_str());
+            self.metrics.worker_gone(&label, models);
+        }
+    }
+
+    /// Drops the timing of `worker`'s batches: the scheduler re-homes or
+    /// fails them, and a late result is not timed.
+    pub(super) fn forget_batches(&mut self, worker: WorkerId) {
+        self.last_done.remove(&worker);
+        self.started.retain(|_, (w, _, _)| *w != worker);
+    }
+
+    /// A worker whose entry stays (a static worker just bound) joins the
+    /// scheduler afresh as a serving worker: the scheduler has no way back
+    /// from draining, so it is lost there first (the batches it still held
+    /// are re-homed or failed; their late results are ignored) and joins
+    /// again.
+    fn rejoin_worker(&mut self, worker: WorkerId) {
+        let Some(w) = self.workers.get(&worker) else {
+            return;
+        };
+        let models = worker_models(&w.register);
+        let draining = w.draining;
+        self.forget_batches(worker);
+        self.step(Event::WorkerLost { worker });
+        self.step(Event::WorkerJoined { worker, models });
+        if draining {
+            self.step(Event::WorkerDraining { worker });
+        }
+    }
+
+    pub(super) fn update_worker_gauges(&mut self) {
+        for (model, depth) in self.scheduler.queue_lens() {
+            let last = self
+                .queue_depths
+                .entry(model.to_string())
+                .or_insert(usize::MAX);
+            if *last != depth {
+                *last = depth;
+                self.metrics
+                    .queue_depth
+                    .with_label_values(&[model])
+                    .set(depth as i64);
+            }
+        }
+        self.metrics
+            .workers_demoted
+            .set(self.scheduler.demoted_count() as i64);
+        let (total, busy) = self.scheduler.worker_counts();
+        self.metrics
+            .workers
+            .with_label_values(&["busy"])
+            .set(busy as i64);
+        self.metrics
+            .workers
+            .with_label_values(&["idle"])
+            .set((total - busy) as i64);
+    }
+
+    /// A worker answered a batch: its answers, timings and outputs recorded, and the scheduler told.
+    pub(super) fn batch_done(&mut self, worker: WorkerId, result: BatchResult) {
+        // Run time, not time since dispatch: a pipelined batch waits
+        // on the worker for the one before it to finish.
+        let done = Instant::now();
+        let batch = BatchId(result.batch);
+        let (latency_us, size) = match self.started.remove(&batch) {
+            Some((w, t, n)) if w == worker => {
+                let previous = self.last_done.insert(worker, done);
+                let began = previous.map_or(t, |p| p.max(t));
+                let us = done.saturating_duration_since(began).as_micros();
+                (us.min(u32::MAX as u128) as u32, n)
+            }
+            other => {
+                // Not (or no longer) this worker's batch: its frames
+                // were re-homed or failed when the worker left the
+                // scheduler (a rebound static worker); they end
+                // there, so this late result is not theirs.
+                if let Some(entry) = other {
+                    self.started.insert(batch, entry);
+                }
+                tracing::debug!(
+                    worker = worker.0,
+                    batch = batch.0,
+                    "result of a batch re-homed meanwhile; ignored"
+                );
+                return;
+            }
+        };
+        let lease = self.workers.get(&worker).and_then(|w| w.lease);
+        if let Some(l) = lease {
+            self.served.entry(l).or_default().busy_us += u64::from(latency_us);
+        }
+        let mut outcomes = Vec::with_capacity(result.items.len());
+        let mut inference_us = 0;
+        // the worker's own time on the batch, as its profile
+        // measures it: each frame's pre- and postprocessing, and
+        // the one inference run
+        let mut per_frame_us = 0u64;
+        let share = u64::from(latency_us) / result.items.len().max(1) as u64;
+        let shared_buffer = result.items.len() > 1;
+        for mut item in result.items {
+            inference_us = inference_us.max(item.timings.inference_us);
+            per_frame_us +=
+                u64::from(item.timings.preprocess_us) + u64::from(item.timings.postprocess_us);
+            if shared_buffer {
+                // Raw outputs slice the whole batch's buffer: copied
+                // out, a result waiting for its edge holds its own
+                // bytes (what its queue counts), not its batch's.
+                for o in &mut item.outputs {
+                    o.data = Bytes::copy_from_slice(&o.data);
+                }
+            }
+            let id = FrameId(item.id);
+            // Every answer goes to the scheduler, which judges the
+            // worker by them (one for a frame the batch does not
+            // hold is malformed); only the batch's own frames take
+            // their answer's outputs.
+            outcomes.push((id, item.status.clone()));
+            if !self.scheduler.batch_holds(batch, id) {
+                continue;
+            }
+            if let Some(p) = self.pending.get_mut(&id) {
+                p.served_by = lease;
+                p.busy_us = share;
+                self.outputs.insert(id, item);
+            }
+        }
+        let model = outcomes
+            .iter()
+            .find_map(|(id, _)| self.pending.get(id))
+            .map(|p| p.frame.model.clone());
+        if let Some(model) = model.filter(|_| size > 0) {
+            self.metrics
+                .inference
+                .with_label_values(&[model.as_str()])
+                .observe(inference_us as f64 / 1e6);
+            let compute_us = per_frame_us + u64::from(inference_us);
+            self.observe_worker_batch(worker, &model, size, latency_us, compute_us);
+            let now = self.now();
+            if let Some(w) = self.workers.get(&worker) {
+                let name = w.register.worker.as_str();
+                let times = crate::timeline::BatchTimes {
+                    run_us: latency_us,
+                    own_us: compute_us,
+                };
+                self.timeline
+                    .batch(now, worker.0, name, &model, size, times);
+            }
+        }
+        if let Some(w) = self.workers.get(&worker) {
+            for (_, status) in &outcomes {
+                self.metrics
+                    .worker_frames
+                    .with_label_values(&[w.label.as_str(), status.label()])
+                    .inc();
+            }
+        }
+        self.step(Event::BatchFinished {
+            worker,
+            batch: BatchId(result.batch),
+            outcomes,
+            latency_us,
+        });
+    }
+
+    /// The operator drains the workers registered as `name`; answers how many.
+    pub(super) fn drain_worker(&mut self, name: String, reply: oneshot::Sender<usize>) {
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.register.worker == name)
+            .map(|(id, _)| *id)
+            .collect();
+        for worker in &ids {
+            if let Some(w) = self.workers.get_mut(worker) {
+                w.drain_request.cancel();
+                w.retiring = true;
+                if !w.draining {
+                    w.draining = true;
+                    tracing::info!(worker = worker.0, %name, "operator drains the worker");
+                    self.step(Event::WorkerDraining { worker: *worker });
+                }
+            }
+        }
+        let _ = reply.send(ids.len());
+    }
+
+    /// A lease is being released: its worker takes no new batch.
+    pub(super) fn lease_draining(&mut self, lease: LeaseId) {
+        self.draining_leases.insert(lease);
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.lease == Some(lease) && !w.draining)
+            .map(|(id, _)| *id)
+            .collect();
+        for worker in ids {
+            if let Some(w) = self.workers.get_mut(&worker) {
+                w.draining = true;
+            }
+            self.step(Event::WorkerDraining { worker });
+        }
+    }
+
+    /// A leased worker registered: its lease is bound to it.
+    pub(super) fn lease_bound(&mut self, lease: LeaseId, worker_name: String) {
+        self.static_bindings.insert(worker_name.clone(), lease);
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| {
+                w.static_name.as_deref() == Some(worker_name.as_str()) && w.lease != Some(lease)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for worker in ids {
+            let drain = self.draining_leases.contains(&lease);
+            let Some(w) = self.workers.get_mut(&worker) else {
+                continue;
+            };
+            w.lease = Some(lease);
+            if w.retiring {
+                // it drains and exits; its lease ends when it goes
+                continue;
+            }
+            w.draining = drain;
+            tracing::info!(worker = worker.0, name = %worker_name, %lease, "static worker bound; it serves the lease");
+            self.rejoin_worker(worker);
+        }
+    }
+
+    /// A lease lost its worker.
+    pub(super) fn lease_unbound(&mut self, lease: LeaseId) {
+        for worker in self.forget_lease(lease) {
+            let Some(w) = self.workers.get_mut(&worker) else {
+                continue;
+            };
+            if w.static_name.is_none() {
+                // only a static worker outlives its lease
+                tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
+                self.lose_worker(worker);
+                continue;
+            }
+            w.lease = None;
+            tracing::info!(worker = worker.0, %lease, "static worker unbound; it stays connected and takes no batch");
+            if !w.draining {
+                w.draining = true;
+                self.step(Event::WorkerDraining { worker });
+            }
+        }
+    }
+
+    /// The model as its first worker registered it, with the encodings
+    /// every worker serving it decodes (a frame may go to any of them).
+    pub(super) fn served_model(&self, model: &str) -> Option<ServedModel> {
+        let mut serving = self.workers.values().filter_map(|w| {
+            let info = w.register.models.iter().find(|m| m.name == model)?;
+            Some((info, &w.register.codecs))
+        });
+        let (info, codecs) = serving.next()?;
+        let mut codecs: BTreeSet<Codec> = codecs.iter().copied().collect();
+        for (_, more) in serving {
+            codecs.retain(|c| more.contains(c));
+        }
+        // Raw needs no decoder: every worker takes it.
+        codecs.insert(Codec::Raw);
+        Some(ServedModel {
+            info: info.clone(),
+            codecs,
+        })
+    }
+}
+
+/// What a worker serves, as the scheduler plans with it.
+pub(super) fn worker_models(register: &Register) -> Vec<WorkerModel> {
+    register
+        .models
+        .iter()
+        .map(|m| WorkerModel {
+            model: m.name.clone(),
+            max_batch: m.max_batch,
+            profile: register
+                .profile
+                .iter()
+                .filter(|p| p.model == m.name)
+                .map(|p| (p.batch, p.latency_us))
+                .collect(),
+        })
+        .collect()
+}
