@@ -256,6 +256,23 @@ impl EdgeProcess {
         })
     }
 
+    /// Edge `edge-1` of `cluster` with one BlazeFace camera, `ball`, on a
+    /// 320×240 `test://` source at 10 fps, serving `/metrics` on a free
+    /// port of 127.0.0.1 (its address: [`EdgeProcess::metrics_addr`]).
+    pub fn spawn_ball_with_metrics(cluster: &Cluster) -> Result<Self, EdgeHarnessError> {
+        let cfg = edge_config(
+            cluster,
+            "edge-1",
+            &[EdgeCamera::new(
+                "ball",
+                "test://ball?width=320&height=240",
+                "blazeface",
+                10.0,
+            )],
+        )?;
+        Self::spawn(cluster, &cfg, &["--metrics-listen", "127.0.0.1:0"])
+    }
+
     /// Its process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

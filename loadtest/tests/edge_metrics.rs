@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
-use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
+use tidegate_loadtest::edge_harness::EdgeProcess;
 use tidegate_testkit::promtool::promtool;
 
 /// Bounds every wait, so that a broken edge fails the test instead of
@@ -52,19 +52,8 @@ fn an_edges_metrics_are_its_camera_counters_and_parse() {
     let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
     c.spawn_worker("worker-1").expect("worker starts");
     c.wait_for_workers(1, BOUND).expect("worker registers");
-    let cfg = edge_config(
-        &c,
-        "edge-1",
-        &[EdgeCamera::new(
-            "ball",
-            "test://ball?width=320&height=240",
-            "blazeface",
-            10.0,
-        )],
-    )
-    .unwrap();
     // counters every second (EdgeProcess), which the metrics read
-    let edge = EdgeProcess::spawn(&c, &cfg, &["--metrics-listen", "127.0.0.1:0"]).unwrap();
+    let edge = EdgeProcess::spawn_ball_with_metrics(&c).unwrap();
     let addr = edge.metrics_addr(BOUND).unwrap();
     edge.wait_for_results(BOUND, "results", |r| r.len() >= 10)
         .unwrap();

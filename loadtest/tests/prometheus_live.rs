@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
-use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
+use tidegate_loadtest::edge_harness::EdgeProcess;
 use tidegate_loadtest::report::Report;
 use tidegate_loadtest::sim;
 
@@ -328,25 +328,6 @@ const GPU_ONLY: &[&str] = &[
 /// Bounds each wait for a process to start or a scrape to succeed.
 const BOUND: Duration = Duration::from_secs(90);
 
-/// A real edge with metrics and one `test://` camera at 10 fps.
-fn edge_with_metrics(c: &Cluster) -> (EdgeProcess, SocketAddr) {
-    let cfg = edge_config(
-        c,
-        "edge-1",
-        &[EdgeCamera::new(
-            "ball",
-            "test://ball?width=320&height=240",
-            "blazeface",
-            10.0,
-        )],
-    )
-    .expect("the edge config");
-    let edge =
-        EdgeProcess::spawn(c, &cfg, &["--metrics-listen", "127.0.0.1:0"]).expect("the edge starts");
-    let addr = edge.metrics_addr(BOUND).expect("the edge serves metrics");
-    (edge, addr)
-}
-
 #[test]
 fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
     let mut c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
@@ -356,7 +337,8 @@ fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
     let worker = c
         .worker_metrics_addr("worker-1", BOUND)
         .expect("the worker serves metrics");
-    let (edge, edge_metrics) = edge_with_metrics(&c);
+    let edge = EdgeProcess::spawn_ball_with_metrics(&c).expect("the edge starts");
+    let edge_metrics = edge.metrics_addr(BOUND).expect("the edge serves metrics");
     let jobs = [
         ("tidegate-gateway", c.http),
         ("tidegate-worker", worker),
