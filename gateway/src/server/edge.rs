@@ -293,7 +293,7 @@ impl EdgeSession<'_> {
                 rate: gate.rate(),
                 dropped: gate.dropped(),
             };
-            let cooldown = self.server.edge_flooded(self.quota.name());
+            let cooldown = self.quota.flooded(Instant::now());
             warn!(
                 dropped = gate.dropped(),
                 cooldown_ms = cooldown.as_millis() as u64,

@@ -2,15 +2,20 @@
 //! connections (`limits.max_connections_per_edge`), cameras
 //! (`limits.max_cameras_per_edge`) and bytes of partly received frames
 //! (`limits.edge_inflight_bytes`). A limit per connection alone would let
-//! an edge multiply it by opening more connections.
+//! an edge multiply it by opening more connections. A name whose
+//! connection was closed as a control flood may not connect again until
+//! its cooldown ends (`limits.control_flood_cooldown_ms`,
+//! [`FloodCooldowns`]).
 //!
 //! An edge connection holds an [`EdgeSlot`] from login to its end; dropping
 //! it gives back the connection and the cameras it opened.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::inflight::ByteBudget;
+use crate::ratelimit::FloodCooldowns;
 
 /// The limits [`EdgeQuotas`] enforces, per edge name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +26,8 @@ pub(crate) struct EdgeLimits {
     pub(crate) cameras: usize,
     /// Bytes of partly received frames.
     pub(crate) inflight_bytes: u64,
+    /// The first cooldown after a control flood (zero: none).
+    pub(crate) flood_cooldown: Duration,
 }
 
 /// What each edge name holds now.
@@ -28,6 +35,8 @@ pub(crate) struct EdgeLimits {
 pub(crate) struct EdgeQuotas {
     limits: EdgeLimits,
     names: Mutex<HashMap<String, NameUse>>,
+    /// Names closed as control floods, refused until their cooldown ends.
+    floods: Mutex<FloodCooldowns>,
 }
 
 /// One edge name's share, while it has a connection.
@@ -88,12 +97,28 @@ impl EdgeQuotas {
         Arc::new(EdgeQuotas {
             limits,
             names: Mutex::new(HashMap::new()),
+            floods: Mutex::new(FloodCooldowns::new(limits.flood_cooldown)),
         })
     }
 
-    /// Counts a new connection of edge `name`, or refuses it when the name
-    /// has its most connections open.
-    pub(crate) fn connect(self: &Arc<Self>, name: &str) -> Result<EdgeSlot, QuotaError> {
+    /// Counts a new connection of edge `name` at `now`, or refuses it when
+    /// the name's cooldown after a control flood runs or it has its most
+    /// connections open.
+    pub(crate) fn connect(
+        self: &Arc<Self>,
+        name: &str,
+        now: Instant,
+    ) -> Result<EdgeSlot, QuotaError> {
+        let cooling = self
+            .floods
+            .lock()
+            .expect("flood cooldowns lock")
+            .refused(name, now);
+        if let Some(left) = cooling {
+            return Err(QuotaError::FloodCooldown {
+                retry_after_ms: u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1),
+            });
+        }
         let mut names = self.names.lock().expect("edge quota lock");
         let usage = names.entry(name.to_string()).or_insert_with(|| NameUse {
             connections: 0,
@@ -177,9 +202,14 @@ impl EdgeSlot {
         }
     }
 
-    /// The edge's name.
-    pub(crate) fn name(&self) -> &str {
-        &self.name
+    /// This connection was closed as a control flood at `now`: its name's
+    /// cooldown starts (or doubles). Returns how long it is refused.
+    pub(crate) fn flooded(&self, now: Instant) -> Duration {
+        self.quotas
+            .floods
+            .lock()
+            .expect("flood cooldowns lock")
+            .flooded(&self.name, now)
     }
 
     /// The budget for partly received frames that the edge's connections
@@ -225,28 +255,53 @@ mod tests {
             connections,
             cameras,
             inflight_bytes: 100,
+            flood_cooldown: Duration::from_secs(1),
         })
+    }
+
+    #[test]
+    fn a_name_closed_as_a_flood_is_refused_until_its_cooldown_ends() {
+        let q = quotas(4, 10);
+        let t0 = Instant::now();
+        let slot = q.connect("edge-1", t0).unwrap();
+        assert_eq!(slot.flooded(t0), Duration::from_secs(1));
+        drop(slot);
+        let e = q.connect("edge-1", t0).unwrap_err();
+        assert_eq!(
+            e,
+            QuotaError::FloodCooldown {
+                retry_after_ms: 1000
+            }
+        );
+        assert_eq!(e.refused_reason(), "flood_cooldown");
+        assert!(
+            e.to_string().contains("limits.control_flood_cooldown_ms"),
+            "{e}"
+        );
+        // another name is not held back, and the name is back at the end
+        assert!(q.connect("edge-2", t0).is_ok());
+        assert!(q.connect("edge-1", t0 + Duration::from_secs(1)).is_ok());
     }
 
     #[test]
     fn an_edge_past_its_connections_is_refused_until_one_ends() {
         let q = quotas(2, 10);
-        let a = q.connect("edge-1").unwrap();
-        let _b = q.connect("edge-1").unwrap();
-        let e = q.connect("edge-1").unwrap_err();
+        let a = q.connect("edge-1", Instant::now()).unwrap();
+        let _b = q.connect("edge-1", Instant::now()).unwrap();
+        let e = q.connect("edge-1", Instant::now()).unwrap_err();
         assert_eq!(e, QuotaError::Connections { max: 2 });
         assert!(e.to_string().contains("max_connections_per_edge"), "{e}");
         // Another name has its own count.
-        let _other = q.connect("edge-2").unwrap();
+        let _other = q.connect("edge-2", Instant::now()).unwrap();
         drop(a);
-        assert!(q.connect("edge-1").is_ok());
+        assert!(q.connect("edge-1", Instant::now()).is_ok());
     }
 
     #[test]
     fn cameras_count_over_all_of_an_edges_connections_and_once_each() {
         let q = quotas(4, 3);
-        let a = q.connect("edge-1").unwrap();
-        let b = q.connect("edge-1").unwrap();
+        let a = q.connect("edge-1", Instant::now()).unwrap();
+        let b = q.connect("edge-1", Instant::now()).unwrap();
         assert_eq!(a.open_camera("cam-0"), Ok(true));
         assert_eq!(a.open_camera("cam-1"), Ok(true));
         assert_eq!(a.open_camera("cam-1"), Ok(false), "opened again");
@@ -270,7 +325,7 @@ mod tests {
     #[test]
     fn a_camera_refused_for_another_reason_is_not_counted() {
         let q = quotas(1, 1);
-        let a = q.connect("edge-1").unwrap();
+        let a = q.connect("edge-1", Instant::now()).unwrap();
         assert_eq!(a.open_camera("cam-0"), Ok(true));
         a.close_camera("cam-0");
         assert_eq!(q.usage("edge-1"), (1, 0));
@@ -280,8 +335,8 @@ mod tests {
     #[test]
     fn an_edges_connections_share_one_budget_for_partly_received_frames() {
         let q = quotas(2, 1);
-        let a = q.connect("edge-1").unwrap();
-        let b = q.connect("edge-1").unwrap();
+        let a = q.connect("edge-1", Instant::now()).unwrap();
+        let b = q.connect("edge-1", Instant::now()).unwrap();
         let held = a.inflight().try_take(80).unwrap();
         assert!(b.inflight().try_take(30).is_none());
         drop(held);
@@ -303,7 +358,7 @@ mod tests {
             for (op, name, n) in ops {
                 match op {
                     0 => {
-                        if let Ok(s) = q.connect(names[name]) {
+                        if let Ok(s) = q.connect(names[name], Instant::now()) {
                             slots.push((name, s));
                         }
                     }

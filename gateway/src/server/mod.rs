@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use self::edge_quota::{EdgeLimits, EdgeQuotas, EdgeSlot, QuotaError};
+use self::edge_quota::{EdgeLimits, EdgeQuotas};
 use self::error_reply::ErrorReply;
 use self::inflight::ByteBudget;
 use crate::auth::Access;
@@ -79,9 +79,6 @@ pub struct Server {
     inflight_total: Arc<ByteBudget>,
     /// Connections, cameras and partly received bytes per edge name.
     edge_quotas: Arc<EdgeQuotas>,
-    /// Edge names closed as control floods, refused at login until their
-    /// cooldown ends (`limits.control_flood_cooldown_ms`).
-    flood_cooldowns: std::sync::Mutex<crate::ratelimit::FloodCooldowns>,
     /// Room for connections that have not logged in
     /// (`limits.max_unauthenticated`): one permit each, from accept to
     /// `Welcome`.
@@ -104,16 +101,13 @@ impl Server {
             connections: l.max_connections_per_edge,
             cameras: l.max_cameras_per_edge,
             inflight_bytes: l.edge_inflight_bytes,
+            flood_cooldown: Duration::from_millis(l.control_flood_cooldown_ms),
         });
         let inflight_total = ByteBudget::new(l.inflight_bytes_total);
-        let flood_cooldowns = std::sync::Mutex::new(crate::ratelimit::FloodCooldowns::new(
-            Duration::from_millis(l.control_flood_cooldown_ms),
-        ));
         let unauthenticated = Arc::new(Semaphore::new(l.max_unauthenticated));
         Arc::new(Server {
             inflight_total,
             edge_quotas,
-            flood_cooldowns,
             unauthenticated,
             config,
             hub,
@@ -131,31 +125,6 @@ impl Server {
     /// (`[limits] control_*`).
     fn control_rate(&self) -> crate::ratelimit::ControlRate {
         self.config.limits.control_rate()
-    }
-
-    /// A slot for a new connection of edge `name`, unless its cooldown
-    /// after a control flood is running or it has its most connections.
-    fn edge_may_connect(&self, name: &str) -> Result<EdgeSlot, QuotaError> {
-        let left = self
-            .flood_cooldowns
-            .lock()
-            .expect("flood cooldowns lock")
-            .refused(name, Instant::now());
-        if let Some(left) = left {
-            return Err(QuotaError::FloodCooldown {
-                retry_after_ms: left.as_millis().max(1) as u64,
-            });
-        }
-        self.edge_quotas.connect(name)
-    }
-
-    /// A connection of edge `name` was closed as a control flood: the
-    /// name's cooldown starts (or doubles); returns how long it is.
-    fn edge_flooded(&self, name: &str) -> Duration {
-        self.flood_cooldowns
-            .lock()
-            .expect("flood cooldowns lock")
-            .flooded(name, Instant::now())
     }
 
     /// Accepts connections until `cancel` fires; every connection task is
@@ -300,7 +269,7 @@ impl Server {
             return;
         }
         let edge_slot = match role {
-            Role::Edge => match self.edge_may_connect(name) {
+            Role::Edge => match self.edge_quotas.connect(name, Instant::now()) {
                 Ok(slot) => Some(slot),
                 Err(quota) => {
                     warn!(name, %quota, "edge refused");
