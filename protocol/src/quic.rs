@@ -213,9 +213,14 @@ pub fn udp_socket(addr: SocketAddr) -> std::io::Result<(std::net::UdpSocket, Soc
         send: s.send_buffer_size()?,
     };
     static WARNED: std::sync::Once = std::sync::Once::new();
-    // Linux reports twice what it grants (the doubling covers its
-    // bookkeeping), so a full grant reads back as at least the request.
-    if got.recv < SOCKET_BUFFER_BYTES || got.send < SOCKET_BUFFER_BYTES {
+    // Linux reads back twice what it granted (the doubling covers its
+    // bookkeeping): a full grant reads back as twice the request.
+    let full = if cfg!(target_os = "linux") {
+        2 * SOCKET_BUFFER_BYTES
+    } else {
+        SOCKET_BUFFER_BYTES
+    };
+    if got.recv < full || got.send < full {
         WARNED.call_once(|| {
             tracing::warn!(
                 recv = got.recv,
