@@ -309,6 +309,29 @@ fn kill(pid: u32, signal: &str, who: &str) -> Result<(), ClusterError> {
     })
 }
 
+/// The address in the first `metrics listening on ADDR` line that `log`
+/// (re-read every 100 ms) shows within `timeout`, as a worker or an edge
+/// started with `--metrics-listen` prints it; else the log as it was.
+pub(crate) fn metrics_addr_in(
+    log: impl Fn() -> String,
+    timeout: Duration,
+) -> Result<SocketAddr, String> {
+    let until = Instant::now() + timeout;
+    loop {
+        let text = log();
+        if let Some(addr) = text.lines().find_map(|l| {
+            l.strip_prefix("metrics listening on ")
+                .and_then(|a| a.trim().parse().ok())
+        }) {
+            return Ok(addr);
+        }
+        if Instant::now() >= until {
+            return Err(text);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// A running gateway with its workers.
 #[derive(Debug)]
 pub struct Cluster {
@@ -548,24 +571,13 @@ impl Cluster {
         name: &str,
         timeout: Duration,
     ) -> Result<SocketAddr, ClusterError> {
-        let until = Instant::now() + timeout;
-        loop {
-            let log = self.worker_log(name);
-            if let Some(addr) = log.lines().find_map(|l| {
-                l.strip_prefix("metrics listening on ")
-                    .and_then(|a| a.trim().parse().ok())
-            }) {
-                return Ok(addr);
+        metrics_addr_in(|| self.worker_log(name), timeout).map_err(|log| {
+            ClusterError::NoMetricsAddr {
+                name: name.to_string(),
+                timeout,
+                log,
             }
-            if Instant::now() >= until {
-                return Err(ClusterError::NoMetricsAddr {
-                    name: name.to_string(),
-                    timeout,
-                    log,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        })
     }
 
     /// Sends `signal` (a `kill -s` name: STOP, CONT, TERM, ...) to a worker.

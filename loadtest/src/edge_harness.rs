@@ -310,20 +310,8 @@ impl EdgeProcess {
     /// Where an edge started with `--metrics-listen` serves `/metrics`,
     /// read from its `metrics listening on ADDR` line within `timeout`.
     pub fn metrics_addr(&self, timeout: Duration) -> Result<SocketAddr, EdgeHarnessError> {
-        let until = Instant::now() + timeout;
-        loop {
-            let log = self.log();
-            if let Some(addr) = log.lines().find_map(|l| {
-                l.strip_prefix("metrics listening on ")
-                    .and_then(|a| a.trim().parse().ok())
-            }) {
-                return Ok(addr);
-            }
-            if Instant::now() >= until {
-                return Err(EdgeHarnessError::NoMetricsAddr { timeout, log });
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        crate::cluster::metrics_addr_in(|| self.log(), timeout)
+            .map_err(|log| EdgeHarnessError::NoMetricsAddr { timeout, log })
     }
 
     /// The latest `camera_stats` line of each camera.

@@ -232,6 +232,38 @@ impl Prometheus {
         self.has_data(&format!("up{{job=\"{job}\"}} == 1"))
             .unwrap_or(false)
     }
+
+    /// Waits (bounded by [`BOUND`]) until every job's scrapes succeed.
+    fn wait_until_up(&self, jobs: &[(&str, SocketAddr)]) {
+        let until = Instant::now() + BOUND;
+        for (job, addr) in jobs {
+            while !self.target_up(job) {
+                assert!(
+                    Instant::now() < until,
+                    "no scrape of {job} at {addr}: {}",
+                    self.log()
+                );
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+    }
+
+    /// The `(title, query)` pairs that return no data now, as
+    /// `title: query`; a query that fails fails the test.
+    fn without_data<'q>(
+        &self,
+        queries: impl IntoIterator<Item = &'q (String, String)>,
+    ) -> Vec<String> {
+        let mut empty = Vec::new();
+        for (title, q) in queries {
+            match self.has_data(q) {
+                Ok(true) => {}
+                Ok(false) => empty.push(format!("{title}: {q}")),
+                Err(e) => panic!("{title}: {q} failed: {e}"),
+            }
+        }
+        empty
+    }
 }
 
 impl Drop for Prometheus {
@@ -345,17 +377,7 @@ fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
         ("tidegate-edge", edge_metrics),
     ];
     let prom = Prometheus::start(&jobs);
-    let until = Instant::now() + BOUND;
-    for (job, addr) in jobs {
-        while !prom.target_up(job) {
-            assert!(
-                Instant::now() < until,
-                "no scrape of {job} at {addr}: {}",
-                prom.log()
-            );
-            std::thread::sleep(Duration::from_millis(500));
-        }
-    }
+    prom.wait_until_up(&jobs);
     edge.wait_for_results(BOUND, "the edge's first results", |r| !r.is_empty())
         .expect("the edge's camera gets results");
 
@@ -430,16 +452,12 @@ fn alerts_agree_with_the_load_and_every_dashboard_query_runs_on_real_scrapes() {
     // Every dashboard query runs, on the gateway's, the worker's and the
     // edge's scrapes; each returns data unless it is about leasing, which
     // this cluster does not do, or a GPU, which its worker lacks.
-    let mut empty = Vec::new();
-    for (title, q) in dashboard_queries(&workspace_root()) {
-        match prom.has_data(&q) {
-            Ok(true) => {}
-            Ok(false) if LEASING_ONLY.iter().any(|s| q.contains(s)) => {}
-            Ok(false) if GPU_ONLY.iter().any(|s| q.contains(s)) => {}
-            Ok(false) => empty.push(format!("{title}: {q}")),
-            Err(e) => panic!("{title}: {q} failed: {e}"),
-        }
-    }
+    let queries = dashboard_queries(&workspace_root());
+    let empty: Vec<String> = prom
+        .without_data(&queries)
+        .into_iter()
+        .filter(|e| !LEASING_ONLY.iter().chain(GPU_ONLY).any(|s| e.contains(s)))
+        .collect();
     assert!(
         empty.is_empty(),
         "dashboard queries with no data under load: {empty:#?}"
@@ -477,12 +495,9 @@ fn leasing_dashboard_queries_return_data_from_a_leasing_gateway_and_no_lease_ale
     .expect("a leasing gateway starts");
     c.wait_for_workers(1, BOUND)
         .expect("the leased worker registers");
-    let prom = Prometheus::start(&[("tidegate-gateway", c.http)]);
-    let until = Instant::now() + BOUND;
-    while !prom.target_up("tidegate-gateway") {
-        assert!(Instant::now() < until, "no scrape: {}", prom.log());
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    let jobs = [("tidegate-gateway", c.http)];
+    let prom = Prometheus::start(&jobs);
+    prom.wait_until_up(&jobs);
     let light = load(&c, 2, 5.0, 15.0).join().unwrap();
     assert_eq!(light.missing, 0, "every frame sent has its result");
 
@@ -506,14 +521,7 @@ fn leasing_dashboard_queries_return_data_from_a_leasing_gateway_and_no_lease_ale
     );
     let until = Instant::now() + Duration::from_secs(30);
     loop {
-        let mut empty = Vec::new();
-        for (title, q) in &leasing_queries {
-            match prom.has_data(q) {
-                Ok(true) => {}
-                Ok(false) => empty.push(format!("{title}: {q}")),
-                Err(e) => panic!("{title}: {q} failed: {e}"),
-            }
-        }
+        let empty = prom.without_data(&leasing_queries);
         if empty.is_empty() {
             break;
         }
