@@ -359,6 +359,36 @@ fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
     );
 }
 
+/// The edge's per-second `camera_stats` lines in its log.
+fn camera_stats(log: &str) -> Vec<Value> {
+    log.lines()
+        .filter_map(|l| l.split_once("camera_stats ").map(|(_, j)| j))
+        .filter_map(|j| serde_json::from_str(j).ok())
+        .collect()
+}
+
+/// Whether `cam` ever had a cap under its configured 30 fps in force.
+fn capped_under_30(stats: &[Value], cam: &str) -> bool {
+    stats
+        .iter()
+        .any(|s| s["camera"] == cam && s["max_fps"].as_f64().is_some_and(|f| f > 0.0 && f < 30.0))
+}
+
+/// Both of the real edge's cameras have had a cap in force.
+fn caps_in_force(log: &str) -> bool {
+    let stats = camera_stats(log);
+    ["ball", "smpte"]
+        .iter()
+        .all(|cam| capped_under_30(&stats, cam))
+}
+
+/// Some cap held a frame back.
+fn skipped(log: &str) -> bool {
+    camera_stats(log)
+        .iter()
+        .any(|s| s["skipped_rate"].as_u64() > Some(0))
+}
+
 #[test]
 fn a_real_edge_obeys_the_rate_hint() {
     let _serial = serial();
@@ -412,16 +442,12 @@ fn a_real_edge_obeys_the_rate_hint() {
     };
     let real = watch_obedience(flood_ends, &load, edge2_cameras);
     // The gateway may see the capped cameras slow down within a window of
-    // the hint; give the caps time (bounded) to hold a frame back, as the
-    // edge's per-second counters say, before stopping the edge.
-    let skipped = |log: &str| {
-        log.lines()
-            .filter_map(|l| l.split_once("camera_stats ").map(|(_, j)| j))
-            .filter_map(|j| serde_json::from_str::<Value>(j).ok())
-            .any(|s| s["skipped_rate"].as_u64() > Some(0))
-    };
-    let until = Instant::now() + Duration::from_secs(15);
-    while !skipped(&edge.log()) && Instant::now() < until {
+    // the hint, and it hints one camera at a time as each loses frames;
+    // give the caps time (bounded: the flood's end and a little more) to
+    // reach both cameras and to hold a frame back, as the edge's
+    // per-second counters say, before stopping the edge.
+    let until = flood_ends.max(Instant::now()) + Duration::from_secs(5);
+    while !(caps_in_force(&edge.log()) && skipped(&edge.log())) && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(200));
     }
     // SIGTERM: the edge prints its final per-camera counters.
@@ -439,19 +465,14 @@ fn a_real_edge_obeys_the_rate_hint() {
     );
     // The edge applied it: a cap under the configured 30 fps was in force
     // on each camera, and the caps held frames back.
-    let stats: Vec<Value> = log
-        .lines()
-        .filter_map(|l| l.split_once("camera_stats ").map(|(_, j)| j))
-        .filter_map(|j| serde_json::from_str(j).ok())
-        .collect();
+    let stats = camera_stats(&log);
     let mut held = 0;
     for cam in ["ball", "smpte"] {
-        let mine: Vec<&Value> = stats.iter().filter(|s| s["camera"] == cam).collect();
         assert!(
-            mine.iter()
-                .any(|s| s["max_fps"].as_f64().is_some_and(|f| f > 0.0 && f < 30.0)),
+            capped_under_30(&stats, cam),
             "{cam}: no cap under 30 fps was ever in force:\n{log}"
         );
+        let mine: Vec<&Value> = stats.iter().filter(|s| s["camera"] == cam).collect();
         held += mine
             .last()
             .and_then(|s| s["skipped_rate"].as_u64())
