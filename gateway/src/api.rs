@@ -412,7 +412,7 @@ async fn release_lease(
     }
 }
 
-/// The status page's model (`status.rs`) as of now: the hub's snapshot,
+/// The status page's model (`status/`) as of now: the hub's snapshot,
 /// and with `[leasing]` the ledger's live leases and costs.
 async fn status_model(s: &ApiState) -> Result<crate::status::StatusModel, Response> {
     let Some(snap) = s.hub.snapshot().await else {
