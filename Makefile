@@ -36,7 +36,7 @@ demo: release
 
 ## Every test: unit, property, fuzz-corpus replay, and the multi-process integration tests.
 ## Its setup adds the CUDA worker image's libraries (setup.sh --cuda), which
-## gateway/tests/container_images.rs builds that image from.
+## deploy/tests/container_images.rs builds that image from.
 ## CPU_HOGS=N runs the tests (once built) with N busy loops beside them
 ## (scripts/with-cpu-hogs.sh), as on a machine that other work keeps busy;
 ## CI runs one. Tests assert no speed, so they pass with or without.

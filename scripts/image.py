@@ -67,7 +67,7 @@ UID = GID = 65532
 USER = "tidegate"
 
 # The gateway's layout: its Deployment in deploy/kubernetes/gateway.yaml
-# (args, volumeMounts, ports). gateway/tests/container_images.rs checks
+# (args, volumeMounts, ports). deploy/tests/container_images.rs checks
 # that the two agree.
 GATEWAY_CONFIG = "/etc/tidegate/gateway/gateway.toml"
 GATEWAY_MOUNTS = ["/etc/tidegate/gateway", "/etc/tidegate/tls"]

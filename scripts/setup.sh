@@ -102,7 +102,7 @@ else
 fi
 
 # --- 3. promtool and prometheus ----------------------------------------------
-# gateway/tests/deploy.rs checks deploy/'s alert rules and dashboard with
+# deploy/tests/deploy.rs checks deploy/'s alert rules and dashboard with
 # Prometheus's own promtool, and loadtest/tests/prometheus_live.rs runs a
 # real Prometheus server (on 127.0.0.1, started by the test) against a
 # gateway. Both come from Debian's `prometheus` package, pinned by version

@@ -468,7 +468,7 @@ impl WorkerMetrics {
     /// has a value yet: a histogram's `_bucket`, `_sum` and `_count`, every
     /// GPU gauge, and every other metric's own name. It is kept in
     /// [`SERIES_FILE`] (a test holds the two equal), where
-    /// `gateway/tests/deploy.rs` checks the dashboard against it.
+    /// `deploy/tests/deploy.rs` checks the dashboard against it.
     pub fn series_names(&self) -> Vec<String> {
         let mut names = Vec::new();
         for c in self.collectors() {

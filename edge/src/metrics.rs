@@ -572,7 +572,7 @@ impl EdgeMetrics {
 
     /// The name of every series an edge can export. It is kept in
     /// [`SERIES_FILE`] (a test holds the two equal), where
-    /// `gateway/tests/deploy.rs` checks the dashboard against it.
+    /// `deploy/tests/deploy.rs` checks the dashboard against it.
     pub fn series_names() -> Vec<String> {
         let mut names: Vec<String> = FAMILIES.iter().map(|f| f.name.to_string()).collect();
         names.extend(UPLINK_FAMILIES.iter().map(|f| f.name.to_string()));

@@ -6,7 +6,7 @@
 //! `deploy/grafana/series/`, which each crate holds equal to what it
 //! exports), and every alert has a firing test case, a quiet one and a
 //! runbook line in `docs/operations.md`. (`rules.yml`, on the gateway's
-//! series, is `gateway/tests/deploy.rs`'s.) `promtool` is unpacked into
+//! series, is `deploy/tests/deploy.rs`'s.) `promtool` is unpacked into
 //! the cache by `scripts/setup.sh`.
 
 use std::collections::BTreeSet;

@@ -676,7 +676,7 @@ impl Metrics {
     /// The name of every series this gateway can export, whether or not it
     /// has a value yet: a histogram's `_bucket`, `_sum` and `_count`, and
     /// every other metric's own name. Dashboards and alert rules are
-    /// checked against it (`gateway/tests/deploy.rs`).
+    /// checked against it (`deploy/tests/deploy.rs`).
     pub fn series_names(&self) -> Vec<String> {
         let mut names = Vec::new();
         for c in self.collectors() {

@@ -36,6 +36,10 @@
 //!
 //! The last test breaks copies of an archive and of the images to show that
 //! each check can fail.
+//!
+//! The binaries are the workspace's, built before these tests run
+//! (`make test`, or `cargo build --workspace --bins --all-features`), found
+//! by [`tidegate_deploy::bin_dir`]: this crate has none of its own.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -48,41 +52,10 @@ use std::time::{Duration, Instant, SystemTime};
 use serde::Deserialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use tidegate_deploy::{assert_ok, bin, bin_dir, workspace_root};
 
 /// Longest any one wait of these tests lasts.
 const WAIT: Duration = Duration::from_secs(60);
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the gateway sits in the workspace")
-        .to_path_buf()
-}
-
-/// Where the tidegate binaries are: `TIDEGATE_BIN_DIR`, else beside this
-/// package's gateway (`target/<profile>/`), as loadtest's `cluster::bin_dir`
-/// finds them.
-fn bin_dir() -> PathBuf {
-    std::env::var_os("TIDEGATE_BIN_DIR").map_or_else(
-        || {
-            Path::new(env!("CARGO_BIN_EXE_tidegate-gateway"))
-                .parent()
-                .expect("target/<profile>/")
-                .to_path_buf()
-        },
-        PathBuf::from,
-    )
-}
-
-fn bin(name: &str) -> PathBuf {
-    let path = bin_dir().join(name);
-    assert!(
-        path.is_file(),
-        "{} not found; build the binaries first: cargo build --workspace --bins",
-        path.display()
-    );
-    path
-}
 
 // ----------------------------------------------------------------- building
 
@@ -904,10 +877,6 @@ fn elf_sections(elf: &[u8]) -> Vec<String> {
             String::from_utf8_lossy(&name[..end]).into_owned()
         })
         .collect()
-}
-
-fn assert_ok(problems: Vec<String>) {
-    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
 }
 
 #[test]

@@ -31,6 +31,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Serialize;
 use serde::de::{Deserialize, DeserializeOwned};
 use serde_json::Value;
+use tidegate_deploy::{assert_ok, workspace_root};
 use tidegate_gateway::config::{Config, ProviderKind};
 use tidegate_lease::provider::kubernetes::{KubernetesConfig, REQUIRED_PERMISSIONS};
 
@@ -46,10 +47,7 @@ const TLS_CERT_KEY: &str = "tls.crt";
 const TLS_KEY_KEY: &str = "tls.key";
 
 fn manifests_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .join("deploy/kubernetes")
+    workspace_root().join("deploy/kubernetes")
 }
 
 /// Every object of the manifests, by kind, in file order.
@@ -227,11 +225,6 @@ fn first_difference(file: &Value, typed: &Value, path: &str) -> Option<String> {
             "{path} is {a} in the file, {b} after the round trip"
         )),
     }
-}
-
-/// Fails with every problem listed, one per line.
-fn assert_ok(problems: Vec<String>) {
-    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
 }
 
 /// Whether `path` lies strictly below the directory `dir`.

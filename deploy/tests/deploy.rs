@@ -7,21 +7,14 @@
 //! gateway's. `promtool` is unpacked into the cache by `scripts/setup.sh`.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use tidegate_deploy::workspace_root;
 use tidegate_gateway::metrics::Metrics;
 use tidegate_testkit::promtool::{run_promtool, series_in};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf()
-}
-
 fn dashboard() -> Value {
-    let path = repo().join("deploy/grafana/tidegate.json");
+    let path = workspace_root().join("deploy/grafana/tidegate.json");
     let text = std::fs::read_to_string(&path).expect("dashboard file");
     serde_json::from_str(&text).expect("the dashboard is JSON")
 }
@@ -45,7 +38,7 @@ fn dashboard_queries(d: &Value) -> Vec<(String, String)> {
 
 #[test]
 fn alert_rules_pass_promtool_and_their_unit_tests() {
-    let dir = repo().join("deploy/prometheus");
+    let dir = workspace_root().join("deploy/prometheus");
     let checked = run_promtool(&["check", "rules", "rules.yml"], &dir);
     assert!(checked.contains("SUCCESS"), "{checked}");
     let tested = run_promtool(&["test", "rules", "rules_test.yml"], &dir);
@@ -118,14 +111,14 @@ fn the_dashboard_is_a_grafana_model_with_no_overlapping_panels() {
 }
 
 /// The series a worker and an edge export on their own `/metrics`, as
-/// listed in `deploy/grafana/series/{worker,edge}.txt`. The gateway's tests
-/// do not build the worker and edge crates; each of those holds its list
+/// listed in `deploy/grafana/series/{worker,edge}.txt`. These tests do not
+/// build the worker and edge crates; each of those holds its list
 /// equal to what it exports (`the_series_file_lists_exactly_what_a_worker_exports`,
 /// `..._an_edge_exports`).
 fn worker_and_edge_series() -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for who in ["worker", "edge"] {
-        let path = repo().join(format!("deploy/grafana/series/{who}.txt"));
+        let path = workspace_root().join(format!("deploy/grafana/series/{who}.txt"));
         let text =
             std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let names: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
@@ -145,7 +138,8 @@ fn worker_and_edge_series() -> BTreeSet<String> {
 fn rules_and_dashboard_use_only_exported_series_and_show_them_all() {
     let gateway: BTreeSet<String> = Metrics::new().series_names().into_iter().collect();
     let others = worker_and_edge_series();
-    let rules = std::fs::read_to_string(repo().join("deploy/prometheus/rules.yml")).unwrap();
+    let rules =
+        std::fs::read_to_string(workspace_root().join("deploy/prometheus/rules.yml")).unwrap();
     let in_rules = series_in(&rules);
     let unknown: Vec<_> = in_rules.difference(&gateway).collect();
     assert!(
