@@ -99,14 +99,14 @@ bench-hostile: release
 	  $${CASES:+--cases $$CASES} --markdown target/bench-hostile.md
 	python3 scripts/splice-doc.py docs/benchmarks.md bench-hostile target/bench-hostile.md
 
-## Every leasing policy x every shipped trace (lease/traces/) x 3 seeds x two
+## Every leasing policy x every shipped trace (lease-core/traces/) x 3 seeds x two
 ## clouds (the default, and a harsh one: 420 s start-ups, 10x the catalog's
 ## spot interruptions, 20 % of spot acquires refused), in the simulator
-## (lease/examples/bench-leasing.rs): 270 runs, about 45 minutes on 2 cores
+## (lease-core/examples/bench-leasing.rs): 270 runs, about 45 minutes on 2 cores
 ## (SEEDS=1 runs one seed). The table (mean and min-max over seeds; whether paid-block-aware
 ## meets its goal per trace) is written into docs/leasing.md ("Benchmark").
 bench-leasing:
-	$(CARGO) run --release -p tidegate-lease --example bench-leasing -- \
+	$(CARGO) run --release -p tidegate-lease-core --example bench-leasing -- \
 	  $${SEEDS:+--seeds $$SEEDS} --markdown $${CARGO_TARGET_DIR:-target}/bench-leasing.md
 	python3 scripts/splice-doc.py docs/leasing.md bench-leasing $${CARGO_TARGET_DIR:-target}/bench-leasing.md
 

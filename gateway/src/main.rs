@@ -67,7 +67,7 @@ enum Command {
     /// GPU-hours, utilisation and SLO attainment as JSON.
     ///
     /// Example:
-    ///   tidegate-gateway simulate --trace lease/traces/day-night.csv --policy paid-block-aware
+    ///   tidegate-gateway simulate --trace lease-core/traces/day-night.csv --policy paid-block-aware
     Simulate {
         /// Trace file (CSV: `t_secs,model,fps`, one row per minute).
         #[arg(long)]
@@ -88,7 +88,7 @@ enum Command {
     },
     /// Write a synthetic arrival trace (CSV, as `simulate --trace` reads
     /// it) of a kind with its documented default parameters
-    /// (lease/src/tracegen.rs, docs/leasing.md "Traces"): diurnal, weekly
+    /// (lease-core/src/tracegen.rs, docs/leasing.md "Traces"): diurnal, weekly
     /// (an office week), burst (72 h, mean 320 and peak 487 GPUs), growth
     /// (a week), flip (high and low every 50-70 minutes) or noise (random
     /// spikes). The same kind and seed always give the same trace.
@@ -114,7 +114,7 @@ enum Command {
     /// Markdown table with --markdown.
     ///
     /// Example:
-    ///   tidegate-gateway own-vs-rent --trace lease/traces/burst-72h-v100.csv --catalog lease/catalog/v100.toml --purchase-per-gpu 7803 --kw-per-gpu 0.45 --price-per-kwh 0.8 --ops-per-gpu-year 1500
+    ///   tidegate-gateway own-vs-rent --trace lease-core/traces/burst-72h-v100.csv --catalog lease-core/catalog/v100.toml --purchase-per-gpu 7803 --kw-per-gpu 0.45 --price-per-kwh 0.8 --ops-per-gpu-year 1500
     OwnVsRent(OwnVsRentCmd),
 }
 

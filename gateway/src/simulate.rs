@@ -265,7 +265,7 @@ mod tests {
     fn the_seed_changes_only_random_draws() {
         // A week of day/night load: the tidal policy rents spot for the
         // bursts, so spot refusals and preemptions are drawn.
-        let t = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lease/traces/day-night.csv");
+        let t = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lease-core/traces/day-night.csv");
         let a = simulate(&args(t.clone(), "tidal")).unwrap();
         let again = simulate(&args(t.clone(), "tidal")).unwrap();
         assert_eq!(a, again, "same seed, same report");
@@ -314,9 +314,10 @@ mod tests {
     #[test]
     fn the_shipped_day_night_trace_replays_through_the_cli_with_every_frame_accounted() {
         // The goal's thresholds are the benchmark's (make bench-leasing,
-        // docs/leasing.md) and lease/tests/sim.rs's; here, that the shipped
+        // docs/leasing.md) and lease-core/tests/sim.rs's; here, that the shipped
         // trace runs end to end through this path and adds up.
-        let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lease/traces/day-night.csv");
+        let trace =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../lease-core/traces/day-night.csv");
         let r = simulate(&args(trace, "paid-block-aware")).unwrap();
         assert_eq!(r.trace, "day-night");
         // 7 days, of which the first is history (the reserved floor's)

@@ -1,51 +1,32 @@
-//! tidegate-lease: GPU leasing, billing and autoscaling for the gateway.
+//! tidegate-lease: GPU leasing for the gateway, with its IO.
 //!
-//! The gateway leases cloud GPUs by the hour. This crate holds everything
-//! about those leases that does not need the gateway's sockets:
+//! What it owns: where leases come from and where they are recorded:
 //!
-//! * [`catalog`]: instance types and prices (TOML), validated on load;
-//! * [`cloud`]: the simulated cloud (start-up draws, spot refusals and
-//!   reclaim waves, capacity, reserved commitments), pure;
-//! * [`billing`]: the one definition of a lease's billing blocks;
-//! * [`lifecycle`]: requested → starting → ready → draining → ended, checked;
-//! * [`table`]: the live lease table and one-time lease tokens;
-//! * [`ledger`]: SQLite record of leases, charged blocks and frames served;
+//! * [`ledger`]: the SQLite record of leases, charged blocks and frames
+//!   served;
 //! * [`provider`]: where leases come from (`process`, `static`, `slurm`,
-//!   `kubernetes`);
-//! * [`autoscale`]: the pure, clock-injected scaling policy;
-//! * [`pacing`]: when the gateway's shell may act again (acquire backoff,
-//!   start timeout, provider releases due and retried), also pure;
-//! * [`trace`] and [`sim`]: arrival traces and the simulator that replays
-//!   them through the real autoscaler; [`queue`]: its queueing model of
-//!   serving (deadline, batching, shedding) in virtual time;
-//! * [`tracegen`]: seeded generators of trace shapes (diurnal, office
-//!   week, burst, growth, flip, noise) and the suite shipped in `traces/`;
-//! * [`metrics`]: the values behind the gateway's leasing metrics;
-//! * [`own`]: renting against owning (what a bought fleet would cost, and
-//!   the utilisation at which buying pays).
+//!   `kubernetes`).
 //!
-//! The pure parts (billing, lifecycle, autoscale, pacing, sim) take `now` as an
-//! argument and never read a clock, so a week of tidal load is simulated in
-//! well under a second and tested deterministically.
+//! The pure core (catalog, billing, lifecycle, lease table, autoscaler,
+//! pacing, simulated cloud, traces, queueing model, simulator, showback,
+//! metrics arithmetic, renting against owning) is the
+//! `tidegate-lease-core` crate, which builds without SQLite or the
+//! Kubernetes client; its modules are re-exported here under the same
+//! names (`tidegate_lease::autoscale`, `tidegate_lease::sim`, …), so the
+//! gateway names one crate.
+//!
+//! What it must not do: decide. Which lease to acquire or release, and
+//! when, is the autoscaler's (in the core); this crate carries the
+//! decisions to a provider and records them. The gateway's `leasing` shell
+//! drives both.
 
-pub mod autoscale;
-pub mod billing;
-pub mod catalog;
-pub mod cloud;
 pub mod ledger;
-pub mod lifecycle;
-pub mod metrics;
-pub mod own;
-pub mod pacing;
 pub mod provider;
-pub mod queue;
-pub mod showback;
-pub mod sim;
-pub mod table;
-pub mod trace;
-pub mod tracegen;
 
-pub use billing::Millis;
-pub use catalog::{Catalog, Money, Tier};
-pub use lifecycle::{EndReason, LeaseState};
-pub use table::{LeaseId, LeaseTable, LeaseToken};
+pub use tidegate_lease_core::{
+    Catalog, EndReason, LeaseId, LeaseState, LeaseTable, LeaseToken, Millis, Money, Tier,
+};
+pub use tidegate_lease_core::{
+    autoscale, billing, catalog, cloud, lifecycle, metrics, own, pacing, queue, showback, sim,
+    table, trace, tracegen,
+};

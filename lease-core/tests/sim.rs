@@ -1,12 +1,12 @@
 //! Deterministic simulator runs checked against hand-computed figures, and
 //! the day/night goal.
 
-use tidegate_lease::autoscale::PolicyName;
-use tidegate_lease::catalog::{Catalog, Money, Tier};
-use tidegate_lease::cloud::{CloudConfig, CloudPreset};
-use tidegate_lease::lifecycle::{EndReason, LeaseState};
-use tidegate_lease::sim::{SimOptions, simulate};
-use tidegate_lease::trace::Trace;
+use tidegate_lease_core::autoscale::PolicyName;
+use tidegate_lease_core::catalog::{Catalog, Money, Tier};
+use tidegate_lease_core::cloud::{CloudConfig, CloudPreset};
+use tidegate_lease_core::lifecycle::{EndReason, LeaseState};
+use tidegate_lease_core::sim::{SimOptions, simulate};
+use tidegate_lease_core::trace::Trace;
 
 /// `minutes` rows of `fps` for model `m`, then the next segment.
 fn trace(segments: &[(u64, f64)]) -> Trace {

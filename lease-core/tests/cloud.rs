@@ -1,14 +1,14 @@
-//! The simulator on the cloud model (`lease/src/cloud.rs`): refusals by
+//! The simulator on the cloud model (`lease-core/src/cloud.rs`): refusals by
 //! cause, capacity limits, reclaim waves, start-up draws, reserved
 //! commitments billed whatever is used, and a reserved floor chosen from
 //! history only.
 
-use tidegate_lease::autoscale::PolicyName;
-use tidegate_lease::catalog::{Capacity, Catalog, CatalogError, Money, Tier};
-use tidegate_lease::cloud::{CloudConfig, CloudPreset, InterruptionCause};
-use tidegate_lease::lifecycle::{EndReason, LeaseState};
-use tidegate_lease::sim::{SimOptions, SimReport, simulate};
-use tidegate_lease::trace::Trace;
+use tidegate_lease_core::autoscale::PolicyName;
+use tidegate_lease_core::catalog::{Capacity, Catalog, CatalogError, Money, Tier};
+use tidegate_lease_core::cloud::{CloudConfig, CloudPreset, InterruptionCause};
+use tidegate_lease_core::lifecycle::{EndReason, LeaseState};
+use tidegate_lease_core::sim::{SimOptions, SimReport, simulate};
+use tidegate_lease_core::trace::Trace;
 
 /// Rows of `(minutes, fps)` for model `m`.
 fn trace(segments: &[(u64, f64)]) -> Trace {
@@ -253,7 +253,7 @@ fn harsh_start_ups_are_2_8_times_the_default_ones() {
 
 #[test]
 fn the_catalog_cloud_section_selects_the_preset_and_options_override_it() {
-    let text = tidegate_lease::catalog::DEFAULT_CATALOG_TOML
+    let text = tidegate_lease_core::catalog::DEFAULT_CATALOG_TOML
         .replace("preset = \"default\"", "preset = \"harsh\"");
     let harsh = Catalog::from_toml(&text).unwrap();
     assert_eq!(harsh.cloud, CloudConfig::preset(CloudPreset::Harsh));
@@ -271,7 +271,7 @@ fn the_catalog_cloud_section_selects_the_preset_and_options_override_it() {
 
 #[test]
 fn bad_cloud_and_start_up_fields_are_refused_naming_them() {
-    let base = tidegate_lease::catalog::DEFAULT_CATALOG_TOML;
+    let base = tidegate_lease_core::catalog::DEFAULT_CATALOG_TOML;
     let e = Catalog::from_toml(&base.replace("preset = \"default\"", "wave_fraction = 0.0"))
         .unwrap_err();
     assert!(matches!(e, CatalogError::Cloud(_)), "{e}");
@@ -289,7 +289,7 @@ fn bad_cloud_and_start_up_fields_are_refused_naming_them() {
 #[test]
 fn a_catalog_without_the_new_fields_keeps_a_constant_start_up_and_no_limits() {
     let mut text = String::new();
-    for line in tidegate_lease::catalog::DEFAULT_CATALOG_TOML.lines() {
+    for line in tidegate_lease_core::catalog::DEFAULT_CATALOG_TOML.lines() {
         let new = ["startup_p95_secs", "capacity", "[cloud]", "preset"];
         if !new.iter().any(|k| line.starts_with(k)) {
             text.push_str(line);

@@ -1,5 +1,5 @@
 //! Seeded generators of arrival traces, one per load shape, and the suite
-//! of traces shipped in `lease/traces/`.
+//! of traces shipped in `lease-core/traces/`.
 //!
 //! Each [`Kind`] has a parameter struct whose `Default` is what the suite
 //! uses unless it says otherwise; levels are in GPUs of load
@@ -609,7 +609,7 @@ impl TraceSpec {
 /// [`crate::trace::generate`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuiteTrace {
-    /// File stem in `lease/traces/`.
+    /// File stem in `lease-core/traces/`.
     pub name: &'static str,
     /// What it is.
     pub spec: TraceSpec,
@@ -620,7 +620,7 @@ pub struct SuiteTrace {
     pub catalog: Option<&'static str>,
 }
 
-/// The generated traces shipped in `lease/traces/`, with their seeds.
+/// The generated traces shipped in `lease-core/traces/`, with their seeds.
 pub fn suite() -> Vec<SuiteTrace> {
     let entry = |name, shape, seed| SuiteTrace {
         name,

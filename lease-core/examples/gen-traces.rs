@@ -1,12 +1,12 @@
-//! Regenerates the committed traces in `lease/traces/` from
-//! `tidegate_lease::trace::generate` (the three hand-shaped traces and the
-//! seeded suite of `tidegate_lease::tracegen::suite`).
+//! Regenerates the committed traces in `lease-core/traces/` from
+//! `tidegate_lease_core::trace::generate` (the three hand-shaped traces and the
+//! seeded suite of `tidegate_lease_core::tracegen::suite`).
 //!
-//! `cargo run -p tidegate-lease --example gen-traces`
+//! `cargo run -p tidegate-lease-core --example gen-traces`
 
 use std::path::Path;
 
-use tidegate_lease::trace::{SHIPPED, describe, generate};
+use tidegate_lease_core::trace::{SHIPPED, describe, generate};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");

@@ -1,6 +1,6 @@
 //! Prints the policy comparison table for the shipped traces.
 //!
-//! `cargo run --release -p tidegate-lease --example compare [-- --json] [--trace NAME] [--headroom 0.03] [--tick-secs 60] [--cloud default|harsh|ideal]`
+//! `cargo run --release -p tidegate-lease-core --example compare [-- --json] [--trace NAME] [--headroom 0.03] [--tick-secs 60] [--cloud default|harsh|ideal]`
 //!
 //! Each trace is replayed through the real autoscaler under every policy
 //! with its catalog (the default one, or the one `trace::catalog_for`
@@ -11,11 +11,11 @@
 
 use std::path::Path;
 
-use tidegate_lease::autoscale::PolicyName;
-use tidegate_lease::catalog::Catalog;
-use tidegate_lease::cloud::{CloudConfig, CloudPreset};
-use tidegate_lease::sim::{SimOptions, simulate, table_header, table_row};
-use tidegate_lease::trace::{SHIPPED, Trace, catalog_for};
+use tidegate_lease_core::autoscale::PolicyName;
+use tidegate_lease_core::catalog::Catalog;
+use tidegate_lease_core::cloud::{CloudConfig, CloudPreset};
+use tidegate_lease_core::sim::{SimOptions, simulate, table_header, table_row};
+use tidegate_lease_core::trace::{SHIPPED, Trace, catalog_for};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();

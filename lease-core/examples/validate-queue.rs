@@ -3,7 +3,7 @@
 //! batch cost is fitted to a measured latency profile.
 //!
 //! ```sh
-//! cargo run --release -p tidegate-lease --example validate-queue -- \
+//! cargo run --release -p tidegate-lease-core --example validate-queue -- \
 //!     --profile 1:1192,2:2365,4:4638,8:9649 --workers 1 --fps 600 \
 //!     --seconds 15 --network-ms 2.5 [--budget-ms 80] [--slot-us 100] \
 //!     [--arrivals even|poisson] [--jitter 0.2] [--seed 1] [--json]
@@ -23,7 +23,7 @@
 
 use std::time::Instant;
 
-use tidegate_lease::queue::{Arrivals, BatchCost, ModelQueue, QueueConfig};
+use tidegate_lease_core::queue::{Arrivals, BatchCost, ModelQueue, QueueConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -7,7 +7,7 @@
 //! | metric | source |
 //! |---|---|
 //! | `tidegate_leases{type,tier,state}` | [`crate::table::LeaseTable::counts`] |
-//! | `tidegate_cost_total{tier}` | [`crate::ledger::Ledger::cost_total_by_tier`] |
+//! | `tidegate_cost_total{tier}` | `Ledger::cost_total_by_tier` (in `tidegate-lease`) |
 //! | `tidegate_cost_per_1k_frames_within_slo` | [`cost_per_1k`] |
 //! | `tidegate_gpu_utilization_ratio` | [`gpu_utilization`] |
 

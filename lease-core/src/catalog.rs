@@ -1,7 +1,7 @@
 //! The pricing catalog: which instance types can be leased, what they are,
 //! and what they cost per tier.
 //!
-//! The catalog is TOML (see `lease/catalog/default.toml`, which documents
+//! The catalog is TOML (see `lease-core/catalog/default.toml`, which documents
 //! where every number comes from). It is validated on load, so a typo in a
 //! price or a billing unit is an error at startup naming the instance and
 //! the field, not a wrong bill a week later. Prices are converted once to
@@ -340,7 +340,7 @@ struct RawPrices {
     reserved: f64,
 }
 
-/// The default catalog shipped in `lease/catalog/default.toml`.
+/// The default catalog shipped in `lease-core/catalog/default.toml`.
 pub const DEFAULT_CATALOG_TOML: &str = include_str!("../catalog/default.toml");
 
 impl Catalog {

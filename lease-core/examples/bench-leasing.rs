@@ -3,7 +3,7 @@
 //! min–max over seeds, and per trace whether paid-block-aware meets its
 //! goal.
 //!
-//! `cargo run --release -p tidegate-lease --example bench-leasing -- [--markdown FILE] [--trace NAME]... [--seeds N]`
+//! `cargo run --release -p tidegate-lease-core --example bench-leasing -- [--markdown FILE] [--trace NAME]... [--seeds N]`
 //!
 //! `--seeds N` (or `BENCH_LEASING_SEEDS=N`) runs the first N of the three
 //! seeds. Each trace runs on its catalog (`trace::catalog_for`: V100s for
@@ -26,11 +26,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use tidegate_lease::autoscale::PolicyName;
-use tidegate_lease::catalog::Catalog;
-use tidegate_lease::cloud::{CloudConfig, CloudPreset};
-use tidegate_lease::sim::{SimOptions, simulate};
-use tidegate_lease::trace::{SHIPPED, Trace, catalog_for, is_smooth};
+use tidegate_lease_core::autoscale::PolicyName;
+use tidegate_lease_core::catalog::Catalog;
+use tidegate_lease_core::cloud::{CloudConfig, CloudPreset};
+use tidegate_lease_core::sim::{SimOptions, simulate};
+use tidegate_lease_core::trace::{SHIPPED, Trace, catalog_for, is_smooth};
 
 /// The seeds, in the order `--seeds N` takes them.
 const SEEDS: [u64; 3] = [42, 7, 2026];
@@ -65,7 +65,7 @@ impl Cloud {
 const GOAL_UTILISATION: f64 = 0.88;
 
 /// The harsh cloud: the `harsh` preset of the cloud model
-/// (`lease/src/cloud.rs`): 420 s start-ups, ten times the catalog's spot
+/// (`lease-core/src/cloud.rs`): 420 s start-ups, ten times the catalog's spot
 /// interruptions, 20 % of spot acquires refused in a calm pool.
 fn harsh(catalog: &Catalog, opts: &SimOptions) -> (Catalog, SimOptions) {
     let mut o = opts.clone();
