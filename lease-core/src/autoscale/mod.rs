@@ -12,8 +12,10 @@
 //! * the target capacity is the largest of: the observed rate plus headroom
 //!   (plus what is needed to drain a queue when p95 is over budget), that
 //!   rate extrapolated over the start-up time, and the time-of-day minimum
-//!   ("tidal" schedule: configured, and learned from the previous day) at
-//!   `now + start-up`, so capacity is warm before a scheduled ramp;
+//!   ("tidal" schedule: configured, and learned: the same weekday a week
+//!   before, else the latest day before; a day whose load stays well under
+//!   it stops following it, see `learn.rs`) at `now + start-up`, so
+//!   capacity is warm before a scheduled ramp;
 //! * the reserved floor is leased first, then spot for the rest, then
 //!   on-demand when spot was refused recently or to replace a preempted
 //!   spot lease; an on-demand or reserved acquire that the provider
@@ -68,8 +70,10 @@ use crate::catalog::{Catalog, Money, Tier};
 use crate::lifecycle::LeaseState;
 use crate::table::LeaseId;
 
+mod learn;
 mod scale;
 
+use self::learn::{Learner, SLOT_MS, SLOTS};
 use self::scale::Allowance;
 
 /// One day in ms.
@@ -206,7 +210,8 @@ pub struct PolicyConfig {
     pub reserved: Vec<ReservedFloor>,
     /// Configured tidal minimum schedule.
     pub schedule: Vec<ScheduleEntry>,
-    /// Learn the tidal schedule from the previous day's observations.
+    /// Learn the tidal schedule from past days' observations: the same
+    /// weekday a week before, else the latest day before.
     pub learn_schedule: bool,
     /// Paid-block-aware: release at most this long before a block ends.
     pub release_window_ms: Millis,
@@ -391,49 +396,6 @@ pub enum Action {
         /// The lease.
         lease: LeaseId,
     },
-}
-
-const SLOT_MS: Millis = 5 * 60_000;
-const SLOTS: usize = (DAY_MS / SLOT_MS) as usize;
-
-#[derive(Debug, Clone)]
-struct Learner {
-    day: Option<u64>,
-    today: Vec<Option<f64>>,
-    learned: Vec<Option<f64>>,
-}
-
-impl Learner {
-    fn new() -> Learner {
-        Learner {
-            day: None,
-            today: vec![None; SLOTS],
-            learned: vec![None; SLOTS],
-        }
-    }
-
-    fn observe(&mut self, now: Millis, fps: f64) {
-        let day = now / DAY_MS;
-        if self.day != Some(day) {
-            if self.day.is_some() {
-                // keep yesterday's value for slots not seen today
-                for (l, t) in self.learned.iter_mut().zip(self.today.iter()) {
-                    if t.is_some() {
-                        *l = *t;
-                    }
-                }
-            }
-            self.today = vec![None; SLOTS];
-            self.day = Some(day);
-        }
-        let slot = ((now % DAY_MS) / SLOT_MS) as usize;
-        let v = self.today[slot].map_or(fps, |m| m.min(fps));
-        self.today[slot] = Some(v);
-    }
-
-    fn min_at(&self, t: Millis) -> f64 {
-        self.learned[((t % DAY_MS) / SLOT_MS) as usize].unwrap_or(0.0)
-    }
 }
 
 #[derive(Debug, Clone)]
