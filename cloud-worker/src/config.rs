@@ -7,7 +7,7 @@ use serde::Deserialize;
 use tidegate_protocol::GatewayAddr;
 
 use crate::runtime::{ConvAlgoSearch, CudaOptions, Fallback, Provider};
-use crate::watchdog::Limits;
+use crate::watchdog::RunTimeouts;
 
 /// Everything a worker needs.
 #[derive(Clone, Deserialize)]
@@ -149,7 +149,7 @@ pub struct RuntimeConfig {
     /// running after this long (seconds) means ONNX Runtime or the device
     /// is wedged: the worker exits with status 3 as for a batch. Unset:
     /// [`DEFAULT_WARMUP_WEDGED_AFTER_SECS`], or `wedged_after_secs` when
-    /// that is longer ([`RuntimeConfig::watchdog_limits`]).
+    /// that is longer ([`RuntimeConfig::watchdog_timeouts`]).
     /// [`WARMUP_WEDGED_AFTER_SECS`] bounds it, and it may not be below
     /// `wedged_after_secs`.
     #[serde(default)]
@@ -238,11 +238,11 @@ impl RuntimeConfig {
     /// warm-up or profiling run `warmup_wedged_after_secs`, or when unset
     /// [`DEFAULT_WARMUP_WEDGED_AFTER_SECS`] or `wedged_after_secs`,
     /// whichever is longer.
-    pub fn watchdog_limits(&self) -> Limits {
+    pub fn watchdog_timeouts(&self) -> RunTimeouts {
         let start_up = self
             .warmup_wedged_after_secs
             .unwrap_or(DEFAULT_WARMUP_WEDGED_AFTER_SECS.max(self.wedged_after_secs));
-        Limits {
+        RunTimeouts {
             serving: std::time::Duration::from_secs(self.wedged_after_secs),
             start_up: std::time::Duration::from_secs(start_up),
         }
@@ -526,27 +526,27 @@ mod tests {
         let cfg = parse("").unwrap();
         assert_eq!(cfg.runtime.warmup_wedged_after_secs, None);
         assert_eq!(
-            cfg.runtime.watchdog_limits(),
-            Limits {
+            cfg.runtime.watchdog_timeouts(),
+            RunTimeouts {
                 serving: secs(60),
                 start_up: secs(300)
             }
         );
         assert_eq!(
-            RuntimeConfig::default().watchdog_limits(),
-            cfg.runtime.watchdog_limits()
+            RuntimeConfig::default().watchdog_timeouts(),
+            cfg.runtime.watchdog_timeouts()
         );
         // Unset, it never falls below a longer batch limit.
         let cfg = parse("[runtime]\nwedged_after_secs = 900\n").unwrap();
         assert_eq!(
-            cfg.runtime.watchdog_limits(),
-            Limits {
+            cfg.runtime.watchdog_timeouts(),
+            RunTimeouts {
                 serving: secs(900),
                 start_up: secs(900)
             }
         );
         let cfg = parse("[runtime]\nwedged_after_secs = 5\n").unwrap();
-        assert_eq!(cfg.runtime.watchdog_limits().start_up, secs(300));
+        assert_eq!(cfg.runtime.watchdog_timeouts().start_up, secs(300));
         // Set, it is taken as given.
         for (wedged, warmup) in [(5, 5), (60, 60), (60, 1200), (3600, 3600)] {
             let cfg = parse(&format!(
@@ -554,8 +554,8 @@ mod tests {
             ))
             .unwrap();
             assert_eq!(
-                cfg.runtime.watchdog_limits(),
-                Limits {
+                cfg.runtime.watchdog_timeouts(),
+                RunTimeouts {
                     serving: secs(wedged),
                     start_up: secs(warmup)
                 }

@@ -173,7 +173,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     // model or a slow disk; only the supervisor bounds it (a leased
     // worker's start timeout).
     let activity = Arc::new(Activity::default());
-    watchdog::spawn(activity.clone(), cfg.runtime.watchdog_limits())
+    watchdog::spawn(activity.clone(), cfg.runtime.watchdog_timeouts())
         .context("starting the watchdog thread")?;
     let mut backend = OrtBackend::open_watched(&repo, &options, activity.clone())?;
     let mut models = Vec::new();

@@ -16,7 +16,7 @@
 //! model's first run would otherwise hang the worker for ever before it
 //! ever registers, and only a leased worker's start timeout would end it.
 //! Those runs get their own limit, `runtime.warmup_wedged_after_secs`
-//! ([`Limits::start_up`], 300 s by default and never below the batch
+//! ([`RunTimeouts::start_up`], 300 s by default and never below the batch
 //! limit): a model's first run on a GPU creates the CUDA context and, with
 //! cuDNN's exhaustive algorithm search, benchmarks every convolution's
 //! algorithms, which can legitimately take minutes on a large model, far
@@ -55,7 +55,7 @@ const EXIT_GRACE: Duration = Duration::from_secs(10);
 /// How long one run may take before the watchdog takes ONNX Runtime or
 /// the device for wedged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub struct RunTimeouts {
     /// For a batch the gateway sent (`runtime.wedged_after_secs`).
     pub serving: Duration,
     /// For a warm-up or profiling run before the worker registers
@@ -64,7 +64,7 @@ pub struct Limits {
     pub start_up: Duration,
 }
 
-impl Limits {
+impl RunTimeouts {
     /// The limit for a run of `phase`.
     pub fn of(&self, phase: Phase) -> Duration {
         match phase {
@@ -111,14 +111,14 @@ impl std::fmt::Display for Wedged {
             job.frames,
             job.model,
             job.running_for.as_secs_f64(),
-            Limits::setting(job.phase),
+            RunTimeouts::setting(job.phase),
             self.limit.as_secs_f64(),
         )?;
         if job.phase.is_start_up() {
             write!(
                 f,
                 "ONNX Runtime or the device is wedged in start-up, before the worker registered (a CUDA fault, a hung driver call); exiting with status {EXIT_WEDGED} so that the supervisor replaces this worker (check the device: dmesg for Xid errors, nvidia-smi; if this model's first runs on this device legitimately take longer, e.g. cuDNN's exhaustive algorithm search on a large model, raise {})",
-                Limits::setting(job.phase),
+                RunTimeouts::setting(job.phase),
             )
         } else {
             write!(
@@ -131,7 +131,7 @@ impl std::fmt::Display for Wedged {
 
 /// The verdict on `running` (the job the backend runs, `None` when idle):
 /// wedged once it has run longer than `limits` allow for its phase.
-pub fn verdict(running: Option<RunningJob>, limits: Limits) -> Verdict {
+pub fn verdict(running: Option<RunningJob>, limits: RunTimeouts) -> Verdict {
     match running {
         Some(job) if job.running_for > limits.of(job.phase) => {
             let limit = limits.of(job.phase);
@@ -143,7 +143,7 @@ pub fn verdict(running: Option<RunningJob>, limits: Limits) -> Verdict {
 
 /// Looks at `activity` every `tick` and returns once a job has run longer
 /// than `limits` allow for its phase; never while the backend is healthy.
-pub fn watch(activity: &Activity, limits: Limits, tick: Duration) -> Wedged {
+pub fn watch(activity: &Activity, limits: RunTimeouts, tick: Duration) -> Wedged {
     loop {
         if let Verdict::Wedged(wedged) = verdict(activity.running(), limits) {
             return wedged;
@@ -157,7 +157,7 @@ pub fn watch(activity: &Activity, limits: Limits, tick: Duration) -> Wedged {
 /// run longer than `limits` allow for its phase it logs why and exits with
 /// [`EXIT_WEDGED`], without joining the thread running it. The watchdog's
 /// thread is never joined; the process ends with it.
-pub fn spawn(activity: Arc<Activity>, limits: Limits) -> std::io::Result<()> {
+pub fn spawn(activity: Arc<Activity>, limits: RunTimeouts) -> std::io::Result<()> {
     thread::Builder::new()
         .name("tidegate-watchdog".into())
         .spawn(move || {
@@ -224,7 +224,7 @@ mod tests {
     }
 
     /// The defaults: a minute for a batch, five for a start-up run.
-    const LIMITS: Limits = Limits {
+    const LIMITS: RunTimeouts = RunTimeouts {
         serving: Duration::from_secs(60),
         start_up: Duration::from_secs(300),
     };
@@ -294,7 +294,7 @@ mod tests {
             assert!(!text.contains("runtime.wedged_after_secs"), "{text}");
         }
         // And a start-up limit below the batch one is applied as given.
-        let tight = Limits {
+        let tight = RunTimeouts {
             serving: Duration::from_secs(60),
             start_up: Duration::from_secs(5),
         };
@@ -315,7 +315,7 @@ mod tests {
     fn watch_returns_wedged_for_a_job_that_never_returns() {
         let (exec, answer, release_tx) =
             executor_with_a_held_job("blazeface", vec![frame(), frame()], 2);
-        let limits = Limits {
+        let limits = RunTimeouts {
             serving: Duration::from_millis(50),
             start_up: Duration::from_secs(3600),
         };
@@ -396,7 +396,7 @@ mod tests {
         // held for good: the sender lives until the process ends
         let (exec, _answer, _release_tx) =
             executor_with_a_held_job("blazeface", vec![frame(); 4], 2);
-        let limits = Limits {
+        let limits = RunTimeouts {
             serving: Duration::from_millis(50),
             start_up: Duration::from_secs(3600),
         };
@@ -434,7 +434,7 @@ mod tests {
             .with_writer(std::io::stderr)
             .init();
         let activity = Arc::new(Activity::default());
-        let limits = Limits {
+        let limits = RunTimeouts {
             serving: Duration::from_secs(3600),
             start_up: Duration::from_millis(50),
         };

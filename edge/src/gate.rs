@@ -138,7 +138,7 @@ pub fn changed_fraction(a: &Thumb, b: &Thumb) -> f64 {
 
 /// A camera's own limits, from its configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Limits {
+pub struct CameraLimits {
     /// Frame-rate cap.
     pub max_fps: f64,
     /// Motion threshold: the fraction of changed thumbnail cells that makes a
@@ -149,23 +149,24 @@ pub struct Limits {
     pub keepalive_fps: f64,
 }
 
-/// The gateway's latest hint for a camera (`ControlHint` without the name).
+/// The gateway's limits for a camera: its latest `ControlHint` for it,
+/// without the name.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Hint {
+pub struct GatewayLimits {
     /// Cap from the gateway; 0 = no cap of its own.
     pub max_fps: f64,
     /// Threshold from the gateway; 0 = none of its own.
     pub motion_threshold: f64,
 }
 
-impl Limits {
+impl CameraLimits {
     /// The limits in force under `hint` (the latest one replaces any
     /// earlier): the lower cap and the higher threshold, each only where the
     /// hint sets a positive value.
-    pub fn with_hint(self, hint: Option<Hint>) -> Limits {
+    pub fn under_gateway(self, hint: Option<GatewayLimits>) -> CameraLimits {
         let Some(h) = hint else { return self };
         let pos = |v: f64| v.is_finite() && v > 0.0;
-        Limits {
+        CameraLimits {
             max_fps: if pos(h.max_fps) {
                 self.max_fps.min(h.max_fps)
             } else {
@@ -181,13 +182,13 @@ impl Limits {
     }
 }
 
-impl Limits {
+impl CameraLimits {
     /// These limits under a further rate cap (the edge's own adaptation to
     /// its uplink): the stricter cap wins. A cap that is not a positive
     /// number changes nothing.
-    pub fn with_rate_cap(self, max_fps: f64) -> Limits {
+    pub fn with_rate_cap(self, max_fps: f64) -> CameraLimits {
         if max_fps.is_finite() && max_fps > 0.0 {
-            Limits {
+            CameraLimits {
                 max_fps: self.max_fps.min(max_fps),
                 ..self
             }
@@ -222,7 +223,7 @@ pub struct GateCounts {
 /// Rate cap, motion gate and keep-alive for one camera.
 #[derive(Debug, Clone)]
 pub struct FrameGate {
-    limits: Limits,
+    limits: CameraLimits,
     rate: RateLimiter,
     /// Thumbnail of the last frame sent: motion is measured against it, so a
     /// slow drift adds up until it is worth a frame.
@@ -236,7 +237,7 @@ pub struct FrameGate {
 
 impl FrameGate {
     /// A gate enforcing `limits`.
-    pub fn new(limits: Limits) -> Self {
+    pub fn new(limits: CameraLimits) -> Self {
         FrameGate {
             limits,
             rate: RateLimiter::new(limits.max_fps),
@@ -248,12 +249,12 @@ impl FrameGate {
     }
 
     /// The limits in force.
-    pub fn limits(&self) -> Limits {
+    pub fn limits(&self) -> CameraLimits {
         self.limits
     }
 
     /// Replaces the limits from the next frame on.
-    pub fn set_limits(&mut self, limits: Limits) {
+    pub fn set_limits(&mut self, limits: CameraLimits) {
         self.limits = limits;
         self.rate.set_max_fps(limits.max_fps);
     }
@@ -320,8 +321,8 @@ mod tests {
 
     const MS: u64 = 1000;
 
-    fn limits(max_fps: f64, motion_threshold: f64, keepalive_fps: f64) -> Limits {
-        Limits {
+    fn limits(max_fps: f64, motion_threshold: f64, keepalive_fps: f64) -> CameraLimits {
+        CameraLimits {
             max_fps,
             motion_threshold,
             keepalive_fps,
@@ -418,7 +419,7 @@ mod tests {
         // A gate under such a hint (as the gateway's f32 sends it) sends the
         // first frame, then one an hour, on the stream clock.
         let mut g = FrameGate::new(limits(30.0, 0.0, 0.0));
-        g.set_limits(limits(10.0, 0.0, 0.0).with_hint(Some(Hint {
+        g.set_limits(limits(10.0, 0.0, 0.0).under_gateway(Some(GatewayLimits {
             max_fps: f64::from(f32::MIN_POSITIVE),
             motion_threshold: 0.0,
         })));
@@ -470,27 +471,27 @@ mod tests {
     fn hint_lowers_the_cap_and_raises_the_threshold_but_never_the_reverse() {
         let cfg = limits(10.0, 0.02, 0.5);
         let h = |max_fps, motion_threshold| {
-            Some(Hint {
+            Some(GatewayLimits {
                 max_fps,
                 motion_threshold,
             })
         };
-        assert_eq!(cfg.with_hint(None), cfg);
-        assert_eq!(cfg.with_hint(h(4.0, 0.0)), limits(4.0, 0.02, 0.5));
+        assert_eq!(cfg.under_gateway(None), cfg);
+        assert_eq!(cfg.under_gateway(h(4.0, 0.0)), limits(4.0, 0.02, 0.5));
         assert_eq!(
-            cfg.with_hint(h(25.0, 0.0)),
+            cfg.under_gateway(h(25.0, 0.0)),
             cfg,
             "a hint cannot raise the cap"
         );
-        assert_eq!(cfg.with_hint(h(0.0, 0.1)), limits(10.0, 0.1, 0.5));
+        assert_eq!(cfg.under_gateway(h(0.0, 0.1)), limits(10.0, 0.1, 0.5));
         assert_eq!(
-            cfg.with_hint(h(0.0, 0.01)),
+            cfg.under_gateway(h(0.0, 0.01)),
             cfg,
             "a hint cannot lower the threshold"
         );
-        assert_eq!(cfg.with_hint(h(0.0, 0.0)), cfg, "zeros mean no hint");
-        assert_eq!(cfg.with_hint(h(f64::NAN, -1.0)), cfg);
-        assert_eq!(cfg.with_hint(h(2.0, 7.0)), limits(2.0, 1.0, 0.5));
+        assert_eq!(cfg.under_gateway(h(0.0, 0.0)), cfg, "zeros mean no hint");
+        assert_eq!(cfg.under_gateway(h(f64::NAN, -1.0)), cfg);
+        assert_eq!(cfg.under_gateway(h(2.0, 7.0)), limits(2.0, 1.0, 0.5));
     }
 
     fn flat(v: u8) -> Thumb {

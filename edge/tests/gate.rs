@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use tidegate_edge::capture::{Capture, CaptureOptions, CaptureSpec, CapturedFrame, Resize};
-use tidegate_edge::gate::{GateCounts, Limits};
+use tidegate_edge::gate::{CameraLimits, GateCounts};
 
 const WAIT: Duration = Duration::from_secs(10);
 const ASTRONAUT: &str = concat!(
@@ -154,7 +154,7 @@ async fn lower_cap_applied_live_thins_the_stream_to_it() {
         0,
         "at its own rate nothing is capped"
     );
-    let limits = Limits {
+    let limits = CameraLimits {
         max_fps: 5.0,
         ..capture.limits()
     };

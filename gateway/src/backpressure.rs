@@ -6,7 +6,7 @@
 //! sends fewer. This policy watches, per camera, how many frames arrive and
 //! how many end `ok` or lost to overload (`shed` for being superseded, for
 //! a deadline no worker can make or for full queues, and `expired`) over
-//! fixed windows, and answers with [`Hint`]s that the hub sends to the edge
+//! fixed windows, and answers with [`RateCap`]s that the hub sends to the edge
 //! as `ControlHint` messages:
 //!
 //! - **decrease** (multiplicative): when more than `shed_ratio` of a
@@ -67,9 +67,10 @@ impl Default for BackpressureConfig {
     }
 }
 
-/// A hint for one camera of one edge.
+/// A new cap on one camera of one edge (the policy's change; the hub
+/// sends it as a `ControlHint`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Hint {
+pub struct RateCap {
     /// The edge.
     pub edge: EdgeId,
     /// The camera.
@@ -182,7 +183,7 @@ impl Backpressure {
 
     /// Closes every window that has ended by `now` and returns the hints to
     /// send.
-    pub fn tick(&mut self, now: Micros) -> Vec<Hint> {
+    pub fn tick(&mut self, now: Micros) -> Vec<RateCap> {
         let cfg = self.cfg;
         let mut hints = Vec::new();
         for ((edge, camera), c) in &mut self.cameras {
@@ -224,7 +225,7 @@ impl Backpressure {
             }
             if c.load.cap_fps != old {
                 c.load.hints += 1;
-                hints.push(Hint {
+                hints.push(RateCap {
                     edge: *edge,
                     camera: camera.clone(),
                     max_fps: c.load.cap_fps.unwrap_or(0.0) as f32,
@@ -248,7 +249,7 @@ mod tests {
 
     /// One window of `arrivals` frames of which `ok` end ok and the rest are
     /// superseded; returns the hints at the window's end.
-    fn window(p: &mut Backpressure, start: Micros, arrivals: u32, ok: u32) -> Vec<Hint> {
+    fn window(p: &mut Backpressure, start: Micros, arrivals: u32, ok: u32) -> Vec<RateCap> {
         for i in 0..arrivals {
             let t = start + i as u64 * (1_000_000 / arrivals.max(1) as u64);
             p.on_arrival(t, E, "cam");

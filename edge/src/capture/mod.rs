@@ -41,7 +41,7 @@ use self::queue::Mailbox;
 pub use self::supervisor::{CameraStopped, CaptureCounters, SupervisedCapture, SupervisorOptions};
 pub use self::uri::{SourceUri, UriError};
 pub use crate::config::RtspTransport;
-use crate::gate::{FrameGate, GateCounts, Limits};
+use crate::gate::{CameraLimits, FrameGate, GateCounts};
 
 /// Undelivered frames a camera keeps when its consumer falls behind.
 pub const DEFAULT_QUEUE_DEPTH: usize = 2;
@@ -386,7 +386,7 @@ impl Capture {
             mailbox: Mailbox::new(options.queue_depth),
             next_seq: AtomicU64::new(options.first_seq),
             geometry: Mutex::new(None),
-            gate: Mutex::new(FrameGate::new(Limits {
+            gate: Mutex::new(FrameGate::new(CameraLimits {
                 max_fps: spec.max_fps,
                 motion_threshold: options.motion_threshold,
                 keepalive_fps: options.keepalive_fps,
@@ -456,14 +456,14 @@ impl Capture {
     }
 
     /// The rate cap and motion gate in force.
-    pub fn limits(&self) -> Limits {
+    pub fn limits(&self) -> CameraLimits {
         self.shared.gate().limits()
     }
 
     /// Changes the rate cap and motion gate from the next frame on. The
     /// pipeline keeps producing at most `spec.max_fps`; a higher cap here has
     /// no effect beyond it.
-    pub fn set_limits(&self, limits: Limits) {
+    pub fn set_limits(&self, limits: CameraLimits) {
         self.shared.gate().set_limits(limits);
     }
 

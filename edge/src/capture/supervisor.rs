@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use super::{
     Capture, CaptureError, CaptureOptions, CaptureSpec, CapturedFrame, SourceUri, StreamError,
 };
-use crate::gate::Limits;
+use crate::gate::CameraLimits;
 use tidegate_kit::backoff::Backoff;
 
 /// How a supervised camera restarts.
@@ -78,8 +78,8 @@ pub struct CaptureCounters {
     pub dropped_queue: u64,
     /// Pipeline restarts (failures, stalls and loops).
     pub restarts: u64,
-    /// Limits in force now.
-    pub limits: Option<Limits>,
+    /// CameraLimits in force now.
+    pub limits: Option<CameraLimits>,
 }
 
 impl CaptureCounters {
@@ -102,7 +102,7 @@ pub struct SupervisedCapture {
     spec: CaptureSpec,
     options: SupervisorOptions,
     is_file: bool,
-    limits: Limits,
+    limits: CameraLimits,
     current: Option<Capture>,
     /// A pipeline being started on a blocking thread.
     starting: Option<JoinHandle<Result<Capture, CaptureError>>>,
@@ -126,7 +126,7 @@ impl SupervisedCapture {
             uri: spec.uri.clone(),
             source,
         })?;
-        let limits = Limits {
+        let limits = CameraLimits {
             max_fps: spec.max_fps,
             motion_threshold: options.capture.motion_threshold,
             keepalive_fps: options.capture.keepalive_fps,
@@ -158,7 +158,7 @@ impl SupervisedCapture {
     }
 
     /// Changes the rate cap and motion gate, now and after restarts.
-    pub fn set_limits(&mut self, limits: Limits) {
+    pub fn set_limits(&mut self, limits: CameraLimits) {
         self.limits = limits;
         if let Some(c) = &self.current {
             c.set_limits(limits);
@@ -166,7 +166,7 @@ impl SupervisedCapture {
     }
 
     /// The limits in force.
-    pub fn limits(&self) -> Limits {
+    pub fn limits(&self) -> CameraLimits {
         self.limits
     }
 

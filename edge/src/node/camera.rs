@@ -26,7 +26,7 @@ use crate::capture::{
     SupervisedCapture, SupervisorOptions,
 };
 use crate::config::{CameraConfig, ConfigError};
-use crate::gate::Limits;
+use crate::gate::CameraLimits;
 use crate::outbound::Outbound;
 use crate::uplink::{Lane, Unanswered, Uplink, UplinkError};
 
@@ -34,8 +34,8 @@ use crate::uplink::{Lane, Unanswered, Uplink, UplinkError};
 const SETTLE: Duration = Duration::from_secs(5);
 
 /// The configured limits of a camera.
-fn configured_limits(cam: &CameraConfig) -> Limits {
-    Limits {
+fn configured_limits(cam: &CameraConfig) -> CameraLimits {
+    CameraLimits {
         max_fps: cam.max_fps,
         motion_threshold: cam.motion_threshold,
         keepalive_fps: cam.keepalive_fps,
@@ -162,7 +162,7 @@ impl CameraCapture {
         Ok(())
     }
 
-    fn set_limits(&mut self, limits: Limits) {
+    fn set_limits(&mut self, limits: CameraLimits) {
         if let Some(c) = &mut self.current {
             c.set_limits(limits);
         }
@@ -213,9 +213,9 @@ struct CameraTask {
     unanswered: Arc<Unanswered>,
     /// The limits configured; with the gateway's hint (`hinted`); then with
     /// the adaptation's cap too (`limits`, what the capture applies).
-    configured: Limits,
-    hinted: Limits,
-    limits: Limits,
+    configured: CameraLimits,
+    hinted: CameraLimits,
+    limits: CameraLimits,
     outbound: Outbound,
     capture: CameraCapture,
     /// The model's input, as the gateway last announced it.
@@ -243,7 +243,7 @@ impl CameraTask {
     ) -> Self {
         let configured = configured_limits(&cam);
         let outbound = Outbound::new(&cam);
-        let hinted = configured.with_hint(hints_rx.borrow_and_update().for_camera(&cam.name));
+        let hinted = configured.under_gateway(hints_rx.borrow_and_update().for_camera(&cam.name));
         let limits = hinted.with_rate_cap(outbound.max_fps());
         {
             let mut snap = stats.snapshot();
@@ -323,7 +323,7 @@ impl CameraTask {
     /// The gateway's hints changed: the limits follow the latest.
     fn on_hint(&mut self) {
         let hint = self.hints_rx.borrow_and_update().for_camera(&self.cam.name);
-        self.hinted = self.configured.with_hint(hint);
+        self.hinted = self.configured.under_gateway(hint);
         if let Some(was) = self.refit_limits() {
             info!(
                 max_fps = self.limits.max_fps,
@@ -342,7 +342,7 @@ impl CameraTask {
 
     /// Puts in force the hinted limits under the adaptation's cap; returns
     /// the limits they replace, if they changed.
-    fn refit_limits(&mut self) -> Option<Limits> {
+    fn refit_limits(&mut self) -> Option<CameraLimits> {
         let now = self.hinted.with_rate_cap(self.outbound.max_fps());
         if now == self.limits {
             return None;
@@ -607,7 +607,7 @@ impl CameraTask {
 fn start_capture(
     cam: &CameraConfig,
     input: &InputSpec,
-    limits: Limits,
+    limits: CameraLimits,
     first_seq: u64,
 ) -> Result<SupervisedCapture, crate::capture::CaptureError> {
     let spec = CaptureSpec {

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::config::EdgeConfig;
-use crate::gate::Hint;
+use crate::gate::GatewayLimits;
 use crate::uplink::{Incoming, Uplink, UplinkError, UplinkOptions};
 use crate::uplink_stats::{DisconnectReason, UplinkStats};
 use tidegate_kit::backoff::{Backoff, Loudness, Outage};
@@ -59,14 +59,14 @@ pub const DIAL_ATTEMPT: Duration = Duration::from_millis(1500);
 /// replaces every per-camera hint too. A new connection starts with none.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HintBoard {
-    all: Option<Hint>,
-    per_camera: HashMap<String, Hint>,
+    all: Option<GatewayLimits>,
+    per_camera: HashMap<String, GatewayLimits>,
 }
 
 impl HintBoard {
     /// Applies a hint from the gateway.
     pub fn apply(&mut self, h: &ControlHint) {
-        let hint = Hint {
+        let hint = GatewayLimits {
             max_fps: h.max_fps as f64,
             motion_threshold: h.motion_threshold as f64,
         };
@@ -79,7 +79,7 @@ impl HintBoard {
     }
 
     /// The hint that applies to `camera`.
-    pub fn for_camera(&self, camera: &str) -> Option<Hint> {
+    pub fn for_camera(&self, camera: &str) -> Option<GatewayLimits> {
         self.per_camera.get(camera).copied().or(self.all)
     }
 }
@@ -303,7 +303,7 @@ impl LinkShell {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gate::Limits;
+    use crate::gate::CameraLimits;
 
     fn hint(camera: &str, max_fps: f32, motion_threshold: f32) -> ControlHint {
         ControlHint {
@@ -333,18 +333,18 @@ mod tests {
 
     #[test]
     fn effective_limits_follow_the_latest_hint_only() {
-        let cam_limits = Limits {
+        let cam_limits = CameraLimits {
             max_fps: 10.0,
             motion_threshold: 0.0,
             keepalive_fps: 0.5,
         };
         let mut b = HintBoard::default();
         b.apply(&hint("", 4.0, 0.05));
-        let l = cam_limits.with_hint(b.for_camera("c"));
+        let l = cam_limits.under_gateway(b.for_camera("c"));
         assert_eq!(l.max_fps, 4.0);
         assert!((l.motion_threshold - 0.05).abs() < 1e-6);
         // The next hint lifts the cap again: it replaces, it does not stack.
         b.apply(&hint("", 0.0, 0.0));
-        assert_eq!(cam_limits.with_hint(b.for_camera("c")), cam_limits);
+        assert_eq!(cam_limits.under_gateway(b.for_camera("c")), cam_limits);
     }
 }

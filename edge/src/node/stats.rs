@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use serde::Serialize;
 use tidegate_protocol::{ShedReason, Status};
 
-use crate::gate::Limits;
+use crate::gate::CameraLimits;
 use crate::outbound::{OutboundReport, ResultCounts};
 use crate::uplink::{FrameEnds, LaneStats};
 
@@ -52,7 +52,7 @@ pub(super) struct CameraSnapshot {
     /// The model's class names, from `CameraAccepted`.
     pub(super) labels: Arc<Vec<String>>,
     pub(super) capture: crate::capture::CaptureCounters,
-    pub(super) limits: Option<Limits>,
+    pub(super) limits: Option<CameraLimits>,
     pub(super) outbound: Option<OutboundReport>,
 }
 
