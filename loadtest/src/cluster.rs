@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::sim::SimOptions;
+use crate::loadgen::LoadOptions;
 
 /// A tidegate binary is not where [`bin_dir`] says the binaries are.
 #[derive(Debug, thiserror::Error)]
@@ -650,8 +650,8 @@ impl Cluster {
     /// Simulated cameras of edge `edge` against this cluster: `cameras` ×
     /// `fps` for `seconds`, sending astronaut.png to BlazeFace with an
     /// 80 ms budget and obeying the gateway's frame-rate hints.
-    pub fn sim_options(&self, edge: &str, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
-        SimOptions {
+    pub fn load_options(&self, edge: &str, cameras: usize, fps: f64, seconds: f64) -> LoadOptions {
+        LoadOptions {
             gateway: self.quic.into(),
             server_name: "localhost".into(),
             ca: self.ca(),

@@ -1,5 +1,5 @@
-//! tidegate-loadtest: simulated cameras against a gateway, latency
-//! histograms, a JSON report, an SVG picture of it ([`svg`]) and an SLO gate; and [`cluster`], which starts
+//! tidegate-loadtest: simulated cameras against a gateway ([`loadgen`], the
+//! load generator), latency histograms, a JSON report, an SVG picture of it ([`svg`]) and an SLO gate; and [`cluster`], which starts
 //! a local cluster of real processes for tests and local runs; the
 //! benchmarks behind `tidegate-bench` ([`schedbench`], [`relay`]); and
 //! [`impair`], a seeded userspace WAN impairment relay (`tidegate-loadtest
@@ -8,7 +8,7 @@
 //! Every fallible operation has an error enum of its own
 //! ([`cluster::ClusterError`], [`cluster::HttpError`],
 //! [`edge_harness::EdgeHarnessError`], [`relay::RelayError`],
-//! [`sim::SimError`], ...); an error about a child process carries that
+//! [`loadgen::LoadError`], ...); an error about a child process carries that
 //! process's log.
 
 /// `Debug` as `Display`, for errors that carry a process's log: a test's
@@ -30,11 +30,11 @@ pub mod edge_harness;
 pub mod hostilebench;
 pub mod impair;
 pub mod kserve;
+pub mod loadgen;
 pub mod relay;
 pub mod report;
 pub mod scenario;
 pub mod schedbench;
-pub mod sim;
 pub mod startup;
 pub mod svg;
 pub mod wanbench;

@@ -17,9 +17,9 @@ use tidegate_loadtest::impair::{
     RelayOptions,
 };
 use tidegate_loadtest::kserve::{self, KserveOptions};
+use tidegate_loadtest::loadgen::{self, LoadOptions};
 use tidegate_loadtest::report::write_atomically;
 use tidegate_loadtest::scenario::{MAX_CAMERAS, PhaseReport, Scenario, ScenarioReport};
-use tidegate_loadtest::sim::{self, SimOptions};
 use tidegate_protocol::GatewayAddr;
 
 /// tidegate load generator.
@@ -289,11 +289,11 @@ impl KserveArgs {
             "--seconds must be in (0, 600]"
         );
         anyhow::ensure!(
-            sim::FPS_RANGE.contains(&self.fps),
+            loadgen::FPS_RANGE.contains(&self.fps),
             "--fps {} is not in [{}, {}]; give a rate in that range",
             self.fps,
-            sim::FPS_RANGE.start(),
-            sim::FPS_RANGE.end()
+            loadgen::FPS_RANGE.start(),
+            loadgen::FPS_RANGE.end()
         );
         Ok(KserveOptions {
             url: self.url.clone(),
@@ -537,7 +537,7 @@ fn mbit(s: &str) -> Result<f64, String> {
 fn run_scenario(
     runtime: &tokio::runtime::Runtime,
     s: &Scenario,
-    base: &SimOptions,
+    base: &LoadOptions,
     cli: &Cli,
 ) -> anyhow::Result<()> {
     let name = s.name.clone().unwrap_or_default();
@@ -553,7 +553,7 @@ fn run_scenario(
             "scenario {name:?}: phase starts"
         );
         let report = runtime
-            .block_on(sim::run(&opts))
+            .block_on(loadgen::run(&opts))
             .with_context(|| format!("phase {:?}", p.name))?;
         let gate = s.gate(p, cli.min_slo_attainment);
         phases.push(PhaseReport::new(&p.name, &opts.model, gate, report));
@@ -689,11 +689,11 @@ fn main() -> anyhow::Result<()> {
         "--seconds must be in (0, 600]"
     );
     anyhow::ensure!(
-        sim::FPS_RANGE.contains(&cli.fps),
+        loadgen::FPS_RANGE.contains(&cli.fps),
         "--fps {} is not in [{}, {}]; give a rate in that range",
         cli.fps,
-        sim::FPS_RANGE.start(),
-        sim::FPS_RANGE.end()
+        loadgen::FPS_RANGE.start(),
+        loadgen::FPS_RANGE.end()
     );
     // Read before anything starts: a bad file costs no cluster.
     let scenario = cli.scenario.as_deref().map(Scenario::load).transpose()?;
@@ -736,7 +736,7 @@ fn main() -> anyhow::Result<()> {
             cli.token.clone().context("--token is required")?,
         )
     };
-    let opts = SimOptions {
+    let opts = LoadOptions {
         gateway,
         server_name: "localhost".into(),
         ca,
@@ -767,7 +767,7 @@ fn main() -> anyhow::Result<()> {
         return result;
     }
     let every = (cli.progress > 0.0).then(|| Duration::from_secs_f64(cli.progress));
-    let report = runtime.block_on(sim::run_with_progress(&opts, every))?;
+    let report = runtime.block_on(loadgen::run_with_progress(&opts, every))?;
     let json = serde_json::to_string_pretty(&report)?;
     println!("{json}");
     if let Some(p) = &cli.report {

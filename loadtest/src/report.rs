@@ -8,7 +8,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 use tidegate_protocol::Status;
 
-use crate::sim::SimOptions;
+use crate::loadgen::LoadOptions;
 
 /// Latency percentiles in milliseconds.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -73,7 +73,7 @@ pub struct Report {
     /// Failed.
     pub failed: u64,
     /// Sent frames with no result by the end of the run (the budget plus
-    /// [`crate::sim::RESULT_GRACE`] after the last send) that were neither
+    /// [`crate::loadgen::RESULT_GRACE`] after the last send) that were neither
     /// reset, refused nor lost with their connection: unexplained, and
     /// must stay 0. `sent` = results + `reset` + `refused` +
     /// `lost_with_connection` + `missing`.
@@ -169,13 +169,13 @@ impl Report {
     }
 
     /// An empty report for `opts`.
-    pub fn new(opts: &SimOptions) -> Self {
+    pub fn new(opts: &LoadOptions) -> Self {
         Report {
             cameras: opts.cameras,
             fps: opts.fps,
             duration_s: opts.duration.as_secs_f64(),
             budget_ms: opts.budget_ms,
-            planned: crate::sim::frames_per_camera(opts.fps, opts.duration)
+            planned: crate::loadgen::frames_per_camera(opts.fps, opts.duration)
                 .saturating_mul(opts.cameras as u64),
             ..Report::default()
         }

@@ -31,8 +31,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::loadgen::{FPS_RANGE, LoadOptions};
 use crate::report::Report;
-use crate::sim::{FPS_RANGE, SimOptions};
 
 /// Most phases in a scenario.
 pub const MAX_PHASES: usize = 32;
@@ -210,8 +210,8 @@ impl Scenario {
     }
 
     /// The options of phase `p`, from `base` (the command line's).
-    pub fn options(&self, p: &Phase, base: &SimOptions) -> SimOptions {
-        SimOptions {
+    pub fn options(&self, p: &Phase, base: &LoadOptions) -> LoadOptions {
+        LoadOptions {
             cameras: p.cameras,
             fps: p.fps,
             duration: Duration::from_secs_f64(p.seconds),
@@ -318,8 +318,8 @@ mod tests {
         toml::from_str(text).unwrap()
     }
 
-    fn base() -> SimOptions {
-        SimOptions {
+    fn base() -> LoadOptions {
+        LoadOptions {
             gateway: "127.0.0.1:4433".parse().unwrap(),
             server_name: "localhost".into(),
             ca: "ca.pem".into(),

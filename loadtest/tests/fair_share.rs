@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tidegate_loadtest::attack::edge::flood_thread;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
-use tidegate_loadtest::sim;
+use tidegate_loadtest::loadgen;
 use tidegate_protocol::Encoding;
 use tokio_util::sync::CancellationToken;
 
@@ -97,7 +97,7 @@ fn a_flooding_edge_gets_only_its_share_and_its_queued_frames_die_with_its_connec
         .expect("worker registers");
 
     let jpeg = Encoding::Jpeg { quality: 90 };
-    let mut attacker = c.sim_options("attacker", ATTACK_CAMERAS, 4.0, 120.0);
+    let mut attacker = c.load_options("attacker", ATTACK_CAMERAS, 4.0, 120.0);
     attacker.encoding = jpeg;
     let stop = CancellationToken::new();
     // `ATTACK_CONNECTIONS` connections under one edge name, each opening
@@ -112,12 +112,12 @@ fn a_flooding_edge_gets_only_its_share_and_its_queued_frames_die_with_its_connec
     );
 
     // The legitimate edge, while the attack goes on.
-    let mut legit = c.sim_options("legit", 24, 10.0, 6.0);
+    let mut legit = c.load_options("legit", 24, 10.0, 6.0);
     legit.budget_ms = 2_000;
     legit.in_step = false;
     legit.encoding = jpeg;
     let ok_before = count(&frames(&c), "ok");
-    let r = sim::run_blocking(&legit).expect("the legitimate edge runs");
+    let r = loadgen::run_blocking(&legit).expect("the legitimate edge runs");
     let served = count(&frames(&c), "ok") - ok_before;
 
     // Then the attacker's connections drop, with its frames queued (it

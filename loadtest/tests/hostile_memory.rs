@@ -21,8 +21,8 @@ use tidegate_loadtest::attack::rss::RssWatch;
 use tidegate_loadtest::attack::stranger::strangers;
 use tidegate_loadtest::attack::{AttackError, LoggedIn, MIB, Target};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
-use tidegate_loadtest::sim;
 use tidegate_protocol::quic::{BEFORE_LOGIN_RECEIVE_WINDOW, HandshakeError, RECEIVE_WINDOW};
 use tidegate_protocol::{ErrorCode, Message};
 use tokio_util::sync::CancellationToken;
@@ -70,8 +70,8 @@ fn peak(c: &Cluster) -> RssWatch {
 
 /// The legitimate edge: 4 cameras × 10 fps for `seconds`, on a thread.
 fn legitimate_load(c: &Cluster, seconds: f64) -> std::thread::JoinHandle<Report> {
-    let opts = c.sim_options("edge-1", 4, 10.0, seconds);
-    std::thread::spawn(move || sim::run_blocking(&opts).expect("the legitimate load runs"))
+    let opts = c.load_options("edge-1", 4, 10.0, seconds);
+    std::thread::spawn(move || loadgen::run_blocking(&opts).expect("the legitimate load runs"))
 }
 
 /// Every frame of the legitimate edge got one result (or was reset by its

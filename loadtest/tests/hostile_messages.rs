@@ -13,7 +13,7 @@ use tidegate_loadtest::attack::edge::{latency_report_flood, name_of, read_error,
 use tidegate_loadtest::attack::http::{closed_by_server, half_a_request};
 use tidegate_loadtest::attack::{AttackError, Target, login};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
-use tidegate_loadtest::sim;
+use tidegate_loadtest::loadgen;
 use tidegate_protocol::quic::{HandshakeError, write_message};
 use tidegate_protocol::{CUT_MARK, CameraOpen, Encoding, ErrorCode, ErrorMsg, Limits, Message};
 
@@ -131,8 +131,8 @@ fn a_latency_report_flood_is_dropped_counted_and_closed_while_a_camera_beside_it
         .expect("worker registers");
 
     // The legitimate camera: 10 fps for 6 s on its own connection.
-    let legit = c.sim_options("edge-1", 1, 10.0, 6.0);
-    let camera = std::thread::spawn(move || sim::run_blocking(&legit));
+    let legit = c.load_options("edge-1", 1, 10.0, 6.0);
+    let camera = std::thread::spawn(move || loadgen::run_blocking(&legit));
 
     let rt = runtime();
     let flood = rt.block_on(async {

@@ -19,8 +19,8 @@ use std::time::Duration;
 use serde_json::Value;
 use tidegate_loadtest::cluster::Cluster;
 use tidegate_testkit::leasing::{
-    CATALOG, assert_every_frame_answered_once, first_spot_lease, leases, ok_frames, one_edge,
-    one_worker_leasing, settled_counters, sim_opts, spawn_sim, spot_taken_and_replaced, state,
+    CATALOG, assert_every_frame_answered_once, first_spot_lease, leases, loadgen_opts, ok_frames,
+    one_edge, one_worker_leasing, settled_counters, spawn_loadgen, spot_taken_and_replaced, state,
     wait_until_explained,
 };
 use tidegate_testkit::mini_kube::MiniKube;
@@ -179,7 +179,7 @@ fn with_on_stop_keep_a_restart_adopts_the_running_pods_and_pays_no_new_lease() {
         "the adoption is logged"
     );
     // and it serves
-    let report = spawn_sim(sim_opts(&c, 1, 10.0, 3.0))
+    let report = spawn_loadgen(loadgen_opts(&c, 1, 10.0, 3.0))
         .join()
         .expect("sim thread");
     assert_every_frame_answered_once(&report);

@@ -23,8 +23,8 @@ use serde_json::Value;
 use tidegate_gateway::api::parse_time;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
 use tidegate_testkit::leasing::{
-    CATALOG, assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts,
-    spawn_sim, state, wait_until,
+    CATALOG, assert_every_frame_answered_once, leases, loadgen_opts, reason, settled_counters,
+    spawn_loadgen, state, wait_until,
 };
 
 /// One leasing gateway at a time: each spawns several workers.
@@ -147,7 +147,7 @@ fn load_rise_leases_more_workers_and_load_fall_releases_them_at_their_block_end(
 
     // (a) 30 frames/s needs two workers planned at 20. The load lasts 30
     // s: well past a second worker's start, however slow the machine.
-    let sim = spawn_sim(sim_opts(&c, 2, 15.0, 30.0));
+    let sim = spawn_loadgen(loadgen_opts(&c, 2, 15.0, 30.0));
     wait_until(&c, Duration::from_secs(60), "a second lease ready", || {
         ready_count(&c) >= 2
     });
@@ -313,7 +313,7 @@ fn spot_preemption_replaces_the_worker_and_every_frame_gets_one_result() {
     wait_until(&c, Duration::from_secs(60), "spot lease ready", || {
         ready_count(&c) >= 1
     });
-    let sim = spawn_sim(sim_opts(&c, 1, 10.0, 14.0));
+    let sim = spawn_loadgen(loadgen_opts(&c, 1, 10.0, 14.0));
     wait_until(&c, Duration::from_secs(40), "spot lease preempted", || {
         leases(&c, false)
             .iter()

@@ -124,9 +124,9 @@ fn an_edge_whose_nat_rebinds_keeps_its_connection_and_every_frame_gets_one_resul
     let (front, mappings) = rt.block_on(nat(c.quic, rebinds));
     // 2 cameras × 10 fps for 12 s: sending outlasts the rebind by far,
     // however slowly the machine starts.
-    let mut opts = c.sim_options("edge-1", 2, 10.0, 12.0);
+    let mut opts = c.load_options("edge-1", 2, 10.0, 12.0);
     opts.gateway = front.into();
-    let sim = rt.spawn(async move { tidegate_loadtest::sim::run(&opts).await });
+    let sim = rt.spawn(async move { tidegate_loadtest::loadgen::run(&opts).await });
     // Once frames flow, the NAT maps the edge to a new port.
     eventually(
         Duration::from_secs(30),

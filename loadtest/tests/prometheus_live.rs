@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
 use tidegate_loadtest::edge_harness::EdgeProcess;
+use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
-use tidegate_loadtest::sim;
 
 /// Rule durations are divided by this: a minute of the rules is a second.
 const SCALE: u64 = 60;
@@ -300,11 +300,11 @@ fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 
 /// Runs a load on its own thread.
 fn load(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> std::thread::JoinHandle<Report> {
-    let mut opts = c.sim_options("edge-1", cameras, fps, seconds);
+    let mut opts = c.load_options("edge-1", cameras, fps, seconds);
     // an overload keeps overloading: the cameras ignore the rate hints
     opts.obey_hints = false;
     opts.in_step = false;
-    std::thread::spawn(move || sim::run_blocking(&opts).expect("the load runs"))
+    std::thread::spawn(move || loadgen::run_blocking(&opts).expect("the load runs"))
 }
 
 /// Not ok over frames due, as the load generator saw them.

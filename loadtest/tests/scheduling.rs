@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
+use tidegate_loadtest::loadgen::{self, LoadOptions};
 use tidegate_loadtest::report::Report;
-use tidegate_loadtest::sim::{self, SimOptions};
 use tidegate_testkit::leasing::{ok_frames, settled_counters, wait_until};
 
 /// The tests in this file each load the machine on purpose; run them one at
@@ -48,8 +48,8 @@ fn cluster(workers: usize, scheduler: &str) -> Cluster {
     c
 }
 
-fn run_sim(opts: SimOptions) -> Report {
-    sim::run_blocking(&opts).expect("simulation runs")
+fn run_loadgen(opts: LoadOptions) -> Report {
+    loadgen::run_blocking(&opts).expect("simulation runs")
 }
 
 /// GET `path` on the gateway's API as JSON.
@@ -172,7 +172,7 @@ fn a_light_load_is_served_one_result_per_frame() {
     let _serial = serial();
     let c = cluster(2, "");
     // 4 cameras × 5 fps for 3 s: 60 frames, far below two workers' capacity.
-    let r = run_sim(c.sim_options("edge-1", 4, 5.0, 3.0));
+    let r = run_loadgen(c.load_options("edge-1", 4, 5.0, 3.0));
     assert_nothing_lost(&c, &r);
     // Served: frames are answered ok, or, on a machine too busy to make the
     // 80 ms budget, shed or expired by the gateway's own deadline rule;
@@ -238,7 +238,7 @@ fn an_operator_drain_needs_the_admin_token_and_ends_the_worker_cleanly() {
     };
     assert!(status.success(), "a drained worker exits 0: {status}");
     // the other worker serves every frame
-    let r = run_sim(c.sim_options("edge-1", 2, 5.0, 2.0));
+    let r = run_loadgen(c.load_options("edge-1", 2, 5.0, 2.0));
     assert_nothing_lost(&c, &r);
     assert_eq!(r.ok, r.sent, "{:?}", r.outcomes);
     let (_, workers) = c.get("/api/v1/workers").expect("GET /api/v1/workers");
@@ -260,10 +260,10 @@ fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
     // reading of 47 MB/s of raw frames, are the bottleneck, so the
     // gateway sees the overload it sheds and hints about even when other
     // processes share the cores.
-    let mut opts = c.sim_options("edge-1", 16, 60.0, 10.0);
+    let mut opts = c.load_options("edge-1", 16, 60.0, 10.0);
     opts.encoding = tidegate_protocol::Encoding::Jpeg { quality: 90 };
     let sending_ends = Instant::now() + opts.duration;
-    let load = std::thread::spawn(move || run_sim(opts));
+    let load = std::thread::spawn(move || run_loadgen(opts));
     // While the cameras still send, the gateway's view of them, until
     // they obey their hints (asserted below).
     let cams = || {
@@ -420,11 +420,11 @@ fn a_real_edge_obeys_the_rate_hint() {
             .all(|cam| r.iter().any(|l| l["camera"] == *cam))
     })
     .expect("the edge serves");
-    let mut flood = c.sim_options("edge-1", 32, 30.0, 10.0);
+    let mut flood = c.load_options("edge-1", 32, 30.0, 10.0);
     flood.obey_hints = false;
     flood.encoding = tidegate_protocol::Encoding::Jpeg { quality: 90 };
     let flood_ends = Instant::now() + flood.duration;
-    let load = std::thread::spawn(move || run_sim(flood));
+    let load = std::thread::spawn(move || run_loadgen(flood));
     // The gateway's view of edge-2's cameras, sampled while the flood
     // lasts until, capped, they send slower than they did before any hint
     // (asserted below).
@@ -490,8 +490,8 @@ fn a_worker_lost_mid_batch_loses_no_frame() {
     let c = cluster(2, "");
     // 6 cameras × 15 fps for 20 s: sending outlasts the freeze, the loss
     // and a while of serving after it, however slowly the machine serves.
-    let opts = c.sim_options("edge-1", 6, 15.0, 20.0);
-    let load = std::thread::spawn(move || run_sim(opts));
+    let opts = c.load_options("edge-1", 6, 15.0, 20.0);
+    let load = std::thread::spawn(move || run_loadgen(opts));
     // Freeze worker-2 once frames flow: the gateway keeps dispatching to it
     // until its heartbeats stop, so it is caught holding a batch. It is
     // declared lost after three missed heartbeats; then it is killed
@@ -553,8 +553,8 @@ fn a_worker_lost_mid_batch_loses_no_frame() {
 fn an_edge_with_a_wrong_token_is_refused_while_others_are_served() {
     let _serial = serial();
     let c = cluster(2, "");
-    let opts = c.sim_options("edge-1", 2, 10.0, 3.0);
-    let load = std::thread::spawn(move || run_sim(opts));
+    let opts = c.load_options("edge-1", 2, 10.0, 3.0);
+    let load = std::thread::spawn(move || run_loadgen(opts));
     // The wrong token comes while edge-1 is being served.
     wait_until(
         &c,
@@ -562,13 +562,13 @@ fn an_edge_with_a_wrong_token_is_refused_while_others_are_served() {
         "edge-1's frames served ok",
         || ok_frames(&c) > 0,
     );
-    let mut bad = c.sim_options("edge-2", 1, 10.0, 1.0);
+    let mut bad = c.load_options("edge-2", 1, 10.0, 1.0);
     bad.token = "not-the-token".into();
     let err = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime")
-        .block_on(sim::run(&bad))
+        .block_on(loadgen::run(&bad))
         .expect_err("a wrong token must be refused");
     let msg = format!("{err:#}");
     assert!(

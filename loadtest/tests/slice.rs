@@ -7,7 +7,7 @@ use bytes::Bytes;
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
 use tidegate_loadtest::edge_harness::{EdgeCamera, edge_config};
-use tidegate_loadtest::sim::frame_pixels;
+use tidegate_loadtest::loadgen::frame_pixels;
 use tidegate_protocol::{
     DType, ErrorCode, Frame, FrameResult, Kind, Layout, MAGIC, Status, Tensor, VERSION,
 };

@@ -24,8 +24,8 @@ use std::time::Duration;
 use serde_json::Value;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, command, plain, workspace_root};
 use tidegate_testkit::leasing::{
-    assert_every_frame_answered_once, leases, reason, settled_counters, sim_opts, spawn_sim, state,
-    wait_until,
+    assert_every_frame_answered_once, leases, loadgen_opts, reason, settled_counters,
+    spawn_loadgen, state, wait_until,
 };
 
 /// The static worker's name and its provisioned token.
@@ -187,7 +187,7 @@ fn a_static_worker_keeps_its_connection_unbound_between_leases_and_serves_whenev
 
     // Load: the autoscaler binds it (ready at once: it is registered) and
     // it serves.
-    let sim = spawn_sim(sim_opts(&c, 1, 10.0, 8.0));
+    let sim = spawn_loadgen(loadgen_opts(&c, 1, 10.0, 8.0));
     let first = wait_bound(&c, &session, &[], "the worker bound to a first lease");
     let report = sim.join().expect("sim thread");
     assert_every_frame_answered_once(&report);
@@ -206,7 +206,7 @@ fn a_static_worker_keeps_its_connection_unbound_between_leases_and_serves_whenev
     // Load again: bound again under a new lease. An operator releases it
     // under load: it is unbound on the same connection, and the load still
     // needing it, bound a third time. Every frame gets one result.
-    let sim = spawn_sim(sim_opts(&c, 1, 10.0, 16.0));
+    let sim = spawn_loadgen(loadgen_opts(&c, 1, 10.0, 16.0));
     let second = wait_bound(&c, &session, &[first], "the worker bound again");
     let admin = c.admin_token.clone();
     let (code, body) = c

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
-use tidegate_loadtest::sim;
+use tidegate_loadtest::loadgen;
 
 /// One browser and one cluster at a time: two of each at once would load
 /// a small machine enough to shed frames under the "light" load.
@@ -249,11 +249,11 @@ fn cluster_under_load(
     c.spawn_worker("worker-1").expect("worker starts");
     c.wait_for_workers(1, Duration::from_secs(90))
         .expect("worker registers");
-    let mut opts = c.sim_options("edge-1", cameras, fps, seconds);
+    let mut opts = c.load_options("edge-1", cameras, fps, seconds);
     opts.in_step = false;
     opts.budget_ms = budget_ms;
     opts.obey_hints = obey_hints;
-    sim::run_blocking(&opts).expect("the simulated edge runs");
+    loadgen::run_blocking(&opts).expect("the simulated edge runs");
     c
 }
 
@@ -414,9 +414,9 @@ fn the_status_page_banner_flags_cameras_whose_model_lost_its_last_worker() {
         .expect("worker registers");
     // Cameras open while the worker serves, and keep sending after it
     // has gone (for at most PROBLEM_LOAD_SECS).
-    let mut opts = c.sim_options("edge-1", 4, 2.0, PROBLEM_LOAD_SECS);
+    let mut opts = c.load_options("edge-1", 4, 2.0, PROBLEM_LOAD_SECS);
     opts.in_step = false;
-    let load = std::thread::spawn(move || sim::run_blocking(&opts));
+    let load = std::thread::spawn(move || loadgen::run_blocking(&opts));
     wait_until(&c, Duration::from_secs(30), "4 cameras open", || {
         let cams = json(&c, "/api/v1/cameras");
         match cams.as_array().map_or(0, Vec::len) {
@@ -538,11 +538,11 @@ fn camera_thumbnails_when_on_are_bounded_jpegs_that_the_page_shows() {
         .expect("worker registers");
     // Cameras stay open for the whole case (a thumbnail goes with its
     // camera), sending JPEG frames of the test picture.
-    let mut load_opts = c.sim_options("edge-1", 3, 2.0, PROBLEM_LOAD_SECS);
+    let mut load_opts = c.load_options("edge-1", 3, 2.0, PROBLEM_LOAD_SECS);
     load_opts.in_step = false;
     load_opts.budget_ms = LIGHT_BUDGET_MS;
     load_opts.encoding = tidegate_protocol::Encoding::Jpeg { quality: 85 };
-    let load = std::thread::spawn(move || sim::run_blocking(&load_opts));
+    let load = std::thread::spawn(move || loadgen::run_blocking(&load_opts));
     wait_until(
         &c,
         Duration::from_secs(30),

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use tidegate_edge::uplink::{Incoming, Uplink};
 use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
+use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
-use tidegate_loadtest::sim;
 use tidegate_protocol::{Encoding, Frame, ShedReason, Status, Tensor};
 use tidegate_testkit::astronaut::{astronaut, started_cluster};
 
@@ -60,11 +60,13 @@ fn through_a_lossy_link_every_frame_is_accounted_for_once() {
             },
         )))
         .expect("relay starts");
-    let mut opts = c.sim_options("edge-1", 4, 10.0, 10.0);
+    let mut opts = c.load_options("edge-1", 4, 10.0, 10.0);
     opts.gateway = relay.local_addr().into();
     opts.encoding = Encoding::Jpeg { quality: 90 };
     let report = rt
-        .block_on(async { tokio::time::timeout(Duration::from_secs(120), sim::run(&opts)).await })
+        .block_on(async {
+            tokio::time::timeout(Duration::from_secs(120), loadgen::run(&opts)).await
+        })
         .expect("the simulation ends")
         .expect("the simulation runs");
     let stats = relay.stats();
@@ -104,7 +106,7 @@ fn a_frame_older_than_its_budget_on_arrival_is_shed_late_never_ok() {
         // again 0.5 s later; the uplink answers each at once.
         tokio::time::sleep(Duration::from_millis(1200)).await;
         let (pixels, geometry) =
-            sim::frame_pixels(&accepted.input, Some(&astronaut())).expect("frame");
+            loadgen::frame_pixels(&accepted.input, Some(&astronaut())).expect("frame");
         let now = tidegate_edge::clock::now_us();
         // Frame 1 was captured 300 ms ago with an 80 ms budget: it waited
         // in the sender's queue far beyond it. Frame 2 is fresh.
@@ -174,10 +176,10 @@ fn a_link_blacked_out_past_the_idle_timeout_is_redialled_and_every_frame_account
             ImpairConfig::symmetric(link),
         )))
         .expect("relay starts");
-    let mut opts = c.sim_options("edge-1", 2, 5.0, 22.0);
+    let mut opts = c.load_options("edge-1", 2, 5.0, 22.0);
     opts.gateway = relay.local_addr().into();
     opts.encoding = Encoding::Jpeg { quality: 80 };
-    let sim = rt.spawn(async move { sim::run(&opts).await });
+    let sim = rt.spawn(async move { loadgen::run(&opts).await });
     rt.block_on(async {
         tokio::time::sleep(Duration::from_secs(3)).await;
         relay.blackout(Duration::from_secs(12));
@@ -221,12 +223,14 @@ fn with_two_copies_every_frame_is_admitted_once_and_answered_once() {
             },
         )))
         .expect("relay starts");
-    let mut opts = c.sim_options("edge-1", 2, 10.0, 8.0);
+    let mut opts = c.load_options("edge-1", 2, 10.0, 8.0);
     opts.gateway = relay.local_addr().into();
     opts.encoding = Encoding::Jpeg { quality: 90 };
     opts.copies = 2;
     let report = rt
-        .block_on(async { tokio::time::timeout(Duration::from_secs(120), sim::run(&opts)).await })
+        .block_on(async {
+            tokio::time::timeout(Duration::from_secs(120), loadgen::run(&opts)).await
+        })
         .expect("the simulation ends")
         .expect("the simulation runs");
     assert_accounted(&report);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
 use tidegate_loadtest::edge_harness::{EdgeCamera, edge_config};
-use tidegate_loadtest::sim;
+use tidegate_loadtest::loadgen;
 
 /// The gateway's frame counters.
 fn frames(c: &Cluster) -> serde_json::Value {
@@ -203,6 +203,6 @@ fn a_worker_redials_a_restarted_gateway_and_serves_again() {
         c.worker_log("worker-1")
     );
     // And it serves: a few frames through the restarted gateway.
-    let r = sim::run_blocking(&c.sim_options("edge-1", 2, 5.0, 2.0)).expect("simulation runs");
+    let r = loadgen::run_blocking(&c.load_options("edge-1", 2, 5.0, 2.0)).expect("simulation runs");
     assert!(r.sent > 0 && r.ok == r.sent, "{:?}", r.outcomes);
 }

@@ -15,7 +15,7 @@ use tidegate_loadtest::attack::worker::{
     LiarOptions, Lie, Received, model_as_registered, spawn_liar,
 };
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
-use tidegate_loadtest::sim;
+use tidegate_loadtest::loadgen;
 use tokio_util::sync::CancellationToken;
 
 /// The health settings the gateway runs with: short back-offs, so that a
@@ -92,8 +92,8 @@ fn a_lying_worker_is_demoted_and_then_only_probed(lie: Lie) {
     // The cameras run on a thread of their own; this one watches for the
     // demotion meanwhile.
     let sim = {
-        let opts = c.sim_options("edge-1", 4, 15.0, 8.0);
-        std::thread::spawn(move || sim::run_blocking(&opts))
+        let opts = c.load_options("edge-1", 4, 15.0, 8.0);
+        std::thread::spawn(move || loadgen::run_blocking(&opts))
     };
     let demotions = |c: &Cluster| {
         let (_, text) = c.get("/metrics").expect("metrics");

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::loadgen::{self, LoadOptions};
 use tidegate_loadtest::report::Report;
-use tidegate_loadtest::sim::{self, SimOptions};
 
 /// One instance type, billed per second with a 3 s minimum, started in 2 s.
 pub const CATALOG: &str = r#"
@@ -29,14 +29,14 @@ startup_secs = 2
 price_per_hour = { on_demand = 3.60, spot = 1.20, reserved = 2.40 }
 "#;
 
-/// Simulated cameras of `edge-1` (see [`Cluster::sim_options`]).
-pub fn sim_opts(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> SimOptions {
-    c.sim_options("edge-1", cameras, fps, seconds)
+/// Simulated cameras of `edge-1` (see [`Cluster::load_options`]).
+pub fn loadgen_opts(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> LoadOptions {
+    c.load_options("edge-1", cameras, fps, seconds)
 }
 
 /// Runs the simulated cameras on their own thread.
-pub fn spawn_sim(opts: SimOptions) -> std::thread::JoinHandle<Report> {
-    std::thread::spawn(move || sim::run_blocking(&opts).expect("simulation runs"))
+pub fn spawn_loadgen(opts: LoadOptions) -> std::thread::JoinHandle<Report> {
+    std::thread::spawn(move || loadgen::run_blocking(&opts).expect("simulation runs"))
 }
 
 pub fn leases(c: &Cluster, live: bool) -> Vec<Value> {
@@ -148,7 +148,7 @@ pub fn spot_taken_and_replaced<T>(
     context: impl Fn() -> String,
     take: impl FnOnce() -> T,
 ) -> T {
-    let sim = spawn_sim(sim_opts(c, 1, 10.0, 16.0));
+    let sim = spawn_loadgen(loadgen_opts(c, 1, 10.0, 16.0));
     wait_until_explained(
         c,
         Duration::from_secs(10),

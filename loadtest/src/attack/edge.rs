@@ -12,7 +12,7 @@ use tidegate_protocol::{
 use tokio_util::sync::CancellationToken;
 
 use super::{AttackError, MIB, Target, hold_control, login, login_greedy};
-use crate::sim::{self, SimOptions};
+use crate::loadgen::{self, LoadOptions};
 
 /// Opens a frame stream declaring a `declared`-byte body and sends the
 /// header and `sent` bytes of it, never finishing it; returns when the
@@ -315,7 +315,7 @@ pub struct Flooded {
 /// results, and when `stop` fires, or `opts.duration` has passed, closes
 /// the connection at once, with whatever it has queued at the gateway, as a
 /// crashing or vanishing edge does.
-pub async fn flood(opts: SimOptions, stop: CancellationToken) -> Result<Flooded, AttackError> {
+pub async fn flood(opts: LoadOptions, stop: CancellationToken) -> Result<Flooded, AttackError> {
     let uplink_err = |source| AttackError::Uplink {
         edge: opts.edge.clone(),
         source: Box::new(source),
@@ -347,9 +347,9 @@ pub async fn flood(opts: SimOptions, stop: CancellationToken) -> Result<Flooded,
         lanes.push((camera.clone(), uplink.lane(&camera, 4, Default::default())));
     }
     let input = input.ok_or_else(|| AttackError::Frame("a flood needs a camera".into()))?;
-    let (pixels, geometry) = sim::frame_pixels(&input, opts.image.as_deref())
+    let (pixels, geometry) = loadgen::frame_pixels(&input, opts.image.as_deref())
         .map_err(|e| AttackError::Frame(e.to_string()))?;
-    let data = sim::encode_frame(&pixels, input.width, input.height, opts.encoding)
+    let data = loadgen::encode_frame(&pixels, input.width, input.height, opts.encoding)
         .map_err(|e| AttackError::Frame(e.to_string()))?;
     let mut tensor = Tensor::raw(DType::U8, Layout::Nhwc, input.frame_shape(), data);
     tensor.encoding = opts.encoding;
@@ -391,7 +391,7 @@ pub async fn flood(opts: SimOptions, stop: CancellationToken) -> Result<Flooded,
 /// `opts.duration` passes); the thread ends once every connection has
 /// closed, with the frames each sent.
 pub fn flood_thread(
-    opts: SimOptions,
+    opts: LoadOptions,
     connections: usize,
     stop: CancellationToken,
 ) -> std::thread::JoinHandle<Result<Vec<Flooded>, AttackError>> {

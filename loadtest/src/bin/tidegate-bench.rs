@@ -31,7 +31,7 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::report::{Report, write_atomically};
-use tidegate_loadtest::{hostilebench, relay, schedbench, sim, startup, wanbench};
+use tidegate_loadtest::{hostilebench, loadgen, relay, schedbench, startup, wanbench};
 
 /// tidegate benchmarks (JSON on stdout, and in --report).
 #[derive(Debug, Parser)]
@@ -389,7 +389,7 @@ fn hints(
         (1..=8).contains(&workers) && (1..=256).contains(&cameras),
         "--workers must be in 1..=8 and --cameras in 1..=256"
     );
-    let min_fps = *sim::FPS_RANGE.start();
+    let min_fps = *loadgen::FPS_RANGE.start();
     anyhow::ensure!(
         (min_fps..=120.0).contains(&fps) && seconds > 0.0 && seconds <= 120.0,
         "--fps must be in [{min_fps}, 120] and --seconds in (0, 120]"
@@ -412,9 +412,9 @@ fn hints(
             [false, true]
         };
         for obey in order {
-            let mut opts = cluster.sim_options("edge-1", cameras, fps, seconds);
+            let mut opts = cluster.load_options("edge-1", cameras, fps, seconds);
             opts.obey_hints = obey;
-            let report = sim::run_blocking(&opts)?;
+            let report = loadgen::run_blocking(&opts)?;
             eprintln!(
                 "round {} {}: sent {} ok {} (within budget {}) shed {} held back {} unsent {} pending {}",
                 round + 1,

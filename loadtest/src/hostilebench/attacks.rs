@@ -88,7 +88,8 @@ pub(super) fn spawn(
             Ok(json!(held))
         }),
         Attack::Starve => {
-            let mut opts = c.sim_options(HOSTILE, FLOOD_CAMERAS, FLOOD_FPS, max_time.as_secs_f64());
+            let mut opts =
+                c.load_options(HOSTILE, FLOOD_CAMERAS, FLOOD_FPS, max_time.as_secs_f64());
             opts.encoding = tidegate_protocol::Encoding::Jpeg { quality: 90 };
             std::thread::spawn(move || {
                 let floods = edge::flood_thread(opts, FLOOD_CONNECTIONS, stop)

@@ -31,8 +31,8 @@ use crate::attack::rss::{RssWatch, rss};
 use crate::attack::worker::Lie;
 use crate::attack::{AttackError, MIB};
 use crate::cluster::{Cluster, ClusterError, ClusterOptions};
+use crate::loadgen::{self, LoadError};
 use crate::report::Report;
-use crate::sim::{self, SimError};
 
 /// The legitimate edge's name.
 pub const LEGIT: &str = "edge-1";
@@ -70,7 +70,7 @@ pub enum HostileBenchError {
         /// The case.
         case: String,
         /// Why (boxed: it is large).
-        source: Box<SimError>,
+        source: Box<LoadError>,
     },
     /// The attack could not be carried out.
     #[error("case {case}: the attack: {source}")]
@@ -392,23 +392,23 @@ pub fn run_case(case: &Case, seconds: f64) -> Result<CaseResult, HostileBenchErr
     c.spawn_worker("worker-1")?;
     c.wait_for_workers(1, Duration::from_secs(120))?;
     let pid = c.gateway_pid();
-    let legit = c.sim_options(LEGIT, LEGIT_LOAD.0, LEGIT_LOAD.1, seconds);
+    let legit = c.load_options(LEGIT, LEGIT_LOAD.0, LEGIT_LOAD.1, seconds);
 
     let watch = RssWatch::watch(pid, RSS_EVERY);
-    let baseline = sim::run_blocking(&legit).map_err(sim_err)?;
+    let baseline = loadgen::run_blocking(&legit).map_err(sim_err)?;
     let baseline_rss = watch.max();
     drop(watch);
 
     let watch = RssWatch::watch(pid, RSS_EVERY);
     let stop = CancellationToken::new();
-    let max_time = WARM_UP + sim::RESULT_GRACE + Duration::from_secs_f64(seconds * 2.0);
+    let max_time = WARM_UP + loadgen::RESULT_GRACE + Duration::from_secs_f64(seconds * 2.0);
     let attack_err = |source| HostileBenchError::Attack {
         case: case.name.into(),
         source,
     };
     let running = attacks::spawn(case.attack, &c, stop.clone(), max_time).map_err(attack_err)?;
     std::thread::sleep(WARM_UP);
-    let attacked = sim::run_blocking(&legit);
+    let attacked = loadgen::run_blocking(&legit);
     stop.cancel();
     let tally = join(running, case)?;
     let peak_rss = watch.max();

@@ -1,5 +1,5 @@
 //! The load generator's shell: simulated cameras on the simulator's
-//! open-loop schedules ([`crate::sim::camera_schedules`]), one KServe v2
+//! open-loop schedules ([`crate::loadgen::camera_schedules`]), one KServe v2
 //! request per frame over the connection [`Pool`], every answer checked
 //! and counted in a [`Tally`].
 
@@ -23,7 +23,7 @@ use super::codec::{
 };
 use super::pool::{Answer, ExchangeError, Pool, Target, TargetError};
 use super::tally::{KserveReport, Outcome, Tally};
-use crate::sim::{self, FPS_RANGE, FrameImageError};
+use crate::loadgen::{self, FPS_RANGE, FrameImageError};
 
 /// BlazeFace's graph input, as models/blazeface/model.toml names it.
 pub const DEFAULT_INPUT: &str = "input:0";
@@ -68,7 +68,7 @@ pub struct KserveOptions {
     /// How long after its budget a request is given up.
     pub grace: Duration,
     /// Every camera's frame due in the same instant (see
-    /// [`sim::camera_schedules`]).
+    /// [`loadgen::camera_schedules`]).
     pub in_step: bool,
     /// The model's input.
     pub input_name: String,
@@ -287,7 +287,7 @@ async fn prepare(opts: &KserveOptions) -> Result<Arc<Shared>, KserveError> {
         color: ColorOrder::Rgb,
         resize: Resize::Letterbox,
     };
-    let (pixels, _) = sim::frame_pixels(&input, opts.image.as_deref())?;
+    let (pixels, _) = loadgen::frame_pixels(&input, opts.image.as_deref())?;
     let pool = Pool::new(target.clone(), opts.max_connections);
     let model_path = format!("{}/v2/models/{}", target.prefix, opts.model);
     let metadata = get_json::<ModelMetadata>(&pool, &model_path).await;
@@ -334,7 +334,7 @@ async fn prepare(opts: &KserveOptions) -> Result<Arc<Shared>, KserveError> {
         grace_ms: u64::try_from(opts.grace.as_millis()).unwrap_or(u64::MAX),
         in_step: opts.in_step,
         bytes_per_frame: shared.request(0, 0).body.len() as u64,
-        planned: sim::frames_per_camera(opts.fps, opts.duration)
+        planned: loadgen::frames_per_camera(opts.fps, opts.duration)
             .saturating_mul(opts.cameras as u64),
         checked_against_metadata: !shared.expect.metadata.is_empty(),
         max_connections: opts.max_connections,
@@ -352,7 +352,7 @@ async fn drive(opts: &KserveOptions, shared: Arc<Shared>) -> Result<KserveReport
     let requests = TaskTracker::new();
     let abandon = CancellationToken::new();
     let mut cameras = tokio::task::JoinSet::new();
-    for (i, schedule) in sim::camera_schedules(
+    for (i, schedule) in loadgen::camera_schedules(
         opts.cameras,
         opts.fps,
         opts.duration,

@@ -6,7 +6,7 @@
 //! - [`codec`]: request and response bodies, sans IO, bounded before they
 //!   allocate.
 //! - [`load`]: the generator: the simulator's open-loop camera schedules
-//!   ([`crate::sim::camera_schedules`]), one HTTP request per frame.
+//!   ([`crate::loadgen::camera_schedules`]), one HTTP request per frame.
 //! - [`pool`]: its keep-alive connections, at most `max` open; a frame
 //!   that finds none free is counted, never queued.
 //! - [`tally`]: its accounting, pure: every planned frame in exactly one

@@ -12,7 +12,7 @@
 //! came back. The congestion controllers are compared on the same links in
 //! the same run.
 //!
-//! A case names its client: the load generator ([`crate::sim`]), or a real
+//! A case names its client: the load generator ([`crate::loadgen`]), or a real
 //! `tidegate-edge` (`wanbench/edge.rs`), whose GStreamer cameras encode
 //! their frames and fit them to the link as they would in the field.
 
@@ -28,8 +28,8 @@ use tidegate_protocol::quic::Congestion;
 
 use crate::cluster::{Cluster, ClusterError};
 use crate::impair::{GilbertElliott, ImpairConfig, LinkConfig, Relay, RelayOptions, RelayStats};
+use crate::loadgen::{self, LoadError};
 use crate::report::Report;
-use crate::sim::{self, SimError};
 
 /// Why the WAN matrix could not run.
 #[derive(Debug, thiserror::Error)]
@@ -52,7 +52,7 @@ pub enum WanBenchError {
         /// The case.
         case: String,
         /// Why (boxed: it is large).
-        source: Box<SimError>,
+        source: Box<LoadError>,
     },
     /// A case's edge failed to start, serve or stop.
     #[error("case {case}: the edge: {why}")]
@@ -357,7 +357,7 @@ pub async fn run_case(
         source,
     })?;
     let (report, settled) = match case.client {
-        Client::Sim => (run_sim(cluster, case, &relay, seconds).await?, None),
+        Client::Sim => (run_loadgen(cluster, case, &relay, seconds).await?, None),
         Client::Edge => {
             let run = edge::run(cluster, case, &relay, seconds).await?;
             (run.report, Some(run.settled))
@@ -387,13 +387,13 @@ pub async fn run_case(
 }
 
 /// Runs `case` with the load generator through `relay`.
-async fn run_sim(
+async fn run_loadgen(
     cluster: &Cluster,
     case: &Case,
     relay: &Relay,
     seconds: f64,
 ) -> Result<Report, WanBenchError> {
-    let mut opts = cluster.sim_options("edge-1", case.cameras, case.fps, seconds);
+    let mut opts = cluster.load_options("edge-1", case.cameras, case.fps, seconds);
     opts.gateway = relay.local_addr().into();
     opts.model = case.model.clone();
     opts.budget_ms = case.budget_ms;
@@ -403,7 +403,7 @@ async fn run_sim(
     // Cameras out of phase, as real ones are: in step, their frames leave
     // in one burst a period and queue behind each other on the uplink.
     opts.in_step = false;
-    let sim = tokio::spawn(async move { sim::run(&opts).await });
+    let sim = tokio::spawn(async move { loadgen::run(&opts).await });
     if let Some((at, lasting)) = case.blackout {
         tokio::time::sleep(at).await;
         relay.blackout(lasting);
@@ -411,7 +411,7 @@ async fn run_sim(
     sim.await
         .map_err(|e| WanBenchError::Sim {
             case: case.name.clone(),
-            source: Box::new(SimError::CameraTask(e)),
+            source: Box::new(LoadError::CameraTask(e)),
         })?
         .map_err(|source| WanBenchError::Sim {
             case: case.name.clone(),

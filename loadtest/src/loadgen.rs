@@ -38,7 +38,7 @@ pub struct FrameImageError {
 /// Why a simulation ([`run`], [`run_blocking`]) could not run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum SimError {
+pub enum LoadError {
     /// The runtime of [`run_blocking`] could not be built.
     #[error("building the simulation's runtime: {0}")]
     Runtime(#[source] std::io::Error),
@@ -98,7 +98,7 @@ pub enum SimError {
 
 /// What to simulate.
 #[derive(Debug, Clone)]
-pub struct SimOptions {
+pub struct LoadOptions {
     /// Gateway QUIC address (an IP address or a host name, resolved when
     /// the simulation connects).
     pub gateway: GatewayAddr,
@@ -396,12 +396,12 @@ where
 
 /// [`run`] on a runtime of its own (two threads), for callers outside
 /// async code.
-pub fn run_blocking(opts: &SimOptions) -> Result<Report, SimError> {
+pub fn run_blocking(opts: &LoadOptions) -> Result<Report, LoadError> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(SimError::Runtime)?
+        .map_err(LoadError::Runtime)?
         .block_on(run(opts))
 }
 
@@ -566,10 +566,10 @@ pub fn encode_frame(
 
 /// Dials the gateway and opens every camera of `opts` on the connection.
 async fn open_connection(
-    opts: &SimOptions,
+    opts: &LoadOptions,
     client: &quinn::ClientConfig,
     id: u64,
-) -> Result<(Live, queue::Receiver<Incoming>, Vec<CameraAccepted>), SimError> {
+) -> Result<(Live, queue::Receiver<Incoming>, Vec<CameraAccepted>), LoadError> {
     let (uplink, incoming) = Uplink::connect_client(
         &opts.gateway,
         &opts.server_name,
@@ -579,7 +579,7 @@ async fn open_connection(
         UplinkOptions::default(),
     )
     .await
-    .map_err(|source| SimError::Connect {
+    .map_err(|source| LoadError::Connect {
         gateway: opts.gateway.clone(),
         edge: opts.edge.clone(),
         source: Box::new(source),
@@ -597,7 +597,7 @@ async fn open_connection(
                 copies: opts.copies,
             })
             .await
-            .map_err(|source| SimError::OpenCamera {
+            .map_err(|source| LoadError::OpenCamera {
                 camera: camera.clone(),
                 model: opts.model.clone(),
                 source,
@@ -681,7 +681,7 @@ impl Tally {
 /// and when it ends redials with backoff and opens the cameras again, as a
 /// real edge does. Frames due meanwhile find no connection (`send_errors`).
 async fn keep_connected(
-    opts: SimOptions,
+    opts: LoadOptions,
     client: quinn::ClientConfig,
     first: (Live, queue::Receiver<Incoming>),
     live_tx: watch::Sender<Option<Arc<Live>>>,
@@ -735,7 +735,7 @@ async fn keep_connected(
 }
 
 /// Runs the simulation and returns its report.
-pub async fn run(opts: &SimOptions) -> Result<Report, SimError> {
+pub async fn run(opts: &LoadOptions) -> Result<Report, LoadError> {
     run_with_progress(opts, None).await
 }
 
@@ -758,18 +758,18 @@ pub fn progress_line(elapsed: Duration, r: &Report, p99_ms: Option<f64>) -> Stri
 /// [`run`], printing a [`progress_line`] on stderr every `every` while it
 /// runs.
 pub async fn run_with_progress(
-    opts: &SimOptions,
+    opts: &LoadOptions,
     every: Option<Duration>,
-) -> Result<Report, SimError> {
+) -> Result<Report, LoadError> {
     if !FPS_RANGE.contains(&opts.fps) {
-        return Err(SimError::Fps(opts.fps));
+        return Err(LoadError::Fps(opts.fps));
     }
     if opts.cameras == 0 {
-        return Err(SimError::NoCameras);
+        return Err(LoadError::NoCameras);
     }
     let client =
         tidegate_protocol::quic::client_config_with(&opts.ca, opts.congestion).map_err(|e| {
-            SimError::Connect {
+            LoadError::Connect {
                 gateway: opts.gateway.clone(),
                 edge: opts.edge.clone(),
                 source: Box::new(UplinkError::Tls(e)),
@@ -778,7 +778,7 @@ pub async fn run_with_progress(
     let (live, incoming, accepted) = open_connection(opts, &client, 0).await?;
     let input = accepted[0].input;
     if input.dtype != DType::U8 || input.layout != Layout::Nhwc {
-        return Err(SimError::UnsupportedInput {
+        return Err(LoadError::UnsupportedInput {
             model: opts.model.clone(),
             dtype: input.dtype,
             layout: input.layout,
@@ -787,7 +787,7 @@ pub async fn run_with_progress(
     let (pixels, geometry) = frame_pixels(&input, opts.image.as_deref())?;
     let data =
         encode_frame(&pixels, input.width, input.height, opts.encoding).map_err(|source| {
-            SimError::Encode {
+            LoadError::Encode {
                 encoding: opts.encoding,
                 source,
             }
@@ -1174,7 +1174,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_rate_outside_the_range_is_refused_before_connecting() {
-        let opts = SimOptions {
+        let opts = LoadOptions {
             // Nothing listens here: a connection attempt would fail otherwise.
             gateway: GatewayAddr::from(std::net::SocketAddr::from(([127, 0, 0, 1], 9))),
             server_name: "localhost".into(),
@@ -1194,13 +1194,13 @@ mod tests {
             in_step: false,
         };
         for fps in [1e-300, 0.0, -1.0, f64::NAN, 1001.0] {
-            let err = run(&SimOptions {
+            let err = run(&LoadOptions {
                 fps,
                 ..opts.clone()
             })
             .await
             .unwrap_err();
-            assert!(matches!(err, SimError::Fps(_)), "{fps}: {err}");
+            assert!(matches!(err, LoadError::Fps(_)), "{fps}: {err}");
             assert!(err.to_string().contains("0.001"), "{err}");
         }
     }
