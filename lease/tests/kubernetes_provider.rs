@@ -60,7 +60,9 @@ async fn one_running(
     KubernetesProvider,
     tokio::sync::mpsc::Receiver<ProviderEvent>,
 ) {
-    let mut p = KubernetesProvider::connect(config(kube, out, WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(kube, out, WORKER))
+        .await
+        .unwrap();
     let events = p.take_events().unwrap();
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     wait_for("the worker", || context(kube), || env_of(out, 1).is_some()).await;
@@ -79,10 +81,10 @@ async fn one_running(
 /// The Pods and the containers' output, for a failure message.
 /// A provider of the stand-in worker that waits at most 1 s for any API
 /// call (`api_timeout_secs`), for the tests of a server that answers late.
-fn impatient(kube: &MiniKube, out: &std::path::Path) -> KubernetesProvider {
+async fn impatient(kube: &MiniKube, out: &std::path::Path) -> KubernetesProvider {
     let mut cfg = config(kube, out, WORKER);
     cfg.api_timeout_secs = 1.0;
-    KubernetesProvider::connect(cfg).unwrap()
+    KubernetesProvider::connect(cfg).await.unwrap()
 }
 
 /// The names of `objects`.
@@ -105,7 +107,9 @@ fn phase(pod: &Value) -> &str {
 async fn a_lease_is_a_pod_with_its_gpus_and_token_secret_and_release_drains_it() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap();
     assert_eq!(p.namespace(), NS);
     let mut events = p.take_events().unwrap();
     let s = spec(1, Tier::OnDemand, "h100");
@@ -168,7 +172,9 @@ async fn a_lease_is_a_pod_with_its_gpus_and_token_secret_and_release_drains_it()
 async fn kubernetes_taking_a_spot_pod_is_the_notice_and_the_worker_drains() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap();
     let mut events = p.take_events().unwrap();
     p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
     wait_for(
@@ -235,7 +241,7 @@ async fn a_worker_that_dies_ends_its_lease_lost_and_a_pod_that_never_ran_failed(
     // a worker that exits at once, before anything saw it run
     let mut cfg = config(&kube, out.path(), "exit 3");
     cfg.name_prefix = "quick".into();
-    let mut q = KubernetesProvider::connect(cfg).unwrap();
+    let mut q = KubernetesProvider::connect(cfg).await.unwrap();
     let mut qevents = q.take_events().unwrap();
     q.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
     let (reason, detail) = ended(&mut qevents, LeaseId(2)).await;
@@ -251,7 +257,9 @@ async fn a_worker_that_dies_ends_its_lease_lost_and_a_pod_that_never_ran_failed(
 async fn a_pod_that_cannot_start_waits_without_events_and_releases_at_once() {
     let kube = MiniKube::start(1);
     let out = tempfile::tempdir().unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap();
     let mut events = p.take_events().unwrap();
     // the node has 1 GPU; an h100 lease asks for the catalog's count
     let mut want_two = spec(1, Tier::OnDemand, "h100");
@@ -273,7 +281,7 @@ async fn a_pod_that_cannot_start_waits_without_events_and_releases_at_once() {
     let mut cfg = config(&kube, out.path(), WORKER);
     cfg.image = "registry.invalid/nope:1".into();
     cfg.name_prefix = "badimage".into();
-    let mut q = KubernetesProvider::connect(cfg).unwrap();
+    let mut q = KubernetesProvider::connect(cfg).await.unwrap();
     let _qevents = q.take_events().unwrap();
     let mut small = spec(2, Tier::OnDemand, "cpu-32");
     small.instance.gpus = 0;
@@ -308,7 +316,9 @@ async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orpha
     let out = tempfile::tempdir().unwrap();
     let db = tempfile::tempdir().unwrap();
     let mut ledger = Ledger::open(&db.path().join("leases.db")).unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap();
     let mut pods = Vec::new();
     for _ in 0..2 {
         let data = acquire_recorded(&mut p, &mut ledger, "kubernetes", Some(1)).await;
@@ -343,9 +353,11 @@ async fn a_restarted_gateway_adopts_running_pods_ends_the_gone_and_deletes_orpha
     // the gateway stays down a while longer
     tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
 
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap();
     let restart = wall_clock_ms();
-    let adoption = p.adopt(&mut ledger, restart).unwrap();
+    let adoption = p.adopt(&mut ledger, restart).await.unwrap();
     assert_eq!(adoption.adopted, vec![LeaseId(1)]);
     assert_eq!(adoption.ended, vec![(LeaseId(2), EndReason::Lost)]);
     let gone = ledger.lease(LeaseId(2)).unwrap().unwrap();
@@ -383,11 +395,15 @@ async fn api_errors_are_clear_and_leave_nothing_behind() {
     let out = tempfile::tempdir().unwrap();
     // RBAC refuses the list: connect says so, and where to look
     kube.fail_next("GET", "/api/v1/namespaces/tidegate/pods", 403, 1);
-    let e = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap_err();
+    let e = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap_err();
     let msg = e.to_string();
     assert!(msg.contains("403") && msg.contains("rbac.yaml"), "{msg}");
 
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap();
     // the API server fails the pod's creation: an error, and its token
     // secret is gone again
     kube.fail_next("POST", "/api/v1/namespaces/tidegate/pods", 500, 1);
@@ -412,7 +428,7 @@ async fn api_errors_are_clear_and_leave_nothing_behind() {
     let mut cfg = config(&kube, out.path(), WORKER);
     cfg.tiers.spot = None;
     cfg.name_prefix = "nospot".into();
-    let mut q = KubernetesProvider::connect(cfg).unwrap();
+    let mut q = KubernetesProvider::connect(cfg).await.unwrap();
     assert!(matches!(
         q.acquire(spec(2, Tier::Spot, "h100")).await,
         Err(ProviderError::NoCapacity {
@@ -434,7 +450,10 @@ async fn api_errors_are_clear_and_leave_nothing_behind() {
         .replace(&kube.url(), "http://127.0.0.1:9");
     std::fs::write(dir.path().join("kubeconfig"), kc).unwrap();
     cfg.kubeconfig = Some(dir.path().join("kubeconfig"));
-    let e = KubernetesProvider::connect(cfg).unwrap_err().to_string();
+    let e = KubernetesProvider::connect(cfg)
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("127.0.0.1:9"), "{e}");
     p.shutdown().await;
     assert!(kube.pods(NS).is_empty(), "{:#?}", kube.pods(NS));
@@ -465,7 +484,9 @@ async fn a_broken_watch_is_resumed_and_events_still_arrive() {
 async fn begin_release_drains_every_worker_at_once_then_each_release_waits() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER)).unwrap();
+    let mut p = KubernetesProvider::connect(config(&kube, out.path(), WORKER))
+        .await
+        .unwrap();
     let mut events = p.take_events().unwrap();
     for id in [1, 2] {
         let mut s = spec(id, Tier::OnDemand, "h100");
@@ -524,7 +545,7 @@ async fn a_refused_delete_keeps_the_pod_held_and_its_end_is_news_again() {
 async fn a_pod_creation_answered_too_late_fails_the_acquire_and_leaves_nothing_behind() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = impatient(&kube, out.path());
+    let mut p = impatient(&kube, out.path()).await;
     let an_hour = Duration::from_secs(3600);
     kube.answer_late("POST", "/api/v1/namespaces/tidegate/pods", an_hour, 1);
     let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
@@ -574,7 +595,7 @@ async fn a_pod_creation_answered_too_late_fails_the_acquire_and_leaves_nothing_b
 async fn a_pod_the_api_server_makes_after_its_acquire_gave_up_is_deleted_when_it_appears() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = impatient(&kube, out.path());
+    let mut p = impatient(&kube, out.path()).await;
     kube.act_late(
         "POST",
         "/api/v1/namespaces/tidegate/pods",
@@ -627,7 +648,7 @@ async fn a_pod_the_api_server_makes_after_its_acquire_gave_up_is_deleted_when_it
 async fn a_release_the_api_server_does_not_answer_fails_and_is_retried() {
     let kube = MiniKube::start(2);
     let out = tempfile::tempdir().unwrap();
-    let mut p = impatient(&kube, out.path());
+    let mut p = impatient(&kube, out.path()).await;
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     wait_for(
         "the worker",

@@ -189,6 +189,64 @@ async fn worker_that_dies_is_reported_lost() {
     assert_eq!(p.pid(LeaseId(3)), None);
 }
 
+/// `preempt_spot_after_secs` preempts every spot lease whose spec names
+/// no delay of its own, and no lease of another tier.
+#[tokio::test]
+async fn the_configured_preemption_delay_applies_to_spot_leases_only() {
+    let mut cfg = sleeper();
+    cfg.notice_period_secs = 0.5;
+    cfg.preempt_spot_after_secs = Some(0.1);
+    let mut p = ProcessProvider::new(cfg);
+    let mut events = p.take_events().unwrap();
+    p.acquire(spec(1, Tier::OnDemand, None)).await.unwrap();
+    p.acquire(spec(2, Tier::Spot, None)).await.unwrap();
+    let ev = tokio::time::timeout(GUARD, events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(
+            ev,
+            ProviderEvent::PreemptionNotice {
+                lease: LeaseId(2),
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    let ev = tokio::time::timeout(GUARD, events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(
+            ev,
+            ProviderEvent::Ended {
+                lease: LeaseId(2),
+                reason: EndReason::Preempted,
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    // the on-demand lease was never preempted: still held, no event
+    assert_eq!(p.held(), vec![LeaseId(1)]);
+    assert!(events.try_recv().is_err());
+    p.shutdown().await;
+}
+
+#[test]
+fn preemption_delays_that_would_panic_a_duration_are_refused() {
+    let mut cfg = sleeper();
+    cfg.preempt_spot_after_secs = Some(6.0);
+    assert!(cfg.validate().is_ok());
+    for bad in [1e20, -1.0, f64::NAN, f64::INFINITY] {
+        cfg.preempt_spot_after_secs = Some(bad);
+        let e = cfg.validate().unwrap_err();
+        assert!(e.contains("preempt_spot_after_secs"), "{e}");
+    }
+}
+
 #[test]
 fn notice_periods_that_would_panic_a_duration_are_refused() {
     let mut cfg = sleeper();
@@ -304,7 +362,7 @@ async fn restart_adopts_live_workers_and_ends_dead_ones_in_the_ledger() {
     // gateway #2 over the same ledger file
     let mut ledger = Ledger::open(&path).unwrap();
     let mut p = ProcessProvider::new(sleeper());
-    let adoption = p.adopt(&mut ledger, wall_clock_ms()).unwrap();
+    let adoption = p.adopt(&mut ledger, wall_clock_ms()).await.unwrap();
     assert_eq!(adoption.adopted, vec![alive_id]);
     let mut ended = adoption.ended.clone();
     ended.sort_by_key(|(id, _)| *id);
@@ -346,7 +404,7 @@ async fn a_reused_pid_running_something_else_is_not_adopted() {
         )
         .unwrap();
     let mut p = ProcessProvider::new(sleeper());
-    let adoption = p.adopt(&mut ledger, wall_clock_ms()).unwrap();
+    let adoption = p.adopt(&mut ledger, wall_clock_ms()).await.unwrap();
     assert!(adoption.adopted.is_empty());
     assert_eq!(adoption.ended, vec![(id, EndReason::Lost)]);
 }

@@ -37,7 +37,9 @@ fn config(slurm: &MiniSlurm, out: &Path, script: &str) -> SlurmConfig {
 async fn a_lease_is_a_job_step_with_its_gpus_and_token_and_release_cancels_it() {
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();
-    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER))
+        .await
+        .unwrap();
     assert_eq!(p.notice_period(), Duration::from_secs(GRACE_SECS));
     let s = spec(1, Tier::OnDemand, "h100");
     let token = s.token.expose().to_string();
@@ -87,7 +89,9 @@ async fn a_lease_is_a_job_step_with_its_gpus_and_token_and_release_cancels_it() 
 async fn slurm_preempting_a_spot_job_is_the_notice_and_the_worker_drains() {
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();
-    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER))
+        .await
+        .unwrap();
     let mut events = p.take_events().unwrap();
     let spot = p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
     let spot_job: SlurmData = serde_json::from_str(spot.provider_data.as_deref().unwrap()).unwrap();
@@ -150,7 +154,7 @@ trap '' TERM
 while :; do sleep 0.1; done"#;
     let mut cfg = config(&slurm, out.path(), stubborn);
     cfg.partitions.spot = Some("spotrq".into());
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     let mut events = p.take_events().unwrap();
     let spot = p.acquire(spec(1, Tier::Spot, "h200")).await.unwrap();
     let job: SlurmData = serde_json::from_str(spot.provider_data.as_deref().unwrap()).unwrap();
@@ -191,7 +195,9 @@ async fn a_worker_that_dies_ends_its_lease_lost_and_a_job_that_never_ran_failed(
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();
     let script = r#"env > "$OUT/lease-$TIDEGATE_LEASE_ID.env"; sleep 0.5; exit 3"#;
-    let mut p = SlurmProvider::connect(config(&slurm, out.path(), script)).unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), script))
+        .await
+        .unwrap();
     let mut events = p.take_events().unwrap();
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     let (reason, detail) = ended(&mut events, LeaseId(1)).await;
@@ -210,7 +216,7 @@ async fn a_worker_that_dies_ends_its_lease_lost_and_a_job_that_never_ran_failed(
     // a pending job cancelled behind our back never ran: a failed start
     let mut hold = config(&slurm, out.path(), WORKER);
     hold.sbatch_args = vec!["--hold".into()];
-    let mut p = SlurmProvider::connect(hold).unwrap();
+    let mut p = SlurmProvider::connect(hold).await.unwrap();
     let mut events = p.take_events().unwrap();
     let a = p.acquire(spec(2, Tier::OnDemand, "h100")).await.unwrap();
     let job: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
@@ -227,13 +233,13 @@ async fn bad_partitions_and_impossible_jobs_are_clear_errors() {
     let out = tempfile::tempdir().unwrap();
     let mut cfg = config(&slurm, out.path(), WORKER);
     cfg.partitions.spot = Some("preemptible".into());
-    let e = SlurmProvider::connect(cfg).unwrap_err().to_string();
+    let e = SlurmProvider::connect(cfg).await.unwrap_err().to_string();
     assert!(e.contains("spot partition \"preemptible\""), "{e}");
     assert!(e.contains("not found"), "{e}");
 
     let mut cfg = config(&slurm, out.path(), WORKER);
     cfg.gres.insert("a100".into(), "gpu:8".into());
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     let e = p
         .acquire(spec(1, Tier::OnDemand, "a100"))
         .await
@@ -264,7 +270,9 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
     let out = tempfile::tempdir().unwrap();
     let db = tempfile::tempdir().unwrap();
     let mut ledger = Ledger::open(&db.path().join("leases.db")).unwrap();
-    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER))
+        .await
+        .unwrap();
     let mut jobs = Vec::new();
     for _ in 0..2 {
         let data = acquire_recorded(&mut p, &mut ledger, "slurm", None).await;
@@ -311,9 +319,11 @@ async fn a_restarted_gateway_adopts_running_jobs_and_ends_the_gone() {
     // the gateway stays down a while longer
     tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
 
-    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER))
+        .await
+        .unwrap();
     let restart = wall_clock_ms();
-    let adoption = p.adopt(&mut ledger, restart).unwrap();
+    let adoption = p.adopt(&mut ledger, restart).await.unwrap();
     assert_eq!(adoption.adopted, vec![LeaseId(1)]);
     assert_eq!(
         adoption.ended,
@@ -380,7 +390,7 @@ async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
     fake_tool(&bin, "scancel", &scancel);
     let mut cfg = config(&slurm, out.path(), WORKER);
     cfg.bin_dir = Some(bin.clone());
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     let mut events = p.take_events().unwrap();
     let a = p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     let job: SlurmData = serde_json::from_str(a.provider_data.as_deref().unwrap()).unwrap();
@@ -437,7 +447,9 @@ async fn a_release_that_fails_keeps_the_job_held_and_watched_until_it_ends() {
 async fn begin_release_drains_every_worker_at_once_then_each_release_waits() {
     let slurm = MiniSlurm::start();
     let out = tempfile::tempdir().unwrap();
-    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER)).unwrap();
+    let mut p = SlurmProvider::connect(config(&slurm, out.path(), WORKER))
+        .await
+        .unwrap();
     let mut events = p.take_events().unwrap();
     for id in [1, 2] {
         p.acquire(spec(id, Tier::OnDemand, "h100")).await.unwrap();
@@ -547,7 +559,7 @@ async fn an_sbatch_that_does_not_answer_is_killed_and_any_job_of_its_name_cancel
     let mut cfg = fake_config(bin.path());
     cfg.job_name = "tg-test".into();
     cfg.tool_timeout_secs = 2.0;
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     let e = tokio::time::timeout(GUARD, p.acquire(spec(7, Tier::OnDemand, "h100")))
         .await
         .expect("the acquire gives up at the tool's deadline")
@@ -610,7 +622,7 @@ async fn a_release_whose_squeue_hangs_fails_at_the_release_deadline_and_keeps_th
     cfg.release_timeout_secs = 2.0;
     // no tool deadline within the test: only the release's can end it
     cfg.tool_timeout_secs = 600.0;
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     fake_tool(bin.path(), "squeue", &hung("squeue"));
     let e = tokio::time::timeout(GUARD, p.release(LeaseId(1)))
@@ -643,7 +655,7 @@ async fn a_release_whose_scancel_hangs_fails_at_the_tool_deadline_and_keeps_the_
     let mut cfg = fake_config(bin.path());
     cfg.release_timeout_secs = 600.0;
     cfg.tool_timeout_secs = 1.0;
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     p.acquire(spec(1, Tier::OnDemand, "h100")).await.unwrap();
     fake_tool(bin.path(), "scancel", &hung("scancel"));
     let e = tokio::time::timeout(GUARD, p.release(LeaseId(1)))
@@ -665,18 +677,10 @@ async fn a_start_up_check_whose_scontrol_hangs_fails_at_the_tool_deadline() {
     fake_tool(bin.path(), "scontrol", &hung("scontrol"));
     let mut cfg = fake_config(bin.path());
     cfg.tool_timeout_secs = 1.0;
-    // connect blocks (it runs at start-up): on a thread of its own here,
-    // which a hung connect cannot keep the test waiting for
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let rt = tokio::runtime::Handle::current();
-    std::thread::spawn(move || {
-        let _rt = rt.enter();
-        let _ = tx.send(SlurmProvider::connect(cfg).map(|_| ()));
-    });
-    let e = tokio::time::timeout(GUARD, rx)
+    // the guard only keeps a hung connect from holding the test up
+    let e = tokio::time::timeout(GUARD, SlurmProvider::connect(cfg))
         .await
         .expect("the start-up check gives up at the tool's deadline")
-        .unwrap()
         .unwrap_err()
         .to_string();
     assert!(
@@ -702,7 +706,7 @@ async fn a_job_queued_by_an_sbatch_whose_answer_was_lost_is_cancelled_by_name() 
     let mut cfg = config(&slurm, out.path(), WORKER);
     cfg.bin_dir = Some(bin.clone());
     cfg.tool_timeout_secs = 5.0;
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
         .await
         .expect("the acquire gives up at the tool's deadline")
@@ -746,7 +750,7 @@ async fn a_job_the_controller_queues_after_its_sbatch_gave_up_is_cancelled_when_
     cfg.bin_dir = Some(bin.clone());
     cfg.job_name = "tg-late".into();
     cfg.tool_timeout_secs = 1.0;
-    let mut p = SlurmProvider::connect(cfg).unwrap();
+    let mut p = SlurmProvider::connect(cfg).await.unwrap();
     let e = tokio::time::timeout(GUARD, p.acquire(spec(1, Tier::OnDemand, "h100")))
         .await
         .expect("the acquire gives up at the tool's deadline")

@@ -9,12 +9,12 @@ use tidegate_lease::table::LeaseEntry;
 use tidegate_lease::{EndReason, LeaseId, LeaseState, LeaseToken, Millis, Tier};
 use tracing::{debug, info, warn};
 
-use super::Source;
+use super::LeaseSource;
 use super::shell::{Acquiring, Shell};
 use super::writes::Write;
 use crate::hub::HubMsg;
 
-impl Shell {
+impl<P: LeaseSource> Shell<P> {
     /// Asks the provider for a lease: recorded `requested`, then answered
     /// on a task of its own ([`Shell::acquire_answered`]).
     pub(super) fn acquire(
@@ -41,7 +41,7 @@ impl Shell {
             }
         };
         let id = match self.ledger.insert_requested(&NewLease {
-            provider: self.source.name(),
+            provider: self.provider.name(),
             model: Some(&model),
             instance: &instance,
             tier,
@@ -62,7 +62,7 @@ impl Shell {
             tier,
             preempt_after: None,
         };
-        let answer = self.source.acquire(spec);
+        let answer = self.provider.acquire(spec);
         let task = self.acquiring.spawn(answer);
         self.acquiring_tasks.insert(task.id(), id);
         debug!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, "lease requested");
@@ -131,10 +131,10 @@ impl Shell {
     async fn acquired(&mut self, id: LeaseId, a: Acquiring, acq: Acquired, now: Millis) {
         let (model, instance_type, tier, reason) =
             (a.model.as_str(), a.instance.name.as_str(), a.tier, a.reason);
-        let static_name = match &self.source {
-            Source::Static(p) => p.worker_of(id).map(|w| w.name.clone()),
-            _ => None,
-        };
+        let static_name = self
+            .provider
+            .listed()
+            .and_then(|p| p.worker_of(id).map(|w| w.name.clone()));
         // a static worker already connected holds its lease's
         // (its own) token from now on; registered, it is ready
         let link = static_name

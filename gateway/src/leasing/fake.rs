@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex};
 
 use tidegate_lease::ledger::Ledger;
 use tidegate_lease::provider::{
-    Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
+    Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
 };
-use tidegate_lease::{LeaseId, LeaseToken};
+use tidegate_lease::{LeaseId, LeaseToken, Millis};
 use tokio::sync::mpsc;
+
+use super::LeaseSource;
 
 /// What the test controls and observes.
 #[derive(Debug, Default)]
@@ -32,6 +34,8 @@ pub struct Script {
     /// While true, acquisitions panic once the lease is held (a bug in
     /// a provider, after it started a worker).
     pub panic_acquires: AtomicBool,
+    /// While true, adoption fails (a cluster that does not answer).
+    pub fail_adopt: AtomicBool,
     /// The provider's event channel, for a test to report events.
     pub events: Mutex<Option<mpsc::Sender<ProviderEvent>>>,
 }
@@ -93,22 +97,12 @@ impl FakeProvider {
             events: Some(rx),
         }
     }
+}
 
-    /// Starts the drain of every lease in `leases` at once.
-    pub fn begin_release(&mut self, leases: &[LeaseId]) {
-        self.script.begun.lock().unwrap().extend(leases);
-    }
-
-    /// Every live `fake` lease's worker "still runs".
-    pub fn adopt(&mut self, ledger: &mut Ledger) -> Result<Vec<LeaseId>, ProviderError> {
-        let ids: Vec<LeaseId> = ledger
-            .live_leases()?
-            .into_iter()
-            .filter(|r| r.provider == "fake")
-            .map(|r| r.id)
-            .collect();
-        self.held.extend(ids.iter().copied());
-        Ok(ids)
+impl LeaseSource for FakeProvider {
+    /// Nothing runs on its behalf.
+    fn detach(self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
     }
 }
 
@@ -167,6 +161,41 @@ impl Provider for FakeProvider {
             let _ = hold.wait_for(|held| !held).await;
             result
         }
+    }
+
+    /// Every live `fake` lease's worker "still runs"; the shell ends the
+    /// others.
+    fn adopt(
+        &mut self,
+        ledger: &mut Ledger,
+        _now: Millis,
+    ) -> impl Future<Output = Result<Adoption, ProviderError>> + Send {
+        if self.script.fail_adopt.load(Ordering::SeqCst) {
+            return std::future::ready(Err(ProviderError::Slurm {
+                lease: None,
+                what: "squeue".into(),
+                detail: "the controller does not answer (scripted)".into(),
+            }));
+        }
+        let adopted = ledger.live_leases().map(|recs| {
+            let ids: Vec<LeaseId> = recs
+                .into_iter()
+                .filter(|r| r.provider == "fake")
+                .map(|r| r.id)
+                .collect();
+            self.held.extend(ids.iter().copied());
+            Adoption {
+                adopted: ids,
+                ended: Vec::new(),
+            }
+        });
+        std::future::ready(adopted.map_err(ProviderError::from))
+    }
+
+    /// Starts the drain of every lease in `leases` at once.
+    fn begin_release(&mut self, leases: &[LeaseId]) -> impl Future<Output = ()> + Send {
+        self.script.begun.lock().unwrap().extend(leases);
+        std::future::ready(())
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {

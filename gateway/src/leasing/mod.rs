@@ -52,7 +52,7 @@ use tidegate_lease::provider::kubernetes::KubernetesProvider;
 use tidegate_lease::provider::process::{ProcessConfig, ProcessProvider};
 use tidegate_lease::provider::slurm::SlurmProvider;
 use tidegate_lease::provider::static_workers::{StaticConfig, StaticProvider};
-use tidegate_lease::provider::{Acquired, LeaseSpec, Provider, ProviderError, ProviderEvent};
+use tidegate_lease::provider::{Provider, ProviderError};
 use tidegate_lease::table::TableError;
 use tidegate_lease::{LeaseId, Millis};
 use tokio::sync::{mpsc, oneshot};
@@ -130,7 +130,9 @@ pub enum LeasingError {
     /// The provider could not be set up or adopt the live leases.
     #[error("lease provider: {0}")]
     Provider(String),
-    /// The lease shell's thread or runtime could not start.
+    /// The lease shell's thread or runtime could not start, or its thread
+    /// stopped while the provider connected and adopted (a panic: see the
+    /// log).
     #[error("starting the lease shell's thread: {0}")]
     Thread(#[source] std::io::Error),
 }
@@ -364,93 +366,59 @@ impl Leasing {
     }
 }
 
-/// The configured provider.
-#[derive(Debug)]
-enum Source {
-    Process {
-        provider: ProcessProvider,
-        preempt_spot_after: Option<Duration>,
-    },
-    Static(StaticProvider),
-    Slurm(Box<SlurmProvider>),
-    Kubernetes(Box<KubernetesProvider>),
-    #[cfg(test)]
-    Fake(fake::FakeProvider),
+/// What the shell needs of its provider beyond [`Provider`]: the static
+/// provider's listed workers, which connect by themselves, and a stop that
+/// leaves the workers running (`on_stop = "keep"`). The shell is generic
+/// over it; [`spawn`] is the one place that picks the provider.
+trait LeaseSource: Provider + Send + 'static {
+    /// The static provider, whose listed workers the shell authenticates
+    /// and binds; `None` for every other.
+    fn listed(&self) -> Option<&StaticProvider> {
+        None
+    }
+
+    /// [`LeaseSource::listed`], to report its workers' links.
+    fn listed_mut(&mut self) -> Option<&mut StaticProvider> {
+        None
+    }
+
+    /// Stops watching every worker WITHOUT ending it, as a crash of the
+    /// gateway would: the next start adopts them.
+    fn detach(self) -> impl std::future::Future<Output = ()> + Send;
 }
 
-impl Source {
-    fn name(&self) -> &'static str {
-        match self {
-            Source::Process { provider, .. } => provider.name(),
-            Source::Static(p) => p.name(),
-            Source::Slurm(p) => p.name(),
-            Source::Kubernetes(p) => p.name(),
-            #[cfg(test)]
-            Source::Fake(p) => p.name(),
-        }
-    }
-
-    /// Starts the acquire of `spec`; the future waits for the provider's
-    /// answer, and holds no borrow of the provider.
-    fn acquire(&mut self, mut spec: LeaseSpec) -> AcquireFuture {
-        match self {
-            Source::Process {
-                provider,
-                preempt_spot_after,
-            } => {
-                spec.preempt_after = *preempt_spot_after;
-                Box::pin(provider.acquire(spec))
-            }
-            Source::Static(p) => Box::pin(p.acquire(spec)),
-            Source::Slurm(p) => Box::pin(p.acquire(spec)),
-            Source::Kubernetes(p) => Box::pin(p.acquire(spec)),
-            #[cfg(test)]
-            Source::Fake(p) => Box::pin(p.acquire(spec)),
-        }
-    }
-
-    /// Starts the release of `lease`; the future waits until its worker is
-    /// gone, and holds no borrow of the provider.
-    fn release(&mut self, lease: LeaseId) -> ReleaseFuture {
-        match self {
-            Source::Process { provider, .. } => Box::pin(provider.release(lease)),
-            Source::Static(p) => Box::pin(p.release(lease)),
-            Source::Slurm(p) => Box::pin(p.release(lease)),
-            Source::Kubernetes(p) => Box::pin(p.release(lease)),
-            #[cfg(test)]
-            Source::Fake(p) => Box::pin(p.release(lease)),
-        }
-    }
-
-    /// Starts releasing `leases` together where the provider can (its
-    /// workers drain at the same time); `release` then waits for each.
-    async fn begin_release(&mut self, leases: &[LeaseId]) {
-        match self {
-            Source::Slurm(p) => p.begin_release(leases).await,
-            Source::Kubernetes(p) => p.begin_release(leases).await,
-            Source::Process { .. } | Source::Static(_) => {}
-            #[cfg(test)]
-            Source::Fake(p) => p.begin_release(leases),
-        }
-    }
-
-    fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
-        match self {
-            Source::Process { provider, .. } => provider.take_events(),
-            Source::Static(p) => p.take_events(),
-            Source::Slurm(p) => p.take_events(),
-            Source::Kubernetes(p) => p.take_events(),
-            #[cfg(test)]
-            Source::Fake(p) => p.take_events(),
-        }
+impl LeaseSource for ProcessProvider {
+    fn detach(self) -> impl std::future::Future<Output = ()> + Send {
+        self.detach_all()
     }
 }
 
-/// A provider release under way: it ends when the worker is gone.
-type ReleaseFuture =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ProviderError>> + Send>>;
-type AcquireFuture =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Acquired, ProviderError>> + Send>>;
+impl LeaseSource for SlurmProvider {
+    fn detach(self) -> impl std::future::Future<Output = ()> + Send {
+        self.detach_all()
+    }
+}
+
+impl LeaseSource for KubernetesProvider {
+    fn detach(self) -> impl std::future::Future<Output = ()> + Send {
+        self.detach_all()
+    }
+}
+
+impl LeaseSource for StaticProvider {
+    fn listed(&self) -> Option<&StaticProvider> {
+        Some(self)
+    }
+
+    fn listed_mut(&mut self) -> Option<&mut StaticProvider> {
+        Some(self)
+    }
+
+    /// Nothing runs on its behalf: its workers are not its own.
+    fn detach(self) -> impl std::future::Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+}
 
 /// A provider release's lease and how it ended.
 type ReleaseOutcome = (LeaseId, Result<(), ProviderError>);
@@ -458,11 +426,14 @@ type ReleaseOutcome = (LeaseId, Result<(), ProviderError>);
 /// Capacity of the shell's inbox.
 const INBOX: usize = 256;
 
-/// Opens the ledger, adopts or ends its live leases and starts the lease
-/// shell; it runs until `cancel` fires, then releases every lease it holds.
-/// `quic` is the gateway's bound QUIC address: process workers run on this
-/// host and get it as `TIDEGATE_GATEWAY_ADDR` (unless the configured `env`
-/// sets it). Must be called inside the tokio runtime.
+/// Opens the ledger, makes the configured provider, and starts the lease
+/// shell on a thread and runtime of its own, where the provider connects
+/// (Slurm's partition checks, the Kubernetes API) and adopts or ends the
+/// ledger's live leases; returns once that is done, with its error if it
+/// failed. The shell runs until `cancel` fires, then releases every lease
+/// it holds. `quic` is the gateway's bound QUIC address: process workers
+/// run on this host and get it as `TIDEGATE_GATEWAY_ADDR` (unless the
+/// configured `env` sets it). Must be called inside the tokio runtime.
 pub fn spawn(
     cfg: &LeasingConfig,
     quic: std::net::SocketAddr,
@@ -495,39 +466,38 @@ pub fn spawn(
             .or_insert_with(|| dial.to_string());
         env
     };
-    let provider_err = |e: ProviderError| LeasingError::Provider(e.to_string());
-    let source = match cfg.provider {
+    match cfg.provider {
         ProviderKind::Process => {
             let p = cfg
                 .process
                 .as_ref()
                 .ok_or_else(|| LeasingError::Provider("[leasing.process] is missing".into()))?;
-            Source::Process {
-                provider: ProcessProvider::new(ProcessConfig {
-                    command: p.command.clone(),
-                    args: p.args.clone(),
-                    env: with_dial(&p.env).into_iter().collect(),
-                    notice_period_secs: p.notice_period_secs,
-                }),
-                // validated: finite and within range
-                preempt_spot_after: p
-                    .preempt_spot_after_secs
-                    .and_then(|s| Duration::try_from_secs_f64(s).ok()),
-            }
+            let provider = ProcessProvider::new(ProcessConfig {
+                command: p.command.clone(),
+                args: p.args.clone(),
+                env: with_dial(&p.env).into_iter().collect(),
+                notice_period_secs: p.notice_period_secs,
+                preempt_spot_after_secs: p.preempt_spot_after_secs,
+            });
+            let connect = std::future::ready(Ok(provider));
+            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
         }
-        ProviderKind::Static => Source::Static(
-            StaticProvider::new(StaticConfig {
+        ProviderKind::Static => {
+            let provider = StaticProvider::new(StaticConfig {
                 workers: cfg.static_workers.clone(),
             })
-            .map_err(|e| LeasingError::Provider(e.to_string()))?,
-        ),
+            .map_err(|e| LeasingError::Provider(e.to_string()))?;
+            let connect = std::future::ready(Ok(provider));
+            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
+        }
         ProviderKind::Slurm => {
             let mut s = cfg
                 .slurm
                 .clone()
                 .ok_or_else(|| LeasingError::Provider("[leasing.slurm] is missing".into()))?;
             s.env = with_dial(&s.env);
-            Source::Slurm(Box::new(SlurmProvider::connect(s).map_err(provider_err)?))
+            let connect = SlurmProvider::connect(s);
+            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
         }
         ProviderKind::Kubernetes => {
             let mut k = cfg
@@ -540,12 +510,10 @@ pub fn spawn(
                 );
             }
             k.env = with_dial(&k.env);
-            Source::Kubernetes(Box::new(
-                KubernetesProvider::connect(k).map_err(provider_err)?,
-            ))
+            let connect = KubernetesProvider::connect(k);
+            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
         }
-    };
-    start::start(cfg, ledger, source, hub, metrics, cancel, tracker)
+    }
 }
 
 mod acquire;

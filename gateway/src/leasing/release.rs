@@ -5,6 +5,7 @@ use tidegate_lease::provider::{ProviderError, wall_clock_ms};
 use tidegate_lease::{EndReason, LeaseId};
 use tracing::{debug, warn};
 
+use super::LeaseSource;
 use super::ReleaseOutcome;
 use super::shell::Shell;
 use crate::hub::HubMsg;
@@ -30,12 +31,12 @@ impl Released {
     }
 }
 
-impl Shell {
+impl<P: LeaseSource> Shell<P> {
     /// The provider's release of `lease`. A provider that no longer holds
     /// it (its worker ended, and the provider dropped it) has nothing to
     /// release: that is `Gone` too.
     pub(super) async fn provider_release(&mut self, lease: LeaseId) -> Released {
-        Released::of(lease, self.source.release(lease).await)
+        Released::of(lease, self.provider.release(lease).await)
     }
 
     /// Releases the leases whose release is due. Their workers all begin
@@ -50,11 +51,11 @@ impl Shell {
     pub(super) async fn release_due(&mut self) {
         let due = self.releases.due(self.mono());
         if !due.is_empty() {
-            self.source.begin_release(&due).await;
+            self.provider.begin_release(&due).await;
         }
         for lease in due {
             self.releases.start(lease);
-            let release = self.source.release(lease);
+            let release = self.provider.release(lease);
             let task = self.in_flight.spawn(async move { (lease, release.await) });
             self.in_flight_leases.insert(task.id(), lease);
         }

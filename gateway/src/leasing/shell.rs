@@ -23,20 +23,22 @@ use tracing::{debug, info, warn};
 use super::release::Released;
 use super::writes::{PendingWrites, Write};
 use super::{
-    DEFAULT_BUDGET_MS, LeasingMsg, NETWORK_MS, NOTICE_OVERRUN, RELEASE_GRACE, Refusal,
-    ReleaseOutcome, ReleaseRefused, SEEN_EVERY, STALL_WINDOW, Source, WorkerPass,
+    DEFAULT_BUDGET_MS, LeaseSource, LeasingMsg, NETWORK_MS, NOTICE_OVERRUN, RELEASE_GRACE, Refusal,
+    ReleaseOutcome, ReleaseRefused, SEEN_EVERY, STALL_WINDOW, WorkerPass,
 };
 use crate::config::{OnStop, ScaledModel};
 use crate::hub::{Hub, HubMsg, LoadReport};
 use crate::metrics::Metrics;
 
-pub(super) struct Shell {
+/// The shell over its provider `P`, which it knows only as a
+/// [`LeaseSource`].
+pub(super) struct Shell<P> {
     pub(super) autoscaler: Autoscaler,
     pub(super) catalog: Catalog,
     pub(super) models: Vec<ScaledModel>,
     pub(super) ledger: Ledger,
     pub(super) table: LeaseTable,
-    pub(super) source: Source,
+    pub(super) provider: P,
     pub(super) hub: Hub,
     pub(super) metrics: Metrics,
     /// What a clean stop does with the live leases.
@@ -116,7 +118,7 @@ pub(super) struct Acquiring {
     pub(super) release_wanted: bool,
 }
 
-impl Shell {
+impl<P: LeaseSource> Shell<P> {
     /// The monotonic clock of the pacing decisions (ms since the shell
     /// started).
     pub(super) fn mono(&self) -> Millis {
@@ -229,7 +231,7 @@ impl Shell {
         let released: Vec<LeaseId> = live.iter().copied().collect();
         info!(leases = ?released, "lease manager stopping: releasing the live leases");
         // every worker drains at once, then each release waits for its own
-        self.source.begin_release(&released).await;
+        self.provider.begin_release(&released).await;
         let mut kept = Vec::new();
         for lease in live {
             match self.provider_release(lease).await {
@@ -251,14 +253,7 @@ impl Shell {
         let unwritten: Vec<LeaseId> = self.writes.by_lease.keys().copied().collect();
         if keep {
             // stop watching without ending anything: the workers run on
-            match self.source {
-                Source::Process { provider, .. } => provider.detach_all().await,
-                Source::Slurm(p) => p.detach_all().await,
-                Source::Kubernetes(p) => p.detach_all().await,
-                Source::Static(_) => {}
-                #[cfg(test)]
-                Source::Fake(_) => {}
-            }
+            self.provider.detach().await;
             info!(
                 kept = ?held_on,
                 released = ?released,
@@ -287,10 +282,7 @@ impl Shell {
                 if let Some(registered) = self.static_links.get_mut(&name) {
                     *registered = true;
                 }
-                let bound = match &self.source {
-                    Source::Static(p) => p.bound_lease(&name),
-                    _ => None,
-                };
+                let bound = self.provider.listed().and_then(|p| p.bound_lease(&name));
                 match bound {
                     Some(lease) => self.lease_registered(lease),
                     None => {
@@ -300,7 +292,7 @@ impl Shell {
             }
             LeasingMsg::StaticDisconnected { name } => {
                 self.static_links.remove(&name);
-                if let Source::Static(p) = &mut self.source
+                if let Some(p) = self.provider.listed_mut()
                     && let Some(lease) = p.bound_lease(&name)
                 {
                     // a static worker's link is all we know of it: losing
@@ -316,7 +308,7 @@ impl Shell {
             }
             LeasingMsg::Disconnected { lease } => {
                 info!(%lease, "leased worker disconnected");
-                if let Source::Static(p) = &mut self.source {
+                if let Some(p) = self.provider.listed_mut() {
                     // a static worker's link is all we know of it: losing
                     // it ends the lease, and frees the worker to be bound
                     // again when it returns
@@ -418,7 +410,7 @@ impl Shell {
             info!(%lease, "lease ready: its worker registered");
             self.backoff.reset();
         }
-        if let Source::Static(p) = &self.source
+        if let Some(p) = self.provider.listed()
             && let Err(e) = p.worker_registered(lease)
         {
             debug!(%lease, "static worker registered: {e}");
@@ -465,9 +457,7 @@ impl Shell {
         name: &str,
         token: &str,
     ) -> Option<Result<WorkerPass, Refusal>> {
-        let Source::Static(p) = &self.source else {
-            return None;
-        };
+        let p = self.provider.listed()?;
         if !p.is_listed(name) {
             return None;
         }

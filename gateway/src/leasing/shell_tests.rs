@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use tidegate_lease::ledger::NewLease;
-use tidegate_lease::provider::wall_clock_ms;
+use tidegate_lease::provider::{ProviderEvent, wall_clock_ms};
 use tidegate_lease::{Catalog, EndReason, LeaseState, LeaseToken, Tier};
 
 use super::fake::{FakeProvider, Script};
@@ -81,11 +81,11 @@ fn start_fake_with_hub(
     let metrics = Metrics::new();
     let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
     let ledger = Ledger::open(&cfg.ledger).unwrap();
-    let source = Source::Fake(FakeProvider::new(script.clone()));
+    let provider = FakeProvider::new(script.clone());
     let l = start(
         cfg,
         ledger,
-        source,
+        std::future::ready(Ok(provider)),
         hub.clone(),
         metrics.clone(),
         cancel.clone(),
@@ -430,6 +430,111 @@ async fn a_lease_whose_release_keeps_failing_is_left_live_at_shutdown_for_the_ne
     let ledger = Ledger::open(&cfg.ledger).unwrap();
     let live: Vec<LeaseId> = ledger.live_leases().unwrap().iter().map(|r| r.id).collect();
     assert_eq!(live, vec![id]);
+}
+
+/// Starts the shell over the provider `connect` makes, on a fresh hub;
+/// what `start` answers, with the tracker that waits for the shell.
+fn start_connecting<C>(
+    cfg: &LeasingConfig,
+    connect: C,
+) -> (Result<Leasing, LeasingError>, TaskTracker)
+where
+    C: std::future::Future<Output = Result<FakeProvider, ProviderError>> + Send + 'static,
+{
+    let cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let metrics = Metrics::new();
+    let limits = crate::scheduler::Limits::default();
+    let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
+    let ledger = Ledger::open(&cfg.ledger).unwrap();
+    let started = start(cfg, ledger, connect, hub, metrics, cancel.clone(), &tracker);
+    cancel.cancel();
+    (started, tracker)
+}
+
+/// The live leases of the ledger.
+fn live_in_ledger(cfg: &LeasingConfig) -> Vec<LeaseId> {
+    let ledger = Ledger::open(&cfg.ledger).unwrap();
+    ledger.live_leases().unwrap().iter().map(|r| r.id).collect()
+}
+
+/// Adoption runs on the shell's runtime before it serves: when the
+/// provider cannot adopt (its cluster does not answer), the start fails
+/// with the provider's error, and no lease is ended, since its worker may
+/// well run.
+#[tokio::test]
+async fn a_provider_that_cannot_adopt_fails_the_start_and_ends_no_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "static-peak", 0);
+    let id = recorded(&cfg, false);
+    let script = Arc::new(Script::default());
+    script
+        .fail_adopt
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let provider = FakeProvider::new(script.clone());
+    let (started, tracker) = start_connecting(&cfg, std::future::ready(Ok(provider)));
+    match started {
+        Err(LeasingError::Provider(m)) => {
+            assert!(m.contains("squeue") && m.contains("does not answer"), "{m}")
+        }
+        other => panic!("expected the provider's error, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(live_in_ledger(&cfg), vec![id], "no lease ended");
+    assert!(script.release_calls.lock().unwrap().is_empty());
+    tracker.close();
+    tokio::time::timeout(GUARD, tracker.wait()).await.unwrap();
+}
+
+/// A provider that cannot connect (a start-up check failed) fails the
+/// start with its error, before anything reads the ledger's leases.
+#[tokio::test]
+async fn a_provider_that_cannot_connect_fails_the_start_with_its_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "static-peak", 0);
+    let id = recorded(&cfg, false);
+    let refused = std::future::ready(Err(ProviderError::Kubernetes {
+        lease: None,
+        what: "listing pods in namespace \"tidegate\"".into(),
+        detail: "403 Forbidden: scripted".into(),
+    }));
+    let (started, tracker) = start_connecting(&cfg, refused);
+    match started {
+        Err(LeasingError::Provider(m)) => {
+            assert!(
+                m.contains("listing pods") && m.contains("403 Forbidden"),
+                "{m}"
+            )
+        }
+        other => panic!("expected the provider's error, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(live_in_ledger(&cfg), vec![id], "no lease ended");
+    tracker.close();
+    tokio::time::timeout(GUARD, tracker.wait()).await.unwrap();
+}
+
+/// A provider that panics while it connects stops the shell's thread:
+/// the start says so instead of waiting for an answer that never comes.
+#[tokio::test]
+async fn a_panic_while_connecting_fails_the_start_instead_of_hanging() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "static-peak", 0);
+    let script = Arc::new(Script::default());
+    let panics = true;
+    let connect = async move {
+        assert!(!panics, "scripted panic while connecting");
+        Ok(FakeProvider::new(script))
+    };
+    let (started, _tracker) = start_connecting(&cfg, connect);
+    match started {
+        Err(e @ LeasingError::Thread(_)) => {
+            assert!(
+                e.to_string()
+                    .contains("stopped while the provider connected"),
+                "{e}"
+            )
+        }
+        other => panic!("expected a thread error, got {:?}", other.map(|_| ())),
+    }
 }
 
 /// A lease left in the ledger by a previous gateway, of the fake

@@ -1,15 +1,18 @@
-//! Start-up: adopts the ledger's live leases whose worker still runs (their
-//! tokens re-armed) and ends the rest, builds the autoscaler's policy from
-//! the config, and starts the shell on a thread of its own.
+//! Start-up: builds the autoscaler's policy from the config, then, on the
+//! shell's own thread and runtime, connects the provider, adopts the
+//! ledger's live leases whose worker still runs (their tokens re-armed),
+//! ends the rest, and runs the shell. The caller waits until the shell
+//! serves, or for the reason it cannot.
 
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
 use std::time::Duration;
 
 use tidegate_lease::autoscale::{self, Autoscaler, PolicyConfig, ReservedFloor, ScheduleEntry};
 use tidegate_lease::ledger::Ledger;
 use tidegate_lease::pacing::{AcquireBackoff, ReleaseQueue};
 use tidegate_lease::provider::{ProviderError, ProviderEvent, wall_clock_ms};
-use tidegate_lease::{EndReason, LeaseId, LeaseState, LeaseTable, Millis, Money, Tier};
+use tidegate_lease::{Catalog, EndReason, LeaseId, LeaseState, LeaseTable, Millis, Money, Tier};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -17,48 +20,76 @@ use tracing::{Instrument, info, info_span, warn};
 
 use super::shell::Shell;
 use super::writes::PendingWrites;
-use super::{INBOX, Leasing, LeasingError, LeasingMsg, RELEASE_LEAD, Source};
+use super::{INBOX, LeaseSource, Leasing, LeasingError, LeasingMsg, RELEASE_LEAD};
 use crate::config::LeasingConfig;
 use crate::hub::Hub;
 use crate::metrics::Metrics;
 
-/// Adopts with `source` the ledger's live leases whose worker still runs,
-/// ends the rest, and starts the shell.
-pub(super) fn start(
+/// Starts the shell over the provider that `connect` makes: on the
+/// shell's thread, the provider connects and adopts, then the shell runs.
+/// Returns once it serves, or with why it could not start.
+pub(super) fn start<P, C>(
     cfg: &LeasingConfig,
-    mut ledger: Ledger,
-    mut source: Source,
+    ledger: Ledger,
+    connect: C,
     hub: Hub,
     metrics: Metrics,
     cancel: CancellationToken,
     tracker: &TaskTracker,
-) -> Result<Leasing, LeasingError> {
+) -> Result<Leasing, LeasingError>
+where
+    P: LeaseSource,
+    C: Future<Output = Result<P, ProviderError>> + Send + 'static,
+{
     let catalog = cfg.load_catalog()?;
     let policy = cfg.policy_name()?;
+    let pc = policy_config(cfg, policy, &metrics, &catalog.currency);
+    let autoscaler = Autoscaler::new(pc, catalog.clone());
+    let (tx, rx) = mpsc::channel(INBOX);
+    let cfg = cfg.clone();
+    let tick = Duration::from_millis(cfg.tick_ms);
+    let open = move || async move {
+        let provider = connect
+            .await
+            .map_err(|e| LeasingError::Provider(e.to_string()))?;
+        open_shell(&cfg, ledger, provider, autoscaler, catalog, hub, metrics).await
+    };
+    spawn_shell(open, rx, tick, cancel, tracker)?;
+    Ok(Leasing { tx })
+}
+
+/// Adopts with `provider` the ledger's live leases whose worker still runs,
+/// ends the rest, and makes the shell, with its provider's events.
+async fn open_shell<P: LeaseSource>(
+    cfg: &LeasingConfig,
+    mut ledger: Ledger,
+    mut provider: P,
+    autoscaler: Autoscaler,
+    catalog: Catalog,
+    hub: Hub,
+    metrics: Metrics,
+) -> Result<(Shell<P>, mpsc::Receiver<ProviderEvent>), LeasingError> {
     let ledger_err = |source| LeasingError::Ledger {
         path: cfg.ledger.clone(),
         source,
     };
     let now = wall_clock_ms();
     // Adopt what still runs, end the rest: no lease outlives its worker.
-    let adopted = adopt_live(cfg, &mut ledger, &mut source, now)?;
+    let adopted = adopt_live(cfg, &mut ledger, &mut provider, now).await?;
     let mut table = ledger.load_table().map_err(ledger_err)?;
     let epoch = tokio::time::Instant::now();
     let (releases, absent) = rearm_adopted(cfg, &mut ledger, &mut table, &adopted)?;
-    let events = source
+    let events = provider
         .take_events()
         .ok_or_else(|| LeasingError::Provider("provider events already taken".into()))?;
 
-    let pc = policy_config(cfg, policy, &metrics, &catalog.currency);
-
-    let (tx, rx) = mpsc::channel(INBOX);
     let mut shell = Shell {
-        autoscaler: Autoscaler::new(pc, catalog.clone()),
+        autoscaler,
         catalog,
         models: cfg.models.clone(),
         ledger,
         table,
-        source,
+        provider,
         hub,
         metrics,
         measured: HashMap::new(),
@@ -86,40 +117,27 @@ pub(super) fn start(
         on_stop: cfg.on_stop,
     };
     shell.update_metrics(now);
-    spawn_shell(
-        shell,
-        (rx, events),
-        Duration::from_millis(cfg.tick_ms),
-        cancel,
-        tracker,
-    )?;
-    Ok(Leasing { tx })
+    Ok((shell, events))
 }
 
-/// Adopts with `source` the ledger's live leases whose worker still runs,
-/// and ends the rest (`failed` if never started, else `lost`): no lease
-/// outlives its worker. The adopted leases.
-fn adopt_live(
+/// Adopts with `provider` the ledger's live leases whose worker still
+/// runs, and ends the rest (`failed` if never started, else `lost`): no
+/// lease outlives its worker. The adopted leases.
+async fn adopt_live<P: LeaseSource>(
     cfg: &LeasingConfig,
     ledger: &mut Ledger,
-    source: &mut Source,
+    provider: &mut P,
     now: Millis,
 ) -> Result<Vec<LeaseId>, LeasingError> {
     let ledger_err = |source| LeasingError::Ledger {
         path: cfg.ledger.clone(),
         source,
     };
-    let provider_err = |e: ProviderError| LeasingError::Provider(e.to_string());
-    let adopted = match source {
-        Source::Process { provider, .. } => {
-            provider.adopt(ledger, now).map_err(provider_err)?.adopted
-        }
-        Source::Slurm(provider) => provider.adopt(ledger, now).map_err(provider_err)?.adopted,
-        Source::Kubernetes(provider) => provider.adopt(ledger, now).map_err(provider_err)?.adopted,
-        Source::Static(_) => Vec::new(),
-        #[cfg(test)]
-        Source::Fake(provider) => provider.adopt(ledger).map_err(provider_err)?,
-    };
+    let adopted = provider
+        .adopt(ledger, now)
+        .await
+        .map_err(|e| LeasingError::Provider(e.to_string()))?
+        .adopted;
     for rec in ledger.live_leases().map_err(ledger_err)? {
         if !adopted.contains(&rec.id) {
             let reason = if rec.state == LeaseState::Requested {
@@ -230,35 +248,65 @@ fn policy_config(
     pc
 }
 
-/// Runs `shell` on a thread and runtime of its own until `cancel`; the
-/// tracker waits for it at shutdown.
-fn spawn_shell(
-    shell: Shell,
-    (rx, events): (mpsc::Receiver<LeasingMsg>, mpsc::Receiver<ProviderEvent>),
+/// Runs the shell that `open` makes on a thread and runtime of its own
+/// until `cancel`, once `open` has succeeded; waits until it has, and
+/// returns its error otherwise. The tracker waits for the thread at
+/// shutdown.
+fn spawn_shell<P, O, F>(
+    open: O,
+    rx: mpsc::Receiver<LeasingMsg>,
     tick: Duration,
     cancel: CancellationToken,
     tracker: &TaskTracker,
-) -> Result<(), LeasingError> {
-    // The shell blocks: SQLite writes (up to the ledger's busy timeout)
-    // and the provider's tools. It runs on its own thread and runtime, so
-    // the gateway's workers (QUIC, the hub, the API) never wait on it; the
-    // tracker waits for it at shutdown.
+) -> Result<(), LeasingError>
+where
+    P: LeaseSource,
+    O: FnOnce() -> F + Send + 'static,
+    F: Future<Output = Result<(Shell<P>, mpsc::Receiver<ProviderEvent>), LeasingError>>,
+{
+    // The shell blocks: SQLite writes (up to the ledger's busy timeout).
+    // It runs on its own thread and runtime, with its provider's calls and
+    // tasks, so the gateway's workers (QUIC, the hub, the API) never wait
+    // on it; the tracker waits for it at shutdown.
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(LeasingError::Thread)?;
+    let (started_tx, started_rx) = std::sync::mpsc::sync_channel(1);
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
     let span = info_span!("leasing");
     std::thread::Builder::new()
         .name("tidegate-leasing".into())
         .spawn(move || {
-            runtime.block_on(shell.run(rx, events, tick, cancel).instrument(span));
+            let serve = async move {
+                match open().await {
+                    Ok((shell, events)) => {
+                        let _ = started_tx.send(Ok(()));
+                        shell.run(rx, events, tick, cancel).await;
+                    }
+                    Err(e) => {
+                        let _ = started_tx.send(Err(e));
+                    }
+                }
+            };
+            runtime.block_on(serve.instrument(span));
             // Tasks the provider left (watchers of ended leases) end with
             // the runtime.
             drop(runtime);
             let _ = done_tx.send(());
         })
         .map_err(LeasingError::Thread)?;
+    // Start-up (the provider's checks and adoption) is bounded by the
+    // provider's own deadlines; the thread answers once, or ends.
+    match started_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(e),
+        Err(_) => {
+            return Err(LeasingError::Thread(std::io::Error::other(
+                "its thread stopped while the provider connected and adopted; see the log",
+            )));
+        }
+    }
     tracker.spawn(async move {
         let _ = done_rx.await;
     });

@@ -8,6 +8,7 @@ use tidegate_lease::ledger::LedgerError;
 use tidegate_lease::{EndReason, LeaseId, Millis};
 use tracing::{debug, info, warn};
 
+use super::LeaseSource;
 use super::shell::Shell;
 
 /// A ledger write of one lease's lifecycle.
@@ -75,7 +76,7 @@ impl PendingWrites {
     }
 }
 
-impl Shell {
+impl<P: LeaseSource> Shell<P> {
     /// Writes `w` to the ledger now, or queues it to retry next tick when
     /// an earlier write of the lease is still pending or the ledger fails.
     /// A write the lifecycle refuses (the lease already moved past it, or

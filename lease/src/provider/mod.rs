@@ -6,7 +6,13 @@
 //! issues its one-time token, calls [`Provider::acquire`], then records the
 //! result (`Ledger::mark_starting`) and feeds [`ProviderEvent`]s to the
 //! autoscaler and the ledger. Keeping the provider free of bookkeeping means
-//! every provider gets the same accounting.
+//! every provider gets the same accounting. The one exception is
+//! [`Provider::adopt`], at start: it reads the ledger's live leases of its
+//! provider and ends those whose worker is gone.
+//!
+//! Every operation is async and runs on the caller's runtime, adoption and
+//! start-up checks included: the tasks a provider spawns (watchers,
+//! pollers, supervisors) live there too.
 //!
 //! * [`process::ProcessProvider`] (embedded default) spawns
 //!   `tidegate-worker` processes on this host and can simulate spot
@@ -32,6 +38,7 @@ use tokio::sync::mpsc;
 
 use crate::billing::Millis;
 use crate::catalog::{InstanceType, Tier};
+use crate::ledger::Ledger;
 use crate::lifecycle::EndReason;
 use crate::table::{LeaseId, LeaseToken, TokenDigest};
 
@@ -202,6 +209,31 @@ pub trait Provider {
         &mut self,
         lease: LeaseId,
     ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static;
+
+    /// After a gateway restart, before the first acquire: takes up again
+    /// the ledger's live leases of this provider whose worker still runs
+    /// (watched again, their events reported as any other's) and ends in
+    /// the ledger those whose worker is gone, so that none leaks. Leases of
+    /// other providers are left alone; the caller ends whatever no
+    /// provider adopted. A cluster that cannot answer fails it: ending
+    /// leases whose workers may well run would leak them. Each provider
+    /// bounds its calls, as for [`Provider::acquire`].
+    fn adopt(
+        &mut self,
+        ledger: &mut Ledger,
+        now: Millis,
+    ) -> impl Future<Output = Result<Adoption, ProviderError>> + Send;
+
+    /// Starts releasing `leases` together where the provider can (one
+    /// `scancel` of their jobs, their Pods' deletes at once): their workers
+    /// drain at the same time, and [`Provider::release`] then waits for
+    /// each, so that releasing many waits about one drain, not one per
+    /// lease. A failure is logged: `release` tries again. By default it
+    /// does nothing (a provider whose release is quick).
+    fn begin_release(&mut self, leases: &[LeaseId]) -> impl Future<Output = ()> + Send {
+        let _ = leases;
+        std::future::ready(())
+    }
 
     /// The event stream; `None` after the first call. It is bounded
     /// ([`EVENT_CHANNEL_CAPACITY`]): the shell must keep draining it, or

@@ -16,7 +16,7 @@
 //! reaps its child, so no process outlives the provider unless it was
 //! deliberately detached (see [`ProcessProvider::detach_all`]).
 //!
-//! After a gateway restart, [`ProcessProvider::adopt`] walks the ledger's
+//! After a gateway restart, its [`Provider::adopt`] walks the ledger's
 //! live `process` leases: a worker whose pid is alive and whose command line
 //! (and, where readable, `TIDEGATE_LEASE_ID`) matches is adopted and watched
 //! again; any other lease is ended as `lost` in the ledger, so none leaks.
@@ -47,6 +47,8 @@ pub const PROVIDER_NAME: &str = "process";
 const ADOPTED_POLL: Duration = Duration::from_millis(200);
 /// How long a killed adopted worker may take to disappear.
 const ADOPTED_KILL_POLLS: u32 = 50;
+/// Longest simulated preemption delay accepted (s): a year, past any drill.
+const MAX_PREEMPT_AFTER_SECS: f64 = 365.0 * 86_400.0;
 
 /// Configuration of the process provider.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -63,6 +65,11 @@ pub struct ProcessConfig {
     /// Spot preemption notice period, in seconds (cloud default: 120).
     #[serde(default = "default_notice_secs")]
     pub notice_period_secs: f64,
+    /// Simulated spot preemption: every spot lease gets its notice this
+    /// long after it starts (s), unless its [`LeaseSpec::preempt_after`]
+    /// says otherwise; unset: never (drills and tests only).
+    #[serde(default)]
+    pub preempt_spot_after_secs: Option<f64>,
 }
 
 fn default_notice_secs() -> f64 {
@@ -77,6 +84,7 @@ impl ProcessConfig {
             args: args.iter().map(|s| s.to_string()).collect(),
             env: Vec::new(),
             notice_period_secs: default_notice_secs(),
+            preempt_spot_after_secs: None,
         }
     }
 
@@ -89,8 +97,18 @@ impl ProcessConfig {
             "notice_period_secs",
             self.notice_period_secs,
             MAX_NOTICE_PERIOD_SECS,
-        )
-        .map(|_| ())
+        )?;
+        if let Some(s) = self.preempt_spot_after_secs {
+            checked_secs("preempt_spot_after_secs", s, MAX_PREEMPT_AFTER_SECS)?;
+        }
+        Ok(())
+    }
+
+    /// When a spot lease is preempted, unless its spec says; a value
+    /// [`ProcessConfig::validate`] refuses means never.
+    fn preempt_spot_after(&self) -> Option<Duration> {
+        self.preempt_spot_after_secs
+            .and_then(|s| checked_secs("preempt_spot_after_secs", s, MAX_PREEMPT_AFTER_SECS).ok())
     }
 
     /// The notice period; a value [`ProcessConfig::validate`] refuses is
@@ -215,47 +233,6 @@ impl ProcessProvider {
             }
         }
     }
-
-    /// Re-adopts the live `process` leases recorded in `ledger`, ending the
-    /// ones whose worker is gone.
-    pub fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
-        let mut out = Adoption::default();
-        for rec in ledger.live_leases()? {
-            if rec.provider != PROVIDER_NAME {
-                continue;
-            }
-            let expected = rec
-                .provider_data
-                .as_deref()
-                .and_then(|d| serde_json::from_str::<ProcessData>(d).ok());
-            let alive = match (rec.pid, &expected) {
-                (Some(pid), Some(data)) => process_matches(pid, &data.cmdline, rec.id),
-                _ => false,
-            };
-            if alive && let Some(pid) = rec.pid {
-                let (cmds, rx) = mpsc::channel(4);
-                let task = tokio::spawn(watch_adopted(rec.id, pid, rx, self.events_tx.clone()));
-                self.leases.insert(rec.id, Handle { pid, cmds, task });
-                tracing::info!(lease = %rec.id, pid, "adopted worker after restart");
-                out.adopted.push(rec.id);
-            } else {
-                // never started → failed; started but gone → lost
-                let reason = if rec.state == LeaseState::Requested {
-                    EndReason::Failed
-                } else {
-                    EndReason::Lost
-                };
-                // it stopped after the gateway last heard from it and
-                // before now; most often with the gateway (a host that
-                // went down), so it is billed to then, not to this restart
-                let at = rec.last_seen_at.map_or(now, |seen| seen.min(now));
-                ledger.mark_ended(rec.id, at, reason)?;
-                tracing::warn!(lease = %rec.id, pid = ?rec.pid, ended_at = at, "worker gone after restart; lease ended, billed to when it was last heard from");
-                out.ended.push((rec.id, reason));
-            }
-        }
-        Ok(out)
-    }
 }
 
 impl ProcessProvider {
@@ -286,7 +263,7 @@ impl ProcessProvider {
             source: std::io::Error::other("child exited before its pid was read"),
         })?;
         let preempt_after = match spec.tier {
-            Tier::Spot => spec.preempt_after,
+            Tier::Spot => spec.preempt_after.or_else(|| self.cfg.preempt_spot_after()),
             _ => None,
         };
         let (cmds, rx) = mpsc::channel(4);
@@ -343,6 +320,49 @@ impl Provider for ProcessProvider {
             tracing::info!(%lease, pid = h.pid, "worker released");
             Ok(())
         }
+    }
+
+    /// Re-adopts the live `process` leases recorded in `ledger`: a worker
+    /// whose pid is alive and whose command line matches is supervised
+    /// again; the others are ended, billed to when they were last heard
+    /// from. Reads `/proc` only: nothing here waits.
+    async fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
+        let mut out = Adoption::default();
+        for rec in ledger.live_leases()? {
+            if rec.provider != PROVIDER_NAME {
+                continue;
+            }
+            let expected = rec
+                .provider_data
+                .as_deref()
+                .and_then(|d| serde_json::from_str::<ProcessData>(d).ok());
+            let alive = match (rec.pid, &expected) {
+                (Some(pid), Some(data)) => process_matches(pid, &data.cmdline, rec.id),
+                _ => false,
+            };
+            if alive && let Some(pid) = rec.pid {
+                let (cmds, rx) = mpsc::channel(4);
+                let task = tokio::spawn(watch_adopted(rec.id, pid, rx, self.events_tx.clone()));
+                self.leases.insert(rec.id, Handle { pid, cmds, task });
+                tracing::info!(lease = %rec.id, pid, "adopted worker after restart");
+                out.adopted.push(rec.id);
+            } else {
+                // never started → failed; started but gone → lost
+                let reason = if rec.state == LeaseState::Requested {
+                    EndReason::Failed
+                } else {
+                    EndReason::Lost
+                };
+                // it stopped after the gateway last heard from it and
+                // before now; most often with the gateway (a host that
+                // went down), so it is billed to then, not to this restart
+                let at = rec.last_seen_at.map_or(now, |seen| seen.min(now));
+                ledger.mark_ended(rec.id, at, reason)?;
+                tracing::warn!(lease = %rec.id, pid = ?rec.pid, ended_at = at, "worker gone after restart; lease ended, billed to when it was last heard from");
+                out.ended.push((rec.id, reason));
+            }
+        }
+        Ok(out)
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {

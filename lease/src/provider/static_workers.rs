@@ -18,8 +18,12 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use super::{Acquired, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent};
+use super::{
+    Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
+};
+use crate::billing::Millis;
 use crate::catalog::Tier;
+use crate::ledger::Ledger;
 use crate::lifecycle::EndReason;
 use crate::table::{LeaseId, LeaseToken, TokenDigest};
 
@@ -233,6 +237,18 @@ impl Provider for StaticProvider {
             None => Err(ProviderError::UnknownLease(lease)),
         };
         std::future::ready(unbound)
+    }
+
+    /// Adopts nothing: a static worker's link is all the gateway knows of
+    /// it, and a restart lost it, so its lease is ended by the caller (as
+    /// `lost`); the worker, which dials in again by itself, is free to be
+    /// bound to a new lease.
+    fn adopt(
+        &mut self,
+        _ledger: &mut Ledger,
+        _now: Millis,
+    ) -> impl Future<Output = Result<Adoption, ProviderError>> + Send {
+        std::future::ready(Ok(Adoption::default()))
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {

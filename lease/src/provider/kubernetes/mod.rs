@@ -36,11 +36,10 @@
 //!   belong to no live lease are deleted, so none bills unseen. The start-up
 //!   calls are bounded by `api_timeout_secs` too.
 //!
-//! The Kubernetes client runs on a runtime of its own ("tidegate-kube"),
-//! so the blocking start-up calls ([`KubernetesProvider::connect`],
-//! [`KubernetesProvider::adopt`]) and the async ones work from any thread
-//! or runtime. Readiness comes from the worker's registration, as with the
-//! other providers.
+//! The Kubernetes client and the watch run on the runtime that called
+//! [`KubernetesProvider::connect`] (the gateway's lease shell's), like
+//! every other call; dropping the provider stops the watch. Readiness
+//! comes from the worker's registration, as with the other providers.
 
 pub mod config;
 mod create;
@@ -58,6 +57,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
 
 pub use self::config::{
     KubernetesConfig, KubernetesTiers, LABEL_LEASE, LABEL_POOL, Mount, Placement,
@@ -140,26 +140,6 @@ fn kube_error(lease: Option<LeaseId>, what: impl Into<String>, detail: String) -
 
 fn is_status(e: &kube::Error, code: u16) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == code)
-}
-
-/// The client's own runtime, on its own thread: kube's client and watcher
-/// live there, and every call goes through it.
-#[derive(Debug)]
-struct KubeRuntime {
-    handle: tokio::runtime::Handle,
-    stop: Option<oneshot::Sender<()>>,
-}
-
-/// Runs `f` on the client's runtime (`handle`) and waits for it from any
-/// runtime.
-async fn run_on<T: Send + 'static>(
-    handle: &tokio::runtime::Handle,
-    f: impl Future<Output = Result<T, ProviderError>> + Send + 'static,
-) -> Result<T, ProviderError> {
-    handle
-        .spawn(f)
-        .await
-        .map_err(|e| kube_error(None, "its runtime", e.to_string()))?
 }
 
 /// `f`, or an error saying the API server did not answer within `limit`
@@ -245,60 +225,6 @@ async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
     }
 }
 
-impl KubeRuntime {
-    fn start() -> Result<KubeRuntime, ProviderError> {
-        let err = |e: std::io::Error| kube_error(None, "starting its runtime", e.to_string());
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(err)?;
-        let handle = rt.handle().clone();
-        let (stop, stopped) = oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name("tidegate-kube".into())
-            .spawn(move || {
-                rt.block_on(async {
-                    let _ = stopped.await;
-                });
-            })
-            .map_err(err)?;
-        Ok(KubeRuntime {
-            handle,
-            stop: Some(stop),
-        })
-    }
-
-    /// Runs `f` there and waits for it, from any async context.
-    async fn run<T: Send + 'static>(
-        &self,
-        f: impl Future<Output = Result<T, ProviderError>> + Send + 'static,
-    ) -> Result<T, ProviderError> {
-        run_on(&self.handle, f).await
-    }
-
-    /// Runs `f` there and blocks the calling thread until it is done
-    /// (start-up only). Works inside another runtime too.
-    fn block<T: Send + 'static>(
-        &self,
-        f: impl Future<Output = Result<T, ProviderError>> + Send + 'static,
-    ) -> Result<T, ProviderError> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.handle.spawn(async move {
-            let _ = tx.send(f.await);
-        });
-        rx.recv()
-            .map_err(|_| kube_error(None, "its runtime", "stopped".into()))?
-    }
-}
-
-impl Drop for KubeRuntime {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
 #[derive(Debug)]
 enum Cmd {
     /// Watch a created or adopted Pod, as last seen.
@@ -330,8 +256,16 @@ pub struct KubernetesProvider {
     held: Held,
     cmds: mpsc::UnboundedSender<Cmd>,
     events_rx: Option<mpsc::Receiver<ProviderEvent>>,
-    // last: dropping it stops the client's runtime and the watch
-    rt: KubeRuntime,
+    /// The pool's watch, stopped when the provider is dropped.
+    watch: JoinHandle<()>,
+}
+
+impl Drop for KubernetesProvider {
+    fn drop(&mut self) {
+        // Pods are not ours to delete on drop: they outlive the gateway
+        // like a cloud instance would, and the ledger adopts them.
+        self.watch.abort();
+    }
 }
 
 impl std::fmt::Debug for KubernetesProvider {
@@ -346,38 +280,33 @@ impl std::fmt::Debug for KubernetesProvider {
 
 impl KubernetesProvider {
     /// Loads the client configuration, checks that the provider may list
-    /// Pods in its namespace, and starts watching the pool's Pods. Blocks
-    /// until the API server has answered; works from any thread.
-    pub fn connect(cfg: KubernetesConfig) -> Result<KubernetesProvider, ProviderError> {
+    /// Pods in its namespace (within `api_timeout_secs`), and starts
+    /// watching the pool's Pods on the current runtime.
+    pub async fn connect(cfg: KubernetesConfig) -> Result<KubernetesProvider, ProviderError> {
         cfg.validate()
             .map_err(|e| kube_error(None, "leasing.kubernetes", e))?;
-        let rt = KubeRuntime::start()?;
         let limit = api_timeout(&cfg);
-        let c = cfg.clone();
-        let (client, namespace) = rt.block(async move {
-            let config = client_config(&c).await?;
-            let namespace = c
-                .namespace
-                .clone()
-                .unwrap_or_else(|| config.default_namespace.clone());
-            let url = config.cluster_url.to_string();
-            let client = Client::try_from(config)
-                .map_err(|e| api_error(None, format!("building a client for {url}"), &e))?;
-            let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-            let what = format!("listing pods in namespace {namespace:?} at {url}");
-            within(limit, None, what.clone(), async {
-                pods.list(&ListParams::default().labels(&c.selector()).limit(1))
-                    .await
-                    .map_err(|e| api_error(None, what, &e))
-            })
-            .await?;
-            Ok((client, namespace))
-        })?;
+        let config = client_config(&cfg).await?;
+        let namespace = cfg
+            .namespace
+            .clone()
+            .unwrap_or_else(|| config.default_namespace.clone());
+        let url = config.cluster_url.to_string();
+        let client = Client::try_from(config)
+            .map_err(|e| api_error(None, format!("building a client for {url}"), &e))?;
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+        let what = format!("listing pods in namespace {namespace:?} at {url}");
+        within(limit, None, what.clone(), async {
+            pods.list(&ListParams::default().labels(&cfg.selector()).limit(1))
+                .await
+                .map_err(|e| api_error(None, what, &e))
+        })
+        .await?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
         let (cmds, rx) = mpsc::unbounded_channel();
         let held = Held::default();
         let grace_ms = Millis::from(cfg.termination_grace_period_secs) * 1000;
-        rt.handle.spawn(watch_pods(
+        let watch = tokio::spawn(watch_pods(
             Api::namespaced(client.clone(), &namespace),
             Api::namespaced(client.clone(), &namespace),
             cfg.clone(),
@@ -394,7 +323,7 @@ impl KubernetesProvider {
             held,
             cmds,
             events_rx: Some(events_rx),
-            rt,
+            watch,
         })
     }
 
@@ -428,110 +357,6 @@ impl KubernetesProvider {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// Re-adopts the live `kubernetes` leases recorded in `ledger`, ending
-    /// the ones whose Pod is gone or finished, and deletes the pool's Pods
-    /// and token Secrets that belong to no live lease. Blocks on the API
-    /// server (it runs once, at start); an API server that cannot answer
-    /// fails it, since ending leases whose Pods may well run would leak
-    /// them.
-    pub fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
-        let (pods, secrets, selector) = (self.pods(), self.secrets(), self.cfg.selector());
-        let limit = self.api_timeout();
-        let (listed, listed_secrets) = self.rt.block(within(
-            limit,
-            None,
-            "listing worker pods and token secrets for adoption",
-            async move {
-                let lp = ListParams::default().labels(&selector);
-                let p = pods
-                    .list(&lp)
-                    .await
-                    .map_err(|e| api_error(None, "listing worker pods for adoption", &e))?;
-                let s = secrets
-                    .list(&lp)
-                    .await
-                    .map_err(|e| api_error(None, "listing token secrets for adoption", &e))?;
-                Ok((p.items, s.items))
-            },
-        ))?;
-        let views: Vec<PodView> = listed.iter().map(PodView::of).collect();
-        let mut out = Adoption::default();
-        let mut delete_pods = Vec::new();
-        for r in ledger.live_leases()? {
-            if r.provider != PROVIDER_NAME {
-                continue;
-            }
-            let data = r
-                .provider_data
-                .as_deref()
-                .and_then(|d| serde_json::from_str::<KubernetesData>(d).ok())
-                .filter(|d| d.namespace == self.namespace);
-            let view = data
-                .as_ref()
-                .and_then(|d| views.iter().find(|v| v.name == d.pod && v.uid == d.uid));
-            match view {
-                Some(v) if !v.is_terminal() && !v.is_disrupted() => {
-                    let w = PodWatch::new(r.id, v, v.phase == "Running");
-                    self.watch(w, v.clone())?;
-                    tracing::info!(lease = %r.id, pod = %v.name, "adopted worker pod after restart");
-                    out.adopted.push(r.id);
-                }
-                _ => {
-                    let reason = match view {
-                        _ if r.state == LeaseState::Requested => EndReason::Failed,
-                        Some(v) if v.is_disrupted() => EndReason::Preempted,
-                        _ => EndReason::Lost,
-                    };
-                    // billed to when its worker stopped, where the Pod
-                    // still says; a Pod gone says nothing: to now
-                    let at = view.map_or(now, |v| v.ended_at(now));
-                    ledger.mark_ended(r.id, at, reason)?;
-                    tracing::warn!(lease = %r.id, pod = ?data.map(|d| d.pod), ?reason, ended_at = at, "worker pod gone, finished or being deleted after restart; lease ended");
-                    out.ended.push((r.id, reason));
-                }
-            }
-        }
-        // everything of the pool that no adopted lease owns goes
-        let adopted_pods: HashSet<String> =
-            lock(&self.held).values().map(|p| p.uid.clone()).collect();
-        for v in &views {
-            if !adopted_pods.contains(&v.uid) && v.deleting_at.is_none() {
-                tracing::warn!(pod = %v.name, phase = %v.phase, "worker pod of this pool belongs to no live lease; deleting it so it does not bill");
-                delete_pods.push(v.name.clone());
-            }
-        }
-        let adopted_ids: HashSet<String> = out.adopted.iter().map(|l| l.0.to_string()).collect();
-        let delete_secrets: Vec<String> = listed_secrets
-            .iter()
-            .filter(|s| {
-                let lease = s.metadata.labels.as_ref().and_then(|l| l.get(LABEL_LEASE));
-                !lease.is_some_and(|l| adopted_ids.contains(l))
-            })
-            .filter_map(|s| s.metadata.name.clone())
-            .collect();
-        let (pods, secrets) = (self.pods(), self.secrets());
-        self.rt.block(within(limit, None, "deleting worker pods that belong to no live lease", async move {
-            for name in delete_pods {
-                match pods.delete(&name, &DeleteParams::default()).await {
-                    Ok(_) => {}
-                    Err(e) if is_status(&e, 404) => {}
-                    Err(e) => {
-                        return Err(api_error(None, format!("deleting orphan pod {name}"), &e));
-                    }
-                }
-            }
-            for name in delete_secrets {
-                if let Err(e) = secrets.delete(&name, &DeleteParams::default()).await
-                    && !is_status(&e, 404)
-                {
-                    tracing::warn!(secret = %name, error = %e, "deleting an orphan token secret");
-                }
-            }
-            Ok(())
-        }))?;
-        Ok(out)
-    }
-
     fn watch(&mut self, w: PodWatch, view: PodView) -> Result<(), ProviderError> {
         watch(&self.cmds, &self.held, w, view)
     }
@@ -543,56 +368,6 @@ impl KubernetesProvider {
             forget(&self.cmds, lease).await;
         }
         lock(&self.held).clear();
-    }
-
-    /// Starts releasing `leases` all at once: each held one's Pod is sent
-    /// its graceful delete (its worker gets SIGTERM and drains) without
-    /// waiting for it to go. [`Provider::release`] then only waits, so a
-    /// gateway stopping with many leases waits about one drain, not one per
-    /// lease. A delete that fails is logged; `release` sends it again.
-    pub async fn begin_release(&mut self, leases: &[LeaseId]) {
-        let pods: Vec<(LeaseId, PodRef)> = {
-            let held = lock(&self.held);
-            leases
-                .iter()
-                .filter_map(|l| held.get(l).map(|p| (*l, p.clone())))
-                .collect()
-        };
-        for (lease, _) in &pods {
-            let _ = self.cmds.send(Cmd::Releasing(*lease, true));
-        }
-        let api = self.pods();
-        let grace = self.cfg.termination_grace_period_secs;
-        let limit = self.api_timeout();
-        let _ = self
-            .rt
-            .run(async move {
-                let deletes = pods.into_iter().map(|(lease, pod)| {
-                    let api = api.clone();
-                    async move {
-                        let dp = DeleteParams {
-                            grace_period_seconds: Some(grace),
-                            preconditions: Some(Preconditions {
-                                uid: Some(pod.uid.clone()),
-                                resource_version: None,
-                            }),
-                            ..DeleteParams::default()
-                        };
-                        match tokio::time::timeout(limit, api.delete(&pod.name, &dp)).await {
-                            Ok(Err(e)) if !is_status(&e, 404) && !is_status(&e, 409) => {
-                                tracing::warn!(%lease, pod = %pod.name, error = %e, "deleting a worker pod; its release tries again");
-                            }
-                            Err(_) => {
-                                tracing::warn!(%lease, pod = %pod.name, "deleting a worker pod: no answer within api_timeout_secs; its release tries again");
-                            }
-                            Ok(_) => {}
-                        }
-                    }
-                });
-                futures::future::join_all(deletes).await;
-                Ok(())
-            })
-            .await;
     }
 
     /// Releases every lease (deletes its Pod and waits until it is gone).
@@ -660,7 +435,7 @@ impl Provider for KubernetesProvider {
         };
         let (pods, secrets) = (self.pods(), self.secrets());
         let namespace = self.namespace.clone();
-        let (cmds, held, rt) = (self.cmds.clone(), self.held.clone(), self.rt.handle.clone());
+        let (cmds, held) = (self.cmds.clone(), self.held.clone());
         let abandon = self.cmds.clone();
         let (pod_name, secret_name) = (self.cfg.pod_name(lease), self.cfg.secret_name(lease));
         let (limit, limit_secs) = (self.api_timeout(), self.cfg.api_timeout_secs);
@@ -678,13 +453,10 @@ impl Provider for KubernetesProvider {
                 pod_name,
                 secret_name,
             };
-            let created = run_on(&rt, async move {
-                match tokio::time::timeout(limit, creation.create()).await {
-                    Ok(created) => created,
-                    Err(_) => Err(creation.abandon(&abandon, limit, limit_secs).await),
-                }
-            })
-            .await?;
+            let created = match tokio::time::timeout(limit, creation.create()).await {
+                Ok(created) => created,
+                Err(_) => Err(creation.abandon(&abandon, limit, limit_secs).await),
+            }?;
             let view = PodView::of(&created);
             let data = KubernetesData {
                 namespace,
@@ -720,12 +492,12 @@ impl Provider for KubernetesProvider {
         let timeout_secs = self.cfg.release_timeout_secs;
         let secret_name = self.cfg.secret_name(lease);
         let limit = self.api_timeout();
-        let (cmds, held, rt) = (self.cmds.clone(), self.held.clone(), self.rt.handle.clone());
+        let (cmds, held) = (self.cmds.clone(), self.held.clone());
         async move {
             let pod = pod.ok_or(ProviderError::UnknownLease(lease))?;
             let name = pod.name.clone();
             let (api, target) = (pods.clone(), pod.clone());
-            let deleted = run_on(&rt, async move {
+            let deleted = async {
                 let dp = DeleteParams {
                     grace_period_seconds: Some(grace),
                     preconditions: Some(Preconditions {
@@ -744,14 +516,14 @@ impl Provider for KubernetesProvider {
                     }
                 })
                 .await
-            })
+            }
             .await;
             if let Err(e) = deleted {
                 // not deleted: it runs on, and its end or preemption is news
                 let _ = cmds.send(Cmd::Releasing(lease, false));
                 return Err(e);
             }
-            let gone = run_on(&rt, async move {
+            let gone: Result<(), ProviderError> = async {
                 let give_up = tokio::time::Instant::now() + timeout;
                 loop {
                     let what = format!("checking deleted pod {}", pod.name);
@@ -790,7 +562,7 @@ impl Provider for KubernetesProvider {
                     tracing::warn!(%lease, secret = %secret_name, error = %e, "deleting the token secret; the garbage collector removes it with its pod");
                 }
                 Ok(())
-            })
+            }
             .await;
             // deleted but not gone yet: still held, and still on its way
             // out (its end is no news)
@@ -800,6 +572,156 @@ impl Provider for KubernetesProvider {
             tracing::info!(%lease, pod = %name, "worker pod deleted");
             Ok(())
         }
+    }
+
+    /// Re-adopts the live `kubernetes` leases recorded in `ledger`, ending
+    /// the ones whose Pod is gone or finished, and deletes the pool's Pods
+    /// and token Secrets that belong to no live lease. Its listing and its
+    /// deletes are each bounded by `api_timeout_secs`; an API server that
+    /// cannot answer fails it, since ending leases whose Pods may well run
+    /// would leak them.
+    async fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
+        let (pods, secrets, selector) = (self.pods(), self.secrets(), self.cfg.selector());
+        let limit = self.api_timeout();
+        let (listed, listed_secrets) = within(
+            limit,
+            None,
+            "listing worker pods and token secrets for adoption",
+            async move {
+                let lp = ListParams::default().labels(&selector);
+                let p = pods
+                    .list(&lp)
+                    .await
+                    .map_err(|e| api_error(None, "listing worker pods for adoption", &e))?;
+                let s = secrets
+                    .list(&lp)
+                    .await
+                    .map_err(|e| api_error(None, "listing token secrets for adoption", &e))?;
+                Ok((p.items, s.items))
+            },
+        )
+        .await?;
+        let views: Vec<PodView> = listed.iter().map(PodView::of).collect();
+        let mut out = Adoption::default();
+        let mut delete_pods = Vec::new();
+        for r in ledger.live_leases()? {
+            if r.provider != PROVIDER_NAME {
+                continue;
+            }
+            let data = r
+                .provider_data
+                .as_deref()
+                .and_then(|d| serde_json::from_str::<KubernetesData>(d).ok())
+                .filter(|d| d.namespace == self.namespace);
+            let view = data
+                .as_ref()
+                .and_then(|d| views.iter().find(|v| v.name == d.pod && v.uid == d.uid));
+            match view {
+                Some(v) if !v.is_terminal() && !v.is_disrupted() => {
+                    let w = PodWatch::new(r.id, v, v.phase == "Running");
+                    self.watch(w, v.clone())?;
+                    tracing::info!(lease = %r.id, pod = %v.name, "adopted worker pod after restart");
+                    out.adopted.push(r.id);
+                }
+                _ => {
+                    let reason = match view {
+                        _ if r.state == LeaseState::Requested => EndReason::Failed,
+                        Some(v) if v.is_disrupted() => EndReason::Preempted,
+                        _ => EndReason::Lost,
+                    };
+                    // billed to when its worker stopped, where the Pod
+                    // still says; a Pod gone says nothing: to now
+                    let at = view.map_or(now, |v| v.ended_at(now));
+                    ledger.mark_ended(r.id, at, reason)?;
+                    tracing::warn!(lease = %r.id, pod = ?data.map(|d| d.pod), ?reason, ended_at = at, "worker pod gone, finished or being deleted after restart; lease ended");
+                    out.ended.push((r.id, reason));
+                }
+            }
+        }
+        // everything of the pool that no adopted lease owns goes
+        let adopted_pods: HashSet<String> =
+            lock(&self.held).values().map(|p| p.uid.clone()).collect();
+        for v in &views {
+            if !adopted_pods.contains(&v.uid) && v.deleting_at.is_none() {
+                tracing::warn!(pod = %v.name, phase = %v.phase, "worker pod of this pool belongs to no live lease; deleting it so it does not bill");
+                delete_pods.push(v.name.clone());
+            }
+        }
+        let adopted_ids: HashSet<String> = out.adopted.iter().map(|l| l.0.to_string()).collect();
+        let delete_secrets: Vec<String> = listed_secrets
+            .iter()
+            .filter(|s| {
+                let lease = s.metadata.labels.as_ref().and_then(|l| l.get(LABEL_LEASE));
+                !lease.is_some_and(|l| adopted_ids.contains(l))
+            })
+            .filter_map(|s| s.metadata.name.clone())
+            .collect();
+        let (pods, secrets) = (self.pods(), self.secrets());
+        within(limit, None, "deleting worker pods that belong to no live lease", async move {
+            for name in delete_pods {
+                match pods.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {}
+                    Err(e) if is_status(&e, 404) => {}
+                    Err(e) => {
+                        return Err(api_error(None, format!("deleting orphan pod {name}"), &e));
+                    }
+                }
+            }
+            for name in delete_secrets {
+                if let Err(e) = secrets.delete(&name, &DeleteParams::default()).await
+                    && !is_status(&e, 404)
+                {
+                    tracing::warn!(secret = %name, error = %e, "deleting an orphan token secret");
+                }
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Starts releasing `leases` all at once: each held one's Pod is sent
+    /// its graceful delete (its worker gets SIGTERM and drains) without
+    /// waiting for it to go. [`Provider::release`] then only waits, so a
+    /// gateway stopping with many leases waits about one drain, not one per
+    /// lease. A delete that fails is logged; `release` sends it again.
+    async fn begin_release(&mut self, leases: &[LeaseId]) {
+        let pods: Vec<(LeaseId, PodRef)> = {
+            let held = lock(&self.held);
+            leases
+                .iter()
+                .filter_map(|l| held.get(l).map(|p| (*l, p.clone())))
+                .collect()
+        };
+        for (lease, _) in &pods {
+            let _ = self.cmds.send(Cmd::Releasing(*lease, true));
+        }
+        let api = self.pods();
+        let grace = self.cfg.termination_grace_period_secs;
+        let limit = self.api_timeout();
+        let deletes = pods.into_iter().map(|(lease, pod)| {
+                    let api = api.clone();
+                    async move {
+                        let dp = DeleteParams {
+                            grace_period_seconds: Some(grace),
+                            preconditions: Some(Preconditions {
+                                uid: Some(pod.uid.clone()),
+                                resource_version: None,
+                            }),
+                            ..DeleteParams::default()
+                        };
+                        match tokio::time::timeout(limit, api.delete(&pod.name, &dp)).await {
+                            Ok(Err(e)) if !is_status(&e, 404) && !is_status(&e, 409) => {
+                                tracing::warn!(%lease, pod = %pod.name, error = %e, "deleting a worker pod; its release tries again");
+                            }
+                            Err(_) => {
+                                tracing::warn!(%lease, pod = %pod.name, "deleting a worker pod: no answer within api_timeout_secs; its release tries again");
+                            }
+                            Ok(_) => {}
+                        }
+                    }
+                });
+        futures::future::join_all(deletes).await;
     }
 
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {

@@ -120,9 +120,9 @@ pub struct SlurmProvider {
 impl SlurmProvider {
     /// Checks the configuration against the cluster (every partition
     /// exists; the spot partition's `GraceTime` is the notice period unless
-    /// configured) and starts the poller. Blocks on `scontrol`; must be
-    /// called inside a tokio runtime.
-    pub fn connect(cfg: SlurmConfig) -> Result<SlurmProvider, ProviderError> {
+    /// configured) and starts the poller on the current runtime. Each
+    /// `scontrol` is bounded by `tool_timeout_secs`.
+    pub async fn connect(cfg: SlurmConfig) -> Result<SlurmProvider, ProviderError> {
         cfg.validate()
             .map_err(|e| tool_error(None, "leasing.slurm".into(), e))?;
         let tools = Tools::new(&cfg)?;
@@ -134,16 +134,23 @@ impl SlurmProvider {
             (Tier::Reserved, parts.reserved.as_ref()),
         ] {
             let Some(p) = p else { continue };
+            let args = [
+                "show".into(),
+                "partition".into(),
+                "--oneliner".into(),
+                p.clone(),
+            ];
             let out = tools
-                .run_blocking_timed(
+                .run_within(
+                    None,
                     "scontrol",
-                    &[
-                        "show".into(),
-                        "partition".into(),
-                        "--oneliner".into(),
-                        p.clone(),
-                    ],
+                    &args,
+                    None,
+                    &[],
+                    tools.timeout,
+                    TOOL_TIMEOUT,
                 )
+                .await
                 .map_err(|f| match f.error {
                     // a controller that does not answer: no hint about
                     // the partition would help
@@ -209,66 +216,6 @@ impl SlurmProvider {
         v
     }
 
-    /// Re-adopts the live `slurm` leases recorded in `ledger`, ending the
-    /// ones whose job is gone: at the job's end when `squeue` still shows
-    /// it, otherwise at `now`. Blocks on `squeue` (it runs once, at start);
-    /// a controller that cannot answer fails it, since ending leases whose
-    /// jobs may well run would leak them.
-    pub fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
-        let recs = ledger.live_leases()?;
-        let ids: Vec<JobId> = recs
-            .iter()
-            .filter(|r| r.provider == PROVIDER_NAME)
-            .filter_map(|r| r.provider_data.as_deref())
-            .filter_map(|d| serde_json::from_str::<SlurmData>(d).ok())
-            .map(|d| d.job_id)
-            .collect();
-        let infos = self.tools.squeue_blocking(&ids)?;
-        let mut out = Adoption::default();
-        for r in recs.into_iter().filter(|r| r.provider == PROVIDER_NAME) {
-            let job = r
-                .provider_data
-                .as_deref()
-                .and_then(|d| serde_json::from_str::<SlurmData>(d).ok())
-                .map(|d| d.job_id);
-            let info = job.and_then(|j| infos.iter().find(|i| i.id == j));
-            let live = info.filter(|i| !matches!(i.state, JobState::Ended(_)));
-            if let (Some(job), Some(info)) = (job, live) {
-                let ran = !matches!(info.state, JobState::Pending | JobState::Configuring);
-                self.watch(JobWatch::new(r.id, job, ran))?;
-                tracing::info!(lease = %r.id, %job, "adopted Slurm job after restart");
-                out.adopted.push(r.id);
-            } else {
-                let reason = if r.state == LeaseState::Requested {
-                    EndReason::Failed
-                } else {
-                    EndReason::Lost
-                };
-                if job.is_none() {
-                    // The gateway stopped between sbatch and recording the
-                    // job id: a job may be queued under the lease's name,
-                    // to hold GPUs and start a worker for an ended lease.
-                    let name = format!("--name={}-{}", self.cfg.job_name, r.id.0);
-                    match self.tools.run_blocking("scancel", &[name]) {
-                        Ok(_) => {
-                            tracing::info!(lease = %r.id, "cancelled any job submitted for it before the restart")
-                        }
-                        Err(e) => {
-                            tracing::warn!(lease = %r.id, "cancelling a job it may have been given: {e}")
-                        }
-                    }
-                }
-                // billed to when the job ended, where Slurm still says
-                // (`MinJobAge`, 300 s by default); otherwise to now
-                let at = info.and_then(|i| i.end_time).map_or(now, |t| t.min(now));
-                ledger.mark_ended(r.id, at, reason)?;
-                tracing::warn!(lease = %r.id, job = ?job, ended_at = at, "Slurm job gone after restart; lease ended");
-                out.ended.push((r.id, reason));
-            }
-        }
-        Ok(out)
-    }
-
     fn watch(&mut self, w: JobWatch) -> Result<(), ProviderError> {
         watch_job(&self.cmds, &self.jobs, w)
     }
@@ -281,27 +228,6 @@ impl SlurmProvider {
         }
         lock(&self.jobs).clear();
         self.poller.abort();
-    }
-
-    /// Starts releasing `leases` all at once: one `scancel` of their jobs
-    /// (each worker gets SIGTERM and drains) without waiting for them to
-    /// end. [`Provider::release`] then cancels again (harmless) and waits,
-    /// so a gateway stopping with many leases waits about one drain, not
-    /// one per lease. A failed `scancel` is logged; `release` retries.
-    pub async fn begin_release(&mut self, leases: &[LeaseId]) {
-        let mut jobs = Vec::new();
-        for lease in leases {
-            if let Some(job) = self.job(*lease) {
-                let _ = self.cmds.send(Cmd::Releasing(*lease, true));
-                jobs.push(job.to_string());
-            }
-        }
-        if jobs.is_empty() {
-            return;
-        }
-        if let Err(e) = self.tools.run(None, "scancel", &jobs, None, &[]).await {
-            tracing::warn!(?jobs, error = %e, "cancelling jobs; each release tries again");
-        }
     }
 
     /// Releases every lease (cancels its job and waits for its end). A job
@@ -441,6 +367,91 @@ impl Provider for SlurmProvider {
         }
     }
 
+    /// Re-adopts the live `slurm` leases recorded in `ledger`, ending the
+    /// ones whose job is gone: at the job's end when `squeue` still shows
+    /// it, otherwise at `now`. One `squeue` (within `tool_timeout_secs`);
+    /// a controller that cannot answer fails it, since ending leases whose
+    /// jobs may well run would leak them.
+    async fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
+        let recs = ledger.live_leases()?;
+        let ids: Vec<JobId> = recs
+            .iter()
+            .filter(|r| r.provider == PROVIDER_NAME)
+            .filter_map(|r| r.provider_data.as_deref())
+            .filter_map(|d| serde_json::from_str::<SlurmData>(d).ok())
+            .map(|d| d.job_id)
+            .collect();
+        let infos = self.tools.squeue(&ids).await?;
+        let mut out = Adoption::default();
+        for r in recs.into_iter().filter(|r| r.provider == PROVIDER_NAME) {
+            let job = r
+                .provider_data
+                .as_deref()
+                .and_then(|d| serde_json::from_str::<SlurmData>(d).ok())
+                .map(|d| d.job_id);
+            let info = job.and_then(|j| infos.iter().find(|i| i.id == j));
+            let live = info.filter(|i| !matches!(i.state, JobState::Ended(_)));
+            if let (Some(job), Some(info)) = (job, live) {
+                let ran = !matches!(info.state, JobState::Pending | JobState::Configuring);
+                self.watch(JobWatch::new(r.id, job, ran))?;
+                tracing::info!(lease = %r.id, %job, "adopted Slurm job after restart");
+                out.adopted.push(r.id);
+            } else {
+                let reason = if r.state == LeaseState::Requested {
+                    EndReason::Failed
+                } else {
+                    EndReason::Lost
+                };
+                if job.is_none() {
+                    // The gateway stopped between sbatch and recording the
+                    // job id: a job may be queued under the lease's name,
+                    // to hold GPUs and start a worker for an ended lease.
+                    let name = format!("--name={}-{}", self.cfg.job_name, r.id.0);
+                    match self
+                        .tools
+                        .run(Some(r.id), "scancel", &[name], None, &[])
+                        .await
+                    {
+                        Ok(_) => {
+                            tracing::info!(lease = %r.id, "cancelled any job submitted for it before the restart")
+                        }
+                        Err(e) => {
+                            tracing::warn!(lease = %r.id, "cancelling a job it may have been given: {e}")
+                        }
+                    }
+                }
+                // billed to when the job ended, where Slurm still says
+                // (`MinJobAge`, 300 s by default); otherwise to now
+                let at = info.and_then(|i| i.end_time).map_or(now, |t| t.min(now));
+                ledger.mark_ended(r.id, at, reason)?;
+                tracing::warn!(lease = %r.id, job = ?job, ended_at = at, "Slurm job gone after restart; lease ended");
+                out.ended.push((r.id, reason));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Starts releasing `leases` all at once: one `scancel` of their jobs
+    /// (each worker gets SIGTERM and drains) without waiting for them to
+    /// end. [`Provider::release`] then cancels again (harmless) and waits,
+    /// so a gateway stopping with many leases waits about one drain, not
+    /// one per lease. A failed `scancel` is logged; `release` retries.
+    async fn begin_release(&mut self, leases: &[LeaseId]) {
+        let mut jobs = Vec::new();
+        for lease in leases {
+            if let Some(job) = self.job(*lease) {
+                let _ = self.cmds.send(Cmd::Releasing(*lease, true));
+                jobs.push(job.to_string());
+            }
+        }
+        if jobs.is_empty() {
+            return;
+        }
+        if let Err(e) = self.tools.run(None, "scancel", &jobs, None, &[]).await {
+            tracing::warn!(?jobs, error = %e, "cancelling jobs; each release tries again");
+        }
+    }
+
     fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
         self.events_rx.take()
     }
@@ -468,8 +479,8 @@ async fn cancel_unanswered(tools: &Tools, job_name: &str, lease: LeaseId) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_tool_timeout_must_be_positive_finite_and_at_most_ten_minutes() {
+    #[tokio::test]
+    async fn a_tool_timeout_must_be_positive_finite_and_at_most_ten_minutes() {
         let mut cfg = SlurmConfig::new("w", &[], "gpu");
         assert_eq!(cfg.tool_timeout_secs, 30.0);
         for ok in [0.5, 30.0, MAX_TOOL_TIMEOUT_SECS] {
@@ -489,7 +500,10 @@ mod tests {
             let e = cfg.validate().unwrap_err();
             assert!(e.contains("tool_timeout_secs"), "{bad}: {e}");
             // the provider refuses it too, before it runs any tool
-            let e = SlurmProvider::connect(cfg.clone()).unwrap_err().to_string();
+            let e = SlurmProvider::connect(cfg.clone())
+                .await
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("tool_timeout_secs"), "{bad}: {e}");
         }
     }

@@ -7,7 +7,7 @@
 
 use std::ffi::OsString;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::super::{ProviderError, checked_secs};
 use super::config::{MAX_TOOL_TIMEOUT_SECS, SlurmConfig};
@@ -17,8 +17,6 @@ use crate::table::LeaseId;
 /// Most characters of a failing command's stderr kept in an error.
 const STDERR_KEPT: usize = 400;
 
-/// How often a blocking tool run checks whether its tool has exited.
-const BLOCKING_POLL: Duration = Duration::from_millis(10);
 /// What bounds a tool run, for its timeout error.
 pub(super) const TOOL_TIMEOUT: &str = "tool_timeout_secs";
 
@@ -93,28 +91,6 @@ async fn read_all(pipe: Option<impl tokio::io::AsyncRead + Unpin>) -> std::io::R
     Ok(buf)
 }
 
-/// All of `pipe`, read on a thread of its own (so that a tool printing
-/// much never blocks on a full pipe); the answer comes on the receiver.
-fn read_all_blocking(
-    pipe: Option<impl std::io::Read + Send + 'static>,
-) -> std::io::Result<std::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>> {
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    match pipe {
-        Some(mut p) => {
-            std::thread::Builder::new()
-                .name("slurm-tool-pipe".into())
-                .spawn(move || {
-                    let mut buf = Vec::new();
-                    let _ = tx.send(p.read_to_end(&mut buf).map(|_| buf));
-                })?;
-        }
-        None => {
-            let _ = tx.send(Ok(Vec::new()));
-        }
-    }
-    Ok(rx)
-}
-
 impl Tools {
     pub(super) fn new(cfg: &SlurmConfig) -> Result<Tools, ProviderError> {
         let timeout = checked_secs(
@@ -170,86 +146,6 @@ impl Tools {
             detail.truncate(cut);
         }
         Err(tool_error(lease, what, format!("{}: {detail}", out.status)))
-    }
-
-    /// Runs a tool, blocking (start-up checks and adoption only), for at
-    /// most `tool_timeout_secs`: past it the tool is killed and reaped.
-    pub(super) fn run_blocking(
-        &self,
-        tool: &str,
-        args: &[String],
-    ) -> Result<String, ProviderError> {
-        self.run_blocking_timed(tool, args).map_err(|f| f.error)
-    }
-
-    /// [`Tools::run_blocking`], saying whether a failure timed out.
-    pub(super) fn run_blocking_timed(
-        &self,
-        tool: &str,
-        args: &[String],
-    ) -> Result<String, ToolFailure> {
-        use std::process::Stdio;
-        let what = format!("{tool} {}", args.join(" "));
-        let give_up = Instant::now() + self.timeout;
-        let mut child = std::process::Command::new(self.program(tool))
-            .args(args)
-            .envs(self.env())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| tool_error(None, what.clone(), e.to_string()))?;
-        let kill = |child: &mut std::process::Child| {
-            // an error here is a child that has exited: wait reaps it
-            let _ = child.kill();
-            let _ = child.wait();
-        };
-        let pipes = read_all_blocking(child.stdout.take())
-            .and_then(|out| Ok((out, read_all_blocking(child.stderr.take())?)));
-        let (out, err) = match pipes {
-            Ok(p) => p,
-            Err(e) => {
-                kill(&mut child);
-                return Err(tool_error(None, what, format!("reading its output: {e}")).into());
-            }
-        };
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) => {
-                    let now = Instant::now();
-                    if now >= give_up {
-                        kill(&mut child);
-                        return Err(ToolFailure {
-                            error: timeout_error(None, what, self.timeout, TOOL_TIMEOUT),
-                            timed_out: true,
-                        });
-                    }
-                    std::thread::sleep(BLOCKING_POLL.min(give_up - now));
-                }
-                Err(e) => {
-                    kill(&mut child);
-                    return Err(tool_error(None, what, e.to_string()).into());
-                }
-            }
-        };
-        // it exited; its output ends unless something it started holds it
-        let read = |rx: std::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>| {
-            rx.recv_timeout(give_up.saturating_duration_since(Instant::now()))
-                .map_err(|_| ToolFailure {
-                    error: timeout_error(None, what.clone(), self.timeout, TOOL_TIMEOUT),
-                    timed_out: true,
-                })
-        };
-        let (stdout, stderr) = (read(out)?, read(err)?);
-        let output = stdout.and_then(|stdout| {
-            Ok(std::process::Output {
-                status,
-                stdout,
-                stderr: stderr?,
-            })
-        });
-        Ok(Tools::check(None, what, output)?)
     }
 
     /// Runs a tool for at most `tool_timeout_secs`; `stdin` is written to
@@ -387,12 +283,5 @@ impl Tools {
             .await
             .map_err(|f| f.error);
         Tools::squeue_result(out)
-    }
-
-    pub(super) fn squeue_blocking(&self, jobs: &[JobId]) -> Result<Vec<JobInfo>, ProviderError> {
-        if jobs.is_empty() {
-            return Ok(Vec::new());
-        }
-        Tools::squeue_result(self.run_blocking("squeue", &Tools::squeue_args(jobs)))
     }
 }
