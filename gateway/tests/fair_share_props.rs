@@ -296,7 +296,7 @@ proptest! {
                     }
                     let (worker, batch, frames) = w.batches.remove(pick as usize % w.batches.len());
                     let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                    w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 2_000 }, None)?;
+                    w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes }, None)?;
                 }
                 Share::Advance { us } => {
                     w.now += u64::from(us);
@@ -510,7 +510,7 @@ proptest! {
                     }
                     let (worker, batch, frames) = w.batches.remove(pick as usize % w.batches.len());
                     let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                    w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 5_000 })?;
+                    w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes })?;
                 }
                 Churn::Advance { us } => {
                     w.now += u64::from(us);
@@ -525,7 +525,7 @@ proptest! {
         prop_assert_eq!(s.counters().queued, 0, "queued frames outlived their edges");
         while let Some((worker, batch, frames)) = w.batches.pop() {
             let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-            w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 5_000 })?;
+            w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes })?;
         }
         for id in workers {
             w.apply(&mut s, Event::WorkerLost { worker: id })?;

@@ -1,7 +1,11 @@
 //! Property tests of the pure scheduler over random event sequences on the
 //! injected clock: arrivals, worker joins and losses, batch completions,
-//! drains, ticks and clock jumps (which also stall workers: a batch long
-//! past due drops its worker, whose late answers must change nothing).
+//! drains and resumptions, ticks and clock jumps (which also stall
+//! workers: a batch long past due drops its worker, whose late answers must
+//! change nothing). The run time the scheduler measures for each answered
+//! batch is checked too: never longer than since its dispatch, and never
+//! counting a worker busy twice over (a pipelined batch runs from the
+//! answer before it).
 
 use std::collections::{HashMap, HashSet};
 
@@ -32,6 +36,10 @@ enum Step {
     Drain {
         pick: u8,
     },
+    /// A draining worker takes batches again (a static worker rebound).
+    Resume {
+        pick: u8,
+    },
     Finish {
         pick: u8,
         fail_one: bool,
@@ -53,6 +61,7 @@ fn step() -> impl Strategy<Value = Step> {
         ),
         1 => any::<u8>().prop_map(|pick| Step::Lose { pick }),
         1 => any::<u8>().prop_map(|pick| Step::Drain { pick }),
+        1 => any::<u8>().prop_map(|pick| Step::Resume { pick }),
         4 => (any::<u8>(), any::<bool>(), prop::bool::weighted(0.1))
             .prop_map(|(pick, fail_one, short)| Step::Finish { pick, fail_one, short }),
         3 => (0u32..20_000).prop_map(|us| Step::Advance { us }),
@@ -83,6 +92,11 @@ struct World {
     /// The workers that failed each frame (answered `failed` or left it
     /// out): it is never sent back to one, and after two it ends.
     failed_by: HashMap<FrameId, HashSet<WorkerId>>,
+    /// When each batch was dispatched.
+    sent_at: HashMap<BatchId, Micros>,
+    /// When each worker joined, and the run time of its batches answered
+    /// so far.
+    busy: HashMap<WorkerId, (Micros, u64)>,
 }
 
 impl World {
@@ -117,6 +131,7 @@ impl World {
                         );
                         self.probes.insert(batch);
                     }
+                    self.sent_at.insert(batch, self.now);
                     let ds: Vec<Micros> = frames.iter().map(|f| self.deadlines[f]).collect();
                     prop_assert!(
                         ds.windows(2).all(|w| w[0] <= w[1]),
@@ -182,6 +197,46 @@ impl World {
         );
         Ok(())
     }
+
+    /// Answers `batch` of `worker` (with `frames`) with `outcomes`, after
+    /// checking the run time the scheduler measures for it.
+    fn finish(
+        &mut self,
+        s: &mut Scheduler,
+        (worker, batch, frames): (WorkerId, BatchId, Vec<FrameId>),
+        outcomes: Vec<(FrameId, Status)>,
+    ) -> Result<(), TestCaseError> {
+        let run = s.batch_run(self.now, worker, batch);
+        if self.dropped.contains(&worker) {
+            prop_assert_eq!(run, None, "a dropped worker's batch has no run");
+        } else {
+            let run = run.ok_or_else(|| TestCaseError::fail("a running batch has no run"))?;
+            prop_assert_eq!(run.frames, frames.len());
+            let since_sent = self.now - self.sent_at[&batch];
+            prop_assert!(
+                u64::from(run.run_us) <= since_sent,
+                "ran {} µs, sent {} µs ago",
+                run.run_us,
+                since_sent
+            );
+            let (joined, busy) = self.busy.get_mut(&worker).expect("joined");
+            *busy += u64::from(run.run_us);
+            prop_assert!(
+                *busy <= self.now - *joined,
+                "busy {} µs in {} µs",
+                *busy,
+                self.now - *joined
+            );
+        }
+        self.apply(
+            s,
+            Event::BatchFinished {
+                worker,
+                batch,
+                outcomes,
+            },
+        )
+    }
 }
 
 proptest! {
@@ -222,6 +277,7 @@ proptest! {
                     let id = WorkerId(w.next_worker);
                     w.next_worker += 1;
                     w.workers.push(id);
+                    w.busy.insert(id, (w.now, 0));
                     let served = models
                         .iter()
                         .take(n as usize)
@@ -251,6 +307,14 @@ proptest! {
                     let id = w.workers[pick as usize % w.workers.len()];
                     w.draining.insert(id);
                     w.apply(&mut s, Event::WorkerDraining { worker: id })?;
+                }
+                Step::Resume { pick } => {
+                    if w.workers.is_empty() {
+                        continue;
+                    }
+                    let id = w.workers[pick as usize % w.workers.len()];
+                    w.draining.remove(&id);
+                    w.apply(&mut s, Event::WorkerResumed { worker: id })?;
                 }
                 Step::Finish { pick, fail_one, short } => {
                     if w.batches.is_empty() {
@@ -282,7 +346,7 @@ proptest! {
                             w.failed_by.entry(*f).or_default().insert(worker);
                         }
                     }
-                    w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 5_000 })?;
+                    w.finish(&mut s, (worker, batch, frames), outcomes)?;
                 }
                 Step::Advance { us } => {
                     w.now += us as u64;
@@ -293,7 +357,7 @@ proptest! {
         // Drain: finish every batch, lose every worker, let every deadline pass.
         while let Some((worker, batch, frames)) = w.batches.pop() {
             let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-            w.apply(&mut s, Event::BatchFinished { worker, batch, outcomes, latency_us: 5_000 })?;
+            w.finish(&mut s, (worker, batch, frames), outcomes)?;
         }
         for id in std::mem::take(&mut w.workers) {
             w.apply(&mut s, Event::WorkerLost { worker: id })?;

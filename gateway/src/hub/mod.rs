@@ -5,6 +5,7 @@
 
 mod edges;
 mod reports;
+mod roster;
 mod state;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -535,19 +536,16 @@ pub fn spawn(
         metrics,
         pending: HashMap::new(),
         outputs: HashMap::new(),
-        started: HashMap::new(),
-        last_done: HashMap::new(),
         edges: HashMap::new(),
         gone_edges: std::collections::VecDeque::new(),
         workers: HashMap::new(),
+        roster: Default::default(),
         worker_labels: WorkerLabels::default(),
         queue_depths: HashMap::new(),
         next_frame: 1,
         served: HashMap::new(),
         usage: HashMap::new(),
-        draining_leases: Default::default(),
         stalled_leases: Default::default(),
-        static_bindings: HashMap::new(),
         latencies: HashMap::new(),
         budgets: HashMap::new(),
         timeline: crate::timeline::Timeline::new(tidegate_lease::provider::wall_clock_ms()),

@@ -35,10 +35,10 @@ impl State {
         self.latencies.clear();
         let mut workers: Vec<LeasedWorker> = self
             .workers
-            .values()
-            .filter_map(|w| {
+            .iter()
+            .filter_map(|(id, w)| {
                 Some(LeasedWorker {
-                    lease: w.lease?,
+                    lease: self.roster.lease(*id)?,
                     profile: w
                         .register
                         .profile
@@ -77,8 +77,8 @@ impl State {
 
     pub(super) fn snapshot(&self) -> Snapshot {
         let mut models: HashMap<&str, ModelView> = HashMap::new();
-        for w in self.workers.values() {
-            let serving = !(w.static_name.is_some() && w.lease.is_none());
+        for (id, w) in &self.workers {
+            let serving = !self.roster.get(*id).is_some_and(|m| m.unbound());
             for m in &w.register.models {
                 let v = models.entry(m.name.as_str()).or_insert_with(|| ModelView {
                     name: m.name.clone(),
@@ -122,16 +122,19 @@ impl State {
             workers: self
                 .workers
                 .iter()
-                .map(|(id, w)| WorkerView {
-                    id: id.0,
-                    name: w.register.worker.clone(),
-                    device: w.register.device.clone(),
-                    models: w.register.models.iter().map(|m| m.name.clone()).collect(),
-                    profile: w.register.profile.clone(),
-                    draining: w.draining,
-                    demoted: self.scheduler.is_demoted(*id),
-                    lease: w.lease.map(|l| l.0),
-                    unbound: w.static_name.is_some() && w.lease.is_none(),
+                .map(|(id, w)| {
+                    let member = self.roster.get(*id);
+                    WorkerView {
+                        id: id.0,
+                        name: w.register.worker.clone(),
+                        device: w.register.device.clone(),
+                        models: w.register.models.iter().map(|m| m.name.clone()).collect(),
+                        profile: w.register.profile.clone(),
+                        draining: member.is_some_and(|m| !m.state.takes_batches()),
+                        demoted: self.scheduler.is_demoted(*id),
+                        lease: member.and_then(|m| m.state.lease()).map(|l| l.0),
+                        unbound: member.is_some_and(|m| m.unbound()),
+                    }
                 })
                 .collect(),
             models: models.into_values().collect(),

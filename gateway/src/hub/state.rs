@@ -1,7 +1,9 @@
 //! The hub's state and its core loop: the frames in flight, the edges
-//! and workers connected, how a message becomes scheduler events ([`State::handle`],
-//! [`State::step`]) and how the scheduler's actions are carried out
-//! ([`State::act`]: dispatch, and a frame's completion).
+//! and workers connected (whether a worker takes batches, and for which
+//! lease, is its [`Roster`] membership), how a message becomes scheduler
+//! events ([`State::handle`], [`State::step`]) and how the scheduler's
+//! actions are carried out ([`State::act`]: dispatch, and a frame's
+//! completion). Batch timing is the scheduler's, not kept here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tidegate_lease::LeaseId;
 use tidegate_lease::showback::Usage;
 
+use super::roster::{Membership, Roster};
 use super::workers::worker_models;
 use super::{HintBox, HubMsg, Served};
 use crate::backpressure::Backpressure;
@@ -43,18 +46,11 @@ pub(super) struct EdgeEntry {
     pub(super) cameras: HashMap<String, (String, u32)>,
 }
 
+/// A registered worker's connection; whether it takes batches, and for
+/// which lease, is its [`Roster`] membership.
 pub(super) struct WorkerEntry {
     pub(super) register: Register,
     pub(super) dispatch: mpsc::Sender<Dispatch>,
-    /// Takes no new batch: it retires, its lease drains, or it is an
-    /// unbound static worker.
-    pub(super) draining: bool,
-    /// It said `Drain`, or an operator drained it: it never takes a batch
-    /// again, whatever lease it is bound to.
-    pub(super) retiring: bool,
-    pub(super) lease: Option<LeaseId>,
-    /// A static worker's name: it serves whichever lease is bound to it.
-    pub(super) static_name: Option<String>,
     /// Cancelled to send the worker a `Drain`.
     pub(super) drain_request: CancellationToken,
     /// Its `worker` label in the metrics ([`WorkerLabels`]).
@@ -75,16 +71,16 @@ pub(super) struct State {
     pub(super) pending: HashMap<FrameId, Pending>,
     /// Worker results waiting for the scheduler's `Complete`.
     pub(super) outputs: HashMap<FrameId, ItemResult>,
-    /// When each batch was dispatched, to which worker, and its size.
-    pub(super) started: HashMap<BatchId, (WorkerId, Instant, usize)>,
-    /// When each worker last returned a batch.
-    pub(super) last_done: HashMap<WorkerId, Instant>,
     pub(super) edges: HashMap<EdgeId, EdgeEntry>,
     /// The names of the edges gone most recently (at most
     /// [`GONE_EDGES_KEPT`]): a frame that trails its edge's `EdgeGone` is
     /// still run, and its worker time goes to its edge's showback.
     pub(super) gone_edges: std::collections::VecDeque<(EdgeId, Arc<str>)>,
     pub(super) workers: HashMap<WorkerId, WorkerEntry>,
+    /// Each registered worker's membership (serving, draining, retiring,
+    /// unbound) and lease, and the lease messages for workers yet to
+    /// register: every lease message goes through it.
+    pub(super) roster: Roster,
     /// The `worker` label of each connected worker's series.
     pub(super) worker_labels: WorkerLabels,
     /// `tidegate_queue_depth` of each model, last set (to set it only when
@@ -100,14 +96,9 @@ pub(super) struct State {
     /// Keyed by lease and edge, then model, so that a frame's completion
     /// allocates nothing once its key has been seen.
     pub(super) usage: HashMap<(LeaseId, Arc<str>), HashMap<String, Usage>>,
-    /// Leases told to drain (applied to their worker when it registers).
-    pub(super) draining_leases: std::collections::HashSet<LeaseId>,
     /// Leases whose worker was dropped as stalled, for the next load
     /// report.
     pub(super) stalled_leases: std::collections::BTreeSet<LeaseId>,
-    /// The lease each static worker is bound to (applied to its worker
-    /// when it registers).
-    pub(super) static_bindings: HashMap<String, LeaseId>,
     /// Edge-reported e2e latencies (ms) since the last load report.
     pub(super) latencies: HashMap<String, Vec<f64>>,
     /// The latest frame budget per model (µs).
@@ -130,7 +121,12 @@ impl State {
     }
 
     pub(super) fn step(&mut self, event: Event) {
-        let now = self.now();
+        self.step_at(self.now(), event);
+    }
+
+    /// [`State::step`] at `now`, which the caller also used to ask the
+    /// scheduler something about this event.
+    pub(super) fn step_at(&mut self, now: Micros, event: Event) {
         let retried = self.scheduler.counters().retried;
         let actions = self.scheduler.on_event(now, event);
         self.metrics
@@ -194,13 +190,8 @@ impl State {
                     self.metrics.model_known(&m.model);
                 }
                 // a static worker serves the lease bound to its name, if any
-                let lease = match &static_worker {
-                    Some(name) => self.static_bindings.get(name).copied(),
-                    None => lease,
-                };
-                let unbound = static_worker.is_some() && lease.is_none();
-                let drain = unbound || lease.is_some_and(|l| self.draining_leases.contains(&l));
-                if unbound {
+                let membership = self.roster.join(worker, lease, static_worker);
+                if membership == Membership::Unbound {
                     tracing::info!(worker = worker.0, name = %register.worker, "static worker registered unbound; no batch until a lease binds it");
                 }
                 let label = self.worker_labels.acquire(&register.worker);
@@ -210,10 +201,6 @@ impl State {
                     WorkerEntry {
                         register,
                         dispatch,
-                        draining: drain,
-                        retiring: false,
-                        lease,
-                        static_name: static_worker,
                         drain_request,
                         label,
                     },
@@ -222,24 +209,26 @@ impl State {
                     self.release_label(&old);
                 }
                 self.step(Event::WorkerJoined { worker, models });
-                if drain {
+                if !membership.takes_batches() {
                     self.step(Event::WorkerDraining { worker });
                 }
             }
             HubMsg::BatchDone { worker, result } => self.batch_done(worker, result),
             HubMsg::WorkerDraining { worker } => {
-                if let Some(w) = self.workers.get_mut(&worker) {
-                    w.draining = true;
-                    w.retiring = true;
+                if let Some(change) = self.roster.retire(worker) {
+                    self.apply(worker, change);
                 }
-                self.step(Event::WorkerDraining { worker });
             }
             HubMsg::DrainWorker { name, reply } => self.drain_worker(name, reply),
-            HubMsg::LeaseDraining { lease } => self.lease_draining(lease),
+            HubMsg::LeaseDraining { lease } => {
+                for (worker, change) in self.roster.lease_draining(lease) {
+                    self.apply(worker, change);
+                }
+            }
             HubMsg::LeaseEnded { lease } => {
-                for worker in self.forget_lease(lease) {
+                for (worker, change) in self.roster.lease_ended(lease) {
                     tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
-                    self.lose_worker(worker);
+                    self.apply(worker, change);
                 }
             }
             HubMsg::LeaseBound { lease, worker_name } => self.lease_bound(lease, worker_name),
@@ -278,12 +267,10 @@ impl State {
                 self.metrics.workers_stalled.inc();
                 let now = self.now();
                 self.timeline.stalled(now, &name, &reason);
-                let gone = self.workers.remove(&worker);
-                if let Some(w) = &gone {
-                    self.release_label(w);
+                if let Some(w) = self.workers.remove(&worker) {
+                    self.release_label(&w);
                 }
-                let lease = gone.and_then(|w| w.lease);
-                self.forget_batches(worker);
+                let lease = self.roster.leave(worker).and_then(|m| m.state.lease());
                 if let Some(lease) = lease {
                     // The lease shell decides: a worker that registers
                     // again once its slow batch is done serves again; one
@@ -312,7 +299,7 @@ impl State {
                         .with_label_values(&[model.as_str(), reason.label()])
                         .inc();
                 }
-                if let Some(lease) = w.lease {
+                if let Some(lease) = self.roster.lease(worker) {
                     // The stall hook: the lease shell keeps a lease after
                     // one report and replaces it at the second within its
                     // window, so a worker that fails its probe too is
@@ -356,8 +343,6 @@ impl State {
             .batch_size
             .with_label_values(&[model.as_str()])
             .observe(items.len() as f64);
-        self.started
-            .insert(batch, (worker, Instant::now(), items.len()));
         let msg = Dispatch {
             batch: batch.0,
             model,

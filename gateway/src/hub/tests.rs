@@ -798,7 +798,7 @@ async fn an_unbound_static_worker_waits_connected_serves_once_bound_and_keeps_it
 }
 
 #[tokio::test]
-async fn a_static_worker_rebound_with_a_batch_out_ends_each_frame_once() {
+async fn a_static_worker_rebound_with_a_batch_out_resumes_and_its_answer_ends_the_frame() {
     let (hub, cancel) = hub();
     let bind = |lease| HubMsg::LeaseBound {
         lease: LeaseId(lease),
@@ -812,15 +812,19 @@ async fn a_static_worker_rebound_with_a_batch_out_ends_each_frame_once() {
     send_frame(&hub, 1, 2000).await;
     let old = recv(&mut batches).await;
     // unbound and bound again before it answers (a batch slower than
-    // the release's grace): the scheduler takes it back as a fresh
-    // worker, so the frame it held ends there (no other worker could
-    // take it: failed, worker lost) and the late answer is ignored
+    // the release's grace): the worker, still running the batch, resumes
+    // in the scheduler with it, so its answer ends the frame, once, for
+    // the lease it now serves
     hub.send(HubMsg::LeaseUnbound { lease: LeaseId(5) }).await;
     hub.send(bind(6)).await;
-    let r = recv_result(&mut answers).await;
-    assert_eq!(r.seq, 1);
-    assert!(matches!(r.status, Status::Failed(_)), "{r:?}");
+    assert_eq!(static_view(&hub).await, (Some(6), false, false));
+    assert!(
+        answers.try_recv().is_none(),
+        "the frame waits for its answer"
+    );
     answer(&hub, &old, ok_item).await;
+    let r = recv_result(&mut answers).await;
+    assert_eq!((r.seq, r.status), (1, Status::Ok));
     // and it serves the new lease
     send_frame(&hub, 2, 2000).await;
     let new = recv(&mut batches).await;
@@ -828,28 +832,66 @@ async fn a_static_worker_rebound_with_a_batch_out_ends_each_frame_once() {
     answer(&hub, &new, ok_item).await;
     let r = recv_result(&mut answers).await;
     assert_eq!((r.seq, r.status), (2, Status::Ok));
+    // rebound while serving (another lease for its name): it keeps
+    // serving, and the batch it holds ends as answered
+    send_frame(&hub, 3, 2000).await;
+    let held = recv(&mut batches).await;
+    hub.send(bind(7)).await;
+    assert_eq!(static_view(&hub).await, (Some(7), false, false));
+    answer(&hub, &held, ok_item).await;
+    let r = recv_result(&mut answers).await;
+    assert_eq!((r.seq, r.status), (3, Status::Ok));
     let snap = hub.snapshot().await.unwrap();
     assert!(snap.frames.balanced(), "{:?}", snap.frames);
     assert_eq!(
         (snap.frames.ok, snap.frames.failed),
-        (1, 1),
+        (3, 0),
         "{:?}",
         snap.frames
     );
     assert!(answers.try_recv().is_none(), "one result per frame");
     let r = hub.load_report(vec![]).await.unwrap();
-    assert_eq!(r.served.len(), 1, "{r:?}");
-    assert_eq!(
-        r.served[0].0,
-        LeaseId(6),
-        "the ignored answer counts for no lease"
-    );
-    assert_eq!((r.served[0].1.within_slo, r.served[0].1.late), (1, 0));
+    let served: Vec<(LeaseId, u64)> = r.served.iter().map(|(l, s)| (*l, s.within_slo)).collect();
+    assert_eq!(served, vec![(LeaseId(6), 2), (LeaseId(7), 1)], "{r:?}");
     // a lease that ends by the worker's loss unbinds the name too
-    hub.send(HubMsg::LeaseEnded { lease: LeaseId(6) }).await;
+    hub.send(HubMsg::LeaseEnded { lease: LeaseId(7) }).await;
     assert!(hub.snapshot().await.unwrap().workers.is_empty());
     let _batches = connect_static_worker(&hub).await;
     assert_eq!(static_view(&hub).await, (None, true, true));
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn a_static_worker_that_said_drain_never_serves_again_whatever_lease_binds_it() {
+    let (hub, cancel) = hub();
+    let bind = |lease| HubMsg::LeaseBound {
+        lease: LeaseId(lease),
+        worker_name: "gpu-a".into(),
+    };
+    hub.send(bind(5)).await;
+    let mut batches = connect_static_worker(&hub).await;
+    let mut answers = connect_edge(&hub).await;
+    hub.send(HubMsg::WorkerDraining {
+        worker: WorkerId(1),
+    })
+    .await;
+    assert_eq!(static_view(&hub).await, (Some(5), false, true));
+    // unbound, bound to a live lease, bound to another: it takes each
+    // lease (which ends when it goes) but no batch
+    hub.send(HubMsg::LeaseUnbound { lease: LeaseId(5) }).await;
+    assert_eq!(static_view(&hub).await, (None, true, true));
+    hub.send(bind(6)).await;
+    assert_eq!(static_view(&hub).await, (Some(6), false, true));
+    hub.send(bind(7)).await;
+    assert_eq!(static_view(&hub).await, (Some(7), false, true));
+    send_frame(&hub, 1, 50).await;
+    let r = recv_result(&mut answers).await;
+    assert_ne!(r.status, Status::Ok, "{r:?}");
+    assert!(batches.try_recv().is_err(), "no batch to a retiring worker");
+    // the lease report still lists it under its lease
+    let r = hub.load_report(vec![]).await.unwrap();
+    assert_eq!(r.workers.len(), 1, "{r:?}");
+    assert_eq!(r.workers[0].lease, LeaseId(7));
     cancel.cancel();
 }
 

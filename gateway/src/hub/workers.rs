@@ -1,9 +1,9 @@
 //! The worker side of the hub: workers joining, draining, stalling and
-//! leaving, their leases bound and unbound, the batches they return, and
-//! what they serve.
+//! leaving, their leases bound and unbound (the membership decisions are
+//! the roster's, `roster.rs`; here the scheduler is told of them), the
+//! batches they return, and what they serve.
 
 use std::collections::BTreeSet;
-use std::time::Instant;
 
 use bytes::Bytes;
 use tidegate_protocol::{BatchResult, Codec, Register};
@@ -12,31 +12,29 @@ use tokio::sync::oneshot;
 use tidegate_lease::LeaseId;
 
 use super::ServedModel;
+use super::roster::{Change, Membership};
 use super::state::{State, WorkerEntry};
 use crate::scheduler::{BatchId, Event, FrameId, WorkerId, WorkerModel};
 
 impl State {
-    /// A lease has ended or been unbound: forget its drain and its static
-    /// binding, and return the workers that served it.
-    pub(super) fn forget_lease(&mut self, lease: LeaseId) -> Vec<WorkerId> {
-        self.draining_leases.remove(&lease);
-        self.static_bindings.retain(|_, l| *l != lease);
-        self.workers
-            .iter()
-            .filter(|(_, w)| w.lease == Some(lease))
-            .map(|(id, _)| *id)
-            .collect()
-    }
-
     /// A worker has gone (disconnected, lease ended, or wedged): forget
-    /// it and its batches' timings; the scheduler re-homes or fails the
-    /// frames it held.
+    /// it; the scheduler re-homes or fails the frames it held.
     pub(super) fn lose_worker(&mut self, worker: WorkerId) {
         if let Some(w) = self.workers.remove(&worker) {
             self.release_label(&w);
         }
-        self.forget_batches(worker);
+        self.roster.leave(worker);
         self.step(Event::WorkerLost { worker });
+    }
+
+    /// Tells the scheduler of a membership change the roster decided.
+    pub(super) fn apply(&mut self, worker: WorkerId, change: Change) {
+        match change {
+            Change::Quiet => {}
+            Change::Drain => self.step(Event::WorkerDraining { worker }),
+            Change::Resume => self.step(Event::WorkerResumed { worker }),
+            Change::Lose => self.lose_worker(worker),
+        }
     }
 
     /// A batch of `size` frames of `model` ran `latency_us` on `worker` as
@@ -90,32 +88,6 @@ impl State {
         }
     }
 
-    /// Drops the timing of `worker`'s batches: the scheduler re-homes or
-    /// fails them, and a late result is not timed.
-    pub(super) fn forget_batches(&mut self, worker: WorkerId) {
-        self.last_done.remove(&worker);
-        self.started.retain(|_, (w, _, _)| *w != worker);
-    }
-
-    /// A worker whose entry stays (a static worker just bound) joins the
-    /// scheduler afresh as a serving worker: the scheduler has no way back
-    /// from draining, so it is lost there first (the batches it still held
-    /// are re-homed or failed; their late results are ignored) and joins
-    /// again.
-    fn rejoin_worker(&mut self, worker: WorkerId) {
-        let Some(w) = self.workers.get(&worker) else {
-            return;
-        };
-        let models = worker_models(&w.register);
-        let draining = w.draining;
-        self.forget_batches(worker);
-        self.step(Event::WorkerLost { worker });
-        self.step(Event::WorkerJoined { worker, models });
-        if draining {
-            self.step(Event::WorkerDraining { worker });
-        }
-    }
-
     pub(super) fn update_worker_gauges(&mut self) {
         for (model, depth) in self.scheduler.queue_lens() {
             let last = self
@@ -146,34 +118,24 @@ impl State {
 
     /// A worker answered a batch: its answers, timings and outputs recorded, and the scheduler told.
     pub(super) fn batch_done(&mut self, worker: WorkerId, result: BatchResult) {
-        // Run time, not time since dispatch: a pipelined batch waits
-        // on the worker for the one before it to finish.
-        let done = Instant::now();
+        // The run time is the scheduler's (from the batch's dispatch, or
+        // the worker's previous result if later), taken at the `now` the
+        // scheduler is then told the batch finished at.
+        let now = self.now();
         let batch = BatchId(result.batch);
-        let (latency_us, size) = match self.started.remove(&batch) {
-            Some((w, t, n)) if w == worker => {
-                let previous = self.last_done.insert(worker, done);
-                let began = previous.map_or(t, |p| p.max(t));
-                let us = done.saturating_duration_since(began).as_micros();
-                (us.min(u32::MAX as u128) as u32, n)
-            }
-            other => {
-                // Not (or no longer) this worker's batch: its frames
-                // were re-homed or failed when the worker left the
-                // scheduler (a rebound static worker); they end
-                // there, so this late result is not theirs.
-                if let Some(entry) = other {
-                    self.started.insert(batch, entry);
-                }
-                tracing::debug!(
-                    worker = worker.0,
-                    batch = batch.0,
-                    "result of a batch re-homed meanwhile; ignored"
-                );
-                return;
-            }
+        let Some(run) = self.scheduler.batch_run(now, worker, batch) else {
+            // Not (or no longer) this worker's batch: its frames were
+            // re-homed or failed when the worker was lost or dropped;
+            // they end there, so this late result is not theirs.
+            tracing::debug!(
+                worker = worker.0,
+                batch = batch.0,
+                "result of a batch re-homed meanwhile; ignored"
+            );
+            return;
         };
-        let lease = self.workers.get(&worker).and_then(|w| w.lease);
+        let (latency_us, size) = (run.run_us, run.frames);
+        let lease = self.roster.lease(worker);
         if let Some(l) = lease {
             self.served.entry(l).or_default().busy_us += u64::from(latency_us);
         }
@@ -223,7 +185,6 @@ impl State {
                 .observe(inference_us as f64 / 1e6);
             let compute_us = per_frame_us + u64::from(inference_us);
             self.observe_worker_batch(worker, &model, size, latency_us, compute_us);
-            let now = self.now();
             if let Some(w) = self.workers.get(&worker) {
                 let name = w.register.worker.as_str();
                 let times = crate::timeline::BatchTimes {
@@ -242,12 +203,14 @@ impl State {
                     .inc();
             }
         }
-        self.step(Event::BatchFinished {
-            worker,
-            batch: BatchId(result.batch),
-            outcomes,
-            latency_us,
-        });
+        self.step_at(
+            now,
+            Event::BatchFinished {
+                worker,
+                batch,
+                outcomes,
+            },
+        );
     }
 
     /// The operator drains the workers registered as `name`; answers how many.
@@ -259,81 +222,48 @@ impl State {
             .map(|(id, _)| *id)
             .collect();
         for worker in &ids {
-            if let Some(w) = self.workers.get_mut(worker) {
+            if let Some(w) = self.workers.get(worker) {
                 w.drain_request.cancel();
-                w.retiring = true;
-                if !w.draining {
-                    w.draining = true;
-                    tracing::info!(worker = worker.0, %name, "operator drains the worker");
-                    self.step(Event::WorkerDraining { worker: *worker });
-                }
             }
+            let Some(change) = self.roster.retire(*worker) else {
+                continue;
+            };
+            if change == Change::Drain {
+                tracing::info!(worker = worker.0, %name, "operator drains the worker");
+            }
+            self.apply(*worker, change);
         }
         let _ = reply.send(ids.len());
     }
 
-    /// A lease is being released: its worker takes no new batch.
-    pub(super) fn lease_draining(&mut self, lease: LeaseId) {
-        self.draining_leases.insert(lease);
-        let ids: Vec<WorkerId> = self
-            .workers
-            .iter()
-            .filter(|(_, w)| w.lease == Some(lease) && !w.draining)
-            .map(|(id, _)| *id)
-            .collect();
-        for worker in ids {
-            if let Some(w) = self.workers.get_mut(&worker) {
-                w.draining = true;
-            }
-            self.step(Event::WorkerDraining { worker });
-        }
-    }
-
-    /// A leased worker registered: its lease is bound to it.
+    /// A static worker's name was bound to `lease`: its worker, if
+    /// registered, serves the lease, unless it is retiring (it drains and
+    /// exits; its lease ends when it goes). One that was draining resumes
+    /// in the scheduler with what it holds.
     pub(super) fn lease_bound(&mut self, lease: LeaseId, worker_name: String) {
-        self.static_bindings.insert(worker_name.clone(), lease);
-        let ids: Vec<WorkerId> = self
-            .workers
-            .iter()
-            .filter(|(_, w)| {
-                w.static_name.as_deref() == Some(worker_name.as_str()) && w.lease != Some(lease)
-            })
-            .map(|(id, _)| *id)
-            .collect();
-        for worker in ids {
-            let drain = self.draining_leases.contains(&lease);
-            let Some(w) = self.workers.get_mut(&worker) else {
-                continue;
-            };
-            w.lease = Some(lease);
-            if w.retiring {
-                // it drains and exits; its lease ends when it goes
-                continue;
+        for (worker, change) in self.roster.lease_bound(lease, &worker_name) {
+            let retiring = self
+                .roster
+                .get(worker)
+                .is_some_and(|m| matches!(m.state, Membership::Retiring { .. }));
+            if !retiring {
+                tracing::info!(worker = worker.0, name = %worker_name, %lease, "static worker bound; it serves the lease");
             }
-            w.draining = drain;
-            tracing::info!(worker = worker.0, name = %worker_name, %lease, "static worker bound; it serves the lease");
-            self.rejoin_worker(worker);
+            self.apply(worker, change);
         }
     }
 
-    /// A lease lost its worker.
+    /// A lease ended other than by its worker's loss: a static worker
+    /// stays connected, unbound; any other is lost.
     pub(super) fn lease_unbound(&mut self, lease: LeaseId) {
-        for worker in self.forget_lease(lease) {
-            let Some(w) = self.workers.get_mut(&worker) else {
-                continue;
-            };
-            if w.static_name.is_none() {
+        for (worker, change) in self.roster.lease_unbound(lease) {
+            if change == Change::Lose {
                 // only a static worker outlives its lease
                 tracing::info!(worker = worker.0, %lease, "lease ended; its worker is lost");
-                self.lose_worker(worker);
-                continue;
+            } else {
+                tracing::info!(worker = worker.0, %lease, "static worker unbound; it stays connected and takes no batch");
             }
-            w.lease = None;
-            tracing::info!(worker = worker.0, %lease, "static worker unbound; it stays connected and takes no batch");
-            if !w.draining {
-                w.draining = true;
-                self.step(Event::WorkerDraining { worker });
-            }
+            self.apply(worker, change);
         }
     }
 

@@ -13,6 +13,13 @@
 //! batch at a time, and serves again ([`Action::WorkerRestored`]) only when
 //! a probe comes back whole and mostly `ok`.
 //!
+//! A returned batch's run time ([`Scheduler::batch_run`]) refines its
+//! worker's profile. It runs from when the batch was dispatched, or from
+//! when the worker returned its previous batch if that is later (a
+//! pipelined batch waits on the worker for the one before it), to the
+//! answer: transfer included, as the gateway sees it, on the scheduler's
+//! own clock.
+//!
 //! [`Event::BatchFinished`]: super::Event::BatchFinished
 
 use std::collections::HashMap;
@@ -24,14 +31,37 @@ use crate::health::{Tally, Verdict};
 use super::queue::Queued;
 use super::{Action, BatchId, FrameId, Micros, Scheduler, WorkerId};
 
+/// A batch's run on its worker, as [`Scheduler::batch_run`] measures it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchRun {
+    /// Frames it was sent with.
+    pub frames: usize,
+    /// Its run time (µs): see the module docs.
+    pub run_us: u32,
+}
+
 impl Scheduler {
+    /// The run of `batch` if `worker` answered it at `now`: `None` unless
+    /// the batch is running on that worker (unknown, or re-homed when the
+    /// worker was lost or dropped: its answer is ignored).
+    /// [`Event::BatchFinished`] at the same `now` refines the profile with
+    /// this run time; the shell asks first to share it out.
+    pub fn batch_run(&self, now: Micros, worker: WorkerId, batch: BatchId) -> Option<BatchRun> {
+        let w = self.workers.get(&worker)?;
+        let r = w.running.iter().find(|r| r.batch == batch)?;
+        let began = w.last_done.map_or(r.sent_at, |d| d.max(r.sent_at));
+        Some(BatchRun {
+            frames: r.size,
+            run_us: now.saturating_sub(began).min(u64::from(u32::MAX)) as u32,
+        })
+    }
+
     pub(super) fn finish(
         &mut self,
         now: Micros,
         worker: WorkerId,
         batch: BatchId,
         outcomes: Vec<(FrameId, Status)>,
-        latency_us: u32,
         out: &mut Vec<Action>,
     ) {
         let Some((owner, frames)) = self.batches.remove(&batch) else {
@@ -41,13 +71,17 @@ impl Scheduler {
             self.batches.insert(batch, (owner, frames));
             return;
         }
+        let run = self.batch_run(now, worker, batch);
         if let Some(w) = self.workers.get_mut(&worker) {
             w.running.retain(|r| r.batch != batch);
-            if let Some(p) = frames
-                .first()
-                .and_then(|q| w.models.get_mut(&q.arrival.model))
-            {
-                p.observe(frames.len(), latency_us);
+            w.last_done = Some(now);
+            if let (Some(run), Some(p)) = (
+                run,
+                frames
+                    .first()
+                    .and_then(|q| w.models.get_mut(&q.arrival.model)),
+            ) {
+                p.observe(frames.len(), run.run_us);
             }
             // The next batch starts now: re-estimate when each will be done.
             let mut t = now;

@@ -166,6 +166,7 @@ impl Scheduler {
             w.running.push(Running {
                 batch,
                 size: frames.len(),
+                sent_at: now,
                 done_at,
             });
             w.health.dispatched(batch);

@@ -20,9 +20,10 @@
 //!   sized by the model's latency profile (`profile.rs`) and arrival rate
 //!   (`demand.rs`) and cut to the earliest deadline;
 //! - `batch_results.rs`: the worker's answer ends it, or sends it once to
-//!   another worker, and judges the worker's health;
+//!   another worker, and judges the worker's health; the batch's run time,
+//!   measured on the scheduler's own clock, refines the profile;
 //! - `workers.rs`: a stalled or lost worker's frames are queued again or
-//!   failed.
+//!   failed; a draining worker may resume.
 //!
 //! The shell then sends each [`Action::Complete`]'s result to the frame's
 //! edge.
@@ -46,6 +47,7 @@ use tidegate_protocol::{ShedReason, Status};
 
 use crate::health::{DemotionReason, HealthPolicy};
 
+pub use batch_results::BatchRun;
 use demand::Demand;
 pub use fair_share::MAX_WEIGHT;
 use fair_share::{Account, Share};
@@ -110,7 +112,9 @@ pub enum Event {
         /// What it serves.
         models: Vec<WorkerModel>,
     },
-    /// A worker returned a batch: one outcome per frame it was given.
+    /// A worker returned a batch: one outcome per frame it was given. Its
+    /// run time, which refines the worker's profile, is the scheduler's own
+    /// measure ([`Scheduler::batch_run`]), taken at this event's `now`.
     BatchFinished {
         /// The worker.
         worker: WorkerId,
@@ -118,12 +122,19 @@ pub enum Event {
         batch: BatchId,
         /// Per frame: `Ok` or `Failed` as reported by the worker.
         outcomes: Vec<(FrameId, Status)>,
-        /// Measured run time of the batch (µs), to refine the profile.
-        latency_us: u32,
     },
     /// A worker is draining (it said so, or its lease got a preemption
     /// notice): it gets no new batch; the ones it holds still finish.
     WorkerDraining {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// A draining worker, still connected, takes batches again (a static
+    /// worker bound to a lease again). It keeps what it had: the batches
+    /// it holds (they still finish), its learned profile and its health.
+    /// The shell decides who may resume: a worker that said `Drain` never
+    /// does.
+    WorkerResumed {
         /// The worker.
         worker: WorkerId,
     },
@@ -426,11 +437,15 @@ impl Scheduler {
                 worker,
                 batch,
                 outcomes,
-                latency_us,
-            } => self.finish(now, worker, batch, outcomes, latency_us, &mut out),
+            } => self.finish(now, worker, batch, outcomes, &mut out),
             Event::WorkerDraining { worker } => {
                 if let Some(w) = self.workers.get_mut(&worker) {
                     w.draining = true;
+                }
+            }
+            Event::WorkerResumed { worker } => {
+                if let Some(w) = self.workers.get_mut(&worker) {
+                    w.draining = false;
                 }
             }
             Event::WorkerLost { worker } => self.lose(now, worker, "worker lost", &mut out),

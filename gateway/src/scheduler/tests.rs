@@ -63,7 +63,6 @@ fn idle_worker_gets_frame_and_result_completes_ok() {
             worker: WorkerId(1),
             batch: *batch,
             outcomes: vec![(FrameId(1), Status::Ok)],
-            latency_us: 5_000,
         },
     );
     assert_eq!(completes(&a), vec![(1, Status::Ok)]);
@@ -171,19 +170,19 @@ fn batch_is_edf_ordered_and_bounded_by_earliest_deadline() {
     );
     let first = s.on_event(0, frame(100, "z", 900_000));
     assert!(matches!(first[0], Action::Dispatch { .. }));
-    for (i, d) in [(1, 50_000), (2, 30_000), (3, 70_000), (4, 45_000)] {
-        assert!(s.on_event(0, frame(i, &format!("c{i}"), d)).is_empty());
+    for (i, d) in [(1, 59_500), (2, 39_500), (3, 79_500), (4, 54_500)] {
+        assert!(s.on_event(9_500, frame(i, &format!("c{i}"), d)).is_empty());
     }
-    // The worker frees at 1 ms. A batch of k takes 1 + 9.5k ms, and the
-    // batch's earliest deadline (30 ms) allows 2 frames (done at 21 ms),
-    // not 3 (30.5 ms).
+    // The worker frees at 10.5 ms, its first batch having run as its
+    // profile said. A batch of k takes 1 + 9.5k ms, and the batch's
+    // earliest deadline (39.5 ms) allows 2 frames (done at 30.5 ms), not
+    // 3 (40 ms).
     let a = s.on_event(
-        1_000,
+        10_500,
         Event::BatchFinished {
             worker: WorkerId(9),
             batch: BatchId(1),
             outcomes: vec![(FrameId(100), Status::Ok)],
-            latency_us: 10_000,
         },
     );
     let dispatched = a
@@ -270,7 +269,6 @@ fn a_worker_that_never_answers_is_dropped_and_its_frames_do_not_wait_for_ever() 
             worker: WorkerId(2),
             batch: batch2,
             outcomes: vec![(FrameId(2), Status::Ok)],
-            latency_us: 5_000,
         },
     );
     assert_eq!(s.next_wakeup(), Some(1_005_000));
@@ -294,7 +292,6 @@ fn a_worker_that_never_answers_is_dropped_and_its_frames_do_not_wait_for_ever() 
             worker: WorkerId(2),
             batch: BatchId(3),
             outcomes: vec![(FrameId(3), Status::Ok)],
-            latency_us: 5_000,
         },
     );
     assert_eq!(completes(&a), vec![(3, Status::Ok)]);
@@ -305,7 +302,6 @@ fn a_worker_that_never_answers_is_dropped_and_its_frames_do_not_wait_for_ever() 
             worker: WorkerId(1),
             batch: BatchId(1),
             outcomes: vec![(FrameId(1), Status::Ok)],
-            latency_us: 5_000,
         },
     );
     assert!(completes(&a).is_empty());
@@ -403,7 +399,6 @@ fn light_load_dispatches_single_frames_at_once() {
                     worker: WorkerId(1),
                     batch,
                     outcomes: vec![(FrameId(id), Status::Ok)],
-                    latency_us: 2_000,
                 },
             );
             t += 10_000;
@@ -425,57 +420,116 @@ fn batching_worker(id: u64) -> Event {
     }
 }
 
+/// One worker on the injected clock that answers each batch `ok` exactly
+/// `run(frames)` after it starts, so that the run time the scheduler
+/// measures is `run`'s: one batch at a time ([`one_deep`]).
+struct TimedWorker<F: Fn(usize) -> Micros> {
+    run: F,
+    /// The batch running: when it is done, and its answer.
+    running: Option<(Micros, Event)>,
+    /// The frames of each batch sent, in order.
+    sent: Vec<Vec<u64>>,
+    /// The time of the last event it delivered.
+    last: Micros,
+}
+
+impl<F: Fn(usize) -> Micros> TimedWorker<F> {
+    fn new(run: F) -> Self {
+        TimedWorker {
+            run,
+            running: None,
+            sent: Vec::new(),
+            last: 0,
+        }
+    }
+
+    /// Answers the batches done by `now`, then applies `event` at `now`.
+    fn at(&mut self, s: &mut Scheduler, now: Micros, event: Event) -> Vec<Action> {
+        self.answer_until(s, now);
+        let a = s.on_event(now, event);
+        self.last = now;
+        self.start(now, &a);
+        a
+    }
+
+    /// Answers every batch done by `now`, each at its own end.
+    fn answer_until(&mut self, s: &mut Scheduler, now: Micros) {
+        while let Some((done, _)) = &self.running
+            && *done <= now
+        {
+            let (done, answer) = self.running.take().expect("checked");
+            let a = s.on_event(done, answer);
+            self.last = done;
+            self.start(done, &a);
+        }
+    }
+
+    /// Answers the batches and delivers the ticks due up to `limit`.
+    fn settle(&mut self, s: &mut Scheduler, limit: Micros) {
+        loop {
+            let done = self.running.as_ref().map(|(t, _)| *t);
+            let next = [done, s.next_wakeup()].into_iter().flatten().min();
+            let Some(t) = next.filter(|t| *t <= limit) else {
+                return;
+            };
+            self.at(s, t, Event::Tick);
+        }
+    }
+
+    fn start(&mut self, now: Micros, actions: &[Action]) {
+        for a in actions {
+            if let Action::Dispatch {
+                worker,
+                batch,
+                frames,
+                ..
+            } = a
+            {
+                assert!(self.running.is_none(), "one batch at a time: {a:?}");
+                assert!(
+                    frames.windows(2).all(|w| w[0] < w[1]),
+                    "EDF order: {frames:?}"
+                );
+                self.sent.push(frames.iter().map(|f| f.0).collect());
+                let answer = Event::BatchFinished {
+                    worker: *worker,
+                    batch: *batch,
+                    outcomes: frames.iter().map(|f| (*f, Status::Ok)).collect(),
+                };
+                self.running = Some((now + (self.run)(frames.len()), answer));
+            }
+        }
+    }
+}
+
+/// What [`batching_worker`]'s batch of `n` takes.
+fn batching_run(n: usize) -> Micros {
+    4_000 + 1_000 * n as Micros
+}
+
 #[test]
 fn heavy_load_holds_frames_until_the_deadline_forces_a_batch() {
     let mut s = Scheduler::new(one_deep());
     s.on_event(0, batching_worker(1));
+    let mut w = TimedWorker::new(batching_run);
     // Eight cameras at 100 fps each (800 fps) for 300 ms: one worker
     // needs batches of 8 (8 frames / 12 ms = 667 fps < 800 × 1.2, so the
-    // largest) to keep up.
+    // largest) to keep up. Whatever is dispatched while warming up, it
+    // is EDF-ordered.
     let mut id = 0;
     for t in (0..300_000).step_by(10_000) {
         for cam in 0..8 {
             id += 1;
-            let a = s.on_event(t, frame(id, &format!("c{cam}"), t + 30_000));
-            // Whatever is dispatched while warming up, it is EDF-ordered.
-            for d in dispatches(&a) {
-                assert!(d.windows(2).all(|w| w[0] < w[1]));
-            }
-            if let Some(Action::Dispatch { batch, frames, .. }) =
-                a.iter().find(|a| matches!(a, Action::Dispatch { .. }))
-            {
-                let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                s.on_event(
-                    t,
-                    Event::BatchFinished {
-                        worker: WorkerId(1),
-                        batch: *batch,
-                        outcomes,
-                        latency_us: 4_000 + 1_000 * frames.len() as u32,
-                    },
-                );
-            }
+            w.at(&mut s, t, frame(id, &format!("c{cam}"), t + 30_000));
         }
     }
     // Let the held tail go (at its deadline minus a full batch's time).
-    while let Some(w) = s.next_wakeup() {
-        let a = s.on_event(w, Event::Tick);
-        for a in a {
-            if let Action::Dispatch { batch, frames, .. } = a {
-                let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                s.on_event(
-                    w,
-                    Event::BatchFinished {
-                        worker: WorkerId(1),
-                        batch,
-                        outcomes,
-                        latency_us: 4_000 + 1_000 * frames.len() as u32,
-                    },
-                );
-            }
-        }
-    }
+    w.settle(&mut s, Micros::MAX);
     assert_eq!(s.counters().in_flight(), 0);
+    assert!(w.last < 320_000, "{}", w.last);
+    assert!(w.sent.iter().any(|b| b.len() == 8), "{:?}", w.sent);
+    // Every batch ran as its profile said: the estimate is unchanged.
+    assert_eq!(s.workers[&WorkerId(1)].models["m"].latency(8), 12_000);
     // Now a lone frame with a 30 ms deadline: it is held, not sent alone.
     let t = 320_000;
     let a = s.on_event(t, frame(1_000, "solo", t + 30_000));
@@ -495,52 +549,24 @@ fn heavy_load_holds_frames_until_the_deadline_forces_a_batch() {
 fn a_batch_is_held_only_as_long_as_it_should_take_to_fill() {
     let mut s = Scheduler::new(one_deep());
     s.on_event(0, batching_worker(1));
+    let mut w = TimedWorker::new(batching_run);
     // Four cameras at 50 fps (200 fps): one frame per 5 ms does not keep
     // up with 200 × 1.2 fps, two per 6 ms does, so the target is 2.
     let mut id = 0;
     for t in (0..400_000).step_by(20_000) {
         for cam in 0..4 {
             id += 1;
-            let a = s.on_event(
-                t + cam * 5_000,
-                frame(id, &format!("c{cam}"), t + 1_000_000),
-            );
-            for a in a {
-                if let Action::Dispatch { batch, frames, .. } = a {
-                    let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                    s.on_event(
-                        t + cam * 5_000,
-                        Event::BatchFinished {
-                            worker: WorkerId(1),
-                            batch,
-                            outcomes,
-                            latency_us: 4_000 + 1_000 * frames.len() as u32,
-                        },
-                    );
-                }
-            }
+            let at = t + cam * 5_000;
+            w.at(&mut s, at, frame(id, &format!("c{cam}"), t + 1_000_000));
         }
     }
     // Flush what is held, then one frame alone with a whole second of
     // slack: it waits about as long as a second frame should take to
     // come (1.5 × 2 / 200 fps = 15 ms), not until its deadline.
-    while let Some(w) = s.next_wakeup().filter(|w| *w < 2_000_000) {
-        for a in s.on_event(w, Event::Tick) {
-            if let Action::Dispatch { batch, frames, .. } = a {
-                let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                s.on_event(
-                    w,
-                    Event::BatchFinished {
-                        worker: WorkerId(1),
-                        batch,
-                        outcomes,
-                        latency_us: 6_000,
-                    },
-                );
-            }
-        }
-    }
     let t = 420_000;
+    w.settle(&mut s, t);
+    assert_eq!(s.counters().in_flight(), 0);
+    assert!(w.last < t, "{}", w.last);
     assert!(dispatches(&s.on_event(t, frame(9_999, "c0", t + 1_000_000))).is_empty());
     let wake = s.next_wakeup().expect("held frame wakes the scheduler");
     assert!(
@@ -558,6 +584,7 @@ fn a_batch_is_held_only_as_long_as_it_should_take_to_fill() {
 fn when_batching_does_not_pay_frames_go_one_by_one_without_waiting() {
     let mut s = Scheduler::new(one_deep());
     // Like BlazeFace on a CPU: a batch costs more per frame than singles.
+    let cpu_run = |b: usize| (1_000 * b + 100 * b * b) as Micros;
     s.on_event(
         0,
         Event::WorkerJoined {
@@ -565,72 +592,41 @@ fn when_batching_does_not_pay_frames_go_one_by_one_without_waiting() {
             models: vec![WorkerModel {
                 model: "m".into(),
                 max_batch: 16,
-                profile: (1..=16)
-                    .map(|b| (b, 1_000 * b as u32 + 100 * (b * b) as u32))
-                    .collect(),
+                profile: (1..=16).map(|b| (b, cpu_run(b as usize) as u32)).collect(),
             }],
         },
     );
+    let mut w = TimedWorker::new(cpu_run);
     // Overload: 16 cameras at 1,000 fps for 200 ms.
-    let mut sizes = Vec::new();
     let mut id = 0;
     for t in (0..200_000).step_by(1_000) {
         for cam in 0..16 {
             id += 1;
-            let a = s.on_event(t, frame(id, &format!("c{cam}"), t + 80_000));
-            for a in a {
-                if let Action::Dispatch { batch, frames, .. } = a {
-                    sizes.push(frames.len());
-                    let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                    s.on_event(
-                        t,
-                        Event::BatchFinished {
-                            worker: WorkerId(1),
-                            batch,
-                            outcomes,
-                            latency_us: 1_100,
-                        },
-                    );
-                }
-            }
+            w.at(&mut s, t, frame(id, &format!("c{cam}"), t + 80_000));
         }
     }
-    assert!(sizes.len() > 100, "{} batches", sizes.len());
-    assert!(sizes.iter().all(|&n| n == 1), "batches: {sizes:?}");
+    w.settle(&mut s, Micros::MAX);
+    assert!(w.sent.len() > 100, "{} batches", w.sent.len());
+    assert!(w.sent.iter().all(|b| b.len() == 1), "batches: {:?}", w.sent);
     assert!(s.counters().balanced());
+    assert_eq!(s.counters().in_flight(), 0);
 }
 
 #[test]
 fn full_target_batch_goes_without_waiting() {
     let mut s = Scheduler::new(one_deep());
     s.on_event(0, batching_worker(1));
+    let mut w = TimedWorker::new(batching_run);
     // 8 cameras sending 100 fps: the 8th frame completes the batch.
-    let mut sent = Vec::new();
     for round in 0..20u64 {
         let t = round * 10_000;
         for cam in 0..8u64 {
             let id = round * 8 + cam + 1;
-            let a = s.on_event(t, frame(id, &format!("c{cam}"), t + 60_000));
-            for d in dispatches(&a) {
-                sent.push(d.len());
-            }
-            if let Some(Action::Dispatch { batch, frames, .. }) =
-                a.iter().find(|a| matches!(a, Action::Dispatch { .. }))
-            {
-                let outcomes = frames.iter().map(|f| (*f, Status::Ok)).collect();
-                s.on_event(
-                    t,
-                    Event::BatchFinished {
-                        worker: WorkerId(1),
-                        batch: *batch,
-                        outcomes,
-                        latency_us: 12_000,
-                    },
-                );
-            }
+            w.at(&mut s, t, frame(id, &format!("c{cam}"), t + 60_000));
         }
     }
     // Once the rate estimate settles, every batch is full.
+    let sent: Vec<usize> = w.sent.iter().map(Vec::len).collect();
     assert!(sent.len() >= 10, "batches: {sent:?}");
     assert!(sent[sent.len() - 5..].iter().all(|&n| n == 8), "{sent:?}");
 }
@@ -665,9 +661,9 @@ fn frame_behind_a_queue_it_cannot_outrun_is_shed_on_arrival() {
     assert!(s.counters().balanced());
 }
 
-/// Finishes the batch dispatched in `actions` (if any) at `now`, all ok,
-/// reporting `latency_us`.
-fn finish_dispatched(s: &mut Scheduler, now: Micros, actions: &[Action], latency_us: u32) {
+/// Finishes the batch dispatched in `actions` (if any) at `now`, all ok:
+/// the scheduler measures its run time up to `now`.
+fn finish_dispatched(s: &mut Scheduler, now: Micros, actions: &[Action]) {
     if let Some(Action::Dispatch {
         worker,
         batch,
@@ -684,7 +680,6 @@ fn finish_dispatched(s: &mut Scheduler, now: Micros, actions: &[Action], latency
                 worker: *worker,
                 batch: *batch,
                 outcomes,
-                latency_us,
             },
         );
     }
@@ -698,14 +693,14 @@ fn one_outlier_batch_does_not_shed_the_model_for_ever() {
     s.on_event(0, worker(1, 1, 2_000));
     let a = s.on_event(0, frame(1, "c", 80_000));
     assert_eq!(dispatches(&a), vec![vec![1]]);
-    finish_dispatched(&mut s, 2_000_000, &a, 2_000_000);
+    finish_dispatched(&mut s, 2_000_000, &a);
     // Counted as at most 3 × 2 ms: the estimate is 2.8 ms, not 400 ms,
     // and the next frames are served.
     let mut t = 2_000_000;
     for id in 2..=6 {
         let a = s.on_event(t, frame(id, "c", t + 80_000));
         assert_eq!(dispatches(&a), vec![vec![id]], "frame {id}: {a:?}");
-        finish_dispatched(&mut s, t + 2_000, &a, 2_000);
+        finish_dispatched(&mut s, t + 2_000, &a);
         t += 33_000;
     }
     assert!(s.counters().balanced());
@@ -724,7 +719,7 @@ fn an_estimate_beyond_every_deadline_relaxes_while_the_worker_idles() {
         let a = s.on_event(t, frame(id, "c", t + 1_000_000));
         assert_eq!(dispatches(&a), vec![vec![id]], "frame {id}: {a:?}");
         t += 300_000;
-        finish_dispatched(&mut s, t, &a, 300_000);
+        finish_dispatched(&mut s, t, &a);
     }
     assert!(s.workers[&WorkerId(1)].models["m"].latency(1) > 200_000);
     // Now no frame with an 80 ms budget looks like it can make it.
@@ -748,7 +743,7 @@ fn an_estimate_beyond_every_deadline_relaxes_while_the_worker_idles() {
     let a = s.on_event(later, frame(id, "c", later + 80_000));
     assert_eq!(dispatches(&a), vec![vec![id]]);
     let before = s.workers[&WorkerId(1)].models["m"].latency(1);
-    finish_dispatched(&mut s, later + 300_000, &a, 300_000);
+    finish_dispatched(&mut s, later + 300_000, &a);
     // Up by the bounded step (×1.4) per slow batch.
     let after = s.workers[&WorkerId(1)].models["m"].latency(1);
     assert!(after * 10 >= before * 13, "{before} -> {after}");
@@ -785,7 +780,6 @@ fn a_busy_worker_gets_its_next_batch_just_before_it_frees() {
             worker: WorkerId(1),
             batch: BatchId(1),
             outcomes: vec![(FrameId(1), Status::Ok)],
-            latency_us: 10_000,
         },
     );
     assert_eq!(dispatches(&a), vec![vec![3]]);
@@ -819,7 +813,6 @@ fn a_draining_worker_finishes_its_batch_but_gets_no_new_one() {
         worker: WorkerId(w),
         batch: BatchId(b),
         outcomes: vec![(FrameId(f), Status::Ok)],
-        latency_us: 1_000,
     };
     // Worker 1's batch is still answered and accounted.
     let a = s.on_event(1_000, done(1, 1, 1));
@@ -851,7 +844,6 @@ fn a_worker_failing_its_frames_is_demoted_and_gets_only_probes_until_one_succeed
         worker: WorkerId(w),
         batch,
         outcomes: vec![(FrameId(f), status)],
-        latency_us: 1_000,
     };
     let failed = || Status::Failed("boom".into());
     let sent = |a: &[Action]| -> Vec<(u64, usize, BatchId)> {
@@ -961,7 +953,6 @@ fn one_done(w: u64, batch: BatchId, f: u64, status: Status) -> Event {
         worker: WorkerId(w),
         batch,
         outcomes: vec![(FrameId(f), status)],
-        latency_us: 1_000,
     }
 }
 
@@ -1081,7 +1072,6 @@ fn a_failed_frame_fails_without_another_worker_time_or_a_connected_edge() {
             worker: WorkerId(1),
             batch: d[0].2,
             outcomes: vec![],
-            latency_us: 1_000,
         },
     );
     assert_eq!(sent_to(&a)[0].1, vec![1]);
@@ -1129,7 +1119,6 @@ fn answer_ok(s: &mut Scheduler, now: Micros, actions: &[Action]) -> Vec<Action> 
             worker: *worker,
             batch: *batch,
             outcomes,
-            latency_us: 1_000,
         },
     )
 }
@@ -1312,4 +1301,157 @@ fn a_lost_workers_frame_of_a_gone_edge_is_dropped_not_queued_again() {
     );
     assert_eq!(completes(&a), vec![(1, Status::Shed(ShedReason::EdgeGone))]);
     assert_eq!(s.counters().requeued, 0);
+}
+
+/// The learned latency of one frame of "m" on `worker`.
+fn learned(s: &Scheduler, worker: u64) -> u64 {
+    s.workers[&WorkerId(worker)].models["m"].latency(1)
+}
+
+#[test]
+fn a_batchs_run_time_is_measured_from_its_dispatch_or_the_workers_previous_answer() {
+    let mut s = Scheduler::new(Limits::default()); // pipeline depth 2
+    s.on_event(0, worker(1, 1, 10_000));
+    // Two batches at once: the second waits on the worker for the first.
+    assert_eq!(
+        dispatches(&s.on_event(0, frame(1, "a", 80_000))),
+        vec![vec![1]]
+    );
+    assert_eq!(
+        dispatches(&s.on_event(0, frame(2, "b", 80_000))),
+        vec![vec![2]]
+    );
+    let run = |s: &Scheduler, now, b| s.batch_run(now, WorkerId(1), BatchId(b));
+    let ran = |run_us| Some(BatchRun { frames: 1, run_us });
+    assert_eq!(run(&s, 10_000, 1), ran(10_000));
+    // Only the worker it was sent to runs it; an unknown batch has no run.
+    assert_eq!(s.batch_run(10_000, WorkerId(2), BatchId(1)), None);
+    assert_eq!(run(&s, 10_000, 9), None);
+    s.on_event(10_000, one_done(1, BatchId(1), 1, Status::Ok));
+    assert_eq!(run(&s, 10_000, 1), None, "answered once");
+    // It ran as its profile said: the estimate holds.
+    assert_eq!(learned(&s, 1), 10_000);
+    // Batch 2, sent at 0, ran from batch 1's answer: 8 ms, not 18.
+    assert_eq!(run(&s, 18_000, 2), ran(8_000));
+    s.on_event(18_000, one_done(1, BatchId(2), 2, Status::Ok));
+    // The profile learned 8 ms (EWMA: 0.8 × 10 ms + 0.2 × 8 ms).
+    assert!(
+        (9_600..=9_601).contains(&learned(&s, 1)),
+        "{}",
+        learned(&s, 1)
+    );
+    // A batch sent later to the idle worker runs from its dispatch.
+    let a = s.on_event(50_000, frame(3, "c", 130_000));
+    assert_eq!(dispatches(&a), vec![vec![3]]);
+    assert_eq!(run(&s, 59_000, 3), ran(9_000));
+    // A lost worker's batch has no run: its late answer is ignored.
+    s.on_event(
+        55_000,
+        Event::WorkerLost {
+            worker: WorkerId(1),
+        },
+    );
+    assert_eq!(run(&s, 59_000, 3), None);
+    assert!(s.counters().balanced());
+}
+
+/// A draining worker that resumes (a static worker bound to a lease
+/// again) keeps the batch it holds, its learned profile and its health.
+/// Losing it and joining it afresh, the only way back before
+/// `WorkerResumed`, fails that batch's frame while the worker still runs
+/// it, ignores its answer, and forgets what was learned of it.
+#[test]
+fn a_resumed_worker_keeps_its_batch_profile_and_health_which_a_rejoin_loses() {
+    // Worker 1 (10 ms a frame) answers its first batch short after 20 ms:
+    // demoted, and the profile learned the slow run. After its back-off,
+    // its probe (frame 2) is out when it starts draining.
+    let draining_with_a_probe_out = || {
+        let mut s = Scheduler::new(one_deep());
+        s.on_event(0, worker(1, 1, 10_000));
+        let a = s.on_event(0, frame(1, "a", 80_000));
+        let short = Event::BatchFinished {
+            worker: WorkerId(1),
+            batch: sent_to(&a)[0].2,
+            outcomes: vec![],
+        };
+        s.on_event(20_000, short);
+        assert!(s.is_demoted(WorkerId(1)));
+        assert_eq!(learned(&s, 1), 12_000);
+        let probe = sent_to(&s.on_event(1_100_000, frame(2, "a", 1_180_000)));
+        assert_eq!(probe.len(), 1, "{probe:?}");
+        s.on_event(
+            1_100_000,
+            Event::WorkerDraining {
+                worker: WorkerId(1),
+            },
+        );
+        assert!(
+            completes(&s.on_event(1_100_000, frame(3, "b", 1_180_000)))
+                .iter()
+                .all(|(_, st)| *st == Status::Shed(ShedReason::NoWorker)),
+            "no batch while draining"
+        );
+        let slow = learned(&s, 1);
+        // relaxing towards the registered 10 ms while it idled
+        assert!(slow > 10_000, "{slow}");
+        (s, probe[0].2, slow)
+    };
+    let answered = |batch| one_done(1, batch, 2, Status::Ok);
+
+    // Resumed: the probe's answer ends its frame, restores the worker,
+    // and it takes new batches again, with what it learned.
+    let (mut s, probe, slow) = draining_with_a_probe_out();
+    s.on_event(
+        1_101_000,
+        Event::WorkerResumed {
+            worker: WorkerId(1),
+        },
+    );
+    assert!(s.is_demoted(WorkerId(1)), "its health is kept");
+    assert_eq!(learned(&s, 1), slow, "its profile is kept");
+    let a = s.on_event(1_110_000, answered(probe));
+    assert_eq!(completes(&a), vec![(2, Status::Ok)]);
+    assert!(a.contains(&Action::WorkerRestored {
+        worker: WorkerId(1)
+    }));
+    assert_eq!(
+        dispatches(&s.on_event(1_120_000, frame(4, "c", 1_200_000))),
+        vec![vec![4]]
+    );
+    assert!(s.counters().balanced());
+    assert_eq!((s.counters().ok, s.counters().failed), (1, 1));
+
+    // Lost and joined again: the probe's frame fails although the worker
+    // is still running it, its answer is ignored, and the worker starts
+    // healthy at its registered profile.
+    let (mut s, probe, _) = draining_with_a_probe_out();
+    s.on_event(
+        1_101_000,
+        Event::WorkerLost {
+            worker: WorkerId(1),
+        },
+    );
+    let a = s.on_event(1_101_000, worker(1, 1, 10_000));
+    assert_eq!(completes(&a), vec![]);
+    assert_eq!((s.counters().ok, s.counters().failed), (0, 2));
+    assert!(completes(&s.on_event(1_110_000, answered(probe))).is_empty());
+    assert!(!s.is_demoted(WorkerId(1)));
+    assert_eq!(learned(&s, 1), 10_000);
+    assert!(s.counters().balanced());
+}
+
+#[test]
+fn only_a_known_worker_resumes() {
+    let mut s = Scheduler::new(one_deep());
+    s.on_event(
+        0,
+        Event::WorkerResumed {
+            worker: WorkerId(1),
+        },
+    );
+    assert_eq!(s.worker_counts(), (0, 0));
+    assert_eq!(
+        completes(&s.on_event(0, frame(1, "a", 80_000))),
+        vec![(1, Status::Shed(ShedReason::NoWorker))]
+    );
 }

@@ -8,7 +8,9 @@
 //! ([`Action::DropWorker`]) and its frames are handled as a lost worker's,
 //! failing with `worker stalled`, so that no frame waits for ever. A lost
 //! worker's in-flight frames are queued again if their deadline allows,
-//! otherwise they fail with `worker lost`.
+//! otherwise they fail with `worker lost`. A draining worker that resumes
+//! (`Event::WorkerResumed`) keeps its batches, profile and health: only a
+//! lost worker starts afresh when it joins again.
 
 use std::collections::HashMap;
 
@@ -28,8 +30,11 @@ pub(super) struct Worker {
     /// Batches sent to it, oldest first (at most `Limits::pipeline_depth`),
     /// with their size and when its profile says each will be done.
     pub(super) running: Vec<Running>,
-    /// Takes no new batch.
+    /// Takes no new batch (until [`Event::WorkerResumed`](super::Event::WorkerResumed)).
     pub(super) draining: bool,
+    /// When it last returned a batch: a pipelined batch starts running
+    /// then, not when it was sent.
+    pub(super) last_done: Option<Micros>,
     /// Whether it is demoted for failing its frames.
     pub(super) health: WorkerHealth,
 }
@@ -52,6 +57,8 @@ impl Worker {
 pub(super) struct Running {
     pub(super) batch: BatchId,
     pub(super) size: usize,
+    /// When it was dispatched.
+    pub(super) sent_at: Micros,
     pub(super) done_at: Micros,
 }
 
@@ -82,6 +89,7 @@ impl Scheduler {
                 relaxed_at: now,
                 running: Vec::new(),
                 draining: false,
+                last_done: None,
                 health: WorkerHealth::new(),
             },
         );
