@@ -10,8 +10,8 @@ use tidegate_lease::{EndReason, LeaseId, LeaseState, LeaseToken, Millis, Tier};
 use tracing::{debug, info, warn};
 
 use super::LeaseSource;
-use super::shell::{Acquiring, Shell};
-use super::writes::Write;
+use super::book::{Acquiring, Write};
+use super::shell::Shell;
 use crate::hub::HubMsg;
 
 impl<P: LeaseSource> Shell<P> {
@@ -64,21 +64,22 @@ impl<P: LeaseSource> Shell<P> {
         };
         let answer = self.provider.acquire(spec);
         let task = self.acquiring.spawn(answer);
-        self.acquiring_tasks.insert(task.id(), id);
         debug!(lease = %id, model, instance_type, tier = tier.as_str(), ?reason, "lease requested");
-        self.acquiring_leases.insert(
-            id,
-            Acquiring {
-                model,
-                instance,
-                tier,
-                reason,
-                token,
-                depth,
-                early: Vec::new(),
-                release_wanted: false,
-            },
-        );
+        let asked = Acquiring {
+            model,
+            instance,
+            tier,
+            reason,
+            token,
+            depth,
+            early: Vec::new(),
+            release_wanted: false,
+        };
+        if !self.book.acquire_started(task.id(), id, asked) {
+            // a fresh ledger row and task each time: never so
+            warn!(lease = %id, "an acquire of this lease is already under way; this one's answer is dropped");
+            task.abort();
+        }
     }
 
     /// The provider's answer to an acquire: the lease starts (billing from
@@ -92,10 +93,7 @@ impl<P: LeaseSource> Shell<P> {
             Ok((task, answer)) => (task, Ok(answer)),
             Err(e) => (e.id(), Err(e.to_string())),
         };
-        let Some(id) = self.acquiring_tasks.remove(&task) else {
-            return;
-        };
-        let Some(a) = self.acquiring_leases.remove(&id) else {
+        let Some((id, a)) = self.book.acquire_answered(&task) else {
             return;
         };
         let now = wall_clock_ms();

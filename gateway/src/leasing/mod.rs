@@ -37,8 +37,13 @@
 //!   order: a billing start or an end is never dropped.
 //!
 //! The pacing decisions (acquire backoff, start timeout, release due and
-//! retry times) are the pure [`tidegate_lease::pacing`]; the shell reads
-//! the clocks and sleeps.
+//! retry times) are the pure [`tidegate_lease::pacing`], and the shell's
+//! bookkeeping (absent workers and their rejoin timeout, stalls, the
+//! acquisitions and releases under way, the ledger writes to retry) is
+//! the pure `book::LeaseBook`; the shell reads the clocks, sleeps, and
+//! does the IO. `shell.rs` is its loop; `startup.rs`, `auth.rs`,
+//! `actions.rs`, `acquire.rs`, `release.rs`, `writes.rs` and `metrics.rs`
+//! the rest.
 //!
 //! [`Autoscaler`]: tidegate_lease::autoscale::Autoscaler
 //! [`Observation`]: tidegate_lease::autoscale::Observation
@@ -82,7 +87,7 @@ pub const NOTICE_OVERRUN: Duration = Duration::from_secs(30);
 
 /// A lease whose worker is dropped as stalled twice within this is ended
 /// `lost` and replaced; after one stall it is kept (see
-/// `Shell::replace_unserving`).
+/// `LeaseBook::unserving`).
 pub const STALL_WINDOW: Duration = Duration::from_secs(15 * 60);
 
 /// How often the ledger is told which leases' workers are connected
@@ -480,7 +485,7 @@ pub fn spawn(
                 preempt_spot_after_secs: p.preempt_spot_after_secs,
             });
             let connect = std::future::ready(Ok(provider));
-            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
+            startup::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
         }
         ProviderKind::Static => {
             let provider = StaticProvider::new(StaticConfig {
@@ -488,7 +493,7 @@ pub fn spawn(
             })
             .map_err(|e| LeasingError::Provider(e.to_string()))?;
             let connect = std::future::ready(Ok(provider));
-            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
+            startup::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
         }
         ProviderKind::Slurm => {
             let mut s = cfg
@@ -497,7 +502,7 @@ pub fn spawn(
                 .ok_or_else(|| LeasingError::Provider("[leasing.slurm] is missing".into()))?;
             s.env = with_dial(&s.env);
             let connect = SlurmProvider::connect(s);
-            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
+            startup::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
         }
         ProviderKind::Kubernetes => {
             let mut k = cfg
@@ -511,21 +516,25 @@ pub fn spawn(
             }
             k.env = with_dial(&k.env);
             let connect = KubernetesProvider::connect(k);
-            start::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
+            startup::start(cfg, ledger, connect, hub, metrics, cancel, tracker)
         }
     }
 }
 
 mod acquire;
+mod actions;
+mod auth;
 #[cfg(test)]
 mod backoff_tests;
+mod book;
 #[cfg(test)]
 mod fake;
+mod metrics;
 mod release;
 mod shell;
 #[cfg(test)]
 mod shell_tests;
-mod start;
+mod startup;
 #[cfg(test)]
 mod tests;
 mod writes;

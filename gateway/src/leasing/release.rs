@@ -41,7 +41,8 @@ impl<P: LeaseSource> Shell<P> {
 
     /// Releases the leases whose release is due. Their workers all begin
     /// to drain first (a Pod deleted, a job cancelled), then each release
-    /// waits for its own on a task of its own (`in_flight`): one after
+    /// waits for its own on a task of its own (`in_flight`, each recorded
+    /// in the book, never two of one lease at once): one after
     /// another, the last of a batch would end only after every drain
     /// before it, past the paid block it was timed to end in, and the
     /// shell would wait for them all. One the provider fails to release
@@ -49,15 +50,20 @@ impl<P: LeaseSource> Shell<P> {
     /// retried with backoff: it may still bill, so it is never ended while
     /// its worker may run.
     pub(super) async fn release_due(&mut self) {
-        let due = self.releases.due(self.mono());
+        let mut due = self.releases.due(self.mono());
+        for lease in &due {
+            self.releases.start(*lease);
+        }
+        // a try still under way (its lease ended and was queued again
+        // meanwhile) answers for this one: never two at once
+        due.retain(|lease| !self.book.is_releasing(*lease));
         if !due.is_empty() {
             self.provider.begin_release(&due).await;
         }
         for lease in due {
-            self.releases.start(lease);
             let release = self.provider.release(lease);
             let task = self.in_flight.spawn(async move { (lease, release.await) });
-            self.in_flight_leases.insert(task.id(), lease);
+            self.book.release_started(task.id(), lease);
         }
     }
 
@@ -69,11 +75,11 @@ impl<P: LeaseSource> Shell<P> {
     ) {
         let (lease, released) = match joined {
             Ok((task, (lease, result))) => {
-                self.in_flight_leases.remove(&task);
+                self.book.release_answered(&task);
                 (lease, Released::of(lease, result))
             }
             Err(e) => {
-                let Some(lease) = self.in_flight_leases.remove(&e.id()) else {
+                let Some(lease) = self.book.release_answered(&e.id()) else {
                     return;
                 };
                 (

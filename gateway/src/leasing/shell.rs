@@ -1,33 +1,27 @@
-//! The [`Shell`] actor: its state, its loop (inbox, provider events,
-//! ticks, releases and acquisitions under way), worker authentication,
-//! the autoscaler's actions, and the leasing metrics.
+//! The [`Shell`] actor: its state and its loop, which dispatches the
+//! inbox, the provider's events, ticks, the releases due and the answers
+//! of the acquisitions and releases under way; and its clean stop. Its
+//! bookkeeping is the pure [`LeaseBook`]; what it carries out is in
+//! `actions.rs`, `acquire.rs` and `release.rs`, worker logins in
+//! `auth.rs`, the ledger's records and the metrics in `metrics.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
-use tidegate_lease::autoscale::{self, Action, Autoscaler, Event, ModelLoad, Observation};
-use tidegate_lease::catalog::InstanceType;
+use tidegate_lease::autoscale::{Action, Autoscaler, Event, Observation};
 use tidegate_lease::ledger::Ledger;
-use tidegate_lease::pacing::{
-    AcquireBackoff, ReleaseQueue, end_reason_while_releasing, start_timed_out,
-};
+use tidegate_lease::pacing::{AcquireBackoff, ReleaseQueue, start_timed_out};
 use tidegate_lease::provider::{Acquired, ProviderError, ProviderEvent, wall_clock_ms};
-use tidegate_lease::table::ClaimError;
-use tidegate_lease::{
-    Catalog, EndReason, LeaseId, LeaseState, LeaseTable, LeaseToken, Millis, Tier,
-};
+use tidegate_lease::{Catalog, EndReason, LeaseId, LeaseState, LeaseTable, Millis, Tier};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
+use super::book::LeaseBook;
 use super::release::Released;
-use super::writes::{PendingWrites, Write};
-use super::{
-    DEFAULT_BUDGET_MS, LeaseSource, LeasingMsg, NETWORK_MS, NOTICE_OVERRUN, RELEASE_GRACE, Refusal,
-    ReleaseOutcome, ReleaseRefused, SEEN_EVERY, STALL_WINDOW, WorkerPass,
-};
+use super::{LeaseSource, LeasingMsg, ReleaseOutcome, ReleaseRefused, STALL_WINDOW};
 use crate::config::{OnStop, ScaledModel};
-use crate::hub::{Hub, HubMsg, LoadReport};
+use crate::hub::{Hub, HubMsg};
 use crate::metrics::Metrics;
 
 /// The shell over its provider `P`, which it knows only as a
@@ -58,12 +52,7 @@ pub(super) struct Shell<P> {
     pub(super) releases: ReleaseQueue,
     /// Acquisitions paused after leases failed to start (monotonic clock).
     pub(super) backoff: AcquireBackoff,
-    /// Ledger writes to retry.
-    pub(super) writes: PendingWrites,
     pub(super) last_tick: Option<Millis>,
-    /// When the connected workers were last written to the ledger as seen
-    /// (monotonic clock).
-    pub(super) seen_written: Option<Millis>,
     /// GPU time spent running batches, and leased (billing started), since
     /// this gateway started (ms).
     pub(super) busy_ms: f64,
@@ -73,49 +62,20 @@ pub(super) struct Shell<P> {
     /// A lease whose worker has not registered this long after it was
     /// requested is ended as `failed` and released (ms).
     pub(super) start_timeout_ms: Millis,
-    /// Ready leases whose worker's connection is gone, with since when
-    /// (monotonic clock; adopted leases from the start).
-    pub(super) absent: HashMap<LeaseId, Millis>,
-    /// A ready lease whose worker has been gone this long is ended as
-    /// `lost` and released (ms).
-    pub(super) rejoin_timeout_ms: Millis,
-    /// When each live lease's worker was last dropped as stalled
-    /// (monotonic clock).
-    pub(super) stalls: HashMap<LeaseId, Millis>,
     /// Provider releases under way, each on a task of its own: a Pod's
     /// grace period or a job's drain never holds up the shell (worker
     /// logins, the API, ticks, spot notices and the acquisitions that
     /// replace a preempted lease).
     pub(super) in_flight: tokio::task::JoinSet<ReleaseOutcome>,
-    /// The lease of each task in `in_flight`.
-    pub(super) in_flight_leases: HashMap<tokio::task::Id, LeaseId>,
     /// Provider acquisitions under way, each on a task of its own, as the
     /// releases: an API server or `sbatch` slow to answer holds up nothing
     /// else (each provider bounds its calls).
     pub(super) acquiring: tokio::task::JoinSet<Result<Acquired, ProviderError>>,
-    /// The lease of each task in `acquiring`.
-    pub(super) acquiring_tasks: HashMap<tokio::task::Id, LeaseId>,
-    /// What each lease under way was asked for.
-    pub(super) acquiring_leases: HashMap<LeaseId, Acquiring>,
+    /// Which workers are gone, stalls, the acquisitions and releases
+    /// under way, and the ledger writes to retry (pure).
+    pub(super) book: LeaseBook<tokio::task::Id>,
     /// Shutting down: the autoscaler's acquisitions are no longer made.
     pub(super) stopping: bool,
-}
-
-/// An acquire under way: the lease is `requested` in the ledger, and not in
-/// the table until the provider has answered.
-pub(super) struct Acquiring {
-    pub(super) model: String,
-    pub(super) instance: InstanceType,
-    pub(super) tier: Tier,
-    pub(super) reason: autoscale::AcquireReason,
-    pub(super) token: LeaseToken,
-    /// Its place in a chain of refusals (`AcquireRefused`).
-    pub(super) depth: u32,
-    /// Its provider's events that came before the answer (its worker may
-    /// end, or its spot node be reclaimed, that soon): handled after it.
-    pub(super) early: Vec<ProviderEvent>,
-    /// The autoscaler released it before the answer: released after it.
-    pub(super) release_wanted: bool,
 }
 
 impl<P: LeaseSource> Shell<P> {
@@ -250,7 +210,7 @@ impl<P: LeaseSource> Shell<P> {
         if let Err(e) = self.ledger.accrue(wall_clock_ms()) {
             warn!("accruing cost at shutdown: {e}");
         }
-        let unwritten: Vec<LeaseId> = self.writes.by_lease.keys().copied().collect();
+        let unwritten = self.book.unwritten();
         if keep {
             // stop watching without ending anything: the workers run on
             self.provider.detach().await;
@@ -272,57 +232,16 @@ impl<P: LeaseSource> Shell<P> {
         }
     }
 
+    /// One message from the QUIC server or the API.
     async fn handle(&mut self, msg: LeasingMsg) {
         match msg {
             LeasingMsg::Authenticate { name, token, reply } => {
                 let _ = reply.send(self.authenticate(&name, &token));
             }
             LeasingMsg::Registered { lease } => self.lease_registered(lease),
-            LeasingMsg::StaticRegistered { name } => {
-                if let Some(registered) = self.static_links.get_mut(&name) {
-                    *registered = true;
-                }
-                let bound = self.provider.listed().and_then(|p| p.bound_lease(&name));
-                match bound {
-                    Some(lease) => self.lease_registered(lease),
-                    None => {
-                        info!(worker = %name, "static worker registered unbound; it waits for a lease")
-                    }
-                }
-            }
-            LeasingMsg::StaticDisconnected { name } => {
-                self.static_links.remove(&name);
-                if let Some(p) = self.provider.listed_mut()
-                    && let Some(lease) = p.bound_lease(&name)
-                {
-                    // a static worker's link is all we know of it: losing
-                    // it ends the lease (the provider reports it lost), and
-                    // frees the worker to be bound again when it returns
-                    info!(%lease, worker = %name, "static worker disconnected; its lease is lost");
-                    if let Err(e) = p.worker_disconnected(lease) {
-                        debug!(%lease, "static worker disconnected: {e}");
-                    }
-                } else {
-                    info!(worker = %name, "unbound static worker disconnected");
-                }
-            }
-            LeasingMsg::Disconnected { lease } => {
-                info!(%lease, "leased worker disconnected");
-                if let Some(p) = self.provider.listed_mut() {
-                    // a static worker's link is all we know of it: losing
-                    // it ends the lease, and frees the worker to be bound
-                    // again when it returns
-                    if let Err(e) = p.worker_disconnected(lease) {
-                        debug!(%lease, "static worker disconnected: {e}");
-                    }
-                } else {
-                    self.rearm(lease);
-                    if self.state(lease) == Some(LeaseState::Ready) {
-                        let now = self.mono();
-                        self.absent.entry(lease).or_insert(now);
-                    }
-                }
-            }
+            LeasingMsg::StaticRegistered { name } => self.static_registered(&name),
+            LeasingMsg::StaticDisconnected { name } => self.static_disconnected(&name),
+            LeasingMsg::Disconnected { lease } => self.lease_disconnected(lease),
             LeasingMsg::Leases {
                 live_only,
                 limit,
@@ -343,7 +262,7 @@ impl<P: LeaseSource> Shell<P> {
                 // up to the moment asked, not the last tick; not while a
                 // write waits for a retry (the ledger may be locked), which
                 // the next tick makes
-                if self.writes.by_lease.is_empty()
+                if !self.book.writes_wait()
                     && let Err(e) = self.ledger.accrue(wall_clock_ms())
                 {
                     warn!("accruing cost: {e}");
@@ -358,7 +277,7 @@ impl<P: LeaseSource> Shell<P> {
             LeasingMsg::Release { lease, reply } => {
                 let in_ledger = self.ledger.lease(lease).ok().flatten().is_some();
                 let answer = match self.state(lease) {
-                    None if self.acquiring_leases.contains_key(&lease) => {
+                    None if self.book.is_acquiring(lease) => {
                         Err(ReleaseRefused::NotYetStarted(lease))
                     }
                     None if in_ledger => Err(ReleaseRefused::Ended(lease)),
@@ -377,223 +296,15 @@ impl<P: LeaseSource> Shell<P> {
         }
     }
 
-    /// A process or Slurm worker's connection is gone while its lease
-    /// lives (its link dropped, or the gateway lost its heartbeats): its
-    /// token is re-armed so that the same worker may redial and register
-    /// again under the same lease instead of exiting on "already used" and
-    /// wasting the paid block. Only that lease's token is accepted, and
-    /// only for one connection at a time: the claim is re-armed once the
-    /// previous connection has gone. If the worker is really gone, its
-    /// provider reports the end.
-    fn rearm(&mut self, lease: LeaseId) {
-        if self.state(lease).is_none_or(|s| s.is_ended()) {
-            return;
-        }
-        match self.table.rearm_claim(lease) {
-            Ok(()) => {
-                debug!(%lease, "token re-armed: its worker may register again");
-                if let Err(e) = self.ledger.set_token_claimed(lease, false) {
-                    warn!(%lease, "recording the re-armed token: {e}");
-                }
-            }
-            Err(e) => debug!(%lease, "token not re-armed: {e}"),
-        }
-    }
-
-    /// The lease's worker registered (its models are warm): `ready`.
-    pub(super) fn lease_registered(&mut self, lease: LeaseId) {
-        self.absent.remove(&lease);
-        let now = wall_clock_ms();
-        if self.state(lease) == Some(LeaseState::Starting) {
-            self.write(lease, Write::Ready { at: now });
-            let _ = self.table.transition(lease, LeaseState::Ready);
-            info!(%lease, "lease ready: its worker registered");
-            self.backoff.reset();
-        }
-        if let Some(p) = self.provider.listed()
-            && let Err(e) = p.worker_registered(lease)
-        {
-            debug!(%lease, "static worker registered: {e}");
-        }
-        self.update_metrics(now);
-    }
-
-    fn authenticate(&mut self, name: &str, token: &str) -> Option<Result<WorkerPass, Refusal>> {
-        let Some(n) = name.strip_prefix("lease-") else {
-            return self.authenticate_static(name, token);
-        };
-        let Ok(n) = n.parse::<u64>() else {
-            return Some(Err(format!(
-                "a leased worker's name is lease-<id>; '{name}' is not"
-            )
-            .into()));
-        };
-        let id = LeaseId(n);
-        if self.acquiring_leases.contains_key(&id) {
-            // its worker came up before its provider's answer did
-            return Some(Err(Refusal::later(format!(
-                "lease {id} is still being acquired"
-            ))));
-        }
-        match self.table.claim(id, &LeaseToken::from_secret(token)) {
-            Ok(()) => {
-                if let Err(e) = self.ledger.set_token_claimed(id, true) {
-                    warn!(lease = %id, "recording the token claim: {e}");
-                }
-                Some(Ok(WorkerPass::Lease(id)))
-            }
-            // A second connection while the first still holds the claim:
-            // the first may be a dead link not yet noticed (heartbeats end
-            // it within seconds), so the worker may retry.
-            Err(e @ ClaimError::AlreadyClaimed(_)) => Some(Err(Refusal::later(e.to_string()))),
-            Err(e) => Some(Err(e.to_string().into())),
-        }
-    }
-
-    /// A listed static worker connects with its own token, bound to a lease
-    /// or not, one connection at a time; `None` for a name not listed.
-    fn authenticate_static(
-        &mut self,
-        name: &str,
-        token: &str,
-    ) -> Option<Result<WorkerPass, Refusal>> {
-        let p = self.provider.listed()?;
-        if !p.is_listed(name) {
-            return None;
-        }
-        let token = LeaseToken::from_secret(token);
-        if !p.token_matches(name, &token) {
-            return Some(Err(format!(
-                "static worker '{name}': its token does not match its token_sha256 in [[leasing.static_workers]]"
-            )
-            .into()));
-        }
-        if self.static_links.contains_key(name) {
-            return Some(Err(Refusal::later(format!(
-                "static worker '{name}' is already connected; one connection at a time (retry once the old connection has ended)"
-            ))));
-        }
-        let bound = p.bound_lease(name);
-        self.static_links.insert(name.to_string(), false);
-        if let Some(lease) = bound {
-            // its lease's token is the worker's own: claimed by this link
-            match self.table.claim(lease, &token) {
-                Ok(()) => {
-                    if let Err(e) = self.ledger.set_token_claimed(lease, true) {
-                        warn!(%lease, "recording the token claim: {e}");
-                    }
-                }
-                Err(e) => debug!(%lease, "static worker's claim: {e}"),
-            }
-        }
-        Some(Ok(WorkerPass::Static(name.to_string())))
-    }
-
-    fn state(&self, lease: LeaseId) -> Option<LeaseState> {
+    /// The lease's state in the table (the truth; the ledger's may lag
+    /// while a write waits for a retry).
+    pub(super) fn state(&self, lease: LeaseId) -> Option<LeaseState> {
         self.table.get(lease).map(|e| e.state)
     }
 
-    pub(super) async fn on_provider_event(&mut self, ev: ProviderEvent) {
-        let lease = match &ev {
-            ProviderEvent::Ready { lease }
-            | ProviderEvent::PreemptionNotice { lease, .. }
-            | ProviderEvent::Ended { lease, .. } => *lease,
-        };
-        if let Some(a) = self.acquiring_leases.get_mut(&lease) {
-            a.early.push(ev);
-            return;
-        }
-        let now = wall_clock_ms();
-        match ev {
-            ProviderEvent::Ready { lease } => {
-                if self.state(lease) == Some(LeaseState::Starting) {
-                    self.write(lease, Write::Ready { at: now });
-                    let _ = self.table.transition(lease, LeaseState::Ready);
-                }
-            }
-            ProviderEvent::PreemptionNotice { lease, deadline } => {
-                if self.state(lease).is_none_or(|s| s.is_ended()) {
-                    // a late notice for a lease that ended (its release
-                    // may still be finishing): nothing to drain or replace
-                    debug!(%lease, deadline, "spot preemption notice for a lease not live; ignored");
-                    return;
-                }
-                warn!(%lease, deadline, "spot preemption notice: draining, replacing");
-                let actions = self
-                    .autoscaler
-                    .on_event(now, Event::PreemptionNotice { lease, deadline });
-                self.execute(now, actions, 0).await;
-                // The provider ends it at the deadline. Should it not (a
-                // preemption called off, an end never reported), nothing
-                // else would ever release a draining lease: release it
-                // then, rather than let it bill unwatched.
-                let due = self.mono()
-                    + deadline.saturating_sub(now)
-                    + NOTICE_OVERRUN.as_millis() as Millis;
-                self.releases.schedule(lease, due, EndReason::Preempted);
-            }
-            ProviderEvent::Ended {
-                lease,
-                reason,
-                detail,
-            } => {
-                if self.state(lease).is_some_and(|s| s.is_ended()) {
-                    // we ended it first (a release racing the provider's
-                    // own report of the end)
-                    debug!(%lease, reason = reason.as_str(), %detail, "provider reports the end of a lease already ended");
-                    self.update_metrics(now);
-                    return;
-                }
-                let releasing = self.releases.done(lease);
-                if releasing.is_none()
-                    && matches!(
-                        self.state(lease),
-                        Some(LeaseState::Requested | LeaseState::Starting)
-                    )
-                {
-                    self.start_failed();
-                }
-                let reason = match releasing {
-                    Some(intended) => end_reason_while_releasing(intended, reason),
-                    None => reason,
-                };
-                warn!(%lease, reason = reason.as_str(), %detail, "lease ended by its provider");
-                self.static_names.remove(&lease);
-                self.hub.send(HubMsg::LeaseEnded { lease }).await;
-                self.end(lease, now, reason);
-            }
-        }
-        self.update_metrics(now);
-    }
-
-    /// Ends a lease in the table at once and in the ledger (retried if the
-    /// ledger fails), once.
-    pub(super) fn end(&mut self, lease: LeaseId, now: Millis, reason: EndReason) {
-        if self.state(lease).is_some_and(|s| s.is_ended()) && !self.writes.is_pending(lease) {
-            return;
-        }
-        // counted once, when it ends: a lease whose acquire failed is in
-        // the ledger only
-        let tier = match self.table.get(lease) {
-            Some(e) if e.state.is_ended() => None,
-            Some(e) => Some(e.tier),
-            None => match self.ledger.lease(lease) {
-                Ok(Some(r)) if !r.state.is_ended() => Some(r.tier),
-                _ => None,
-            },
-        };
-        if let Some(tier) = tier {
-            self.metrics
-                .lease_ends
-                .with_label_values(&[tier.as_str(), reason.as_str()])
-                .inc();
-        }
-        let _ = self.table.transition(lease, LeaseState::Ended(reason));
-        self.write(lease, Write::Ended { at: now, reason });
-        self.absent.remove(&lease);
-        self.stalls.remove(&lease);
-    }
-
+    /// One tick: the hub's load into the ledger and the autoscaler, the
+    /// leases that serve nothing or never started replaced, the
+    /// autoscaler's actions carried out, cost accrued, metrics updated.
     async fn tick(&mut self) {
         let now = wall_clock_ms();
         self.flush_writes();
@@ -632,7 +343,7 @@ impl<P: LeaseSource> Shell<P> {
             })
             .filter(|r| !self.releases.contains(r.id))
             // its provider has not answered yet (within its own deadline)
-            .filter(|r| !self.acquiring_leases.contains_key(&r.id))
+            .filter(|r| !self.book.is_acquiring(r.id))
             .map(|r| r.id)
             .collect();
         for lease in &stuck {
@@ -684,236 +395,27 @@ impl<P: LeaseSource> Shell<P> {
     ///   has not reported its end first.
     async fn replace_unserving(&mut self, stalled: &[LeaseId]) {
         let mono = self.mono();
-        let live = |shell: &Self, lease: &LeaseId| {
+        let (table, releases) = (&self.table, &self.releases);
+        let live = |lease: LeaseId| {
             matches!(
-                shell.state(*lease),
+                table.get(lease).map(|e| e.state),
                 Some(LeaseState::Starting | LeaseState::Ready)
-            ) && !shell.releases.contains(*lease)
+            ) && !releases.contains(lease)
         };
-        let window = STALL_WINDOW.as_millis() as Millis;
-        let mut again = Vec::new();
-        let stalled: Vec<LeaseId> = stalled.iter().filter(|l| live(self, l)).copied().collect();
-        for lease in stalled {
-            match self.stalls.insert(lease, mono) {
-                Some(first) if mono.saturating_sub(first) <= window => again.push(lease),
-                _ => {
-                    warn!(%lease, "its worker stalled (a batch far past due); the lease is kept while the worker recovers, and replaced should it stall again within {} min or not register again within rejoin_timeout_secs", window / 60_000)
-                }
-            }
+        let verdict = self.book.unserving(mono, stalled, live);
+        let window_min = STALL_WINDOW.as_secs() / 60;
+        for lease in verdict.first_stall {
+            warn!(%lease, "its worker stalled (a batch far past due); the lease is kept while the worker recovers, and replaced should it stall again within {window_min} min or not register again within rejoin_timeout_secs");
         }
-        let gone: Vec<(LeaseId, Millis)> = self
-            .absent
-            .iter()
-            .filter(|(lease, since)| {
-                mono.saturating_sub(**since) >= self.rejoin_timeout_ms && live(self, lease)
-            })
-            .map(|(lease, since)| (*lease, mono.saturating_sub(*since)))
-            .collect();
-        for lease in again {
+        for lease in verdict.stalled_again {
             warn!(%lease, "its worker stalled again; ending the lease as lost and releasing it so that a new one replaces it");
-            self.absent.remove(&lease);
             self.drain(lease).await;
             self.releases.schedule(lease, mono, EndReason::Lost);
         }
-        for (lease, gone_ms) in gone {
+        for (lease, gone_ms) in verdict.gone {
             warn!(%lease, gone_secs = gone_ms / 1000, "its worker has not redialled; ending the lease as lost and releasing it so that a new one replaces it");
-            self.absent.remove(&lease);
             self.drain(lease).await;
             self.releases.schedule(lease, mono, EndReason::Lost);
-        }
-    }
-
-    /// Frames served per lease into the ledger; profiles into throughput.
-    fn record(&mut self, now: Millis, report: &LoadReport) {
-        let mono = self.mono();
-        let every = SEEN_EVERY.as_millis() as Millis;
-        if !report.workers.is_empty()
-            && self
-                .seen_written
-                .is_none_or(|at| mono.saturating_sub(at) >= every)
-        {
-            let ids: Vec<LeaseId> = report.workers.iter().map(|w| w.lease).collect();
-            match self.ledger.mark_seen(&ids, now) {
-                Ok(()) => self.seen_written = Some(mono),
-                Err(e) => warn!("recording which workers are connected: {e}"),
-            }
-        }
-        for (lease, s) in &report.served {
-            self.busy_ms += s.busy_us as f64 / 1e3;
-            self.metrics.leased_busy.inc_by(s.busy_us as f64 / 1e6);
-            let frames = &self.metrics.lease_frames;
-            frames
-                .with_label_values(&["within_slo"])
-                .inc_by(s.within_slo);
-            frames.with_label_values(&["late"]).inc_by(s.late);
-            if (s.within_slo > 0 || s.late > 0)
-                && let Err(e) = self.ledger.record_frames(*lease, now, s.within_slo, s.late)
-            {
-                warn!(%lease, "recording frames: {e}");
-            }
-        }
-        for u in &report.usage {
-            if let Err(e) = self
-                .ledger
-                .record_usage(u.lease, now, &u.edge, &u.model, u.usage)
-            {
-                warn!(lease = %u.lease, edge = %u.edge, "recording usage: {e}");
-            }
-        }
-        for w in &report.workers {
-            let Some(entry) = self.table.get(w.lease) else {
-                continue;
-            };
-            for m in &report.models {
-                let points: Vec<(u16, u32)> = w
-                    .profile
-                    .iter()
-                    .filter(|p| p.0 == m.model)
-                    .map(|p| (p.1, p.2))
-                    .collect();
-                let budget = if m.budget_ms > 0.0 {
-                    m.budget_ms
-                } else {
-                    DEFAULT_BUDGET_MS
-                };
-                let batch_budget_us = ((budget - NETWORK_MS).max(1.0) / 2.0 * 1e3) as u32;
-                let fps = autoscale::throughput_from_profile(&points, batch_budget_us);
-                if fps > 0.0 {
-                    self.measured
-                        .insert((m.model.clone(), entry.instance_type.clone()), fps);
-                }
-            }
-        }
-    }
-
-    fn observe(&self, report: &LoadReport) -> Vec<ModelLoad> {
-        self.models
-            .iter()
-            .map(|m| {
-                let load = report.models.iter().find(|l| l.model == m.name);
-                let throughput_fps = m
-                    .instance_types
-                    .iter()
-                    .map(|t| {
-                        let measured = self.measured.get(&(m.name.clone(), t.clone()));
-                        let fps = match measured {
-                            Some(f) if m.measure => *f,
-                            _ => m.worker_fps,
-                        };
-                        (t.clone(), fps)
-                    })
-                    .collect();
-                ModelLoad {
-                    model: m.name.clone(),
-                    arrival_fps: load.map_or(0.0, |l| l.arrival_fps),
-                    queue_depth: load.map_or(0, |l| l.queue_depth),
-                    p95_ms: load.map_or(0.0, |l| l.p95_ms),
-                    budget_ms: load
-                        .map(|l| l.budget_ms)
-                        .filter(|b| *b > 0.0)
-                        .unwrap_or(DEFAULT_BUDGET_MS),
-                    throughput_fps,
-                }
-            })
-            .collect()
-    }
-
-    /// Carries out the autoscaler's actions. `depth` bounds the re-entry
-    /// through `AcquireRefused`.
-    pub(super) async fn execute(&mut self, now: Millis, actions: Vec<Action>, depth: u32) {
-        for action in actions {
-            match action {
-                Action::Acquire {
-                    model,
-                    instance_type,
-                    tier,
-                    reason,
-                } => {
-                    if self.stopping {
-                        continue;
-                    }
-                    if !self.backoff.allows(self.mono()) {
-                        debug!(
-                            model,
-                            instance_type, "acquire held back after start failures"
-                        );
-                        continue;
-                    }
-                    self.acquire(now, model, &instance_type, tier, reason, depth);
-                }
-                Action::Release { lease } if self.acquiring_leases.contains_key(&lease) => {
-                    // not the provider's yet: released once it is
-                    debug!(%lease, "release of a lease still being acquired put off until its answer");
-                    if let Some(a) = self.acquiring_leases.get_mut(&lease) {
-                        a.release_wanted = true;
-                    }
-                }
-                Action::Release { lease } => {
-                    let due = self.mono() + RELEASE_GRACE.as_millis() as Millis;
-                    if self.releases.contains(lease) {
-                        // already being released (or under a spot notice):
-                        // at most a grace from now
-                        self.releases.schedule(lease, due, EndReason::Released);
-                        continue;
-                    }
-                    info!(%lease, "releasing lease: dispatch stopped, ends after its batches");
-                    self.drain(lease).await;
-                    self.releases.schedule(lease, due, EndReason::Released);
-                }
-                Action::StopDispatch { lease } => {
-                    info!(%lease, "dispatch to lease stopped");
-                    self.drain(lease).await;
-                }
-            }
-        }
-    }
-
-    async fn drain(&mut self, lease: LeaseId) {
-        self.hub.send(HubMsg::LeaseDraining { lease }).await;
-        if matches!(
-            self.state(lease),
-            Some(LeaseState::Starting | LeaseState::Ready)
-        ) {
-            self.write(lease, Write::Draining);
-            let _ = self.table.transition(lease, LeaseState::Draining);
-        }
-    }
-
-    pub(super) fn update_metrics(&mut self, now: Millis) {
-        let m = &self.metrics;
-        m.leases.reset();
-        let mut counts = self.table.counts();
-        // asked of the provider, not answered yet
-        for a in self.acquiring_leases.values() {
-            let label = LeaseState::Requested.label();
-            *counts
-                .entry((a.instance.name.clone(), a.tier, label))
-                .or_insert(0) += 1;
-        }
-        for ((ty, tier, state), n) in counts {
-            m.leases
-                .with_label_values(&[ty.as_str(), tier.as_str(), state])
-                .set(n as i64);
-        }
-        if let Ok(by_tier) = self.ledger.cost_total_by_tier() {
-            for (tier, cost) in by_tier {
-                let seen = self.cost_seen.entry(tier).or_insert(0.0);
-                let add = cost.units() - *seen;
-                if add > 0.0 {
-                    m.cost_total
-                        .with_label_values(&[tier.as_str(), self.catalog.currency.as_str()])
-                        .inc_by(add);
-                    *seen = cost.units();
-                }
-            }
-        }
-        if let Ok(r) = self.ledger.cost_totals(0, now + 1)
-            && let Some(c) = r.cost_per_1k_within_slo
-        {
-            m.cost_per_1k_within_slo.set(c);
-        }
-        if let Some(u) = tidegate_lease::metrics::gpu_utilization(self.busy_ms, self.leased_ms) {
-            m.gpu_utilization.set(u);
         }
     }
 }

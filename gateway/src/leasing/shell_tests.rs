@@ -9,8 +9,7 @@ use tidegate_lease::provider::{ProviderEvent, wall_clock_ms};
 use tidegate_lease::{Catalog, EndReason, LeaseState, LeaseToken, Tier};
 
 use super::fake::{FakeProvider, Script};
-use super::start::start;
-use super::writes::{PendingWrites, Write};
+use super::startup::start;
 use super::*;
 use crate::hub::HubMsg;
 
@@ -875,51 +874,4 @@ async fn a_worker_whose_link_dropped_may_register_again_with_its_own_token_once(
     assert!(gone.message.contains("not a live lease"), "{gone}");
     assert!(!gone.retry_later, "an ended lease is final");
     stop(cancel, tracker).await;
-}
-
-#[test]
-fn pending_ledger_writes_keep_lifecycle_order_and_an_end_supersedes_the_rest() {
-    let l = LeaseId(1);
-    let mut w = PendingWrites::default();
-    w.push(
-        l,
-        Write::Starting {
-            at: 5,
-            pid: None,
-            data: None,
-        },
-    );
-    w.push(l, Write::Ready { at: 6 });
-    w.push(l, Write::Draining);
-    // an earlier stage queued after a later one is moot
-    w.push(l, Write::Ready { at: 7 });
-    assert_eq!(w.by_lease[&l].len(), 3);
-    w.push(
-        l,
-        Write::Ended {
-            at: 8,
-            reason: EndReason::Released,
-        },
-    );
-    // the billing start stays (it must be written before the end); the
-    // ready and draining marks are moot
-    assert_eq!(
-        w.by_lease[&l],
-        vec![
-            Write::Starting {
-                at: 5,
-                pid: None,
-                data: None
-            },
-            Write::Ended {
-                at: 8,
-                reason: EndReason::Released
-            }
-        ]
-    );
-    // nothing after an end
-    w.push(l, Write::Draining);
-    assert_eq!(w.by_lease[&l].len(), 2);
-    assert!(w.is_pending(l));
-    assert!(!w.is_pending(LeaseId(2)));
 }

@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
+use super::book::LeaseBook;
 use super::shell::Shell;
-use super::writes::PendingWrites;
 use super::{INBOX, LeaseSource, Leasing, LeasingError, LeasingMsg, RELEASE_LEAD};
 use crate::config::LeasingConfig;
 use crate::hub::Hub;
@@ -78,7 +78,8 @@ async fn open_shell<P: LeaseSource>(
     let adopted = adopt_live(cfg, &mut ledger, &mut provider, now).await?;
     let mut table = ledger.load_table().map_err(ledger_err)?;
     let epoch = tokio::time::Instant::now();
-    let (releases, absent) = rearm_adopted(cfg, &mut ledger, &mut table, &adopted)?;
+    let mut book = LeaseBook::new(cfg.rejoin_timeout_secs.saturating_mul(1000));
+    let releases = rearm_adopted(cfg, &mut ledger, &mut table, &adopted, &mut book)?;
     let events = provider
         .take_events()
         .ok_or_else(|| LeasingError::Provider("provider events already taken".into()))?;
@@ -98,21 +99,14 @@ async fn open_shell<P: LeaseSource>(
         epoch,
         releases,
         backoff: AcquireBackoff::new(),
-        writes: PendingWrites::default(),
         last_tick: None,
-        seen_written: None,
         busy_ms: 0.0,
         leased_ms: 0.0,
         cost_seen: BTreeMap::new(),
         start_timeout_ms: cfg.start_timeout_secs.saturating_mul(1000),
-        absent,
-        rejoin_timeout_ms: cfg.rejoin_timeout_secs.saturating_mul(1000),
-        stalls: HashMap::new(),
         in_flight: tokio::task::JoinSet::new(),
-        in_flight_leases: HashMap::new(),
         acquiring: tokio::task::JoinSet::new(),
-        acquiring_tasks: HashMap::new(),
-        acquiring_leases: HashMap::new(),
+        book,
         stopping: false,
         on_stop: cfg.on_stop,
     };
@@ -153,15 +147,16 @@ async fn adopt_live<P: LeaseSource>(
 }
 
 /// After adoption: each adopted lease's token is armed again (its worker
-/// registers again with it), a lease adopted `ready` is absent until its
-/// worker does, and one adopted `draining` is released at once. The
-/// releases so scheduled, and the absent leases.
+/// registers again with it), a lease adopted `ready` is absent in `book`
+/// from the start until its worker does, and one adopted `draining` is
+/// released at once. The releases so scheduled.
 fn rearm_adopted(
     cfg: &LeasingConfig,
     ledger: &mut Ledger,
     table: &mut LeaseTable,
     adopted: &[LeaseId],
-) -> Result<(ReleaseQueue, HashMap<LeaseId, Millis>), LeasingError> {
+    book: &mut LeaseBook<tokio::task::Id>,
+) -> Result<ReleaseQueue, LeasingError> {
     let ledger_err = |source| LeasingError::Ledger {
         path: cfg.ledger.clone(),
         source,
@@ -169,11 +164,9 @@ fn rearm_adopted(
     let mut releases = ReleaseQueue::new();
     // An adopted lease's worker must redial this gateway: until it
     // registers, it is absent.
-    let absent: HashMap<LeaseId, Millis> = adopted
-        .iter()
-        .filter(|id| table.get(**id).map(|e| e.state) == Some(LeaseState::Ready))
-        .map(|id| (*id, 0))
-        .collect();
+    for id in adopted {
+        book.worker_gone(*id, table.get(*id).map(|e| e.state), 0);
+    }
     for id in adopted {
         // the adopted worker registers again with the token it was given
         table.rearm_claim(*id)?;
@@ -190,7 +183,7 @@ fn rearm_adopted(
     if !adopted.is_empty() {
         info!(adopted = ?adopted, "adopted live leases");
     }
-    Ok((releases, absent))
+    Ok(releases)
 }
 
 /// The autoscaler's configuration from `[leasing]`; exports the spend cap
