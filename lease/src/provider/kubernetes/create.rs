@@ -6,14 +6,12 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Pod, Secret};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use tokio::sync::mpsc;
-
 use super::super::ProviderError;
-use super::{Cmd, api_error, config, delete_stray, is_status, kube_error};
+use super::{Held, api_error, config, delete_stray, is_status, kube_error};
 use crate::catalog::Tier;
 use crate::table::LeaseId;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 
 /// One acquire's API calls, owning what they need so that they run on the
 /// client's runtime.
@@ -120,15 +118,12 @@ impl PodCreation {
     /// the acquire's error says so.
     pub(super) async fn abandon(
         &self,
-        abandon: &mpsc::UnboundedSender<Cmd>,
+        held: &Held,
         limit: Duration,
         limit_secs: f64,
     ) -> ProviderError {
         let (lease, stray_pod, stray_secret) = (self.lease, &self.pod_name, &self.secret_name);
-        let _ = abandon.send(Cmd::Abandoned {
-            pod: stray_pod.clone(),
-            secret: stray_secret.clone(),
-        });
+        held.abandon(stray_pod.clone(), stray_secret.clone());
         let cleaned = delete_stray(&self.pods, &self.secrets, stray_pod, stray_secret, limit).await;
         let cleanup = match cleaned {
             Ok(()) => format!(

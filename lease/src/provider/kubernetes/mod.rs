@@ -40,15 +40,21 @@
 //! [`KubernetesProvider::connect`] (the gateway's lease shell's), like
 //! every other call; dropping the provider stops the watch. Readiness
 //! comes from the worker's registration, as with the other providers.
+//!
+//! Its rooms: [`config`] (the Pod and Secret; pure), [`watch`] (what a
+//! Pod's state means; pure), `create` (an acquire's API calls) and
+//! `pool_watch` (the watch loop). What the provider shares with the watch
+//! (the held Pods, the orders, the release bracket, the Pods an acquire
+//! gave up creating) is the remote-job skeleton, `super::remote`, which
+//! Slurm uses too.
 
 pub mod config;
 mod create;
 mod pool_watch;
 pub mod watch;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -56,7 +62,7 @@ use kube::api::{Api, DeleteParams, ListParams, Preconditions};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 pub use self::config::{
@@ -66,6 +72,7 @@ pub use self::config::{
 use self::create::PodCreation;
 use self::pool_watch::watch_pods;
 pub use self::watch::{PodView, PodWatch, Step};
+use super::remote::{self, JobBackend, RemoteJobs, Unreleased, release_all};
 use super::{
     Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
 };
@@ -79,10 +86,6 @@ pub const PROVIDER_NAME: &str = "kubernetes";
 
 /// How often `release` checks whether the deleted Pod is gone.
 const RELEASE_POLL: Duration = Duration::from_millis(200);
-/// How long the watch deletes a Pod that an acquire gave up creating, if
-/// the API server makes it after all (a creation queued behind a slow
-/// server); later ones are deleted by the next start's adoption.
-const ABANDONED_WATCH: Duration = Duration::from_secs(900);
 
 /// What the ledger keeps of a lease's Pod, for adoption.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,12 +105,45 @@ struct PodRef {
     uid: String,
 }
 
-type Held = Arc<Mutex<HashMap<LeaseId, PodRef>>>;
+/// Kubernetes' side of the remote-job skeleton: a lease's job is its Pod
+/// (name and uid), the watch is handed the Pod's [`PodWatch`] and view as
+/// last seen, and a Pod an acquire gave up creating is deleted with its
+/// token Secret (by the watch, if it appears within
+/// [`remote::ABANDONED_WATCH`]; later ones by the next start's adoption).
+#[derive(Debug)]
+struct KubeJobs;
 
-fn lock(held: &Held) -> MutexGuard<'_, HashMap<LeaseId, PodRef>> {
-    // a panic while holding it cannot leave the map half-updated
-    held.lock().unwrap_or_else(|e| e.into_inner())
+impl JobBackend for KubeJobs {
+    type Job = PodRef;
+    type Watch = Box<(PodWatch, PodView)>;
+    /// The token Secret's name.
+    type Stray = String;
+    const ABANDONED_KEPT: usize = 1024;
+
+    fn watched(w: &Self::Watch) -> (LeaseId, PodRef) {
+        let (w, _) = &**w;
+        let pod = PodRef {
+            name: w.pod.clone(),
+            uid: w.uid.clone(),
+        };
+        (w.lease, pod)
+    }
+
+    fn stopped(lease: LeaseId) -> ProviderError {
+        kube_error(
+            Some(lease),
+            "watching its pod",
+            "the watch has stopped".into(),
+        )
+    }
 }
+
+/// The held Pods, shared with the watch, which drops a lease whose Pod
+/// ended (before it sends the end).
+type Held = RemoteJobs<KubeJobs>;
+
+/// An order from the provider to the watch.
+type Cmd = remote::Cmd<KubeJobs>;
 
 /// An API call that failed.
 fn api_error(lease: Option<LeaseId>, what: impl Into<String>, e: &kube::Error) -> ProviderError {
@@ -192,69 +228,12 @@ async fn delete_stray(
         .unwrap_or_else(|_| Err(format!("no answer within {} s", limit.as_secs_f64())))
 }
 
-/// Has the watch watch a Pod, which is held from now on.
-fn watch(
-    cmds: &mpsc::UnboundedSender<Cmd>,
-    held: &Held,
-    w: PodWatch,
-    view: PodView,
-) -> Result<(), ProviderError> {
-    let (lease, pod) = (
-        w.lease,
-        PodRef {
-            name: w.pod.clone(),
-            uid: w.uid.clone(),
-        },
-    );
-    cmds.send(Cmd::Watch(Box::new((w, view)))).map_err(|_| {
-        kube_error(
-            Some(lease),
-            "watching its pod",
-            "the watch has stopped".into(),
-        )
-    })?;
-    lock(held).insert(lease, pod);
-    Ok(())
-}
-
-/// Has the watch stop watching `lease`; returns once it has.
-async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
-    let (tx, rx) = oneshot::channel();
-    if cmds.send(Cmd::Forget(lease, tx)).is_ok() {
-        let _ = rx.await;
-    }
-}
-
-#[derive(Debug)]
-enum Cmd {
-    /// Watch a created or adopted Pod, as last seen.
-    Watch(Box<(PodWatch, PodView)>),
-    /// We are deleting it (`true`): its going is no news; or our delete
-    /// was refused (`false`): it runs on, and what happens to it is news
-    /// again.
-    Releasing(LeaseId, bool),
-    /// Stop watching (release, detach); the reply comes once no event for
-    /// it can follow.
-    Forget(LeaseId, oneshot::Sender<()>),
-    /// An acquire gave up creating this Pod (the API server did not
-    /// answer in time): if it exists, or appears within
-    /// [`ABANDONED_WATCH`], no lease holds it, and it is deleted with its
-    /// token Secret.
-    Abandoned {
-        /// The Pod's name.
-        pod: String,
-        /// Its token Secret's name.
-        secret: String,
-    },
-}
-
 /// The Kubernetes provider.
 pub struct KubernetesProvider {
     cfg: KubernetesConfig,
     namespace: String,
     client: Client,
     held: Held,
-    cmds: mpsc::UnboundedSender<Cmd>,
     events_rx: Option<mpsc::Receiver<ProviderEvent>>,
     /// The pool's watch, stopped when the provider is dropped.
     watch: JoinHandle<()>,
@@ -303,8 +282,7 @@ impl KubernetesProvider {
         })
         .await?;
         let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
-        let (cmds, rx) = mpsc::unbounded_channel();
-        let held = Held::default();
+        let (held, rx) = Held::new();
         let grace_ms = Millis::from(cfg.termination_grace_period_secs) * 1000;
         let watch = tokio::spawn(watch_pods(
             Api::namespaced(client.clone(), &namespace),
@@ -321,7 +299,6 @@ impl KubernetesProvider {
             namespace,
             client,
             held,
-            cmds,
             events_rx: Some(events_rx),
             watch,
         })
@@ -334,14 +311,12 @@ impl KubernetesProvider {
 
     /// The Pod of a held lease.
     pub fn pod(&self, lease: LeaseId) -> Option<String> {
-        lock(&self.held).get(&lease).map(|p| p.name.clone())
+        self.held.job(lease).map(|p| p.name)
     }
 
     /// Leases held: those whose Pod has not ended or gone.
     pub fn held(&self) -> Vec<LeaseId> {
-        let mut v: Vec<LeaseId> = lock(&self.held).keys().copied().collect();
-        v.sort();
-        v
+        self.held.held()
     }
 
     /// `api_timeout_secs` (validated at connect).
@@ -358,16 +333,13 @@ impl KubernetesProvider {
     }
 
     fn watch(&mut self, w: PodWatch, view: PodView) -> Result<(), ProviderError> {
-        watch(&self.cmds, &self.held, w, view)
+        self.held.watch(Box::new((w, view)))
     }
 
     /// Stops watching every Pod WITHOUT deleting it, as a crash of the
     /// gateway would. The next provider over the same ledger adopts them.
     pub async fn detach_all(self) {
-        for lease in self.held() {
-            forget(&self.cmds, lease).await;
-        }
-        lock(&self.held).clear();
+        self.held.detach_all().await;
     }
 
     /// Releases every lease (deletes its Pod and waits until it is gone).
@@ -375,12 +347,9 @@ impl KubernetesProvider {
     /// and the next one over the same ledger adopts or deletes it.
     pub async fn shutdown(mut self) {
         let held = self.held();
-        self.begin_release(&held).await;
-        for lease in held {
-            if let Err(e) = self.release(lease).await {
-                let pod = self.pod(lease);
-                tracing::warn!(%lease, ?pod, error = %e, "release at shutdown failed; the pod may still run and bill");
-            }
+        for (lease, e) in release_all(&mut self, held).await {
+            let pod = self.pod(lease);
+            tracing::warn!(%lease, ?pod, error = %e, "release at shutdown failed; the pod may still run and bill");
         }
     }
 }
@@ -426,17 +395,14 @@ impl Provider for KubernetesProvider {
         spec: LeaseSpec,
     ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
         let lease = spec.lease;
-        let built = if lock(&self.held).contains_key(&lease) {
-            Err(ProviderError::Duplicate(lease))
-        } else {
+        let built = self.held.check_new(lease).and_then(|()| {
             self.cfg
                 .pod(&spec, &self.namespace)
                 .map(|pod| (pod, self.cfg.token_secret(&spec, &self.namespace)))
-        };
+        });
         let (pods, secrets) = (self.pods(), self.secrets());
         let namespace = self.namespace.clone();
-        let (cmds, held) = (self.cmds.clone(), self.held.clone());
-        let abandon = self.cmds.clone();
+        let held = self.held.clone();
         let (pod_name, secret_name) = (self.cfg.pod_name(lease), self.cfg.secret_name(lease));
         let (limit, limit_secs) = (self.api_timeout(), self.cfg.api_timeout_secs);
         async move {
@@ -455,7 +421,7 @@ impl Provider for KubernetesProvider {
             };
             let created = match tokio::time::timeout(limit, creation.create()).await {
                 Ok(created) => created,
-                Err(_) => Err(creation.abandon(&abandon, limit, limit_secs).await),
+                Err(_) => Err(creation.abandon(&held, limit, limit_secs).await),
             }?;
             let view = PodView::of(&created);
             let data = KubernetesData {
@@ -463,7 +429,8 @@ impl Provider for KubernetesProvider {
                 pod: view.name.clone(),
                 uid: view.uid.clone(),
             };
-            watch(&cmds, &held, PodWatch::new(lease, &view, false), view)?;
+            let w = PodWatch::new(lease, &view, false);
+            held.watch(Box::new((w, view)))?;
             tracing::info!(%lease, pod = %data.pod, %instance, %tier, "worker pod created");
             Ok(Acquired {
                 lease,
@@ -481,10 +448,6 @@ impl Provider for KubernetesProvider {
         &mut self,
         lease: LeaseId,
     ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
-        let pod = lock(&self.held).get(&lease).cloned();
-        if pod.is_some() {
-            let _ = self.cmds.send(Cmd::Releasing(lease, true));
-        }
         let (pods, secrets) = (self.pods(), self.secrets());
         let grace = self.cfg.termination_grace_period_secs;
         let timeout = Duration::try_from_secs_f64(self.cfg.release_timeout_secs)
@@ -492,9 +455,7 @@ impl Provider for KubernetesProvider {
         let timeout_secs = self.cfg.release_timeout_secs;
         let secret_name = self.cfg.secret_name(lease);
         let limit = self.api_timeout();
-        let (cmds, held) = (self.cmds.clone(), self.held.clone());
-        async move {
-            let pod = pod.ok_or(ProviderError::UnknownLease(lease))?;
+        self.held.release(lease, move |pod: PodRef| async move {
             let name = pod.name.clone();
             let (api, target) = (pods.clone(), pod.clone());
             let deleted = async {
@@ -518,11 +479,8 @@ impl Provider for KubernetesProvider {
                 .await
             }
             .await;
-            if let Err(e) = deleted {
-                // not deleted: it runs on, and its end or preemption is news
-                let _ = cmds.send(Cmd::Releasing(lease, false));
-                return Err(e);
-            }
+            // not deleted: it runs on, and its end or preemption is news
+            deleted?;
             let gone: Result<(), ProviderError> = async {
                 let give_up = tokio::time::Instant::now() + timeout;
                 loop {
@@ -566,12 +524,13 @@ impl Provider for KubernetesProvider {
             .await;
             // deleted but not gone yet: still held, and still on its way
             // out (its end is no news)
-            gone?;
-            forget(&cmds, lease).await;
-            lock(&held).remove(&lease);
+            gone.map_err(|error| Unreleased {
+                error,
+                on_its_way_out: true,
+            })?;
             tracing::info!(%lease, pod = %name, "worker pod deleted");
             Ok(())
-        }
+        })
     }
 
     /// Re-adopts the live `kubernetes` leases recorded in `ledger`, ending
@@ -639,8 +598,7 @@ impl Provider for KubernetesProvider {
             }
         }
         // everything of the pool that no adopted lease owns goes
-        let adopted_pods: HashSet<String> =
-            lock(&self.held).values().map(|p| p.uid.clone()).collect();
+        let adopted_pods: HashSet<String> = self.held.jobs().into_iter().map(|p| p.uid).collect();
         for v in &views {
             if !adopted_pods.contains(&v.uid) && v.deleting_at.is_none() {
                 tracing::warn!(pod = %v.name, phase = %v.phase, "worker pod of this pool belongs to no live lease; deleting it so it does not bill");
@@ -686,16 +644,7 @@ impl Provider for KubernetesProvider {
     /// gateway stopping with many leases waits about one drain, not one per
     /// lease. A delete that fails is logged; `release` sends it again.
     async fn begin_release(&mut self, leases: &[LeaseId]) {
-        let pods: Vec<(LeaseId, PodRef)> = {
-            let held = lock(&self.held);
-            leases
-                .iter()
-                .filter_map(|l| held.get(l).map(|p| (*l, p.clone())))
-                .collect()
-        };
-        for (lease, _) in &pods {
-            let _ = self.cmds.send(Cmd::Releasing(*lease, true));
-        }
+        let pods = self.held.begin_release(leases);
         let api = self.pods();
         let grace = self.cfg.termination_grace_period_secs;
         let limit = self.api_timeout();

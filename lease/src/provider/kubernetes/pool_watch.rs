@@ -16,18 +16,15 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::mpsc;
 
+use super::super::remote::{Abandoned, JobBackend};
 use super::super::{ProviderEvent, wall_clock_ms};
-use super::{
-    ABANDONED_WATCH, Cmd, Held, KubernetesConfig, PodView, PodWatch, Step, is_status, lock,
-};
+use super::{Cmd, Held, KubeJobs, KubernetesConfig, PodView, PodWatch, Step, is_status};
 use crate::billing::Millis;
 use crate::table::LeaseId;
 
 /// Uids of gone Pods remembered, so a late creation record cannot bring
 /// one back.
 const GONE_KEPT: usize = 4096;
-/// Most abandoned Pod names the watch keeps at once (the oldest go first).
-const ABANDONED_KEPT: usize = 1024;
 
 /// What the watch loop knows: the pool's Pods as last seen, and the held
 /// leases' watches.
@@ -37,9 +34,9 @@ pub(super) struct WatchState {
     gone: HashSet<String>,
     gone_order: VecDeque<String>,
     watches: HashMap<LeaseId, PodWatch>,
-    /// Pods an acquire gave up creating: their token Secret, and until
-    /// when the watch deletes them.
-    abandoned: HashMap<String, (String, tokio::time::Instant)>,
+    /// Pods an acquire gave up creating, with their token Secret's name,
+    /// deleted by the watch if they appear in time.
+    abandoned: Abandoned<String>,
 }
 
 impl WatchState {
@@ -54,31 +51,14 @@ impl WatchState {
         }
     }
 
-    /// Remembers that an acquire gave up creating Pod `pod`.
-    fn abandon(&mut self, pod: String, secret: String) {
-        let now = tokio::time::Instant::now();
-        self.abandoned.retain(|_, (_, until)| *until > now);
-        if self.abandoned.len() >= ABANDONED_KEPT
-            && let Some(oldest) = self
-                .abandoned
-                .iter()
-                .min_by_key(|(_, (_, until))| *until)
-                .map(|(name, _)| name.clone())
-        {
-            self.abandoned.remove(&oldest);
-        }
-        self.abandoned.insert(pod, (secret, now + ABANDONED_WATCH));
-    }
-
     /// Pod `name` and its Secret's name, when it is one an acquire gave
     /// up creating that is there to delete: no lease watches it, and it
     /// is not being deleted yet.
     fn stray(&mut self, name: &str) -> Option<(PodView, String)> {
-        let (secret, until) = self.abandoned.get(name)?.clone();
-        if until <= tokio::time::Instant::now() {
-            self.abandoned.remove(name);
-            return None;
-        }
+        let secret = self
+            .abandoned
+            .get(name, tokio::time::Instant::now())?
+            .clone();
         if !self.leases_of(name).is_empty() {
             return None;
         }
@@ -119,9 +99,9 @@ impl WatchState {
                 let _ = done.send(());
                 Vec::new()
             }
-            Cmd::Abandoned { pod, secret } => {
-                maybe_strays.push(pod.clone());
-                self.abandon(pod, secret);
+            Cmd::Abandoned { name, stray } => {
+                maybe_strays.push(name.clone());
+                self.abandoned.add(name, stray, tokio::time::Instant::now());
                 Vec::new()
             }
         }
@@ -207,7 +187,7 @@ impl WatchState {
             }
         }
         self.pods = next;
-        maybe_strays.extend(self.abandoned.keys().cloned());
+        maybe_strays.extend(self.abandoned.names().map(String::from));
         self.watches.keys().copied().collect()
     }
 
@@ -256,7 +236,7 @@ pub(super) async fn watch_pods(
         gone: HashSet::new(),
         gone_order: VecDeque::new(),
         watches: HashMap::new(),
-        abandoned: HashMap::new(),
+        abandoned: Abandoned::new(KubeJobs::ABANDONED_KEPT),
     };
     let mut failures = 0u32;
     loop {
@@ -411,7 +391,7 @@ async fn observe(
                 }
                 tracing::info!(%lease, ?reason, %detail, "worker pod ended");
                 st.watches.remove(lease);
-                lock(held).remove(lease);
+                held.ended(*lease);
                 out.push(ProviderEvent::Ended {
                     lease: *lease,
                     reason,

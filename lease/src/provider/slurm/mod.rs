@@ -56,8 +56,10 @@
 //! job's row means for its lease; pure), `tools` (running a tool within its
 //! deadline), `poll` (the poller task: watches, events, stray jobs) and
 //! `release` (cancel and wait). This module holds the provider itself:
-//! connect, adopt, acquire, release and shutdown, and the state they share
-//! with the poller.
+//! connect, adopt, acquire, release and shutdown. What it shares with the
+//! poller (the held jobs, the orders, the release bracket, the names of
+//! jobs an unanswered `sbatch` may queue) is the remote-job skeleton,
+//! `super::remote`, which Kubernetes uses too.
 
 pub mod config;
 pub mod parse;
@@ -79,10 +81,11 @@ pub use self::parse::{
     JobId, JobInfo, JobState, SQUEUE_FORMAT, parse_grace_secs, parse_job_id, parse_squeue,
     parse_stray_jobs, parse_utc,
 };
-use self::poll::{Cmd, HeldJobs, forget, lock, watch_job};
+use self::poll::HeldJobs;
 use self::release::JobRelease;
 use self::tools::{TOOL_TIMEOUT, Tools, tool_error};
 pub use self::watch::{JobWatch, Step};
+use super::remote::{Unreleased, release_all};
 use super::{
     Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider,
     ProviderError, ProviderEvent, checked_secs,
@@ -112,7 +115,6 @@ pub struct SlurmProvider {
     tools: Tools,
     notice: Duration,
     jobs: HeldJobs,
-    cmds: mpsc::UnboundedSender<Cmd>,
     poller: JoinHandle<()>,
     events_rx: Option<mpsc::Receiver<ProviderEvent>>,
 }
@@ -178,8 +180,7 @@ impl SlurmProvider {
             (None, None) => Duration::ZERO,
         };
         let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
-        let (cmds, rx) = mpsc::unbounded_channel();
-        let jobs = HeldJobs::default();
+        let (jobs, rx) = HeldJobs::new();
         let poller = tokio::spawn(poll::run(
             tools.clone(),
             Duration::from_millis(cfg.poll_interval_ms),
@@ -193,7 +194,6 @@ impl SlurmProvider {
             tools,
             notice,
             jobs,
-            cmds,
             poller,
             events_rx: Some(events_rx),
         })
@@ -206,27 +206,18 @@ impl SlurmProvider {
 
     /// The job of a held lease.
     pub fn job(&self, lease: LeaseId) -> Option<JobId> {
-        lock(&self.jobs).get(&lease).copied()
+        self.jobs.job(lease)
     }
 
     /// Leases held: those whose job Slurm has not reported ended.
     pub fn held(&self) -> Vec<LeaseId> {
-        let mut v: Vec<LeaseId> = lock(&self.jobs).keys().copied().collect();
-        v.sort();
-        v
-    }
-
-    fn watch(&mut self, w: JobWatch) -> Result<(), ProviderError> {
-        watch_job(&self.cmds, &self.jobs, w)
+        self.jobs.held()
     }
 
     /// Stops watching every job WITHOUT cancelling it, as a crash of the
     /// gateway would. The next provider over the same ledger adopts them.
     pub async fn detach_all(self) {
-        for lease in self.held() {
-            forget(&self.cmds, lease).await;
-        }
-        lock(&self.jobs).clear();
+        self.jobs.detach_all().await;
         self.poller.abort();
     }
 
@@ -235,12 +226,9 @@ impl SlurmProvider {
     /// provider, and the next one over the same ledger adopts it.
     pub async fn shutdown(mut self) {
         let held = self.held();
-        self.begin_release(&held).await;
-        for lease in held {
-            if let Err(e) = self.release(lease).await {
-                let job = self.job(lease);
-                tracing::warn!(%lease, ?job, error = %e, "release at shutdown failed; the job may still run and bill");
-            }
+        for (lease, e) in release_all(&mut self, held).await {
+            let job = self.job(lease);
+            tracing::warn!(%lease, ?job, error = %e, "release at shutdown failed; the job may still run and bill");
         }
         self.poller.abort();
     }
@@ -266,11 +254,10 @@ impl Provider for SlurmProvider {
         spec: LeaseSpec,
     ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
         let lease = spec.lease;
-        let args = if self.job(lease).is_some() {
-            Err(ProviderError::Duplicate(lease))
-        } else {
-            self.cfg.sbatch_args(&spec)
-        };
+        let args = self
+            .jobs
+            .check_new(lease)
+            .and_then(|()| self.cfg.sbatch_args(&spec));
         let mut env: Vec<(String, String)> = self
             .cfg
             .env
@@ -294,7 +281,7 @@ impl Provider for SlurmProvider {
             .unwrap_or_default()
             .to_string();
         let (tools, job_name) = (self.tools.clone(), self.cfg.job_name.clone());
-        let (cmds, jobs) = (self.cmds.clone(), self.jobs.clone());
+        let jobs = self.jobs.clone();
         async move {
             let args = args?;
             let sbatch = tools
@@ -314,7 +301,7 @@ impl Provider for SlurmProvider {
                     if f.timed_out {
                         cancel_unanswered(&tools, &job_name, lease).await;
                         // the controller may queue it later still
-                        let _ = cmds.send(Cmd::Abandoned(format!("{job_name}-{}", lease.0)));
+                        jobs.abandon(format!("{job_name}-{}", lease.0), ());
                     }
                     return Err(f.error);
                 }
@@ -326,7 +313,7 @@ impl Provider for SlurmProvider {
                     format!("no job id in its output {:?}", out.trim()),
                 )
             })?;
-            watch_job(&cmds, &jobs, JobWatch::new(lease, job, false))?;
+            jobs.watch(JobWatch::new(lease, job, false))?;
             tracing::info!(%lease, %job, %partition, instance = %spec.instance.name, tier = %spec.tier, "Slurm job submitted");
             let data = SlurmData {
                 job_id: job,
@@ -348,23 +335,16 @@ impl Provider for SlurmProvider {
         &mut self,
         lease: LeaseId,
     ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
-        let _ = self.cmds.send(Cmd::Releasing(lease, true));
-        let release = JobRelease {
-            lease,
-            job: self.job(lease),
-            tools: self.tools.clone(),
-            cmds: self.cmds.clone(),
-            jobs: self.jobs.clone(),
-            timeout_secs: self.cfg.release_timeout_secs,
-        };
-        async move {
-            let cmds = release.cmds.clone();
-            let r = release.cancel_and_wait().await;
-            if r.is_err() {
-                let _ = cmds.send(Cmd::Releasing(lease, false));
-            }
-            r
-        }
+        let (tools, timeout_secs) = (self.tools.clone(), self.cfg.release_timeout_secs);
+        self.jobs.release(lease, move |job| async move {
+            let release = JobRelease {
+                lease,
+                job,
+                tools,
+                timeout_secs,
+            };
+            release.cancel_and_wait().await.map_err(Unreleased::from)
+        })
     }
 
     /// Re-adopts the live `slurm` leases recorded in `ledger`, ending the
@@ -393,7 +373,7 @@ impl Provider for SlurmProvider {
             let live = info.filter(|i| !matches!(i.state, JobState::Ended(_)));
             if let (Some(job), Some(info)) = (job, live) {
                 let ran = !matches!(info.state, JobState::Pending | JobState::Configuring);
-                self.watch(JobWatch::new(r.id, job, ran))?;
+                self.jobs.watch(JobWatch::new(r.id, job, ran))?;
                 tracing::info!(lease = %r.id, %job, "adopted Slurm job after restart");
                 out.adopted.push(r.id);
             } else {
@@ -437,13 +417,12 @@ impl Provider for SlurmProvider {
     /// so a gateway stopping with many leases waits about one drain, not
     /// one per lease. A failed `scancel` is logged; `release` retries.
     async fn begin_release(&mut self, leases: &[LeaseId]) {
-        let mut jobs = Vec::new();
-        for lease in leases {
-            if let Some(job) = self.job(*lease) {
-                let _ = self.cmds.send(Cmd::Releasing(*lease, true));
-                jobs.push(job.to_string());
-            }
-        }
+        let jobs: Vec<String> = self
+            .jobs
+            .begin_release(leases)
+            .into_iter()
+            .map(|(_, job)| job.to_string())
+            .collect();
         if jobs.is_empty() {
             return;
         }

@@ -7,11 +7,11 @@
 //! a row means is [`JobWatch::observe`]'s to decide, not the poller's.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
+use super::super::remote::{self, Abandoned, JobBackend, RemoteJobs};
 use super::super::{ProviderError, ProviderEvent, wall_clock_ms};
 use super::parse::{JobId, JobInfo, parse_stray_jobs};
 use super::tools::{Tools, tool_error};
@@ -20,66 +20,44 @@ use crate::billing::Millis;
 use crate::lifecycle::EndReason;
 use crate::table::LeaseId;
 
-/// How long the poller looks for a job that an `sbatch` which did not
-/// answer may queue yet (its request waiting in a busy controller's
-/// queue), and cancels it.
-const ABANDONED_WATCH: Duration = Duration::from_secs(900);
-/// Most such job names the poller looks for at once (the oldest go first).
-const ABANDONED_KEPT: usize = 256;
-
-/// An order from the provider to the poller.
+/// Slurm's side of the remote-job skeleton: a lease's job is its id, the
+/// poller is handed a [`JobWatch`], and a job an `sbatch` which did not
+/// answer may queue is known by its name alone.
 #[derive(Debug)]
-pub(super) enum Cmd {
-    /// Watch this job (just submitted, or adopted).
-    Watch(JobWatch),
-    /// Stop watching (release, detach); the reply comes once no event for
-    /// it can follow.
-    Forget(LeaseId, oneshot::Sender<()>),
-    /// We are cancelling it (`true`): its end is ours, not news (`release`
-    /// waits for it and forgets it); or the release failed (`false`): the
-    /// job may run on, and its end is news again.
-    Releasing(LeaseId, bool),
-    /// An `sbatch` for the job of this name did not answer: a job of the
-    /// name that appears within [`ABANDONED_WATCH`] is no lease's, and is
-    /// cancelled.
-    Abandoned(String),
-}
+pub(super) struct SlurmJobs;
 
-/// The jobs held, shared with the poller, which drops a job once Slurm
-/// reports it ended (before it sends the end), so the map holds live jobs
-/// only. Never locked across an `.await`.
-pub(super) type HeldJobs = Arc<Mutex<HashMap<LeaseId, JobId>>>;
+impl JobBackend for SlurmJobs {
+    type Job = JobId;
+    type Watch = JobWatch;
+    type Stray = ();
+    const ABANDONED_KEPT: usize = 256;
 
-/// The held jobs, locked.
-pub(super) fn lock(jobs: &HeldJobs) -> MutexGuard<'_, HashMap<LeaseId, JobId>> {
-    // a panic while holding it cannot leave the map half-updated
-    jobs.lock().unwrap_or_else(|e| e.into_inner())
-}
+    fn watched(w: &JobWatch) -> (LeaseId, JobId) {
+        (w.lease, w.job)
+    }
 
-/// Has the poller watch `w`'s job, and holds it.
-pub(super) fn watch_job(
-    cmds: &mpsc::UnboundedSender<Cmd>,
-    jobs: &HeldJobs,
-    w: JobWatch,
-) -> Result<(), ProviderError> {
-    let (lease, job) = (w.lease, w.job);
-    cmds.send(Cmd::Watch(w)).map_err(|_| {
+    fn stopped(lease: LeaseId) -> ProviderError {
         tool_error(
             Some(lease),
             "watching its job".into(),
             "the poller has stopped".into(),
         )
-    })?;
-    lock(jobs).insert(lease, job);
-    Ok(())
+    }
 }
+
+/// An order from the provider to the poller.
+pub(super) type Cmd = remote::Cmd<SlurmJobs>;
+
+/// The jobs held, shared with the poller, which drops a job once Slurm
+/// reports it ended (before it sends the end), so they are live jobs only.
+pub(super) type HeldJobs = RemoteJobs<SlurmJobs>;
 
 /// Cancels the live jobs named in `abandoned`: queued by an `sbatch` that
 /// did not answer, after its acquire gave up, they belong to no lease. A
 /// name whose job is cancelled is looked for no more (one `sbatch` queues
 /// one job). Failures are logged; the next poll tries again.
-async fn cancel_strays(tools: &Tools, abandoned: &mut Vec<(String, Instant)>) {
-    let names: Vec<&str> = abandoned.iter().map(|(n, _)| n.as_str()).collect();
+async fn cancel_strays(tools: &Tools, abandoned: &mut Abandoned<()>) {
+    let names: Vec<&str> = abandoned.names().collect();
     let args = [
         "--noheader".to_string(),
         format!("--name={}", names.join(",")),
@@ -99,20 +77,12 @@ async fn cancel_strays(tools: &Tools, abandoned: &mut Vec<(String, Instant)>) {
         {
             Ok(_) => {
                 tracing::warn!(%job, job_name = %name, "Slurm queued a job after its sbatch had stopped waiting for the answer; no lease holds it, cancelled so it does not bill");
-                abandoned.retain(|(n, _)| *n != name);
+                abandoned.remove(&name);
             }
             Err(e) => {
                 tracing::warn!(%job, job_name = %name, error = %e, "cancelling a job no lease holds failed; trying again at the next poll");
             }
         }
-    }
-}
-
-/// Has the poller stop watching `lease`; returns once it has.
-pub(super) async fn forget(cmds: &mpsc::UnboundedSender<Cmd>, lease: LeaseId) {
-    let (tx, rx) = oneshot::channel();
-    if cmds.send(Cmd::Forget(lease, tx)).is_ok() {
-        let _ = rx.await;
     }
 }
 
@@ -128,7 +98,7 @@ pub(super) async fn run(
     let mut watches: HashMap<LeaseId, JobWatch> = HashMap::new();
     let mut releasing: HashSet<LeaseId> = HashSet::new();
     // job names of unanswered sbatches, and until when to look for them
-    let mut abandoned: Vec<(String, Instant)> = Vec::new();
+    let mut abandoned = Abandoned::new(SlurmJobs::ABANDONED_KEPT);
     // the first poll one interval after start, not at once: a lease
     // watched in the meantime is looked at on the same schedule as later
     // ones (and a test that swaps a tool after its acquire never races an
@@ -153,17 +123,13 @@ pub(super) async fn run(
                     releasing.remove(&lease);
                     let _ = done.send(());
                 }
-                Some(Cmd::Abandoned(name)) => {
-                    if abandoned.len() >= ABANDONED_KEPT {
-                        abandoned.remove(0);
-                    }
-                    abandoned.push((name, Instant::now() + ABANDONED_WATCH));
+                Some(Cmd::Abandoned { name, stray: () }) => {
+                    abandoned.add(name, (), tokio::time::Instant::now());
                 }
                 None => return,
             },
             _ = tick.tick() => {
-                let now = Instant::now();
-                abandoned.retain(|(_, until)| *until > now);
+                abandoned.expire(tokio::time::Instant::now());
                 if !abandoned.is_empty() {
                     cancel_strays(&tools, &mut abandoned).await;
                 }
@@ -258,12 +224,9 @@ async fn poll_once(
             }
         }
     }
-    if !ended.is_empty() {
-        let mut held = lock(held);
-        for lease in ended {
-            watches.remove(&lease);
-            held.remove(&lease);
-        }
+    for lease in ended {
+        watches.remove(&lease);
+        held.ended(lease);
     }
     for ev in out {
         if events.send(ev).await.is_err() {
@@ -301,8 +264,8 @@ mod tests {
         };
         let lease = LeaseId(1);
         let mut watches = HashMap::from([(lease, JobWatch::new(lease, JobId(7), true))]);
-        let held = HeldJobs::default();
-        lock(&held).insert(lease, JobId(7));
+        let (held, _cmds) = HeldJobs::new();
+        held.watch(JobWatch::new(lease, JobId(7), true)).unwrap();
         let (tx, mut rx) = mpsc::channel(16);
         let requeued = [info("PENDING", Some(4000))];
         let releasing = HashSet::new();
@@ -327,7 +290,7 @@ mod tests {
         ));
         assert!(rx.try_recv().is_err());
         assert!(watches.contains_key(&lease));
-        assert_eq!(lock(&held).get(&lease), Some(&JobId(7)));
+        assert_eq!(held.job(lease), Some(JobId(7)));
 
         // the next poll cancels again; this time it works, and it ends
         fake_scancel(dir.path(), true);
@@ -354,6 +317,6 @@ mod tests {
         }
         assert!(rx.try_recv().is_err());
         assert!(watches.is_empty());
-        assert!(lock(&held).is_empty());
+        assert!(held.held().is_empty());
     }
 }

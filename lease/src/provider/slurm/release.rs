@@ -1,18 +1,17 @@
-//! A lease's release: cancel its job, wait until Slurm reports it ended,
-//! then have the poller forget it; all within `release_timeout_secs`, each
-//! tool run getting the smaller of `tool_timeout_secs` and the time left.
-//! It owns what it needs, so the shell can wait for it while it goes on with
-//! other work. It never ends the lease itself: a release that fails leaves
-//! the job held and watched, and the caller retries.
+//! A lease's release work: cancel its job and wait until Slurm reports it
+//! ended, all within `release_timeout_secs`, each tool run getting the
+//! smaller of `tool_timeout_secs` and the time left. It owns what it needs,
+//! so the shell can wait for it while it goes on with other work. The
+//! bracket around it (releasing, then forgotten, or news again on failure)
+//! is the remote-job skeleton's (`RemoteJobs::release`); it never ends the
+//! lease itself: a release that fails leaves the job held and watched, and
+//! the caller retries.
 
 use std::time::Duration;
-
-use tokio::sync::mpsc;
 
 use super::super::{ProviderError, checked_secs};
 use super::config::{MAX_RELEASE_TIMEOUT_SECS, default_release_timeout_secs};
 use super::parse::{JobId, JobState};
-use super::poll::{Cmd, HeldJobs, forget, lock};
 use super::tools::{TOOL_TIMEOUT, Tools, tool_error};
 use crate::table::LeaseId;
 
@@ -23,18 +22,15 @@ const RELEASE_POLL: Duration = Duration::from_millis(200);
 /// for it while it goes on with other work.
 pub(super) struct JobRelease {
     pub(super) lease: LeaseId,
-    pub(super) job: Option<JobId>,
+    pub(super) job: JobId,
     pub(super) tools: Tools,
-    pub(super) cmds: mpsc::UnboundedSender<Cmd>,
-    pub(super) jobs: HeldJobs,
     pub(super) timeout_secs: f64,
 }
 
 impl JobRelease {
-    /// Cancel, wait for the end, forget; all within `release_timeout_secs`.
+    /// Cancel, wait for the end; all within `release_timeout_secs`.
     pub(super) async fn cancel_and_wait(self) -> Result<(), ProviderError> {
-        let lease = self.lease;
-        let job = self.job.ok_or(ProviderError::UnknownLease(lease))?;
+        let (lease, job) = (self.lease, self.job);
         let timeout = checked_secs(
             "release_timeout_secs",
             self.timeout_secs,
@@ -68,8 +64,6 @@ impl JobRelease {
             }
             tokio::time::sleep(RELEASE_POLL).await;
         }
-        forget(&self.cmds, lease).await;
-        lock(&self.jobs).remove(&lease);
         tracing::info!(%lease, %job, "Slurm job cancelled");
         Ok(())
     }
