@@ -1021,4 +1021,84 @@ mod tests {
         assert!(busy.is_retryable(), "unavailable means try again later");
         assert!(LinkError::Broken("reset".into()).is_retryable());
     }
+
+    /// A link that stays up for the whole test.
+    fn live_link() -> Option<std::pin::Pin<Box<std::future::Pending<()>>>> {
+        Some(Box::pin(std::future::pending()))
+    }
+
+    /// Takes a dispatch stream at `at` (from now) whose batch runs for
+    /// `runs`, as the link task does: counted in `taken`, run in `batches`.
+    fn batch_at(
+        batches: &TaskTracker,
+        taken: &Arc<AtomicU64>,
+        at: Duration,
+        runs: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let (batches, taken) = (batches.clone(), taken.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            taken.fetch_add(1, Ordering::Relaxed);
+            batches.spawn(tokio::time::sleep(runs));
+        })
+    }
+
+    /// The last batch ends at 100 ms; one more arrives at 200 ms, inside
+    /// the quiet period, and runs to 250 ms: the quiet period that began at
+    /// 100 ms does not end the drain, and the drain ends one full
+    /// [`DRAIN_QUIET`] after the next began, at 600 ms, not before.
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_ends_one_quiet_period_after_its_last_batch_and_a_new_batch_restarts_it() {
+        let ms = Duration::from_millis;
+        let start = tokio::time::Instant::now();
+        let (batches, taken) = (TaskTracker::new(), Arc::new(AtomicU64::new(1)));
+        batches.spawn(tokio::time::sleep(ms(100)));
+        batches.close();
+        let late = batch_at(&batches, &taken, ms(200), ms(50));
+        let mut link = live_link();
+        let end = serve_drain(&batches, &taken, start + DRAIN_TIMEOUT, &mut link).await;
+        assert_eq!(end, DrainEnd::Quiet);
+        assert_eq!(start.elapsed(), ms(100) + DRAIN_QUIET + DRAIN_QUIET);
+        assert_eq!(ms(100) + DRAIN_QUIET, ms(350), "the late batch fell inside");
+        assert_eq!(taken.load(Ordering::Relaxed), 2);
+        assert!(link.is_some(), "the link stays up");
+        late.await.unwrap();
+    }
+
+    /// A gateway that keeps dispatching a batch every 100 ms never leaves a
+    /// quiet period: the drain ends at its deadline, to the millisecond,
+    /// neither before nor after.
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_under_steady_load_ends_exactly_at_its_deadline() {
+        let ms = Duration::from_millis;
+        let start = tokio::time::Instant::now();
+        let (batches, taken) = (TaskTracker::new(), Arc::new(AtomicU64::new(0)));
+        batches.close();
+        let feeders: Vec<_> = (1..=40)
+            .map(|i| batch_at(&batches, &taken, ms(100) * i + ms(30), ms(50)))
+            .collect();
+        let deadline = start + ms(1000);
+        let end = serve_drain(&batches, &taken, deadline, &mut live_link()).await;
+        assert_eq!(end, DrainEnd::Deadline);
+        assert_eq!(tokio::time::Instant::now(), deadline);
+        assert_eq!(taken.load(Ordering::Relaxed), 9, "batches at 130..=930 ms");
+        for f in feeders {
+            f.abort();
+        }
+    }
+
+    /// The link ends 150 ms into a drain, in its quiet period: the drain
+    /// ends then, says so, and drops the link.
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_ends_when_the_link_goes_even_in_its_quiet_period() {
+        let ms = Duration::from_millis;
+        let start = tokio::time::Instant::now();
+        let (batches, taken) = (TaskTracker::new(), AtomicU64::new(0));
+        batches.close();
+        let mut link = Some(Box::pin(tokio::time::sleep(ms(150))));
+        let end = serve_drain(&batches, &taken, start + DRAIN_TIMEOUT, &mut link).await;
+        assert_eq!(end, DrainEnd::LinkGone);
+        assert_eq!(start.elapsed(), ms(150));
+        assert!(link.is_none());
+    }
 }

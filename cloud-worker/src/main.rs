@@ -321,6 +321,38 @@ async fn serve(
     reconnect: Duration,
     metrics: Option<WorkerMetrics>,
 ) -> anyhow::Result<link::LinkEnd> {
+    let run_link = || {
+        link::run_observed(
+            link,
+            executor.clone(),
+            register.clone(),
+            cancel.clone(),
+            metrics.clone(),
+        )
+    };
+    // Batches of the lost link still on the backend would hold up the new
+    // link's; a wedged one never ends, and the watchdog ends the process
+    // instead of this worker registering again.
+    let settle = || link::settle(&executor, &cancel);
+    redial(link, run_link, settle, &cancel, reconnect).await
+}
+
+/// [`serve`]'s loop, with one link's run (`run_link`) and the wait for the
+/// lost link's batches (`settle`) given, so that tests run its schedule on
+/// a paused clock. Its times are tokio's (the same clock as std's unless
+/// paused).
+async fn redial<R, S>(
+    link: &LinkConfig,
+    mut run_link: impl FnMut() -> R,
+    mut settle: impl FnMut() -> S,
+    cancel: &CancellationToken,
+    reconnect: Duration,
+) -> anyhow::Result<link::LinkEnd>
+where
+    R: Future<Output = Result<link::LinkEnd, link::LinkError>>,
+    S: Future<Output = link::Settled>,
+{
+    use tokio::time::Instant;
     /// A link that stayed up this long counts as a fresh start.
     const STABLE: Duration = Duration::from_secs(10);
     let mut backoff = link::redial_backoff(&link.name);
@@ -330,14 +362,7 @@ async fn serve(
     let mut outage = tidegate_kit::backoff::Outage::new(Duration::from_secs(30));
     loop {
         let began = Instant::now();
-        let result = link::run_observed(
-            link,
-            executor.clone(),
-            register.clone(),
-            cancel.clone(),
-            metrics.clone(),
-        )
-        .await;
+        let result = run_link().await;
         let why = match result {
             Ok(link::LinkEnd::Drained) => return Ok(link::LinkEnd::Drained),
             Ok(link::LinkEnd::Closed) => "the gateway closed the link".to_string(),
@@ -350,7 +375,7 @@ async fn serve(
         if backoff.reset_if_up_for(began.elapsed(), STABLE) {
             attempt = 0;
             down_since = None;
-            if let Some((attempts, down_for)) = outage.recovered(began) {
+            if let Some((attempts, down_for)) = outage.recovered(began.into_std()) {
                 tracing::info!(attempts, ?down_for, "the link to the gateway was back");
             }
         }
@@ -364,7 +389,7 @@ async fn serve(
         }
         let delay = backoff.next_delay();
         attempt += 1;
-        match outage.failed(Instant::now()) {
+        match outage.failed(Instant::now().into_std()) {
             tidegate_kit::backoff::Loudness::Warn { down_for, .. } => tracing::warn!(
                 attempt,
                 ?delay,
@@ -381,10 +406,7 @@ async fn serve(
             _ = tokio::time::sleep(delay) => {}
             _ = cancel.cancelled() => return Ok(link::LinkEnd::Closed),
         }
-        // Batches of the lost link still on the backend would hold up the
-        // new link's; a wedged one never ends, and the watchdog ends the
-        // process instead of this worker registering again.
-        if link::settle(&executor, &cancel).await == link::Settled::Cancelled {
+        if settle().await == link::Settled::Cancelled {
             return Ok(link::LinkEnd::Closed);
         }
     }
@@ -543,5 +565,120 @@ mod tests {
         assert_eq!(listen(&[]), Some("127.0.0.1:9101".parse().unwrap()));
         let flag = listen(&["--metrics-listen", "127.0.0.1:0"]);
         assert_eq!(flag, Some("127.0.0.1:0".parse().unwrap()));
+    }
+
+    /// A link config for [`super::redial`]'s tests (nothing is dialled).
+    fn link_config() -> super::LinkConfig {
+        super::LinkConfig {
+            gateway: "127.0.0.1:1".parse().unwrap(),
+            server_name: "localhost".into(),
+            ca: "ca.pem".into(),
+            name: "w".into(),
+            token: "t".into(),
+        }
+    }
+
+    // tokio's timer rounds a deadline up to its next millisecond
+    const TICK: std::time::Duration = std::time::Duration::from_millis(1);
+
+    /// Asserts that each wait lies in its step's band (the upper half of
+    /// the step, equal jitter) and never past the redial's max.
+    fn assert_in_bands(waits: &[std::time::Duration], steps_ms: &[u64]) {
+        use tidegate_worker::link::REDIAL_MAX;
+        assert_eq!(waits.len(), steps_ms.len(), "{waits:?}");
+        for (i, (wait, step)) in waits.iter().zip(steps_ms).enumerate() {
+            let step = std::time::Duration::from_millis(*step);
+            assert!(
+                *wait >= step / 2 && *wait <= step + TICK,
+                "wait {i}: {wait:?} outside [{:?}, {step:?}]; all: {waits:?}",
+                step / 2
+            );
+            assert!(*wait <= REDIAL_MAX + TICK, "{waits:?}");
+        }
+    }
+
+    /// A gateway that stays lost: each redial waits within its step's
+    /// band, 200 ms doubling to the 5 s max and never more, and the worker
+    /// gives up at the first failure `reconnect` (20 s) after the first.
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_gateway_is_redialled_after_growing_delays_never_past_the_max_then_given_up() {
+        use tidegate_worker::link::{LinkError, Settled};
+        let start = tokio::time::Instant::now();
+        let reconnect = std::time::Duration::from_secs(20);
+        let mut dials = Vec::new();
+        let mut settled = 0;
+        let end = super::redial(
+            &link_config(),
+            || {
+                dials.push(start.elapsed());
+                async { Err(LinkError::Broken("connection lost".into())) }
+            },
+            || {
+                settled += 1;
+                async { Settled::Idle }
+            },
+            &tokio_util::sync::CancellationToken::new(),
+            reconnect,
+        )
+        .await;
+        let e = end.expect_err("a gateway lost for good is given up");
+        assert!(e.to_string().contains("gave up on the gateway"), "{e}");
+        let waits: Vec<_> = dials.windows(2).map(|w| w[1] - w[0]).collect();
+        // 200, 400, 800, 1600, 3200 ms, then the 5 s max until 20 s
+        let mut steps = vec![200, 400, 800, 1600, 3200];
+        steps.resize(waits.len(), 5000);
+        assert_in_bands(&waits, &steps);
+        let last = *dials.last().unwrap();
+        assert!(last >= reconnect, "gave up too soon: {dials:?}");
+        assert!(
+            dials[dials.len() - 2] < reconnect,
+            "gave up too late: {dials:?}"
+        );
+        assert_eq!(start.elapsed(), last, "no wait after giving up");
+        assert_eq!(settled, dials.len() - 1, "one settle before each redial");
+    }
+
+    /// A link that stayed up 10 s (the loop's STABLE) counts as a fresh
+    /// start: the next redial waits the first step again, and the outage
+    /// before it no longer counts toward `reconnect` (6 s here, less than
+    /// the whole run). A drain then ends the loop.
+    #[tokio::test(start_paused = true)]
+    async fn a_link_that_stayed_up_starts_the_redials_again_from_the_first_step() {
+        use tidegate_worker::link::{LinkEnd, LinkError, Settled};
+        let start = tokio::time::Instant::now();
+        let up = std::time::Duration::from_secs(10);
+        let mut dials = Vec::new();
+        let end = super::redial(
+            &link_config(),
+            || {
+                dials.push(start.elapsed());
+                let n = dials.len();
+                async move {
+                    match n {
+                        5 => {
+                            tokio::time::sleep(up).await;
+                            Ok(LinkEnd::Closed)
+                        }
+                        8 => Ok(LinkEnd::Drained),
+                        _ => Err(LinkError::Broken("connection lost".into())),
+                    }
+                }
+            },
+            || async { Settled::Idle },
+            &tokio_util::sync::CancellationToken::new(),
+            std::time::Duration::from_secs(6),
+        )
+        .await;
+        assert_eq!(end.unwrap(), LinkEnd::Drained);
+        assert_eq!(dials.len(), 8, "{dials:?}");
+        // the wait after each link's end; the fifth link was up for `up`
+        let ends: Vec<_> = dials
+            .iter()
+            .enumerate()
+            .map(|(i, at)| if i == 4 { *at + up } else { *at })
+            .collect();
+        let waits: Vec<_> = (1..dials.len()).map(|i| dials[i] - ends[i - 1]).collect();
+        assert_in_bands(&waits, &[200, 400, 800, 1600, 200, 400, 800]);
+        assert!(start.elapsed() > std::time::Duration::from_secs(6));
     }
 }

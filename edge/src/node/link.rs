@@ -158,14 +158,9 @@ pub(super) async fn link(cfg: EdgeConfig, shell: LinkShell) {
             return;
         }
     };
-    let mut backoff = Backoff::seeded(REDIAL_BASE, REDIAL_MAX, &cfg.name);
-    // one WARN for an outage, then one every OUTAGE_REMINDER: not one per
-    // redial
-    let mut outage = Outage::new(OUTAGE_REMINDER);
-    let mut connected_before = false;
-    loop {
-        // Resolved at every dial: a redial follows a gateway that moved.
-        let dial = Uplink::connect_client(
+    // Resolved at every dial: a redial follows a gateway that moved.
+    let dial = || {
+        Uplink::connect_client(
             &cfg.gateway.addr,
             &cfg.gateway.server_name,
             client.clone(),
@@ -175,10 +170,26 @@ pub(super) async fn link(cfg: EdgeConfig, shell: LinkShell) {
                 dial_timeout: Some(DIAL_ATTEMPT),
                 ..UplinkOptions::default()
             },
-        );
+        )
+    };
+    redial(&cfg.name, shell, dial).await;
+}
+
+/// [`link`]'s loop, with each dial made by `dial`, so that tests run its
+/// redial schedule on a paused clock.
+async fn redial<F>(name: &str, shell: LinkShell, mut dial: impl FnMut() -> F)
+where
+    F: std::future::Future<Output = Result<(Uplink, queue::Receiver<Incoming>), UplinkError>>,
+{
+    let mut backoff = Backoff::seeded(REDIAL_BASE, REDIAL_MAX, name);
+    // one WARN for an outage, then one every OUTAGE_REMINDER: not one per
+    // redial
+    let mut outage = Outage::new(OUTAGE_REMINDER);
+    let mut connected_before = false;
+    loop {
         let connected = tokio::select! {
             _ = shell.cancel.cancelled() => return,
-            r = dial => r,
+            r = dial() => r,
         };
         let (uplink, incoming) = match connected {
             Ok(u) => u,
@@ -346,5 +357,114 @@ mod tests {
         // The next hint lifts the cap again: it replaces, it does not stack.
         b.apply(&hint("", 0.0, 0.0));
         assert_eq!(cam_limits.under_gateway(b.for_camera("c")), cam_limits);
+    }
+
+    /// An edge config pointing nowhere: [`redial`]'s tests dial through
+    /// their own closure.
+    fn config() -> EdgeConfig {
+        toml::from_str(
+            "name = \"edge-1\"\ntoken = \"t\"\n[gateway]\naddr = \"127.0.0.1:1\"\nca = \"ca.pem\"\n",
+        )
+        .unwrap()
+    }
+
+    /// A shell for `cfg`, with its fatal errors and its published uplink.
+    fn shell(
+        cfg: &EdgeConfig,
+    ) -> (
+        LinkShell,
+        mpsc::Receiver<UplinkError>,
+        watch::Receiver<Option<Uplink>>,
+    ) {
+        let (link_tx, link_rx) = watch::channel(None);
+        let (hints_tx, _) = watch::channel(HintBoard::default());
+        let (results, _) = queue::channel(16, 1 << 20);
+        let (fatal, fatal_rx) = mpsc::channel(1);
+        let shell = LinkShell {
+            link_tx,
+            hints_tx,
+            results,
+            fatal,
+            stats: uplink_stats(cfg),
+            cancel: CancellationToken::new(),
+        };
+        (shell, fatal_rx, link_rx)
+    }
+
+    /// A gateway that never answers: each dial ends at its bound, and each
+    /// redial waits within its step's band (the upper half of 200 ms
+    /// doubling to the 1 s max), never past the max; every dial is counted.
+    #[tokio::test(start_paused = true)]
+    async fn a_gateway_that_never_answers_is_redialled_after_growing_delays_never_past_the_max() {
+        // tokio's timer rounds a deadline up to its next millisecond
+        const TICK: Duration = Duration::from_millis(1);
+        let cfg = config();
+        let (shell, mut fatal, published) = shell(&cfg);
+        let (stats, cancel) = (shell.stats.clone(), shell.cancel.clone());
+        let start = Instant::now();
+        let mut dials = Vec::new();
+        redial(&cfg.name, shell, || {
+            dials.push(start.elapsed());
+            if dials.len() == 9 {
+                cancel.cancel();
+            }
+            let addr = cfg.gateway.addr.clone();
+            async move {
+                tokio::time::sleep(DIAL_ATTEMPT).await;
+                Err(UplinkError::DialTimeout {
+                    addr,
+                    after: DIAL_ATTEMPT,
+                })
+            }
+        })
+        .await;
+        assert_eq!(dials.len(), 9, "ended by the cancel at the ninth dial");
+        let waits: Vec<Duration> = dials
+            .windows(2)
+            .map(|w| w[1] - w[0] - DIAL_ATTEMPT)
+            .collect();
+        let steps = [200, 400, 800, 1000, 1000, 1000, 1000, 1000].map(Duration::from_millis);
+        for (i, (wait, step)) in waits.iter().zip(steps).enumerate() {
+            assert!(
+                *wait >= step / 2 && *wait <= step + TICK,
+                "wait {i}: {wait:?} outside [{:?}, {step:?}]; all: {waits:?}",
+                step / 2
+            );
+            assert!(*wait <= REDIAL_MAX + TICK, "{waits:?}");
+        }
+        let reading = stats.read(std::time::Instant::now());
+        assert_eq!(reading.dials(crate::uplink_stats::DialResult::Timeout), 8);
+        assert!(!reading.connected);
+        assert!(published.borrow().is_none(), "no uplink published");
+        assert!(fatal.try_recv().is_err(), "a dead link is not fatal");
+    }
+
+    /// A refusal no retry can fix (a wrong token) ends the link at once: no
+    /// redial, no wait, and the node is told why.
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_for_good_ends_the_link_at_once_without_a_redial() {
+        let cfg = config();
+        let (shell, mut fatal, _published) = shell(&cfg);
+        let stats = shell.stats.clone();
+        let start = Instant::now();
+        let mut dials = 0;
+        redial(&cfg.name, shell, || {
+            dials += 1;
+            async {
+                Err(UplinkError::Refused {
+                    code: tidegate_protocol::ErrorCode::Unauthorized,
+                    message: "bad token".into(),
+                })
+            }
+        })
+        .await;
+        assert_eq!(dials, 1);
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert!(matches!(
+            fatal.try_recv(),
+            Ok(UplinkError::Refused { message, .. }) if message == "bad token"
+        ));
+        let reading = stats.read(std::time::Instant::now());
+        assert_eq!(reading.dials(crate::uplink_stats::DialResult::Refused), 1);
     }
 }

@@ -782,7 +782,7 @@ impl Mqtt {
 /// doubling to 5 s) before the next. Ends when the sink's task
 /// no longer listens.
 async fn poll_events(
-    mut events: EventLoop,
+    mut events: impl Events,
     tx: mpsc::Sender<Result<Event, String>>,
     client_id: String,
 ) {
@@ -790,7 +790,7 @@ async fn poll_events(
         tidegate_kit::backoff::Backoff::seeded(RECONNECT_BASE, RECONNECT_MAX, &client_id);
     let mut last_warn: Option<tokio::time::Instant> = None;
     loop {
-        match events.poll().await {
+        match events.next().await {
             Ok(e) => {
                 if matches!(e, Event::Incoming(Packet::ConnAck(_))) {
                     backoff.reset();
@@ -808,12 +808,26 @@ async fn poll_events(
                 } else {
                     debug!("MQTT connection: {e}");
                 }
-                if tx.send(Err(e.to_string())).await.is_err() {
+                if tx.send(Err(e)).await.is_err() {
                     return;
                 }
                 tokio::time::sleep(delay).await;
             }
         }
+    }
+}
+
+/// Where [`poll_events`] reads the client's events: rumqttc's event loop,
+/// or a test's script (so that the reconnect schedule runs on a paused
+/// clock, without a broker).
+trait Events {
+    /// The next event, or why the connection failed.
+    fn next(&mut self) -> impl std::future::Future<Output = Result<Event, String>> + Send;
+}
+
+impl Events for EventLoop {
+    async fn next(&mut self) -> Result<Event, String> {
+        self.poll().await.map_err(|e| e.to_string())
     }
 }
 
@@ -1133,5 +1147,77 @@ mod tests {
             1
         );
         assert_eq!(l.drain().results, 10);
+    }
+
+    /// A client's events from a script, then none ever; records the
+    /// instant of every poll.
+    struct ScriptedEvents {
+        script: VecDeque<Result<Event, String>>,
+        polled: Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>,
+    }
+
+    impl Events for ScriptedEvents {
+        async fn next(&mut self) -> Result<Event, String> {
+            self.polled
+                .lock()
+                .unwrap()
+                .push(tokio::time::Instant::now());
+            match self.script.pop_front() {
+                Some(event) => event,
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    /// A broker that refuses seven times, accepts, then refuses twice: each
+    /// wait lies in its step's jitter band (the upper half of 200 ms
+    /// doubling to 5 s), never past the 5 s max, and the `ConnAck` starts
+    /// the steps again from 200 ms.
+    #[tokio::test(start_paused = true)]
+    async fn a_refusing_broker_is_redialled_after_growing_delays_and_a_connack_starts_them_again() {
+        // tokio's timer rounds a deadline up to its next millisecond
+        const TICK: Duration = Duration::from_millis(1);
+        let refused = || Err::<Event, String>("connection refused".into());
+        let connack = rumqttc::ConnAck::new(rumqttc::ConnectReturnCode::Success, false);
+        let mut script: VecDeque<_> = std::iter::repeat_with(refused).take(7).collect();
+        script.push_back(Ok(Event::Incoming(Packet::ConnAck(connack))));
+        script.extend(std::iter::repeat_with(refused).take(2));
+        let polled = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let events = ScriptedEvents {
+            script,
+            polled: polled.clone(),
+        };
+        let (tx, mut rx) = mpsc::channel(WINDOW);
+        let task = tokio::spawn(poll_events(events, tx, "edge-1".into()));
+
+        let mut forwarded = Vec::new();
+        for _ in 0..10 {
+            forwarded.push(rx.recv().await.unwrap().is_ok());
+        }
+        let mut want = vec![false; 7];
+        want.extend([true, false, false]);
+        assert_eq!(forwarded, want, "every event forwarded, in order");
+        // past the last wait: the poll that finds nothing more
+        tokio::time::sleep(RECONNECT_MAX).await;
+        let at = polled.lock().unwrap().clone();
+        assert_eq!(at.len(), 11, "one poll per event, and one after the last");
+
+        let waits: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+        let ms = Duration::from_millis;
+        let steps = [200, 400, 800, 1600, 3200, 5000, 5000, 0, 200, 400].map(ms);
+        for (i, (wait, step)) in waits.iter().zip(steps).enumerate() {
+            assert!(
+                *wait >= step / 2 && *wait <= step + TICK,
+                "wait {i}: {wait:?} outside [{:?}, {step:?}]; all: {waits:?}",
+                step / 2
+            );
+            assert!(*wait <= RECONNECT_MAX + TICK, "{waits:?}");
+        }
+        assert_eq!(
+            waits[7],
+            Duration::ZERO,
+            "read on at once after the ConnAck"
+        );
+        task.abort();
     }
 }

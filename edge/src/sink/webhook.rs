@@ -491,9 +491,20 @@ async fn run(
 /// Posts one batch of `n` results, retrying within `policy`; counts it as
 /// posted or as dropped for good.
 async fn deliver(client: &Client, body: &str, n: u64, policy: &RetryPolicy, stats: &WebhookStats) {
+    deliver_with(|| post(client, body), n, policy, stats).await;
+}
+
+/// [`deliver`] with each attempt made by `post`: the retry schedule
+/// without a socket, so that tests run it on a paused clock.
+async fn deliver_with<F: std::future::Future<Output = PostOutcome>>(
+    mut post: impl FnMut() -> F,
+    n: u64,
+    policy: &RetryPolicy,
+    stats: &WebhookStats,
+) {
     let mut attempt = 1;
     loop {
-        let outcome = match tokio::time::timeout(POST_TIMEOUT, post(client, body)).await {
+        let outcome = match tokio::time::timeout(POST_TIMEOUT, post()).await {
             Ok(o) => o,
             Err(_) => PostOutcome::Io(format!("no answer within {POST_TIMEOUT:?}")),
         };
@@ -752,5 +763,99 @@ mod tests {
             parse_status(b"HTTP/1.1 999 Odd\r\n"),
             Some(Err(_))
         ));
+    }
+
+    /// Runs [`deliver_with`] for a batch of `n` results on the (paused)
+    /// clock, each attempt answered by the next of `script` (`None`: no
+    /// answer ever): the instant of each attempt, from the first, and the
+    /// counters.
+    async fn scripted(
+        script: Vec<Option<PostOutcome>>,
+        n: u64,
+        policy: RetryPolicy,
+    ) -> (Vec<Duration>, WebhookStats) {
+        let stats = WebhookStats::default();
+        let start = tokio::time::Instant::now();
+        let attempts = std::cell::RefCell::new(Vec::new());
+        let mut script = script.into_iter();
+        let post = || {
+            attempts.borrow_mut().push(start.elapsed());
+            let answer = script.next().expect("an attempt past the script");
+            async move {
+                match answer {
+                    Some(outcome) => outcome,
+                    None => std::future::pending::<PostOutcome>().await,
+                }
+            }
+        };
+        deliver_with(post, n, &policy, &stats).await;
+        (attempts.into_inner(), stats)
+    }
+
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    fn load(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_webhook_that_fails_three_times_is_retried_after_the_backoffs_delays_and_delivered_once()
+     {
+        let script = vec![
+            Some(PostOutcome::Status(503)),
+            Some(PostOutcome::Io("connect: refused".into())),
+            Some(PostOutcome::Status(429)),
+            Some(PostOutcome::Status(204)),
+        ];
+        let (at, stats) = scripted(script, 7, RetryPolicy::default()).await;
+        // 200 ms, then 400, then 800: the default policy's steps, no jitter.
+        assert_eq!(at, [ms(0), ms(200), ms(600), ms(1400)]);
+        assert_eq!(load(&stats.posted), 7, "delivered once, all 7 results");
+        assert_eq!(load(&stats.retries), 3);
+        assert_eq!(load(&stats.dropped_failed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_out_of_attempts_waits_never_more_than_the_max_and_is_dropped_once() {
+        let policy = RetryPolicy {
+            max_attempts: 6,
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(3),
+        };
+        let script = vec![Some(PostOutcome::Status(500)); 6];
+        let start = tokio::time::Instant::now();
+        let (at, stats) = scripted(script, 5, policy).await;
+        // delays 1 s, 2 s, then the 3 s max three times
+        assert_eq!(at, [0, 1, 3, 6, 9, 12].map(Duration::from_secs));
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(12),
+            "no wait after the last attempt"
+        );
+        assert_eq!(load(&stats.dropped_failed), 5, "the batch, dropped once");
+        assert_eq!((load(&stats.posted), load(&stats.retries)), (0, 5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_post_that_never_answers_is_cut_at_the_post_timeout_and_retried() {
+        let script = vec![None, None, Some(PostOutcome::Status(200))];
+        let (at, stats) = scripted(script, 2, RetryPolicy::default()).await;
+        let first = POST_TIMEOUT + ms(200);
+        assert_eq!(at, [ms(0), first, first + POST_TIMEOUT + ms(400)]);
+        assert_eq!((load(&stats.posted), load(&stats.retries)), (2, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_final_answer_ends_the_batch_at_once_without_a_retry() {
+        let policy = RetryPolicy::default();
+        for status in [400, 404, 413] {
+            let start = tokio::time::Instant::now();
+            let (at, stats) = scripted(vec![Some(PostOutcome::Status(status))], 3, policy).await;
+            assert_eq!(at, [ms(0)], "{status}");
+            assert_eq!(start.elapsed(), Duration::ZERO, "{status}: no wait");
+            assert_eq!((load(&stats.dropped_failed), load(&stats.retries)), (3, 0));
+        }
     }
 }
