@@ -561,6 +561,9 @@ pub fn spawn(
     }
 }
 
+/// The most messages the hub handles in one turn of its loop.
+const INBOX_BATCH: usize = 64;
+
 async fn run(
     mut st: State,
     mut rx: mpsc::Receiver<HubMsg>,
@@ -592,7 +595,18 @@ async fn run(
             } => None,
         };
         match msg {
-            Some(m) => st.handle(m),
+            Some(m) => {
+                st.handle(m);
+                // What else waits is handled before the timers are armed
+                // again: under load one turn serves many messages. Every
+                // message expires and dispatches, so no tick is missed.
+                for _ in 1..INBOX_BATCH {
+                    match rx.try_recv() {
+                        Ok(m) => st.handle(m),
+                        Err(_) => break,
+                    }
+                }
+            }
             None => st.step(Event::Tick),
         }
     }
