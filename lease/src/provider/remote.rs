@@ -1,16 +1,21 @@
 //! The skeleton the remote-job providers (Slurm, Kubernetes) share: the
 //! held-leases map, the orders the provider sends its watch task
-//! ([`Cmd`]), the release bracket (releasing, then forgotten on success or
-//! news again on failure), detaching, and the bounded list of jobs an
-//! acquire gave up submitting ([`Abandoned`]) that the watch task cancels
-//! as strays when they appear.
+//! ([`Cmd`]), the watch task's table of watched jobs that applies them
+//! ([`Watched`]: which are being released, so their end is no news), the
+//! release bracket (releasing, then forgotten on success or news again on
+//! failure), detaching, and the bounded list of jobs an acquire gave up
+//! submitting ([`Abandoned`]) that the watch task cancels as strays when
+//! they appear; and adoption's common part ([`recorded`]: the ledger's
+//! leases of a provider with their job records; [`gone_reason`] and
+//! [`end_gone`] for a lease whose job did not survive the restart).
 //!
 //! A provider supplies the rest through [`JobBackend`]: what its jobs are
-//! known by, what its watch task is handed, and what it keeps of a stray;
-//! and it owns its IO (submit, cancel, the watch or poll loop, parsing).
-//! This module runs no tool and calls no API: the next hop is the
-//! provider's watch task (`slurm/poll.rs`, `kubernetes/pool_watch.rs`),
-//! which receives the [`Cmd`]s.
+//! known by, what its watch task is handed and keeps, and what it keeps of
+//! a stray; and it owns its IO (submit, cancel, the watch or poll loop,
+//! parsing). This module runs no tool and calls no cluster API: the next
+//! hop is the provider's watch task (`slurm/poll.rs`,
+//! `kubernetes/pool_watch.rs`), which receives the [`Cmd`]s and folds them
+//! into its [`Watched`].
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -20,7 +25,12 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::{Provider, ProviderError};
+use serde::de::DeserializeOwned;
+
+use super::{Adoption, Provider, ProviderError};
+use crate::billing::Millis;
+use crate::ledger::{LeaseRecord, Ledger};
+use crate::lifecycle::{EndReason, LeaseState};
 use crate::table::LeaseId;
 
 /// How long a watch task looks for a job that an acquire gave up
@@ -36,6 +46,9 @@ pub trait JobBackend: 'static {
     /// What the watch task is handed when it starts watching a job (just
     /// submitted, or adopted).
     type Watch: Send + 'static;
+    /// What the watch task keeps of a watched job between observations
+    /// (the [`JobBackend::Watch`] itself, or part of it).
+    type Watching: Send + 'static;
     /// What is kept of a job an acquire gave up submitting, beside its
     /// name, to clean it up (a Pod's token Secret; nothing for Slurm).
     type Stray: Send + 'static;
@@ -288,6 +301,185 @@ pub async fn release_all<P: Provider>(
     failed
 }
 
+/// The ledger's live leases of `provider`, each with what it recorded of
+/// its job (`provider_data`) read as `D`: `None` where nothing readable
+/// was recorded (the gateway stopped between submitting the job and
+/// recording it). Adoption starts here.
+pub fn recorded<D: DeserializeOwned>(
+    ledger: &Ledger,
+    provider: &str,
+) -> Result<Vec<(LeaseRecord, Option<D>)>, ProviderError> {
+    Ok(ledger
+        .live_leases()?
+        .into_iter()
+        .filter(|r| r.provider == provider)
+        .map(|r| {
+            let data = r
+                .provider_data
+                .as_deref()
+                .and_then(|d| serde_json::from_str::<D>(d).ok());
+            (r, data)
+        })
+        .collect())
+}
+
+/// Why a lease whose job did not survive a gateway restart ended:
+/// `failed` while it was still requested (its job never started for it),
+/// else `preempted` when the system was taking it (`taken`), else `lost`.
+pub fn gone_reason(state: LeaseState, taken: bool) -> EndReason {
+    match state {
+        LeaseState::Requested => EndReason::Failed,
+        _ if taken => EndReason::Preempted,
+        _ => EndReason::Lost,
+    }
+}
+
+/// Ends `lease`, whose job did not survive a restart, in the ledger at
+/// `at` for `reason`, and counts it in `out`.
+pub fn end_gone(
+    ledger: &mut Ledger,
+    out: &mut Adoption,
+    lease: LeaseId,
+    at: Millis,
+    reason: EndReason,
+) -> Result<(), ProviderError> {
+    ledger.mark_ended(lease, at, reason)?;
+    out.ended.push((lease, reason));
+    Ok(())
+}
+
+/// What applying a [`Cmd`] to a [`Watched`] table did, for the watch task
+/// to act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// The lease's job is watched from now on: it may mean news at once.
+    Watched(LeaseId),
+    /// The lease's job is being released by us: its end is no news.
+    Releasing(LeaseId),
+    /// The lease's release failed: its job's end is news again, and it
+    /// may mean news at once.
+    NewsAgain(LeaseId),
+    /// The lease is watched no more (the order is answered).
+    Forgotten(LeaseId),
+    /// An acquire gave up submitting the job of this name: look for it
+    /// now.
+    Abandoned(String),
+}
+
+/// The watch task's table: the watched jobs (what it keeps of each, and
+/// whether we are releasing it), and the jobs acquires gave up submitting.
+/// The task applies every [`Cmd`] here, and asks [`Watched::news`] which
+/// jobs' observations can be news. Pure: `now` is given.
+pub struct Watched<B: JobBackend> {
+    /// Each watched lease's job, and whether we are releasing it.
+    jobs: HashMap<LeaseId, (B::Watching, bool)>,
+    abandoned: Abandoned<B::Stray>,
+}
+
+impl<B: JobBackend> Default for Watched<B> {
+    fn default() -> Self {
+        Watched {
+            jobs: HashMap::new(),
+            abandoned: Abandoned::new(B::ABANDONED_KEPT),
+        }
+    }
+}
+
+impl<B: JobBackend> Watched<B> {
+    /// Nothing watched, nothing abandoned.
+    pub fn new() -> Watched<B> {
+        Watched::default()
+    }
+
+    /// Takes one order at `now`. `keep` turns a new watch into what the
+    /// table keeps of it (the watch task folds in the rest). A new watch
+    /// is not being released; a release mark or its end for a lease not
+    /// watched changes nothing.
+    pub fn apply(
+        &mut self,
+        cmd: Cmd<B>,
+        now: Instant,
+        keep: impl FnOnce(B::Watch) -> B::Watching,
+    ) -> Applied {
+        match cmd {
+            Cmd::Watch(w) => {
+                let (lease, _) = B::watched(&w);
+                self.jobs.insert(lease, (keep(w), false));
+                Applied::Watched(lease)
+            }
+            Cmd::Releasing(lease, on) => {
+                if let Some((_, releasing)) = self.jobs.get_mut(&lease) {
+                    *releasing = on;
+                }
+                if on {
+                    Applied::Releasing(lease)
+                } else {
+                    Applied::NewsAgain(lease)
+                }
+            }
+            Cmd::Forget(lease, done) => {
+                self.jobs.remove(&lease);
+                let _ = done.send(());
+                Applied::Forgotten(lease)
+            }
+            Cmd::Abandoned { name, stray } => {
+                self.abandoned.add(name.clone(), stray, now);
+                Applied::Abandoned(name)
+            }
+        }
+    }
+
+    /// We are releasing `lease`'s job (its end is ours, not news).
+    pub fn releasing(&self, lease: LeaseId) -> bool {
+        self.jobs.get(&lease).is_some_and(|(_, r)| *r)
+    }
+
+    /// `lease`'s job, when what is observed of it can be news: it is
+    /// watched, and not being released by us (the release waits for its
+    /// end and forgets it).
+    pub fn news(&mut self, lease: LeaseId) -> Option<&mut B::Watching> {
+        if self.releasing(lease) {
+            return None;
+        }
+        self.jobs.get_mut(&lease).map(|(w, _)| w)
+    }
+
+    /// Every job whose observation can be news (see [`Watched::news`]).
+    pub fn all_news(&mut self) -> impl Iterator<Item = (LeaseId, &mut B::Watching)> {
+        self.jobs
+            .iter_mut()
+            .filter(|(_, (_, releasing))| !*releasing)
+            .map(|(lease, (w, _))| (*lease, w))
+    }
+
+    /// `lease`'s job ended (and the end was sent): watched no more.
+    pub fn ended(&mut self, lease: LeaseId) {
+        self.jobs.remove(&lease);
+    }
+
+    /// The watched leases, in order.
+    pub fn leases(&self) -> Vec<LeaseId> {
+        let mut v: Vec<LeaseId> = self.jobs.keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    /// What is kept of every watched job, released or not.
+    pub fn watching(&self) -> impl Iterator<Item = &B::Watching> {
+        self.jobs.values().map(|(w, _)| w)
+    }
+
+    /// No job is watched.
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    /// The jobs acquires gave up submitting, still looked for.
+    pub fn abandoned(&mut self) -> &mut Abandoned<B::Stray> {
+        &mut self.abandoned
+    }
+}
+
 /// Jobs that acquires gave up submitting, by name, each looked for until
 /// [`ABANDONED_WATCH`] after it was given up, at most `kept` at once (the
 /// oldest go first). Pure: `now` is given.
@@ -360,6 +552,7 @@ mod tests {
     impl JobBackend for Numbered {
         type Job = u32;
         type Watch = (LeaseId, u32);
+        type Watching = u32;
         type Stray = &'static str;
         const ABANDONED_KEPT: usize = 2;
 
@@ -541,6 +734,15 @@ mod tests {
     }
 
     #[test]
+    fn a_job_gone_after_a_restart_failed_if_still_requested_preempted_if_taken_else_lost() {
+        assert_eq!(gone_reason(LeaseState::Requested, false), EndReason::Failed);
+        assert_eq!(gone_reason(LeaseState::Requested, true), EndReason::Failed);
+        assert_eq!(gone_reason(LeaseState::Ready, true), EndReason::Preempted);
+        assert_eq!(gone_reason(LeaseState::Ready, false), EndReason::Lost);
+        assert_eq!(gone_reason(LeaseState::Starting, false), EndReason::Lost);
+    }
+
+    #[test]
     fn an_abandoned_job_is_looked_for_until_the_watch_ends() {
         let t0 = Instant::now();
         let mut a = Abandoned::new(Numbered::ABANDONED_KEPT);
@@ -568,5 +770,115 @@ mod tests {
         assert_eq!(a.names().collect::<Vec<_>>(), ["w-2"]);
         a.expire(t0 + Duration::from_secs(3) + ABANDONED_WATCH);
         assert!(a.is_empty());
+    }
+
+    /// Applies `cmd` to `t` at `now`, keeping a watch's job number.
+    fn apply(t: &mut Watched<Numbered>, cmd: Cmd<Numbered>, now: Instant) -> Applied {
+        t.apply(cmd, now, |(_, job)| job)
+    }
+
+    /// The leases whose observations are news, in order.
+    fn news_of(t: &mut Watched<Numbered>) -> Vec<(LeaseId, u32)> {
+        let mut v: Vec<(LeaseId, u32)> = t.all_news().map(|(l, j)| (l, *j)).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_watched_job_is_news_until_we_release_it_and_news_again_when_the_release_fails() {
+        let now = Instant::now();
+        let mut t = Watched::<Numbered>::new();
+        assert_eq!(
+            apply(&mut t, Cmd::Watch((LeaseId(1), 7)), now),
+            Applied::Watched(LeaseId(1))
+        );
+        apply(&mut t, Cmd::Watch((LeaseId(2), 8)), now);
+        assert_eq!(news_of(&mut t), [(LeaseId(1), 7), (LeaseId(2), 8)]);
+        assert!(!t.releasing(LeaseId(1)));
+
+        assert_eq!(
+            apply(&mut t, Cmd::Releasing(LeaseId(1), true), now),
+            Applied::Releasing(LeaseId(1))
+        );
+        assert!(t.releasing(LeaseId(1)));
+        assert!(t.news(LeaseId(1)).is_none(), "our own cancel is no news");
+        assert_eq!(t.leases(), [LeaseId(1), LeaseId(2)], "still watched");
+        assert_eq!(news_of(&mut t), [(LeaseId(2), 8)]);
+
+        assert_eq!(
+            apply(&mut t, Cmd::Releasing(LeaseId(1), false), now),
+            Applied::NewsAgain(LeaseId(1))
+        );
+        assert!(!t.releasing(LeaseId(1)));
+        assert_eq!(t.news(LeaseId(1)).copied(), Some(7));
+        assert_eq!(t.leases(), [LeaseId(1), LeaseId(2)]);
+    }
+
+    #[test]
+    fn a_forgotten_or_ended_job_is_watched_no_more_and_the_forget_is_answered() {
+        let now = Instant::now();
+        let mut t = Watched::<Numbered>::new();
+        apply(&mut t, Cmd::Watch((LeaseId(1), 7)), now);
+        apply(&mut t, Cmd::Watch((LeaseId(2), 8)), now);
+        apply(&mut t, Cmd::Releasing(LeaseId(1), true), now);
+        let (done, mut answer) = oneshot::channel();
+        assert_eq!(
+            apply(&mut t, Cmd::Forget(LeaseId(1), done), now),
+            Applied::Forgotten(LeaseId(1))
+        );
+        assert_eq!(answer.try_recv(), Ok(()));
+        assert!(!t.releasing(LeaseId(1)));
+        assert_eq!(t.leases(), [LeaseId(2)]);
+        t.ended(LeaseId(2));
+        assert!(t.is_empty());
+        assert!(news_of(&mut t).is_empty());
+    }
+
+    #[test]
+    fn a_release_mark_for_a_lease_not_watched_changes_nothing_and_a_new_watch_starts_unmarked() {
+        let now = Instant::now();
+        let mut t = Watched::<Numbered>::new();
+        apply(&mut t, Cmd::Releasing(LeaseId(3), true), now);
+        assert!(!t.releasing(LeaseId(3)));
+        assert!(t.is_empty());
+        apply(&mut t, Cmd::Watch((LeaseId(3), 9)), now);
+        assert!(!t.releasing(LeaseId(3)));
+        assert_eq!(t.news(LeaseId(3)).copied(), Some(9));
+        // a lease watched again (adopted anew) is news again
+        apply(&mut t, Cmd::Releasing(LeaseId(3), true), now);
+        apply(&mut t, Cmd::Watch((LeaseId(3), 10)), now);
+        assert_eq!(t.news(LeaseId(3)).copied(), Some(10));
+        assert_eq!(t.watching().copied().collect::<Vec<_>>(), [10]);
+    }
+
+    #[test]
+    fn an_abandoned_order_is_looked_for_from_its_arrival_and_bounded() {
+        let t0 = Instant::now();
+        let mut t = Watched::<Numbered>::new();
+        assert_eq!(
+            apply(
+                &mut t,
+                Cmd::Abandoned {
+                    name: "w-1".into(),
+                    stray: "s1",
+                },
+                t0,
+            ),
+            Applied::Abandoned("w-1".into())
+        );
+        for (i, name) in ["w-2", "w-3"].into_iter().enumerate() {
+            let at = t0 + Duration::from_secs(i as u64 + 1);
+            apply(
+                &mut t,
+                Cmd::Abandoned {
+                    name: name.into(),
+                    stray: "s",
+                },
+                at,
+            );
+        }
+        assert_eq!(t.abandoned().names().collect::<Vec<_>>(), ["w-2", "w-3"]);
+        assert_eq!(t.abandoned().get("w-3", t0 + ABANDONED_WATCH), Some(&"s"));
+        assert!(t.is_empty(), "an abandoned name is no watched lease");
     }
 }

@@ -78,7 +78,6 @@ use super::{
 };
 use crate::billing::Millis;
 use crate::ledger::Ledger;
-use crate::lifecycle::{EndReason, LeaseState};
 use crate::table::LeaseId;
 
 /// Provider name in the ledger.
@@ -116,6 +115,9 @@ struct KubeJobs;
 impl JobBackend for KubeJobs {
     type Job = PodRef;
     type Watch = Box<(PodWatch, PodView)>;
+    /// The watch loop keeps the [`PodWatch`]; the view joins the Pods as
+    /// last seen.
+    type Watching = PodWatch;
     /// The token Secret's name.
     type Stray = String;
     const ABANDONED_KEPT: usize = 1024;
@@ -563,15 +565,8 @@ impl Provider for KubernetesProvider {
         let views: Vec<PodView> = listed.iter().map(PodView::of).collect();
         let mut out = Adoption::default();
         let mut delete_pods = Vec::new();
-        for r in ledger.live_leases()? {
-            if r.provider != PROVIDER_NAME {
-                continue;
-            }
-            let data = r
-                .provider_data
-                .as_deref()
-                .and_then(|d| serde_json::from_str::<KubernetesData>(d).ok())
-                .filter(|d| d.namespace == self.namespace);
+        for (r, data) in remote::recorded::<KubernetesData>(ledger, PROVIDER_NAME)? {
+            let data = data.filter(|d| d.namespace == self.namespace);
             let view = data
                 .as_ref()
                 .and_then(|d| views.iter().find(|v| v.name == d.pod && v.uid == d.uid));
@@ -583,17 +578,13 @@ impl Provider for KubernetesProvider {
                     out.adopted.push(r.id);
                 }
                 _ => {
-                    let reason = match view {
-                        _ if r.state == LeaseState::Requested => EndReason::Failed,
-                        Some(v) if v.is_disrupted() => EndReason::Preempted,
-                        _ => EndReason::Lost,
-                    };
+                    let taken = view.is_some_and(|v| v.is_disrupted());
+                    let reason = remote::gone_reason(r.state, taken);
                     // billed to when its worker stopped, where the Pod
                     // still says; a Pod gone says nothing: to now
                     let at = view.map_or(now, |v| v.ended_at(now));
-                    ledger.mark_ended(r.id, at, reason)?;
+                    remote::end_gone(ledger, &mut out, r.id, at, reason)?;
                     tracing::warn!(lease = %r.id, pod = ?data.map(|d| d.pod), ?reason, ended_at = at, "worker pod gone, finished or being deleted after restart; lease ended");
-                    out.ended.push((r.id, reason));
                 }
             }
         }

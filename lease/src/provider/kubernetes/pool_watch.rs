@@ -3,8 +3,10 @@
 //! leases' Pods into their [`PodWatch`]es and sends what follows as
 //! [`ProviderEvent`]s; it deletes finished Pods, and Pods an acquire gave up
 //! creating that the API server made after all. The provider talks to it
-//! with [`Cmd`]s and shares [`Held`] with it, which the loop changes only to
-//! drop a lease whose Pod ended. What a Pod's state means is
+//! with [`Cmd`]s, which it applies to its [`Watched`] table (the
+//! skeleton's: which Pods are being released, so their end is no news),
+//! and shares [`Held`] with it, which the loop changes only to drop a lease
+//! whose Pod ended. What a Pod's state means is
 //! [`PodWatch::observe`]'s to decide, not the loop's.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -16,9 +18,9 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::mpsc;
 
-use super::super::remote::{Abandoned, JobBackend};
+use super::super::remote::{Applied, Watched};
 use super::super::{ProviderEvent, wall_clock_ms};
-use super::{Cmd, Held, KubeJobs, KubernetesConfig, PodView, PodWatch, Step, is_status};
+use super::{Cmd, Held, KubeJobs, KubernetesConfig, PodView, Step, is_status};
 use crate::billing::Millis;
 use crate::table::LeaseId;
 
@@ -33,10 +35,10 @@ pub(super) struct WatchState {
     init: Option<HashMap<String, PodView>>,
     gone: HashSet<String>,
     gone_order: VecDeque<String>,
-    watches: HashMap<LeaseId, PodWatch>,
-    /// Pods an acquire gave up creating, with their token Secret's name,
-    /// deleted by the watch if they appear in time.
-    abandoned: Abandoned<String>,
+    /// The held leases' watches, and the Pods an acquire gave up creating
+    /// (with their token Secret's name), deleted by the watch if they
+    /// appear in time.
+    watched: Watched<KubeJobs>,
 }
 
 impl WatchState {
@@ -56,7 +58,8 @@ impl WatchState {
     /// is not being deleted yet.
     fn stray(&mut self, name: &str) -> Option<(PodView, String)> {
         let secret = self
-            .abandoned
+            .watched
+            .abandoned()
             .get(name, tokio::time::Instant::now())?
             .clone();
         if !self.leases_of(name).is_empty() {
@@ -68,8 +71,8 @@ impl WatchState {
 
     /// The leases watching Pod `name`.
     fn leases_of(&self, name: &str) -> Vec<LeaseId> {
-        self.watches
-            .values()
+        self.watched
+            .watching()
             .filter(|w| w.pod == name)
             .map(|w| w.lease)
             .collect()
@@ -78,30 +81,21 @@ impl WatchState {
     /// Takes an order from the provider; returns the leases whose Pod may
     /// mean news now. Pods an acquire gave up creating go to `maybe_strays`.
     fn on_cmd(&mut self, cmd: Cmd, maybe_strays: &mut Vec<String>) -> Vec<LeaseId> {
-        match cmd {
-            Cmd::Watch(watch) => {
+        let (pods, gone) = (&mut self.pods, &self.gone);
+        let applied = self
+            .watched
+            .apply(cmd, tokio::time::Instant::now(), |watch| {
                 let (w, view) = *watch;
-                let lease = w.lease;
-                if !self.gone.contains(&view.uid) {
-                    self.pods.entry(view.name.clone()).or_insert(view);
+                if !gone.contains(&view.uid) {
+                    pods.entry(view.name.clone()).or_insert(view);
                 }
-                self.watches.insert(lease, w);
-                vec![lease]
-            }
-            Cmd::Releasing(lease, releasing) => {
-                if let Some(w) = self.watches.get_mut(&lease) {
-                    w.releasing = releasing;
-                }
-                if releasing { Vec::new() } else { vec![lease] }
-            }
-            Cmd::Forget(lease, done) => {
-                self.watches.remove(&lease);
-                let _ = done.send(());
-                Vec::new()
-            }
-            Cmd::Abandoned { name, stray } => {
-                maybe_strays.push(name.clone());
-                self.abandoned.add(name, stray, tokio::time::Instant::now());
+                w
+            });
+        match applied {
+            Applied::Watched(lease) | Applied::NewsAgain(lease) => vec![lease],
+            Applied::Releasing(_) | Applied::Forgotten(_) => Vec::new(),
+            Applied::Abandoned(name) => {
+                maybe_strays.push(name);
                 Vec::new()
             }
         }
@@ -142,7 +136,7 @@ impl WatchState {
             Event::Delete(p) => {
                 let v = PodView::of(&p);
                 self.pods.remove(&v.name);
-                self.abandoned.remove(&v.name);
+                self.watched.abandoned().remove(&v.name);
                 self.mark_gone(&v.uid);
                 self.leases_of(&v.name)
             }
@@ -172,14 +166,14 @@ impl WatchState {
         maybe_strays: &mut Vec<String>,
     ) -> Vec<LeaseId> {
         let listed = self.init.take().unwrap_or_default();
-        for w in self.watches.values() {
+        for w in self.watched.watching() {
             if !listed.contains_key(&w.pod) {
                 spawn_check(pods, &w.pod, &w.uid, checked_tx);
             }
         }
         // keep the unlisted held Pods until checked
         let mut next = listed;
-        for w in self.watches.values() {
+        for w in self.watched.watching() {
             if let Some(v) = self.pods.get(&w.pod)
                 && !next.contains_key(&w.pod)
             {
@@ -187,8 +181,8 @@ impl WatchState {
             }
         }
         self.pods = next;
-        maybe_strays.extend(self.abandoned.names().map(String::from));
-        self.watches.keys().copied().collect()
+        maybe_strays.extend(self.watched.abandoned().names().map(String::from));
+        self.watched.leases()
     }
 
     /// Deletes the Pods among `maybe_strays` that an acquire gave up
@@ -235,8 +229,7 @@ pub(super) async fn watch_pods(
         init: None,
         gone: HashSet::new(),
         gone_order: VecDeque::new(),
-        watches: HashMap::new(),
-        abandoned: Abandoned::new(KubeJobs::ABANDONED_KEPT),
+        watched: Watched::new(),
     };
     let mut failures = 0u32;
     loop {
@@ -331,8 +324,10 @@ fn spawn_check(
     });
 }
 
-/// Folds the Pods of `leases` into their watches and sends what follows.
-/// `false` once the event channel is closed.
+/// Folds the Pods of `leases` into their watches and sends what follows;
+/// a lease whose Pod we are deleting (release) is skipped: the release
+/// waits for the Pod to go and forgets it. `false` once the event channel
+/// is closed.
 #[allow(clippy::too_many_arguments)]
 async fn observe(
     st: &mut WatchState,
@@ -347,7 +342,7 @@ async fn observe(
     let now = wall_clock_ms();
     let mut out = Vec::new();
     for lease in leases {
-        let Some(w) = st.watches.get_mut(lease) else {
+        let Some(w) = st.watched.news(*lease) else {
             continue;
         };
         let pod = st.pods.get(&w.pod);
@@ -390,7 +385,7 @@ async fn observe(
                     );
                 }
                 tracing::info!(%lease, ?reason, %detail, "worker pod ended");
-                st.watches.remove(lease);
+                st.watched.ended(*lease);
                 held.ended(*lease);
                 out.push(ProviderEvent::Ended {
                     lease: *lease,
@@ -406,4 +401,80 @@ async fn observe(
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::kubernetes::PodWatch;
+
+    fn state() -> WatchState {
+        WatchState {
+            pods: HashMap::new(),
+            init: None,
+            gone: HashSet::new(),
+            gone_order: VecDeque::new(),
+            watched: Watched::new(),
+        }
+    }
+
+    fn running(name: &str, uid: &str) -> PodView {
+        PodView {
+            name: name.into(),
+            uid: uid.into(),
+            phase: "Running".into(),
+            ..PodView::default()
+        }
+    }
+
+    #[test]
+    fn our_own_deletion_is_no_news_until_the_release_fails() {
+        let mut st = state();
+        let mut strays = Vec::new();
+        let (lease, view) = (LeaseId(7), running("tidegate-worker-7", "u-7"));
+        let w = PodWatch::new(lease, &view, true);
+        let watch = Box::new((w, view.clone()));
+        assert_eq!(st.on_cmd(Cmd::Watch(watch), &mut strays), [lease]);
+        assert_eq!(st.pods.get("tidegate-worker-7"), Some(&view));
+        assert!(
+            st.on_cmd(Cmd::Releasing(lease, true), &mut strays)
+                .is_empty()
+        );
+        assert!(st.watched.news(lease).is_none());
+        assert_eq!(st.leases_of("tidegate-worker-7"), [lease]);
+        assert_eq!(
+            st.on_cmd(Cmd::Releasing(lease, false), &mut strays),
+            [lease]
+        );
+        assert!(st.watched.news(lease).is_some());
+        assert!(strays.is_empty());
+    }
+
+    #[test]
+    fn a_watch_keeps_the_pods_view_unless_that_pod_is_gone_and_an_abandoned_pod_may_be_a_stray() {
+        let mut st = state();
+        let mut strays = Vec::new();
+        let view = running("tidegate-worker-8", "u-8");
+        st.mark_gone("u-8");
+        let watch = Box::new((PodWatch::new(LeaseId(8), &view, false), view));
+        assert_eq!(st.on_cmd(Cmd::Watch(watch), &mut strays), [LeaseId(8)]);
+        assert!(st.pods.is_empty(), "a gone Pod does not come back");
+        let abandoned = Cmd::Abandoned {
+            name: "tidegate-worker-9".into(),
+            stray: "tidegate-token-9".into(),
+        };
+        assert!(st.on_cmd(abandoned, &mut strays).is_empty());
+        assert_eq!(strays, ["tidegate-worker-9"]);
+        // not there yet: nothing to delete
+        assert!(st.stray("tidegate-worker-9").is_none());
+        st.pods.insert(
+            "tidegate-worker-9".into(),
+            running("tidegate-worker-9", "u-9"),
+        );
+        let (v, secret) = st.stray("tidegate-worker-9").unwrap();
+        assert_eq!(
+            (v.uid.as_str(), secret.as_str()),
+            ("u-9", "tidegate-token-9")
+        );
+    }
 }

@@ -156,8 +156,6 @@ pub struct PodWatch {
     pub ran: bool,
     /// Its preemption notice was sent.
     pub noticed: bool,
-    /// We are deleting it (release): its end is ours, not news.
-    pub releasing: bool,
     /// The last waiting or unschedulable reason logged, so each is logged
     /// once.
     pub last_wait: Option<String>,
@@ -204,20 +202,16 @@ impl PodWatch {
             uid: pod.uid.clone(),
             ran,
             noticed: false,
-            releasing: false,
             last_wait: None,
         }
     }
 
     /// Folds one observation of the Pod (`None`: it is gone) into the
     /// watch. `grace_ms` is the Pod's grace period, the notice a Pod
-    /// disrupted without a deletion time gets.
+    /// disrupted without a deletion time gets. The watch loop asks only
+    /// while the Pod's end can be news: not while we delete it (release).
     pub fn observe(&mut self, pod: Option<&PodView>, now: Millis, grace_ms: Millis) -> Step {
         let pod = pod.filter(|p| p.uid == self.uid);
-        if self.releasing {
-            // release() waits for the Pod to go and forgets it then
-            return Step::Nothing;
-        }
         let Some(pod) = pod else {
             let disrupted = self.noticed;
             return Step::Ended {
@@ -437,18 +431,6 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn our_own_deletion_is_no_news() {
-        let mut w = watch();
-        w.observe(Some(&view("Running")), 0, GRACE);
-        w.releasing = true;
-        let mut p = view("Running");
-        p.deleting_at = Some(30_000);
-        assert_eq!(w.observe(Some(&p), 1, GRACE), Step::Nothing);
-        assert_eq!(w.observe(None, 2, GRACE), Step::Nothing);
-        assert!(!w.noticed);
     }
 
     #[test]

@@ -85,7 +85,7 @@ use self::poll::HeldJobs;
 use self::release::JobRelease;
 use self::tools::{TOOL_TIMEOUT, Tools, tool_error};
 pub use self::watch::{JobWatch, Step};
-use super::remote::{Unreleased, release_all};
+use super::remote::{self, Unreleased, release_all};
 use super::{
     Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider,
     ProviderError, ProviderEvent, checked_secs,
@@ -93,7 +93,6 @@ use super::{
 use crate::billing::Millis;
 use crate::catalog::Tier;
 use crate::ledger::Ledger;
-use crate::lifecycle::{EndReason, LeaseState};
 use crate::table::LeaseId;
 
 /// Provider name in the ledger.
@@ -353,22 +352,15 @@ impl Provider for SlurmProvider {
     /// a controller that cannot answer fails it, since ending leases whose
     /// jobs may well run would leak them.
     async fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
-        let recs = ledger.live_leases()?;
+        let recs = remote::recorded::<SlurmData>(ledger, PROVIDER_NAME)?;
         let ids: Vec<JobId> = recs
             .iter()
-            .filter(|r| r.provider == PROVIDER_NAME)
-            .filter_map(|r| r.provider_data.as_deref())
-            .filter_map(|d| serde_json::from_str::<SlurmData>(d).ok())
-            .map(|d| d.job_id)
+            .filter_map(|(_, d)| d.as_ref().map(|d| d.job_id))
             .collect();
         let infos = self.tools.squeue(&ids).await?;
         let mut out = Adoption::default();
-        for r in recs.into_iter().filter(|r| r.provider == PROVIDER_NAME) {
-            let job = r
-                .provider_data
-                .as_deref()
-                .and_then(|d| serde_json::from_str::<SlurmData>(d).ok())
-                .map(|d| d.job_id);
+        for (r, data) in recs {
+            let job = data.map(|d| d.job_id);
             let info = job.and_then(|j| infos.iter().find(|i| i.id == j));
             let live = info.filter(|i| !matches!(i.state, JobState::Ended(_)));
             if let (Some(job), Some(info)) = (job, live) {
@@ -377,11 +369,7 @@ impl Provider for SlurmProvider {
                 tracing::info!(lease = %r.id, %job, "adopted Slurm job after restart");
                 out.adopted.push(r.id);
             } else {
-                let reason = if r.state == LeaseState::Requested {
-                    EndReason::Failed
-                } else {
-                    EndReason::Lost
-                };
+                let reason = remote::gone_reason(r.state, false);
                 if job.is_none() {
                     // The gateway stopped between sbatch and recording the
                     // job id: a job may be queued under the lease's name,
@@ -403,9 +391,8 @@ impl Provider for SlurmProvider {
                 // billed to when the job ended, where Slurm still says
                 // (`MinJobAge`, 300 s by default); otherwise to now
                 let at = info.and_then(|i| i.end_time).map_or(now, |t| t.min(now));
-                ledger.mark_ended(r.id, at, reason)?;
+                remote::end_gone(ledger, &mut out, r.id, at, reason)?;
                 tracing::warn!(lease = %r.id, job = ?job, ended_at = at, "Slurm job gone after restart; lease ended");
-                out.ended.push((r.id, reason));
             }
         }
         Ok(out)

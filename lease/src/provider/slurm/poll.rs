@@ -2,16 +2,17 @@
 //! `squeue` for them every `poll_interval_ms` and sends what each row means
 //! as a [`ProviderEvent`]; it also cancels requeued jobs, and jobs that an
 //! `sbatch` which did not answer queued after all. The provider talks to it
-//! with [`Cmd`]s and shares [`HeldJobs`] with it, which the poller changes
-//! only to drop a job Slurm reported ended (before it sends the end). What
-//! a row means is [`JobWatch::observe`]'s to decide, not the poller's.
+//! with [`Cmd`]s, which it applies to its [`Watched`] table (the skeleton's:
+//! which jobs are being released, so their end is no news), and shares
+//! [`HeldJobs`] with it, which the poller changes only to drop a job Slurm
+//! reported ended (before it sends the end). What a row means is
+//! [`JobWatch::observe`]'s to decide, not the poller's.
 
-use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use super::super::remote::{self, Abandoned, JobBackend, RemoteJobs};
+use super::super::remote::{self, Abandoned, JobBackend, RemoteJobs, Watched};
 use super::super::{ProviderError, ProviderEvent, wall_clock_ms};
 use super::parse::{JobId, JobInfo, parse_stray_jobs};
 use super::tools::{Tools, tool_error};
@@ -29,6 +30,7 @@ pub(super) struct SlurmJobs;
 impl JobBackend for SlurmJobs {
     type Job = JobId;
     type Watch = JobWatch;
+    type Watching = JobWatch;
     type Stray = ();
     const ABANDONED_KEPT: usize = 256;
 
@@ -95,10 +97,8 @@ pub(super) async fn run(
     events: mpsc::Sender<ProviderEvent>,
     held: HeldJobs,
 ) {
-    let mut watches: HashMap<LeaseId, JobWatch> = HashMap::new();
-    let mut releasing: HashSet<LeaseId> = HashSet::new();
-    // job names of unanswered sbatches, and until when to look for them
-    let mut abandoned = Abandoned::new(SlurmJobs::ABANDONED_KEPT);
+    // the watched jobs, and the job names of unanswered sbatches
+    let mut watched: Watched<SlurmJobs> = Watched::new();
     // the first poll one interval after start, not at once: a lease
     // watched in the meantime is looked at on the same schedule as later
     // ones (and a test that swaps a tool after its acquire never races an
@@ -109,38 +109,27 @@ pub(super) async fn run(
     loop {
         tokio::select! {
             cmd = cmds.recv() => match cmd {
-                Some(Cmd::Watch(w)) => {
-                    watches.insert(w.lease, w);
-                }
-                Some(Cmd::Releasing(lease, true)) => {
-                    releasing.insert(lease);
-                }
-                Some(Cmd::Releasing(lease, false)) => {
-                    releasing.remove(&lease);
-                }
-                Some(Cmd::Forget(lease, done)) => {
-                    watches.remove(&lease);
-                    releasing.remove(&lease);
-                    let _ = done.send(());
-                }
-                Some(Cmd::Abandoned { name, stray: () }) => {
-                    abandoned.add(name, (), tokio::time::Instant::now());
+                // what the order did needs no action here: the next poll
+                // looks at every watched job, and for every abandoned name
+                Some(cmd) => {
+                    watched.apply(cmd, tokio::time::Instant::now(), |w| w);
                 }
                 None => return,
             },
             _ = tick.tick() => {
+                let abandoned = watched.abandoned();
                 abandoned.expire(tokio::time::Instant::now());
                 if !abandoned.is_empty() {
-                    cancel_strays(&tools, &mut abandoned).await;
+                    cancel_strays(&tools, abandoned).await;
                 }
-                if watches.is_empty() {
+                if watched.is_empty() {
                     continue;
                 }
-                let jobs: Vec<JobId> = watches.values().map(|w| w.job).collect();
+                let jobs: Vec<JobId> = watched.watching().map(|w| w.job).collect();
                 match tools.squeue(&jobs).await {
                     Ok(infos) => {
                         failures = 0;
-                        if !poll_once(&tools, &mut watches, &releasing, &infos, notice, &events, &held).await {
+                        if !poll_once(&tools, &mut watched, &infos, notice, &events, &held).await {
                             return;
                         }
                     }
@@ -157,13 +146,14 @@ pub(super) async fn run(
     }
 }
 
-/// Folds one `squeue` answer into the watches and sends what it means;
-/// `false` once nobody listens to the events. A job that ended is dropped
-/// from the watches and from the held jobs before its end is sent.
+/// Folds one `squeue` answer into the watches whose jobs can be news (not
+/// being released: the release waits for its end and forgets it) and
+/// sends what it means; `false` once nobody listens to the events. A job
+/// that ended is dropped from the watches and from the held jobs before
+/// its end is sent.
 async fn poll_once(
     tools: &Tools,
-    watches: &mut HashMap<LeaseId, JobWatch>,
-    releasing: &HashSet<LeaseId>,
+    watched: &mut Watched<SlurmJobs>,
     infos: &[JobInfo],
     notice: Duration,
     events: &mpsc::Sender<ProviderEvent>,
@@ -172,12 +162,8 @@ async fn poll_once(
     let now = wall_clock_ms();
     let mut ended = Vec::new();
     let mut out = Vec::new();
-    for w in watches.values_mut() {
-        let (lease, job) = (w.lease, w.job);
-        if releasing.contains(&lease) {
-            // release() waits for its end and forgets it
-            continue;
-        }
+    for (lease, w) in watched.all_news() {
+        let job = w.job;
         let info = infos.iter().find(|i| i.id == job);
         let notice_first = |deadline: Option<Millis>, out: &mut Vec<ProviderEvent>| {
             if let Some(deadline) = deadline {
@@ -225,7 +211,7 @@ async fn poll_once(
         }
     }
     for lease in ended {
-        watches.remove(&lease);
+        watched.ended(lease);
         held.ended(lease);
     }
     for ev in out {
@@ -254,6 +240,44 @@ mod tests {
         std::os::unix::fs::symlink(target, link).unwrap();
     }
 
+    /// A poller's table watching `w`.
+    fn watched_with(w: JobWatch) -> Watched<SlurmJobs> {
+        let mut watched = Watched::new();
+        watched.apply(Cmd::Watch(w), tokio::time::Instant::now(), |w| w);
+        watched
+    }
+
+    #[tokio::test]
+    async fn a_job_we_are_releasing_is_not_looked_at_and_its_end_is_no_news() {
+        let tools = Tools {
+            bin_dir: None,
+            slurm_conf: None,
+            timeout: Duration::from_secs(30),
+        };
+        let lease = LeaseId(2);
+        let mut watched = watched_with(JobWatch::new(lease, JobId(7), true));
+        let (held, _cmds) = HeldJobs::new();
+        held.watch(JobWatch::new(lease, JobId(7), true)).unwrap();
+        let (tx, mut rx) = mpsc::channel(16);
+        let now = tokio::time::Instant::now();
+        watched.apply(Cmd::Releasing(lease, true), now, |w| w);
+        // it ended, but by our own scancel
+        let cancelled = [info("CANCELLED", None)];
+        assert!(poll_once(&tools, &mut watched, &cancelled, NOTICE, &tx, &held).await);
+        assert!(rx.try_recv().is_err());
+        assert_eq!(watched.leases(), [lease], "the release forgets it");
+        assert_eq!(held.job(lease), Some(JobId(7)));
+        // the release failed: the same answer is news now
+        watched.apply(Cmd::Releasing(lease, false), now, |w| w);
+        assert!(poll_once(&tools, &mut watched, &cancelled, NOTICE, &tx, &held).await);
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(ProviderEvent::Ended { lease: l, .. }) if l == lease
+        ));
+        assert!(watched.is_empty());
+        assert!(held.held().is_empty());
+    }
+
     #[tokio::test]
     async fn a_requeued_job_whose_scancel_fails_stays_held_and_watched() {
         let dir = tempfile::tempdir().unwrap();
@@ -263,49 +287,26 @@ mod tests {
             timeout: Duration::from_secs(30),
         };
         let lease = LeaseId(1);
-        let mut watches = HashMap::from([(lease, JobWatch::new(lease, JobId(7), true))]);
+        let mut watched = watched_with(JobWatch::new(lease, JobId(7), true));
         let (held, _cmds) = HeldJobs::new();
         held.watch(JobWatch::new(lease, JobId(7), true)).unwrap();
         let (tx, mut rx) = mpsc::channel(16);
         let requeued = [info("PENDING", Some(4000))];
-        let releasing = HashSet::new();
 
         fake_scancel(dir.path(), false);
-        assert!(
-            poll_once(
-                &tools,
-                &mut watches,
-                &releasing,
-                &requeued,
-                NOTICE,
-                &tx,
-                &held
-            )
-            .await
-        );
+        assert!(poll_once(&tools, &mut watched, &requeued, NOTICE, &tx, &held).await);
         // the notice goes out (its worker is gone), but the lease does not end
         assert!(matches!(
             rx.try_recv(),
             Ok(ProviderEvent::PreemptionNotice { lease: l, deadline: 34_000 }) if l == lease
         ));
         assert!(rx.try_recv().is_err());
-        assert!(watches.contains_key(&lease));
+        assert_eq!(watched.leases(), [lease]);
         assert_eq!(held.job(lease), Some(JobId(7)));
 
         // the next poll cancels again; this time it works, and it ends
         fake_scancel(dir.path(), true);
-        assert!(
-            poll_once(
-                &tools,
-                &mut watches,
-                &releasing,
-                &requeued,
-                NOTICE,
-                &tx,
-                &held
-            )
-            .await
-        );
+        assert!(poll_once(&tools, &mut watched, &requeued, NOTICE, &tx, &held).await);
         match rx.try_recv() {
             Ok(ProviderEvent::Ended {
                 lease: l, reason, ..
@@ -316,7 +317,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(rx.try_recv().is_err());
-        assert!(watches.is_empty());
+        assert!(watched.is_empty());
         assert!(held.held().is_empty());
     }
 }
