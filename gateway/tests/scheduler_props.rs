@@ -97,6 +97,9 @@ struct World {
     /// When each worker joined, and the run time of its batches answered
     /// so far.
     busy: HashMap<WorkerId, (Micros, u64)>,
+    /// The batch being answered, if it is still its worker's: it must
+    /// come back as the one `Action::BatchRan`.
+    expected_run: Option<(WorkerId, BatchId, Vec<FrameId>, u32)>,
 }
 
 impl World {
@@ -175,6 +178,21 @@ impl World {
                         "restored a worker not demoted"
                     );
                 }
+                Action::BatchRan {
+                    worker,
+                    batch,
+                    frames,
+                    run_us,
+                    ..
+                } => {
+                    // the answered batch, as sent, at the run time the
+                    // scheduler measured for it just before
+                    prop_assert_eq!(
+                        self.expected_run.take(),
+                        Some((worker, batch, frames, run_us)),
+                        "a batch ran that was not answered, or not as sent and measured"
+                    );
+                }
                 Action::Complete { frame, status, .. } => {
                     prop_assert!(self.completed.insert(frame), "{:?} completed twice", frame);
                     if status == Status::Expired {
@@ -228,6 +246,7 @@ impl World {
                 self.now - *joined
             );
         }
+        self.expected_run = run.map(|r| (worker, batch, frames, r.run_us));
         self.apply(
             s,
             Event::BatchFinished {
@@ -235,7 +254,9 @@ impl World {
                 batch,
                 outcomes,
             },
-        )
+        )?;
+        prop_assert_eq!(&self.expected_run, &None, "an answered batch did not run");
+        Ok(())
     }
 }
 

@@ -127,11 +127,21 @@ impl State {
     /// [`State::step`] at `now`, which the caller also used to ask the
     /// scheduler something about this event.
     pub(super) fn step_at(&mut self, now: Micros, event: Event) {
-        let retried = self.scheduler.counters().retried;
+        let (actions, retried) = self.scheduler_step(now, event);
+        self.settle(actions, retried);
+    }
+
+    /// The scheduler told `event` at `now`: its actions, and how many
+    /// frames it sent to another worker meanwhile.
+    pub(super) fn scheduler_step(&mut self, now: Micros, event: Event) -> (Vec<Action>, u64) {
+        let before = self.scheduler.counters().retried;
         let actions = self.scheduler.on_event(now, event);
-        self.metrics
-            .frames_retried
-            .inc_by(self.scheduler.counters().retried - retried);
+        (actions, self.scheduler.counters().retried - before)
+    }
+
+    /// Carries out the scheduler's `actions`, in order.
+    pub(super) fn settle(&mut self, actions: Vec<Action>, retried: u64) {
+        self.metrics.frames_retried.inc_by(retried);
         for a in actions {
             self.act(a);
         }
@@ -248,6 +258,9 @@ impl State {
 
     fn act(&mut self, action: Action) {
         match action {
+            // Only an answer's own step makes one, and takes it there with
+            // the answer's items (`State::batch_done`).
+            Action::BatchRan { .. } => {}
             Action::Dispatch {
                 worker,
                 batch,

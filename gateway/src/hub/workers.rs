@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 
 use bytes::Bytes;
-use tidegate_protocol::{BatchResult, Codec, Register};
+use tidegate_protocol::{BatchResult, Codec, ItemResult, Register, Status};
 use tokio::sync::oneshot;
 
 use tidegate_lease::LeaseId;
@@ -14,7 +14,7 @@ use tidegate_lease::LeaseId;
 use super::ServedModel;
 use super::roster::{Change, Membership};
 use super::state::{State, WorkerEntry};
-use crate::scheduler::{BatchId, Event, FrameId, WorkerId, WorkerModel};
+use crate::scheduler::{Action, BatchId, Event, FrameId, WorkerId, WorkerModel};
 
 impl State {
     /// A worker has gone (disconnected, lease ended, or wedged): forget
@@ -116,14 +116,45 @@ impl State {
             .set((total - busy) as i64);
     }
 
-    /// A worker answered a batch: its answers, timings and outputs recorded, and the scheduler told.
+    /// A worker answered a batch: the scheduler told once, at `now`; if
+    /// the batch is still the worker's ([`Action::BatchRan`]), its frames'
+    /// answers, timings and outputs are recorded before their ends.
     pub(super) fn batch_done(&mut self, worker: WorkerId, result: BatchResult) {
-        // The run time is the scheduler's (from the batch's dispatch, or
-        // the worker's previous result if later), taken at the `now` the
-        // scheduler is then told the batch finished at.
         let now = self.now();
         let batch = BatchId(result.batch);
-        let Some(run) = self.scheduler.batch_run(now, worker, batch) else {
+        let answers = result.items.len();
+        // Every answer goes to the scheduler, which judges the worker by
+        // them (one for a frame the batch does not hold is malformed).
+        let outcomes: Vec<(FrameId, Status)> = result
+            .items
+            .iter()
+            .map(|i| (FrameId(i.id), i.status.clone()))
+            .collect();
+        let (actions, retried) = self.scheduler_step(
+            now,
+            Event::BatchFinished {
+                worker,
+                batch,
+                outcomes,
+            },
+        );
+        let mut rest = Vec::with_capacity(actions.len());
+        let mut items = Some(result.items);
+        for a in actions {
+            match a {
+                Action::BatchRan {
+                    model,
+                    frames,
+                    run_us,
+                    ..
+                } => {
+                    let items = items.take().unwrap_or_default();
+                    self.batch_ran(worker, &model, &frames, run_us, answers, items);
+                }
+                a => rest.push(a),
+            }
+        }
+        if items.is_some() {
             // Not (or no longer) this worker's batch: its frames were
             // re-homed or failed when the worker was lost or dropped;
             // they end there, so this late result is not theirs.
@@ -132,41 +163,58 @@ impl State {
                 batch = batch.0,
                 "result of a batch re-homed meanwhile; ignored"
             );
-            return;
-        };
-        let (latency_us, size) = (run.run_us, run.frames);
+        }
+        self.settle(rest, retried);
+    }
+
+    /// `worker` ran a batch of `model` (`frames`, as sent) in `run_us` on
+    /// the scheduler's clock, answering `items` (`answers` of them): the
+    /// held frames take their outputs and a share of the run, and the
+    /// run and the worker's own time are recorded.
+    fn batch_ran(
+        &mut self,
+        worker: WorkerId,
+        model: &str,
+        frames: &[FrameId],
+        run_us: u32,
+        answers: usize,
+        items: Vec<ItemResult>,
+    ) {
+        let now = self.now();
         let lease = self.roster.lease(worker);
         if let Some(l) = lease {
-            self.served.entry(l).or_default().busy_us += u64::from(latency_us);
+            self.served.entry(l).or_default().busy_us += u64::from(run_us);
         }
-        let mut outcomes = Vec::with_capacity(result.items.len());
         let mut inference_us = 0;
-        // the worker's own time on the batch, as its profile
-        // measures it: each frame's pre- and postprocessing, and
-        // the one inference run
+        // the worker's own time on the batch, as its profile measures it:
+        // each frame's pre- and postprocessing, and the one inference run
         let mut per_frame_us = 0u64;
-        let share = u64::from(latency_us) / result.items.len().max(1) as u64;
-        let shared_buffer = result.items.len() > 1;
-        for mut item in result.items {
+        let share = u64::from(run_us) / answers.max(1) as u64;
+        let shared_buffer = answers > 1;
+        if let Some(w) = self.workers.get(&worker) {
+            for item in &items {
+                self.metrics
+                    .worker_frames
+                    .with_label_values(&[w.label.as_str(), item.status.label()])
+                    .inc();
+            }
+        }
+        for mut item in items {
             inference_us = inference_us.max(item.timings.inference_us);
             per_frame_us +=
                 u64::from(item.timings.preprocess_us) + u64::from(item.timings.postprocess_us);
+            let id = FrameId(item.id);
+            // Only the batch's own frames take their answer's outputs.
+            if !frames.contains(&id) {
+                continue;
+            }
             if shared_buffer {
-                // Raw outputs slice the whole batch's buffer: copied
-                // out, a result waiting for its edge holds its own
-                // bytes (what its queue counts), not its batch's.
+                // Raw outputs slice the whole batch's buffer: copied out,
+                // a result waiting for its edge holds its own bytes (what
+                // its queue counts), not its batch's.
                 for o in &mut item.outputs {
                     o.data = Bytes::copy_from_slice(&o.data);
                 }
-            }
-            let id = FrameId(item.id);
-            // Every answer goes to the scheduler, which judges the
-            // worker by them (one for a frame the batch does not
-            // hold is malformed); only the batch's own frames take
-            // their answer's outputs.
-            outcomes.push((id, item.status.clone()));
-            if !self.scheduler.batch_holds(batch, id) {
-                continue;
             }
             if let Some(p) = self.pending.get_mut(&id) {
                 p.served_by = lease;
@@ -174,43 +222,21 @@ impl State {
                 self.outputs.insert(id, item);
             }
         }
-        let model = outcomes
-            .iter()
-            .find_map(|(id, _)| self.pending.get(id))
-            .map(|p| p.frame.model.clone());
-        if let Some(model) = model.filter(|_| size > 0) {
-            self.metrics
-                .inference
-                .with_label_values(&[model.as_str()])
-                .observe(inference_us as f64 / 1e6);
-            let compute_us = per_frame_us + u64::from(inference_us);
-            self.observe_worker_batch(worker, &model, size, latency_us, compute_us);
-            if let Some(w) = self.workers.get(&worker) {
-                let name = w.register.worker.as_str();
-                let times = crate::timeline::BatchTimes {
-                    run_us: latency_us,
-                    own_us: compute_us,
-                };
-                self.timeline
-                    .batch(now, worker.0, name, &model, size, times);
-            }
-        }
+        self.metrics
+            .inference
+            .with_label_values(&[model])
+            .observe(inference_us as f64 / 1e6);
+        let compute_us = per_frame_us + u64::from(inference_us);
+        self.observe_worker_batch(worker, model, frames.len(), run_us, compute_us);
         if let Some(w) = self.workers.get(&worker) {
-            for (_, status) in &outcomes {
-                self.metrics
-                    .worker_frames
-                    .with_label_values(&[w.label.as_str(), status.label()])
-                    .inc();
-            }
+            let name = w.register.worker.as_str();
+            let times = crate::timeline::BatchTimes {
+                run_us,
+                own_us: compute_us,
+            };
+            self.timeline
+                .batch(now, worker.0, name, model, frames.len(), times);
         }
-        self.step_at(
-            now,
-            Event::BatchFinished {
-                worker,
-                batch,
-                outcomes,
-            },
-        );
     }
 
     /// The operator drains the workers registered as `name`; answers how many.

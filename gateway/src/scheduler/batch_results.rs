@@ -14,7 +14,8 @@
 //! a probe comes back whole and mostly `ok`.
 //!
 //! A returned batch's run time ([`Scheduler::batch_run`]) refines its
-//! worker's profile. It runs from when the batch was dispatched, or from
+//! worker's profile, and goes to the shell with the batch's frames
+//! ([`Action::BatchRan`]), before their ends. It runs from when the batch was dispatched, or from
 //! when the worker returned its previous batch if that is later (a
 //! pipelined batch waits on the worker for the one before it), to the
 //! answer: transfer included, as the gateway sees it, on the scheduler's
@@ -45,7 +46,7 @@ impl Scheduler {
     /// the batch is running on that worker (unknown, or re-homed when the
     /// worker was lost or dropped: its answer is ignored).
     /// [`Event::BatchFinished`] at the same `now` refines the profile with
-    /// this run time; the shell asks first to share it out.
+    /// this run time and hands it to the shell ([`Action::BatchRan`]).
     pub fn batch_run(&self, now: Micros, worker: WorkerId, batch: BatchId) -> Option<BatchRun> {
         let w = self.workers.get(&worker)?;
         let r = w.running.iter().find(|r| r.batch == batch)?;
@@ -72,6 +73,15 @@ impl Scheduler {
             return;
         }
         let run = self.batch_run(now, worker, batch);
+        if let (Some(run), Some(q)) = (run, frames.first()) {
+            out.push(Action::BatchRan {
+                worker,
+                batch,
+                model: q.arrival.model.clone(),
+                frames: frames.iter().map(|q| q.arrival.id).collect(),
+                run_us: run.run_us,
+            });
+        }
         if let Some(w) = self.workers.get_mut(&worker) {
             w.running.retain(|r| r.batch != batch);
             w.last_done = Some(now);

@@ -210,6 +210,25 @@ pub enum Action {
         /// The worker.
         worker: WorkerId,
     },
+    /// A worker answered a batch it holds: the frames sent in it (only
+    /// these take their answer's outputs; a worker may not answer for
+    /// another's frames) and its run time ([`Scheduler::batch_run`]),
+    /// which has refined the worker's profile. Comes before the
+    /// [`Action::Complete`]s of the batch's frames. An answer to a batch
+    /// the worker no longer holds (re-homed when it was lost or dropped)
+    /// has none: it is ignored.
+    BatchRan {
+        /// The worker.
+        worker: WorkerId,
+        /// The batch.
+        batch: BatchId,
+        /// Its model.
+        model: String,
+        /// The frames it was sent with, in order.
+        frames: Vec<FrameId>,
+        /// Its run time (µs).
+        run_us: u32,
+    },
     /// The frame is finished: send this result to its edge.
     Complete {
         /// The frame.
@@ -392,15 +411,6 @@ impl Scheduler {
     /// Measured arrival rate of `model`, frames per second.
     pub fn arrival_rate(&self, model: &str, now: Micros) -> f64 {
         self.demand.get(model).map_or(0.0, |d| d.rate(now) * 1e6)
-    }
-
-    /// Whether `frame` is in flight in `batch`: only such a frame's answer
-    /// is taken from that batch's result (a worker may not answer for
-    /// another's frames).
-    pub fn batch_holds(&self, batch: BatchId, frame: FrameId) -> bool {
-        self.batches
-            .get(&batch)
-            .is_some_and(|(_, frames)| frames.iter().any(|q| q.arrival.id == frame))
     }
 
     /// Whether `worker` is demoted for failing its frames.
