@@ -218,6 +218,12 @@ fn policy_config(
     if let Some(s) = cfg.idle_timeout_secs {
         pc.idle_timeout_ms = s.saturating_mul(1000);
     }
+    if let Some(s) = cfg.renew_horizon_secs {
+        pc.renew_horizon_ms = s.saturating_mul(1000);
+    }
+    if let Some(m) = cfg.hedge_margin {
+        pc.hedge_margin = m;
+    }
     pc.release_lead_ms = RELEASE_LEAD.as_millis() as Millis;
     for m in &cfg.models {
         if m.min_fps > 0.0 {

@@ -7,6 +7,8 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
+use super::forecast::{Horizon, renewal_demand};
+use super::hedge::reserve_workers;
 use super::{AcquireReason, Action, Autoscaler, LeaseView, ModelLoad, PolicyName};
 use crate::billing::{Granularity, Millis};
 use crate::catalog::{Money, Tier};
@@ -14,7 +16,7 @@ use crate::lifecycle::LeaseState;
 use crate::table::LeaseId;
 
 /// Most the trend may add to the observed rate (fraction of it).
-const MAX_TREND_GROWTH: f64 = 0.25;
+pub(super) const MAX_TREND_GROWTH: f64 = 0.25;
 /// Trend window.
 const TREND_MS: Millis = 10 * 60_000;
 
@@ -70,16 +72,21 @@ impl Autoscaler {
             return;
         };
         let lead = self.startup_ms(&best_od_type) + 60_000;
-        let targets = self.targets(now, load, lead);
         let mine: Vec<LeaseView> = self
             .leases
             .values()
             .filter(|l| l.model == load.model)
             .cloned()
             .collect();
+        let hedge = self.hedge_fps(load, &mine, &best_od_type);
+        let mut targets = self.targets(now, load, lead);
+        targets.down += hedge;
         let capacity = self.serving_fps(load, &mine, |_| true);
         let spot_ok = self.spot_ok(now, &load.model);
-        let retiring = self.retiring_fps(now, load, &mine, spot_ok);
+        let retiring = self.retiring_fps(now, load, &mine, spot_ok, hedge);
+        // on-demand capacity that stays counts towards the hedge first
+        let od_kept = self.serving_fps(load, &mine, |l| l.tier == Tier::OnDemand) - retiring;
+        let hedge_met = od_kept.clamp(0.0, hedge);
         let mut m = ModelTick {
             now,
             load,
@@ -93,7 +100,16 @@ impl Autoscaler {
         }
         let tier = if spot_ok { Tier::Spot } else { Tier::OnDemand };
         let reason = self.acquire_reason(&targets, capacity);
-        actions.extend(self.acquire_to_target(&mut m, allow, tier, reason, targets.up));
+        actions.extend(self.acquire_to_target(&mut m, allow, tier, reason, targets.up + hedge_met));
+        if hedge > 0.0 {
+            actions.extend(self.acquire_to_target(
+                &mut m,
+                allow,
+                Tier::OnDemand,
+                AcquireReason::SpotHedge,
+                targets.up + hedge,
+            ));
+        }
 
         // --- scale down ---
         // Releasing a lease that serves must leave enough *ready* capacity:
@@ -175,12 +191,23 @@ impl Autoscaler {
                 (t, t)
             }
             PolicyName::Tidal | PolicyName::PaidBlockAware => {
-                let recent_max = st
-                    .history
-                    .iter()
-                    .filter(|(t, _)| *t + self.cfg.down_window_ms >= now)
-                    .map(|(_, r)| *r)
-                    .fold(rate, f64::max);
+                let recent_max = if self.cfg.policy == PolicyName::PaidBlockAware {
+                    // releases happen only at block ends: the down-target
+                    // is the forecast over the block a renewal would buy
+                    let horizon = Horizon {
+                        lookback_ms: self.cfg.down_window_ms,
+                        ahead_ms: self.cfg.renew_horizon_ms.max(lead),
+                    };
+                    renewal_demand(&st.history, now, rate, horizon, |t| {
+                        self.schedule_min(&load.model, t)
+                    })
+                } else {
+                    st.history
+                        .iter()
+                        .filter(|(t, _)| *t + self.cfg.down_window_ms >= now)
+                        .map(|(_, r)| *r)
+                        .fold(rate, f64::max)
+                };
                 let slope = trend(&st.history, now);
                 // a fitted ramp is followed for one start-up, but a spike's
                 // steep edge is not extrapolated beyond MAX_TREND_GROWTH
@@ -207,22 +234,57 @@ impl Autoscaler {
     /// ends and the lease is released as surplus (if the replacement is not
     /// ready by then, the lease is kept for another block: see the
     /// scale-down). A lease with no billing start yet is taken to start now
-    /// (`LeaseView::paid_until`), so it is not retiring.
+    /// (`LeaseView::paid_until`), so it is not retiring. The on-demand
+    /// capacity the spot hedge holds (`hedge` fps) is not handed over.
     fn retiring_fps(
         &self,
         now: Millis,
         load: &ModelLoad,
         mine: &[LeaseView],
         spot_ok: bool,
+        hedge: f64,
     ) -> f64 {
         if self.cfg.policy != PolicyName::PaidBlockAware || !spot_ok {
             return 0.0;
         }
-        self.serving_fps(load, mine, |l| {
+        let ending = self.serving_fps(load, mine, |l| {
             l.tier == Tier::OnDemand
                 && l.paid_until(now).saturating_sub(now)
                     <= self.startup_ms(&l.instance_type) + self.cfg.release_window_ms + 60_000
-        })
+        });
+        let on_demand = self.serving_fps(load, mine, |l| l.tier == Tier::OnDemand);
+        ending.min((on_demand - hedge).max(0.0))
+    }
+
+    /// `paid-block-aware`: the on-demand capacity (fps of `od_type`) held
+    /// above the target against spot preemptions: the reserve
+    /// (`hedge.rs`) for the model's serving spot workers, the rate its
+    /// notices measured and the start-up of `od_type`. 0 in other policies.
+    fn hedge_fps(&self, load: &ModelLoad, mine: &[LeaseView], od_type: &str) -> f64 {
+        if self.cfg.policy != PolicyName::PaidBlockAware || self.cfg.hedge_margin <= 0.0 {
+            return 0.0;
+        }
+        let spot: Vec<&LeaseView> = mine
+            .iter()
+            .filter(|l| l.tier == Tier::Spot && self.serves(l))
+            .collect();
+        if spot.is_empty() {
+            return 0.0;
+        }
+        // the catalog's rate of the most interrupted type held
+        let prior = spot
+            .iter()
+            .filter_map(|l| self.catalog.get(&l.instance_type))
+            .map(|it| it.spot_interruptions_per_hour)
+            .fold(0.0, f64::max);
+        let rate = self.models[&load.model].spot.rate_per_hour(prior);
+        let workers = reserve_workers(
+            rate,
+            spot.len() as u32,
+            self.startup_ms(od_type),
+            self.cfg.hedge_margin,
+        );
+        f64::from(workers) * load.throughput_fps.get(od_type).copied().unwrap_or(0.0)
     }
 
     /// Why this tick's acquires are made: the serving `capacity` covers

@@ -47,6 +47,7 @@ impl LeasingConfig {
             ("down_window_secs", self.down_window_secs),
             ("release_window_secs", self.release_window_secs),
             ("idle_timeout_secs", self.idle_timeout_secs),
+            ("renew_horizon_secs", self.renew_horizon_secs),
         ] {
             if let Some(s) = secs
                 && !(1..=MAX_LEASING_SECS).contains(&s)
@@ -60,6 +61,11 @@ impl LeasingConfig {
             && !(0.0..=10.0).contains(&h)
         {
             return bad(format!("leasing.headroom = {h} must be in [0, 10]"));
+        }
+        if let Some(m) = self.hedge_margin
+            && !(0.0..=10.0).contains(&m)
+        {
+            return bad(format!("leasing.hedge_margin = {m} must be in [0, 10]"));
         }
         Ok(())
     }

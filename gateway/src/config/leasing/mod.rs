@@ -88,6 +88,15 @@ pub struct LeasingConfig {
     /// Reactive policy: release a lease idle this long (s); unset: 300.
     #[serde(default)]
     pub idle_timeout_secs: Option<u64>,
+    /// Paid-block-aware: how far past a block's end the renewal forecast
+    /// looks (s), at least a start-up; unset: a start-up.
+    #[serde(default)]
+    pub renew_horizon_secs: Option<u64>,
+    /// Paid-block-aware: the on-demand reserve held against spot
+    /// preemptions, as a multiple of the spot workers the measured
+    /// interruption rate takes out over one start-up; unset or 0: none.
+    #[serde(default)]
+    pub hedge_margin: Option<f64>,
     /// What a clean stop (SIGTERM) does with the live leases: `release`
     /// them (default), or `keep` them for the next start to adopt, so a
     /// restart (an upgrade, a config change) pays no new billing block.
@@ -135,6 +144,8 @@ impl std::fmt::Debug for LeasingConfig {
             .field("down_window_secs", &self.down_window_secs)
             .field("release_window_secs", &self.release_window_secs)
             .field("idle_timeout_secs", &self.idle_timeout_secs)
+            .field("renew_horizon_secs", &self.renew_horizon_secs)
+            .field("hedge_margin", &self.hedge_margin)
             .field("on_stop", &self.on_stop)
             .field("process", &self.process)
             .field("static_workers", &statics)

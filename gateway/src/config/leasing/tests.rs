@@ -84,6 +84,9 @@ fn leasing_values_that_would_overflow_or_panic_are_refused_naming_the_field() {
             "down_window_secs",
         ),
         ("idle_timeout_secs = 0", "idle_timeout_secs"),
+        ("renew_horizon_secs = 0", "renew_horizon_secs"),
+        ("hedge_margin = -1.0", "hedge_margin"),
+        ("hedge_margin = nan", "hedge_margin"),
         (
             "start_timeout_secs = 18446744073709551615",
             "start_timeout_secs",
