@@ -45,7 +45,7 @@ impl Scheduler {
     /// The run of `batch` if `worker` answered it at `now`: `None` unless
     /// the batch is running on that worker (unknown, or re-homed when the
     /// worker was lost or dropped: its answer is ignored).
-    /// [`Event::BatchFinished`] at the same `now` refines the profile with
+    /// [`Event::BatchFinished`](super::Event::BatchFinished) at the same `now` refines the profile with
     /// this run time and hands it to the shell ([`Action::BatchRan`]).
     pub fn batch_run(&self, now: Micros, worker: WorkerId, batch: BatchId) -> Option<BatchRun> {
         let w = self.workers.get(&worker)?;
