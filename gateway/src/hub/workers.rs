@@ -14,7 +14,7 @@ use tidegate_lease::LeaseId;
 use super::ServedModel;
 use super::roster::{Change, Membership};
 use super::state::{State, WorkerEntry};
-use crate::scheduler::{Action, BatchId, Event, FrameId, WorkerId, WorkerModel};
+use crate::scheduler::{Action, BatchId, Event, FrameId, Micros, WorkerId, WorkerModel};
 
 impl State {
     /// A worker has gone (disconnected, lease ended, or wedged): forget
@@ -122,7 +122,6 @@ impl State {
     pub(super) fn batch_done(&mut self, worker: WorkerId, result: BatchResult) {
         let now = self.now();
         let batch = BatchId(result.batch);
-        let answers = result.items.len();
         // Every answer goes to the scheduler, which judges the worker by
         // them (one for a frame the batch does not hold is malformed).
         let outcomes: Vec<(FrameId, Status)> = result
@@ -149,7 +148,7 @@ impl State {
                     ..
                 } => {
                     let items = items.take().unwrap_or_default();
-                    self.batch_ran(worker, &model, &frames, run_us, answers, items);
+                    self.batch_ran(now, worker, &model, &frames, run_us, items);
                 }
                 a => rest.push(a),
             }
@@ -168,19 +167,19 @@ impl State {
     }
 
     /// `worker` ran a batch of `model` (`frames`, as sent) in `run_us` on
-    /// the scheduler's clock, answering `items` (`answers` of them): the
+    /// the scheduler's clock, answered at `now`, answering `items`: the
     /// held frames take their outputs and a share of the run, and the
     /// run and the worker's own time are recorded.
     fn batch_ran(
         &mut self,
+        now: Micros,
         worker: WorkerId,
         model: &str,
         frames: &[FrameId],
         run_us: u32,
-        answers: usize,
         items: Vec<ItemResult>,
     ) {
-        let now = self.now();
+        let answers = items.len();
         let lease = self.roster.lease(worker);
         if let Some(l) = lease {
             self.served.entry(l).or_default().busy_us += u64::from(run_us);
