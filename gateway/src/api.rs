@@ -930,7 +930,7 @@ mod tests {
         let tracker = tokio_util::task::TaskTracker::new();
         let metrics = Metrics::new();
         let hub = crate::hub::spawn(
-            crate::scheduler::Limits::default(),
+            crate::scheduler::Settings::default(),
             None,
             metrics.clone(),
             cancel.clone(),
@@ -1730,7 +1730,7 @@ mod tests {
         let tracker = tokio_util::task::TaskTracker::new();
         let metrics = Metrics::new();
         let hub = crate::hub::spawn(
-            crate::scheduler::Limits::default(),
+            crate::scheduler::Settings::default(),
             None,
             metrics.clone(),
             cancel.clone(),

@@ -353,13 +353,13 @@ async fn run(cfg: Config, reload: Option<reload::LoadConfig>) -> anyhow::Result<
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
     let metrics = metrics::Metrics::new();
-    let limits = scheduler::Limits {
+    let limits = scheduler::Settings {
         max_queued: cfg.scheduler.max_queued,
         max_queued_per_edge: cfg.scheduler.max_queued_per_edge,
         pipeline_depth: cfg.scheduler.pipeline_depth,
         stall_us: u64::from(cfg.scheduler.stall_timeout_ms) * 1000,
         health: cfg.scheduler.health.policy(),
-        ..scheduler::Limits::default()
+        ..scheduler::Settings::default()
     };
     let hints = cfg
         .scheduler

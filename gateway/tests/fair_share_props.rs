@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use proptest::prelude::*;
 use tidegate_gateway::health::HealthPolicy;
 use tidegate_gateway::scheduler::{
-    Action, Arrival, BatchId, EdgeId, Event, FrameId, Limits, Micros, Scheduler, WorkerId,
+    Action, Arrival, BatchId, EdgeId, Event, FrameId, Micros, Scheduler, Settings, WorkerId,
     WorkerModel,
 };
 use tidegate_protocol::{ShedReason, Status};
@@ -69,7 +69,7 @@ fn share_step() -> impl Strategy<Value = Share> {
 /// What the test knows of the queue, to check the scheduler's choices.
 struct Shares {
     now: Micros,
-    limits: Limits,
+    limits: Settings,
     weights: Vec<u32>,
     account_of: HashMap<FrameId, usize>,
     queued: Vec<HashSet<FrameId>>,
@@ -240,7 +240,7 @@ proptest! {
         max_queued_per_edge in 2usize..32,
         pipeline_depth in 1usize..3,
     ) {
-        let limits = Limits {
+        let limits = Settings {
             max_queued,
             max_queued_per_edge,
             default_latency_us: 10_000,
@@ -434,7 +434,7 @@ proptest! {
     fn a_gone_connections_frames_are_never_dispatched_and_every_frame_ends_once(
         steps in prop::collection::vec(churn_step(), 1..250),
     ) {
-        let mut s = Scheduler::new(Limits {
+        let mut s = Scheduler::new(Settings {
             max_queued: 24,
             max_queued_per_edge: 8,
             default_latency_us: 10_000,

@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use tidegate_gateway::health::HealthPolicy;
 use tidegate_gateway::scheduler::{
-    Action, Arrival, BatchId, EdgeId, Event, FrameId, Limits, Micros, Scheduler, WorkerId,
+    Action, Arrival, BatchId, EdgeId, Event, FrameId, Micros, Scheduler, Settings, WorkerId,
     WorkerModel,
 };
 use tidegate_protocol::Status;
@@ -269,7 +269,7 @@ proptest! {
         pipeline_depth in 1usize..4,
         stall_us in 50_000u64..3_000_000,
     ) {
-        let mut s = Scheduler::new(Limits {
+        let mut s = Scheduler::new(Settings {
             max_queued: 64,
             max_queued_per_edge: 16,
             default_latency_us: 10_000,

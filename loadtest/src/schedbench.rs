@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tidegate_gateway::scheduler::{
-    Action, Arrival, BatchId, EdgeId, Event, FrameId, Limits, Micros, Scheduler, WorkerId,
+    Action, Arrival, BatchId, EdgeId, Event, FrameId, Micros, Scheduler, Settings, WorkerId,
     WorkerModel,
 };
 use tidegate_protocol::Status;
@@ -53,12 +53,12 @@ struct Bench {
 
 impl Bench {
     fn new(queued: usize, workers: usize) -> Self {
-        let mut s = Scheduler::new(Limits {
+        let mut s = Scheduler::new(Settings {
             max_queued: queued * 2 + 64,
             max_queued_per_edge: queued * 2 + 64,
             default_latency_us: 5_000,
             pipeline_depth: 1,
-            ..Limits::default()
+            ..Settings::default()
         });
         for w in 0..workers {
             s.on_event(

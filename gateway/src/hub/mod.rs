@@ -28,7 +28,7 @@ use tidegate_lease::showback::Usage;
 
 use crate::backpressure::{Backpressure, BackpressureConfig, CameraLoad};
 use crate::metrics::{Metrics, WorkerLabels};
-use crate::scheduler::{Counters, EdgeId, Event, Limits, Scheduler, WorkerId};
+use crate::scheduler::{Counters, EdgeId, Event, Scheduler, Settings, WorkerId};
 use crate::thumbnail::Thumbnails;
 use state::State;
 
@@ -521,7 +521,7 @@ const HINT_TICK: Duration = Duration::from_millis(100);
 /// Starts the hub task; it runs until `cancel` fires. `hints` turns on
 /// frame-rate hints to cameras whose frames are being shed.
 pub fn spawn(
-    limits: Limits,
+    limits: Settings,
     hints: Option<BackpressureConfig>,
     metrics: Metrics,
     cancel: CancellationToken,

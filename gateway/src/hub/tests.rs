@@ -101,7 +101,7 @@ fn hub() -> (Hub, CancellationToken) {
 fn hub_with(metrics: Metrics) -> (Hub, CancellationToken) {
     let cancel = CancellationToken::new();
     let tracker = tokio_util::task::TaskTracker::new();
-    let hub = spawn(Limits::default(), None, metrics, cancel.clone(), &tracker);
+    let hub = spawn(Settings::default(), None, metrics, cancel.clone(), &tracker);
     (hub, cancel)
 }
 
@@ -231,7 +231,7 @@ async fn an_edge_that_reads_its_hints_late_gets_the_policys_last_word() {
         ..Default::default()
     };
     let hub = spawn(
-        Limits::default(),
+        Settings::default(),
         Some(cfg),
         metrics.clone(),
         cancel.clone(),
@@ -319,9 +319,9 @@ async fn a_stalled_worker_is_dropped_its_frame_ends_and_its_lease_is_reported() 
     let metrics = Metrics::new();
     let cancel = CancellationToken::new();
     let tracker = tokio_util::task::TaskTracker::new();
-    let limits = Limits {
+    let limits = Settings {
         stall_us: 300_000,
-        ..Limits::default()
+        ..Settings::default()
     };
     let hub = spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
     let mut batches = connect_worker(&hub, Some(LeaseId(4))).await;
@@ -1015,13 +1015,13 @@ async fn results_past_an_edges_byte_budget_are_dropped_and_counted() {
     // The answer for a frame not in the batch (below) demotes the
     // worker as malformed; with a 1 µs back-off its next batch is the
     // probe that restores it, so the frames that follow are still run.
-    let limits = Limits {
+    let limits = Settings {
         health: crate::health::HealthPolicy {
             backoff_us: 1,
             max_backoff_us: 1,
             ..Default::default()
         },
-        ..Limits::default()
+        ..Settings::default()
     };
     let cancel = CancellationToken::new();
     let tracker = tokio_util::task::TaskTracker::new();

@@ -10,7 +10,7 @@ use tidegate_lease::{EndReason, LeaseId, LeaseState, LeaseToken, Millis, Tier};
 use tracing::{debug, info, warn};
 
 use super::LeaseSource;
-use super::book::{Acquiring, Write};
+use super::book::{Acquiring, LedgerWrite};
 use super::shell::Shell;
 use crate::hub::HubMsg;
 
@@ -153,7 +153,7 @@ impl<P: LeaseSource> Shell<P> {
         // is retried, never dropped
         self.write(
             id,
-            Write::Starting {
+            LedgerWrite::Starting {
                 at: now,
                 pid: acq.pid,
                 data: acq.provider_data,

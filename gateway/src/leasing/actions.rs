@@ -12,7 +12,7 @@ use tidegate_lease::provider::{ProviderEvent, wall_clock_ms};
 use tidegate_lease::{EndReason, LeaseId, LeaseState, Millis};
 use tracing::{debug, info, warn};
 
-use super::book::Write;
+use super::book::LedgerWrite;
 use super::shell::Shell;
 use super::{LeaseSource, NOTICE_OVERRUN, RELEASE_GRACE};
 use crate::hub::HubMsg;
@@ -73,7 +73,7 @@ impl<P: LeaseSource> Shell<P> {
             self.state(lease),
             Some(LeaseState::Starting | LeaseState::Ready)
         ) {
-            self.write(lease, Write::Draining);
+            self.write(lease, LedgerWrite::Draining);
             let _ = self.table.transition(lease, LeaseState::Draining);
         }
     }
@@ -89,7 +89,7 @@ impl<P: LeaseSource> Shell<P> {
         match ev {
             ProviderEvent::Ready { lease } => {
                 if self.state(lease) == Some(LeaseState::Starting) {
-                    self.write(lease, Write::Ready { at: now });
+                    self.write(lease, LedgerWrite::Ready { at: now });
                     let _ = self.table.transition(lease, LeaseState::Ready);
                 }
             }
@@ -171,7 +171,7 @@ impl<P: LeaseSource> Shell<P> {
                 .inc();
         }
         let _ = self.table.transition(lease, LeaseState::Ended(reason));
-        self.write(lease, Write::Ended { at: now, reason });
+        self.write(lease, LedgerWrite::Ended { at: now, reason });
         self.book.ended(lease);
     }
 }

@@ -11,7 +11,7 @@ use tidegate_lease::table::ClaimError;
 use tidegate_lease::{LeaseId, LeaseState, LeaseToken};
 use tracing::{debug, info, warn};
 
-use super::book::Write;
+use super::book::LedgerWrite;
 use super::shell::Shell;
 use super::{LeaseSource, Refusal, WorkerPass};
 
@@ -121,7 +121,7 @@ impl<P: LeaseSource> Shell<P> {
         self.book.worker_back(lease);
         let now = wall_clock_ms();
         if self.state(lease) == Some(LeaseState::Starting) {
-            self.write(lease, Write::Ready { at: now });
+            self.write(lease, LedgerWrite::Ready { at: now });
             let _ = self.table.transition(lease, LeaseState::Ready);
             info!(%lease, "lease ready: its worker registered");
             self.backoff.reset();

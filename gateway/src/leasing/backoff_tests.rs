@@ -92,7 +92,7 @@ min_fps = 10
     let tracker = TaskTracker::new();
     let metrics = Metrics::new();
     let hub = crate::hub::spawn(
-        crate::scheduler::Limits::default(),
+        crate::scheduler::Settings::default(),
         None,
         metrics.clone(),
         cancel.clone(),

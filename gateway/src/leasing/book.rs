@@ -40,7 +40,7 @@ pub(super) struct Acquiring {
 
 /// A ledger write of one lease's lifecycle.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Write {
+pub(super) enum LedgerWrite {
     /// `mark_starting`: the provider accepted; billing starts.
     Starting {
         at: Millis,
@@ -55,23 +55,23 @@ pub(super) enum Write {
     Ended { at: Millis, reason: EndReason },
 }
 
-impl Write {
+impl LedgerWrite {
     /// Lifecycle order: a later write waits for an earlier one.
     fn rank(&self) -> u8 {
         match self {
-            Write::Starting { .. } => 0,
-            Write::Ready { .. } => 1,
-            Write::Draining => 2,
-            Write::Ended { .. } => 3,
+            LedgerWrite::Starting { .. } => 0,
+            LedgerWrite::Ready { .. } => 1,
+            LedgerWrite::Draining => 2,
+            LedgerWrite::Ended { .. } => 3,
         }
     }
 
     pub(super) fn name(&self) -> &'static str {
         match self {
-            Write::Starting { .. } => "marking starting",
-            Write::Ready { .. } => "marking ready",
-            Write::Draining => "marking draining",
-            Write::Ended { .. } => "ending the lease",
+            LedgerWrite::Starting { .. } => "marking starting",
+            LedgerWrite::Ready { .. } => "marking ready",
+            LedgerWrite::Draining => "marking draining",
+            LedgerWrite::Ended { .. } => "ending the lease",
         }
     }
 }
@@ -102,7 +102,7 @@ pub(super) struct LeaseBook<K> {
     /// When the connected workers were last written to the ledger as seen.
     seen_written: Option<Millis>,
     /// Ledger writes that failed, per lease in lifecycle order.
-    writes: BTreeMap<LeaseId, Vec<Write>>,
+    writes: BTreeMap<LeaseId, Vec<LedgerWrite>>,
     /// What each lease being acquired was asked for.
     acquiring: HashMap<LeaseId, Acquiring>,
     /// The lease of each acquire task.
@@ -233,10 +233,10 @@ impl<K: Eq + Hash> LeaseBook<K> {
     /// the pending `ready`/`draining` moot (a pending start stays: the
     /// billing start must be written before the end); a write of a stage
     /// the queue has already passed is moot.
-    pub(super) fn queue_write(&mut self, lease: LeaseId, w: Write) {
+    pub(super) fn queue_write(&mut self, lease: LeaseId, w: LedgerWrite) {
         let q = self.writes.entry(lease).or_default();
-        if matches!(w, Write::Ended { .. }) {
-            q.retain(|p| matches!(p, Write::Starting { .. }));
+        if matches!(w, LedgerWrite::Ended { .. }) {
+            q.retain(|p| matches!(p, LedgerWrite::Starting { .. }));
         }
         if !q.iter().any(|p| p.rank() >= w.rank()) {
             q.push(w);
@@ -245,12 +245,12 @@ impl<K: Eq + Hash> LeaseBook<K> {
 
     /// Every lease's pending writes, in lifecycle order, taken out to be
     /// retried; what fails again goes back by [`LeaseBook::requeue`].
-    pub(super) fn take_writes(&mut self) -> BTreeMap<LeaseId, Vec<Write>> {
+    pub(super) fn take_writes(&mut self) -> BTreeMap<LeaseId, Vec<LedgerWrite>> {
         std::mem::take(&mut self.writes)
     }
 
     /// Puts back the writes of a lease that a retry left, in their order.
-    pub(super) fn requeue(&mut self, lease: LeaseId, left: Vec<Write>) {
+    pub(super) fn requeue(&mut self, lease: LeaseId, left: Vec<LedgerWrite>) {
         for w in left {
             self.queue_write(lease, w);
         }
@@ -258,7 +258,7 @@ impl<K: Eq + Hash> LeaseBook<K> {
 
     /// The lease's pending writes, in the order they will be made.
     #[cfg(test)]
-    pub(super) fn pending_writes(&self, lease: LeaseId) -> &[Write] {
+    pub(super) fn pending_writes(&self, lease: LeaseId) -> &[LedgerWrite] {
         self.writes.get(&lease).map_or(&[], Vec::as_slice)
     }
 
@@ -557,16 +557,16 @@ mod tests {
         assert!(b.release_started(2, l));
     }
 
-    fn starting(at: Millis) -> Write {
-        Write::Starting {
+    fn starting(at: Millis) -> LedgerWrite {
+        LedgerWrite::Starting {
             at,
             pid: None,
             data: None,
         }
     }
 
-    fn ended(at: Millis) -> Write {
-        Write::Ended {
+    fn ended(at: Millis) -> LedgerWrite {
+        LedgerWrite::Ended {
             at,
             reason: EndReason::Released,
         }
@@ -577,17 +577,17 @@ mod tests {
         let l = LeaseId(1);
         let mut b = book();
         b.queue_write(l, starting(5));
-        b.queue_write(l, Write::Ready { at: 6 });
-        b.queue_write(l, Write::Draining);
+        b.queue_write(l, LedgerWrite::Ready { at: 6 });
+        b.queue_write(l, LedgerWrite::Draining);
         // an earlier stage queued after a later one is moot
-        b.queue_write(l, Write::Ready { at: 7 });
+        b.queue_write(l, LedgerWrite::Ready { at: 7 });
         assert_eq!(b.pending_writes(l).len(), 3);
         b.queue_write(l, ended(8));
         // the billing start stays (it must be written before the end); the
         // ready and draining marks are moot
         assert_eq!(b.pending_writes(l), [starting(5), ended(8)]);
         // nothing after an end
-        b.queue_write(l, Write::Draining);
+        b.queue_write(l, LedgerWrite::Draining);
         assert_eq!(b.pending_writes(l).len(), 2);
         assert!(b.write_waits(l));
         assert!(!b.write_waits(LeaseId(2)));
@@ -598,19 +598,19 @@ mod tests {
         let mut b = book();
         let (l, m) = (LeaseId(1), LeaseId(2));
         b.queue_write(l, starting(1));
-        b.queue_write(l, Write::Ready { at: 2 });
+        b.queue_write(l, LedgerWrite::Ready { at: 2 });
         b.queue_write(m, ended(3));
         assert!(b.writes_wait());
         assert_eq!(b.unwritten(), vec![l, m]);
         let taken = b.take_writes();
         assert!(!b.writes_wait() && b.unwritten().is_empty());
-        assert_eq!(taken[&l], vec![starting(1), Write::Ready { at: 2 }]);
+        assert_eq!(taken[&l], vec![starting(1), LedgerWrite::Ready { at: 2 }]);
         // the start went through; the rest fails again
         let mut left = taken[&l].clone();
         left.remove(0);
         b.requeue(l, left);
         b.requeue(m, taken[&m].clone());
-        assert_eq!(b.pending_writes(l), [Write::Ready { at: 2 }]);
+        assert_eq!(b.pending_writes(l), [LedgerWrite::Ready { at: 2 }]);
         assert_eq!(b.pending_writes(m), [ended(3)]);
         // nothing left to put back leaves nothing pending
         b.requeue(LeaseId(9), Vec::new());

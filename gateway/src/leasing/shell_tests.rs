@@ -64,7 +64,7 @@ fn start_fake_metered(
     script: &Arc<Script>,
 ) -> (Leasing, CancellationToken, TaskTracker, Metrics) {
     let (l, _, cancel, tracker, metrics) =
-        start_fake_with_hub(cfg, script, crate::scheduler::Limits::default());
+        start_fake_with_hub(cfg, script, crate::scheduler::Settings::default());
     (l, cancel, tracker, metrics)
 }
 
@@ -73,7 +73,7 @@ fn start_fake_metered(
 fn start_fake_with_hub(
     cfg: &LeasingConfig,
     script: &Arc<Script>,
-    limits: crate::scheduler::Limits,
+    limits: crate::scheduler::Settings,
 ) -> (Leasing, Hub, CancellationToken, TaskTracker, Metrics) {
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -443,7 +443,7 @@ where
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
     let metrics = Metrics::new();
-    let limits = crate::scheduler::Limits::default();
+    let limits = crate::scheduler::Settings::default();
     let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
     let ledger = Ledger::open(&cfg.ledger).unwrap();
     let started = start(cfg, ledger, connect, hub, metrics, cancel.clone(), &tracker);
@@ -676,7 +676,7 @@ async fn a_lease_whose_worker_stalls_twice_is_ended_lost_released_and_replaced()
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
-    let limits = crate::scheduler::Limits {
+    let limits = crate::scheduler::Settings {
         stall_us: 200_000,
         ..Default::default()
     };
@@ -717,7 +717,7 @@ async fn connected_workers_are_recorded_as_seen_in_the_ledger() {
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
     let (l, hub, cancel, tracker, _) =
-        start_fake_with_hub(&cfg, &script, crate::scheduler::Limits::default());
+        start_fake_with_hub(&cfg, &script, crate::scheduler::Settings::default());
     let id = first_lease(&l).await;
     // a few ticks without its worker
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -742,7 +742,7 @@ async fn frames_served_since_the_last_tick_reach_the_ledger_on_a_clean_stop() {
     cfg.tick_ms = 3_600_000;
     let script = Arc::new(Script::default());
     let (l, hub, cancel, tracker, _) =
-        start_fake_with_hub(&cfg, &script, crate::scheduler::Limits::default());
+        start_fake_with_hub(&cfg, &script, crate::scheduler::Settings::default());
     let id = first_lease(&l).await;
     let mut batches = leased_worker(&hub, id, 1).await;
     let (results, mut answers) = tidegate_protocol::queue::channel(8, 1 << 20);

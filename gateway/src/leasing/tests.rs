@@ -53,7 +53,7 @@ async fn start_with_hub(cfg: &LeasingConfig) -> (Leasing, Hub, CancellationToken
     let tracker = TaskTracker::new();
     let metrics = Metrics::new();
     let hub = crate::hub::spawn(
-        crate::scheduler::Limits::default(),
+        crate::scheduler::Settings::default(),
         None,
         metrics.clone(),
         cancel.clone(),

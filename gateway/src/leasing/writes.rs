@@ -7,7 +7,7 @@ use tidegate_lease::ledger::LedgerError;
 use tracing::{debug, info, warn};
 
 use super::LeaseSource;
-use super::book::Write;
+use super::book::LedgerWrite;
 use super::shell::Shell;
 
 impl<P: LeaseSource> Shell<P> {
@@ -15,7 +15,7 @@ impl<P: LeaseSource> Shell<P> {
     /// an earlier write of the lease is still pending or the ledger fails.
     /// A write the lifecycle refuses (the lease already moved past it, or
     /// ended) is moot and dropped.
-    pub(super) fn write(&mut self, lease: LeaseId, w: Write) {
+    pub(super) fn write(&mut self, lease: LeaseId, w: LedgerWrite) {
         if self.book.write_waits(lease) {
             debug!(%lease, write = w.name(), "queued behind an earlier ledger write");
             self.book.queue_write(lease, w);
@@ -28,14 +28,14 @@ impl<P: LeaseSource> Shell<P> {
     }
 
     /// One ledger write: `Err` only when it should be retried.
-    fn try_write(&mut self, lease: LeaseId, w: &Write) -> Result<(), LedgerError> {
+    fn try_write(&mut self, lease: LeaseId, w: &LedgerWrite) -> Result<(), LedgerError> {
         let r = match w {
-            Write::Starting { at, pid, data } => {
+            LedgerWrite::Starting { at, pid, data } => {
                 self.ledger.mark_starting(lease, *at, *pid, data.as_deref())
             }
-            Write::Ready { at } => self.ledger.mark_ready(lease, *at),
-            Write::Draining => self.ledger.mark_draining(lease),
-            Write::Ended { at, reason } => self.ledger.mark_ended(lease, *at, *reason).map(|last| {
+            LedgerWrite::Ready { at } => self.ledger.mark_ready(lease, *at),
+            LedgerWrite::Draining => self.ledger.mark_draining(lease),
+            LedgerWrite::Ended { at, reason } => self.ledger.mark_ended(lease, *at, *reason).map(|last| {
                 info!(%lease, reason = reason.as_str(), final_blocks = last.units(), "lease ended");
             }),
         };

@@ -7,7 +7,7 @@
 //! could still meet its deadline, never back to the one that failed it.
 //! Each returned batch is judged by the worker's health
 //! ([`crate::health`]): a short or malformed answer, or a failure share
-//! over `Limits::health` across its recent frames, demotes the worker
+//! over `Settings::health` across its recent frames, demotes the worker
 //! ([`Action::WorkerDemoted`]). A demoted worker takes no batch and counts
 //! for no capacity while it backs off; then it is sent one small probe
 //! batch at a time, and serves again ([`Action::WorkerRestored`]) only when

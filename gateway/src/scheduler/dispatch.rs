@@ -12,7 +12,7 @@
 //! still (with a margin) finish before the earliest deadline. A batch never
 //! exceeds the best-throughput size, so where batching does not pay (a
 //! CPU) frames go one by one and never wait; the batch is always cut so
-//! that its earliest deadline holds; up to `Limits::pipeline_depth`
+//! that its earliest deadline holds; up to `Settings::pipeline_depth`
 //! batches are in flight per worker. A demoted worker is sent one small
 //! probe batch at a time (`crate::health`).
 

@@ -3,8 +3,8 @@
 //! Every configured edge (all connections under one `[[edges]]` name, see
 //! [`Event::EdgeJoined`]) is an *account* with a weight. The queue is
 //! shared by weight: an account holds at most
-//! `Limits::max_queued_per_edge` frames, and when the whole queue
-//! (`Limits::max_queued`) is full a frame of an account under its weighted
+//! `Settings::max_queued_per_edge` frames, and when the whole queue
+//! (`Settings::max_queued`) is full a frame of an account under its weighted
 //! share of it pushes out the least urgent frame of the account furthest
 //! over its share; a frame of an account at or over its share is refused
 //! (`overloaded`). A batch's frames are picked across accounts by

@@ -286,9 +286,10 @@ impl Counters {
     }
 }
 
-/// Bounds and margins.
+/// The scheduler's bounds and margins (the wire's are
+/// `tidegate_protocol::Limits`, the gateway's memory budgets `[limits]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub struct Settings {
     /// Most frames queued across all models.
     pub max_queued: usize,
     /// Most frames queued per configured edge (all its connections
@@ -307,9 +308,9 @@ pub struct Limits {
     pub health: HealthPolicy,
 }
 
-impl Default for Limits {
+impl Default for Settings {
     fn default() -> Self {
-        Limits {
+        Settings {
             max_queued: 4096,
             max_queued_per_edge: 256,
             default_latency_us: 20_000,
@@ -323,7 +324,7 @@ impl Default for Limits {
 /// The scheduler state machine. See the module docs.
 #[derive(Debug)]
 pub struct Scheduler {
-    limits: Limits,
+    limits: Settings,
     /// Per model: (deadline, frame) in EDF order.
     queues: HashMap<String, BTreeSet<(Micros, FrameId)>>,
     queued: HashMap<FrameId, Queued>,
@@ -355,7 +356,7 @@ pub struct Scheduler {
 
 impl Scheduler {
     /// An empty scheduler.
-    pub fn new(limits: Limits) -> Self {
+    pub fn new(limits: Settings) -> Self {
         Scheduler {
             limits,
             queues: HashMap::new(),

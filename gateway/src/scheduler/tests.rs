@@ -2,10 +2,10 @@ use super::dispatch::{HOLD_GUARD_US, HOLD_LATENCY_SAFETY};
 use super::*;
 
 /// One batch per worker at a time, as most of these tests assume.
-fn one_deep() -> Limits {
-    Limits {
+fn one_deep() -> Settings {
+    Settings {
         pipeline_depth: 1,
-        ..Limits::default()
+        ..Settings::default()
     }
 }
 
@@ -247,7 +247,7 @@ fn drops(actions: &[Action]) -> Vec<u64> {
 /// still allows; its late answer changes nothing.
 #[test]
 fn a_worker_that_never_answers_is_dropped_and_its_frames_do_not_wait_for_ever() {
-    let limits = Limits {
+    let limits = Settings {
         stall_us: 1_000_000,
         ..one_deep()
     };
@@ -314,7 +314,7 @@ fn a_worker_that_never_answers_is_dropped_and_its_frames_do_not_wait_for_ever() 
 /// A frame of a stalled worker whose deadline allows is queued again.
 #[test]
 fn a_stalled_workers_frame_with_time_left_is_queued_again() {
-    let limits = Limits {
+    let limits = Settings {
         stall_us: 1_000_000,
         ..one_deep()
     };
@@ -340,7 +340,7 @@ fn a_stalled_workers_frame_with_time_left_is_queued_again() {
 #[test]
 fn a_lost_worker_gives_each_camera_its_newest_frame_back() {
     for _ in 0..32 {
-        let mut s = Scheduler::new(Limits::default());
+        let mut s = Scheduler::new(Settings::default());
         s.on_event(0, worker(1, 1, 1_000));
         assert_eq!(
             dispatches(&s.on_event(0, frame(1, "c", 80_000))),
@@ -752,7 +752,7 @@ fn an_estimate_beyond_every_deadline_relaxes_while_the_worker_idles() {
 
 #[test]
 fn a_busy_worker_gets_its_next_batch_just_before_it_frees() {
-    let mut s = Scheduler::new(Limits::default()); // pipeline depth 2
+    let mut s = Scheduler::new(Settings::default()); // pipeline depth 2
     s.on_event(0, worker(1, 1, 10_000));
     // Frame 1 runs 0..10 ms; frame 2 goes as the second batch at once
     // (light load: the target batch is 1) and will start at 10 ms.
@@ -1181,7 +1181,7 @@ fn an_edge_of_weight_two_gets_two_frames_for_each_of_an_edge_of_weight_one() {
 
 #[test]
 fn every_connection_of_an_edge_name_counts_against_its_queue_cap() {
-    let mut s = Scheduler::new(Limits {
+    let mut s = Scheduler::new(Settings {
         max_queued_per_edge: 3,
         ..one_deep()
     });
@@ -1206,7 +1206,7 @@ fn every_connection_of_an_edge_name_counts_against_its_queue_cap() {
 
 #[test]
 fn an_edge_under_its_share_of_a_full_queue_pushes_out_a_frame_of_the_edge_over_it() {
-    let mut s = Scheduler::new(Limits {
+    let mut s = Scheduler::new(Settings {
         max_queued: 4,
         max_queued_per_edge: 100,
         ..one_deep()
@@ -1310,7 +1310,7 @@ fn learned(s: &Scheduler, worker: u64) -> u64 {
 
 #[test]
 fn a_batchs_run_time_is_measured_from_its_dispatch_or_the_workers_previous_answer() {
-    let mut s = Scheduler::new(Limits::default()); // pipeline depth 2
+    let mut s = Scheduler::new(Settings::default()); // pipeline depth 2
     s.on_event(0, worker(1, 1, 10_000));
     // Two batches at once: the second waits on the worker for the first.
     assert_eq!(

@@ -2,7 +2,7 @@
 //! cost (`profile.rs`), the batches each has running, whether it drains or
 //! is demoted (`crate::health`).
 //!
-//! A worker whose running batch is `Limits::stall_us` past when its
+//! A worker whose running batch is `Settings::stall_us` past when its
 //! profile said it would be done is stalled (a hung GPU or runtime, while
 //! its connection and heartbeats go on): it is dropped
 //! ([`Action::DropWorker`]) and its frames are handled as a lost worker's,
@@ -27,7 +27,7 @@ pub(super) struct Worker {
     pub(super) models: HashMap<String, ModelProfile>,
     /// When its profiles last relaxed (or it last had a batch running).
     pub(super) relaxed_at: Micros,
-    /// Batches sent to it, oldest first (at most `Limits::pipeline_depth`),
+    /// Batches sent to it, oldest first (at most `Settings::pipeline_depth`),
     /// with their size and when its profile says each will be done.
     pub(super) running: Vec<Running>,
     /// Takes no new batch (until [`Event::WorkerResumed`](super::Event::WorkerResumed)).
