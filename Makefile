@@ -78,7 +78,7 @@ bench: release
 
 ## The WAN matrix: the load generator through the project's impairment relay
 ## (RTT, random and bursty loss, a bandwidth cap, blackouts; each congestion
-## controller on the same links; raw against JPEG), 30 s a case, about 20
+## controller on the same links; raw against JPEG; the real edge), 30 s a case, about 25
 ## minutes in all. JSON in target/bench-wan.json; the table is written into
 ## docs/benchmarks.md ("WAN"). CASES=blackout runs only the cases so named.
 bench-wan: release

@@ -189,16 +189,79 @@ pub struct CameraConfig {
     #[serde(default = "yes")]
     pub adapt: bool,
     /// Copies of each frame to send, side by side, each on a stream of its
-    /// own (1 to 3), and of each result to get back: on a link that loses
-    /// packets at random (Wi-Fi, cellular) with a round trip too long for a
-    /// retransmission within the budget, 2 serves frames that one copy
-    /// loses, at twice the uplink's bytes (docs/benchmarks.md, "WAN").
-    #[serde(default = "one_copy")]
-    pub copies: u8,
+    /// own, and of each result to get back: `"auto"` (the default) or a
+    /// fixed 1 to 3. On a link that loses packets at random (Wi-Fi,
+    /// cellular) with a round trip too long for a retransmission within
+    /// the budget, 2 serves frames that one copy loses, at twice the
+    /// uplink's bytes (docs/benchmarks.md, "WAN"). `auto` opens the camera
+    /// with 2 and sends each frame once or twice, as the path's loss and
+    /// round trip say ([`crate::redundancy`]).
+    #[serde(default)]
+    pub copies: Copies,
 }
 
-fn one_copy() -> u8 {
-    1
+/// A camera's `copies`: fixed, or chosen frame by frame from the path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Copies {
+    /// Opened with [`Copies::AUTO_MAX`]; each frame goes once or more as
+    /// [`crate::redundancy::Redundancy`] decides.
+    #[default]
+    Auto,
+    /// Every frame this many times (1 to the protocol's `MAX_COPIES`).
+    Fixed(u8),
+}
+
+impl Copies {
+    /// The copies an `auto` camera opens with: each result comes back
+    /// twice (a result is one packet, so two copies cost little and lose
+    /// one result in 2,500 at 2 % loss), and each frame goes once or twice.
+    pub const AUTO_MAX: u8 = 2;
+
+    /// The copies to ask for at `CameraOpen`.
+    pub fn asked(self) -> u8 {
+        match self {
+            Copies::Auto => Self::AUTO_MAX,
+            Copies::Fixed(n) => n,
+        }
+    }
+}
+
+impl std::fmt::Display for Copies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Copies::Auto => f.write_str("auto"),
+            Copies::Fixed(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl serde::Serialize for Copies {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Copies::Auto => s.serialize_str("auto"),
+            Copies::Fixed(n) => s.serialize_u8(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Copies {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(i64),
+            Word(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Word(w) if w == "auto" => Ok(Copies::Auto),
+            Raw::Word(w) => Err(serde::de::Error::custom(format!(
+                "copies = {w:?}: expected \"auto\" or a number from 1 to {}",
+                tidegate_protocol::MAX_COPIES
+            ))),
+            // Checked against the protocol's range by `validate`.
+            Raw::Number(n) => Ok(Copies::Fixed(u8::try_from(n).unwrap_or(0))),
+        }
+    }
 }
 
 fn default_budget_ms() -> u32 {
@@ -289,10 +352,11 @@ impl CameraConfig {
                 Encoding::MAX_QUALITY
             ));
         }
-        if !(1..=tidegate_protocol::MAX_COPIES).contains(&self.copies) {
+        if let Copies::Fixed(n) = self.copies
+            && !(1..=tidegate_protocol::MAX_COPIES).contains(&n)
+        {
             return bad(format!(
-                "copies = {} must be from 1 to {}; 1 sends each frame once, 2 suits a lossy WAN",
-                self.copies,
+                "copies = {n} must be \"auto\" (the default) or from 1 to {}; 1 sends each frame once, 2 suits a lossy WAN",
                 tidegate_protocol::MAX_COPIES
             ));
         }
@@ -561,6 +625,37 @@ mod tests {
             ))
             .is_err()
         );
+    }
+
+    #[test]
+    fn copies_are_auto_by_default_or_a_number_from_one_to_three() {
+        let cam = |copies: &str| {
+            toml::from_str::<EdgeConfig>(&format!(
+                "{BASE}[[cameras]]\nname = \"c\"\nuri = \"test://smpte\"\nmodel = \"m\"\n{copies}"
+            ))
+            .map(|cfg| cfg.cameras[0].clone())
+        };
+        let auto = cam("").unwrap();
+        assert_eq!(auto.copies, Copies::Auto);
+        assert_eq!(auto.copies.asked(), Copies::AUTO_MAX);
+        assert_eq!(cam("copies = \"auto\"\n").unwrap().copies, Copies::Auto);
+        let two = cam("copies = 2\n").unwrap();
+        two.validate().unwrap();
+        assert_eq!(two.copies.asked(), 2);
+        for bad in [
+            "copies = 0\n",
+            "copies = 4\n",
+            "copies = -1\n",
+            "copies = 300\n",
+        ] {
+            let err = cam(bad).unwrap().validate().unwrap_err().to_string();
+            assert!(
+                err.contains("copies") && err.contains("auto"),
+                "{bad}: {err}"
+            );
+        }
+        let err = cam("copies = \"many\"\n").unwrap_err().to_string();
+        assert!(err.contains("\"many\"") && err.contains("auto"), "{err}");
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod node;
 #[cfg(feature = "capture")]
 pub mod outbound;
+pub mod redundancy;
 pub mod sink;
 pub mod uplink;
 pub mod uplink_stats;

@@ -193,6 +193,13 @@ const FAMILIES: &[Family<CameraSummary>] = &[
         values: &[("", |c| c.adapt_max_fps)],
     },
     Family {
+        name: "tidegate_edge_camera_copies",
+        help: "Copies of each frame sent now: fixed by `copies`, or chosen by `copies = \"auto\"` from the path's random loss and round trip (0 before the camera is open).",
+        kind: Kind::Gauge,
+        label: None,
+        values: &[("", |c| f64::from(c.copies))],
+    },
+    Family {
         name: "tidegate_edge_camera_jpeg_quality",
         help: "JPEG quality in force (0 for raw and PNG frames).",
         kind: Kind::Gauge,
@@ -385,6 +392,7 @@ pub fn starting(camera: &str) -> CameraSummary {
         encode_failed: 0,
         late: 0,
         rtt_ms: 0.0,
+        copies: 0,
     }
 }
 

@@ -1,8 +1,9 @@
 //! A camera's frames on their way out: encoded after the capture pipeline
 //! (JPEG at the quality adaptation chose, or PNG; raw passes through), and
 //! the camera fitted to its uplink once a [`WINDOW`] by the pure
-//! [`LinkFit`]. The camera task in `node/camera.rs` only moves frames and windows
-//! in and decisions out.
+//! [`LinkFit`] (quality and rate) and, for `copies = "auto"`, the pure
+//! [`Redundancy`] (copies of each frame). The camera task in
+//! `node/camera.rs` only moves frames and windows in and decisions out.
 
 use std::time::Duration;
 
@@ -14,7 +15,8 @@ use crate::adapt::{
     Decision, FitConfig, LinkFit, QualityRange, Step, Totals, WindowMeter, phase_of,
 };
 use crate::capture::{EncodeError, FrameEncoder};
-use crate::config::CameraConfig;
+use crate::config::{CameraConfig, Copies};
+use crate::redundancy::Redundancy;
 use crate::uplink::{LaneStats, PathStats};
 
 pub use crate::adapt::WINDOW;
@@ -46,6 +48,8 @@ pub struct OutboundReport {
     /// The connection's smoothed round trip at the last window (0 without
     /// one).
     pub rtt: Duration,
+    /// Copies of each frame sent now (0 before the camera is open).
+    pub copies: u8,
 }
 
 /// The counters of the camera's results, kept by the node.
@@ -68,6 +72,12 @@ pub struct Outbound {
     adapt: bool,
     fit: LinkFit,
     fit_config: FitConfig,
+    /// What the configuration asks for.
+    copies_asked: Copies,
+    /// Copies of each frame when they are fixed: those accepted.
+    copies: u8,
+    /// For `copies = "auto"`, once the camera is open: the policy.
+    redundancy: Option<Redundancy>,
     /// Started at `open` for a codec other than raw; `None` then means it
     /// stopped, and it is started again for the next frame.
     encoder: Option<FrameEncoder>,
@@ -106,9 +116,13 @@ impl Outbound {
                 encoded: 0,
                 encode_failed: 0,
                 rtt: Duration::ZERO,
+                copies: 0,
             },
             fit,
             fit_config,
+            copies_asked: cam.copies,
+            copies: 1,
+            redundancy: None,
             encoder: None,
             size: (0, 0),
             meter: WindowMeter::default(),
@@ -139,6 +153,14 @@ impl Outbound {
         self.fit.max_fps()
     }
 
+    /// Copies of each frame to send now: the policy's for `auto`, else
+    /// those accepted.
+    pub fn copies(&self) -> u8 {
+        self.redundancy
+            .as_ref()
+            .map_or(self.copies, Redundancy::copies)
+    }
+
     /// What the summaries show: the counts as of now, the means as of the
     /// last window.
     pub fn report(&self) -> OutboundReport {
@@ -149,9 +171,9 @@ impl Outbound {
         }
     }
 
-    /// The gateway accepted the camera with `accepted`, for frames of
-    /// `width`×`height`: (re)starts the encoder where the codec or the size
-    /// changed. The adaptation starts again from the configured quality and
+    /// The gateway accepted the camera with `accepted` and `copies`, for
+    /// frames of `width`×`height`: (re)starts the encoder where the codec
+    /// or the size changed. The adaptation starts again from the configured quality and
     /// rate on every connection: what it learned before says little about
     /// the path now, and a link that went dark until the connection died
     /// looked, window after window, like a full one (frames reset, none
@@ -162,6 +184,7 @@ impl Outbound {
         &mut self,
         cam: &CameraConfig,
         accepted: Encoding,
+        copies: u8,
         width: u32,
         height: u32,
     ) -> Result<(), EncodeError> {
@@ -175,6 +198,10 @@ impl Outbound {
         let config = fit_config(cam, accepted);
         self.fit_config = config;
         self.fit = LinkFit::new(config);
+        // Like the fit, the copies start afresh on every connection: at one.
+        self.copies = copies.max(1);
+        self.redundancy =
+            (self.copies_asked == Copies::Auto).then(|| Redundancy::new(copies, config.budget));
         self.codec = accepted.codec();
         self.size = (width, height);
         let same = self
@@ -191,6 +218,7 @@ impl Outbound {
         self.report.codec = self.codec;
         self.report.quality = self.fit.quality().unwrap_or(0);
         self.report.adapt_max_fps = self.fit.max_fps();
+        self.report.copies = self.copies();
         Ok(())
     }
 
@@ -290,7 +318,10 @@ impl Outbound {
             r.encode_us = us;
         }
         self.uplink_report = None;
-        if !self.adapt || path.is_none() {
+        // Without a connection there is nothing to fit.
+        path?;
+        self.fit_copies(&w);
+        if !self.adapt {
             return None;
         }
         let d = self.fit.on_window(now_us, &w);
@@ -315,6 +346,29 @@ impl Outbound {
             "fitting the camera to its uplink"
         );
         Some(d)
+    }
+}
+
+impl Outbound {
+    /// For `copies = "auto"`: the copies of each frame for the next window,
+    /// from window `w` (on a connection) and how the fit judged it.
+    fn fit_copies(&mut self, w: &crate::adapt::WindowStats) {
+        let Some(r) = &mut self.redundancy else {
+            return;
+        };
+        let before = r.copies();
+        let d = r.on_window(w, self.fit.verdict(w));
+        self.report.copies = d.copies;
+        if d.copies != before {
+            info!(
+                copies = d.copies,
+                was = before,
+                loss = d.loss.unwrap_or(0.0),
+                min_rtt_ms = w.path.map_or(0.0, |p| p.min_rtt.as_secs_f64() * 1e3),
+                bytes_per_frame = w.bytes_per_frame().unwrap_or(0),
+                "copies of each frame changed with the path's random loss and round trip"
+            );
+        }
     }
 }
 

@@ -10,6 +10,12 @@
 //! connection), the frames that found no connection being counted as not
 //! sent. How soon after the link's return it serves again is logged, and is
 //! `make bench-wan`'s to measure.
+//!
+//! A second case puts the edge, with its default `copies = "auto"`, on a
+//! link with a 50 ms round trip and 2 % random loss, where a lost packet
+//! cannot be resent within an 80 ms budget: the edge must take to sending
+//! a second copy of its frames, the gateway must admit one copy of each,
+//! and every frame must still end exactly once.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -266,6 +272,127 @@ fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_f
         assert!(counter(s, "dropped_outage") > 0, "{cam}: {s}");
         assert!(
             counter(s, "passed") >= handed + counter(s, "dropped_outage"),
+            "{cam}: {s}"
+        );
+    }
+}
+
+/// Gateway counter `name{label}` from its `/metrics` text.
+fn gateway_counter(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_frame_ends_once() {
+    let c = started_cluster();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    // 50 ms round trip and 2 % loss each way: two round trips alone are
+    // over the 80 ms budget.
+    let link = LinkConfig {
+        delay_ms: 25.0,
+        loss: 0.02,
+        ..LinkConfig::default()
+    };
+    let relay = rt
+        .block_on(Relay::start(RelayOptions::new(
+            c.quic,
+            ImpairConfig {
+                seed: 29,
+                ..ImpairConfig::symmetric(link)
+            },
+        )))
+        .expect("relay starts");
+    let cameras: Vec<EdgeCamera> = CAMERAS
+        .iter()
+        .map(|name| {
+            let mut cam = EdgeCamera::new(
+                name,
+                &format!("image://{}", astronaut().display()),
+                "blazeface",
+                10.0,
+            );
+            // The defaults otherwise: JPEG, copies "auto".
+            cam.fields.push("budget_ms = 80".into());
+            cam
+        })
+        .collect();
+    let cfg = edge_config_via(&c, "edge-1", &cameras, relay.local_addr()).unwrap();
+    let mut edge = EdgeProcess::spawn(&c, &cfg, &[]).unwrap();
+    let of = |r: &[serde_json::Value], cam: &str| r.iter().filter(|l| l["camera"] == cam).count();
+    // Enough windows for the policy's evidence, then some with the copies.
+    edge.wait_for_results(Duration::from_secs(60), "results", |r| {
+        CAMERAS.iter().all(|cam| of(r, cam) >= 60)
+    })
+    .unwrap();
+    let (_, metrics) = c.get("/metrics").expect("gateway metrics");
+    let status = edge.terminate(Duration::from_secs(30)).unwrap();
+    assert!(status.success(), "edge exit {status}: {}", edge.log());
+    let log = edge.log();
+    let results = edge.results();
+    let stats = edge.camera_stats();
+
+    // The edge took to two copies, and says why.
+    let changed: Vec<String> = log
+        .lines()
+        .map(plain)
+        .filter(|l| l.contains("copies of each frame changed"))
+        .collect();
+    for l in &changed {
+        eprintln!("edge: {l}");
+    }
+    assert!(
+        changed.iter().any(|l| l.contains("copies=2")),
+        "no camera took a second copy: {log}"
+    );
+    // Second copies reached the gateway, which admitted one of each.
+    let duplicates = gateway_counter(
+        &metrics,
+        "tidegate_frames_rejected_total{reason=\"duplicate\"}",
+    );
+    eprintln!("gateway: {duplicates} later copies dropped");
+    assert!(duplicates > 0.0, "{metrics}");
+
+    let mut seen = BTreeMap::new();
+    for l in &results {
+        let key = (
+            l["camera"].as_str().unwrap().to_string(),
+            l["seq"].as_u64().unwrap(),
+        );
+        assert!(seen.insert(key, l).is_none(), "two results for {l}");
+    }
+    for cam in CAMERAS {
+        let s = &stats[cam];
+        eprintln!("camera_stats {s}");
+        let copies = counter(s, "copies");
+        assert!((1..=2).contains(&copies), "{cam}: {s}");
+        let ended: u64 = [
+            "results",
+            "reset_superseded",
+            "reset_expired",
+            "refused",
+            "lost",
+            "lost_connection",
+            "gave_up",
+        ]
+        .iter()
+        .map(|k| counter(s, k))
+        .sum();
+        assert_eq!(counter(s, "awaiting"), 0, "{cam}: every frame ended: {s}");
+        assert_eq!(
+            counter(s, "handed"),
+            ended,
+            "{cam}: every frame handed ends once: {s}"
+        );
+        assert_eq!(
+            of(&results, cam) as u64,
+            counter(s, "results"),
             "{cam}: {s}"
         );
     }

@@ -367,7 +367,7 @@ impl CameraTask {
                 model: self.cam.model.clone(),
                 budget_ms: self.cam.budget_ms,
                 encoding: self.outbound.asked(),
-                copies: self.cam.copies,
+                copies: self.cam.copies.asked(),
             }) => r,
         };
         match opened {
@@ -401,7 +401,7 @@ impl CameraTask {
         let (width, height) = (spec.width, spec.height);
         if let Err(e) = self
             .outbound
-            .open(&self.cam, accepted.encoding, width, height)
+            .open(&self.cam, accepted.encoding, accepted.copies, width, height)
             .await
         {
             error!("{e}; this camera is disabled, the others run");
@@ -417,16 +417,16 @@ impl CameraTask {
         }
         self.stats.snapshot().outbound = Some(self.outbound.report());
         info!(width, height, encoding = %accepted.encoding, "camera open");
-        self.lane = Some(
-            uplink
-                .lane_with(
-                    &self.cam.name,
-                    self.cam.max_in_flight,
-                    self.stats.lane.clone(),
-                    Some(self.unanswered.clone()),
-                )
-                .with_copies(accepted.copies),
-        );
+        let lane = uplink
+            .lane_with(
+                &self.cam.name,
+                self.cam.max_in_flight,
+                self.stats.lane.clone(),
+                Some(self.unanswered.clone()),
+            )
+            .with_copies(accepted.copies);
+        lane.set_copies(self.outbound.copies());
+        self.lane = Some(lane);
         self.stats.set_state("running");
         ControlFlow::Continue(())
     }
@@ -497,6 +497,9 @@ impl CameraTask {
         // One bottleneck: the other cameras on it back off too.
         if let (Some(queued), Some(uplink)) = (self.outbound.uplink_report(), open) {
             uplink.report_pressed(queued);
+        }
+        if let Some(lane) = &self.lane {
+            lane.set_copies(self.outbound.copies());
         }
         let refitted = decided.is_some() && self.refit_limits().is_some();
         let mut snap = self.stats.snapshot();

@@ -177,6 +177,9 @@ pub struct CameraSummary {
     /// The uplink's smoothed round trip at the last window (ms; 0 without
     /// a connection).
     pub rtt_ms: f64,
+    /// Copies of each frame sent now (`copies`: fixed, or as `auto`
+    /// decides; 0 before the camera is open).
+    pub copies: u8,
 }
 
 impl CameraSummary {
@@ -225,6 +228,7 @@ impl CameraSummary {
             encode_failed: snap.outbound.map_or(0, |o| o.encode_failed),
             late: load(&s.late),
             rtt_ms: snap.outbound.map_or(0.0, |o| o.rtt.as_secs_f64() * 1e3),
+            copies: snap.outbound.map_or(0, |o| o.copies),
         }
     }
 }

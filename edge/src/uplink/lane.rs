@@ -7,7 +7,7 @@
 //! frame's result comes back through `results`.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tidegate_protocol::quic::write_message;
@@ -74,7 +74,8 @@ impl Uplink {
                 camera: camera.to_string(),
                 conn: self.id,
                 max_in_flight: max_in_flight.max(1),
-                copies: 1,
+                max_copies: 1,
+                copies: AtomicU8::new(1),
                 in_flight: Mutex::new(VecDeque::new()),
                 stats,
                 unanswered,
@@ -124,8 +125,11 @@ struct LaneState {
     /// [`Uplink::id`] of the lane's connection.
     conn: u64,
     max_in_flight: usize,
-    /// Copies of each frame sent, each on a stream of its own.
-    copies: u8,
+    /// The most copies of a frame: those the camera was opened with.
+    max_copies: u8,
+    /// Copies of each frame sent now, each on a stream of its own (1 to
+    /// `max_copies`).
+    copies: AtomicU8,
     /// Unacknowledged frames, oldest first: (seq, abandon signal).
     in_flight: Mutex<VecDeque<(u64, CancellationToken)>>,
     stats: Arc<LaneStats>,
@@ -201,13 +205,30 @@ impl Lane {
     /// is lost only when every copy loses one, without waiting a round
     /// trip for a retransmission. The first copy acknowledged delivers the
     /// frame and the others are reset; the gateway admits one. For a
-    /// camera opened with as many copies ([`Uplink::open_camera_with`]).
-    /// Call before the first send.
+    /// camera opened with as many copies ([`Uplink::open_camera_with`]);
+    /// [`Lane::set_copies`] may then send fewer. Call before the first
+    /// send.
     pub fn with_copies(mut self, copies: u8) -> Self {
         if let Some(state) = Arc::get_mut(&mut self.state) {
-            state.copies = copies.clamp(1, tidegate_protocol::MAX_COPIES);
+            state.max_copies = copies.clamp(1, tidegate_protocol::MAX_COPIES);
+            state.copies = AtomicU8::new(state.max_copies);
         }
         self
+    }
+
+    /// Sends each frame from now on `copies` times, at least once and at
+    /// most as many times as the lane was made with ([`Lane::with_copies`]):
+    /// the gateway admits one copy of a frame however many come. Returns
+    /// the copies in force.
+    pub fn set_copies(&self, copies: u8) -> u8 {
+        let n = copies.clamp(1, self.state.max_copies);
+        self.state.copies.store(n, Ordering::Relaxed);
+        n
+    }
+
+    /// Copies of each frame sent now.
+    pub fn copies(&self) -> u8 {
+        self.state.copies.load(Ordering::Relaxed)
     }
 
     /// Sends `frame` on its own stream, abandoning it (reset) if it is still
@@ -286,7 +307,7 @@ impl Lane {
         // The other copies, if the lane sends any: each that opens before
         // the deadline goes.
         let mut copies = Vec::new();
-        for _ in 1..self.state.copies {
+        for _ in 1..self.state.copies.load(Ordering::Relaxed) {
             match tokio::time::timeout_at(deadline, self.conn.open_uni()).await {
                 Ok(Ok(s)) => {
                     let _ = s.set_priority(priority);

@@ -39,6 +39,13 @@ use crate::scheduler::{EdgeId, Micros};
 /// first was lost, and then the wait is this, not a retransmission's RTT.
 const RESULT_COPY_SPACING: Duration = Duration::from_millis(2);
 
+/// How long after the last later copy of one of a camera's frames its
+/// results still go back as many times as it asked: a camera that sends
+/// its frames once (the edge's `copies = "auto"` on a path that needs no
+/// copy) gets each result once, and no second result stream per frame
+/// crowds its link; one whose copies arrive gets them all.
+const RESULT_COPIES_AFTER_A_COPY: Duration = Duration::from_secs(5);
+
 /// Cameras opened on one connection, by name.
 type Cameras = Arc<Mutex<HashMap<String, OpenCamera>>>;
 
@@ -46,9 +53,45 @@ type Cameras = Arc<Mutex<HashMap<String, OpenCamera>>>;
 #[derive(Debug, Clone)]
 pub(crate) struct OpenCamera {
     model: String,
-    /// Copies of each frame it sends, and of each result it gets.
+    /// Copies of each frame it sends at most, and of each result it gets
+    /// while its copies arrive.
     copies: u8,
     seen: SeqWindow,
+    /// When a later copy of one of its frames last arrived.
+    copy_at: Option<Instant>,
+}
+
+impl OpenCamera {
+    fn new(model: String, copies: u8) -> Self {
+        OpenCamera {
+            model,
+            copies,
+            seen: SeqWindow::default(),
+            copy_at: None,
+        }
+    }
+
+    /// Frame `seq` arrived whole at `now`: whether it is the first of its
+    /// copies (to be served). A later copy is remembered as one.
+    fn admit(&mut self, seq: u64, now: Instant) -> bool {
+        let first = self.seen.admit(seq);
+        if !first && self.seen.holds(seq) {
+            self.copy_at = Some(now);
+        }
+        first
+    }
+
+    /// Copies of a result to send at `now`: as many as the camera asked for
+    /// while its frames' later copies arrive (one within
+    /// [`RESULT_COPIES_AFTER_A_COPY`]), else one.
+    fn result_copies(&self, now: Instant) -> u8 {
+        match self.copy_at {
+            Some(at) if now.saturating_duration_since(at) < RESULT_COPIES_AFTER_A_COPY => {
+                self.copies.max(1)
+            }
+            _ => 1,
+        }
+    }
 }
 
 /// The frames of one camera already admitted, by `seq`: a second copy of
@@ -78,6 +121,11 @@ impl SeqWindow {
             self.seqs.pop_first();
         }
         true
+    }
+
+    /// Whether `seq` is among the seqs remembered.
+    fn holds(&self, seq: u64) -> bool {
+        self.seqs.contains(&seq)
     }
 }
 
@@ -160,7 +208,8 @@ impl EdgeSession<'_> {
     /// instead of the gateway holding every result in a task. A result
     /// being written keeps its bytes counted in the queue's budget; one
     /// whose connection fails under it is counted undeliverable. A camera
-    /// that asked for copies gets each result that many times, each on a
+    /// that asked for copies, and whose later copies arrive, gets each
+    /// result that many times ([`OpenCamera::result_copies`]), each on a
     /// stream of its own; it counts undeliverable when none got through.
     pub(super) async fn write_results(&self, mut results: queue::Receiver<FrameResult>) {
         let writing = Arc::new(tokio::sync::Semaphore::new(RESULT_QUEUE));
@@ -171,12 +220,13 @@ impl EdgeSession<'_> {
                 break;
             };
             let (r, bytes) = r.into_parts();
+            let now = Instant::now();
             let copies = self
                 .cameras
                 .lock()
                 .expect("camera map lock")
                 .get(&r.camera)
-                .map_or(1, |c| c.copies);
+                .map_or(1, |c| c.result_copies(now));
             let conn = self.conn.clone();
             let metrics = self.server.metrics.clone();
             self.server.tracker.spawn(async move {
@@ -393,11 +443,7 @@ impl EdgeSession<'_> {
             let mut cams = self.cameras.lock().expect("camera map lock");
             let cam = cams
                 .entry(open.camera.clone())
-                .or_insert_with(|| OpenCamera {
-                    model: open.model.clone(),
-                    copies: open.copies,
-                    seen: SeqWindow::default(),
-                });
+                .or_insert_with(|| OpenCamera::new(open.model.clone(), open.copies));
             cam.model = open.model.clone();
             cam.copies = open.copies;
         }
@@ -554,7 +600,7 @@ impl FrameStream {
             .expect("camera map lock")
             .get_mut(&frame.camera)
         {
-            Some(c) if c.model == frame.model => Some(c.seen.admit(frame.seq)),
+            Some(c) if c.model == frame.model => Some(c.admit(frame.seq, Instant::now())),
             _ => None,
         };
         match admitted {
@@ -691,6 +737,34 @@ mod tests {
         assert!(w.admit(3), "an earlier frame arriving late is new");
         assert!(!w.admit(3));
         assert!(w.admit(u64::MAX));
+    }
+
+    #[test]
+    fn results_go_back_as_many_times_as_asked_only_while_the_frames_copies_arrive() {
+        let t0 = Instant::now();
+        let mut cam = OpenCamera::new("m".into(), 2);
+        assert!(cam.admit(1, t0));
+        assert_eq!(cam.result_copies(t0), 1, "no copy yet");
+        assert!(!cam.admit(1, t0 + Duration::from_millis(3)));
+        let copied = t0 + Duration::from_millis(3);
+        assert_eq!(cam.result_copies(copied), 2);
+        assert_eq!(
+            cam.result_copies(copied + RESULT_COPIES_AFTER_A_COPY - Duration::from_millis(1)),
+            2
+        );
+        assert_eq!(cam.result_copies(copied + RESULT_COPIES_AFTER_A_COPY), 1);
+        // A stale frame (older than every seq remembered) is no copy.
+        let mut cam = OpenCamera::new("m".into(), 3);
+        for seq in 1000..1000 + SeqWindow::LEN as u64 {
+            assert!(cam.admit(seq, t0));
+        }
+        assert!(!cam.admit(3, t0));
+        assert_eq!(cam.result_copies(t0), 1);
+        // A camera that asked for one copy gets one, whatever arrives.
+        let mut one = OpenCamera::new("m".into(), 1);
+        assert!(one.admit(7, t0));
+        assert!(!one.admit(7, t0));
+        assert_eq!(one.result_copies(t0), 1);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use serde::Serialize;
+use tidegate_edge::config::Copies;
 use tidegate_protocol::{Encoding, ShedReason, Status};
 
 use super::{Case, WanBenchError};
@@ -46,6 +47,10 @@ pub struct Settled {
     pub fps_max: f64,
     /// Mean bytes of a frame handed to QUIC over the cameras' last window.
     pub bytes_per_frame: u64,
+    /// Fewest copies of each frame in force.
+    pub copies_min: u8,
+    /// Most copies of each frame in force.
+    pub copies_max: u8,
 }
 
 /// What the edge's run left behind: its counters and results.
@@ -70,7 +75,11 @@ fn cameras(case: &Case) -> Vec<EdgeCamera> {
                 case.fps,
             );
             cam.fields.push(format!("budget_ms = {}", case.budget_ms));
-            cam.fields.push(format!("copies = {}", case.copies));
+            match case.copies {
+                // The edge's default.
+                Copies::Auto => {}
+                Copies::Fixed(n) => cam.fields.push(format!("copies = {n}")),
+            }
             match case.encoding {
                 Encoding::Jpeg { quality } => {
                     cam.fields.push("encoding = \"jpeg\"".into());
@@ -180,7 +189,7 @@ fn report(
         lost_with_connection: sum(&["lost", "lost_connection"]),
         encoding: case.encoding.to_string(),
         congestion: case.congestion.to_string(),
-        copies: case.copies,
+        copies: case.copies.asked(),
         ..Report::default()
     };
     let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("bounds");
@@ -249,12 +258,18 @@ fn settled(stats: &BTreeMap<String, serde_json::Value>) -> Settled {
         .values()
         .map(|s| counter(s, "bytes_per_frame"))
         .collect();
+    let copies: Vec<u8> = stats
+        .values()
+        .map(|s| u8::try_from(counter(s, "copies")).unwrap_or(u8::MAX))
+        .collect();
     Settled {
         quality_min: q.iter().copied().min().unwrap_or(0),
         quality_max: q.iter().copied().max().unwrap_or(0),
         fps_min: fps.iter().copied().fold(f64::INFINITY, f64::min),
         fps_max: fps.iter().copied().fold(0.0, f64::max),
         bytes_per_frame: bytes.iter().sum::<u64>() / bytes.len().max(1) as u64,
+        copies_min: copies.iter().copied().min().unwrap_or(0),
+        copies_max: copies.iter().copied().max().unwrap_or(0),
     }
 }
 
@@ -269,6 +284,7 @@ mod tests {
             "camera": "cam-0", "handed": handed, "results": results,
             "reset_expired": 1, "lost_connection": 1, "awaiting": awaiting,
             "dropped_outage": 2, "quality": 60, "max_fps": 7.5, "bytes_per_frame": 4000,
+            "copies": 2,
         })
     }
 
@@ -307,5 +323,6 @@ mod tests {
         assert_eq!(r.missing, 2, "one unexplained, one still awaiting");
         let s = settled(&st);
         assert_eq!((s.quality_min, s.fps_max), (60, 7.5));
+        assert_eq!((s.copies_min, s.copies_max), (2, 2));
     }
 }

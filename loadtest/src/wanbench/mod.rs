@@ -23,6 +23,7 @@ pub use edge::Settled;
 use std::time::Duration;
 
 use serde::Serialize;
+use tidegate_edge::config::Copies;
 use tidegate_protocol::Encoding;
 use tidegate_protocol::quic::Congestion;
 
@@ -114,8 +115,9 @@ pub struct Case {
     /// Congestion controller of the generator (and of the gateway, which
     /// this cluster starts with its default).
     pub congestion: Congestion,
-    /// Copies of each frame and result.
-    pub copies: u8,
+    /// Copies of each frame and result: fixed (the load generator's only
+    /// kind), or the edge's `auto`.
+    pub copies: Copies,
     /// The link, each way.
     pub link: LinkConfig,
     /// A blackout: (start, duration) after the case starts sending.
@@ -156,7 +158,7 @@ fn case(name: &str, (cameras, fps, model): Load, link: LinkConfig) -> Case {
         encoding: Encoding::Jpeg { quality: 90 },
         budget_ms: 80,
         congestion: Congestion::default(),
-        copies: 1,
+        copies: Copies::Fixed(1),
         link,
         blackout: None,
         goal: Goal::Measure,
@@ -237,7 +239,7 @@ fn copies_and_links() -> Vec<Case> {
         ("20ms-1pct-medium-copies2", MEDIUM, 20.0, 0.01, 2, 90, 0.99),
     ] {
         let mut c = case(name, load, link(rtt, loss));
-        c.copies = copies;
+        c.copies = Copies::Fixed(copies);
         c.encoding = Encoding::Jpeg { quality };
         c.goal = Goal::Attainment(goal);
         cases.push(c);
@@ -284,16 +286,22 @@ fn copies_and_links() -> Vec<Case> {
 /// for both clients, and only an edge fits a capped link.
 fn edge_cases() -> Vec<Case> {
     let mut cases = Vec::new();
+    // The edge's defaults: copies `auto`, quality adapting from 90 down.
     let edge = |mut c: Case| {
         c.name = format!("edge-{}", c.name);
         c.client = Client::Edge;
+        c.copies = Copies::Auto;
         c
     };
     let mut c = edge(case("20ms-1pct-light", LIGHT, link(20.0, 0.01)));
     c.goal = Goal::Attainment(0.99);
     cases.push(c);
+    // A lossy long link with nothing configured for it: `auto` copies.
+    let mut c = edge(case("50ms-2pct-light", LIGHT, link(50.0, 0.02)));
+    c.goal = Goal::Attainment(0.97);
+    cases.push(c);
     let mut c = edge(case("50ms-2pct-light-copies2-q75", LIGHT, link(50.0, 0.02)));
-    c.copies = 2;
+    c.copies = Copies::Fixed(2);
     c.encoding = Encoding::Jpeg { quality: 75 };
     c.goal = Goal::Attainment(0.97);
     cases.push(c);
@@ -305,6 +313,11 @@ fn edge_cases() -> Vec<Case> {
     // Of the frames the cameras send, once they fit the link.
     c.goal = Goal::Attainment(0.99);
     cases.push(c.clone());
+    // The same with one fixed copy, against `auto`'s.
+    let mut one = c.clone();
+    one.name += "-copies1";
+    one.copies = Copies::Fixed(1);
+    cases.push(one);
     // The capped link loses packets only when its queue overflows, which
     // a loss-based controller reads right.
     c.name += "-cubic";
@@ -399,7 +412,15 @@ async fn run_loadgen(
     opts.budget_ms = case.budget_ms;
     opts.encoding = case.encoding;
     opts.congestion = case.congestion;
-    opts.copies = case.copies;
+    opts.copies = match case.copies {
+        Copies::Fixed(n) => n,
+        Copies::Auto => {
+            return Err(WanBenchError::Edge {
+                case: case.name.clone(),
+                why: "the load generator sends a fixed number of copies, not `auto`".into(),
+            });
+        }
+    };
     // Cameras out of phase, as real ones are: in step, their frames leave
     // in one burst a period and queue behind each other on the uplink.
     opts.in_step = false;
@@ -501,10 +522,13 @@ pub fn markdown(results: &[CaseResult], seconds: f64) -> String {
         let rep = &r.report;
         let client = match (&r.settled, c.client) {
             (Some(s), _) if s.quality_max > 0 => format!(
-                "edge, settled at quality {}–{}, {:.1}–{:.1} fps: ",
-                s.quality_min, s.quality_max, s.fps_min, s.fps_max
+                "edge, settled at quality {}–{}, {:.1}–{:.1} fps, {}–{} copies: ",
+                s.quality_min, s.quality_max, s.fps_min, s.fps_max, s.copies_min, s.copies_max
             ),
-            (Some(s), _) => format!("edge, settled at {:.1}–{:.1} fps: ", s.fps_min, s.fps_max),
+            (Some(s), _) => format!(
+                "edge, settled at {:.1}–{:.1} fps, {}–{} copies: ",
+                s.fps_min, s.fps_max, s.copies_min, s.copies_max
+            ),
             (None, Client::Edge) => "edge: ".into(),
             (None, Client::Sim) => String::new(),
         };
@@ -515,10 +539,10 @@ pub fn markdown(results: &[CaseResult], seconds: f64) -> String {
             c.fps,
             c.model,
             c.encoding,
-            if c.copies > 1 {
-                format!(" ×{} copies", c.copies)
-            } else {
-                String::new()
+            match c.copies {
+                Copies::Fixed(1) => String::new(),
+                Copies::Fixed(n) => format!(" ×{n} copies"),
+                Copies::Auto => " copies auto".into(),
             },
             c.budget_ms,
             link,
@@ -564,6 +588,7 @@ mod tests {
             "blackout-15s",
             "10mbit-50ms-queue-medium",
             "edge-20ms-1pct-light",
+            "edge-50ms-2pct-light",
             "edge-50ms-2pct-light-copies2-q75",
             "edge-blackout-15s",
             "edge-10mbit-50ms-queue-medium",
