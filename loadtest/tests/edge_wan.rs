@@ -326,9 +326,27 @@ fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_
     let cfg = edge_config_via(&c, "edge-1", &cameras, relay.local_addr()).unwrap();
     let mut edge = EdgeProcess::spawn(&c, &cfg, &[]).unwrap();
     let of = |r: &[serde_json::Value], cam: &str| r.iter().filter(|l| l["camera"] == cam).count();
-    // Enough windows for the policy's evidence, then some with the copies.
-    edge.wait_for_results(Duration::from_secs(60), "results", |r| {
-        CAMERAS.iter().all(|cam| of(r, cam) >= 60)
+    // The policy needs a few windows of evidence (400 packets), counted
+    // only in windows whose round trip did not swell: on a busy machine
+    // that takes longer, so the test waits for the decision, bounded.
+    let took_a_copy = |log: &str| {
+        log.lines()
+            .map(plain)
+            .any(|l| l.contains("copies of each frame changed") && l.contains("copies=2"))
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(90);
+    while !took_a_copy(&edge.log()) {
+        assert!(
+            std::time::Instant::now() < until,
+            "no camera took a second copy in 90 s: {}",
+            edge.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Then some frames with their copies.
+    let then = edge.results();
+    edge.wait_for_results(Duration::from_secs(60), "results with copies", |r| {
+        CAMERAS.iter().all(|cam| of(r, cam) >= of(&then, cam) + 20)
     })
     .unwrap();
     let (_, metrics) = c.get("/metrics").expect("gateway metrics");
@@ -347,10 +365,6 @@ fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_
     for l in &changed {
         eprintln!("edge: {l}");
     }
-    assert!(
-        changed.iter().any(|l| l.contains("copies=2")),
-        "no camera took a second copy: {log}"
-    );
     // Second copies reached the gateway, which admitted one of each.
     let duplicates = gateway_counter(
         &metrics,
