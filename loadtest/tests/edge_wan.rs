@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tidegate_loadtest::cluster::plain;
+use tidegate_loadtest::cluster::{Cluster, plain};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config_via, epoch_us};
 use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
 use tidegate_testkit::astronaut::{astronaut, started_cluster};
@@ -35,6 +35,81 @@ fn counter(stats: &serde_json::Value, key: &str) -> u64 {
     stats[key]
         .as_u64()
         .unwrap_or_else(|| panic!("no counter {key} in {stats}"))
+}
+
+/// Every frame camera `cam` handed to the uplink ended exactly once (a
+/// result, a reset, refused, lost on the wire or with its connection),
+/// none is still awaited, none was given up on, and the results written
+/// are the results counted.
+fn assert_every_frame_ends_once(cam: &str, s: &serde_json::Value, results: &[serde_json::Value]) {
+    let ended: u64 = [
+        "results",
+        "reset_superseded",
+        "reset_expired",
+        "refused",
+        "lost",
+        "lost_connection",
+        "gave_up",
+    ]
+    .iter()
+    .map(|k| counter(s, k))
+    .sum();
+    assert_eq!(counter(s, "awaiting"), 0, "{cam}: every frame ended: {s}");
+    assert_eq!(
+        counter(s, "handed"),
+        ended,
+        "{cam}: every frame handed ends once: {s}"
+    );
+    assert_eq!(counter(s, "gave_up"), 0, "{s}");
+    let written = results.iter().filter(|l| l["camera"] == cam).count();
+    assert_eq!(written as u64, counter(s, "results"), "{cam}: {s}");
+}
+
+/// The project's relay in front of `c`'s gateway, with `link` each way
+/// and its random draws seeded with `seed`, on a runtime of its own (kept
+/// as long as the relay).
+fn relay_before(c: &Cluster, link: LinkConfig, seed: u64) -> (tokio::runtime::Runtime, Relay) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let relay = rt
+        .block_on(Relay::start(RelayOptions::new(
+            c.quic,
+            ImpairConfig {
+                seed,
+                ..ImpairConfig::symmetric(link)
+            },
+        )))
+        .expect("relay starts");
+    (rt, relay)
+}
+
+/// The edge's log lines that contain `needle` (colours stripped), each
+/// also printed for the test's output.
+fn edge_lines(log: &str, needle: &str) -> Vec<String> {
+    let lines: Vec<String> = log
+        .lines()
+        .map(plain)
+        .filter(|l| l.contains(needle))
+        .collect();
+    for l in &lines {
+        eprintln!("edge: {l}");
+    }
+    lines
+}
+
+/// No `(camera, seq)` has two result lines.
+fn assert_no_frame_answered_twice(results: &[serde_json::Value]) {
+    let mut seen = BTreeMap::new();
+    for l in results {
+        let key = (
+            l["camera"].as_str().unwrap().to_string(),
+            l["seq"].as_u64().unwrap(),
+        );
+        assert!(seen.insert(key, l).is_none(), "two results for {l}");
+    }
 }
 
 /// The time of a log line (its leading RFC 3339 UTC timestamp, as
@@ -71,25 +146,12 @@ fn received_at_us(line: &serde_json::Value) -> u64 {
 fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_frame_is_accounted_for()
  {
     let c = started_cluster();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
     // A 20 ms round trip, no loss: the blackout is the only impairment.
     let link = LinkConfig {
         delay_ms: 10.0,
         ..LinkConfig::default()
     };
-    let relay = rt
-        .block_on(Relay::start(RelayOptions::new(
-            c.quic,
-            ImpairConfig {
-                seed: 23,
-                ..ImpairConfig::symmetric(link)
-            },
-        )))
-        .expect("relay starts");
+    let (_rt, relay) = relay_before(&c, link, 23);
     let jpeg = |mut cam: EdgeCamera| {
         cam.fields.push("encoding = \"jpeg\"".into());
         cam.fields.push("budget_ms = 500".into());
@@ -160,14 +222,7 @@ fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_f
     let stats = edge.camera_stats();
     eprintln!("relay: {:?}", relay.stats().flows);
 
-    let link_lines: Vec<String> = log
-        .lines()
-        .map(plain)
-        .filter(|l| l.contains("link{"))
-        .collect();
-    for l in &link_lines {
-        eprintln!("edge: {l}");
-    }
+    let link_lines = edge_lines(&log, "link{");
     // It reconnected by itself: a second connection.
     let connected: Vec<&String> = link_lines
         .iter()
@@ -188,13 +243,8 @@ fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_f
 
     // No frame has two results, and none captured in the dark was
     // delivered late (a frame of the dark could only be sent into it).
-    let mut seen = BTreeMap::new();
+    assert_no_frame_answered_twice(&results);
     for l in &results {
-        let key = (
-            l["camera"].as_str().unwrap().to_string(),
-            l["seq"].as_u64().unwrap(),
-        );
-        assert!(seen.insert(key, l).is_none(), "two results for {l}");
         let captured = l["captured_at_us"].as_u64().unwrap();
         assert!(
             captured <= dark_us + 1_000_000 || captured >= back_us,
@@ -234,27 +284,7 @@ fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_f
         let s = &stats[cam];
         eprintln!("camera_stats {s}");
         let handed = counter(s, "handed");
-        let ended: u64 = [
-            "results",
-            "reset_superseded",
-            "reset_expired",
-            "refused",
-            "lost",
-            "lost_connection",
-            "gave_up",
-        ]
-        .iter()
-        .map(|k| counter(s, k))
-        .sum();
-        assert_eq!(counter(s, "awaiting"), 0, "{cam}: every frame ended: {s}");
-        assert_eq!(handed, ended, "{cam}: every frame handed ends once: {s}");
-        assert_eq!(counter(s, "gave_up"), 0, "{s}");
-        // The results written are the results counted.
-        assert_eq!(
-            of(&results, cam) as u64,
-            counter(s, "results"),
-            "{cam}: {s}"
-        );
+        assert_every_frame_ends_once(cam, s, &results);
         // Frames sent into the dark before the connection died ended on
         // the wire (reset at their deadline, or cut by the connection's
         // end) or lost with it; those that found no connection were not
@@ -288,11 +318,6 @@ fn gateway_counter(text: &str, series: &str) -> f64 {
 #[test]
 fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_frame_ends_once() {
     let c = started_cluster();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
     // 50 ms round trip and 2 % loss each way: two round trips alone are
     // over the 80 ms budget.
     let link = LinkConfig {
@@ -300,15 +325,7 @@ fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_
         loss: 0.02,
         ..LinkConfig::default()
     };
-    let relay = rt
-        .block_on(Relay::start(RelayOptions::new(
-            c.quic,
-            ImpairConfig {
-                seed: 29,
-                ..ImpairConfig::symmetric(link)
-            },
-        )))
-        .expect("relay starts");
+    let (_rt, relay) = relay_before(&c, link, 29);
     let cameras: Vec<EdgeCamera> = CAMERAS
         .iter()
         .map(|name| {
@@ -357,14 +374,7 @@ fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_
     let stats = edge.camera_stats();
 
     // The edge took to two copies, and says why.
-    let changed: Vec<String> = log
-        .lines()
-        .map(plain)
-        .filter(|l| l.contains("copies of each frame changed"))
-        .collect();
-    for l in &changed {
-        eprintln!("edge: {l}");
-    }
+    edge_lines(&log, "copies of each frame changed");
     // Second copies reached the gateway, which admitted one of each.
     let duplicates = gateway_counter(
         &metrics,
@@ -373,41 +383,12 @@ fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_
     eprintln!("gateway: {duplicates} later copies dropped");
     assert!(duplicates > 0.0, "{metrics}");
 
-    let mut seen = BTreeMap::new();
-    for l in &results {
-        let key = (
-            l["camera"].as_str().unwrap().to_string(),
-            l["seq"].as_u64().unwrap(),
-        );
-        assert!(seen.insert(key, l).is_none(), "two results for {l}");
-    }
+    assert_no_frame_answered_twice(&results);
     for cam in CAMERAS {
         let s = &stats[cam];
         eprintln!("camera_stats {s}");
         let copies = counter(s, "copies");
         assert!((1..=2).contains(&copies), "{cam}: {s}");
-        let ended: u64 = [
-            "results",
-            "reset_superseded",
-            "reset_expired",
-            "refused",
-            "lost",
-            "lost_connection",
-            "gave_up",
-        ]
-        .iter()
-        .map(|k| counter(s, k))
-        .sum();
-        assert_eq!(counter(s, "awaiting"), 0, "{cam}: every frame ended: {s}");
-        assert_eq!(
-            counter(s, "handed"),
-            ended,
-            "{cam}: every frame handed ends once: {s}"
-        );
-        assert_eq!(
-            of(&results, cam) as u64,
-            counter(s, "results"),
-            "{cam}: {s}"
-        );
+        assert_every_frame_ends_once(cam, s, &results);
     }
 }
