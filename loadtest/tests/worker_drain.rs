@@ -112,23 +112,45 @@ fn sigterm_mid_run_answers_every_dispatched_batch_and_exits_0() {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {k} in {summary}"))
     };
-    let (sent, results) = (field("sent"), field("results"));
-    // The edge resets streams of superseded or expired frames and does not
-    // count them as sent; one that reached the gateway whole before the reset
-    // still gets its (single) result.
-    let resets: u64 = stderr
+    let results = field("results");
+    // Every frame the edge handed to its uplink ended once, by its own
+    // ledger: a result, or a reset (superseded or expired on the wire),
+    // none refused, lost, cut off with the connection or given up on, and
+    // none still awaited. (The summary's `sent` counts acknowledgements,
+    // and a result can beat its frame's acknowledgement to the edge's
+    // books at the very end.)
+    // The last counters of each camera: those printed at the edge's stop.
+    let last: std::collections::BTreeMap<String, serde_json::Value> = stderr
         .lines()
         .filter_map(|l| l.strip_prefix("camera_stats "))
         .filter_map(|j| serde_json::from_str::<serde_json::Value>(j).ok())
-        .map(|v| {
-            v["reset_superseded"].as_u64().unwrap_or(0) + v["reset_expired"].as_u64().unwrap_or(0)
-        })
-        .sum();
-    assert!(
-        results >= sent && results <= sent + resets,
-        "every frame sent gets one result: {summary}, {resets} resets; gateway counters {}\nedge stderr:\n{stderr}\nworker log:\n{}",
-        frames(&c),
-        c.worker_log("worker-1")
+        .map(|v| (v["camera"].as_str().unwrap_or("").to_string(), v))
+        .collect();
+    assert_eq!(last.len(), 8, "counters of each camera:\n{stderr}");
+    let stats: Vec<serde_json::Value> = last.into_values().collect();
+    let n =
+        |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"));
+    for v in &stats {
+        let ended: u64 = ["results", "reset_superseded", "reset_expired"]
+            .iter()
+            .map(|k| n(v, k))
+            .sum();
+        let otherwise: u64 = ["refused", "lost", "lost_connection", "gave_up", "awaiting"]
+            .iter()
+            .map(|k| n(v, k))
+            .sum();
+        assert_eq!(
+            (n(v, "handed"), otherwise),
+            (ended, 0),
+            "every frame handed ends once, by a result or a reset: {v}; gateway counters {}\nworker log:\n{}",
+            frames(&c),
+            c.worker_log("worker-1")
+        );
+    }
+    assert_eq!(
+        stats.iter().map(|v| n(v, "results")).sum::<u64>(),
+        results,
+        "{summary}"
     );
     let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -175,7 +197,8 @@ fn sigterm_mid_run_answers_every_dispatched_batch_and_exits_0() {
     );
     // Frames refused before admission (no worker left) are answered too,
     // but not admitted.
-    assert!(count(&f, "admitted") <= sent + resets, "{f}");
+    let handed: u64 = stats.iter().map(|v| n(v, "handed")).sum();
+    assert!(count(&f, "admitted") <= handed, "{f}");
 }
 
 /// A gateway crash does not end a worker: it redials the restarted gateway,
@@ -204,5 +227,9 @@ fn a_worker_redials_a_restarted_gateway_and_serves_again() {
     );
     // And it serves: a few frames through the restarted gateway.
     let r = loadgen::run_blocking(&c.load_options("edge-1", 2, 5.0, 2.0)).expect("simulation runs");
-    assert!(r.sent > 0 && r.ok == r.sent, "{:?}", r.outcomes);
+    // Served, each frame `ok` or shed by the scheduler (on a busy machine
+    // it may shed one it cannot make in time; every frame `ok` would be a
+    // speed claim), none failed, refused or lost.
+    assert!(r.sent > 0 && r.ok > 0, "{:?}", r.outcomes);
+    assert_eq!(r.ok + r.shed + r.expired, r.sent, "{:?}", r.outcomes);
 }
