@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::adapt::{
-    Decision, FitConfig, LinkFit, QualityRange, Step, Totals, WindowMeter, phase_of,
+    Decision, FitConfig, LinkFit, QualityRange, Step, Totals, WindowMeter, WindowStats, phase_of,
 };
 use crate::capture::{EncodeError, FrameEncoder};
 use crate::config::{CameraConfig, Copies};
@@ -347,12 +347,10 @@ impl Outbound {
         );
         Some(d)
     }
-}
 
-impl Outbound {
     /// For `copies = "auto"`: the copies of each frame for the next window,
     /// from window `w` (on a connection) and how the fit judged it.
-    fn fit_copies(&mut self, w: &crate::adapt::WindowStats) {
+    fn fit_copies(&mut self, w: &WindowStats) {
         let Some(r) = &mut self.redundancy else {
             return;
         };

@@ -148,9 +148,9 @@ impl Redundancy {
             return self.decision(None);
         };
         let fits = 2 * path.min_rtt + RECOVERY_SLACK <= self.budget;
-        let wanted = match w.bytes_per_frame() {
+        let wanted = match packets(w) {
             _ if fits => 1,
-            Some(bytes) => Self::needed(p, bytes.div_ceil(PACKET_PAYLOAD).max(1), self.max),
+            Some(n) => Self::needed(p, n, self.max),
             // Nothing handed in the window: no frame size to judge by.
             None => self.copies,
         };
@@ -184,10 +184,10 @@ impl Redundancy {
         if fits {
             return true;
         }
-        let Some(bytes) = w.bytes_per_frame() else {
+        let Some(n) = packets(w) else {
             return false;
         };
-        let one = one_copy_miss(p, bytes.div_ceil(PACKET_PAYLOAD).max(1));
+        let one = one_copy_miss(p, n);
         one.powi(i32::from(self.copies - 1)) <= TARGET_MISS / 2.0
     }
 
@@ -198,6 +198,12 @@ impl Redundancy {
             loss: self.loss(),
         }
     }
+}
+
+/// Packets of the window's mean frame; `None` when none was handed.
+fn packets(w: &WindowStats) -> Option<u64> {
+    w.bytes_per_frame()
+        .map(|bytes| bytes.div_ceil(PACKET_PAYLOAD).max(1))
 }
 
 /// The chance that one copy of a frame of `packets` packets loses one of

@@ -218,17 +218,10 @@ impl Lane {
 
     /// Sends each frame from now on `copies` times, at least once and at
     /// most as many times as the lane was made with ([`Lane::with_copies`]):
-    /// the gateway admits one copy of a frame however many come. Returns
-    /// the copies in force.
-    pub fn set_copies(&self, copies: u8) -> u8 {
+    /// the gateway admits one copy of a frame however many come.
+    pub fn set_copies(&self, copies: u8) {
         let n = copies.clamp(1, self.state.max_copies);
         self.state.copies.store(n, Ordering::Relaxed);
-        n
-    }
-
-    /// Copies of each frame sent now.
-    pub fn copies(&self) -> u8 {
-        self.state.copies.load(Ordering::Relaxed)
     }
 
     /// Sends `frame` on its own stream, abandoning it (reset) if it is still
