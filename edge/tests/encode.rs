@@ -187,3 +187,50 @@ async fn raw_needs_no_encoder() {
         .unwrap_err();
     assert!(matches!(err, EncodeError::Raw { .. }), "{err:?}");
 }
+
+/// The worst frame an encoder can make, noise at JPEG quality 100 (and as
+/// PNG), is within `InputSpec::max_frame_payload`: the bound a gateway
+/// refuses a frame's header by never refuses a frame this edge encodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn noise_at_the_highest_quality_fits_the_payload_bound_a_gateway_holds_frames_to() {
+    use tidegate_protocol::{ColorOrder, DType, InputSpec, Layout};
+    let (width, height) = (128u32, 128u32);
+    let input = InputSpec {
+        width,
+        height,
+        channels: 3,
+        dtype: DType::U8,
+        layout: Layout::Nhwc,
+        color: ColorOrder::Rgb,
+        resize: tidegate_protocol::Resize::Stretch,
+    };
+    // xorshift noise: no two neighbours alike, the worst case for both
+    // codecs
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let noise: Vec<u8> = (0..input.raw_frame_bytes())
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let noise = Bytes::from(noise);
+    for codec in [Codec::Jpeg, Codec::Png] {
+        let encoder = FrameEncoder::start("cam-noise", codec, width, height)
+            .await
+            .unwrap();
+        let data = encode(&encoder, &noise, Encoding::MAX_QUALITY).await;
+        assert!(
+            data.len() > input.raw_frame_bytes() / 2,
+            "{codec}: noise does not compress ({} bytes)",
+            data.len()
+        );
+        assert!(
+            data.len() <= input.max_frame_payload(),
+            "{codec}: {} bytes over the bound {}",
+            data.len(),
+            input.max_frame_payload()
+        );
+    }
+}

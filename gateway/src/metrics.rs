@@ -227,11 +227,12 @@ pub mod known {
     /// `tidegate_worker_frames_total{status}` (with each worker label).
     pub const FRAME_STATUSES: [&str; 4] = ["ok", "shed", "expired", "failed"];
     /// `tidegate_frames_rejected_total{reason}`.
-    pub const REJECTED: [&str; 7] = [
+    pub const REJECTED: [&str; 8] = [
         "malformed",
         "camera_not_open",
         "duplicate",
         "read_timeout",
+        "too_large",
         "memory_budget",
         "reset",
         "connection_lost",

@@ -2,8 +2,10 @@
 //! by a `[limits]` key, with a legitimate edge's cameras served beside the
 //! memory attacks:
 //!
-//! - partly sent frames take no more than the edge's budget for them, the
-//!   frames past it are refused, and the memory comes back afterwards;
+//! - partly sent frames larger than their camera can send are refused
+//!   from their headers; the others take no more than the edge's budget
+//!   for them, the frames past it are refused, and the memory comes back
+//!   afterwards;
 //! - a frame trickled in is reset once its read timeout has passed;
 //! - connections that never log in can open no stream to push into, and
 //!   only so many are let in at once;
@@ -16,15 +18,19 @@
 
 use std::time::{Duration, Instant};
 
-use tidegate_loadtest::attack::edge::{ask_camera, camera_open, partial_frames, trickle};
+use tidegate_loadtest::attack::edge::{
+    ask_camera, camera_open, open_camera, partial_frames, trickle,
+};
 use tidegate_loadtest::attack::rss::RssWatch;
 use tidegate_loadtest::attack::stranger::strangers;
 use tidegate_loadtest::attack::{AttackError, LoggedIn, MIB, Target};
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
-use tidegate_protocol::quic::{BEFORE_LOGIN_RECEIVE_WINDOW, HandshakeError, RECEIVE_WINDOW};
-use tidegate_protocol::{ErrorCode, Message};
+use tidegate_protocol::quic::{BEFORE_LOGIN_RECEIVE_WINDOW, HandshakeError, edge_receive_window};
+use tidegate_protocol::{
+    ColorOrder, DType, ErrorCode, Frame, InputSpec, Layout, Limits, Message, Resize,
+};
 use tokio_util::sync::CancellationToken;
 
 /// The tests here load the machine on purpose and measure one process's
@@ -114,80 +120,132 @@ async fn login(c: &Cluster, name: &str) -> Result<LoggedIn, AttackError> {
     tidegate_loadtest::attack::login(&Target::of(c), name).await
 }
 
-/// 32 streams of 40 MiB, never finished, from one logged-in edge: the
-/// first frame takes 40 MiB of the edge's 48 MiB budget, the others are
-/// refused from their headers (`memory_budget`), and one that fitted is
-/// reset when its read timeout passes (`read_timeout`). The gateway's
-/// memory stays within its baseline plus the edge's budget and one
-/// connection's QUIC receive window, gives the memory back once the attack
-/// is over (within twice its baseline), and serves the legitimate edge's
-/// cameras throughout.
-#[test]
-fn partly_sent_frames_hold_no_more_than_the_edges_budget_and_are_reset() {
-    let _serial = serial();
-    let edge_budget = 48 * MIB;
-    let c = cluster(&format!(
-        "edge_inflight_bytes = {edge_budget}\ninflight_bytes_total = {}\nframe_read_timeout_ms = 3000\n",
-        2 * edge_budget
-    ));
-    let load = legitimate_load(&c, 8.0);
-    std::thread::sleep(Duration::from_millis(1500));
-    let baseline = rss(&c);
-    let peak = peak(&c);
+/// Opens a camera on BlazeFace as `edge-hostile` and sends 32 frame
+/// streams declaring `declared` bytes each, all but the last byte of each;
+/// returns once `done` holds of the gateway's counters (or `WAIT` passes),
+/// with the peak of the gateway's memory meanwhile.
+fn partial_wave(c: &Cluster, declared: usize, done: impl Fn() -> bool) -> u64 {
+    let peak = peak(c);
     let rt = runtime();
-    let target = Target::of(&c);
+    let target = Target::of(c);
     let conn = rt.block_on(async {
         // The control stream stays open with the connection.
         let attack = partial_frames(
             &target,
             "edge-hostile",
+            "blazeface",
             32,
-            40 * MIB as usize,
-            40 * MIB as usize - 1,
+            declared,
+            declared - 1,
         );
         tokio::time::timeout(WAIT, attack)
             .await
             .expect("in time")
-            .expect("welcome")
+            .expect("welcome, and the camera accepted")
     });
-    // Until the gateway has refused or reset every stream.
     let until = Instant::now() + WAIT;
-    let (mut budget, mut timeout) = (0, 0);
-    while budget + timeout < 32 && Instant::now() < until {
+    while !done() && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(200));
-        (budget, timeout) = (rejected(&c, "memory_budget"), rejected(&c, "read_timeout"));
     }
     conn.close(0u32.into(), b"attack over");
     drop(rt);
-    let peak_rss = peak.max();
-    drop(peak);
+    peak.max()
+}
+
+/// Partly sent frames from one logged-in edge with a camera open, beside a
+/// legitimate edge:
+///
+/// - 32 streams declaring 40 MiB each, far more than a BlazeFace camera's
+///   largest frame: every one is refused from its header (`too_large`),
+///   and none takes room in the budget;
+/// - 32 streams declaring that largest frame (its input, four times over
+///   for a worst-case JPEG, plus a file's headers) into an edge budget of
+///   four of them: four fit, the others are refused from their headers
+///   (`memory_budget`), and each one that fitted is reset when its read
+///   timeout passes (`read_timeout`).
+///
+/// The gateway's memory stays within its baseline plus the edge's budget
+/// and the attacker's QUIC connection window (sized to its camera's
+/// frames), comes back once the attack is
+/// over (within twice its baseline), and the legitimate edge's cameras are
+/// served throughout.
+#[test]
+fn partly_sent_frames_hold_no_more_than_their_cameras_can_send_and_the_edges_budget() {
+    let _serial = serial();
+    let input = InputSpec {
+        width: 128,
+        height: 128,
+        channels: 3,
+        dtype: DType::U8,
+        layout: Layout::Nhwc,
+        color: ColorOrder::Rgb,
+        resize: Resize::Letterbox,
+    };
+    let largest = Frame::max_body_len(input.max_frame_payload(), &Limits::default());
+    let edge_budget = 4 * largest as u64;
+    let c = cluster(&format!(
+        "edge_inflight_bytes = {edge_budget}\ninflight_bytes_total = {}\nframe_read_timeout_ms = 3000\n",
+        2 * edge_budget
+    ));
+    let served = tidegate_loadtest::attack::worker::model_as_registered(&c, "blazeface", 1)
+        .expect("blazeface registered");
+    assert_eq!(
+        served.input.raw_frame_bytes(),
+        input.raw_frame_bytes(),
+        "{served:?}"
+    );
+    let load = legitimate_load(&c, 10.0);
+    std::thread::sleep(Duration::from_millis(1500));
+    let baseline = rss(&c);
+
+    let huge = 40 * MIB as usize;
+    let peak_huge = partial_wave(&c, huge, || rejected(&c, "too_large") >= 32);
+    let too_large = rejected(&c, "too_large");
+    let (budget, timeout) = (rejected(&c, "memory_budget"), rejected(&c, "read_timeout"));
+    assert_eq!(too_large, 32, "every 40 MiB frame refused from its header");
+    assert_eq!((budget, timeout), (0, 0), "none took room in the budget");
+
+    let peak_largest = partial_wave(&c, largest, || {
+        rejected(&c, "memory_budget") + rejected(&c, "read_timeout") >= 32
+    });
+    let (budget, timeout) = (rejected(&c, "memory_budget"), rejected(&c, "read_timeout"));
     let report = load.join().expect("the legitimate load's thread");
     eprintln!(
-        "baseline {} MiB, peak {} MiB during the attack; {budget} refused, {timeout} timed out",
+        "baseline {} MiB, peaks {} and {} MiB during the waves; {too_large} too large, {budget} refused, {timeout} timed out",
         baseline / MIB,
-        peak_rss / MIB
+        peak_huge / MIB,
+        peak_largest / MIB
     );
-    // One frame fits the budget at a time: the others are refused from
-    // their headers, and each one that fitted is reset at its timeout.
+    // Four fit the budget at a time: the others are refused from their
+    // headers, and each one that fitted is reset at its timeout.
     assert_eq!(
         budget + timeout,
         32,
         "{budget} refused, {timeout} timed out"
     );
     assert!(
-        timeout >= 1 && budget >= 24,
+        (1..=8).contains(&timeout) && budget >= 24,
         "{budget} refused, {timeout} timed out"
     );
-    let bound = baseline + edge_budget + u64::from(RECEIVE_WINDOW) + SLACK;
-    assert!(
-        peak_rss <= bound,
-        "peak {} MiB over baseline {} MiB + budget {} MiB + window {} MiB + slack {} MiB",
-        peak_rss / MIB,
-        baseline / MIB,
-        edge_budget / MIB,
-        RECEIVE_WINDOW as u64 / MIB,
-        SLACK / MIB
+    assert_eq!(
+        rejected(&c, "too_large"),
+        32,
+        "a frame its camera can send is not too large"
     );
+    // The attacker's connection window: room for its camera's frames.
+    let window = u64::from(edge_receive_window(largest));
+    let bound = baseline + edge_budget + window + SLACK;
+    for peak in [peak_huge, peak_largest] {
+        assert!(
+            peak <= bound,
+            "peak {} MiB over baseline {} MiB + budget {} MiB + window {} MiB + slack {} MiB",
+            peak / MIB,
+            baseline / MIB,
+            edge_budget / MIB,
+            window / MIB,
+            SLACK / MIB
+        );
+    }
     assert_served(&report);
     // Given back: within twice the baseline, polled for at most 30 s.
     let until = Instant::now() + Duration::from_secs(30);
@@ -214,12 +272,15 @@ fn a_trickling_frame_stream_is_reset_after_its_read_timeout() {
     let c = cluster("frame_read_timeout_ms = 1000\n");
     let rt = runtime();
     let stopped = rt.block_on(async {
-        let (conn, _send, _recv) = login(&c, "edge-hostile").await.expect("welcome");
-        // One byte every 100 ms, until the gateway stops the stream or
-        // `WAIT` passes.
+        let (conn, mut send, mut recv) = login(&c, "edge-hostile").await.expect("welcome");
+        open_camera(&mut send, &mut recv, "trickle", "blazeface")
+            .await
+            .expect("the camera is accepted");
+        // One byte every 100 ms of a frame its camera could send, until the
+        // gateway stops the stream or `WAIT` passes.
         let every = Duration::from_millis(100);
         let bytes = (WAIT.as_millis() / every.as_millis()) as u64;
-        trickle(&conn, MIB as usize, every, bytes, &CancellationToken::new())
+        trickle(&conn, 64 * 1024, every, bytes, &CancellationToken::new())
             .await
             .expect("a frame stream opens")
     });

@@ -122,6 +122,48 @@ impl InputSpec {
             Layout::Nchw => vec![1, c, self.height, self.width],
         }
     }
+
+    /// Bytes of one frame of this input, raw.
+    pub fn raw_frame_bytes(&self) -> usize {
+        (self.width as usize)
+            .saturating_mul(self.height as usize)
+            .saturating_mul(self.channels as usize)
+            .saturating_mul(self.dtype.size())
+    }
+
+    /// The most payload bytes a frame of this input can carry in any
+    /// encoding: raw, or a JPEG or PNG file that decodes to it. A JPEG of
+    /// noise at quality 100 with full-resolution colour is at most about
+    /// 3.4 times its raw pixels (27 bits for each of a block's 64
+    /// coefficients, against 8), and a PNG barely more than raw; so four
+    /// times raw, plus [`FILE_OVERHEAD`](Self::FILE_OVERHEAD) for the
+    /// file's headers and tables. A larger frame cannot be this input's,
+    /// and a gateway refuses it from its header.
+    pub fn max_frame_payload(&self) -> usize {
+        self.raw_frame_bytes()
+            .saturating_mul(4)
+            .saturating_add(Self::FILE_OVERHEAD)
+    }
+
+    /// Room for an encoded file's headers and tables, beside its pixels
+    /// ([`InputSpec::max_frame_payload`]).
+    pub const FILE_OVERHEAD: usize = 64 * 1024;
+}
+
+impl Frame {
+    /// The longest body (the bytes after its [`Header`]) a frame can have
+    /// whose payload is at most `payload` bytes and whose names are within
+    /// `limits`: the camera and model names with their lengths, the
+    /// sequence number, capture time, budget and geometry, and the
+    /// tensor's metadata with the most dimensions.
+    pub fn max_body_len(payload: usize, limits: &Limits) -> usize {
+        let names = 2 * (2 + limits.max_string_bytes);
+        let fields = 8 + 8 + 4 + Geometry::WIRE_LEN;
+        // dtype, layout, encoding (codec and quality), the dims' count,
+        // the dims, the payload's length
+        let tensor = 1 + 1 + 2 + 1 + 4 * limits.max_dims + 4;
+        (names + fields + tensor).saturating_add(payload)
+    }
 }
 
 /// Edge → gateway: start a camera on a model.

@@ -524,6 +524,9 @@ pub struct Geometry {
 }
 
 impl Geometry {
+    /// Bytes of a geometry on the wire: its six `u32`s.
+    pub const WIRE_LEN: usize = 6 * 4;
+
     /// Geometry of a source stretched over the whole `width`×`height` input.
     pub fn stretch(source_width: u32, source_height: u32, width: u32, height: u32) -> Self {
         Geometry {

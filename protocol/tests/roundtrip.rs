@@ -1056,3 +1056,72 @@ fn incomplete_then_complete_as_bytes_arrive() {
         }
     }
 }
+
+// ---------------------------------------------------------------- frame bounds
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Any frame within the limits (names up to `max_string_bytes`, up to
+    /// `max_dims` dimensions) has a body no longer than
+    /// `Frame::max_body_len` of its payload, and one with the longest
+    /// names and the most dimensions has exactly that body: the bound a
+    /// gateway refuses a frame's header by is never below a frame it must
+    /// take, and no looser than it says.
+    #[test]
+    fn a_frames_body_is_within_its_bound_and_the_longest_frame_meets_it(
+        camera in 0usize..=1024,
+        model in 0usize..=1024,
+        dims in 1usize..=8,
+        payload in 0usize..4096,
+        geometry in geometry(),
+    ) {
+        let limits = Limits::default();
+        let frame = |camera: usize, model: usize, dims: usize| {
+            let mut shape = vec![1u32; dims];
+            shape[0] = payload as u32;
+            Message::Frame(Frame {
+                camera: "c".repeat(camera),
+                seq: u64::MAX,
+                captured_at_us: u64::MAX,
+                budget_us: u32::MAX,
+                model: "m".repeat(model),
+                geometry,
+                tensor: Tensor::raw(DType::U8, Layout::Nhwc, shape, Bytes::from(vec![7u8; payload])),
+            })
+        };
+        let body = |m: &Message| common::encode(m).len() - Header::LEN;
+        let bound = Frame::max_body_len(payload, &limits);
+        prop_assert!(body(&frame(camera, model, dims)) <= bound);
+        let longest = frame(limits.max_string_bytes, limits.max_string_bytes, limits.max_dims);
+        prop_assert_eq!(body(&longest), bound);
+        // and it decodes: the longest frame is one the protocol takes
+        let mut bytes = common::encode(&longest);
+        prop_assert!(Message::decode(&mut bytes, &limits).is_ok());
+    }
+}
+
+/// A frame's payload bound is four times its raw pixels plus room for a
+/// file's headers, for each element type.
+#[test]
+fn a_frames_largest_payload_is_four_times_raw_plus_a_files_headers() {
+    let mut input = InputSpec {
+        width: 128,
+        height: 96,
+        channels: 3,
+        dtype: DType::U8,
+        layout: Layout::Nhwc,
+        color: ColorOrder::Rgb,
+        resize: Resize::Stretch,
+    };
+    assert_eq!(input.raw_frame_bytes(), 128 * 96 * 3);
+    assert_eq!(
+        input.max_frame_payload(),
+        4 * 128 * 96 * 3 + InputSpec::FILE_OVERHEAD
+    );
+    input.dtype = DType::F32;
+    assert_eq!(input.raw_frame_bytes(), 128 * 96 * 3 * 4);
+    input.width = u32::MAX;
+    input.height = u32::MAX;
+    assert_eq!(input.max_frame_payload(), usize::MAX, "saturates");
+}

@@ -16,7 +16,8 @@ pub struct LimitsConfig {
     /// Bytes of partly received frames one connection may hold: each frame
     /// reserves its declared length before its body is read, and a frame
     /// that finds no room is refused (`memory_budget`). A frame larger than
-    /// this is always refused.
+    /// this is always refused, as is one larger than any camera open on
+    /// its connection can send (`too_large`).
     #[serde(default = "default_edge_inflight_bytes")]
     pub edge_inflight_bytes: u64,
     /// Bytes of partly received frames all connections together may hold.

@@ -12,11 +12,12 @@
 //!   probes, sharing the control stream with the replies.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tidegate_protocol::queue;
-use tidegate_protocol::quic::{read_message_of, write_message};
+use tidegate_protocol::quic::{self, read_message_of, write_message};
 use tidegate_protocol::{
     CameraAccepted, CameraOpen, ClockProbe, ErrorCode, Frame, FrameResult, Kind, Limits, Message,
 };
@@ -159,6 +160,11 @@ pub(super) struct EdgeSession<'s> {
     /// Replies, hints and probes share the control stream.
     pub(super) ctl_send: tokio::sync::Mutex<quinn::SendStream>,
     pub(super) cameras: Cameras,
+    /// The longest frame body any camera open on this connection can send
+    /// (0 before one is): a frame declaring more is refused from its
+    /// header. It only grows: a camera opened again on a smaller model
+    /// keeps what it had.
+    pub(super) max_frame_body: Arc<AtomicUsize>,
     pub(super) clock: Arc<Mutex<EdgeClock>>,
     /// The edge name's share of connections, cameras and partly received
     /// frames; dropped with the session.
@@ -194,6 +200,7 @@ impl EdgeSession<'_> {
                 clock: self.server.clock,
                 edge_clock: self.clock.lock().expect("edge clock lock").offset(),
                 cameras: self.cameras.clone(),
+                max_body: self.max_frame_body.clone(),
                 hub: self.server.hub.clone(),
                 limits: self.server.limits,
                 metrics: self.server.metrics.clone(),
@@ -446,6 +453,15 @@ impl EdgeSession<'_> {
                 .or_insert_with(|| OpenCamera::new(open.model.clone(), open.copies));
             cam.model = open.model.clone();
             cam.copies = open.copies;
+            // Raised before the camera is accepted: its first frame finds
+            // it.
+            let max =
+                Frame::max_body_len(served.info.input.max_frame_payload(), &self.server.limits);
+            let before = self.max_frame_body.fetch_max(max, Ordering::AcqRel);
+            if max > before {
+                self.conn
+                    .set_receive_window(quic::edge_receive_window(max).into());
+            }
         }
         self.server
             .hub
@@ -540,6 +556,8 @@ struct FrameStream {
     clock: GatewayClock,
     edge_clock: Option<deadline::Offset>,
     cameras: Cameras,
+    /// [`EdgeSession::max_frame_body`].
+    max_body: Arc<AtomicUsize>,
     hub: Hub,
     limits: Limits,
     metrics: Metrics,
@@ -557,7 +575,7 @@ impl FrameStream {
     async fn read(self, mut recv: quinn::RecvStream) {
         let read = tokio::time::timeout_at(
             (self.arrived + self.read_timeout).into(),
-            read_frame(&mut recv, &self.limits, &self.budget),
+            read_frame(&mut recv, &self.limits, &self.max_body, &self.budget),
         )
         .await;
         let Ok(read) = read else {
@@ -571,6 +589,11 @@ impl FrameStream {
             Err(FrameReadError::Budget(e)) => {
                 debug!("frame refused: {e}");
                 self.reject(&mut recv, "memory_budget", e.code());
+                return;
+            }
+            Err(e @ FrameReadError::LargerThanItsCameras { .. }) => {
+                debug!("frame refused: {e}");
+                self.reject(&mut recv, "too_large", ErrorCode::TooLarge);
                 return;
             }
             Err(FrameReadError::Read(e)) if e.is_reset() => {
@@ -684,6 +707,7 @@ pub(super) async fn run(server: &Server, id: EdgeId, link: super::Link, quota: E
         conn: conn.clone(),
         ctl_send: tokio::sync::Mutex::new(ctl_send),
         cameras: Cameras::default(),
+        max_frame_body: Arc::default(),
         clock: Arc::new(Mutex::new(EdgeClock::new())),
         quota,
         waiting_for_worker: Mutex::default(),

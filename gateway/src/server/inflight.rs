@@ -7,7 +7,7 @@
 //! each half sent, and the gateway would hold every byte of them.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use bytes::BytesMut;
 use tidegate_protocol::quic::ReadError;
@@ -183,19 +183,37 @@ pub(crate) enum FrameReadError {
     /// The frame's body found no room in the budgets.
     #[error(transparent)]
     Budget(#[from] BudgetError),
+    /// The frame declared a body larger than any camera open on its
+    /// connection can send: its model's input, in any encoding
+    /// ([`Frame::max_body_len`] of [`InputSpec::max_frame_payload`]).
+    ///
+    /// [`InputSpec::max_frame_payload`]: tidegate_protocol::InputSpec::max_frame_payload
+    #[error(
+        "a frame of {bytes} bytes is larger than any camera open on its connection can send ({max} bytes: the largest model input of its cameras, in any encoding)"
+    )]
+    LargerThanItsCameras {
+        /// The frame's declared body.
+        bytes: usize,
+        /// The largest body the connection's cameras can send (0 before
+        /// any is open).
+        max: usize,
+    },
 }
 
 /// The one kind a frame stream carries.
 const FRAME: &[Kind] = &[Kind::Frame];
 
 /// Reads the one frame of a frame stream: its header, then room for its
-/// body from `budget` (any kind but `Frame`, or a frame without room, is
-/// refused before a byte of its body is read), then the body. Returns the
-/// frame with its room, to be held until the frame is handed on; `None`
-/// when the stream finished before a byte.
+/// body from `budget`, then the body. Any kind but `Frame`, a frame whose
+/// body is longer than `max_body` (what the connection's open cameras can
+/// send, read when the header is in), or one without room, is refused
+/// before a byte of its body is read. Returns the frame with its room, to
+/// be held until the frame is handed on; `None` when the stream finished
+/// before a byte.
 pub(crate) async fn read_frame(
     recv: &mut quinn::RecvStream,
     limits: &Limits,
+    max_body: &AtomicUsize,
     budget: &InflightBudget,
 ) -> Result<Option<(Frame, Reservation)>, FrameReadError> {
     let mut head = [0u8; Header::LEN];
@@ -218,6 +236,13 @@ pub(crate) async fn read_frame(
             expected: FRAME,
         }
         .into());
+    }
+    let max = max_body.load(Ordering::Acquire);
+    if header.len > max {
+        return Err(FrameReadError::LargerThanItsCameras {
+            bytes: header.len,
+            max,
+        });
     }
     let room = budget.reserve(header.len as u64)?;
     // Exactly the room reserved: pages the edge never sends are never

@@ -289,7 +289,12 @@ impl Server {
         };
         // Logged in: room for its frame and result streams (the credit goes
         // out with or before the Welcome; a peer's `open_uni` waits for it).
-        tidegate_protocol::quic::open_after_login(&conn);
+        // An edge's window grows with its cameras' frames as they open.
+        let window = match role {
+            Role::Edge => tidegate_protocol::quic::edge_receive_window(0),
+            Role::Worker => tidegate_protocol::quic::RECEIVE_WINDOW,
+        };
+        tidegate_protocol::quic::open_after_login(&conn, window);
         let welcome = Message::Welcome(Welcome {
             session,
             heartbeat_ms: HEARTBEAT_MS,

@@ -6,8 +6,8 @@ use serde::Serialize;
 use tidegate_edge::uplink::{Uplink, UplinkOptions};
 use tidegate_protocol::quic::{read_answer, read_message, write_message};
 use tidegate_protocol::{
-    CUT_MARK, CameraOpen, DType, Encoding, ErrorCode, ErrorMsg, Frame, Header, Hello, Kind,
-    LatencyReport, Layout, Limits, Message, Role, Tensor,
+    CUT_MARK, CameraOpen, DType, Encoding, ErrorCode, ErrorMsg, Frame, Header, Hello, InputSpec,
+    Kind, LatencyReport, Layout, Limits, Message, Role, Tensor,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -48,19 +48,22 @@ pub async fn partial_frame(conn: quinn::Connection, declared: usize, sent: usize
     conn.closed().await;
 }
 
-/// Logs in as `edge` (greedily: see [`super::login_greedy`]) and opens
-/// `streams` frame streams of [`partial_frame`], each declaring `declared`
-/// bytes and sending `sent` of them, on tasks of the current runtime that
-/// end with the connection. Returns the connection: closing it ends the
-/// attack.
+/// Logs in as `edge` (greedily: see [`super::login_greedy`]), opens a
+/// camera on `model` as a real edge would (so that its frames are not
+/// refused for want of one), and opens `streams` frame streams of
+/// [`partial_frame`], each declaring `declared` bytes and sending `sent`
+/// of them, on tasks of the current runtime that end with the connection.
+/// Returns the connection: closing it ends the attack.
 pub async fn partial_frames(
     t: &Target,
     edge: &str,
+    model: &str,
     streams: usize,
     declared: usize,
     sent: usize,
 ) -> Result<quinn::Connection, AttackError> {
-    let (conn, send, recv) = login_greedy(t, edge).await?;
+    let (conn, mut send, mut recv) = login_greedy(t, edge).await?;
+    open_camera(&mut send, &mut recv, "partial", model).await?;
     for _ in 0..streams {
         tokio::spawn(partial_frame(conn.clone(), declared, sent));
     }
@@ -277,6 +280,24 @@ pub async fn ask_camera(
         .await
         .map_err(|e| broken(e.to_string()))?
         .ok_or_else(|| broken("the control stream ended".into()))
+}
+
+/// Opens `camera` on `model` as a real edge would, with [`camera_open`]'s
+/// settings; an answer other than `CameraAccepted` is an error. Returns the
+/// input its frames must have.
+pub async fn open_camera(
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    camera: &str,
+    model: &str,
+) -> Result<InputSpec, AttackError> {
+    match ask_camera(send, recv, camera_open(camera, model)).await? {
+        Message::CameraAccepted(a) => Ok(a.input),
+        other => Err(AttackError::Protocol {
+            what: "the answer to CameraOpen".into(),
+            detail: format!("not accepted: {other:?}"),
+        }),
+    }
 }
 
 /// Whether a refusal that quotes `quoted` is fitted to the protocol: no

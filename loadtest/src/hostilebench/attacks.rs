@@ -20,13 +20,17 @@ use crate::cluster::Cluster;
 /// An attack running on its own thread; its tally when it ends.
 pub(super) type Running = std::thread::JoinHandle<Result<Value, AttackError>>;
 
+/// The model the legitimate edge and the attackers' cameras use.
+const MODEL: &str = "blazeface";
 /// Partial frames: streams a wave, and their declared and sent bytes.
 const PARTIAL_STREAMS: usize = 32;
 const PARTIAL_DECLARED: usize = 40 * MIB as usize;
 /// A wave's connection is closed after this, and the next opened.
 const PARTIAL_WAVE: Duration = Duration::from_secs(3);
-/// Trickling streams at once, one byte a second each.
+/// Trickling streams at once, one byte a second each, each declaring a
+/// frame its camera could send.
 const TRICKLE_STREAMS: usize = 16;
+const TRICKLE_DECLARED: usize = 64 * 1024;
 /// Strangers a wave.
 const STRANGERS: usize = 32;
 /// The starving edge: connections, cameras on each, frames/s per camera.
@@ -60,7 +64,7 @@ pub(super) fn spawn(
                 ca: t.ca.clone(),
                 token: t.worker_token.clone(),
                 name: "liar".into(),
-                model: worker::model_as_registered(c, "blazeface", LIAR_MAX_BATCH)?,
+                model: worker::model_as_registered(c, MODEL, LIAR_MAX_BATCH)?,
                 lie,
             };
             let received = Received::default();
@@ -155,7 +159,8 @@ async fn on_quic(
 }
 
 /// Waves of [`PARTIAL_STREAMS`] frames of 40 MiB, each sent but for its
-/// last byte, on a new connection every [`PARTIAL_WAVE`].
+/// last byte, on a new connection (with a camera open) every
+/// [`PARTIAL_WAVE`].
 async fn partial_frames(
     t: &Target,
     stop: &CancellationToken,
@@ -166,6 +171,7 @@ async fn partial_frames(
         let conn = edge::partial_frames(
             t,
             HOSTILE,
+            MODEL,
             PARTIAL_STREAMS,
             PARTIAL_DECLARED,
             PARTIAL_DECLARED - 1,
@@ -192,7 +198,8 @@ async fn trickle(
     stop: &CancellationToken,
     until: Instant,
 ) -> Result<Value, AttackError> {
-    let (conn, send, recv) = login(t, HOSTILE).await?;
+    let (conn, mut send, mut recv) = login(t, HOSTILE).await?;
+    edge::open_camera(&mut send, &mut recv, "trickle", MODEL).await?;
     crate::attack::hold_control(&conn, send, recv);
     let streams: Vec<_> = (0..TRICKLE_STREAMS)
         .map(|_| {
@@ -202,7 +209,8 @@ async fn trickle(
                 while going(&stop, until) {
                     let left = until.saturating_duration_since(Instant::now()).as_secs();
                     let every = Duration::from_secs(1);
-                    let tr = edge::trickle(&conn, MIB as usize, every, left.max(1), &stop).await?;
+                    let tr =
+                        edge::trickle(&conn, TRICKLE_DECLARED, every, left.max(1), &stop).await?;
                     opened += 1;
                     bytes += tr.bytes;
                     stopped +=
