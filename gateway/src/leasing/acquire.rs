@@ -4,7 +4,7 @@
 
 use tidegate_lease::autoscale::{self, Action, Event};
 use tidegate_lease::ledger::NewLease;
-use tidegate_lease::provider::{Acquired, LeaseSpec, ProviderError, wall_clock_ms};
+use tidegate_lease::provider::{Acquired, LeaseSpec, ProviderError};
 use tidegate_lease::table::LeaseEntry;
 use tidegate_lease::{EndReason, LeaseId, LeaseState, LeaseToken, Millis, Tier};
 use tracing::{debug, info, warn};
@@ -96,7 +96,7 @@ impl<P: LeaseSource> Shell<P> {
         let Some((id, a)) = self.book.acquire_answered(&task) else {
             return;
         };
-        let now = wall_clock_ms();
+        let now = self.now_ms();
         let (model, instance_type, tier) = (a.model.as_str(), a.instance.name.as_str(), a.tier);
         let answer = match answer {
             Ok(answer) => answer,

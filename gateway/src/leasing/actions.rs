@@ -8,7 +8,7 @@
 
 use tidegate_lease::autoscale::{Action, Event};
 use tidegate_lease::pacing::end_reason_while_releasing;
-use tidegate_lease::provider::{ProviderEvent, wall_clock_ms};
+use tidegate_lease::provider::ProviderEvent;
 use tidegate_lease::{EndReason, LeaseId, LeaseState, Millis};
 use tracing::{debug, info, warn};
 
@@ -85,7 +85,7 @@ impl<P: LeaseSource> Shell<P> {
         let Some(ev) = self.book.hold_early(ev) else {
             return;
         };
-        let now = wall_clock_ms();
+        let now = self.now_ms();
         match ev {
             ProviderEvent::Ready { lease } => {
                 if self.state(lease) == Some(LeaseState::Starting) {

@@ -6,7 +6,6 @@
 //!
 //! [`Leasing`]: super::Leasing
 
-use tidegate_lease::provider::wall_clock_ms;
 use tidegate_lease::table::ClaimError;
 use tidegate_lease::{LeaseId, LeaseState, LeaseToken};
 use tracing::{debug, info, warn};
@@ -119,7 +118,7 @@ impl<P: LeaseSource> Shell<P> {
     /// The lease's worker registered (its models are warm): `ready`.
     pub(super) fn lease_registered(&mut self, lease: LeaseId) {
         self.book.worker_back(lease);
-        let now = wall_clock_ms();
+        let now = self.now_ms();
         if self.state(lease) == Some(LeaseState::Starting) {
             self.write(lease, LedgerWrite::Ready { at: now });
             let _ = self.table.transition(lease, LeaseState::Ready);

@@ -1,7 +1,7 @@
 //! The shell's provider releases: those due, each on a task of its own,
 //! and how each ended (the lease ended, or its release retried).
 
-use tidegate_lease::provider::{ProviderError, wall_clock_ms};
+use tidegate_lease::provider::ProviderError;
 use tidegate_lease::{EndReason, LeaseId};
 use tracing::{debug, warn};
 
@@ -105,7 +105,7 @@ impl<P: LeaseSource> Shell<P> {
                     // the worker is gone now
                     self.hub.send(HubMsg::LeaseEnded { lease }).await;
                 }
-                self.end(lease, wall_clock_ms(), reason);
+                self.end(lease, self.now_ms(), reason);
             }
             Released::Failed(e) => {
                 self.metrics.lease_release_failures.inc();

@@ -47,6 +47,8 @@ pub(super) struct Shell<P> {
     pub(super) static_links: HashMap<String, bool>,
     /// Start of the monotonic clock of the pacing decisions.
     pub(super) epoch: tokio::time::Instant,
+    /// The wall clock.
+    pub(super) clock: WallClock,
     /// Leases whose dispatch stopped, with when their provider release is
     /// due (or retried), on the monotonic clock.
     pub(super) releases: ReleaseQueue,
@@ -78,7 +80,53 @@ pub(super) struct Shell<P> {
     pub(super) stopping: bool,
 }
 
+/// The shell's wall clock (ms since the Unix epoch), which stamps the
+/// ledger and drives billing: the system's; or, for a shell run on a test's
+/// runtime with Tokio's time paused, the system's reading at start moved on
+/// by Tokio's clock, so that an hour's block end comes when the test's
+/// virtual time reaches it.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum WallClock {
+    /// The system's clock.
+    System,
+    /// `start_ms` at `start` on Tokio's clock, moving with it.
+    #[cfg(test)]
+    FollowsTokio {
+        /// The wall clock's reading at `start`.
+        start_ms: Millis,
+        /// When, on Tokio's clock.
+        start: tokio::time::Instant,
+    },
+}
+
+impl WallClock {
+    /// A clock that follows Tokio's from the system's reading now.
+    #[cfg(test)]
+    pub(super) fn follows_tokio() -> Self {
+        WallClock::FollowsTokio {
+            start_ms: wall_clock_ms(),
+            start: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Now, in ms since the Unix epoch.
+    pub(super) fn now_ms(&self) -> Millis {
+        match self {
+            WallClock::System => wall_clock_ms(),
+            #[cfg(test)]
+            WallClock::FollowsTokio { start_ms, start } => {
+                start_ms + start.elapsed().as_millis() as Millis
+            }
+        }
+    }
+}
+
 impl<P: LeaseSource> Shell<P> {
+    /// The wall clock now (ms since the Unix epoch).
+    pub(super) fn now_ms(&self) -> Millis {
+        self.clock.now_ms()
+    }
+
     /// The monotonic clock of the pacing decisions (ms since the shell
     /// started).
     pub(super) fn mono(&self) -> Millis {
@@ -119,15 +167,15 @@ impl<P: LeaseSource> Shell<P> {
                 _ = ticker.tick() => self.tick().await,
                 _ = tokio::time::sleep_until(release_at.unwrap_or(far)), if release_at.is_some() => {
                     self.release_due().await;
-                    self.update_metrics(wall_clock_ms());
+                    self.update_metrics(self.now_ms());
                 }
                 Some(joined) = self.acquiring.join_next_with_id(), if !self.acquiring.is_empty() => {
                     self.acquire_answered(joined).await;
-                    self.update_metrics(wall_clock_ms());
+                    self.update_metrics(self.now_ms());
                 }
                 Some(joined) = self.in_flight.join_next_with_id(), if !self.in_flight.is_empty() => {
                     self.release_finished(joined).await;
-                    self.update_metrics(wall_clock_ms());
+                    self.update_metrics(self.now_ms());
                 }
             }
         }
@@ -144,7 +192,7 @@ impl<P: LeaseSource> Shell<P> {
     async fn shutdown(mut self) {
         // what the workers did since the last tick reaches the ledger too
         if let Some(report) = self.hub.unreported().await {
-            self.record(wall_clock_ms(), &report);
+            self.record(self.now_ms(), &report);
         }
         // the acquisitions under way are answered first (each within its
         // provider's deadline): a worker that was started is released below
@@ -197,7 +245,7 @@ impl<P: LeaseSource> Shell<P> {
             match self.provider_release(lease).await {
                 Released::Gone => {
                     let reason = self.releases.done(lease).unwrap_or(EndReason::Released);
-                    self.end(lease, wall_clock_ms(), reason);
+                    self.end(lease, self.now_ms(), reason);
                 }
                 Released::Failed(e) => {
                     self.metrics.lease_release_failures.inc();
@@ -207,7 +255,7 @@ impl<P: LeaseSource> Shell<P> {
             }
         }
         self.flush_writes();
-        if let Err(e) = self.ledger.accrue(wall_clock_ms()) {
+        if let Err(e) = self.ledger.accrue(self.now_ms()) {
             warn!("accruing cost at shutdown: {e}");
         }
         let unwritten = self.book.unwritten();
@@ -263,7 +311,7 @@ impl<P: LeaseSource> Shell<P> {
                 // write waits for a retry (the ledger may be locked), which
                 // the next tick makes
                 if !self.book.writes_wait()
-                    && let Err(e) = self.ledger.accrue(wall_clock_ms())
+                    && let Err(e) = self.ledger.accrue(self.now_ms())
                 {
                     warn!("accruing cost: {e}");
                 }
@@ -286,7 +334,7 @@ impl<P: LeaseSource> Shell<P> {
                     Some(LeaseState::Requested) => Err(ReleaseRefused::NotYetStarted(lease)),
                     Some(_) => {
                         info!(%lease, "operator releases the lease");
-                        self.execute(wall_clock_ms(), vec![Action::Release { lease }], 0)
+                        self.execute(self.now_ms(), vec![Action::Release { lease }], 0)
                             .await;
                         Ok(())
                     }
@@ -306,7 +354,7 @@ impl<P: LeaseSource> Shell<P> {
     /// leases that serve nothing or never started replaced, the
     /// autoscaler's actions carried out, cost accrued, metrics updated.
     async fn tick(&mut self) {
-        let now = wall_clock_ms();
+        let now = self.now_ms();
         self.flush_writes();
         let names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
         let Some(report) = self.hub.load_report(names).await else {

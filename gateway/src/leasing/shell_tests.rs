@@ -1,4 +1,5 @@
-//! The shell against a scripted provider ([`super::fake`]): slow or
+//! The shell against a scripted provider ([`super::fake`]), on paused
+//! time but for one test (see [`start_fake`]): slow or
 //! panicking acquisitions and releases, failing ledger writes, adoption at
 //! start, workers that never redial or stall, and the ledger's view of it.
 
@@ -9,7 +10,7 @@ use tidegate_lease::provider::{ProviderEvent, wall_clock_ms};
 use tidegate_lease::{Catalog, EndReason, LeaseState, LeaseToken, Tier};
 
 use super::fake::{FakeProvider, Script};
-use super::startup::start;
+use super::startup::{start, start_here};
 use super::*;
 use crate::hub::HubMsg;
 
@@ -51,26 +52,30 @@ min_fps = {min_fps}
     cfg.leasing.unwrap()
 }
 
-fn start_fake(
+/// The shell over the scripted provider, on the test's runtime and clock
+/// ([`start_here`]): the tests below run on paused time, where every
+/// timer of the shell, the hub and the provider fires as soon as nothing
+/// else can happen first.
+async fn start_fake(
     cfg: &LeasingConfig,
     script: &Arc<Script>,
 ) -> (Leasing, CancellationToken, TaskTracker) {
-    let (l, cancel, tracker, _) = start_fake_metered(cfg, script);
+    let (l, cancel, tracker, _) = start_fake_metered(cfg, script).await;
     (l, cancel, tracker)
 }
 
-fn start_fake_metered(
+async fn start_fake_metered(
     cfg: &LeasingConfig,
     script: &Arc<Script>,
 ) -> (Leasing, CancellationToken, TaskTracker, Metrics) {
     let (l, _, cancel, tracker, metrics) =
-        start_fake_with_hub(cfg, script, crate::scheduler::Settings::default());
+        start_fake_with_hub(cfg, script, crate::scheduler::Settings::default()).await;
     (l, cancel, tracker, metrics)
 }
 
 /// [`start_fake_metered`] with the hub's scheduler `limits`, and the
 /// hub.
-fn start_fake_with_hub(
+async fn start_fake_with_hub(
     cfg: &LeasingConfig,
     script: &Arc<Script>,
     limits: crate::scheduler::Settings,
@@ -81,7 +86,7 @@ fn start_fake_with_hub(
     let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
     let ledger = Ledger::open(&cfg.ledger).unwrap();
     let provider = FakeProvider::new(script.clone());
-    let l = start(
+    let l = start_here(
         cfg,
         ledger,
         std::future::ready(Ok(provider)),
@@ -90,8 +95,36 @@ fn start_fake_with_hub(
         cancel.clone(),
         &tracker,
     )
+    .await
     .unwrap();
     (l, hub, cancel, tracker, metrics)
+}
+
+/// [`start_fake`] on the shell's own thread, runtime and the system's
+/// clock, as the gateway runs it: for a test whose ledger waits out
+/// SQLite's busy timeout, which is real time.
+fn start_fake_on_its_thread(
+    cfg: &LeasingConfig,
+    script: &Arc<Script>,
+) -> (Leasing, CancellationToken, TaskTracker) {
+    let cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let metrics = Metrics::new();
+    let limits = crate::scheduler::Settings::default();
+    let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
+    let ledger = Ledger::open(&cfg.ledger).unwrap();
+    let provider = FakeProvider::new(script.clone());
+    let l = start(
+        cfg,
+        ledger,
+        std::future::ready(Ok(provider)),
+        hub,
+        metrics,
+        cancel.clone(),
+        &tracker,
+    )
+    .unwrap();
+    (l, cancel, tracker)
 }
 
 async fn stop(cancel: CancellationToken, tracker: TaskTracker) {
@@ -127,7 +160,7 @@ async fn a_ready_lease_whose_ledger_write_waits_is_not_ended_by_the_start_timeou
     let mut cfg = config(dir.path(), "static-peak", 10);
     cfg.start_timeout_secs = 1;
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake_on_its_thread(&cfg, &script);
     let id = first_lease(&l).await;
     // Another writer holds the lock: the shell's writes wait out the
     // busy timeout (5 s) and fail, to be retried.
@@ -154,12 +187,12 @@ async fn a_ready_lease_whose_ledger_write_waits_is_not_ended_by_the_start_timeou
 /// holds up nothing else: while it waits, the shell answers, and the
 /// replacement the floor needs is leased and its worker logs in. The
 /// lease ends only once its worker is gone.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_long_release_holds_up_neither_the_shell_nor_the_replacement() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     let id = a_release_held_under_way(&l, &script).await;
     replaced(&l, id).await;
     let next = l.leases(true, 100).await.unwrap();
@@ -195,13 +228,13 @@ async fn a_long_release_holds_up_neither_the_shell_nor_the_replacement() {
 /// so the autoscaler asks for no other), its worker's login is put off
 /// until the answer, and an operator cannot release it yet; a provider
 /// event for it that comes before the answer is handled after it.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_slow_acquire_holds_up_nothing_and_its_early_events_wait_for_it() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
     script.hold_acquires(true);
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     eventually(GUARD, "a lease requested", || async {
         !l.leases(true, 100).await.unwrap().is_empty()
     })
@@ -251,7 +284,7 @@ async fn a_slow_acquire_holds_up_nothing_and_its_early_events_wait_for_it() {
 /// worker running: the provider is asked to release the lease, which
 /// then ends failed, neither `requested` for ever nor billing unseen;
 /// a release that fails is retried. Acquisitions go on afterwards.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_panicking_acquire_is_released_at_its_provider_and_ends_failed() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
@@ -260,7 +293,7 @@ async fn a_panicking_acquire_is_released_at_its_provider_and_ends_failed() {
         .panic_acquires
         .store(true, std::sync::atomic::Ordering::SeqCst);
     script.fail_releases(true);
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     eventually(GUARD, "a release of the panicked acquire tried", || async {
         script.release_calls.lock().unwrap().len() >= 2
     })
@@ -304,12 +337,12 @@ async fn a_release_held_under_way(l: &Leasing, script: &Script) -> LeaseId {
 /// the release's own result, coming later, changes nothing; a spot
 /// notice arriving for it after its end neither drains nor replaces
 /// anything.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_end_reported_during_a_release_ends_the_lease_once() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker, metrics) = start_fake_metered(&cfg, &script);
+    let (l, cancel, tracker, metrics) = start_fake_metered(&cfg, &script).await;
     let id = a_release_held_under_way(&l, &script).await;
     script
         .report(ProviderEvent::Ended {
@@ -355,12 +388,12 @@ async fn an_end_reported_during_a_release_ends_the_lease_once() {
     stop(cancel, tracker).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_release_the_provider_fails_keeps_the_lease_draining_and_is_retried() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "tidal", 10);
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker, metrics) = start_fake_metered(&cfg, &script);
+    let (l, cancel, tracker, metrics) = start_fake_metered(&cfg, &script).await;
     let id = first_lease(&l).await;
 
     script.fail_releases(true);
@@ -415,12 +448,12 @@ async fn a_release_the_provider_fails_keeps_the_lease_draining_and_is_retried() 
     assert!(ledger.live_leases().unwrap().is_empty());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_lease_whose_release_keeps_failing_is_left_live_at_shutdown_for_the_next_start() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     let id = first_lease(&l).await;
     script.fail_releases(true);
     stop(cancel, tracker).await;
@@ -563,7 +596,7 @@ fn recorded(cfg: &LeasingConfig, draining: bool) -> LeaseId {
     id
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_adopted_draining_lease_is_released_at_start_and_a_ready_one_kept() {
     let dir = tempfile::tempdir().unwrap();
     // static-peak with no load neither acquires nor releases: what
@@ -572,7 +605,7 @@ async fn an_adopted_draining_lease_is_released_at_start_and_a_ready_one_kept() {
     let draining = recorded(&cfg, true);
     let ready = recorded(&cfg, false);
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     eventually(GUARD, "the draining lease released", || async {
         lease(&l, draining).await.state.is_ended()
     })
@@ -593,7 +626,7 @@ async fn an_adopted_draining_lease_is_released_at_start_and_a_ready_one_kept() {
 /// After a restart, an adopted ready lease whose worker never redials
 /// this gateway is ended `lost` after the rejoin timeout and released;
 /// one whose worker registers again is kept.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_adopted_lease_whose_worker_never_redials_is_ended_lost() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), "static-peak", 0);
@@ -601,7 +634,7 @@ async fn an_adopted_lease_whose_worker_never_redials_is_ended_lost() {
     let back = recorded(&cfg, false);
     let gone = recorded(&cfg, false);
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     l.registered(back).await;
     ended_lost_and_released(&l, &script, gone).await;
     assert_eq!(lease(&l, back).await.state, LeaseState::Ready);
@@ -613,13 +646,13 @@ async fn an_adopted_lease_whose_worker_never_redials_is_ended_lost() {
 /// hung process, a lost network: its provider reports nothing) is
 /// ended `lost` after the rejoin timeout, released at the provider,
 /// and replaced; one whose worker redials in time is kept.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_lease_whose_worker_never_redials_is_ended_lost_released_and_replaced() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), "static-peak", 10);
     cfg.rejoin_timeout_secs = 1;
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     let id = first_lease(&l).await;
     l.registered(id).await;
     // back in time: kept
@@ -671,7 +704,7 @@ async fn replaced(l: &Leasing, id: LeaseId) {
 /// when the worker, registered again, stalls a second time (a wedged
 /// GPU), its lease is ended `lost`, released at the provider (which
 /// stops the process) and replaced.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_lease_whose_worker_stalls_twice_is_ended_lost_released_and_replaced() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
@@ -680,7 +713,7 @@ async fn a_lease_whose_worker_stalls_twice_is_ended_lost_released_and_replaced()
         stall_us: 200_000,
         ..Default::default()
     };
-    let (l, hub, cancel, tracker, metrics) = start_fake_with_hub(&cfg, &script, limits);
+    let (l, hub, cancel, tracker, metrics) = start_fake_with_hub(&cfg, &script, limits).await;
     let id = first_lease(&l).await;
     l.registered(id).await;
     let (results, _answers) = tidegate_protocol::queue::channel(8, 1 << 20);
@@ -711,13 +744,13 @@ async fn a_lease_whose_worker_stalls_twice_is_ended_lost_released_and_replaced()
 /// The ledger learns when each lease's worker was last connected (at
 /// most every `SEEN_EVERY`), which bills a worker found gone after a
 /// restart; a lease with no worker connected is not seen.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn connected_workers_are_recorded_as_seen_in_the_ledger() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
     let (l, hub, cancel, tracker, _) =
-        start_fake_with_hub(&cfg, &script, crate::scheduler::Settings::default());
+        start_fake_with_hub(&cfg, &script, crate::scheduler::Settings::default()).await;
     let id = first_lease(&l).await;
     // a few ticks without its worker
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -734,7 +767,7 @@ async fn connected_workers_are_recorded_as_seen_in_the_ledger() {
     stop(cancel, tracker).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn frames_served_since_the_last_tick_reach_the_ledger_on_a_clean_stop() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), "static-peak", 10);
@@ -742,7 +775,7 @@ async fn frames_served_since_the_last_tick_reach_the_ledger_on_a_clean_stop() {
     cfg.tick_ms = 3_600_000;
     let script = Arc::new(Script::default());
     let (l, hub, cancel, tracker, _) =
-        start_fake_with_hub(&cfg, &script, crate::scheduler::Settings::default());
+        start_fake_with_hub(&cfg, &script, crate::scheduler::Settings::default()).await;
     let id = first_lease(&l).await;
     let mut batches = leased_worker(&hub, id, 1).await;
     let (results, mut answers) = tidegate_protocol::queue::channel(8, 1 << 20);
@@ -832,12 +865,12 @@ async fn stall_once(hub: &Hub, lease: LeaseId, n: u64) {
     assert!(taken.is_some(), "worker {n} took the frame");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_worker_whose_link_dropped_may_register_again_with_its_own_token_once() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), "static-peak", 10);
     let script = Arc::new(Script::default());
-    let (l, cancel, tracker) = start_fake(&cfg, &script);
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
     let id = first_lease(&l).await;
     let name = id.to_string();
     let token = script.token(id).unwrap();

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tidegate_lease::autoscale::{self, Autoscaler, PolicyConfig, ReservedFloor, ScheduleEntry};
 use tidegate_lease::ledger::Ledger;
 use tidegate_lease::pacing::{AcquireBackoff, ReleaseQueue};
-use tidegate_lease::provider::{ProviderError, ProviderEvent, wall_clock_ms};
+use tidegate_lease::provider::{ProviderError, ProviderEvent};
 use tidegate_lease::{Catalog, EndReason, LeaseId, LeaseState, LeaseTable, Millis, Money, Tier};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
 use super::book::LeaseBook;
-use super::shell::Shell;
+use super::shell::{Shell, WallClock};
 use super::{INBOX, LeaseSource, Leasing, LeasingError, LeasingMsg, RELEASE_LEAD};
 use crate::config::LeasingConfig;
 use crate::hub::Hub;
@@ -41,25 +41,107 @@ where
     P: LeaseSource,
     C: Future<Output = Result<P, ProviderError>> + Send + 'static,
 {
+    let (open, rx, tx) = prepare(cfg, ledger, connect, hub, metrics, WallClock::System)?;
+    let tick = Duration::from_millis(cfg.tick_ms);
+    spawn_shell(open, rx, tick, cancel, tracker)?;
+    Ok(Leasing { tx })
+}
+
+/// [`start`] on the caller's runtime instead of a thread of its own, with
+/// a wall clock that follows Tokio's ([`WallClock::follows_tokio`]): for
+/// tests on paused time, where the shell, the hub, the provider and the
+/// test must share one clock. The shell is a task of `tracker`.
+#[cfg(test)]
+pub(super) async fn start_here<P, C>(
+    cfg: &LeasingConfig,
+    ledger: Ledger,
+    connect: C,
+    hub: Hub,
+    metrics: Metrics,
+    cancel: CancellationToken,
+    tracker: &TaskTracker,
+) -> Result<Leasing, LeasingError>
+where
+    P: LeaseSource,
+    C: Future<Output = Result<P, ProviderError>> + Send + 'static,
+{
+    let clock = WallClock::follows_tokio();
+    let (open, rx, tx) = prepare(cfg, ledger, connect, hub, metrics, clock)?;
+    let tick = Duration::from_millis(cfg.tick_ms);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    tracker.spawn(
+        async move {
+            match open().await {
+                Ok((shell, events)) => {
+                    let _ = started_tx.send(Ok(()));
+                    shell.run(rx, events, tick, cancel).await;
+                }
+                Err(e) => {
+                    let _ = started_tx.send(Err(e));
+                }
+            }
+        }
+        .instrument(info_span!("leasing")),
+    );
+    started_rx
+        .await
+        .map_err(|_| LeasingError::Thread(std::io::Error::other("the shell's task panicked")))??;
+    Ok(Leasing { tx })
+}
+
+/// What [`start`] and [`start_here`] share: the autoscaler from the
+/// config, the shell's inbox, and how to open the shell (connect, adopt).
+#[allow(clippy::type_complexity)]
+fn prepare<P, C>(
+    cfg: &LeasingConfig,
+    ledger: Ledger,
+    connect: C,
+    hub: Hub,
+    metrics: Metrics,
+    clock: WallClock,
+) -> Result<
+    (
+        impl FnOnce() -> ShellOpening<P> + Send + 'static,
+        mpsc::Receiver<LeasingMsg>,
+        mpsc::Sender<LeasingMsg>,
+    ),
+    LeasingError,
+>
+where
+    P: LeaseSource,
+    C: Future<Output = Result<P, ProviderError>> + Send + 'static,
+{
     let catalog = cfg.load_catalog()?;
     let policy = cfg.policy_name()?;
     let pc = policy_config(cfg, policy, &metrics, &catalog.currency);
     let autoscaler = Autoscaler::new(pc, catalog.clone());
     let (tx, rx) = mpsc::channel(INBOX);
     let cfg = cfg.clone();
-    let tick = Duration::from_millis(cfg.tick_ms);
-    let open = move || async move {
-        let provider = connect
+    let open = move || -> ShellOpening<P> {
+        Box::pin(async move {
+            let provider = connect
+                .await
+                .map_err(|e| LeasingError::Provider(e.to_string()))?;
+            open_shell(
+                &cfg, ledger, provider, autoscaler, catalog, hub, metrics, clock,
+            )
             .await
-            .map_err(|e| LeasingError::Provider(e.to_string()))?;
-        open_shell(&cfg, ledger, provider, autoscaler, catalog, hub, metrics).await
+        })
     };
-    spawn_shell(open, rx, tick, cancel, tracker)?;
-    Ok(Leasing { tx })
+    Ok((open, rx, tx))
 }
+
+/// Opening the shell: the provider connected and the ledger's leases
+/// adopted, or why not.
+type ShellOpening<P> = std::pin::Pin<
+    Box<
+        dyn Future<Output = Result<(Shell<P>, mpsc::Receiver<ProviderEvent>), LeasingError>> + Send,
+    >,
+>;
 
 /// Adopts with `provider` the ledger's live leases whose worker still runs,
 /// ends the rest, and makes the shell, with its provider's events.
+#[allow(clippy::too_many_arguments)]
 async fn open_shell<P: LeaseSource>(
     cfg: &LeasingConfig,
     mut ledger: Ledger,
@@ -68,12 +150,13 @@ async fn open_shell<P: LeaseSource>(
     catalog: Catalog,
     hub: Hub,
     metrics: Metrics,
+    clock: WallClock,
 ) -> Result<(Shell<P>, mpsc::Receiver<ProviderEvent>), LeasingError> {
     let ledger_err = |source| LeasingError::Ledger {
         path: cfg.ledger.clone(),
         source,
     };
-    let now = wall_clock_ms();
+    let now = clock.now_ms();
     // Adopt what still runs, end the rest: no lease outlives its worker.
     let adopted = adopt_live(cfg, &mut ledger, &mut provider, now).await?;
     let mut table = ledger.load_table().map_err(ledger_err)?;
@@ -97,6 +180,7 @@ async fn open_shell<P: LeaseSource>(
         static_names: HashMap::new(),
         static_links: HashMap::new(),
         epoch,
+        clock,
         releases,
         backoff: AcquireBackoff::new(),
         last_tick: None,
