@@ -12,9 +12,14 @@
 //! served least for its weight; an account that falls idle banks no
 //! credit), earliest deadline first within an account; the batch size is
 //! still cut to the model's earliest queued deadline (`dispatch.rs`), so
-//! every picked frame makes its deadline.
+//! every picked frame makes its deadline. A batch is also cut where its
+//! next pick would mix accounts with a batch or more queued (a flood) with
+//! the others, so an edge within its means never waits for a flood's
+//! frames to run beside its own.
 //!
 //! [`Event::EdgeJoined`]: super::Event::EdgeJoined
+
+use std::collections::HashSet;
 
 use super::{EdgeId, FrameId, Scheduler, WorkerId, queue::Queued};
 
@@ -111,6 +116,22 @@ impl Scheduler {
     /// the batch to, so whichever frames are picked make their deadlines.
     pub(super) fn pick_fair(&mut self, model: &str, n: usize, worker: WorkerId) -> Vec<Queued> {
         let mut picked = Vec::with_capacity(n);
+        // An account with at least a batch of this model queued is
+        // backlogged. A batch is cut where its next pick would be of the
+        // other kind (backlogged or not) than its first: the picks keep
+        // their fair order, but a frame of an edge within its means never
+        // runs in a batch filled with a flood's frames, nor a flood's in
+        // one with such a frame.
+        let backlogged: HashSet<Account> =
+            self.by_account
+                .get(model)
+                .map_or_else(HashSet::new, |sets| {
+                    sets.iter()
+                        .filter(|(_, set)| set.len() >= n)
+                        .map(|(a, _)| a.clone())
+                        .collect()
+                });
+        let mut kind: Option<bool> = None;
         while picked.len() < n {
             let Some(sets) = self.by_account.get(model) else {
                 break;
@@ -133,6 +154,10 @@ impl Scheduler {
             let Some((account, id)) = next else {
                 break;
             };
+            let is_backlogged = backlogged.contains(&account);
+            if *kind.get_or_insert(is_backlogged) != is_backlogged {
+                break;
+            }
             if let Some(share) = self.shares.get_mut(&account) {
                 self.vnow = self.vnow.max(share.vtime);
                 share.vtime = share.vtime.max(self.vnow) + VT_UNIT / u64::from(share.weight.max(1));

@@ -1455,3 +1455,66 @@ fn only_a_known_worker_resumes() {
         vec![(1, Status::Shed(ShedReason::NoWorker))]
     );
 }
+
+/// A flooding edge (a batch or more queued) and a light one (one frame):
+/// no batch mixes their frames, the picks keep their fair order (the
+/// light frame goes second, as start-time fair queuing says), and every
+/// frame is dispatched once.
+#[test]
+fn a_light_edges_frame_never_shares_a_batch_with_a_flooding_edges_frames() {
+    let mut s = Scheduler::new(one_deep());
+    // Batching pays on this worker: 1 ms a batch plus 0.2 ms a frame.
+    s.on_event(
+        0,
+        Event::WorkerJoined {
+            worker: WorkerId(1),
+            models: vec![WorkerModel {
+                model: "m".into(),
+                max_batch: 4,
+                profile: (1..=4u16)
+                    .map(|b| (b, 1_000 + 200 * u32::from(b)))
+                    .collect(),
+            }],
+        },
+    );
+    s.on_event(0, join(1, "flood", 1));
+    s.on_event(0, join(2, "light", 1));
+    // The flood's first frame goes at once; the rest queue behind it.
+    let first = s.on_event(0, frame_of(1, 1, "f1", 9_000_000));
+    for i in 2..=12 {
+        s.on_event(0, frame_of(i, 1, &format!("f{i}"), 9_000_000 + i));
+    }
+    s.on_event(0, frame_of(101, 2, "l", 9_000_000));
+    // Each batch answered 2 ms after it went; held frames wait for ticks.
+    let mut batches = Vec::new();
+    let (mut actions, mut now) = (first, 0);
+    for _ in 0..100 {
+        now += 2_000;
+        actions = match dispatches(&actions).into_iter().next() {
+            Some(batch) => {
+                batches.push(batch);
+                answer_ok(&mut s, now, &actions)
+            }
+            None => s.on_event(now, Event::Tick),
+        };
+    }
+    for b in &batches {
+        let light = b.iter().filter(|id| **id > 100).count();
+        assert!(light == 0 || light == b.len(), "a mixed batch: {batches:?}");
+    }
+    let order: Vec<u64> = batches.concat();
+    assert_eq!(
+        order.iter().position(|id| *id == 101),
+        Some(1),
+        "{batches:?}"
+    );
+    let mut all = order.clone();
+    all.sort_unstable();
+    let want: Vec<u64> = (1..=12).chain([101]).collect();
+    assert_eq!(all, want, "each frame dispatched once: {batches:?}");
+    assert!(
+        batches.iter().any(|b| b.len() > 1),
+        "the flood still batches: {batches:?}"
+    );
+    assert!(s.counters().balanced());
+}
