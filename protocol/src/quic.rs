@@ -799,14 +799,22 @@ mod tests {
     /// the 10 s handshake timeout that a black hole costs.
     const WAIT: Duration = Duration::from_secs(5);
 
-    #[tokio::test]
-    async fn a_peer_gets_no_unidirectional_stream_before_login_and_gets_them_after() {
+    /// A login-gated server on 127.0.0.1, and a client configuration that
+    /// trusts it (their certificates are in the directory).
+    fn gated_server() -> (tempfile::TempDir, quinn::Endpoint, quinn::ClientConfig) {
         let dir = tempfile::tempdir().unwrap();
         let tls = crate::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
         let server =
             login_gated_server_config(&tls.server_cert, &tls.server_key, Congestion::default())
                 .unwrap();
         let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let client = client_config(&tls.ca_cert).unwrap();
+        (dir, endpoint, client)
+    }
+
+    #[tokio::test]
+    async fn a_peer_gets_no_unidirectional_stream_before_login_and_gets_them_after() {
+        let (_dir, endpoint, client) = gated_server();
         let addr = endpoint.local_addr().unwrap();
         let (login_tx, login_rx) = tokio::sync::oneshot::channel::<()>();
         let accepting = endpoint.clone();
@@ -816,13 +824,10 @@ mod tests {
             open_after_login(&conn, RECEIVE_WINDOW);
             conn.closed().await
         });
-        let conn = tokio::time::timeout(
-            WAIT,
-            dial(addr, "localhost", client_config(&tls.ca_cert).unwrap()),
-        )
-        .await
-        .expect("connects in time")
-        .unwrap();
+        let conn = tokio::time::timeout(WAIT, dial(addr, "localhost", client))
+            .await
+            .expect("connects in time")
+            .unwrap();
         assert!(
             tokio::time::timeout(Duration::from_millis(300), conn.open_uni())
                 .await
@@ -853,12 +858,7 @@ mod tests {
     #[tokio::test]
     async fn a_logged_in_peer_can_push_no_more_than_its_window_unread() {
         const WINDOW: u32 = 256 * 1024;
-        let dir = tempfile::tempdir().unwrap();
-        let tls = crate::certs::generate(dir.path(), &["localhost".to_string()]).unwrap();
-        let server =
-            login_gated_server_config(&tls.server_cert, &tls.server_key, Congestion::default())
-                .unwrap();
-        let endpoint = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let (_dir, endpoint, client) = gated_server();
         let addr = endpoint.local_addr().unwrap();
         let (raise_tx, raise_rx) = tokio::sync::oneshot::channel::<()>();
         let accepting = endpoint.clone();
@@ -883,13 +883,10 @@ mod tests {
                 }
             }
         });
-        let conn = tokio::time::timeout(
-            WAIT,
-            dial(addr, "localhost", client_config(&tls.ca_cert).unwrap()),
-        )
-        .await
-        .expect("connects in time")
-        .unwrap();
+        let conn = tokio::time::timeout(WAIT, dial(addr, "localhost", client))
+            .await
+            .expect("connects in time")
+            .unwrap();
         // Writes on 8 streams until none moves for 300 ms.
         let chunk = vec![0u8; 16 * 1024];
         let mut streams = Vec::new();

@@ -80,12 +80,7 @@ async fn start_fake_with_hub(
     script: &Arc<Script>,
     limits: crate::scheduler::Settings,
 ) -> (Leasing, Hub, CancellationToken, TaskTracker, Metrics) {
-    let cancel = CancellationToken::new();
-    let tracker = TaskTracker::new();
-    let metrics = Metrics::new();
-    let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
-    let ledger = Ledger::open(&cfg.ledger).unwrap();
-    let provider = FakeProvider::new(script.clone());
+    let (cancel, tracker, metrics, hub, ledger, provider) = parts(cfg, script, limits);
     let l = start_here(
         cfg,
         ledger,
@@ -100,6 +95,30 @@ async fn start_fake_with_hub(
     (l, hub, cancel, tracker, metrics)
 }
 
+/// What a shell over the scripted provider is started with: a hub with
+/// the scheduler's `limits` on the current runtime, the ledger, the
+/// provider.
+fn parts(
+    cfg: &LeasingConfig,
+    script: &Arc<Script>,
+    limits: crate::scheduler::Settings,
+) -> (
+    CancellationToken,
+    TaskTracker,
+    Metrics,
+    Hub,
+    Ledger,
+    FakeProvider,
+) {
+    let cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let metrics = Metrics::new();
+    let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
+    let ledger = Ledger::open(&cfg.ledger).unwrap();
+    let provider = FakeProvider::new(script.clone());
+    (cancel, tracker, metrics, hub, ledger, provider)
+}
+
 /// [`start_fake`] on the shell's own thread, runtime and the system's
 /// clock, as the gateway runs it: for a test whose ledger waits out
 /// SQLite's busy timeout, which is real time.
@@ -107,13 +126,8 @@ fn start_fake_on_its_thread(
     cfg: &LeasingConfig,
     script: &Arc<Script>,
 ) -> (Leasing, CancellationToken, TaskTracker) {
-    let cancel = CancellationToken::new();
-    let tracker = TaskTracker::new();
-    let metrics = Metrics::new();
-    let limits = crate::scheduler::Settings::default();
-    let hub = crate::hub::spawn(limits, None, metrics.clone(), cancel.clone(), &tracker);
-    let ledger = Ledger::open(&cfg.ledger).unwrap();
-    let provider = FakeProvider::new(script.clone());
+    let (cancel, tracker, metrics, hub, ledger, provider) =
+        parts(cfg, script, crate::scheduler::Settings::default());
     let l = start(
         cfg,
         ledger,
