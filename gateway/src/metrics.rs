@@ -240,7 +240,12 @@ pub mod known {
     /// `tidegate_control_messages_dropped_total{kind}`.
     pub const CONTROL_KINDS: [&str; 4] = ["camera_open", "latency_report", "clock_echo", "other"];
     /// `tidegate_quic_connections_refused_total{reason}`.
-    pub const QUIC_REFUSED: [&str; 3] = ["unauthenticated", "edge_connections", "flood_cooldown"];
+    pub const QUIC_REFUSED: [&str; 4] = [
+        "unauthenticated",
+        "credentials",
+        "edge_connections",
+        "flood_cooldown",
+    ];
     /// `tidegate_frames_dropped_total{reason}`.
     pub const FRAMES_DROPPED: [&str; 1] = ["edge_gone"];
     /// `tidegate_worker_demotions_total{reason}` (with each model).
@@ -317,7 +322,7 @@ pub mod defs {
     };
     pub const QUIC_REFUSED: Def = Def {
         name: "tidegate_quic_connections_refused_total",
-        help: "QUIC connections refused, by reason: unauthenticated (too many not logged in at once), edge_connections (its edge name has its most connections open), flood_cooldown (its edge name was closed as a control flood moments ago).",
+        help: "QUIC connections refused, by reason: unauthenticated (too many not logged in at once), credentials (an unknown name or a wrong token at login), edge_connections (its edge name has its most connections open), flood_cooldown (its edge name was closed as a control flood moments ago).",
     };
     pub const HTTP_REFUSED: Def = Def {
         name: "tidegate_http_connections_refused_total",

@@ -55,6 +55,37 @@ impl TokenBucket {
     }
 }
 
+/// Which lines of one kind of log get written: `per_second` a second and
+/// `burst` at once ([`TokenBucket`]); the lines held back are counted, and
+/// the next line written says how many. A peer that can make the gateway
+/// log (a wrong token, a refused name) cannot fill its disk. Pure.
+#[derive(Debug, Clone)]
+pub struct LogSampler {
+    bucket: TokenBucket,
+    held_back: u64,
+}
+
+impl LogSampler {
+    /// A sampler that writes its first `burst` lines at once.
+    pub fn new(per_second: u32, burst: u32) -> Self {
+        LogSampler {
+            bucket: TokenBucket::new(per_second, burst),
+            held_back: 0,
+        }
+    }
+
+    /// Whether to write a line at `now`: `Some` with how many were held
+    /// back since the last one written, or `None` to hold this one back.
+    pub fn write(&mut self, now: Instant) -> Option<u64> {
+        if self.bucket.take(now) {
+            Some(std::mem::take(&mut self.held_back))
+        } else {
+            self.held_back += 1;
+            None
+        }
+    }
+}
+
 /// The control-message rate one edge connection is held to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ControlRate {
@@ -258,6 +289,26 @@ impl FloodCooldowns {
 
     fn forget_old(&mut self, now: Instant) {
         self.names.retain(|_, s| now < s.until + Self::FORGET_AFTER);
+    }
+}
+
+#[cfg(test)]
+mod log_sampler_tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_is_written_then_held_back_and_the_next_line_counts_what_was() {
+        let t0 = Instant::now();
+        let mut s = LogSampler::new(1, 10);
+        for _ in 0..10 {
+            assert_eq!(s.write(t0), Some(0));
+        }
+        for _ in 0..500 {
+            assert_eq!(s.write(t0), None);
+        }
+        assert_eq!(s.write(t0 + Duration::from_secs(1)), Some(500));
+        assert_eq!(s.write(t0 + Duration::from_secs(1)), None);
+        assert_eq!(s.write(t0 + Duration::from_secs(2)), Some(1));
     }
 }
 

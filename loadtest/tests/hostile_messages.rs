@@ -78,6 +78,48 @@ fn a_login_refusal_quoting_a_1024_byte_name_is_decoded_as_a_refusal() {
     });
 }
 
+/// 40 logins with a wrong token: each is refused with its reason and
+/// counted, but the gateway's log takes a burst of them and then a line a
+/// second, each saying how many it held back, and quotes each 1024-byte
+/// name cut to 128 bytes: a stranger guessing tokens cannot fill the disk.
+#[test]
+fn refused_logins_are_all_counted_and_their_log_lines_sampled() {
+    let c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    let rt = runtime();
+    let started = std::time::Instant::now();
+    rt.block_on(async {
+        let target = Target::of(&c);
+        for _ in 0..40 {
+            let e = refused_login(&target, &name_of('n', 1024))
+                .await
+                .expect("an Error the protocol decodes");
+            assert_eq!(e.code, ErrorCode::Unauthorized, "{e:?}");
+        }
+    });
+    let seconds = started.elapsed().as_secs();
+    let (_, metrics) = c.get("/metrics").expect("GET /metrics");
+    assert!(
+        metrics.contains("tidegate_quic_connections_refused_total{reason=\"credentials\"} 40"),
+        "every refusal counted"
+    );
+    let log = c.gateway_log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("refused: unknown name or wrong token"))
+        .collect();
+    // A burst of 10, then at most one a second (and one for the second
+    // the last refusal fell in).
+    assert!(
+        lines.len() >= 10 && lines.len() as u64 <= 10 + seconds + 1,
+        "{} lines in {seconds} s",
+        lines.len()
+    );
+    assert!(
+        lines.iter().all(|l| !l.contains(&"n".repeat(129))),
+        "names cut for the log"
+    );
+}
+
 #[test]
 fn a_camera_refusal_quoting_1024_byte_camera_and_model_names_is_decoded_as_a_refusal() {
     let c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");

@@ -29,6 +29,7 @@ use crate::config::Config;
 use crate::hub::Hub;
 use crate::leasing::{Leasing, WorkerPass};
 use crate::metrics::Metrics;
+use crate::ratelimit::LogSampler;
 use crate::scheduler::{EdgeId, WorkerId};
 
 /// Results buffered per edge connection, and as many again being written,
@@ -83,6 +84,27 @@ pub struct Server {
     /// (`limits.max_unauthenticated`): one permit each, from accept to
     /// `Welcome`.
     unauthenticated: Arc<Semaphore>,
+    /// Which refused logins are logged: a stranger guessing tokens as fast
+    /// as it can gets a few lines a second, not one per guess.
+    refused_logins: std::sync::Mutex<LogSampler>,
+}
+
+/// Refused logins logged at most this many a second, and this many at
+/// once.
+const REFUSED_LOGINS_LOGGED: (u32, u32) = (1, 10);
+
+/// A peer-chosen name as it is logged: its first 128 bytes (on a
+/// character boundary), marked when cut.
+fn log_name(name: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 128;
+    if name.len() <= MAX {
+        return name.into();
+    }
+    let mut end = MAX;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &name[..end]).into()
 }
 
 impl Server {
@@ -105,7 +127,9 @@ impl Server {
         });
         let inflight_total = ByteBudget::new(l.inflight_bytes_total);
         let unauthenticated = Arc::new(Semaphore::new(l.max_unauthenticated));
+        let (per_second, burst) = REFUSED_LOGINS_LOGGED;
         Arc::new(Server {
+            refused_logins: std::sync::Mutex::new(LogSampler::new(per_second, burst)),
             inflight_total,
             edge_quotas,
             unauthenticated,
@@ -260,7 +284,18 @@ impl Server {
             None => self.access.admit(session, *role, name, token),
         };
         if pass.is_none() && admitted.is_none() {
-            warn!(name, ?role, "refused: unknown name or wrong token");
+            self.metrics
+                .quic_refused
+                .with_label_values(&["credentials"])
+                .inc();
+            let sampled = self
+                .refused_logins
+                .lock()
+                .expect("refused-login sampler lock")
+                .write(Instant::now());
+            if let Some(held_back) = sampled {
+                warn!(name = %log_name(name), ?role, held_back, "refused: unknown name or wrong token (held_back: refusals not logged since the last line; all are counted in tidegate_quic_connections_refused_total{{reason=\"credentials\"}})");
+            }
             let reply = ErrorReply::UnknownCredentials {
                 role: *role,
                 name: name.clone(),
