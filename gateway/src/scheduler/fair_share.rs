@@ -122,15 +122,16 @@ impl Scheduler {
         // their fair order, but a frame of an edge within its means never
         // runs in a batch filled with a flood's frames, nor a flood's in
         // one with such a frame.
-        let backlogged: HashSet<Account> =
-            self.by_account
-                .get(model)
-                .map_or_else(HashSet::new, |sets| {
-                    sets.iter()
-                        .filter(|(_, set)| set.len() >= n)
-                        .map(|(a, _)| a.clone())
-                        .collect()
-                });
+        // One account alone (the common case) has nothing to be kept
+        // apart from: no set is built.
+        let backlogged: HashSet<Account> = match self.by_account.get(model) {
+            Some(sets) if sets.len() > 1 => sets
+                .iter()
+                .filter(|(_, set)| set.len() >= n)
+                .map(|(a, _)| a.clone())
+                .collect(),
+            _ => HashSet::new(),
+        };
         let mut kind: Option<bool> = None;
         while picked.len() < n {
             let Some(sets) = self.by_account.get(model) else {

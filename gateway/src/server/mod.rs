@@ -93,19 +93,8 @@ pub struct Server {
 /// once.
 const REFUSED_LOGINS_LOGGED: (u32, u32) = (1, 10);
 
-/// A peer-chosen name as it is logged: its first 128 bytes (on a
-/// character boundary), marked when cut.
-fn log_name(name: &str) -> std::borrow::Cow<'_, str> {
-    const MAX: usize = 128;
-    if name.len() <= MAX {
-        return name.into();
-    }
-    let mut end = MAX;
-    while !name.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &name[..end]).into()
-}
+/// Bytes of a peer-chosen name a log line quotes.
+const LOGGED_NAME_BYTES: usize = 128;
 
 impl Server {
     /// A server over `hub`: `access` lets edges and workers in, `leasing`
@@ -294,7 +283,7 @@ impl Server {
                 .expect("refused-login sampler lock")
                 .write(Instant::now());
             if let Some(held_back) = sampled {
-                warn!(name = %log_name(name), ?role, held_back, "refused: unknown name or wrong token (held_back: refusals not logged since the last line; all are counted in tidegate_quic_connections_refused_total{{reason=\"credentials\"}})");
+                warn!(name = %tidegate_protocol::fit_string(name, LOGGED_NAME_BYTES), ?role, held_back, "refused: unknown name or wrong token (held_back: refusals not logged since the last line; all are counted in tidegate_quic_connections_refused_total{{reason=\"credentials\"}})");
             }
             let reply = ErrorReply::UnknownCredentials {
                 role: *role,
