@@ -58,7 +58,10 @@ pub struct Metrics {
     pub control_dropped: IntCounterVec,
     /// `tidegate_quic_connections_refused_total{reason}`: QUIC connections
     /// refused: `unauthenticated` (at accept, `limits.max_unauthenticated`
-    /// connections not logged in yet), `edge_connections` (at login,
+    /// connections not logged in yet), `shut_out` (at accept, dropped
+    /// unanswered: its address's logins refused too often,
+    /// `limits.refused_logins_per_address`), `credentials` (at login, an
+    /// unknown name or a wrong token), `edge_connections` (at login,
     /// `limits.max_connections_per_edge` of its name open) or
     /// `flood_cooldown` (at login, its name closed as a control flood
     /// moments ago: `limits.control_flood_cooldown_ms`).
@@ -240,11 +243,12 @@ pub mod known {
     /// `tidegate_control_messages_dropped_total{kind}`.
     pub const CONTROL_KINDS: [&str; 4] = ["camera_open", "latency_report", "clock_echo", "other"];
     /// `tidegate_quic_connections_refused_total{reason}`.
-    pub const QUIC_REFUSED: [&str; 4] = [
+    pub const QUIC_REFUSED: [&str; 5] = [
         "unauthenticated",
         "credentials",
         "edge_connections",
         "flood_cooldown",
+        "shut_out",
     ];
     /// `tidegate_frames_dropped_total{reason}`.
     pub const FRAMES_DROPPED: [&str; 1] = ["edge_gone"];

@@ -13,8 +13,13 @@
 //! ([`FloodCooldowns`]): without that, a flooder closed within a tenth of
 //! a second logs in again at once, and each new connection's burst and
 //! tolerated drops are read and decoded again, a hundred times a minute.
+//!
+//! Every refused login cost a TLS handshake first, so an address whose
+//! logins keep being refused is shut out before its next handshake
+//! ([`LoginStrikes`]).
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 /// A token bucket: `per_second` tokens a second, holding at most `burst`.
@@ -289,6 +294,243 @@ impl FloodCooldowns {
 
     fn forget_old(&mut self, now: Instant) {
         self.names.retain(|_, s| now < s.until + Self::FORGET_AFTER);
+    }
+}
+
+/// How many refused logins one address may have before it is shut out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StrikeRate {
+    /// Refused logins an address may have at once (0: nobody is ever
+    /// shut out).
+    pub burst: u32,
+    /// Refused logins a second an address may go on having, sustained.
+    pub per_second: u32,
+}
+
+impl StrikeRate {
+    /// An edge fleet behind one NAT that redials with stale tokens after a
+    /// rotation stays under it for a while; a stranger guessing tokens
+    /// (about 460 handshakes a second on a 2-vCPU gateway) is shut out
+    /// after a tenth of a second.
+    pub const DEFAULT_BURST: u32 = 32;
+    /// Two handshakes a second is what a shut-out guesser goes on costing.
+    pub const DEFAULT_PER_SECOND: u32 = 2;
+}
+
+impl Default for StrikeRate {
+    fn default() -> Self {
+        StrikeRate {
+            burst: Self::DEFAULT_BURST,
+            per_second: Self::DEFAULT_PER_SECOND,
+        }
+    }
+}
+
+/// Addresses whose logins keep being refused (a wrong token or name, an
+/// edge name in its flood cooldown), and which are shut out before their
+/// next handshake: each refusal cost the gateway a TLS handshake, so a
+/// stranger guessing tokens, or a flooder redialling into its cooldown,
+/// could keep a core busy without ever logging in. An address may have
+/// [`StrikeRate::burst`] refusals at once, then [`StrikeRate::per_second`]
+/// a second (a GCRA: each refusal adds one interval of debt, and the
+/// address is shut out while its debt is over the burst's); a connection
+/// from it meanwhile is dropped unanswered, costing nothing.
+///
+/// Addresses are grouped as a host holds them: an IPv4 address alone (an
+/// IPv4-mapped IPv6 one as its IPv4 address), an IPv6 one by its /64, the
+/// block one host is given. Several edges behind one NAT share one
+/// address, so one of them failing its logins shuts the others' *new*
+/// connections out too (connections already up are never touched); the
+/// rate is set so that this needs far more refusals than a fleet's stale
+/// token makes. Pure: the caller says what time it is.
+#[derive(Debug, Clone)]
+pub struct LoginStrikes {
+    rate: StrikeRate,
+    /// Per address group, when its debt is paid off.
+    debts: HashMap<IpAddr, Instant>,
+}
+
+impl LoginStrikes {
+    /// Address groups remembered at once. Past it the groups whose debt is
+    /// paid are forgotten, then the one least in debt: memory is bounded
+    /// whatever the number of addresses an attacker has.
+    pub const MAX_ADDRESSES: usize = 4096;
+
+    /// Nobody shut out.
+    pub fn new(rate: StrikeRate) -> Self {
+        LoginStrikes {
+            rate,
+            debts: HashMap::new(),
+        }
+    }
+
+    /// The group `ip` is counted in.
+    pub fn group(ip: IpAddr) -> IpAddr {
+        match ip.to_canonical() {
+            IpAddr::V6(v6) => {
+                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+                IpAddr::V6(prefix.into())
+            }
+            v4 => v4,
+        }
+    }
+
+    fn interval(&self) -> Duration {
+        Duration::from_secs(1) / self.rate.per_second.max(1)
+    }
+
+    /// The debt an address may carry and still be let in: a burst's
+    /// refusals at once leave it at the burst's last.
+    fn tolerance(&self) -> Duration {
+        self.interval()
+            .saturating_mul(self.rate.burst.saturating_sub(1))
+    }
+
+    /// Records a login from `ip` refused at `now`.
+    pub fn refused(&mut self, ip: IpAddr, now: Instant) {
+        if self.rate.burst == 0 {
+            return;
+        }
+        let key = Self::group(ip);
+        if !self.debts.contains_key(&key) && self.debts.len() >= Self::MAX_ADDRESSES {
+            self.debts.retain(|_, paid| *paid > now);
+            if self.debts.len() >= Self::MAX_ADDRESSES {
+                let least = self.debts.iter().min_by_key(|(_, paid)| **paid);
+                if let Some(least) = least.map(|(k, _)| *k) {
+                    self.debts.remove(&least);
+                }
+            }
+        }
+        let interval = self.interval();
+        let paid = self.debts.entry(key).or_insert(now);
+        *paid = (*paid).max(now) + interval;
+    }
+
+    /// How much longer `ip` is shut out at `now`; `None` when its next
+    /// connection may log in.
+    pub fn shut_out(&self, ip: IpAddr, now: Instant) -> Option<Duration> {
+        let paid = *self.debts.get(&Self::group(ip))?;
+        let free_from = paid.checked_sub(self.tolerance())?;
+        (free_from > now).then(|| free_from - now)
+    }
+
+    /// Address groups remembered now.
+    pub fn len(&self) -> usize {
+        self.debts.len()
+    }
+
+    /// Whether no address is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.debts.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod login_strikes_tests {
+    use super::*;
+
+    fn strikes(burst: u32, per_second: u32) -> LoginStrikes {
+        LoginStrikes::new(StrikeRate { burst, per_second })
+    }
+
+    #[test]
+    fn an_address_is_shut_out_after_its_burst_and_let_back_at_its_rate() {
+        let (mut s, t0) = (strikes(4, 2), Instant::now());
+        let ip: IpAddr = "192.0.2.7".parse().unwrap();
+        for i in 0..4 {
+            assert_eq!(s.shut_out(ip, t0), None, "refusal {i}");
+            s.refused(ip, t0);
+        }
+        // four at once are the burst: the fifth connection is dropped
+        assert_eq!(s.shut_out(ip, t0), Some(Duration::from_millis(500)));
+        assert_eq!(
+            s.shut_out(ip, t0 + Duration::from_millis(499)),
+            Some(Duration::from_millis(1))
+        );
+        // one interval later one more login is let in; refused, it shuts
+        // the address out for one more interval
+        let t1 = t0 + Duration::from_millis(500);
+        assert_eq!(s.shut_out(ip, t1), None);
+        s.refused(ip, t1);
+        assert_eq!(s.shut_out(ip, t1), Some(Duration::from_millis(500)));
+        // others are not touched
+        let other: IpAddr = "192.0.2.8".parse().unwrap();
+        assert_eq!(s.shut_out(other, t1), None);
+        // quiet for the burst's time, the debt is paid: a whole burst again
+        let t2 = t1 + Duration::from_secs(3);
+        for _ in 0..4 {
+            assert_eq!(s.shut_out(ip, t2), None);
+            s.refused(ip, t2);
+        }
+        assert!(s.shut_out(ip, t2).is_some());
+    }
+
+    #[test]
+    fn a_guesser_at_any_speed_gets_the_burst_then_the_rate() {
+        let (mut s, t0) = (strikes(32, 2), Instant::now());
+        let ip: IpAddr = "198.51.100.1".parse().unwrap();
+        // a guess every millisecond for ten seconds: shut-out ones are
+        // dropped unanswered and cost nothing, so they add no debt
+        let mut let_in = 0;
+        for ms in 0..10_000 {
+            let now = t0 + Duration::from_millis(ms);
+            if s.shut_out(ip, now).is_none() {
+                let_in += 1;
+                s.refused(ip, now);
+            }
+        }
+        // the burst, then one every half second
+        assert!((32 + 19..=32 + 20).contains(&let_in), "{let_in}");
+    }
+
+    #[test]
+    fn ipv6_is_counted_by_its_64_and_mapped_ipv4_as_ipv4() {
+        let (mut s, t0) = (strikes(1, 1), Instant::now());
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let same_64: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
+        let other_64: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        s.refused(a, t0);
+        s.refused(same_64, t0);
+        assert!(s.shut_out(a, t0).is_some());
+        assert!(s.shut_out(same_64, t0).is_some());
+        assert_eq!(s.shut_out(other_64, t0), None);
+        let v4: IpAddr = "203.0.113.5".parse().unwrap();
+        let mapped: IpAddr = "::ffff:203.0.113.5".parse().unwrap();
+        s.refused(mapped, t0);
+        s.refused(v4, t0);
+        assert!(s.shut_out(v4, t0).is_some());
+        assert_eq!(LoginStrikes::group(mapped), v4);
+    }
+
+    #[test]
+    fn a_zero_burst_shuts_nobody_out_and_remembers_nothing() {
+        let (mut s, t0) = (strikes(0, 2), Instant::now());
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        for _ in 0..1000 {
+            s.refused(ip, t0);
+        }
+        assert_eq!(s.shut_out(ip, t0), None);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn the_addresses_remembered_are_bounded_and_the_most_indebted_kept() {
+        let (mut s, t0) = (strikes(1, 1), Instant::now());
+        let guesser: IpAddr = "192.0.2.200".parse().unwrap();
+        for _ in 0..10 {
+            s.refused(guesser, t0);
+        }
+        for i in 0..(LoginStrikes::MAX_ADDRESSES as u32 * 2) {
+            let ip = IpAddr::V4(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+            s.refused(ip, t0 + Duration::from_millis(1));
+        }
+        assert_eq!(s.len(), LoginStrikes::MAX_ADDRESSES);
+        assert!(s.shut_out(guesser, t0 + Duration::from_millis(1)).is_some());
+        // paid-off addresses are forgotten first
+        let later = t0 + Duration::from_secs(5);
+        s.refused("192.0.2.201".parse().unwrap(), later);
+        assert!(s.len() < 10, "{}", s.len());
+        assert!(s.shut_out(guesser, later).is_some());
     }
 }
 

@@ -84,7 +84,12 @@ fn a_login_refusal_quoting_a_1024_byte_name_is_decoded_as_a_refusal() {
 /// name cut to 128 bytes: a stranger guessing tokens cannot fill the disk.
 #[test]
 fn refused_logins_are_all_counted_and_their_log_lines_sampled() {
-    let c = Cluster::start(&ClusterOptions::default()).expect("gateway starts");
+    let c = Cluster::start(&ClusterOptions {
+        // nobody shut out: every login reaches its refusal
+        limits: "refused_logins_per_address = 0".into(),
+        ..ClusterOptions::default()
+    })
+    .expect("gateway starts");
     let rt = runtime();
     let started = std::time::Instant::now();
     rt.block_on(async {
@@ -117,6 +122,70 @@ fn refused_logins_are_all_counted_and_their_log_lines_sampled() {
     assert!(
         lines.iter().all(|l| !l.contains(&"n".repeat(129))),
         "names cut for the log"
+    );
+}
+
+/// A stranger guessing tokens from one address gets its burst of refusals,
+/// then its connections are dropped unanswered before their handshake,
+/// its right-token ones too (it is the address that is shut out), and
+/// counted; another address logs in meanwhile, and once the refusals'
+/// rate is paid the address is answered again.
+#[test]
+fn an_address_whose_logins_keep_being_refused_is_dropped_before_its_handshake() {
+    let c = Cluster::start(&ClusterOptions {
+        limits: "refused_logins_per_address = 4\nrefused_logins_per_second = 1".into(),
+        ..ClusterOptions::default()
+    })
+    .expect("gateway starts");
+    let rt = runtime();
+    rt.block_on(async {
+        let guesser = Target::of(&c);
+        let name = name_of('n', 64);
+        for i in 0..4 {
+            let e = refused_login(&guesser, &name)
+                .await
+                .unwrap_or_else(|e| panic!("refusal {i} of the burst: {e}"));
+            assert_eq!(e.code, ErrorCode::Unauthorized, "{e:?}");
+        }
+        // Shut out for a second from the fourth refusal. A client that
+        // would not send its Initial again within the dial's 2 s, so that
+        // the one Initial it sends falls in the shut-out.
+        let mut once = guesser.client().expect("client config");
+        let mut transport = quinn::TransportConfig::default();
+        transport.initial_rtt(Duration::from_secs(10));
+        once.transport_config(std::sync::Arc::new(transport));
+        match guesser.dial(once).await {
+            Err(AttackError::NoAnswer { .. }) => {}
+            Err(e) => panic!("a shut-out address's dial failed otherwise: {e}"),
+            Ok(_) => panic!("a shut-out address was answered\n{}", c.gateway_log()),
+        }
+        // Another host logs in meanwhile.
+        let (conn, _send, _recv) = login(
+            &guesser.clone().from("127.0.0.1".parse().unwrap()),
+            "edge-1",
+        )
+        .await
+        .expect("another address logs in");
+        conn.close(0u32.into(), b"done");
+        // A second after its last refusal the address is answered again.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let e = refused_login(&guesser, &name)
+            .await
+            .expect("answered once the shut-out is over");
+        assert_eq!(e.code, ErrorCode::Unauthorized, "{e:?}");
+    });
+    let metrics = metrics_within(&c, Duration::from_secs(10));
+    let refused = |reason: &str| {
+        counter(
+            &metrics,
+            &format!("tidegate_quic_connections_refused_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(refused("credentials"), 5.0, "the burst and the one after");
+    assert!(refused("shut_out") >= 1.0, "the dropped dial is counted");
+    assert!(
+        c.gateway_log().contains("address shut out"),
+        "the shut-out is logged"
     );
 }
 

@@ -629,6 +629,17 @@ pub async fn dial(
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     };
+    dial_from(bind, addr, server_name, config).await
+}
+
+/// [`dial`] from the local address `bind` (port 0: an ephemeral one), as
+/// a test's peer that stands for another host does (`127.0.0.2`).
+pub async fn dial_from(
+    bind: SocketAddr,
+    addr: SocketAddr,
+    server_name: &str,
+    config: quinn::ClientConfig,
+) -> Result<quinn::Connection, DialError> {
     let mut endpoint = client_endpoint(bind).map_err(DialError::Bind)?;
     endpoint.set_default_client_config(config);
     let connect = |reason: String| DialError::Connect { addr, reason };

@@ -60,6 +60,16 @@ pub struct LimitsConfig {
     /// a row, up to a minute. 0: never refused.
     #[serde(default = "default_control_flood_cooldown_ms")]
     pub control_flood_cooldown_ms: u64,
+    /// Refused logins (an unknown name or a wrong token, an edge name in
+    /// its flood cooldown) one address may have at once before its new
+    /// connections are dropped unanswered, before their handshake; an IPv6
+    /// address counts by its /64. 0: nobody is shut out.
+    #[serde(default = "default_refused_logins_per_address")]
+    pub refused_logins_per_address: u32,
+    /// Refused logins a second an address may go on having once past
+    /// them.
+    #[serde(default = "default_refused_logins_per_second")]
+    pub refused_logins_per_second: u32,
 }
 
 impl Default for LimitsConfig {
@@ -76,6 +86,8 @@ impl Default for LimitsConfig {
             control_burst: default_control_burst(),
             control_flood_drops: default_control_flood_drops(),
             control_flood_cooldown_ms: default_control_flood_cooldown_ms(),
+            refused_logins_per_address: default_refused_logins_per_address(),
+            refused_logins_per_second: default_refused_logins_per_second(),
         }
     }
 }
@@ -89,6 +101,14 @@ impl LimitsConfig {
             flood: self.control_flood_drops,
         }
     }
+
+    /// How many refused logins shut an address out.
+    pub fn strike_rate(&self) -> crate::ratelimit::StrikeRate {
+        crate::ratelimit::StrikeRate {
+            burst: self.refused_logins_per_address,
+            per_second: self.refused_logins_per_second,
+        }
+    }
 }
 
 fn default_control_messages_per_second() -> u32 {
@@ -99,6 +119,12 @@ fn default_control_burst() -> u32 {
 }
 fn default_control_flood_drops() -> u32 {
     crate::ratelimit::ControlRate::DEFAULT_FLOOD
+}
+fn default_refused_logins_per_address() -> u32 {
+    crate::ratelimit::StrikeRate::DEFAULT_BURST
+}
+fn default_refused_logins_per_second() -> u32 {
+    crate::ratelimit::StrikeRate::DEFAULT_PER_SECOND
 }
 fn default_control_flood_cooldown_ms() -> u64 {
     crate::ratelimit::FloodCooldowns::DEFAULT_BASE.as_millis() as u64
@@ -178,6 +204,12 @@ impl LimitsConfig {
                 )));
             }
         }
+        if l.refused_logins_per_address > 0 && !(1..=1000).contains(&l.refused_logins_per_second) {
+            return Err(ConfigError::Invalid(format!(
+                "limits.refused_logins_per_second = {} must be 1 to 1000 (the refused logins a second an address may go on having); to shut nobody out set limits.refused_logins_per_address = 0",
+                l.refused_logins_per_second
+            )));
+        }
         let most = crate::ratelimit::FloodCooldowns::MAX.as_millis() as u64;
         if l.control_flood_cooldown_ms > most {
             return Err(ConfigError::Invalid(format!(
@@ -231,6 +263,16 @@ mod tests {
             cfg.limits.control_rate(),
             crate::ratelimit::ControlRate::default()
         );
+        assert_eq!(
+            cfg.limits.strike_rate(),
+            crate::ratelimit::StrikeRate::default()
+        );
+        // shutting nobody out needs no rate
+        let off: Config = toml::from_str(
+            "[limits]\nrefused_logins_per_address = 0\nrefused_logins_per_second = 0\n",
+        )
+        .unwrap();
+        off.validate().unwrap();
         let cfg: Config = toml::from_str(
             "[http]\nheader_read_timeout_ms = 500\nmax_connections = 4\n[limits]\ncontrol_messages_per_second = 10\ncontrol_burst = 20\ncontrol_flood_drops = 30\n",
         )
@@ -263,6 +305,14 @@ mod tests {
             (
                 "[limits]\ncontrol_flood_cooldown_ms = 60001",
                 "limits.control_flood_cooldown_ms",
+            ),
+            (
+                "[limits]\nrefused_logins_per_second = 0",
+                "limits.refused_logins_per_second",
+            ),
+            (
+                "[limits]\nrefused_logins_per_second = 1001",
+                "limits.refused_logins_per_second",
             ),
         ] {
             let cfg: Config = toml::from_str(&format!("{text}\n")).unwrap();

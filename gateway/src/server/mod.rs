@@ -10,6 +10,7 @@ mod error_reply;
 mod inflight;
 mod worker;
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -21,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use self::edge_quota::{EdgeLimits, EdgeQuotas};
+use self::edge_quota::{EdgeLimits, EdgeQuotas, QuotaError};
 use self::error_reply::ErrorReply;
 use self::inflight::ByteBudget;
 use crate::auth::Access;
@@ -29,7 +30,7 @@ use crate::config::Config;
 use crate::hub::Hub;
 use crate::leasing::{Leasing, WorkerPass};
 use crate::metrics::Metrics;
-use crate::ratelimit::LogSampler;
+use crate::ratelimit::{LogSampler, LoginStrikes};
 use crate::scheduler::{EdgeId, WorkerId};
 
 /// Results buffered per edge connection, and as many again being written,
@@ -87,6 +88,10 @@ pub struct Server {
     /// Which refused logins are logged: a stranger guessing tokens as fast
     /// as it can gets a few lines a second, not one per guess.
     refused_logins: std::sync::Mutex<LogSampler>,
+    /// Addresses whose logins keep being refused, shut out before their
+    /// next handshake (`limits.refused_logins_per_address`), and which
+    /// shut-outs are logged.
+    strikes: std::sync::Mutex<(LoginStrikes, LogSampler)>,
 }
 
 /// Refused logins logged at most this many a second, and this many at
@@ -117,8 +122,13 @@ impl Server {
         let inflight_total = ByteBudget::new(l.inflight_bytes_total);
         let unauthenticated = Arc::new(Semaphore::new(l.max_unauthenticated));
         let (per_second, burst) = REFUSED_LOGINS_LOGGED;
+        let strikes = (
+            LoginStrikes::new(l.strike_rate()),
+            LogSampler::new(per_second, burst),
+        );
         Arc::new(Server {
             refused_logins: std::sync::Mutex::new(LogSampler::new(per_second, burst)),
+            strikes: std::sync::Mutex::new(strikes),
             inflight_total,
             edge_quotas,
             unauthenticated,
@@ -152,6 +162,16 @@ impl Server {
                     None => break,
                 },
             };
+            // Dropped unanswered, before the handshake costs anything: an
+            // address whose logins keep being refused.
+            if self.shut_out(incoming.remote_address().ip()) {
+                self.metrics
+                    .quic_refused
+                    .with_label_values(&["shut_out"])
+                    .inc();
+                incoming.ignore();
+                continue;
+            }
             // Refused before the handshake costs anything: until they log
             // in, connections are strangers, and only so many at once.
             let Ok(login) = self.unauthenticated.clone().try_acquire_owned() else {
@@ -183,6 +203,27 @@ impl Server {
             );
         }
         endpoint.close(0u32.into(), b"gateway shutting down");
+    }
+
+    /// Whether connections from `ip` are shut out now, its logins having
+    /// been refused too often.
+    fn shut_out(&self, ip: IpAddr) -> bool {
+        let strikes = self.strikes.lock().expect("login strikes lock");
+        strikes.0.shut_out(ip, Instant::now()).is_some()
+    }
+
+    /// Counts a login from `ip` refused; logs (sampled) when that shuts
+    /// the address out.
+    fn strike(&self, ip: IpAddr) {
+        let now = Instant::now();
+        let mut strikes = self.strikes.lock().expect("login strikes lock");
+        let (book, log) = &mut *strikes;
+        book.refused(ip, now);
+        if let Some(shut_for) = book.shut_out(ip, now)
+            && let Some(held_back) = log.write(now)
+        {
+            warn!(%ip, ?shut_for, held_back, "address shut out: its logins keep being refused, so its new connections are dropped unanswered before their handshake until then (limits.refused_logins_per_address; counted in tidegate_quic_connections_refused_total{{reason=\"shut_out\"}}; held_back: shut-outs not logged since the last line)");
+        }
     }
 
     /// The connection's `Hello`, on its first bidirectional stream within
@@ -285,6 +326,7 @@ impl Server {
             if let Some(held_back) = sampled {
                 warn!(name = %tidegate_protocol::fit_string(name, LOGGED_NAME_BYTES), ?role, held_back, "refused: unknown name or wrong token (held_back: refusals not logged since the last line; all are counted in tidegate_quic_connections_refused_total{{reason=\"credentials\"}})");
             }
+            self.strike(conn.remote_address().ip());
             let reply = ErrorReply::UnknownCredentials {
                 role: *role,
                 name: name.clone(),
@@ -297,6 +339,9 @@ impl Server {
                 Ok(slot) => Some(slot),
                 Err(quota) => {
                     warn!(name, %quota, "edge refused");
+                    if matches!(quota, QuotaError::FloodCooldown { .. }) {
+                        self.strike(conn.remote_address().ip());
+                    }
                     self.metrics
                         .quic_refused
                         .with_label_values(&[quota.refused_reason()])

@@ -229,7 +229,7 @@ pub async fn read_error(
 /// Dials the gateway and sends `Hello` as edge `name` with a wrong token;
 /// returns the refusal it reads back (see [`read_error`]).
 pub async fn refused_login(t: &Target, name: &str) -> Result<ErrorMsg, AttackError> {
-    let conn = tidegate_protocol::quic::dial(t.quic, "localhost", t.client()?).await?;
+    let conn = t.dial(t.client()?).await?;
     let (mut send, mut recv) = conn.open_bi().await.map_err(|e| AttackError::Protocol {
         what: "opening the control stream".into(),
         detail: e.to_string(),

@@ -22,13 +22,13 @@ pub mod rss;
 pub mod stranger;
 pub mod worker;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tidegate_protocol::quic::{
-    DialError, HandshakeError, TlsError, client_config, dial, handshake,
+    DialError, HandshakeError, TlsError, client_config, dial_from, handshake,
 };
 use tidegate_protocol::{Hello, Limits, Role};
 
@@ -50,7 +50,22 @@ pub struct Target {
     pub edge_token: String,
     /// A valid worker token.
     pub worker_token: String,
+    /// The local address the attacker dials from: [`ATTACKER`] by default,
+    /// another host on the loopback network than the legitimate load's
+    /// `127.0.0.1`, so that what the gateway does to the attacker's address
+    /// (`limits.refused_logins_per_address`) is not done to theirs.
+    pub from: IpAddr,
 }
+
+/// The loopback address attackers dial from by default: Linux routes all of
+/// `127.0.0.0/8` to the loopback interface, so it stands for a host of its
+/// own beside the legitimate load's `127.0.0.1`.
+pub const ATTACKER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 2));
+
+/// How long an attacker's dial waits for the gateway to answer: a gateway
+/// that drops an address's connections unanswered lets the dial run to its
+/// QUIC idle timeout (10 s) otherwise.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Target {
     /// The gateway of `c`, with its tokens.
@@ -61,6 +76,26 @@ impl Target {
             ca: c.ca(),
             edge_token: c.edge_token.clone(),
             worker_token: c.worker_token().to_string(),
+            from: ATTACKER,
+        }
+    }
+
+    /// This target, dialled from `from` instead.
+    pub fn from(self, from: IpAddr) -> Target {
+        Target { from, ..self }
+    }
+
+    /// Dials the gateway from [`Target::from`] with `cfg`, within
+    /// [`DIAL_TIMEOUT`] ([`AttackError::NoAnswer`] past it).
+    pub async fn dial(&self, cfg: quinn::ClientConfig) -> Result<quinn::Connection, AttackError> {
+        let bind = SocketAddr::new(self.from, 0);
+        match tokio::time::timeout(DIAL_TIMEOUT, dial_from(bind, self.quic, "localhost", cfg)).await
+        {
+            Ok(conn) => Ok(conn?),
+            Err(_) => Err(AttackError::NoAnswer {
+                what: format!("dialling the gateway from {}", self.from),
+                after: DIAL_TIMEOUT,
+            }),
         }
     }
 
@@ -78,6 +113,7 @@ impl std::fmt::Debug for Target {
             .field("ca", &self.ca)
             .field("edge_token", &"<redacted>")
             .field("worker_token", &"<redacted>")
+            .field("from", &self.from)
             .finish()
     }
 }
@@ -175,7 +211,7 @@ async fn login_with(
     name: &str,
     cfg: quinn::ClientConfig,
 ) -> Result<LoggedIn, AttackError> {
-    let conn = dial(t.quic, "localhost", cfg).await?;
+    let conn = t.dial(cfg).await?;
     let hello = Hello {
         role: Role::Edge,
         name: name.into(),

@@ -235,55 +235,99 @@ async fn trickle(
 }
 
 /// Logins with 1024-byte names (two- and four-byte UTF-8, and ASCII) and
-/// a wrong token, and camera opens quoting a 1024-byte camera and model,
-/// one after another; every refusal must decode and be fitted.
+/// a wrong token, one after another, and beside them camera opens quoting a
+/// 1024-byte camera and model on a connection logged in first; every
+/// refusal must decode and be fitted. Once the attacker's address is shut
+/// out, its logins go unanswered (counted, and tried again at once).
 async fn long_names(
     t: &Target,
     stop: &CancellationToken,
     until: Instant,
 ) -> Result<Value, AttackError> {
-    let names = [
-        edge::name_of('é', 1024),
-        edge::name_of('🦀', 1024),
-        edge::name_of('n', 1024),
-    ];
-    let (camera, model) = (edge::name_of('🦀', 1024), edge::name_of('€', 1024));
-    let (mut refusals, mut fitted, mut unfitted) = (0u64, 0u64, Vec::new());
     let (conn, mut send, mut recv) = login(t, HOSTILE).await?;
-    while going(stop, until) {
-        for name in &names {
-            let e = edge::refused_login(t, name).await?;
-            refusals += 1;
-            match edge::fitted(&e, name) {
-                Ok(()) if e.code == ErrorCode::Unauthorized => fitted += 1,
-                Ok(()) => unfitted.push(format!("login refused with {:?}", e.code)),
-                Err(why) => unfitted.push(format!("login refusal: {why}")),
+    let logins = async {
+        let names = [
+            edge::name_of('é', 1024),
+            edge::name_of('🦀', 1024),
+            edge::name_of('n', 1024),
+        ];
+        let mut tally = Refusals::default();
+        while going(stop, until) {
+            for name in &names {
+                match edge::refused_login(t, name).await {
+                    Ok(e) if e.code == ErrorCode::Unauthorized => tally.check(&e, name),
+                    Ok(e) => tally.unfitted(format!("login refused with {:?}", e.code)),
+                    Err(AttackError::NoAnswer { .. }) => tally.unanswered += 1,
+                    Err(e) => return Err(e),
+                }
             }
         }
-        let open = edge::camera_open(&camera, &model);
-        refusals += 1;
-        match edge::ask_camera(&mut send, &mut recv, open).await? {
-            Message::Error(e) => match edge::fitted(&e, &camera) {
-                Ok(()) => fitted += 1,
-                Err(why) => unfitted.push(format!("camera refusal: {why}")),
-            },
-            other => unfitted.push(format!("camera answered {:?}", other.kind())),
+        Ok(tally)
+    };
+    let opens = async {
+        let (camera, model) = (edge::name_of('🦀', 1024), edge::name_of('€', 1024));
+        let mut tally = Refusals::default();
+        while going(stop, until) {
+            let open = edge::camera_open(&camera, &model);
+            match edge::ask_camera(&mut send, &mut recv, open).await? {
+                Message::Error(e) => tally.check(&e, &camera),
+                other => tally.unfitted(format!("camera answered {:?}", other.kind())),
+            }
+        }
+        Ok(tally)
+    };
+    let (logins, opens) = tokio::try_join!(logins, opens)?;
+    conn.close(0u32.into(), b"attack over");
+    let mut unfitted = [logins.unfitted, opens.unfitted].concat();
+    unfitted.truncate(10);
+    Ok(json!({
+        "login_refusals": logins.refusals,
+        "logins_unanswered": logins.unanswered,
+        "camera_refusals": opens.refusals,
+        "fitted": logins.fitted + opens.fitted,
+        "not_fitted_first_10": unfitted,
+    }))
+}
+
+/// What [`long_names`] saw of the refusals of one kind.
+#[derive(Default)]
+struct Refusals {
+    refusals: u64,
+    fitted: u64,
+    unfitted: Vec<String>,
+    unanswered: u64,
+}
+
+impl Refusals {
+    /// A refusal quoting `quoted`: fitted to the protocol's limits or not.
+    fn check(&mut self, e: &tidegate_protocol::ErrorMsg, quoted: &str) {
+        self.refusals += 1;
+        match edge::fitted(e, quoted) {
+            Ok(()) => self.fitted += 1,
+            Err(why) => self.unfitted.push(why),
         }
     }
-    conn.close(0u32.into(), b"attack over");
-    unfitted.truncate(10);
-    Ok(json!({ "refusals": refusals, "fitted": fitted, "not_fitted_first_10": unfitted }))
+
+    /// An answer that was no fitted refusal at all.
+    fn unfitted(&mut self, what: String) {
+        self.refusals += 1;
+        if self.unfitted.len() < 10 {
+            self.unfitted.push(what);
+        }
+    }
 }
 
 /// Floods `LatencyReport`s from one connection after another, logging in
 /// again as soon as each is closed, as a flooder would; a login refused
-/// while its name's cooldown runs is counted and tried again at once.
+/// while its name's cooldown runs, or left unanswered once its address is
+/// shut out, is counted and tried again at once.
 async fn control_flood(
     t: &Target,
     stop: &CancellationToken,
     until: Instant,
 ) -> Result<Value, AttackError> {
     let (mut floods, mut sent, mut refused, mut cooled) = (0u64, 0u64, 0u64, 0u64);
+    let mut unanswered = 0u64;
     while going(stop, until) {
         let left = until.saturating_duration_since(Instant::now());
         let flood = tokio::select! {
@@ -303,6 +347,11 @@ async fn control_flood(
                 cooled += 1;
                 continue;
             }
+            // its address shut out: dropped unanswered
+            Err(AttackError::NoAnswer { .. }) => {
+                unanswered += 1;
+                continue;
+            }
             Err(e) => return Err(e),
         };
         floods += 1;
@@ -314,5 +363,6 @@ async fn control_flood(
         "reports_sent": sent,
         "closed_as_floods": refused,
         "logins_refused_in_cooldown": cooled,
+        "logins_unanswered": unanswered,
     }))
 }
