@@ -26,14 +26,15 @@
 //!   requests its GPUs; Kubernetes taking the Pod away (spot node
 //!   reclaimed, preemption, eviction) is the spot notice.
 //!
-//! Slurm and Kubernetes share one remote-job skeleton, `remote`: the held
-//! leases' jobs, the orders to their watch task, the release bracket,
-//! detaching, and the jobs an acquire gave up submitting; each supplies
-//! its own submit, cancel, watch and parse.
+//! Slurm and Kubernetes share one remote-job provider, [`remote`]'s
+//! [`remote::RemoteProvider`]: the held leases' jobs, the orders to their
+//! watch task, the release bracket, detaching, the jobs an acquire gave up
+//! submitting, and acquire, release, adopt and shutdown themselves; each
+//! system supplies only its submit, cancel, survey, watch and parse.
 
 pub mod kubernetes;
 pub mod process;
-pub(crate) mod remote;
+pub mod remote;
 pub mod slurm;
 pub mod static_workers;
 

@@ -43,10 +43,12 @@
 //!
 //! Its rooms: [`config`] (the Pod and Secret; pure), [`watch`] (what a
 //! Pod's state means; pure), `create` (an acquire's API calls) and
-//! `pool_watch` (the watch loop). What the provider shares with the watch
-//! (the held Pods, the orders, the release bracket, the Pods an acquire
-//! gave up creating) is the remote-job skeleton, `super::remote`, which
-//! Slurm uses too.
+//! `pool_watch` (the watch loop). This module holds [`Kube`], what
+//! Kubernetes supplies to the remote-job provider that Slurm shares
+//! (`super::remote`): connect, and submit (create), cancel (delete and
+//! wait), begin cancel and adoption's survey. The provider itself (held
+//! Pods, orders, the release bracket, the Pods an acquire gave up creating,
+//! acquire, release, adopt, shutdown) is the skeleton's.
 
 pub mod config;
 mod create;
@@ -62,8 +64,6 @@ use kube::api::{Api, DeleteParams, ListParams, Preconditions};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 pub use self::config::{
     KubernetesConfig, KubernetesTiers, LABEL_LEASE, LABEL_POOL, Mount, Placement,
@@ -72,12 +72,12 @@ pub use self::config::{
 use self::create::PodCreation;
 use self::pool_watch::watch_pods;
 pub use self::watch::{PodView, PodWatch, Step};
-use super::remote::{self, JobBackend, RemoteJobs, Unreleased, release_all};
-use super::{
-    Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, Provider, ProviderError, ProviderEvent,
+use super::remote::{
+    self, Found, JobBackend, RemoteJobs, RemoteProvider, RemoteSystem, Unreleased,
 };
+use super::{LeaseSpec, ProviderError};
 use crate::billing::Millis;
-use crate::ledger::Ledger;
+use crate::ledger::LeaseRecord;
 use crate::table::LeaseId;
 
 /// Provider name in the ledger.
@@ -99,20 +99,38 @@ pub struct KubernetesData {
 
 /// A held lease's Pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct PodRef {
-    name: String,
-    uid: String,
+pub struct PodRef {
+    /// Its name.
+    pub name: String,
+    /// Its uid: a Pod of the same name made later is another Pod.
+    pub uid: String,
 }
 
-/// Kubernetes' side of the remote-job skeleton: a lease's job is its Pod
-/// (name and uid), the watch is handed the Pod's [`PodWatch`] and view as
-/// last seen, and a Pod an acquire gave up creating is deleted with its
-/// token Secret (by the watch, if it appears within
-/// [`remote::ABANDONED_WATCH`]; later ones by the next start's adoption).
-#[derive(Debug)]
-struct KubeJobs;
+/// Kubernetes as a remote-job system: its config, namespace and client. A
+/// lease's job is its Pod (name and uid), the watch is handed the Pod's
+/// [`PodWatch`] and view as last seen, and a Pod an acquire gave up
+/// creating is deleted with its token Secret (by the watch, if it appears
+/// within [`remote::ABANDONED_WATCH`]; later ones by the next start's
+/// adoption).
+pub struct Kube {
+    cfg: KubernetesConfig,
+    namespace: String,
+    client: Client,
+}
 
-impl JobBackend for KubeJobs {
+impl std::fmt::Debug for Kube {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kube")
+            .field("namespace", &self.namespace)
+            .field("pool", &self.cfg.name_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The Kubernetes provider: the remote-job provider over [`Kube`].
+pub type KubernetesProvider = RemoteProvider<Kube>;
+
+impl JobBackend for Kube {
     type Job = PodRef;
     type Watch = Box<(PodWatch, PodView)>;
     /// The watch loop keeps the [`PodWatch`]; the view joins the Pods as
@@ -142,10 +160,10 @@ impl JobBackend for KubeJobs {
 
 /// The held Pods, shared with the watch, which drops a lease whose Pod
 /// ended (before it sends the end).
-type Held = RemoteJobs<KubeJobs>;
+type Held = RemoteJobs<Kube>;
 
 /// An order from the provider to the watch.
-type Cmd = remote::Cmd<KubeJobs>;
+type Cmd = remote::Cmd<Kube>;
 
 /// An API call that failed.
 fn api_error(lease: Option<LeaseId>, what: impl Into<String>, e: &kube::Error) -> ProviderError {
@@ -230,36 +248,7 @@ async fn delete_stray(
         .unwrap_or_else(|_| Err(format!("no answer within {} s", limit.as_secs_f64())))
 }
 
-/// The Kubernetes provider.
-pub struct KubernetesProvider {
-    cfg: KubernetesConfig,
-    namespace: String,
-    client: Client,
-    held: Held,
-    events_rx: Option<mpsc::Receiver<ProviderEvent>>,
-    /// The pool's watch, stopped when the provider is dropped.
-    watch: JoinHandle<()>,
-}
-
-impl Drop for KubernetesProvider {
-    fn drop(&mut self) {
-        // Pods are not ours to delete on drop: they outlive the gateway
-        // like a cloud instance would, and the ledger adopts them.
-        self.watch.abort();
-    }
-}
-
-impl std::fmt::Debug for KubernetesProvider {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KubernetesProvider")
-            .field("namespace", &self.namespace)
-            .field("pool", &self.cfg.name_prefix)
-            .field("held", &self.held())
-            .finish_non_exhaustive()
-    }
-}
-
-impl KubernetesProvider {
+impl RemoteProvider<Kube> {
     /// Loads the client configuration, checks that the provider may list
     /// Pods in its namespace (within `api_timeout_secs`), and starts
     /// watching the pool's Pods on the current runtime.
@@ -275,52 +264,39 @@ impl KubernetesProvider {
         let url = config.cluster_url.to_string();
         let client = Client::try_from(config)
             .map_err(|e| api_error(None, format!("building a client for {url}"), &e))?;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-        let what = format!("listing pods in namespace {namespace:?} at {url}");
+        let kube = Kube {
+            cfg,
+            namespace,
+            client,
+        };
+        let what = format!("listing pods in namespace {:?} at {url}", kube.namespace);
         within(limit, None, what.clone(), async {
-            pods.list(&ListParams::default().labels(&cfg.selector()).limit(1))
+            kube.pods()
+                .list(&ListParams::default().labels(&kube.cfg.selector()).limit(1))
                 .await
                 .map_err(|e| api_error(None, what, &e))
         })
         .await?;
-        let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
-        let (held, rx) = Held::new();
-        let grace_ms = Millis::from(cfg.termination_grace_period_secs) * 1000;
-        let watch = tokio::spawn(watch_pods(
-            Api::namespaced(client.clone(), &namespace),
-            Api::namespaced(client.clone(), &namespace),
-            cfg.clone(),
-            grace_ms,
-            rx,
-            events_tx,
-            held.clone(),
-        ));
-        tracing::info!(%namespace, pool = %cfg.name_prefix, "Kubernetes provider connected");
-        Ok(KubernetesProvider {
-            cfg,
-            namespace,
-            client,
-            held,
-            events_rx: Some(events_rx),
-            watch,
-        })
+        let grace_ms = Millis::from(kube.cfg.termination_grace_period_secs) * 1000;
+        let (pods, secrets, watch_cfg) = (kube.pods(), kube.secrets(), kube.cfg.clone());
+        tracing::info!(namespace = %kube.namespace, pool = %kube.cfg.name_prefix, "Kubernetes provider connected");
+        Ok(RemoteProvider::start(kube, move |rx, events, held| {
+            watch_pods(pods, secrets, watch_cfg, grace_ms, rx, events, held)
+        }))
     }
 
     /// The namespace of the worker Pods.
     pub fn namespace(&self) -> &str {
-        &self.namespace
+        &self.system().namespace
     }
 
     /// The Pod of a held lease.
     pub fn pod(&self, lease: LeaseId) -> Option<String> {
-        self.held.job(lease).map(|p| p.name)
+        self.job(lease).map(|p| p.name)
     }
+}
 
-    /// Leases held: those whose Pod has not ended or gone.
-    pub fn held(&self) -> Vec<LeaseId> {
-        self.held.held()
-    }
-
+impl Kube {
     /// `api_timeout_secs` (validated at connect).
     fn api_timeout(&self) -> Duration {
         api_timeout(&self.cfg)
@@ -334,24 +310,16 @@ impl KubernetesProvider {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    fn watch(&mut self, w: PodWatch, view: PodView) -> Result<(), ProviderError> {
-        self.held.watch(Box::new((w, view)))
-    }
-
-    /// Stops watching every Pod WITHOUT deleting it, as a crash of the
-    /// gateway would. The next provider over the same ledger adopts them.
-    pub async fn detach_all(self) {
-        self.held.detach_all().await;
-    }
-
-    /// Releases every lease (deletes its Pod and waits until it is gone).
-    /// A Pod that cannot be deleted is logged: it outlives the provider,
-    /// and the next one over the same ledger adopts or deletes it.
-    pub async fn shutdown(mut self) {
-        let held = self.held();
-        for (lease, e) in release_all(&mut self, held).await {
-            let pod = self.pod(lease);
-            tracing::warn!(%lease, ?pod, error = %e, "release at shutdown failed; the pod may still run and bill");
+    /// The graceful delete of a held Pod (its worker gets SIGTERM and
+    /// drains), of that Pod only (its uid).
+    fn graceful_delete(&self, pod: &PodRef) -> DeleteParams {
+        DeleteParams {
+            grace_period_seconds: Some(self.cfg.termination_grace_period_secs),
+            preconditions: Some(Preconditions {
+                uid: Some(pod.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
         }
     }
 }
@@ -385,26 +353,27 @@ async fn client_config(cfg: &KubernetesConfig) -> Result<Config, ProviderError> 
     }
 }
 
-impl Provider for KubernetesProvider {
-    fn name(&self) -> &'static str {
-        PROVIDER_NAME
-    }
+impl RemoteSystem for Kube {
+    const NAME: &'static str = PROVIDER_NAME;
+    type Record = KubernetesData;
 
     /// Builds the Pod and Secret in the call; the future creates them
-    /// (within `api_timeout_secs`) and watches the Pod.
-    fn acquire(
-        &mut self,
+    /// (within `api_timeout_secs`).
+    fn submit(
+        &self,
         spec: LeaseSpec,
-    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
+        held: &Held,
+    ) -> impl Future<Output = Result<(Box<(PodWatch, PodView)>, KubernetesData), ProviderError>>
+    + Send
+    + 'static {
         let lease = spec.lease;
-        let built = self.held.check_new(lease).and_then(|()| {
-            self.cfg
-                .pod(&spec, &self.namespace)
-                .map(|pod| (pod, self.cfg.token_secret(&spec, &self.namespace)))
-        });
+        let built = self
+            .cfg
+            .pod(&spec, &self.namespace)
+            .map(|pod| (pod, self.cfg.token_secret(&spec, &self.namespace)));
         let (pods, secrets) = (self.pods(), self.secrets());
         let namespace = self.namespace.clone();
-        let held = self.held.clone();
+        let held = held.clone();
         let (pod_name, secret_name) = (self.cfg.pod_name(lease), self.cfg.secret_name(lease));
         let (limit, limit_secs) = (self.api_timeout(), self.cfg.api_timeout_secs);
         async move {
@@ -431,58 +400,37 @@ impl Provider for KubernetesProvider {
                 pod: view.name.clone(),
                 uid: view.uid.clone(),
             };
-            let w = PodWatch::new(lease, &view, false);
-            held.watch(Box::new((w, view)))?;
             tracing::info!(%lease, pod = %data.pod, %instance, %tier, "worker pod created");
-            Ok(Acquired {
-                lease,
-                pid: None,
-                provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
-                token: None,
-            })
+            let w = PodWatch::new(lease, &view, false);
+            Ok((Box::new((w, view)), data))
         }
     }
 
-    /// Deletes the lease's Pod and waits until it is gone; only then is it
-    /// forgotten. On an error the Pod is still held: it may still run (and
-    /// bill), so the caller must retry.
-    fn release(
-        &mut self,
+    /// Deletes the Pod and waits until it is gone (then its token Secret).
+    fn cancel(
+        &self,
         lease: LeaseId,
-    ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
+        pod: PodRef,
+    ) -> impl Future<Output = Result<(), Unreleased>> + Send + 'static {
         let (pods, secrets) = (self.pods(), self.secrets());
-        let grace = self.cfg.termination_grace_period_secs;
+        let dp = self.graceful_delete(&pod);
         let timeout = Duration::try_from_secs_f64(self.cfg.release_timeout_secs)
             .unwrap_or(Duration::from_secs(120));
         let timeout_secs = self.cfg.release_timeout_secs;
         let secret_name = self.cfg.secret_name(lease);
         let limit = self.api_timeout();
-        self.held.release(lease, move |pod: PodRef| async move {
-            let name = pod.name.clone();
-            let (api, target) = (pods.clone(), pod.clone());
-            let deleted = async {
-                let dp = DeleteParams {
-                    grace_period_seconds: Some(grace),
-                    preconditions: Some(Preconditions {
-                        uid: Some(target.uid.clone()),
-                        resource_version: None,
-                    }),
-                    ..DeleteParams::default()
-                };
-                let what = format!("deleting pod {}", target.name);
-                within(limit, Some(lease), what.clone(), async {
-                    match api.delete(&target.name, &dp).await {
-                        // gone already, or the name is another Pod's now
-                        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
-                        Err(e) => Err(api_error(Some(lease), what, &e)),
-                        Ok(_) => Ok(()),
-                    }
-                })
-                .await
-            }
-            .await;
+        async move {
+            let what = format!("deleting pod {}", pod.name);
+            within(limit, Some(lease), what.clone(), async {
+                match pods.delete(&pod.name, &dp).await {
+                    // gone already, or the name is another Pod's now
+                    Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+                    Err(e) => Err(api_error(Some(lease), what, &e)),
+                    Ok(_) => Ok(()),
+                }
+            })
+            .await?;
             // not deleted: it runs on, and its end or preemption is news
-            deleted?;
             let gone: Result<(), ProviderError> = async {
                 let give_up = tokio::time::Instant::now() + timeout;
                 loop {
@@ -530,18 +478,44 @@ impl Provider for KubernetesProvider {
                 error,
                 on_its_way_out: true,
             })?;
-            tracing::info!(%lease, pod = %name, "worker pod deleted");
+            tracing::info!(%lease, pod = %pod.name, "worker pod deleted");
             Ok(())
-        })
+        }
     }
 
-    /// Re-adopts the live `kubernetes` leases recorded in `ledger`, ending
-    /// the ones whose Pod is gone or finished, and deletes the pool's Pods
-    /// and token Secrets that belong to no live lease. Its listing and its
-    /// deletes are each bounded by `api_timeout_secs`; an API server that
-    /// cannot answer fails it, since ending leases whose Pods may well run
-    /// would leak them.
-    async fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
+    /// Each Pod's graceful delete at once, each within `api_timeout_secs`.
+    async fn begin_cancel(&self, jobs: Vec<(LeaseId, PodRef)>) {
+        let api = self.pods();
+        let limit = self.api_timeout();
+        let deletes = jobs.into_iter().map(|(lease, pod)| {
+            let (api, dp) = (api.clone(), self.graceful_delete(&pod));
+            async move {
+                match tokio::time::timeout(limit, api.delete(&pod.name, &dp)).await {
+                    Ok(Err(e)) if !is_status(&e, 404) && !is_status(&e, 409) => {
+                        tracing::warn!(%lease, pod = %pod.name, error = %e, "deleting a worker pod; its release tries again");
+                    }
+                    Err(_) => {
+                        tracing::warn!(%lease, pod = %pod.name, "deleting a worker pod: no answer within api_timeout_secs; its release tries again");
+                    }
+                    Ok(_) => {}
+                }
+            }
+        });
+        futures::future::join_all(deletes).await;
+    }
+
+    /// Lists the pool's Pods and token Secrets: a recorded Pod (same
+    /// namespace, name and uid) neither finished nor disrupted is live;
+    /// any other lease ends when its worker stopped, where the Pod still
+    /// says, else now (preempted if the Pod was disrupted). Then deletes
+    /// the pool's Pods and Secrets that belong to no live lease, so they do
+    /// not bill. The listing and the deletes are each bounded by
+    /// `api_timeout_secs`.
+    async fn survey(
+        &self,
+        recorded: &[(LeaseRecord, Option<KubernetesData>)],
+        now: Millis,
+    ) -> Result<Vec<Found<Box<(PodWatch, PodView)>>>, ProviderError> {
         let (pods, secrets, selector) = (self.pods(), self.secrets(), self.cfg.selector());
         let limit = self.api_timeout();
         let (listed, listed_secrets) = within(
@@ -563,40 +537,37 @@ impl Provider for KubernetesProvider {
         )
         .await?;
         let views: Vec<PodView> = listed.iter().map(PodView::of).collect();
-        let mut out = Adoption::default();
-        let mut delete_pods = Vec::new();
-        for (r, data) in remote::recorded::<KubernetesData>(ledger, PROVIDER_NAME)? {
-            let data = data.filter(|d| d.namespace == self.namespace);
-            let view = data
-                .as_ref()
-                .and_then(|d| views.iter().find(|v| v.name == d.pod && v.uid == d.uid));
+        let mut found = Vec::with_capacity(recorded.len());
+        let (mut adopted_pods, mut adopted_ids) = (HashSet::new(), HashSet::new());
+        for (r, data) in recorded {
+            let data = data.as_ref().filter(|d| d.namespace == self.namespace);
+            let view = data.and_then(|d| views.iter().find(|v| v.name == d.pod && v.uid == d.uid));
             match view {
                 Some(v) if !v.is_terminal() && !v.is_disrupted() => {
-                    let w = PodWatch::new(r.id, v, v.phase == "Running");
-                    self.watch(w, v.clone())?;
                     tracing::info!(lease = %r.id, pod = %v.name, "adopted worker pod after restart");
-                    out.adopted.push(r.id);
+                    adopted_pods.insert(v.uid.clone());
+                    adopted_ids.insert(r.id.0.to_string());
+                    let w = PodWatch::new(r.id, v, v.phase == "Running");
+                    found.push(Found::Live(Box::new((w, v.clone()))));
                 }
                 _ => {
-                    let taken = view.is_some_and(|v| v.is_disrupted());
-                    let reason = remote::gone_reason(r.state, taken);
+                    let taking = view.is_some_and(|v| v.is_disrupted());
                     // billed to when its worker stopped, where the Pod
                     // still says; a Pod gone says nothing: to now
                     let at = view.map_or(now, |v| v.ended_at(now));
-                    remote::end_gone(ledger, &mut out, r.id, at, reason)?;
-                    tracing::warn!(lease = %r.id, pod = ?data.map(|d| d.pod), ?reason, ended_at = at, "worker pod gone, finished or being deleted after restart; lease ended");
+                    tracing::warn!(lease = %r.id, pod = ?data.map(|d| &d.pod), taking, ended_at = at, "worker pod gone, finished or being deleted after restart; lease ended");
+                    found.push(Found::Gone { at, taking });
                 }
             }
         }
         // everything of the pool that no adopted lease owns goes
-        let adopted_pods: HashSet<String> = self.held.jobs().into_iter().map(|p| p.uid).collect();
+        let mut delete_pods = Vec::new();
         for v in &views {
             if !adopted_pods.contains(&v.uid) && v.deleting_at.is_none() {
                 tracing::warn!(pod = %v.name, phase = %v.phase, "worker pod of this pool belongs to no live lease; deleting it so it does not bill");
                 delete_pods.push(v.name.clone());
             }
         }
-        let adopted_ids: HashSet<String> = out.adopted.iter().map(|l| l.0.to_string()).collect();
         let delete_secrets: Vec<String> = listed_secrets
             .iter()
             .filter(|s| {
@@ -626,45 +597,6 @@ impl Provider for KubernetesProvider {
             Ok(())
         })
         .await?;
-        Ok(out)
-    }
-
-    /// Starts releasing `leases` all at once: each held one's Pod is sent
-    /// its graceful delete (its worker gets SIGTERM and drains) without
-    /// waiting for it to go. [`Provider::release`] then only waits, so a
-    /// gateway stopping with many leases waits about one drain, not one per
-    /// lease. A delete that fails is logged; `release` sends it again.
-    async fn begin_release(&mut self, leases: &[LeaseId]) {
-        let pods = self.held.begin_release(leases);
-        let api = self.pods();
-        let grace = self.cfg.termination_grace_period_secs;
-        let limit = self.api_timeout();
-        let deletes = pods.into_iter().map(|(lease, pod)| {
-                    let api = api.clone();
-                    async move {
-                        let dp = DeleteParams {
-                            grace_period_seconds: Some(grace),
-                            preconditions: Some(Preconditions {
-                                uid: Some(pod.uid.clone()),
-                                resource_version: None,
-                            }),
-                            ..DeleteParams::default()
-                        };
-                        match tokio::time::timeout(limit, api.delete(&pod.name, &dp)).await {
-                            Ok(Err(e)) if !is_status(&e, 404) && !is_status(&e, 409) => {
-                                tracing::warn!(%lease, pod = %pod.name, error = %e, "deleting a worker pod; its release tries again");
-                            }
-                            Err(_) => {
-                                tracing::warn!(%lease, pod = %pod.name, "deleting a worker pod: no answer within api_timeout_secs; its release tries again");
-                            }
-                            Ok(_) => {}
-                        }
-                    }
-                });
-        futures::future::join_all(deletes).await;
-    }
-
-    fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
-        self.events_rx.take()
+        Ok(found)
     }
 }

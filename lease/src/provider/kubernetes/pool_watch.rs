@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 use super::super::remote::{Applied, Watched};
 use super::super::{ProviderEvent, wall_clock_ms};
-use super::{Cmd, Held, KubeJobs, KubernetesConfig, PodView, Step, is_status};
+use super::{Cmd, Held, Kube, KubernetesConfig, PodView, Step, is_status};
 use crate::billing::Millis;
 use crate::table::LeaseId;
 
@@ -38,7 +38,7 @@ pub(super) struct WatchState {
     /// The held leases' watches, and the Pods an acquire gave up creating
     /// (with their token Secret's name), deleted by the watch if they
     /// appear in time.
-    watched: Watched<KubeJobs>,
+    watched: Watched<Kube>,
 }
 
 impl WatchState {

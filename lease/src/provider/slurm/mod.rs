@@ -55,11 +55,13 @@
 //! script; pure), [`parse`] (what the tools print; pure), [`watch`] (what a
 //! job's row means for its lease; pure), `tools` (running a tool within its
 //! deadline), `poll` (the poller task: watches, events, stray jobs) and
-//! `release` (cancel and wait). This module holds the provider itself:
-//! connect, adopt, acquire, release and shutdown. What it shares with the
-//! poller (the held jobs, the orders, the release bracket, the names of
-//! jobs an unanswered `sbatch` may queue) is the remote-job skeleton,
-//! `super::remote`, which Kubernetes uses too.
+//! `release` (cancel and wait). This module holds [`Slurm`], what Slurm
+//! supplies to the remote-job provider that Kubernetes shares
+//! (`super::remote`): connect, and submit (`sbatch`), cancel (`scancel`
+//! and wait), begin cancel and adoption's survey (`squeue`). The provider
+//! itself (held jobs, orders, the release bracket, the names of jobs an
+//! unanswered `sbatch` may queue, acquire, release, adopt, shutdown) is the
+//! skeleton's.
 
 pub mod config;
 pub mod parse;
@@ -68,11 +70,10 @@ mod release;
 mod tools;
 pub mod watch;
 
+use std::future::Future;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 pub use self::config::{
     MAX_RELEASE_TIMEOUT_SECS, MAX_TOOL_TIMEOUT_SECS, SlurmConfig, SlurmPartitions, shell_quote,
@@ -81,18 +82,14 @@ pub use self::parse::{
     JobId, JobInfo, JobState, SQUEUE_FORMAT, parse_grace_secs, parse_job_id, parse_squeue,
     parse_stray_jobs, parse_utc,
 };
-use self::poll::HeldJobs;
 use self::release::JobRelease;
 use self::tools::{TOOL_TIMEOUT, Tools, tool_error};
 pub use self::watch::{JobWatch, Step};
-use super::remote::{self, Unreleased, release_all};
-use super::{
-    Acquired, Adoption, EVENT_CHANNEL_CAPACITY, LeaseSpec, MAX_NOTICE_PERIOD_SECS, Provider,
-    ProviderError, ProviderEvent, checked_secs,
-};
+use super::remote::{Found, JobBackend, RemoteJobs, RemoteProvider, RemoteSystem, Unreleased};
+use super::{LeaseSpec, MAX_NOTICE_PERIOD_SECS, ProviderError, checked_secs};
 use crate::billing::Millis;
 use crate::catalog::Tier;
-use crate::ledger::Ledger;
+use crate::ledger::LeaseRecord;
 use crate::table::LeaseId;
 
 /// Provider name in the ledger.
@@ -107,18 +104,41 @@ pub struct SlurmData {
     pub partition: String,
 }
 
-/// The Slurm provider.
+/// The Slurm provider: the remote-job provider over [`Slurm`].
+pub type SlurmProvider = RemoteProvider<Slurm>;
+
+/// Slurm as a remote-job system: its config, its tools and the spot
+/// notice period. A lease's job is its id, the poller is handed a
+/// [`JobWatch`], and a job an `sbatch` which did not answer may queue is
+/// known by its name alone.
 #[derive(Debug)]
-pub struct SlurmProvider {
+pub struct Slurm {
     cfg: SlurmConfig,
     tools: Tools,
     notice: Duration,
-    jobs: HeldJobs,
-    poller: JoinHandle<()>,
-    events_rx: Option<mpsc::Receiver<ProviderEvent>>,
 }
 
-impl SlurmProvider {
+impl JobBackend for Slurm {
+    type Job = JobId;
+    type Watch = JobWatch;
+    type Watching = JobWatch;
+    type Stray = ();
+    const ABANDONED_KEPT: usize = 256;
+
+    fn watched(w: &JobWatch) -> (LeaseId, JobId) {
+        (w.lease, w.job)
+    }
+
+    fn stopped(lease: LeaseId) -> ProviderError {
+        tool_error(
+            Some(lease),
+            "watching its job".into(),
+            "the poller has stopped".into(),
+        )
+    }
+}
+
+impl RemoteProvider<Slurm> {
     /// Checks the configuration against the cluster (every partition
     /// exists; the spot partition's `GraceTime` is the notice period unless
     /// configured) and starts the poller on the current runtime. Each
@@ -127,136 +147,91 @@ impl SlurmProvider {
         cfg.validate()
             .map_err(|e| tool_error(None, "leasing.slurm".into(), e))?;
         let tools = Tools::new(&cfg)?;
-        let mut grace = None;
-        let parts = &cfg.partitions;
-        for (tier, p) in [
-            (Tier::OnDemand, Some(&parts.on_demand)),
-            (Tier::Spot, parts.spot.as_ref()),
-            (Tier::Reserved, parts.reserved.as_ref()),
-        ] {
-            let Some(p) = p else { continue };
-            let args = [
-                "show".into(),
-                "partition".into(),
-                "--oneliner".into(),
-                p.clone(),
-            ];
-            let out = tools
-                .run_within(
-                    None,
-                    "scontrol",
-                    &args,
-                    None,
-                    &[],
-                    tools.timeout,
-                    TOOL_TIMEOUT,
-                )
-                .await
-                .map_err(|f| match f.error {
-                    // a controller that does not answer: no hint about
-                    // the partition would help
-                    e if f.timed_out => e,
-                    ProviderError::Slurm { detail, .. } => tool_error(
-                        None,
-                        format!("checking the {tier} partition {p:?}"),
-                        format!(
-                            "{detail}; is it in slurm.conf, and is SLURM_CONF ({}) right?",
-                            cfg.slurm_conf
-                                .as_ref()
-                                .map_or("default".into(), |c| c.display().to_string())
-                        ),
-                    ),
-                    other => other,
-                })?;
-            if tier == Tier::Spot {
-                grace = parse_grace_secs(&out);
-            }
-        }
+        let grace = spot_grace(&cfg, &tools).await?;
         let notice = match (cfg.notice_period_secs, grace) {
             (Some(s), _) => checked_secs("notice_period_secs", s, MAX_NOTICE_PERIOD_SECS)
                 .map_err(|e| tool_error(None, "leasing.slurm".into(), e))?,
             (None, Some(g)) => Duration::from_secs(g),
             (None, None) => Duration::ZERO,
         };
-        let (events_tx, events_rx) = mpsc::channel(EVENT_CHANNEL_CAPACITY);
-        let (jobs, rx) = HeldJobs::new();
-        let poller = tokio::spawn(poll::run(
-            tools.clone(),
-            Duration::from_millis(cfg.poll_interval_ms),
-            notice,
-            rx,
-            events_tx,
-            jobs.clone(),
-        ));
-        Ok(SlurmProvider {
-            cfg,
-            tools,
-            notice,
-            jobs,
-            poller,
-            events_rx: Some(events_rx),
-        })
+        let poll_every = Duration::from_millis(cfg.poll_interval_ms);
+        let poll_tools = tools.clone();
+        let slurm = Slurm { cfg, tools, notice };
+        Ok(RemoteProvider::start(slurm, move |rx, events, held| {
+            poll::run(poll_tools, poll_every, notice, rx, events, held)
+        }))
     }
 
     /// The notice period a preempted spot lease gets.
     pub fn notice_period(&self) -> Duration {
-        self.notice
+        self.system().notice
     }
+}
 
-    /// The job of a held lease.
-    pub fn job(&self, lease: LeaseId) -> Option<JobId> {
-        self.jobs.job(lease)
-    }
-
-    /// Leases held: those whose job Slurm has not reported ended.
-    pub fn held(&self) -> Vec<LeaseId> {
-        self.jobs.held()
-    }
-
-    /// Stops watching every job WITHOUT cancelling it, as a crash of the
-    /// gateway would. The next provider over the same ledger adopts them.
-    pub async fn detach_all(self) {
-        self.jobs.detach_all().await;
-        self.poller.abort();
-    }
-
-    /// Releases every lease (cancels its job and waits for its end). A job
-    /// that cannot be cancelled is logged with its id: it outlives the
-    /// provider, and the next one over the same ledger adopts it.
-    pub async fn shutdown(mut self) {
-        let held = self.held();
-        for (lease, e) in release_all(&mut self, held).await {
-            let job = self.job(lease);
-            tracing::warn!(%lease, ?job, error = %e, "release at shutdown failed; the job may still run and bill");
+/// Checks that every configured partition exists (one `scontrol` each);
+/// the spot partition's `GraceTime` (s), when it has one.
+async fn spot_grace(cfg: &SlurmConfig, tools: &Tools) -> Result<Option<u64>, ProviderError> {
+    let mut grace = None;
+    let parts = &cfg.partitions;
+    for (tier, p) in [
+        (Tier::OnDemand, Some(&parts.on_demand)),
+        (Tier::Spot, parts.spot.as_ref()),
+        (Tier::Reserved, parts.reserved.as_ref()),
+    ] {
+        let Some(p) = p else { continue };
+        let args = [
+            "show".into(),
+            "partition".into(),
+            "--oneliner".into(),
+            p.clone(),
+        ];
+        let out = tools
+            .run_within(
+                None,
+                "scontrol",
+                &args,
+                None,
+                &[],
+                tools.timeout,
+                TOOL_TIMEOUT,
+            )
+            .await
+            .map_err(|f| match f.error {
+                // a controller that does not answer: no hint about the
+                // partition would help
+                e if f.timed_out => e,
+                ProviderError::Slurm { detail, .. } => tool_error(
+                    None,
+                    format!("checking the {tier} partition {p:?}"),
+                    format!(
+                        "{detail}; is it in slurm.conf, and is SLURM_CONF ({}) right?",
+                        cfg.slurm_conf
+                            .as_ref()
+                            .map_or("default".into(), |c| c.display().to_string())
+                    ),
+                ),
+                other => other,
+            })?;
+        if tier == Tier::Spot {
+            grace = parse_grace_secs(&out);
         }
-        self.poller.abort();
     }
+    Ok(grace)
 }
 
-impl Drop for SlurmProvider {
-    fn drop(&mut self) {
-        // Jobs are not ours to kill on drop: they outlive the gateway
-        // like a cloud instance would, and the ledger adopts them.
-        self.poller.abort();
-    }
-}
+impl RemoteSystem for Slurm {
+    const NAME: &'static str = PROVIDER_NAME;
+    type Record = SlurmData;
 
-impl Provider for SlurmProvider {
-    fn name(&self) -> &'static str {
-        PROVIDER_NAME
-    }
-
-    /// Builds the job in the call; the future submits it (within
-    /// `tool_timeout_secs`) and watches it.
-    fn acquire(
-        &mut self,
+    /// Builds the job in the call; the future submits it with `sbatch`
+    /// (within `tool_timeout_secs`).
+    fn submit(
+        &self,
         spec: LeaseSpec,
-    ) -> impl Future<Output = Result<Acquired, ProviderError>> + Send + 'static {
+        jobs: &RemoteJobs<Slurm>,
+    ) -> impl Future<Output = Result<(JobWatch, SlurmData), ProviderError>> + Send + 'static {
         let lease = spec.lease;
-        let args = self
-            .jobs
-            .check_new(lease)
-            .and_then(|()| self.cfg.sbatch_args(&spec));
+        let args = self.cfg.sbatch_args(&spec);
         let mut env: Vec<(String, String)> = self
             .cfg
             .env
@@ -280,7 +255,7 @@ impl Provider for SlurmProvider {
             .unwrap_or_default()
             .to_string();
         let (tools, job_name) = (self.tools.clone(), self.cfg.job_name.clone());
-        let jobs = self.jobs.clone();
+        let jobs = jobs.clone();
         async move {
             let args = args?;
             let sbatch = tools
@@ -312,114 +287,88 @@ impl Provider for SlurmProvider {
                     format!("no job id in its output {:?}", out.trim()),
                 )
             })?;
-            jobs.watch(JobWatch::new(lease, job, false))?;
             tracing::info!(%lease, %job, %partition, instance = %spec.instance.name, tier = %spec.tier, "Slurm job submitted");
             let data = SlurmData {
                 job_id: job,
                 partition,
             };
-            Ok(Acquired {
-                lease,
-                pid: None,
-                provider_data: Some(serde_json::to_string(&data).unwrap_or_default()),
-                token: None,
-            })
+            Ok((JobWatch::new(lease, job, false), data))
         }
     }
 
-    /// Cancels the lease's job and waits until Slurm reports it ended;
-    /// only then is it forgotten. On an error the job is still held and
-    /// watched: it may still run (and bill), so the caller must retry.
-    fn release(
-        &mut self,
+    /// `scancel`, then waits until Slurm reports the job ended.
+    fn cancel(
+        &self,
         lease: LeaseId,
-    ) -> impl Future<Output = Result<(), ProviderError>> + Send + 'static {
-        let (tools, timeout_secs) = (self.tools.clone(), self.cfg.release_timeout_secs);
-        self.jobs.release(lease, move |job| async move {
-            let release = JobRelease {
-                lease,
-                job,
-                tools,
-                timeout_secs,
-            };
-            release.cancel_and_wait().await.map_err(Unreleased::from)
-        })
+        job: JobId,
+    ) -> impl Future<Output = Result<(), Unreleased>> + Send + 'static {
+        let release = JobRelease {
+            lease,
+            job,
+            tools: self.tools.clone(),
+            timeout_secs: self.cfg.release_timeout_secs,
+        };
+        async move { release.cancel_and_wait().await.map_err(Unreleased::from) }
     }
 
-    /// Re-adopts the live `slurm` leases recorded in `ledger`, ending the
-    /// ones whose job is gone: at the job's end when `squeue` still shows
-    /// it, otherwise at `now`. One `squeue` (within `tool_timeout_secs`);
-    /// a controller that cannot answer fails it, since ending leases whose
-    /// jobs may well run would leak them.
-    async fn adopt(&mut self, ledger: &mut Ledger, now: Millis) -> Result<Adoption, ProviderError> {
-        let recs = remote::recorded::<SlurmData>(ledger, PROVIDER_NAME)?;
-        let ids: Vec<JobId> = recs
-            .iter()
-            .filter_map(|(_, d)| d.as_ref().map(|d| d.job_id))
-            .collect();
-        let infos = self.tools.squeue(&ids).await?;
-        let mut out = Adoption::default();
-        for (r, data) in recs {
-            let job = data.map(|d| d.job_id);
-            let info = job.and_then(|j| infos.iter().find(|i| i.id == j));
-            let live = info.filter(|i| !matches!(i.state, JobState::Ended(_)));
-            if let (Some(job), Some(info)) = (job, live) {
-                let ran = !matches!(info.state, JobState::Pending | JobState::Configuring);
-                self.jobs.watch(JobWatch::new(r.id, job, ran))?;
-                tracing::info!(lease = %r.id, %job, "adopted Slurm job after restart");
-                out.adopted.push(r.id);
-            } else {
-                let reason = remote::gone_reason(r.state, false);
-                if job.is_none() {
-                    // The gateway stopped between sbatch and recording the
-                    // job id: a job may be queued under the lease's name,
-                    // to hold GPUs and start a worker for an ended lease.
-                    let name = format!("--name={}-{}", self.cfg.job_name, r.id.0);
-                    match self
-                        .tools
-                        .run(Some(r.id), "scancel", &[name], None, &[])
-                        .await
-                    {
-                        Ok(_) => {
-                            tracing::info!(lease = %r.id, "cancelled any job submitted for it before the restart")
-                        }
-                        Err(e) => {
-                            tracing::warn!(lease = %r.id, "cancelling a job it may have been given: {e}")
-                        }
-                    }
-                }
-                // billed to when the job ended, where Slurm still says
-                // (`MinJobAge`, 300 s by default); otherwise to now
-                let at = info.and_then(|i| i.end_time).map_or(now, |t| t.min(now));
-                remote::end_gone(ledger, &mut out, r.id, at, reason)?;
-                tracing::warn!(lease = %r.id, job = ?job, ended_at = at, "Slurm job gone after restart; lease ended");
-            }
-        }
-        Ok(out)
-    }
-
-    /// Starts releasing `leases` all at once: one `scancel` of their jobs
-    /// (each worker gets SIGTERM and drains) without waiting for them to
-    /// end. [`Provider::release`] then cancels again (harmless) and waits,
-    /// so a gateway stopping with many leases waits about one drain, not
-    /// one per lease. A failed `scancel` is logged; `release` retries.
-    async fn begin_release(&mut self, leases: &[LeaseId]) {
-        let jobs: Vec<String> = self
-            .jobs
-            .begin_release(leases)
-            .into_iter()
-            .map(|(_, job)| job.to_string())
-            .collect();
-        if jobs.is_empty() {
-            return;
-        }
+    /// One `scancel` of every job (each worker gets SIGTERM and drains).
+    async fn begin_cancel(&self, jobs: Vec<(LeaseId, JobId)>) {
+        let jobs: Vec<String> = jobs.into_iter().map(|(_, job)| job.to_string()).collect();
         if let Err(e) = self.tools.run(None, "scancel", &jobs, None, &[]).await {
             tracing::warn!(?jobs, error = %e, "cancelling jobs; each release tries again");
         }
     }
 
-    fn take_events(&mut self) -> Option<mpsc::Receiver<ProviderEvent>> {
-        self.events_rx.take()
+    /// One `squeue` of the recorded jobs (within `tool_timeout_secs`); a
+    /// controller that cannot answer fails it. A job still pending or
+    /// running is live; any other lease ends when its job ended, where
+    /// Slurm still says (`MinJobAge`, 300 s by default), else now. A lease
+    /// whose job id was never recorded may have a job queued under its
+    /// name, which is cancelled.
+    async fn survey(
+        &self,
+        recorded: &[(LeaseRecord, Option<SlurmData>)],
+        now: Millis,
+    ) -> Result<Vec<Found<JobWatch>>, ProviderError> {
+        let ids: Vec<JobId> = recorded
+            .iter()
+            .filter_map(|(_, d)| d.as_ref().map(|d| d.job_id))
+            .collect();
+        let infos = self.tools.squeue(&ids).await?;
+        let mut found = Vec::with_capacity(recorded.len());
+        for (r, data) in recorded {
+            let job = data.as_ref().map(|d| d.job_id);
+            let info = job.and_then(|j| infos.iter().find(|i| i.id == j));
+            let live = info.filter(|i| !matches!(i.state, JobState::Ended(_)));
+            if let (Some(job), Some(info)) = (job, live) {
+                let ran = !matches!(info.state, JobState::Pending | JobState::Configuring);
+                tracing::info!(lease = %r.id, %job, "adopted Slurm job after restart");
+                found.push(Found::Live(JobWatch::new(r.id, job, ran)));
+                continue;
+            }
+            if job.is_none() {
+                // The gateway stopped between sbatch and recording the job
+                // id: a job may be queued under the lease's name, to hold
+                // GPUs and start a worker for an ended lease.
+                let name = format!("--name={}-{}", self.cfg.job_name, r.id.0);
+                match self
+                    .tools
+                    .run(Some(r.id), "scancel", &[name], None, &[])
+                    .await
+                {
+                    Ok(_) => {
+                        tracing::info!(lease = %r.id, "cancelled any job submitted for it before the restart")
+                    }
+                    Err(e) => {
+                        tracing::warn!(lease = %r.id, "cancelling a job it may have been given: {e}")
+                    }
+                }
+            }
+            let at = info.and_then(|i| i.end_time).map_or(now, |t| t.min(now));
+            tracing::warn!(lease = %r.id, job = ?job, ended_at = at, "Slurm job gone after restart; lease ended");
+            found.push(Found::Gone { at, taking: false });
+        }
+        Ok(found)
     }
 }
 

@@ -12,47 +12,21 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use super::super::remote::{self, Abandoned, JobBackend, RemoteJobs, Watched};
-use super::super::{ProviderError, ProviderEvent, wall_clock_ms};
+use super::super::remote::{self, Abandoned, RemoteJobs, Watched};
+use super::super::{ProviderEvent, wall_clock_ms};
+use super::Slurm;
 use super::parse::{JobId, JobInfo, parse_stray_jobs};
-use super::tools::{Tools, tool_error};
-use super::watch::{JobWatch, Step};
+use super::tools::Tools;
+use super::watch::Step;
 use crate::billing::Millis;
 use crate::lifecycle::EndReason;
-use crate::table::LeaseId;
-
-/// Slurm's side of the remote-job skeleton: a lease's job is its id, the
-/// poller is handed a [`JobWatch`], and a job an `sbatch` which did not
-/// answer may queue is known by its name alone.
-#[derive(Debug)]
-pub(super) struct SlurmJobs;
-
-impl JobBackend for SlurmJobs {
-    type Job = JobId;
-    type Watch = JobWatch;
-    type Watching = JobWatch;
-    type Stray = ();
-    const ABANDONED_KEPT: usize = 256;
-
-    fn watched(w: &JobWatch) -> (LeaseId, JobId) {
-        (w.lease, w.job)
-    }
-
-    fn stopped(lease: LeaseId) -> ProviderError {
-        tool_error(
-            Some(lease),
-            "watching its job".into(),
-            "the poller has stopped".into(),
-        )
-    }
-}
 
 /// An order from the provider to the poller.
-pub(super) type Cmd = remote::Cmd<SlurmJobs>;
+pub(super) type Cmd = remote::Cmd<Slurm>;
 
 /// The jobs held, shared with the poller, which drops a job once Slurm
 /// reports it ended (before it sends the end), so they are live jobs only.
-pub(super) type HeldJobs = RemoteJobs<SlurmJobs>;
+pub(super) type HeldJobs = RemoteJobs<Slurm>;
 
 /// Cancels the live jobs named in `abandoned`: queued by an `sbatch` that
 /// did not answer, after its acquire gave up, they belong to no lease. A
@@ -98,7 +72,7 @@ pub(super) async fn run(
     held: HeldJobs,
 ) {
     // the watched jobs, and the job names of unanswered sbatches
-    let mut watched: Watched<SlurmJobs> = Watched::new();
+    let mut watched: Watched<Slurm> = Watched::new();
     // the first poll one interval after start, not at once: a lease
     // watched in the meantime is looked at on the same schedule as later
     // ones (and a test that swaps a tool after its acquire never races an
@@ -153,7 +127,7 @@ pub(super) async fn run(
 /// its end is sent.
 async fn poll_once(
     tools: &Tools,
-    watched: &mut Watched<SlurmJobs>,
+    watched: &mut Watched<Slurm>,
     infos: &[JobInfo],
     notice: Duration,
     events: &mpsc::Sender<ProviderEvent>,
@@ -225,7 +199,9 @@ async fn poll_once(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::slurm::watch::JobWatch;
     use crate::provider::slurm::watch::tests::{NOTICE, info};
+    use crate::table::LeaseId;
 
     /// Points the provider's `scancel` at `true` or `false` (a symlink:
     /// nothing is written that a forked child could hold open).
@@ -241,7 +217,7 @@ mod tests {
     }
 
     /// A poller's table watching `w`.
-    fn watched_with(w: JobWatch) -> Watched<SlurmJobs> {
+    fn watched_with(w: JobWatch) -> Watched<Slurm> {
         let mut watched = Watched::new();
         watched.apply(Cmd::Watch(w), tokio::time::Instant::now(), |w| w);
         watched

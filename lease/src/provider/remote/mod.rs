@@ -9,13 +9,21 @@
 //! leases of a provider with their job records; [`gone_reason`] and
 //! [`end_gone`] for a lease whose job did not survive the restart).
 //!
-//! A provider supplies the rest through [`JobBackend`]: what its jobs are
-//! known by, what its watch task is handed and keeps, and what it keeps of
-//! a stray; and it owns its IO (submit, cancel, the watch or poll loop,
-//! parsing). This module runs no tool and calls no cluster API: the next
-//! hop is the provider's watch task (`slurm/poll.rs`,
-//! `kubernetes/pool_watch.rs`), which receives the [`Cmd`]s and folds them
-//! into its [`Watched`].
+//! [`RemoteProvider`] (`provider.rs`) is the provider itself, once: it
+//! implements [`Provider`] (acquire, release, adopt, begin release,
+//! events) and shutdown and detach over a [`RemoteSystem`], which supplies
+//! only its IO: submit, cancel (one, or many at once), adoption's survey,
+//! and its watch or poll loop, which parses what the system says. Through
+//! [`JobBackend`] it says what its jobs are known by, what its watch task
+//! is handed and keeps, and what it keeps of a stray. This module runs no
+//! tool and calls no cluster API: the next hop is the system's (`slurm/`,
+//! `kubernetes/`), and its watch task (`slurm/poll.rs`,
+//! `kubernetes/pool_watch.rs`) receives the [`Cmd`]s and folds them into
+//! its [`Watched`].
+
+mod provider;
+
+pub use self::provider::{Found, RemoteProvider, RemoteSystem};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -42,7 +50,7 @@ pub const ABANDONED_WATCH: Duration = Duration::from_secs(900);
 pub trait JobBackend: 'static {
     /// What a held lease's job is known by (a Slurm job id; a Pod's name
     /// and uid).
-    type Job: Clone + Send + 'static;
+    type Job: Clone + Send + std::fmt::Debug + 'static;
     /// What the watch task is handed when it starts watching a job (just
     /// submitted, or adopted).
     type Watch: Send + 'static;
@@ -374,6 +382,14 @@ pub struct Watched<B: JobBackend> {
     /// Each watched lease's job, and whether we are releasing it.
     jobs: HashMap<LeaseId, (B::Watching, bool)>,
     abandoned: Abandoned<B::Stray>,
+}
+
+impl<B: JobBackend> std::fmt::Debug for Watched<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watched")
+            .field("leases", &self.leases())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<B: JobBackend> Default for Watched<B> {
