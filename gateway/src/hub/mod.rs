@@ -11,7 +11,7 @@ mod state;
 pub(crate) mod tests;
 mod workers;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -214,14 +214,6 @@ pub enum HubMsg {
         /// The worker.
         worker: WorkerId,
     },
-    /// Asks what a model is: its input and labels, and the encodings its
-    /// workers decode (for `CameraAccepted`).
-    ModelInfo {
-        /// Model name.
-        model: String,
-        /// Answer: as registered, if some worker serves the model.
-        reply: oneshot::Sender<Option<ServedModel>>,
-    },
     /// Asks for a snapshot (for the HTTP API).
     Snapshot {
         /// Answer.
@@ -393,10 +385,17 @@ pub struct Hub {
     tx: mpsc::Sender<HubMsg>,
     /// What the hub had not yet reported when it stopped.
     last: watch::Receiver<Option<LoadReport>>,
+    /// The models the connected workers serve, as the hub last published
+    /// them: a `CameraOpen` is answered from here, without a message to
+    /// the hub, whose inbox every frame goes through.
+    models: watch::Receiver<ServedModels>,
     /// The cameras' thumbnails, which the hub makes (off until
     /// configured).
     thumbnails: Thumbnails,
 }
+
+/// Every model some connected worker serves, by name.
+pub type ServedModels = Arc<BTreeMap<String, ServedModel>>;
 
 /// A model that some worker serves, as `CameraOpen` is answered from it.
 #[derive(Debug, Clone, PartialEq)]
@@ -452,16 +451,12 @@ impl Hub {
         self.tx.send(msg).await.is_ok()
     }
 
-    /// What `model` is (input spec, labels, encodings), if a worker serves
-    /// it.
-    pub async fn model_info(&self, model: &str) -> Option<ServedModel> {
-        let (reply, rx) = oneshot::channel();
-        self.send(HubMsg::ModelInfo {
-            model: model.to_string(),
-            reply,
-        })
-        .await;
-        rx.await.ok().flatten()
+    /// What `model` is (input spec, labels, encodings), if a connected
+    /// worker serves it: as the hub published it once it had handled the
+    /// last worker to come or go (no message to the hub, so a flood of
+    /// camera opens does not queue with the frames).
+    pub fn model_info(&self, model: &str) -> Option<ServedModel> {
+        self.models.borrow().get(model).cloned()
     }
 
     /// The load of `models` and the work per lease since the last call.
@@ -529,6 +524,7 @@ pub fn spawn(
 ) -> Hub {
     let (tx, rx) = mpsc::channel(INBOX);
     let thumbnails = Thumbnails::default();
+    let (models_tx, models) = watch::channel(ServedModels::default());
     let state = State {
         origin: Instant::now(),
         scheduler: Scheduler::new(limits),
@@ -551,12 +547,14 @@ pub fn spawn(
         timeline: crate::timeline::Timeline::new(tidegate_lease::provider::wall_clock_ms()),
         thumbnails: thumbnails.clone(),
         tracker: tracker.clone(),
+        models: models_tx,
     };
     let (last_tx, last) = watch::channel(None);
     tracker.spawn(run(state, rx, last_tx, cancel));
     Hub {
         tx,
         last,
+        models,
         thumbnails,
     }
 }

@@ -109,6 +109,9 @@ pub(super) struct State {
     pub(super) thumbnails: Thumbnails,
     /// Owns the thumbnails' blocking renders, so shutdown waits for them.
     pub(super) tracker: tokio_util::task::TaskTracker,
+    /// Where the served models are published each time a worker comes or
+    /// goes ([`State::publish_models`]).
+    pub(super) models: tokio::sync::watch::Sender<super::ServedModels>,
 }
 
 impl State {
@@ -218,6 +221,7 @@ impl State {
                 if let Some(old) = replaced {
                     self.release_label(&old);
                 }
+                self.publish_models();
                 self.step(Event::WorkerJoined { worker, models });
                 if !membership.takes_batches() {
                     self.step(Event::WorkerDraining { worker });
@@ -247,9 +251,6 @@ impl State {
                 let _ = reply.send(self.load_report(models));
             }
             HubMsg::WorkerGone { worker } => self.lose_worker(worker),
-            HubMsg::ModelInfo { model, reply } => {
-                let _ = reply.send(self.served_model(&model));
-            }
             HubMsg::Snapshot { reply } => {
                 let _ = reply.send(self.snapshot());
             }
@@ -282,6 +283,7 @@ impl State {
                 self.timeline.stalled(now, &name, &reason);
                 if let Some(w) = self.workers.remove(&worker) {
                     self.release_label(&w);
+                    self.publish_models();
                 }
                 let lease = self.roster.leave(worker).and_then(|m| m.state.lease());
                 if let Some(lease) = lease {

@@ -106,6 +106,13 @@ fn hub_with(metrics: Metrics) -> (Hub, CancellationToken) {
 }
 
 /// Registers worker 1 (serving `MODEL`) under `lease`; its batches.
+/// What the hub publishes of `model` once it has handled every message
+/// sent before (a snapshot's round trip).
+async fn model_info(hub: &Hub, model: &str) -> Option<ServedModel> {
+    hub.snapshot().await.expect("the hub runs");
+    hub.model_info(model)
+}
+
 async fn connect_worker(hub: &Hub, lease: Option<LeaseId>) -> mpsc::Receiver<Dispatch> {
     connect_worker_drainable(hub, lease).await.0
 }
@@ -736,7 +743,7 @@ async fn an_unbound_static_worker_waits_connected_serves_once_bound_and_keeps_it
     let mut answers = connect_edge(&hub).await;
     // unbound: registered (a camera may open), but no batch
     assert_eq!(static_view(&hub).await, (None, true, true));
-    assert!(hub.model_info(MODEL).await.is_some());
+    assert!(model_info(&hub, MODEL).await.is_some());
     assert_eq!(hub.snapshot().await.unwrap().models[0].workers, 0);
     send_frame(&hub, 1, 50).await;
     let r = recv_result(&mut answers).await;
@@ -899,7 +906,7 @@ async fn a_static_worker_that_said_drain_never_serves_again_whatever_lease_binds
 async fn a_camera_may_ask_only_for_an_encoding_every_worker_of_its_model_decodes() {
     let (hub, cancel) = hub();
     let _batches = connect_worker(&hub, None).await;
-    let served = hub.model_info(MODEL).await.unwrap();
+    let served = model_info(&hub, MODEL).await.unwrap();
     assert_eq!(
         served.codecs,
         BTreeSet::from([Codec::Raw, Codec::Jpeg]),
@@ -930,7 +937,7 @@ async fn a_camera_may_ask_only_for_an_encoding_every_worker_of_its_model_decodes
         drain: CancellationToken::new(),
     })
     .await;
-    let served = hub.model_info(MODEL).await.unwrap();
+    let served = model_info(&hub, MODEL).await.unwrap();
     assert_eq!(served.codecs, BTreeSet::from([Codec::Raw]));
     assert_eq!(
         served
@@ -959,13 +966,33 @@ async fn a_camera_may_ask_only_for_an_encoding_every_worker_of_its_model_decodes
     cancel.cancel();
 }
 
+/// Camera opens are answered from what the hub publishes: a model is
+/// served from its first worker's registration until its last worker goes.
+#[tokio::test]
+async fn a_model_is_published_while_a_worker_serves_it_and_withdrawn_when_the_last_goes() {
+    let (hub, cancel) = hub();
+    assert!(model_info(&hub, MODEL).await.is_none(), "no worker yet");
+    let _batches = connect_worker(&hub, None).await;
+    assert!(model_info(&hub, MODEL).await.is_some());
+    assert!(model_info(&hub, "other").await.is_none());
+    hub.send(HubMsg::WorkerGone {
+        worker: WorkerId(1),
+    })
+    .await;
+    assert!(
+        model_info(&hub, MODEL).await.is_none(),
+        "its worker has gone"
+    );
+    cancel.cancel();
+}
+
 #[tokio::test]
 async fn labels_and_raw_outputs_reach_the_edge_and_failures_carry_none() {
     let (hub, cancel) = hub();
-    assert!(hub.model_info(MODEL).await.is_none(), "no worker yet");
+    assert!(model_info(&hub, MODEL).await.is_none(), "no worker yet");
     let mut batches = connect_worker(&hub, None).await;
     // What CameraAccepted is built from: the registered input and labels.
-    let info = hub.model_info(MODEL).await.unwrap().info;
+    let info = model_info(&hub, MODEL).await.unwrap().info;
     assert_eq!(info.labels, vec!["face".to_string(), "hand".into()]);
     assert_eq!(info.input.width, 2);
     // and what /api/v1/models shows.

@@ -22,6 +22,7 @@ impl State {
     pub(super) fn lose_worker(&mut self, worker: WorkerId) {
         if let Some(w) = self.workers.remove(&worker) {
             self.release_label(&w);
+            self.publish_models();
         }
         self.roster.leave(worker);
         self.step(Event::WorkerLost { worker });
@@ -290,6 +291,21 @@ impl State {
             }
             self.apply(worker, change);
         }
+    }
+
+    /// Publishes every served model ([`State::served_model`]) for
+    /// [`super::Hub::model_info`]: called each time a worker comes or goes.
+    pub(super) fn publish_models(&self) {
+        let names: BTreeSet<&str> = self
+            .workers
+            .values()
+            .flat_map(|w| w.register.models.iter().map(|m| m.name.as_str()))
+            .collect();
+        let served: std::collections::BTreeMap<String, ServedModel> = names
+            .into_iter()
+            .filter_map(|m| Some((m.to_string(), self.served_model(m)?)))
+            .collect();
+        self.models.send_replace(std::sync::Arc::new(served));
     }
 
     /// The model as its first worker registered it, with the encodings

@@ -419,7 +419,7 @@ impl EdgeSession<'_> {
         };
         let served = match refusal {
             Some(_) => None,
-            None => self.server.hub.model_info(&open.model).await,
+            None => self.server.hub.model_info(&open.model),
         };
         let refusal = match (refusal, &served) {
             (None, Some(served)) => served
