@@ -238,13 +238,14 @@ async fn trickle(
 /// a wrong token, one after another, and beside them camera opens quoting a
 /// 1024-byte camera and model on a connection logged in first; every
 /// refusal must decode and be fitted. Once the attacker's address is shut
-/// out, its logins go unanswered (counted, and tried again at once).
+/// out, its logins go unanswered (counted, and tried again at once); a
+/// camera-open connection closed as a control flood logs in again at once.
 async fn long_names(
     t: &Target,
     stop: &CancellationToken,
     until: Instant,
 ) -> Result<Value, AttackError> {
-    let (conn, mut send, mut recv) = login(t, HOSTILE).await?;
+    let first = login(t, HOSTILE).await?;
     let logins = async {
         let names = [
             edge::name_of('é', 1024),
@@ -267,23 +268,56 @@ async fn long_names(
     let opens = async {
         let (camera, model) = (edge::name_of('🦀', 1024), edge::name_of('€', 1024));
         let mut tally = Refusals::default();
+        let mut link = Some(first);
         while going(stop, until) {
+            let Some((_, send, recv)) = link.as_mut() else {
+                // closed as a flood: in again at once, as a flooder would
+                match login(t, HOSTILE).await {
+                    Ok(l) => link = Some(l),
+                    Err(AttackError::Login {
+                        source:
+                            HandshakeError::Refused {
+                                code: ErrorCode::Overloaded,
+                                ..
+                            },
+                        ..
+                    }) => tally.kept_out += 1,
+                    Err(AttackError::NoAnswer { .. }) => tally.unanswered += 1,
+                    Err(e) => return Err(e),
+                }
+                continue;
+            };
             let open = edge::camera_open(&camera, &model);
-            match edge::ask_camera(&mut send, &mut recv, open).await? {
-                Message::Error(e) => tally.check(&e, &camera),
-                other => tally.unfitted(format!("camera answered {:?}", other.kind())),
+            match edge::ask_camera(send, recv, open).await {
+                Ok(Message::Error(e)) if e.message.starts_with("control stream flooded") => {
+                    tally.closed_as_floods += 1;
+                    link = None;
+                }
+                Ok(Message::Error(e)) => tally.check(&e, &camera),
+                Ok(other) => tally.unfitted(format!("camera answered {:?}", other.kind())),
+                // the stream ended: its connection closed
+                Err(AttackError::Protocol { .. }) => {
+                    tally.closed_as_floods += 1;
+                    link = None;
+                }
+                Err(e) => return Err(e),
             }
+        }
+        if let Some((conn, _, _)) = link {
+            conn.close(0u32.into(), b"attack over");
         }
         Ok(tally)
     };
     let (logins, opens) = tokio::try_join!(logins, opens)?;
-    conn.close(0u32.into(), b"attack over");
     let mut unfitted = [logins.unfitted, opens.unfitted].concat();
     unfitted.truncate(10);
     Ok(json!({
         "login_refusals": logins.refusals,
         "logins_unanswered": logins.unanswered,
         "camera_refusals": opens.refusals,
+        "camera_connections_closed_as_floods": opens.closed_as_floods,
+        "camera_logins_refused_in_cooldown": opens.kept_out,
+        "camera_logins_unanswered": opens.unanswered,
         "fitted": logins.fitted + opens.fitted,
         "not_fitted_first_10": unfitted,
     }))
@@ -295,7 +329,12 @@ struct Refusals {
     refusals: u64,
     fitted: u64,
     unfitted: Vec<String>,
+    /// Dials its address's shut-out left unanswered.
     unanswered: u64,
+    /// Connections closed as control floods.
+    closed_as_floods: u64,
+    /// Logins refused while its name's flood cooldown ran.
+    kept_out: u64,
 }
 
 impl Refusals {
