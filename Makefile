@@ -96,7 +96,7 @@ bench-wan: release
 ## the cases so named.
 bench-hostile: release
 	./target/release/tidegate-bench --report target/bench-hostile.json hostile --seconds $${SECONDS_PER_CASE:-15} \
-	  $${CASES:+--cases $$CASES} --markdown target/bench-hostile.md
+	  --repeat $${REPEAT:-3} $${CASES:+--cases $$CASES} --markdown target/bench-hostile.md
 	python3 scripts/splice-doc.py docs/benchmarks.md bench-hostile target/bench-hostile.md
 
 ## Every leasing policy x every shipped trace (lease-core/traces/) x 3 seeds x two
