@@ -91,7 +91,7 @@ bench-wan: release
 ## edge's ok share and p99 against its baseline in the same run, the
 ## gateway's peak RSS against 256 MiB plus its budgets, and its return.
 ## SECONDS_PER_CASE (default 15) is each run of the load; 10 cases, about
-## 6 minutes at 15 s. JSON in target/bench-hostile.json; the table is
+## 17 minutes at 15 s and 3 runs a case (REPEAT). JSON in target/bench-hostile.json; the table is
 ## written into docs/benchmarks.md ("Hostile edges"). CASES=liar runs only
 ## the cases so named.
 bench-hostile: release
