@@ -362,6 +362,35 @@ pub struct CaseResult {
     pub failures: Vec<String>,
 }
 
+impl CaseResult {
+    /// One run's result from what it measured: its `ok` share, its p99
+    /// ratio and its goals ([`judge`]) derived here.
+    pub fn judged(
+        case: Case,
+        baseline: Report,
+        attacked: Report,
+        memory: Memory,
+        attack: serde_json::Value,
+        gateway: BTreeMap<String, f64>,
+    ) -> CaseResult {
+        let (goals, failures) = judge(&baseline, &attacked, &memory);
+        let ratio = p99_ratio(&baseline, &attacked);
+        CaseResult {
+            case,
+            ok_share: ok_share(&attacked),
+            p99_ratio: ratio,
+            p99_ratios: vec![ratio],
+            baseline,
+            attacked,
+            memory,
+            attack,
+            gateway,
+            goals,
+            failures,
+        }
+    }
+}
+
 /// The gateway's counters a case reports (every label set of each).
 pub const COUNTERS: [&str; 10] = [
     "tidegate_frames_total",
@@ -427,20 +456,15 @@ pub fn run_case(case: &Case, seconds: f64) -> Result<CaseResult, HostileBenchErr
         after_rss,
         given_back_after_s,
     };
-    let (goals, failures) = judge(&baseline, &attacked, &memory);
-    Ok(CaseResult {
-        case: case.clone(),
-        ok_share: ok_share(&attacked),
-        p99_ratio: p99_ratio(&baseline, &attacked),
-        p99_ratios: vec![p99_ratio(&baseline, &attacked)],
+    let gateway = counters(&c);
+    Ok(CaseResult::judged(
+        case.clone(),
         baseline,
         attacked,
         memory,
-        attack: tally,
-        gateway: counters(&c),
-        goals,
-        failures,
-    })
+        tally,
+        gateway,
+    ))
 }
 
 /// Runs of one case (each on a fresh cluster, in order) as one result:

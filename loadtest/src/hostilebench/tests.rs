@@ -112,21 +112,15 @@ fn counters_are_read_by_name_with_every_label_set() {
 #[test]
 fn the_table_has_a_row_a_case_and_marks_failures() {
     let base = report(400, 400, 10.0);
-    let m = memory(MIB, None);
-    let (goals, failures) = judge(&base, &base, &m);
-    let r = CaseResult {
-        case: cases()[0].clone(),
-        baseline: base.clone(),
-        attacked: base,
-        ok_share: 1.0,
-        p99_ratio: Some(1.0),
-        p99_ratios: vec![Some(1.0)],
-        memory: m,
-        attack: serde_json::Value::Null,
-        gateway: BTreeMap::new(),
-        goals,
-        failures,
-    };
+    let r = CaseResult::judged(
+        cases()[0].clone(),
+        base.clone(),
+        base,
+        memory(MIB, None),
+        serde_json::Value::Null,
+        BTreeMap::new(),
+    );
+    assert_eq!((r.ok_share, r.p99_ratio), (1.0, Some(1.0)));
     let t = markdown(&[r.clone(), r], 10.0);
     assert_eq!(t.lines().count(), 4, "{t}");
     assert!(
@@ -139,24 +133,16 @@ fn the_table_has_a_row_a_case_and_marks_failures() {
 /// A case's result with the given attacked p99 (baseline 10 ms), peak RSS
 /// and accounting.
 fn result(p99: f64, peak: u64, missing: u64) -> CaseResult {
-    let baseline = report(400, 400, 10.0);
     let mut attacked = report(400, 400 + missing, p99);
     attacked.missing = missing;
-    let memory = memory(peak, Some(0.0));
-    let (goals, failures) = judge(&baseline, &attacked, &memory);
-    CaseResult {
-        case: cases()[0].clone(),
-        ok_share: ok_share(&attacked),
-        p99_ratio: p99_ratio(&baseline, &attacked),
-        p99_ratios: vec![p99_ratio(&baseline, &attacked)],
-        baseline,
+    CaseResult::judged(
+        cases()[0].clone(),
+        report(400, 400, 10.0),
         attacked,
-        memory,
-        attack: serde_json::Value::Null,
-        gateway: BTreeMap::new(),
-        goals,
-        failures,
-    }
+        memory(peak, Some(0.0)),
+        serde_json::Value::Null,
+        BTreeMap::new(),
+    )
 }
 
 #[test]
