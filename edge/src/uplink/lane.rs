@@ -398,6 +398,13 @@ async fn drive(
             };
         }
     };
+    // Late and superseded: expired, whichever woke first (a timer whose
+    // deadline had passed before it was first polled may not be ready
+    // before a supersession that came meanwhile).
+    let reason = match reason {
+        WireFate::Superseded if tokio::time::Instant::now() >= deadline => WireFate::Expired,
+        r => r,
+    };
     // Acknowledged in the same instant (one ACK that covers this frame and
     // the newer one that superseded it, or that lands at the deadline):
     // delivered, not abandoned.
