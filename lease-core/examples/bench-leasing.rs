@@ -17,7 +17,8 @@
 //! The goal (docs/leasing.md, "Benchmark"), checked per trace and cloud on
 //! every seed (the worst seed decides): SLO attainment ≥ 99 % (harsh:
 //! 98 %), cost ≤ 45 % of static-peak's (harsh: 55 %), utilisation (busy
-//! over held) ≥ 88 % on the smooth traces, and fewer GPU-hours paid than
+//! over held) ≥ 88 % on the smooth traces (default cloud only: the issue
+//! asks SLO and cost of the harsh one), and fewer GPU-hours paid than
 //! `idle-timeout-spot` (mean over seeds) at an SLO attainment no worse
 //! than its own (mean over seeds).
 
@@ -59,10 +60,16 @@ impl Cloud {
             Cloud::Harsh => (0.98, 0.55),
         }
     }
-}
 
-/// Least utilisation (busy/held) on a smooth trace.
-const GOAL_UTILISATION: f64 = 0.88;
+    /// Least utilisation (busy/held) on a smooth trace: the issue asks it
+    /// of the default cloud only; on the harsh one, SLO and cost.
+    fn goal_utilisation(self) -> Option<f64> {
+        match self {
+            Cloud::Default => Some(0.88),
+            Cloud::Harsh => None,
+        }
+    }
+}
 
 /// The harsh cloud: the `harsh` preset of the cloud model
 /// (`lease-core/src/cloud.rs`): 420 s start-ups, ten times the catalog's spot
@@ -309,7 +316,7 @@ fn render(inputs: &[Input], jobs: &[Job], outcomes: &[Outcome], seeds: &[u64]) -
             );
         }
     }
-    s += "\n**paid-block-aware against the goal** (the worst seed decides; utilisation applies to the smooth traces only; \
+    s += "\n**paid-block-aware against the goal** (the worst seed decides; utilisation applies to the smooth traces on the default cloud only; \
           the last column compares mean GPU-hours paid with idle-timeout-spot's, at a mean SLO attainment no worse than its):\n\n\
           | trace | cloud | SLO | % of static-peak | util (busy/held) | GPU-h paid vs idle-timeout-spot | goal met |\n\
           |---|---|---:|---:|---:|---:|:---:|\n";
@@ -347,12 +354,13 @@ fn goal_row(trace: &str, cloud: Cloud, cell: &Cell<'_>) -> String {
     let beats = paid < its_paid && mean(pba, |o| o.slo) + 1e-12 >= mean(its, |o| o.slo);
     let slo_ok = worst_slo >= min_slo;
     let vs_ok = worst_vs <= max_vs;
-    let smooth = is_smooth(trace);
-    let util_ok = !smooth || worst_util >= GOAL_UTILISATION;
-    let util = if smooth {
-        format!("{:.1}% {}", worst_util * 100.0, mark(util_ok))
-    } else {
-        format!("{:.1}% (not smooth)", worst_util * 100.0)
+    let (util_ok, util) = match cloud.goal_utilisation() {
+        Some(least) if is_smooth(trace) => {
+            let ok = worst_util >= least;
+            (ok, format!("{:.1}% {}", worst_util * 100.0, mark(ok)))
+        }
+        Some(_) => (true, format!("{:.1}% (not smooth)", worst_util * 100.0)),
+        None => (true, format!("{:.1}% (no goal here)", worst_util * 100.0)),
     };
     format!(
         "| {trace} | {} | {:.2}% {} | {:.1}% {} | {util} | {:.0} vs {:.0} {} | {} |\n",
