@@ -1547,6 +1547,77 @@ mod node {
         assert_eq!(r.disconnects, [0; 5], "{r:?}");
     }
 
+    /// A shutdown (SIGTERM in the binary) stops the cameras and waits for
+    /// the results of the frames still out: the gateway answers each frame
+    /// 300 ms after reading it, within the 2 s budget, and no frame the
+    /// gateway read is lost with the connection. A rolling restart of an
+    /// edge loses no answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shutdown_waits_for_the_results_of_the_frames_still_out() {
+        let gw = FakeGateway::start_as(Behaviour {
+            answer_after: Some(Duration::from_millis(300)),
+            ..Behaviour::default()
+        });
+        let mut node = Node::start_cfg(edge_config(
+            &gw,
+            "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nbudget_ms = 2000",
+        ));
+        // Frames out and unanswered at the moment of the shutdown: 300 ms
+        // of a 20 fps camera.
+        node.camera("results, and frames awaiting theirs", |c| {
+            c.results >= 3 && c.awaiting >= 2
+        })
+        .await;
+        let summary = node.stop().await;
+        let c = &summary.cameras[0];
+        assert_eq!(c.awaiting, 0, "{c:?}");
+        assert_eq!(c.lost_connection, 0, "{c:?}");
+        assert_eq!(
+            c.results,
+            gw.frames().len() as u64,
+            "every frame the gateway read has its result: {c:?}"
+        );
+        assert_eq!(
+            c.handed,
+            c.results + c.reset_superseded + c.reset_expired + c.refused + c.lost + c.gave_up,
+            "every frame handed ends once: {c:?}"
+        );
+    }
+
+    /// A shutdown's wait for results is bounded by the longest budget plus
+    /// a grace: a gateway that never answers does not hold the edge, and
+    /// the frames it read count as lost with the connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shutdown_stops_waiting_for_results_that_never_come() {
+        let gw = FakeGateway::start();
+        let cfg = edge_config(
+            &gw,
+            "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nbudget_ms = 200",
+        );
+        assert_eq!(
+            tidegate_edge::node::shutdown_drain(&cfg),
+            Duration::from_millis(200) + tidegate_edge::node::SHUTDOWN_GRACE
+        );
+        let mut node = Node::start_cfg(cfg);
+        node.camera("frames awaiting results", |c| c.awaiting >= 3)
+            .await;
+        let summary = node.stop().await;
+        let c = &summary.cameras[0];
+        assert_eq!(c.awaiting, 0, "{c:?}");
+        assert_eq!(c.results, 0, "{c:?}");
+        assert!(c.lost_connection >= 3, "{c:?}");
+        assert_eq!(
+            c.handed,
+            c.reset_superseded
+                + c.reset_expired
+                + c.refused
+                + c.lost
+                + c.lost_connection
+                + c.gave_up,
+            "every frame handed ends once: {c:?}"
+        );
+    }
+
     /// The gateway answers each frame 300 ms after reading it, and drops
     /// the connection: the frames it had acknowledged and not answered are
     /// counted `lost_connection`, the edge goes on on a new connection, and

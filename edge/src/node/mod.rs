@@ -19,7 +19,10 @@
 //!
 //! When every camera has stopped (a `file://` clip played to its end, or
 //! `--max-frames` reached), the node waits for the results of the frames
-//! still out, at most [`RESULT_DRAIN`], and returns. Frames are tracked by
+//! still out, at most [`RESULT_DRAIN`], and returns. A shutdown (SIGTERM,
+//! SIGINT) stops the cameras the same way, and waits for those results at
+//! most the longest camera budget plus [`SHUTDOWN_GRACE`]: a rolling
+//! restart loses no answer the gateway was about to give. Frames are tracked by
 //! camera and `seq` ([`Unanswered`]), so an extra result stands for no other
 //! frame, and every frame handed to the uplink ends exactly once: as its
 //! result, reset, refused or lost on the wire, or lost with its connection
@@ -87,6 +90,11 @@ const SINK_DRAIN: Duration = Duration::from_secs(5);
 /// How long the node waits, once every camera has stopped, for the results
 /// of the frames still out.
 pub const RESULT_DRAIN: Duration = Duration::from_secs(10);
+/// What a shutdown waits for the results of the frames still out beyond
+/// the longest budget of any camera: the gateway answers every frame by
+/// its deadline, and the answer still has the way back to make. Never more
+/// than [`RESULT_DRAIN`] in all.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// Options of [`run`] that come from flags rather than the config file.
 #[derive(Debug, Clone, Default)]
@@ -234,6 +242,12 @@ struct Node {
     /// Once every camera has stopped: until when the node waits for the
     /// results of the frames still out.
     drain_deadline: Option<Instant>,
+    /// Stops the cameras alone, on a shutdown (a child of `cancel`).
+    cameras_cancel: CancellationToken,
+    /// Once shutdown has come: when the node stops, results in or not.
+    stop_by: Option<Instant>,
+    /// How long a shutdown waits for the results of the frames still out.
+    shutdown_drain: Duration,
     /// When to print (and publish) the summaries, if at all.
     summary_tick: Option<tokio::time::Interval>,
     /// Where the summaries are published ([`NodeOptions::stats`]).
@@ -244,6 +258,7 @@ impl Node {
     /// Starts the link task and one task per camera.
     fn start(cfg: &EdgeConfig, sinks: SinkWriter, options: NodeOptions) -> Node {
         let cancel = CancellationToken::new();
+        let cameras_cancel = cancel.child_token();
         let (link_tx, link_rx) = watch::channel::<Option<Uplink>>(None);
         let (hints_tx, hints_rx) = watch::channel(HintBoard::default());
         let (results_tx, from_link) =
@@ -277,7 +292,7 @@ impl Node {
                     hints_rx.clone(),
                     s,
                     unanswered.clone(),
-                    cancel.clone(),
+                    cameras_cancel.clone(),
                     options.max_frames,
                 )
                 .instrument(span),
@@ -303,6 +318,9 @@ impl Node {
             results: 0,
             ok: 0,
             drain_deadline: None,
+            cameras_cancel,
+            stop_by: None,
+            shutdown_drain: shutdown_drain(cfg),
             summary_tick,
             published: options.stats,
         }
@@ -342,7 +360,7 @@ impl Node {
                 frames = self.unanswered.len(),
                 "every camera has stopped; waiting up to {RESULT_DRAIN:?} for the results of the frames still out"
             );
-            self.drain_deadline = Some(Instant::now() + RESULT_DRAIN);
+            self.drain_deadline = Some(self.stop_by.unwrap_or(Instant::now() + RESULT_DRAIN));
         }
         if self.drain_deadline.is_some() && !waiting {
             info!("every camera has stopped and every result is in");
@@ -357,18 +375,19 @@ impl Node {
         &mut self,
         mut shutdown: Pin<&mut F>,
     ) -> ControlFlow<Result<(), NodeError>> {
-        let drain = sleep_until_opt(self.drain_deadline);
+        let drain = sleep_until_opt(self.drain_deadline.or(self.stop_by));
         let tick = tick_opt(&mut self.summary_tick);
         let draining = self.drain_deadline.is_some();
+        let stopping = self.stop_by.is_some();
         tokio::select! {
-            _ = &mut shutdown => {
-                info!("shutting down");
-                ControlFlow::Break(Ok(()))
+            _ = &mut shutdown, if !stopping => {
+                self.stop_by = Some(begin_shutdown(&self.cameras_cancel, self.shutdown_drain, &self.unanswered));
+                ControlFlow::Continue(())
             }
             _ = drain => {
                 warn!(
                     frames = self.unanswered.len(),
-                    "gave up waiting for the last results after {RESULT_DRAIN:?}"
+                    "gave up waiting for the last results of the frames still out"
                 );
                 ControlFlow::Break(Ok(()))
             }
@@ -398,8 +417,9 @@ impl Node {
     }
 
     /// Hands result `r` to the sink thread, which serialises and writes it
-    /// in order; waits while its queue is full, unless `shutdown` comes
-    /// first. Then counts it, for its camera and against [`Unanswered`].
+    /// in order; waits while its queue is full, until the shutdown's drain
+    /// is over (a shutdown arriving meanwhile starts it). Then counts it,
+    /// for its camera and against [`Unanswered`].
     async fn hand_to_sinks<F: std::future::Future<Output = ()>>(
         &mut self,
         r: FrameResult,
@@ -413,15 +433,25 @@ impl Node {
             .unwrap_or_default();
         let (camera, seq) = (r.camera.clone(), r.seq);
         let (status, captured_at_us) = (r.status.clone(), r.captured_at_us);
-        tokio::select! {
-            queued = self.sinks.write(r, now, labels) => if queued.is_err() {
-                // The thread stopped on a failed write; `finish_sinks`
-                // says which.
-                return ControlFlow::Break(Ok(()));
-            },
-            _ = &mut shutdown => {
-                info!("shutting down");
-                return ControlFlow::Break(Ok(()));
+        let write = self.sinks.write(r, now, labels);
+        tokio::pin!(write);
+        loop {
+            let stopping = self.stop_by.is_some();
+            tokio::select! {
+                queued = &mut write => if queued.is_err() {
+                    // The thread stopped on a failed write; `finish_sinks`
+                    // says which.
+                    return ControlFlow::Break(Ok(()));
+                } else {
+                    break;
+                },
+                _ = &mut shutdown, if !stopping => {
+                    self.stop_by = Some(begin_shutdown(&self.cameras_cancel, self.shutdown_drain, &self.unanswered));
+                }
+                _ = sleep_until_opt(self.stop_by) => {
+                    warn!("gave up waiting for the result sinks to take a result");
+                    return ControlFlow::Break(Ok(()));
+                }
             }
         }
         // Handed to the sinks: `finish_sinks` writes it. Counted only now:
@@ -493,6 +523,30 @@ impl Node {
             cameras: summaries,
         })
     }
+}
+
+/// How long a shutdown of an edge configured as `cfg` waits for the results
+/// of the frames still out: its longest camera budget plus
+/// [`SHUTDOWN_GRACE`], never more than [`RESULT_DRAIN`].
+pub fn shutdown_drain(cfg: &EdgeConfig) -> Duration {
+    let budget = cfg.cameras.iter().map(|c| c.budget_ms).max().unwrap_or(0);
+    (Duration::from_millis(u64::from(budget)) + SHUTDOWN_GRACE).min(RESULT_DRAIN)
+}
+
+/// Starts a shutdown: stops the cameras (each settles what it has on the
+/// wire), and returns when the node stops waiting for the results of the
+/// frames still out: `drain` from now.
+fn begin_shutdown(
+    cameras: &CancellationToken,
+    drain: Duration,
+    unanswered: &Unanswered,
+) -> Instant {
+    info!(
+        frames = unanswered.len(),
+        "shutting down: the cameras stop; waiting up to {drain:?} for the results of the frames still out"
+    );
+    cameras.cancel();
+    Instant::now() + drain
 }
 
 /// Every camera's counters now, in the configured order.

@@ -137,6 +137,8 @@ pub(super) async fn run(
     tokio::time::sleep(Duration::from_secs_f64(seconds).saturating_sub(start.elapsed())).await;
     let status =
         tokio::task::block_in_place(|| edge.terminate(STOP)).map_err(|e| fail(e.to_string()))?;
+    keep_log(&format!("{}.edge", case.name), &edge.log());
+    keep_log(&format!("{}.gateway", case.name), &cluster.gateway_log());
     if !status.success() {
         return Err(fail(format!("exit {status}; log:\n{}", edge.log())));
     }
@@ -154,6 +156,20 @@ pub(super) async fn run(
         settled: settled(&stats),
         report,
     })
+}
+
+/// With `TIDEGATE_WAN_KEEP_LOGS=DIR` set, writes `log` to `DIR/<name>.log`:
+/// the edge's (its adaptation's decisions window by window) and the
+/// gateway's (its hints, and why) after each case. A failure to write is
+/// reported and changes nothing else.
+fn keep_log(name: &str, log: &str) {
+    let Some(dir) = std::env::var_os("TIDEGATE_WAN_KEEP_LOGS") else {
+        return;
+    };
+    let path = std::path::Path::new(&dir).join(format!("{name}.log"));
+    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, log)) {
+        eprintln!("keeping the edge's log in {}: {e}", path.display());
+    }
 }
 
 /// A counter of a camera's `camera_stats` (0 when absent).
