@@ -23,7 +23,13 @@
 //!    [`ACK_DELAY_ALLOWANCE`] + [`QUEUE_PRESSED`] × budget beyond the path's
 //!    least round trip (so the bytes ahead of them were more than the link
 //!    delivers within that share of the budget), or frames were reset and
-//!    none got through at all. It is pressed too when **another camera on
+//!    none got through at all, or the round trip is **swelling**: the
+//!    connection's smoothed round trip rose by more than [`RTT_RISE`] ×
+//!    budget since the camera's last window and stands more than
+//!    [`QUEUE_PRESSED`] × budget above its least one (a queue filling at
+//!    the bottleneck, a window before the frames go late; a round trip that
+//!    is merely high, or jittery, does not rise window after window). It is
+//!    pressed too when **another camera on
 //!    the same connection** found it pressed on the wire since this
 //!    camera's last window ([`PathWindow::pressed_windows`]): one
 //!    bottleneck, one signal, so every camera backs off together — except
@@ -58,9 +64,14 @@
 //!    not even the count of clean windows.
 //! 6. **Slow start**: an adapting camera starts at its quality floor and
 //!    the configured rate, and climbs by [`SLOW_START_UP`] in each raise
-//!    slot after a clean window, until its first pressed window. Starting
-//!    at the top made the first windows on a thin uplink late while the
-//!    quality came down.
+//!    slot after a clean window, until its first pressed window, or the
+//!    first pressed window (for any reason, late results too) of any camera
+//!    on its connection ([`PathWindow::slow_start_over`]): one link, one
+//!    capacity. Starting at the top made the first windows on a thin uplink
+//!    late while the quality came down; and sixteen cameras that each went
+//!    on climbing in big steps until their own window was pressed took a
+//!    10 Mbit/s link past its limit together, a second after two of them
+//!    had found it.
 //!
 //! The gateway's `ControlHint` rate caps are applied on top by the caller:
 //! the stricter cap wins. A frame still on the wire at its deadline is
@@ -103,6 +114,13 @@ pub const QUEUE_CLEAN: f64 = 0.10;
 /// late; a raise then was the one that overshot. It only holds raises back,
 /// never presses: jitter inflates it too.
 pub const RTT_CLEAN: f64 = 0.15;
+/// Share of the budget by which the smoothed round trip must rise within a
+/// window, to more than [`QUEUE_PRESSED`] × budget above its least one,
+/// for the link to count as filling up. On a 10 Mbit/s uplink the round
+/// trip went from 32 to 53 ms in the window before sixteen cameras' frames
+/// all went late; QUIC's smoothed round trip moves an eighth of the way to
+/// each sample, so jitter alone does not lift it this much in a second.
+pub const RTT_RISE: f64 = 0.15;
 /// Acknowledged frames a window needs before their mean wait counts: one
 /// retransmitted frame is not a queue.
 pub const QUEUE_MIN_FRAMES: u64 = 2;
@@ -207,6 +225,10 @@ pub struct PathWindow {
     pub pressed_windows: u64,
     /// Of them, windows whose frames waited in a queue.
     pub queued_windows: u64,
+    /// A camera of the connection has had a pressed window since it was
+    /// set up, for any reason: the link's capacity has been found, and
+    /// slow start is over for every camera on it.
+    pub slow_start_over: bool,
 }
 
 impl PathWindow {
@@ -294,13 +316,22 @@ pub struct Pressure {
     pub uplink: bool,
     /// ... and its frames waited in a queue.
     pub uplink_queued: bool,
+    /// The round trip rose within the window to well above its least one:
+    /// a queue is filling at the bottleneck.
+    pub swelling: bool,
 }
 
 impl Pressure {
     /// This camera's own frames were reset or queued on the wire: what it
     /// tells the other cameras of its connection.
     pub fn on_the_wire(&self) -> bool {
-        self.missed || self.queued
+        self.missed || self.queued || self.swelling
+    }
+
+    /// Frames waited, or are about to wait, in a queue on the link: what
+    /// lowers the rate once the quality is at its floor.
+    pub fn queueing(&self) -> bool {
+        self.queued || self.uplink_queued || self.swelling
     }
 }
 
@@ -350,6 +381,15 @@ pub struct Decision {
     pub report: Option<bool>,
 }
 
+impl Decision {
+    /// Whether the window was pressed, for any reason: what ends slow start
+    /// for the connection's other cameras
+    /// ([`crate::uplink::Uplink::report_slow_start_over`]).
+    pub fn pressed(&self) -> bool {
+        matches!(self.verdict, Verdict::Pressed(_))
+    }
+}
+
 /// The policy of one camera. See the module docs.
 #[derive(Debug, Clone)]
 pub struct LinkFit {
@@ -371,6 +411,9 @@ pub struct LinkFit {
     /// Non-idle windows since the last raise, while it is on probation.
     since_raise: Option<u32>,
     last_now_us: Option<u64>,
+    /// The connection's smoothed round trip at the end of the last window
+    /// that had one.
+    last_rtt: Option<Duration>,
 }
 
 impl LinkFit {
@@ -404,6 +447,7 @@ impl LinkFit {
             stepped_down: false,
             since_raise: None,
             last_now_us: None,
+            last_rtt: None,
         }
     }
 
@@ -459,6 +503,12 @@ impl LinkFit {
         let rtt_swollen = w.path.is_some_and(|p| {
             p.rtt.saturating_sub(p.min_rtt).as_micros() as f64 > RTT_CLEAN * budget_us
         });
+        let swelling = w.path.is_some_and(|p| {
+            let rose = self.last_rtt.is_some_and(|last| {
+                p.rtt.saturating_sub(last).as_micros() as f64 > RTT_RISE * budget_us
+            });
+            rose && p.rtt.saturating_sub(p.min_rtt).as_micros() as f64 > QUEUE_PRESSED * budget_us
+        });
         let pressure = Pressure {
             missed: missed > 0 && missed as f64 > MISS_PRESSED * frames,
             late: w.late > 0 && w.late as f64 > LATE_PRESSED * w.results.max(1) as f64,
@@ -468,8 +518,9 @@ impl LinkFit {
                 || (missed > 0 && w.delivered == 0),
             uplink: others > 0 && !self.stepped_down,
             uplink_queued: others_queued > 0 && !self.stepped_down,
+            swelling,
         };
-        if pressure.missed || pressure.late || pressure.queued || pressure.uplink {
+        if pressure.missed || pressure.late || pressure.queued || pressure.uplink || swelling {
             return Verdict::Pressed(pressure);
         }
         let roomy =
@@ -490,7 +541,13 @@ impl LinkFit {
             _ => WINDOW.as_micros() as u64,
         };
         self.last_now_us = Some(now_us);
+        if w.path.is_some_and(|p| p.slow_start_over) {
+            // Another camera found the link's limit: climbing in big steps
+            // now would take it past it together.
+            self.slow_start = false;
+        }
         let verdict = self.verdict(w);
+        self.last_rtt = w.path.map(|p| p.rtt);
         let step = match verdict {
             Verdict::Idle => Step::Hold,
             Verdict::Pressed(why) => self.on_pressed(why, w, elapsed_us),
@@ -506,7 +563,7 @@ impl LinkFit {
         };
         self.stepped_down = matches!(step, Step::QualityDown | Step::RateDown);
         self.reported = match verdict {
-            Verdict::Pressed(why) if why.on_the_wire() => Some(why.queued),
+            Verdict::Pressed(why) if why.on_the_wire() => Some(why.queued || why.swelling),
             _ => None,
         };
         Decision {
@@ -531,7 +588,7 @@ impl LinkFit {
             self.quality = Some(q.saturating_sub(QUALITY_DOWN).max(range.min));
             return Step::QualityDown;
         }
-        if !(why.queued || why.uplink_queued) {
+        if !why.queueing() {
             return Step::Hold;
         }
         // From what was actually sent: under a lower hint or a motion gate
@@ -680,6 +737,7 @@ impl WindowMeter {
                 lost_packets: lost,
                 pressed_windows: pressed,
                 queued_windows: queued,
+                slow_start_over: p.slow_start_over,
             }
         });
         let w = WindowStats {
@@ -871,6 +929,50 @@ mod tests {
         assert_eq!(fit.verdict(&swollen(12)), Verdict::Clean);
         assert_eq!(fit.verdict(&swollen(13)), Verdict::Fair);
         assert_eq!(fit.verdict(&swollen(200)), Verdict::Fair);
+    }
+
+    /// A round trip that rises by more than 15 % of the budget in a window,
+    /// to more than a quarter of it above its least, is a queue filling:
+    /// pressed (the quality down, and it tells the connection's other
+    /// cameras), before the frames go late. One that stays high, however
+    /// high, is not.
+    #[test]
+    fn a_round_trip_rising_into_a_queue_presses_one_that_stays_high_does_not() {
+        let mut fit = LinkFit::new(jpeg(90, 50));
+        let at = |extra_ms: u64| {
+            let mut w = window(21);
+            if let Some(p) = w.path.as_mut() {
+                p.rtt = p.min_rtt + Duration::from_millis(extra_ms);
+            }
+            w
+        };
+        let mut t = 0;
+        assert_eq!(feed(&mut fit, &mut t, &at(10)), Step::Hold);
+        // Up 12 ms (not more than 15 % of 80) to 22 ms above the least.
+        assert_eq!(feed(&mut fit, &mut t, &at(22)), Step::Hold);
+        // Up 13 ms, but to 35 ms: pressed.
+        let d = {
+            t += WINDOW.as_micros() as u64;
+            fit.on_window(t, &at(35))
+        };
+        assert_eq!(
+            d.verdict,
+            Verdict::Pressed(Pressure {
+                swelling: true,
+                ..Pressure::default()
+            })
+        );
+        assert_eq!((d.step, d.report), (Step::QualityDown, Some(true)));
+        // It stays at 35 ms, then jitters within it: no pressure.
+        for extra in [35, 30, 36, 33] {
+            t += WINDOW.as_micros() as u64;
+            let v = fit.on_window(t, &at(extra)).verdict;
+            assert!(!matches!(v, Verdict::Pressed(_)), "{extra}: {v:?}");
+        }
+        // Up 13 ms, but only to 20 ms above the least: not yet a queue.
+        let mut fit = LinkFit::new(jpeg(90, 50));
+        feed(&mut fit, &mut t, &at(7));
+        assert_eq!(feed(&mut fit, &mut t, &at(20)), Step::Hold);
     }
 
     #[test]
@@ -1105,6 +1207,37 @@ mod tests {
         let took = clean_until_raise(&mut fit, &mut t);
         assert!(took >= 2 * CLEAN_TO_RAISE, "{took}: on probation");
         assert_eq!(fit.quality(), Some(60 + QUALITY_UP));
+    }
+
+    /// Another camera's pressed window (its results late) ends this one's
+    /// slow start without lowering its quality: it goes on climbing, in
+    /// small steps after three clean windows.
+    #[test]
+    fn another_cameras_pressed_window_ends_slow_start_for_the_whole_link() {
+        let mut fit = LinkFit::new(FitConfig {
+            slow_start: true,
+            ..jpeg(90, 50)
+        });
+        let mut t = 0;
+        clean_until_raise(&mut fit, &mut t);
+        assert_eq!(fit.quality(), Some(50 + SLOW_START_UP));
+        let mut w = window(21);
+        if let Some(p) = w.path.as_mut() {
+            p.slow_start_over = true;
+        }
+        t += WINDOW.as_micros() as u64;
+        assert_eq!(fit.on_window(t, &w).step, Step::Hold, "clean, not pressed");
+        assert!(!fit.in_slow_start());
+        assert_eq!(fit.quality(), Some(60));
+        let mut raised = None;
+        for _ in 0..4 * STAGGER {
+            t += WINDOW.as_micros() as u64;
+            if fit.on_window(t, &w).step != Step::Hold {
+                raised = fit.quality();
+                break;
+            }
+        }
+        assert_eq!(raised, Some(60 + QUALITY_UP), "a small step");
     }
 
     #[test]

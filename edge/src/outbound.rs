@@ -93,6 +93,9 @@ pub struct Outbound {
     /// What the last window tells the connection's other cameras
     /// ([`Decision::report`]).
     uplink_report: Option<bool>,
+    /// Whether the last window was pressed, for any reason
+    /// ([`Decision::pressed`]).
+    pressed: bool,
     last_failure_log: Option<Instant>,
 }
 
@@ -132,6 +135,7 @@ impl Outbound {
             encode_us: 0,
             encode_failed: 0,
             uplink_report: None,
+            pressed: false,
             last_failure_log: None,
         }
     }
@@ -146,6 +150,13 @@ impl Outbound {
     /// uplink pressed on the wire ([`crate::uplink::Uplink::report_pressed`]).
     pub fn uplink_report(&self) -> Option<bool> {
         self.uplink_report
+    }
+
+    /// Whether the last window was pressed, for any reason: slow start is
+    /// then over for the connection's other cameras too
+    /// ([`crate::uplink::Uplink::report_slow_start_over`]).
+    pub fn pressed(&self) -> bool {
+        self.pressed
     }
 
     /// The adaptation's rate cap in force.
@@ -318,6 +329,7 @@ impl Outbound {
             r.encode_us = us;
         }
         self.uplink_report = None;
+        self.pressed = false;
         // Without a connection there is nothing to fit.
         path?;
         self.fit_copies(&w);
@@ -326,6 +338,7 @@ impl Outbound {
         }
         let d = self.fit.on_window(now_us, &w);
         self.uplink_report = d.report;
+        self.pressed = d.pressed();
         self.report.quality = d.quality.unwrap_or(0);
         self.report.adapt_max_fps = d.max_fps;
         if d.step == Step::Hold {

@@ -172,7 +172,7 @@ impl Redundancy {
     /// The window's path was full: its frames queued, another camera's
     /// did, or the round trip had swollen.
     fn full(&self, w: &WindowStats, verdict: Verdict) -> bool {
-        let queued = matches!(verdict, Verdict::Pressed(p) if p.queued || p.uplink_queued);
+        let queued = matches!(verdict, Verdict::Pressed(p) if p.queueing());
         let swollen = w
             .path
             .is_some_and(|p| p.rtt > p.min_rtt + self.budget.mul_f64(RTT_CLEAN));

@@ -69,6 +69,7 @@ fn window() -> impl Strategy<Value = WindowStats> {
                     lost_packets: lost.min(sent),
                     pressed_windows: pressed.max(queued),
                     queued_windows: queued,
+                    slow_start_over: pressed > 0,
                 }),
                 ..WindowStats::default()
             }

@@ -12,7 +12,12 @@
 //! - **decrease** (multiplicative): when more than `shed_ratio` of a
 //!   window's frames were lost, cap the camera at a little under the rate
 //!   the gateway actually served it (`decrease` × ok rate), never below
-//!   `min_fps`;
+//!   `min_fps`, and never below `max_cut` × the rate it sent (or its cap):
+//!   one bad window at most halves a camera's rate. A second of starved
+//!   workers (sixteen camera pipelines starting at once beside them) once
+//!   served a camera a tenth of its frames and capped it at 1.8 fps, and
+//!   the stepwise relax took the next 30 s to bring it back; a lasting
+//!   shortage still halves it window after window, down to what is served;
 //! - **relax** (stepwise): after `relax_after` windows in a row with no
 //!   loss, raise the cap by `increase`; once the cap is back above the rate
 //!   the camera sent before it was first capped, lift it altogether
@@ -43,6 +48,9 @@ pub struct BackpressureConfig {
     pub shed_ratio: f64,
     /// Cap = this × the rate served ok (0..1).
     pub decrease: f64,
+    /// ... but never below this × the rate sent, or the cap in force if
+    /// lower (0..1): the most one window cuts.
+    pub max_cut: f64,
     /// Clean windows in a row before the cap is raised.
     pub relax_after: u32,
     /// Cap × this on each relax step (> 1).
@@ -59,6 +67,7 @@ impl Default for BackpressureConfig {
             window_us: 1_000_000,
             shed_ratio: 0.1,
             decrease: 0.9,
+            max_cut: 0.5,
             relax_after: 3,
             increase: 1.25,
             min_fps: 1.0,
@@ -208,8 +217,10 @@ impl Backpressure {
                 if old.is_none() {
                     c.uncapped_fps = arrival_fps;
                 }
-                let served = ok_fps.min(old.unwrap_or(f64::INFINITY));
-                c.load.cap_fps = Some((served * cfg.decrease).max(cfg.min_fps));
+                let sent = arrival_fps.min(old.unwrap_or(f64::INFINITY));
+                let served = ok_fps.min(sent);
+                let cap = (served * cfg.decrease).max(sent * cfg.max_cut);
+                c.load.cap_fps = Some(cap.max(cfg.min_fps));
                 c.clean_windows = 0;
             } else if c.lost == 0 {
                 if let Some(cap) = old {
@@ -319,13 +330,35 @@ mod tests {
         assert!(p.tick(1_000_000).is_empty());
     }
 
+    /// One bad window at most halves the camera's rate; a shortage that
+    /// lasts halves it again each window, down to what is served.
+    #[test]
+    fn a_window_at_most_halves_the_rate_and_a_lasting_shortage_goes_on() {
+        let mut p = Backpressure::new(BackpressureConfig::default());
+        p.on_arrival(0, E, "cam");
+        // 30 fps sent (the first arrival above and 29), 3 served: 15, not
+        // 2.7.
+        let h = window(&mut p, 0, 29, 3);
+        assert_eq!(h[0].max_fps, 15.0);
+        // Still 3 served of the 15 it now sends: 7.5, then 3.75, then
+        // 0.9 × 3 = 2.7 (within half of 3.75).
+        let mut caps = vec![];
+        for (i, sent) in [15u32, 8, 4].into_iter().enumerate() {
+            let h = window(&mut p, (i as u64 + 1) * 1_000_000, sent, 3);
+            caps.push(h[0].max_fps);
+        }
+        assert_eq!(caps, vec![7.5, 3.75, 2.7]);
+    }
+
     #[test]
     fn never_below_the_floor_and_forgets_gone_edges() {
         let mut p = Backpressure::new(BackpressureConfig::default());
         p.on_arrival(0, E, "cam");
-        // Everything lost: the cap goes to the floor, not to zero (which
-        // would mean "no cap").
-        let h = window(&mut p, 0, 10, 0);
+        // Everything lost, at 4 fps then at the 2 fps cap: the cap goes to
+        // the floor, not to zero (which would mean "no cap").
+        let h = window(&mut p, 0, 3, 0);
+        assert_eq!(h[0].max_fps, 2.0);
+        let h = window(&mut p, 1_000_000, 3, 0);
         assert_eq!(h[0].max_fps, 1.0);
         p.forget_edge(E);
         assert!(p.load(E, "cam").is_none());

@@ -283,6 +283,7 @@ proptest! {
                         camera: format!("c{camera}"),
                         model: "m".into(),
                         deadline: w.now + u64::from(budget_ms) * 1000,
+                        age: 0,
                     };
                     w.apply(&mut s, Event::FrameArrived(arrival), Some((id, a)))?;
                 }
@@ -465,6 +466,7 @@ proptest! {
                         camera: format!("c{camera}"),
                         model: "m".into(),
                         deadline: w.now.saturating_add(u64::from(budget_us)),
+                        age: 0,
                     }))?;
                 }
                 Churn::Trail { slot } => {
@@ -479,6 +481,7 @@ proptest! {
                         camera: "late".into(),
                         model: "m".into(),
                         deadline: w.now + 1_000_000,
+                        age: 0,
                     }))?;
                 }
                 Churn::Reconnect { slot, weight } => {

@@ -15,7 +15,7 @@ use tidegate_gateway::scheduler::{
     Action, Arrival, BatchId, EdgeId, Event, FrameId, Micros, Scheduler, Settings, WorkerId,
     WorkerModel,
 };
-use tidegate_protocol::Status;
+use tidegate_protocol::{ShedReason, Status};
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -24,6 +24,8 @@ enum Step {
         camera: u8,
         model: u8,
         budget_us: u32,
+        /// Its age on arrival: its time on the link.
+        age_us: u32,
     },
     Join {
         max_batch: u16,
@@ -53,8 +55,8 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        6 => (0u8..3, 0u8..4, 0u8..2, 1_000u32..200_000).prop_map(
-            |(edge, camera, model, budget_us)| Step::Arrive { edge, camera, model, budget_us }
+        6 => (0u8..3, 0u8..4, 0u8..2, 1_000u32..200_000, 0u32..60_000).prop_map(
+            |(edge, camera, model, budget_us, age_us)| Step::Arrive { edge, camera, model, budget_us, age_us }
         ),
         1 => (1u16..9, 500u32..40_000, 1u8..4).prop_map(
             |(max_batch, latency_us, models)| Step::Join { max_batch, latency_us, models }
@@ -193,8 +195,20 @@ impl World {
                         "a batch ran that was not answered, or not as sent and measured"
                     );
                 }
-                Action::Complete { frame, status, .. } => {
+                Action::Complete {
+                    frame,
+                    status,
+                    capacity,
+                    ..
+                } => {
                     prop_assert!(self.completed.insert(frame), "{:?} completed twice", frame);
+                    // A frame whose link ate its time never counts
+                    // against the workers' capacity.
+                    prop_assert!(
+                        !(capacity && status == Status::Shed(ShedReason::LateOnArrival)),
+                        "{:?} late on arrival counted as lost to capacity",
+                        frame
+                    );
                     if status == Status::Expired {
                         prop_assert!(self.now >= self.deadlines[&frame]);
                     }
@@ -281,7 +295,7 @@ proptest! {
         let models = ["a", "b", "c"];
         for st in steps {
             match st {
-                Step::Arrive { edge, camera, model, budget_us } => {
+                Step::Arrive { edge, camera, model, budget_us, age_us } => {
                     let id = FrameId(w.next_frame);
                     w.next_frame += 1;
                     let deadline = w.now + budget_us as u64;
@@ -292,6 +306,7 @@ proptest! {
                         camera: format!("c{camera}"),
                         model: models[model as usize].into(),
                         deadline,
+                        age: u64::from(age_us),
                     }))?;
                 }
                 Step::Join { max_batch, latency_us, models: n } => {

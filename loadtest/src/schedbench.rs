@@ -104,6 +104,7 @@ impl Bench {
                 camera: format!("c{}", cam % 100),
                 model: MODEL.into(),
                 deadline: self.now + DEADLINE_US,
+                age: 0,
             }),
         );
         self.collect(actions);

@@ -498,6 +498,9 @@ impl CameraTask {
         if let (Some(queued), Some(uplink)) = (self.outbound.uplink_report(), open) {
             uplink.report_pressed(queued);
         }
+        if let (true, Some(uplink)) = (self.outbound.pressed(), open) {
+            uplink.report_slow_start_over();
+        }
         if let Some(lane) = &self.lane {
             lane.set_copies(self.outbound.copies());
         }

@@ -53,7 +53,7 @@ pub use unanswered::{FrameEnds, Unanswered};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -212,6 +212,9 @@ struct UplinkPressure {
     pressed: AtomicU64,
     /// Of them, windows whose frames waited in a queue.
     queued: AtomicU64,
+    /// A camera has had a pressed window, for any reason (late results
+    /// too): the climb from the quality floor is over for all of them.
+    climbed: AtomicBool,
 }
 
 /// Deadlines of an [`Uplink`]. [`Default`] has [`HANDSHAKE_TIMEOUT`] and
@@ -379,6 +382,13 @@ impl Uplink {
         }
     }
 
+    /// Records that a camera's window was pressed, for any reason: the
+    /// link has been found, and no camera on it climbs in slow start any
+    /// more ([`PathStats::slow_start_over`]).
+    pub fn report_slow_start_over(&self) {
+        self.pressure.climbed.store(true, Ordering::Relaxed);
+    }
+
     /// The connection's path statistics now: round trips, congestion
     /// window, packets sent and lost since it was set up, and the windows
     /// its cameras found it pressed in. The counters start from zero on
@@ -389,6 +399,7 @@ impl Uplink {
         PathStats {
             pressed_windows: self.pressure.pressed.load(Ordering::Relaxed),
             queued_windows: self.pressure.queued.load(Ordering::Relaxed),
+            slow_start_over: self.pressure.climbed.load(Ordering::Relaxed),
             rtt: p.rtt,
             min_rtt: p.min_rtt,
             cwnd: p.cwnd,
@@ -477,4 +488,7 @@ pub struct PathStats {
     pub pressed_windows: u64,
     /// Of them, windows whose frames waited in a queue.
     pub queued_windows: u64,
+    /// A camera of the connection has had a pressed window, for any
+    /// reason ([`Uplink::report_slow_start_over`]).
+    pub slow_start_over: bool,
 }

@@ -21,7 +21,15 @@ impl State {
             let Some(edge) = self.edges.get(&h.edge) else {
                 continue;
             };
-            tracing::info!(edge = %edge.name, camera = %h.camera, max_fps = h.max_fps, "frame-rate hint");
+            // Back-pressure counts only frames lost to the workers'
+            // capacity: never those whose link ate their time.
+            tracing::info!(
+                edge = %edge.name,
+                camera = %h.camera,
+                max_fps = h.max_fps,
+                cause = "workers",
+                "frame-rate hint: frames lost to the workers' capacity"
+            );
             let hint = ControlHint {
                 camera: h.camera,
                 max_fps: h.max_fps,
@@ -64,7 +72,13 @@ impl State {
     }
 
     /// A frame read from an edge: admitted, tracked until it completes, and handed to the scheduler.
-    pub(super) fn frame_arrived(&mut self, edge: EdgeId, frame: Frame, deadline: Instant) {
+    pub(super) fn frame_arrived(
+        &mut self,
+        edge: EdgeId,
+        frame: Frame,
+        deadline: Instant,
+        age: Duration,
+    ) {
         let id = FrameId(self.next_frame);
         self.next_frame += 1;
         let deadline = self.at(deadline);
@@ -74,6 +88,7 @@ impl State {
             camera: frame.camera.clone(),
             model: frame.model.clone(),
             deadline,
+            age: u64::try_from(age.as_micros()).unwrap_or(u64::MAX),
         };
         let now = self.now();
         // A frame can trail its edge's EdgeGone (separate tasks):

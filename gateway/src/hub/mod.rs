@@ -126,6 +126,9 @@ pub enum HubMsg {
         frame: Frame,
         /// Local deadline (arrival + budget − network time − return margin).
         deadline: Instant,
+        /// How old it was on arrival: its time on the edge's send path and
+        /// the link.
+        age: Duration,
     },
     /// An edge reported the end-to-end latency of a result.
     Latency {

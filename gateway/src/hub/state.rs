@@ -188,7 +188,8 @@ impl State {
                 edge,
                 frame,
                 deadline,
-            } => self.frame_arrived(edge, frame, deadline),
+                age,
+            } => self.frame_arrived(edge, frame, deadline, age),
             HubMsg::Latency { model, e2e } => self.latency_reported(model, e2e),
             HubMsg::WorkerConnected {
                 worker,

@@ -79,6 +79,7 @@ async fn dispatched(hub: &Hub, batches: &mut mpsc::Receiver<Dispatch>, seq: u64)
         edge: EdgeId(1),
         frame: frame(seq),
         deadline: Instant::now() + Duration::from_millis(500),
+        age: Duration::ZERO,
     })
     .await;
     recv(batches).await
@@ -280,6 +281,7 @@ async fn an_edge_that_reads_its_hints_late_gets_the_policys_last_word() {
             edge: EdgeId(1),
             frame: frame(seq),
             deadline: Instant::now() + Duration::from_millis(80),
+            age: Duration::ZERO,
         })
         .await;
         tokio::time::sleep(Duration::from_millis(33)).await;
@@ -592,6 +594,7 @@ async fn the_reported_budget_is_the_strictest_declared_not_the_last_frames() {
         edge: EdgeId(1),
         frame: f,
         deadline: Instant::now() + Duration::from_millis(190),
+        age: Duration::ZERO,
     })
     .await;
     let r = hub.load_report(vec![MODEL.into()]).await.unwrap();
@@ -614,6 +617,7 @@ async fn frames_are_counted_per_lease_and_a_drained_lease_gets_no_batch() {
         edge: EdgeId(1),
         frame: frame(1),
         deadline,
+        age: Duration::ZERO,
     })
     .await;
     let d = recv(&mut batches).await;
@@ -653,6 +657,7 @@ async fn frames_are_counted_per_lease_and_a_drained_lease_gets_no_batch() {
         edge: EdgeId(1),
         frame: frame(2),
         deadline: Instant::now() + Duration::from_millis(50),
+        age: Duration::ZERO,
     })
     .await;
     let answer = recv_result(&mut answers).await;
@@ -680,6 +685,7 @@ async fn an_operator_drain_stops_dispatch_and_asks_the_worker_to_drain() {
         edge: EdgeId(1),
         frame: frame(1),
         deadline: Instant::now() + Duration::from_millis(50),
+        age: Duration::ZERO,
     })
     .await;
     let answer = recv_result(&mut answers).await;
@@ -723,6 +729,7 @@ async fn send_frame(hub: &Hub, seq: u64, ms: u64) {
         edge: EdgeId(1),
         frame: frame(seq),
         deadline: Instant::now() + Duration::from_millis(ms),
+        age: Duration::ZERO,
     })
     .await;
 }

@@ -806,6 +806,7 @@ async fn frames_served_since_the_last_tick_reach_the_ledger_on_a_clean_stop() {
             edge: crate::scheduler::EdgeId(1),
             frame: crate::hub::tests::frame(seq),
             deadline: std::time::Instant::now() + Duration::from_secs(5),
+            age: Duration::ZERO,
         })
         .await;
         let d = tokio::time::timeout(GUARD, batches.recv())
@@ -873,6 +874,7 @@ async fn stall_once(hub: &Hub, lease: LeaseId, n: u64) {
         edge: crate::scheduler::EdgeId(1),
         frame: crate::hub::tests::frame(n),
         deadline: std::time::Instant::now() + Duration::from_secs(5),
+        age: Duration::ZERO,
     })
     .await;
     let taken = tokio::time::timeout(GUARD, batches.recv()).await.unwrap();

@@ -4,7 +4,9 @@
 //! budget is left (`late_on_arrival`), when no worker serves its model
 //! (`no_worker`), and when no worker can finish it before its deadline,
 //! given the frames queued ahead of it, the workers' measured latency
-//! profiles and when the busy ones will be free (`would_miss_deadline`).
+//! profiles and when the busy ones will be free: `late_on_arrival` again
+//! if it would have made it at its camera's usual age on arrival (the
+//! link is to blame, `transfer.rs`), `would_miss_deadline` if not.
 //! Per camera the newest frame wins: an older frame still queued is shed
 //! (`superseded`). Past the queue bounds a frame is refused or pushes out
 //! another by its edge's share (`fair_share.rs`, `overloaded`).
@@ -16,7 +18,8 @@ use std::collections::BTreeSet;
 use tidegate_protocol::{ShedReason, Status};
 
 use super::queue::Queued;
-use super::{Action, Arrival, FrameId, Micros, Scheduler};
+use super::transfer::AgeFloor;
+use super::{Action, Arrival, EdgeId, FrameId, Micros, Scheduler};
 
 impl Scheduler {
     /// Fastest single-frame latency any worker serving `model` offers.
@@ -68,6 +71,23 @@ impl Scheduler {
         ahead <= room
     }
 
+    /// Records that a frame of camera `key` arrived at `now`, `age` old;
+    /// returns how much older than the camera's usual age it was.
+    fn observe_age(&mut self, now: Micros, key: &(EdgeId, String), age: Micros) -> Micros {
+        // A frame that trails its edge's close is shed before this: the
+        // floors last as long as their edges.
+        match self.age_floors.get_mut(key) {
+            Some(f) => {
+                f.observe(now, age);
+                f.excess(age)
+            }
+            None => {
+                self.age_floors.insert(key.clone(), AgeFloor::new(now, age));
+                0
+            }
+        }
+    }
+
     pub(super) fn arrive(&mut self, now: Micros, a: Arrival, out: &mut Vec<Action>) {
         self.counters.admitted += 1;
         let q = Queued {
@@ -92,21 +112,15 @@ impl Scheduler {
             self.complete(now, &q, Status::Shed(ShedReason::LateOnArrival), out);
             return;
         }
+        let key = (q.arrival.edge, q.arrival.camera.clone());
+        // What the link added to its age beyond its camera's usual.
+        let excess = self.observe_age(now, &key, q.arrival.age);
         let Some(best) = self.best_latency(&q.arrival.model) else {
             self.complete(now, &q, Status::Shed(ShedReason::NoWorker), out);
             return;
         };
-        // Too little is left for even an idle worker's one run: no queue
-        // is to blame, so no rate hint would have saved it.
-        if now + best > q.arrival.deadline {
-            let status = Status::Shed(ShedReason::WouldMissDeadline);
-            self.complete_as(now, &q, status, false, out);
-            return;
-        }
-
         // The camera's own queued frame is superseded if this one is kept,
         // so it does not count as ahead of it.
-        let key = (q.arrival.edge, q.arrival.camera.clone());
         let own_ahead = self
             .by_camera
             .get(&key)
@@ -114,8 +128,24 @@ impl Scheduler {
             .is_some_and(|o| {
                 o.arrival.model == q.arrival.model && o.arrival.deadline <= q.arrival.deadline
             });
-        if !self.can_make_it(now, &q.arrival.model, q.arrival.deadline, best, own_ahead) {
-            self.complete(now, &q, Status::Shed(ShedReason::WouldMissDeadline), out);
+        let model = q.arrival.model.as_str();
+        if !self.can_make_it(now, model, q.arrival.deadline, best, own_ahead) {
+            let (status, capacity) = if excess > 0
+                && self.can_make_it(now, model, q.arrival.deadline + excess, best, own_ahead)
+            {
+                // It would have made it at its link's usual pace: the
+                // link's queues ate its time, not the workers'.
+                (ShedReason::LateOnArrival, false)
+            } else {
+                // Too little is left for even an idle worker's one run: no
+                // queue is to blame, so no rate hint would have saved it.
+                // Otherwise the queue ahead is.
+                (
+                    ShedReason::WouldMissDeadline,
+                    now + best <= q.arrival.deadline,
+                )
+            };
+            self.complete_as(now, &q, Status::Shed(status), capacity, out);
             return;
         }
         // The newest frame of a camera supersedes the one still waiting.

@@ -65,6 +65,7 @@ impl Scheduler {
                 self.shares.remove(&account);
             }
         }
+        self.age_floors.retain(|(e, _), _| *e != edge);
         if self.gone_set.insert(edge) {
             if self.gone.len() >= GONE_EDGES_KEPT
                 && let Some(old) = self.gone.pop_front()

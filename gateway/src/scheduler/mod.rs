@@ -10,7 +10,9 @@
 //! satisfy `admitted == ok + shed + expired + failed + in_flight`.
 //!
 //! Where a frame goes, and which file decides (each says its policy):
-//! - `admission.rs`: on arrival it is shed at once or queued;
+//! - `admission.rs`: on arrival it is shed at once or queued; one that
+//!   cannot make its deadline is blamed on its link or on the workers by
+//!   `transfer.rs` (its age on arrival against its camera's usual one);
 //! - `queue.rs`: it waits in its model's earliest-deadline-first queue, and
 //!   expires there at its deadline;
 //! - `fair_share.rs`: it counts to its edge's account, whose weight sets
@@ -36,6 +38,7 @@ mod edges;
 mod fair_share;
 mod profile;
 mod queue;
+mod transfer;
 mod workers;
 
 #[cfg(test)]
@@ -53,6 +56,8 @@ pub use fair_share::MAX_WEIGHT;
 use fair_share::{Account, Share};
 pub use profile::profile_latency_us;
 use queue::Queued;
+use transfer::AgeFloor;
+pub use transfer::FLOOR_WINDOW;
 use workers::Worker;
 
 /// Gateway clock, microseconds since an arbitrary origin.
@@ -87,6 +92,11 @@ pub struct Arrival {
     pub model: String,
     /// Latest time by which a worker must have finished it.
     pub deadline: Micros,
+    /// How old it was when it arrived: its time on the edge's send path
+    /// and the link (µs). Against its camera's usual age, it tells whether
+    /// a missed deadline is the link's fault or the workers' (see
+    /// `transfer.rs`).
+    pub age: Micros,
 }
 
 /// What a worker serves: a model, its batch limit and measured latencies.
@@ -330,6 +340,9 @@ pub struct Scheduler {
     queued: HashMap<FrameId, Queued>,
     /// The queued frame of each camera (newest wins).
     by_camera: HashMap<(EdgeId, String), FrameId>,
+    /// Each camera's usual age on arrival (`transfer.rs`), until its edge
+    /// goes.
+    age_floors: HashMap<(EdgeId, String), AgeFloor>,
     /// Per model, per account: (deadline, frame) in EDF order.
     by_account: HashMap<String, HashMap<Account, BTreeSet<(Micros, FrameId)>>>,
     /// The account of each joined connection.
@@ -362,6 +375,7 @@ impl Scheduler {
             queues: HashMap::new(),
             queued: HashMap::new(),
             by_camera: HashMap::new(),
+            age_floors: HashMap::new(),
             by_account: HashMap::new(),
             accounts: HashMap::new(),
             shares: HashMap::new(),

@@ -21,12 +21,18 @@ fn worker(id: u64, max_batch: u16, lat: u32) -> Event {
 }
 
 fn frame(id: u64, camera: &str, deadline: Micros) -> Event {
+    frame_aged(id, camera, deadline, 0)
+}
+
+/// A frame that arrived `age` old (its time on the link).
+fn frame_aged(id: u64, camera: &str, deadline: Micros, age: Micros) -> Event {
     Event::FrameArrived(Arrival {
         id: FrameId(id),
         edge: EdgeId(1),
         camera: camera.into(),
         model: "m".into(),
         deadline,
+        age,
     })
 }
 
@@ -100,18 +106,20 @@ fn a_frame_with_no_budget_left_on_arrival_is_shed_late_whatever_the_workers() {
     assert_eq!(s.counters().admitted, 2);
 }
 
+/// Each completed frame, and whether it was lost to capacity.
+fn capacity(a: &[Action]) -> Vec<(u64, bool)> {
+    a.iter()
+        .filter_map(|a| match a {
+            Action::Complete {
+                frame, capacity, ..
+            } => Some((frame.0, *capacity)),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
 fn only_a_frame_that_waited_behind_others_is_lost_to_capacity() {
-    let capacity = |a: &[Action]| -> Vec<(u64, bool)> {
-        a.iter()
-            .filter_map(|a| match a {
-                Action::Complete {
-                    frame, capacity, ..
-                } => Some((frame.0, *capacity)),
-                _ => None,
-            })
-            .collect()
-    };
     let mut s = Scheduler::new(one_deep());
     s.on_event(0, worker(1, 1, 50_000));
     // 40 ms left for a 50 ms run: no queue is to blame.
@@ -125,6 +133,60 @@ fn only_a_frame_that_waited_behind_others_is_lost_to_capacity() {
         vec![(3, Status::Shed(ShedReason::WouldMissDeadline))]
     );
     assert_eq!(capacity(&a), vec![(3, true)]);
+}
+
+/// A frame that cannot make its deadline, but would have at its camera's
+/// usual age on arrival, lost its time on the link: it is shed
+/// `late_on_arrival` and not lost to capacity, so no rate hint caps the
+/// camera for the workers' sake. One that would have missed even at the
+/// usual age is the workers': `would_miss_deadline`, lost to capacity.
+#[test]
+fn a_missed_deadline_is_the_links_only_if_the_frame_came_later_than_usual() {
+    let mut s = Scheduler::new(one_deep());
+    s.on_event(0, worker(1, 1, 50_000));
+    // Camera "a"'s frames come 10 ms old; this one is served at once, and
+    // the worker is busy until 50 ms.
+    let a = s.on_event(0, frame_aged(1, "a", 200_000, 10_000));
+    assert!(completes(&a).is_empty(), "{a:?}");
+    // 30 ms later than usual: it needs 100 ms (free at 50, a 50 ms run)
+    // and has 90 left; 30 more would have done.
+    let a = s.on_event(1, frame_aged(2, "a", 90_001, 40_000));
+    assert_eq!(
+        completes(&a),
+        vec![(2, Status::Shed(ShedReason::LateOnArrival))]
+    );
+    assert_eq!(capacity(&a), vec![(2, false)]);
+    // At the usual age, and still too late: the queue is to blame.
+    let a = s.on_event(2, frame_aged(3, "a", 90_002, 10_000));
+    assert_eq!(
+        completes(&a),
+        vec![(3, Status::Shed(ShedReason::WouldMissDeadline))]
+    );
+    assert_eq!(capacity(&a), vec![(3, true)]);
+    // 5 ms later than usual, but 5 ms would not have saved it.
+    let a = s.on_event(3, frame_aged(4, "a", 90_003, 15_000));
+    assert_eq!(
+        completes(&a),
+        vec![(4, Status::Shed(ShedReason::WouldMissDeadline))]
+    );
+    assert_eq!(capacity(&a), vec![(4, true)]);
+    // Another camera's usual age is its own: "b"'s first frame, 40 ms old,
+    // sets its floor and is blamed on the queue.
+    let a = s.on_event(4, frame_aged(5, "b", 90_004, 40_000));
+    assert_eq!(capacity(&a), vec![(5, true)]);
+    let c = s.counters();
+    assert!(c.balanced() && c.shed == 4, "{c:?}");
+}
+
+/// A camera's usual age is forgotten with its edge: a reconnect (a new
+/// route, perhaps) starts from its own first frame.
+#[test]
+fn an_edge_that_goes_takes_its_cameras_usual_ages_with_it() {
+    let mut s = Scheduler::new(one_deep());
+    s.on_event(0, worker(1, 1, 50_000));
+    s.on_event(0, frame_aged(1, "a", 200_000, 10_000));
+    s.on_event(1, Event::EdgeGone { edge: EdgeId(1) });
+    assert!(s.age_floors.is_empty());
 }
 
 #[test]
@@ -1095,6 +1157,7 @@ fn frame_of(id: u64, edge: u64, camera: &str, deadline: Micros) -> Event {
         camera: camera.into(),
         model: "m".into(),
         deadline,
+        age: 0,
     })
 }
 

@@ -665,6 +665,7 @@ impl FrameStream {
                 edge: self.edge,
                 frame,
                 deadline: self.clock.instant(admission.deadline_us),
+                age: Duration::from_micros(admission.age_us),
             })
             .await;
     }
