@@ -1547,6 +1547,39 @@ mod node {
         assert_eq!(r.disconnects, [0; 5], "{r:?}");
     }
 
+    /// A gateway that answers every frame 300 ms after reading it, and a
+    /// node with one 20 fps test camera of `budget_ms` on it.
+    fn answering_after_300_ms(budget_ms: u32) -> (FakeGateway, Node) {
+        let gw = FakeGateway::start_as(Behaviour {
+            answer_after: Some(Duration::from_millis(300)),
+            ..Behaviour::default()
+        });
+        let node = Node::start_cfg(edge_config(
+            &gw,
+            &format!(
+                "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nbudget_ms = {budget_ms}"
+            ),
+        ));
+        (gw, node)
+    }
+
+    /// A stopped node's camera: nothing awaits a result, and every frame it
+    /// handed to the uplink ended exactly once.
+    fn each_frame_ended_once(c: &CameraSummary) {
+        assert_eq!(c.awaiting, 0, "{c:?}");
+        assert_eq!(
+            c.handed,
+            c.results
+                + c.reset_superseded
+                + c.reset_expired
+                + c.refused
+                + c.lost
+                + c.lost_connection
+                + c.gave_up,
+            "every frame handed ends once: {c:?}"
+        );
+    }
+
     /// A shutdown (SIGTERM in the binary) stops the cameras and waits for
     /// the results of the frames still out: the gateway answers each frame
     /// 300 ms after reading it, within the 2 s budget, and no frame the
@@ -1554,14 +1587,7 @@ mod node {
     /// edge loses no answer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_shutdown_waits_for_the_results_of_the_frames_still_out() {
-        let gw = FakeGateway::start_as(Behaviour {
-            answer_after: Some(Duration::from_millis(300)),
-            ..Behaviour::default()
-        });
-        let mut node = Node::start_cfg(edge_config(
-            &gw,
-            "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nbudget_ms = 2000",
-        ));
+        let (gw, mut node) = answering_after_300_ms(2000);
         // Frames out and unanswered at the moment of the shutdown: 300 ms
         // of a 20 fps camera.
         node.camera("results, and frames awaiting theirs", |c| {
@@ -1570,17 +1596,12 @@ mod node {
         .await;
         let summary = node.stop().await;
         let c = &summary.cameras[0];
-        assert_eq!(c.awaiting, 0, "{c:?}");
+        each_frame_ended_once(c);
         assert_eq!(c.lost_connection, 0, "{c:?}");
         assert_eq!(
             c.results,
             gw.frames().len() as u64,
             "every frame the gateway read has its result: {c:?}"
-        );
-        assert_eq!(
-            c.handed,
-            c.results + c.reset_superseded + c.reset_expired + c.refused + c.lost + c.gave_up,
-            "every frame handed ends once: {c:?}"
         );
     }
 
@@ -1603,19 +1624,9 @@ mod node {
             .await;
         let summary = node.stop().await;
         let c = &summary.cameras[0];
-        assert_eq!(c.awaiting, 0, "{c:?}");
+        each_frame_ended_once(c);
         assert_eq!(c.results, 0, "{c:?}");
         assert!(c.lost_connection >= 3, "{c:?}");
-        assert_eq!(
-            c.handed,
-            c.reset_superseded
-                + c.reset_expired
-                + c.refused
-                + c.lost
-                + c.lost_connection
-                + c.gave_up,
-            "every frame handed ends once: {c:?}"
-        );
     }
 
     /// The gateway answers each frame 300 ms after reading it, and drops
@@ -1625,14 +1636,7 @@ mod node {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn frames_awaiting_their_results_are_lost_with_the_connection_and_every_frame_ends_once()
     {
-        let gw = FakeGateway::start_as(Behaviour {
-            answer_after: Some(Duration::from_millis(300)),
-            ..Behaviour::default()
-        });
-        let mut node = Node::start_cfg(edge_config(
-            &gw,
-            "uri = \"test://ball?width=320&height=240\"\nmax_fps = 20\nbudget_ms = 5000",
-        ));
+        let (gw, mut node) = answering_after_300_ms(5000);
         node.camera("results on the first connection", |c| c.results >= 5)
             .await;
         gw.kick.notify_one();
@@ -1651,18 +1655,7 @@ mod node {
         .await;
         let summary = node.stop().await;
         let c = &summary.cameras[0];
-        assert_eq!(c.awaiting, 0, "{c:?}");
-        assert_eq!(
-            c.handed,
-            c.results
-                + c.reset_superseded
-                + c.reset_expired
-                + c.refused
-                + c.lost
-                + c.lost_connection
-                + c.gave_up,
-            "every frame handed ends once: {c:?}"
-        );
+        each_frame_ended_once(c);
         assert!(c.lost_connection >= lost.lost_connection, "{c:?}");
     }
 
