@@ -131,8 +131,13 @@ impl Scheduler {
         let model = q.arrival.model.as_str();
         if !self.can_make_it(now, model, q.arrival.deadline, best, own_ahead) {
             let (status, capacity) = if excess > 0
-                && self.can_make_it(now, model, q.arrival.deadline + excess, best, own_ahead)
-            {
+                && self.can_make_it(
+                    now,
+                    model,
+                    q.arrival.deadline.saturating_add(excess),
+                    best,
+                    own_ahead,
+                ) {
                 // It would have made it at its link's usual pace: the
                 // link's queues ate its time, not the workers'.
                 (ShedReason::LateOnArrival, false)
