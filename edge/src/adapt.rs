@@ -520,7 +520,12 @@ impl LinkFit {
             uplink_queued: others_queued > 0 && !self.stepped_down,
             swelling,
         };
-        if pressure.missed || pressure.late || pressure.queued || pressure.uplink || swelling {
+        if pressure.missed
+            || pressure.late
+            || pressure.queued
+            || pressure.uplink
+            || pressure.swelling
+        {
             return Verdict::Pressed(pressure);
         }
         let roomy =

@@ -27,7 +27,6 @@ impl State {
                 edge = %edge.name,
                 camera = %h.camera,
                 max_fps = h.max_fps,
-                cause = "workers",
                 "frame-rate hint: frames lost to the workers' capacity"
             );
             let hint = ControlHint {
