@@ -8,7 +8,7 @@ use tidegate_lease::Catalog;
 use tidegate_lease::autoscale::{PolicyName, UnknownPolicy};
 use tidegate_lease::catalog::CatalogError;
 use tidegate_lease::sim::{self, SimOptions, SimReport};
-use tidegate_lease::trace::{Trace, TraceError};
+use tidegate_lease::trace::{Trace, TraceError, history_days_for};
 
 /// What to simulate.
 #[derive(Debug, Clone)]
@@ -71,13 +71,24 @@ pub fn simulate(args: &SimulateArgs) -> Result<SimReport, SimulateError> {
         None => Catalog::default_catalog(),
     };
     let trace = Trace::load(&args.trace)?;
-    let mut opts = SimOptions::default();
-    if let Some(seed) = args.seed {
-        opts.seed = seed;
-    }
+    let opts = options(&trace, args.seed);
     let span = tracing::info_span!("simulate", trace = %trace.name, %policy);
     let _enter = span.enter();
     Ok(sim::simulate(&trace, policy, &catalog, &opts))
+}
+
+/// The simulator's options for `trace`: its defaults, the days of history
+/// a shipped trace of that name starts with (`trace::history_days_for`: a
+/// week for `office-week`, else one), and `seed` if given.
+fn options(trace: &Trace, seed: Option<u64>) -> SimOptions {
+    let mut opts = SimOptions {
+        history_days: history_days_for(&trace.name),
+        ..SimOptions::default()
+    };
+    if let Some(seed) = seed {
+        opts.seed = seed;
+    }
+    opts
 }
 
 /// An error's text on one line (TOML parse errors quote the source over
@@ -159,10 +170,7 @@ pub fn own_vs_rent(args: &OwnArgs) -> Result<tidegate_lease::own::RentVsOwn, Sim
         None => Catalog::default_catalog(),
     };
     let trace = Trace::load(&args.trace)?;
-    let mut opts = SimOptions::default();
-    if let Some(seed) = args.seed {
-        opts.seed = seed;
-    }
+    let opts = options(&trace, args.seed);
     // the owned fleet is static-peak's and serves what it serves
     let fleet = sim::simulate(&trace, PolicyName::StaticPeak, &catalog, &opts);
     let rentals: Vec<(String, f64, f64)> = policies

@@ -4,8 +4,9 @@
 //!
 //! Each trace is replayed through the real autoscaler under every policy
 //! with its catalog (the default one, or the one `trace::catalog_for`
-//! names: V100s for `burst-72h-v100`) and the default simulator options
-//! (the cloud: the catalog's `[cloud]`, or the `--cloud` preset);
+//! names: V100s for `burst-72h-v100`), its history (`trace::history_days_for`:
+//! a week for `office-week`) and the default simulator options (the cloud:
+//! the catalog's `[cloud]`, or the `--cloud` preset);
 //! the `vs static` column is the cost relative to `static-peak` on the
 //! same trace. `make bench-leasing` runs the same over seeds and clouds.
 
@@ -15,7 +16,7 @@ use tidegate_lease_core::autoscale::PolicyName;
 use tidegate_lease_core::catalog::Catalog;
 use tidegate_lease_core::cloud::{CloudConfig, CloudPreset};
 use tidegate_lease_core::sim::{SimOptions, simulate, table_header, table_row};
-use tidegate_lease_core::trace::{SHIPPED, Trace, catalog_for};
+use tidegate_lease_core::trace::{SHIPPED, Trace, catalog_for, history_days_for};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -50,6 +51,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let catalog = match catalog_for(name) {
             Some(file) => Catalog::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join(file))?,
             None => default_catalog.clone(),
+        };
+        let opts = SimOptions {
+            history_days: history_days_for(name),
+            ..opts.clone()
         };
         let reports: Vec<_> = PolicyName::ALL
             .into_iter()

@@ -330,6 +330,16 @@ pub fn catalog_for(name: &str) -> Option<&'static str> {
         .and_then(|s| s.catalog)
 }
 
+/// The days of history a shipped trace starts with, which the simulator
+/// does not replay (`sim::SimOptions::history_days`): the generator's for
+/// the suite's traces (a week for `office-week`), else one.
+pub fn history_days_for(name: &str) -> u32 {
+    crate::tracegen::suite()
+        .into_iter()
+        .find(|s| s.name == name)
+        .map_or(1, |s| s.spec.shape.history_days())
+}
+
 /// The comment written at the top of a shipped trace's CSV.
 pub fn describe(name: &str) -> Result<String, TraceError> {
     if let Some(s) = crate::tracegen::suite()

@@ -8,12 +8,14 @@
 //! from [`SplitMix64`]), so a committed trace can be checked byte for byte
 //! against its generator.
 //!
-//! The simulator takes a trace's first day as history (its minimum sizes
-//! the reserved floor; it is not replayed: `sim::SimOptions::history_days`).
-//! The `weekly` and `burst` kinds therefore start with `history_days` days
-//! of their quiet level (the weekend before the Monday; the burst's base
-//! without bursts), so that the window replayed is the office week or the
-//! burst itself.
+//! The simulator takes a trace's first days as history (their minimum
+//! sizes the reserved floor; they are not replayed:
+//! `sim::SimOptions::history_days`, one day unless
+//! `trace::history_days_for` says otherwise). The `weekly` and `burst`
+//! kinds therefore start with `history_days` days before the window they
+//! are about (a whole office week before the one replayed, since one day
+//! cannot show a week's lowest load; the burst's base without bursts), so
+//! that the window replayed is the office week or the burst itself.
 //!
 //! | kind | shape |
 //! |---|---|
@@ -153,8 +155,9 @@ impl Default for Diurnal {
 }
 
 /// `weekly`: an office week from Monday 00:00 UTC, after `history_days`
-/// days of the weekend before it (so the trace starts on a Sunday by
-/// default, 00:00 UTC). On weekdays the
+/// days before it (by default a whole office week, so the trace starts on
+/// a Monday, 00:00 UTC, and the simulator sizes the reserved floor from a
+/// week of history, weekday nights included: `trace::history_days_for`). On weekdays the
 /// load ramps from the night level up to the business level from
 /// `open_at_h` and back down from `close_at_h`, dipping by `lunch_dip` for
 /// `lunch_hours` from `lunch_at_h` (15-minute edges); Saturday and Sunday
@@ -163,7 +166,8 @@ impl Default for Diurnal {
 pub struct Weekly {
     /// Length in weeks, after the history days.
     pub weeks: u32,
-    /// Days before the first Monday (the weekend before it).
+    /// Days before the first Monday: history, which the simulator does not
+    /// replay (7: the week before; 1: the Sunday before).
     pub history_days: u32,
     /// Weekday nights (GPUs).
     pub night_gpus: f64,
@@ -191,7 +195,7 @@ impl Default for Weekly {
     fn default() -> Weekly {
         Weekly {
             weeks: 1,
-            history_days: 1,
+            history_days: 7,
             night_gpus: 15.0,
             weekend_gpus: 25.0,
             business_gpus: 220.0,
@@ -380,6 +384,17 @@ impl Shape {
             Kind::Growth => Shape::Growth(Growth::default()),
             Kind::Flip => Shape::Flip(Flip::default()),
             Kind::Noise => Shape::Noise(Noise::default()),
+        }
+    }
+
+    /// The days of history before the window the shape is about: the
+    /// `weekly` and `burst` kinds' `history_days`, one day for the others
+    /// (the simulator's default).
+    pub fn history_days(&self) -> u32 {
+        match self {
+            Shape::Weekly(p) => p.history_days,
+            Shape::Burst(p) => p.history_days,
+            _ => 1,
         }
     }
 
@@ -883,9 +898,15 @@ mod tests {
     #[test]
     fn the_office_week_dips_at_lunch_and_is_quiet_at_night_and_at_weekends() {
         let t = TraceSpec::new(Kind::Weekly).generate("w", 9).unwrap();
-        // a Sunday of history, then Monday to Sunday
-        let g = gpus(&t, FPS_PER_GPU)[1440..].to_vec();
-        assert_eq!(g.len(), 7 * 1440);
+        // a week of history, then Monday to Sunday; the history is the
+        // same week
+        let all = gpus(&t, FPS_PER_GPU);
+        assert_eq!(all.len(), 14 * 1440);
+        let history = all[..7 * 1440].to_vec();
+        assert!((13.0..=17.0).contains(&hour_mean(&history, 0, 3)));
+        assert!((210.0..=230.0).contains(&hour_mean(&history, 4, 10)));
+        assert!((23.0..=27.0).contains(&hour_mean(&history, 6, 10)));
+        let g = all[7 * 1440..].to_vec();
         for day in 0..5 {
             let morning = hour_mean(&g, day, 10);
             let noon = day * 1440 + 12 * 60;

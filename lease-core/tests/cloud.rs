@@ -7,8 +7,8 @@ use tidegate_lease_core::autoscale::PolicyName;
 use tidegate_lease_core::catalog::{Capacity, Catalog, CatalogError, Money, Tier};
 use tidegate_lease_core::cloud::{CloudConfig, CloudPreset, InterruptionCause};
 use tidegate_lease_core::lifecycle::{EndReason, LeaseState};
-use tidegate_lease_core::sim::{SimOptions, SimReport, simulate};
-use tidegate_lease_core::trace::Trace;
+use tidegate_lease_core::sim::{SimOptions, SimReport, policy_config, simulate, split_history};
+use tidegate_lease_core::trace::{Trace, history_days_for};
 
 /// Rows of `(minutes, fps)` for model `m`.
 fn trace(segments: &[(u64, f64)]) -> Trace {
@@ -134,6 +134,42 @@ fn the_reserved_floor_comes_from_history_and_history_is_not_scored() {
     assert_eq!(short.history_hours, 0.0);
     assert!(short.reserved.commitments.is_empty());
     assert_eq!(short.reserved.commitment_cost, Money::ZERO);
+}
+
+#[test]
+fn the_office_weeks_floor_is_sized_from_a_week_of_history_weekday_nights_included() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let t = Trace::load(&dir.join("office-week.csv")).unwrap();
+    assert_eq!(history_days_for("office-week"), 7);
+    assert_eq!(history_days_for("day-night"), 1);
+    assert_eq!(history_days_for("no-such-trace"), 1);
+    let opts = SimOptions {
+        history_days: history_days_for("office-week"),
+        ..SimOptions::default()
+    };
+    let split = split_history(&t, &opts);
+    let history = split.history.expect("a week of history");
+    assert_eq!(history.end_ms(), 7 * 86_400_000);
+    let catalog = Catalog::default_catalog();
+    let cfg = policy_config(&t, PolicyName::PaidBlockAware, &catalog, &opts);
+    let floor = cfg.reserved.iter().map(|f| f.count).sum::<u32>();
+    // the scored week's lowest load (a weekday night, about 15 GPUs of
+    // 1000 fps) keeps every committed H100 (1005 fps) busy; a Sunday alone
+    // (25 GPUs) would commit more
+    let lowest = split.scored.min_fps_until(split.scored.end_ms())["detector"];
+    assert!(floor > 0, "{cfg:?}");
+    assert!(
+        f64::from(floor) * 1000.0 <= lowest,
+        "floor {floor} against {lowest} fps"
+    );
+    let sunday = trace(&[(1440, 25_000.0), (120, 25_000.0)]);
+    let one_day = policy_config(
+        &sunday,
+        PolicyName::PaidBlockAware,
+        &catalog,
+        &SimOptions::default(),
+    );
+    assert!(one_day.reserved[0].count > floor, "{one_day:?}");
 }
 
 #[test]

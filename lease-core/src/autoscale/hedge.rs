@@ -16,10 +16,17 @@
 //!
 //! It must not acquire or pick a tier: the scaling (`scale.rs`) keeps that
 //! many workers of on-demand capacity above the target.
+//!
+//! The same measured rate decides whether an on-demand lease is handed
+//! back to spot at its block end ([`spot_overhead`]): each interruption
+//! costs GPU-hours that serve nothing (the rest of the reclaimed lease's
+//! block, the on-demand replacement's start-up, and the start-up of the
+//! spot lease that later takes over from it), and on a pool reclaimed
+//! often enough those outweigh what the hand-over is for.
 
 use std::collections::VecDeque;
 
-use crate::billing::Millis;
+use crate::billing::{Granularity, Millis};
 
 /// The weight of the catalog's interruption rate, in spot lease-hours.
 pub(super) const PRIOR_LEASE_HOURS: f64 = 20.0;
@@ -92,6 +99,24 @@ pub(super) fn reserve_workers(
     }
 }
 
+/// The GPU-hours a spot lease is expected to pay without serving, per
+/// hour it serves, at `rate_per_hour` interruptions: each interruption
+/// pays the rest of the reclaimed lease's billing block (half of it on
+/// average; nothing more than its minimum with per-second billing), the start-up of its
+/// on-demand replacement, and the start-up of the spot lease that takes
+/// over from that replacement at its block end (`startup_ms` each).
+pub(super) fn spot_overhead(
+    rate_per_hour: f64,
+    startup_ms: Millis,
+    granularity: Granularity,
+) -> f64 {
+    let block_left = match granularity {
+        Granularity::Hour => 0.5,
+        Granularity::Second { .. } => 0.0,
+    };
+    rate_per_hour.max(0.0) * (block_left + 2.0 * startup_ms as f64 / HOUR_MS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,5 +184,27 @@ mod tests {
         assert_eq!(reserve_workers(0.4, 200, 420_000, 0.0), 0);
         assert_eq!(reserve_workers(f64::NAN, 200, 420_000, 2.0), 0);
         assert_eq!(reserve_workers(10.0, 5, HOUR, 3.0), 5);
+    }
+
+    #[test]
+    fn spot_overhead_is_the_block_left_and_two_start_ups_per_interruption() {
+        // 0.4 an hour, hourly blocks, 420 s start-ups: 0.4 × (0.5 + 2 × 420 / 3600)
+        let hourly = spot_overhead(0.4, 420_000, Granularity::Hour);
+        assert!(
+            (hourly - 0.4 * (0.5 + 840.0 / 3600.0)).abs() < 1e-12,
+            "{hourly}"
+        );
+        // per-second billing loses no rest of a block
+        let per_second = spot_overhead(0.4, 420_000, Granularity::Second { minimum_secs: 60 });
+        assert!(
+            (per_second - 0.4 * 840.0 / 3600.0).abs() < 1e-12,
+            "{per_second}"
+        );
+        assert_eq!(spot_overhead(0.0, 420_000, Granularity::Hour), 0.0);
+        assert_eq!(
+            spot_overhead(-1.0, 420_000, Granularity::Hour),
+            0.0,
+            "no negative rate"
+        );
     }
 }

@@ -55,7 +55,10 @@
 //! such on-demand leases back to spot: a start-up before an on-demand
 //! lease's block ends, its capacity stops counting for scale-up (a spot
 //! lease starts), and at the block end it is released as surplus if the
-//! spot lease is ready by then; if not, it is kept for another block.
+//! spot lease is ready by then; if not, it is kept for another block. It
+//! does so only while spot's measured interruption rate makes each hand-over
+//! worth its start-up (`handover_max_overhead`): on a pool reclaimed often,
+//! the on-demand leases are kept.
 //! With `hedge_margin` set (off by default), paid-block-aware also holds
 //! an on-demand reserve above its targets, sized to the interruption rate
 //! its notices measure (`hedge.rs`), so the next wave does not take the
@@ -257,6 +260,20 @@ pub struct PolicyConfig {
     /// 4.6 % more GPU-hours there (docs/leasing.md).
     #[serde(default = "default_hedge_margin")]
     pub hedge_margin: f64,
+    /// Paid-block-aware: an on-demand lease is handed back to spot at its
+    /// block end only while spot's expected overhead, at the interruption
+    /// rate measured over `hedge_window` (`hedge.rs`, `spot_overhead`: the
+    /// GPU-hours each interruption pays without serving, per hour a spot
+    /// lease serves), is at most this. Above it the pool is reclaimed too
+    /// often for a hand-over to pay: the on-demand lease is kept, and
+    /// scale-up still leases spot. 0.1 by default: at the default
+    /// catalog's rates (0.01–0.05 interruptions an hour, 150 s start-ups)
+    /// it hands over; on the harsh cloud (ten times as many, 420 s
+    /// start-ups) handing over paid 0.6–11 % more GPU-hours than
+    /// idle-timeout-spot on every smooth trace, and keeping paid fewer on
+    /// five of six (docs/leasing.md).
+    #[serde(default = "default_handover_max_overhead")]
+    pub handover_max_overhead: f64,
     /// Paid-block-aware: the window the spot interruption rate is measured
     /// over.
     #[serde(default = "default_hedge_window_ms")]
@@ -296,6 +313,7 @@ impl PolicyConfig {
             down_window_ms: 10 * 60_000,
             renew_horizon_ms: default_renew_horizon_ms(),
             hedge_margin: default_hedge_margin(),
+            handover_max_overhead: default_handover_max_overhead(),
             hedge_window_ms: default_hedge_window_ms(),
             surplus_hold_ms: 2 * 60_000,
             idle_timeout_ms: 5 * 60_000,
@@ -318,6 +336,10 @@ fn default_renew_horizon_ms() -> Millis {
 
 fn default_hedge_margin() -> f64 {
     0.0
+}
+
+fn default_handover_max_overhead() -> f64 {
+    0.1
 }
 
 fn default_hedge_window_ms() -> Millis {
@@ -1182,6 +1204,18 @@ mod tests {
         ));
     }
 
+    /// Whether `acts` is one spot acquire for a rebalance (a hand-over).
+    fn one_spot_rebalance(acts: &[Action]) -> bool {
+        matches!(
+            acts,
+            [Action::Acquire {
+                tier: Tier::Spot,
+                reason: AcquireReason::Rebalance,
+                ..
+            }]
+        )
+    }
+
     #[test]
     fn paid_block_aware_hands_an_on_demand_lease_over_to_spot_at_its_block_end() {
         let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
@@ -1197,17 +1231,7 @@ mod tests {
         // a start-up (150 s) + window (3 min) + a tick before the block end:
         // a spot replacement starts
         let acts = a.on_event(54 * 60_000, tick(vec![od.clone()]));
-        assert!(
-            matches!(
-                &acts[..],
-                [Action::Acquire {
-                    tier: Tier::Spot,
-                    reason: AcquireReason::Rebalance,
-                    ..
-                }]
-            ),
-            "{acts:?}"
-        );
+        assert!(one_spot_rebalance(&acts), "{acts:?}");
         // still starting at 56 min: nothing to do yet
         let spot = view(2, Tier::Spot, 54 * 60_000, LeaseState::Starting);
         let acts = a.on_event(56 * 60_000, tick(vec![od.clone(), spot.clone()]));
@@ -1914,5 +1938,62 @@ mod tests {
         assert_eq!(expected, 5);
         assert_eq!(run(2.0), (expected, expected, 30 + expected));
         assert_eq!(run(0.0), (0, 0, 30), "a margin of 0 holds no reserve");
+    }
+
+    #[test]
+    fn an_on_demand_lease_is_kept_rather_than_handed_to_a_spot_pool_reclaimed_often() {
+        // 20 spot leases and one on-demand lease (paid from 0) serve 2,100
+        // fps; at 10 minutes `reclaimed` of the spot leases get a notice
+        let run = |reclaimed: u64| -> Vec<Action> {
+            let mut a =
+                Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+            let od = view(100, Tier::OnDemand, 0, LeaseState::Ready);
+            let mut fleet = spot_fleet(1, 20, 0);
+            fleet.push(od.clone());
+            let quiet = tick_minutes(&mut a, 0, 10 * 60_000, &fleet, |_| 2_100.0);
+            assert!(quiet.is_empty(), "{quiet:?}");
+            for id in 1..=reclaimed {
+                let acts = a.on_event(
+                    10 * 60_000 + 1,
+                    Event::PreemptionNotice {
+                        lease: LeaseId(id),
+                        deadline: 12 * 60_000,
+                    },
+                );
+                assert_eq!(acquires(&acts), 1, "replaced on demand at once: {acts:?}");
+            }
+            // the reclaimed leases are gone and their replacements serve
+            let mut after = spot_fleet(reclaimed + 1, 20 - reclaimed, 0);
+            after.extend(
+                (200..200 + reclaimed)
+                    .map(|id| view(id, Tier::OnDemand, 10 * 60_000, LeaseState::Ready)),
+            );
+            after.push(od);
+            let quiet = tick_minutes(&mut a, 11 * 60_000, 53 * 60_000, &after, |_| 2_100.0);
+            assert!(quiet.is_empty(), "{quiet:?}");
+            // a start-up, the release window and a tick before the first
+            // on-demand lease's block ends
+            a.on_event(
+                54 * 60_000,
+                Event::Tick(Observation {
+                    models: vec![load(2_100.0)],
+                    leases: after,
+                }),
+            )
+        };
+        // a calm pool: the catalog's rate, far below the bar
+        let it = Catalog::default_catalog().get("a100").cloned().unwrap();
+        let calm = hedge::spot_overhead(it.spot_interruptions_per_hour, 150_000, it.granularity);
+        assert!(calm < PolicyConfig::new(PolicyName::PaidBlockAware).handover_max_overhead);
+        let acts = run(0);
+        assert!(
+            one_spot_rebalance(&acts),
+            "a calm pool takes the hand-over: {acts:?}"
+        );
+        // half the pool reclaimed in 10 minutes: about 0.3 an hour measured
+        // (with the prior), an overhead twice the bar's; the on-demand
+        // lease is kept for another block, and nothing is acquired
+        let acts = run(10);
+        assert!(acts.is_empty(), "{acts:?}");
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::{BTreeSet, VecDeque};
 
 use super::forecast::{Horizon, renewal_demand};
-use super::hedge::reserve_workers;
+use super::hedge::{reserve_workers, spot_overhead};
 use super::{AcquireReason, Action, Autoscaler, LeaseView, ModelLoad, PolicyName};
 use crate::billing::{Granularity, Millis};
 use crate::catalog::{Money, Tier};
@@ -83,7 +83,10 @@ impl Autoscaler {
         targets.down += hedge;
         let capacity = self.serving_fps(load, &mine, |_| true);
         let spot_ok = self.spot_ok(now, &load.model);
-        let retiring = self.retiring_fps(now, load, &mine, spot_ok, hedge);
+        let hand_over = spot_ok
+            && self.cfg.policy == PolicyName::PaidBlockAware
+            && self.spot_worth_handing_over(load);
+        let retiring = self.retiring_fps(now, load, &mine, hand_over, hedge);
         // on-demand capacity that stays counts towards the hedge first
         let od_kept = self.serving_fps(load, &mine, |l| l.tier == Tier::OnDemand) - retiring;
         let hedge_met = od_kept.clamp(0.0, hedge);
@@ -227,6 +230,23 @@ impl Autoscaler {
         }
     }
 
+    /// `paid-block-aware`: whether an on-demand lease may be handed back
+    /// to spot, the cheapest spot type's expected overhead at the measured
+    /// interruption rate (the catalog's as the prior) being at most
+    /// `handover_max_overhead`.
+    fn spot_worth_handing_over(&self, load: &ModelLoad) -> bool {
+        let Some((ty, _, _)) = self.best_type(load, Tier::Spot, |_| true) else {
+            return false;
+        };
+        let Some(it) = self.catalog.get(&ty) else {
+            return false;
+        };
+        let rate = self.models[&load.model]
+            .spot
+            .rate_per_hour(it.spot_interruptions_per_hour);
+        spot_overhead(rate, self.startup_ms(&ty), it.granularity) <= self.cfg.handover_max_overhead
+    }
+
     /// Paid-block-aware rebalancing: the capacity of the on-demand leases
     /// (a preemption replacement, or bought while spot was refused) whose
     /// block ends within a start-up. It is not counted for scale-up, so a
@@ -235,16 +255,18 @@ impl Autoscaler {
     /// ready by then, the lease is kept for another block: see the
     /// scale-down). A lease with no billing start yet is taken to start now
     /// (`LeaseView::paid_until`), so it is not retiring. The on-demand
-    /// capacity the spot hedge holds (`hedge` fps) is not handed over.
+    /// capacity the spot hedge holds (`hedge` fps) is not handed over, and
+    /// nothing is while `hand_over` is false (spot refused recently, or
+    /// reclaimed too often: [`Autoscaler::spot_worth_handing_over`]).
     fn retiring_fps(
         &self,
         now: Millis,
         load: &ModelLoad,
         mine: &[LeaseView],
-        spot_ok: bool,
+        hand_over: bool,
         hedge: f64,
     ) -> f64 {
-        if self.cfg.policy != PolicyName::PaidBlockAware || !spot_ok {
+        if self.cfg.policy != PolicyName::PaidBlockAware || !hand_over {
             return 0.0;
         }
         let ending = self.serving_fps(load, mine, |l| {
