@@ -8,7 +8,7 @@ use tidegate_lease::Catalog;
 use tidegate_lease::autoscale::{PolicyName, UnknownPolicy};
 use tidegate_lease::catalog::CatalogError;
 use tidegate_lease::sim::{self, SimOptions, SimReport};
-use tidegate_lease::trace::{Trace, TraceError, history_days_for};
+use tidegate_lease::trace::{Trace, TraceError};
 
 /// What to simulate.
 #[derive(Debug, Clone)]
@@ -81,10 +81,7 @@ pub fn simulate(args: &SimulateArgs) -> Result<SimReport, SimulateError> {
 /// a shipped trace of that name starts with (`trace::history_days_for`: a
 /// week for `office-week`, else one), and `seed` if given.
 fn options(trace: &Trace, seed: Option<u64>) -> SimOptions {
-    let mut opts = SimOptions {
-        history_days: history_days_for(&trace.name),
-        ..SimOptions::default()
-    };
+    let mut opts = SimOptions::for_trace(&trace.name);
     if let Some(seed) = seed {
         opts.seed = seed;
     }

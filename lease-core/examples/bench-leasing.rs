@@ -31,7 +31,7 @@ use tidegate_lease_core::autoscale::PolicyName;
 use tidegate_lease_core::catalog::Catalog;
 use tidegate_lease_core::cloud::{CloudConfig, CloudPreset};
 use tidegate_lease_core::sim::{SimOptions, simulate};
-use tidegate_lease_core::trace::{SHIPPED, Trace, catalog_for, history_days_for, is_smooth};
+use tidegate_lease_core::trace::{SHIPPED, Trace, catalog_for, is_smooth};
 
 /// The seeds, in the order `--seeds N` takes them.
 const SEEDS: [u64; 3] = [42, 7, 2026];
@@ -178,10 +178,7 @@ fn load_inputs(only: &[&String]) -> Result<Vec<Input>, Box<dyn std::error::Error
             Some(file) => Catalog::load(&dir.join(file))?,
             None => Catalog::default_catalog(),
         };
-        let opts = SimOptions {
-            history_days: history_days_for(name),
-            ..SimOptions::default()
-        };
+        let opts = SimOptions::for_trace(name);
         let hard = harsh(&catalog, &opts);
         inputs.push(Input {
             trace,

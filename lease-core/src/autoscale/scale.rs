@@ -83,10 +83,7 @@ impl Autoscaler {
         targets.down += hedge;
         let capacity = self.serving_fps(load, &mine, |_| true);
         let spot_ok = self.spot_ok(now, &load.model);
-        let hand_over = spot_ok
-            && self.cfg.policy == PolicyName::PaidBlockAware
-            && self.spot_worth_handing_over(load);
-        let retiring = self.retiring_fps(now, load, &mine, hand_over, hedge);
+        let retiring = self.retiring_fps(now, load, &mine, spot_ok, hedge);
         // on-demand capacity that stays counts towards the hedge first
         let od_kept = self.serving_fps(load, &mine, |l| l.tier == Tier::OnDemand) - retiring;
         let hedge_met = od_kept.clamp(0.0, hedge);
@@ -256,17 +253,18 @@ impl Autoscaler {
     /// scale-down). A lease with no billing start yet is taken to start now
     /// (`LeaseView::paid_until`), so it is not retiring. The on-demand
     /// capacity the spot hedge holds (`hedge` fps) is not handed over, and
-    /// nothing is while `hand_over` is false (spot refused recently, or
-    /// reclaimed too often: [`Autoscaler::spot_worth_handing_over`]).
+    /// nothing is while spot was refused recently (`spot_ok` false) or is
+    /// reclaimed too often ([`Autoscaler::spot_worth_handing_over`], asked
+    /// only when an on-demand block is ending).
     fn retiring_fps(
         &self,
         now: Millis,
         load: &ModelLoad,
         mine: &[LeaseView],
-        hand_over: bool,
+        spot_ok: bool,
         hedge: f64,
     ) -> f64 {
-        if self.cfg.policy != PolicyName::PaidBlockAware || !hand_over {
+        if self.cfg.policy != PolicyName::PaidBlockAware || !spot_ok {
             return 0.0;
         }
         let ending = self.serving_fps(load, mine, |l| {
@@ -274,6 +272,9 @@ impl Autoscaler {
                 && l.paid_until(now).saturating_sub(now)
                     <= self.startup_ms(&l.instance_type) + self.cfg.release_window_ms + 60_000
         });
+        if ending <= 0.0 || !self.spot_worth_handing_over(load) {
+            return 0.0;
+        }
         let on_demand = self.serving_fps(load, mine, |l| l.tier == Tier::OnDemand);
         ending.min((on_demand - hedge).max(0.0))
     }

@@ -194,6 +194,19 @@ impl SimOptions {
     }
 }
 
+impl SimOptions {
+    /// The defaults, with the days of history the shipped trace `name`
+    /// starts with (`trace::history_days_for`: a week for `office-week`,
+    /// else one); what `bench-leasing` and `tidegate-gateway simulate`
+    /// replay a trace with (`compare` sets the same on its own options).
+    pub fn for_trace(name: &str) -> SimOptions {
+        SimOptions {
+            history_days: crate::trace::history_days_for(name),
+            ..SimOptions::default()
+        }
+    }
+}
+
 impl Default for SimOptions {
     fn default() -> SimOptions {
         SimOptions {
