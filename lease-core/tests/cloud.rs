@@ -3,11 +3,13 @@
 //! commitments billed whatever is used, and a reserved floor chosen from
 //! history only.
 
-use tidegate_lease_core::autoscale::PolicyName;
+use tidegate_lease_core::autoscale::{PolicyConfig, PolicyName};
 use tidegate_lease_core::catalog::{Capacity, Catalog, CatalogError, Money, Tier};
 use tidegate_lease_core::cloud::{CloudConfig, CloudPreset, InterruptionCause};
 use tidegate_lease_core::lifecycle::{EndReason, LeaseState};
-use tidegate_lease_core::sim::{SimOptions, SimReport, policy_config, simulate, split_history};
+use tidegate_lease_core::sim::{
+    SimOptions, SimReport, policy_config, simulate, simulate_with, split_history,
+};
 use tidegate_lease_core::trace::{Trace, history_days_for};
 
 /// Rows of `(minutes, fps)` for model `m`.
@@ -221,6 +223,50 @@ fn waves_reclaim_only_spot_leases_and_every_preemption_is_counted_once() {
         "no wave took two leases at once: {wave_times:?}"
     );
     check_refusals_add_up(&r);
+}
+
+/// A lease under a preemption notice serves on until `notice_drain_ms`
+/// before its kill, while its replacement starts; stopping it at the notice
+/// instead (a drain as long as the notice) leaves the fleet short for the
+/// whole start-up, and sheds more.
+#[test]
+fn a_lease_under_notice_serves_until_its_drain_and_the_fleet_sheds_less_for_it() {
+    let t = swinging(12);
+    let catalog = Catalog::default_catalog();
+    let opts = h100(CloudPreset::Harsh);
+    let cfg = policy_config(&t, PolicyName::IdleTimeoutSpot, &catalog, &opts);
+    assert_eq!(cfg.notice_drain_ms, 10_000);
+    let serve_on = simulate_with(&t, cfg.clone(), &catalog, &opts);
+    let at_once = simulate_with(
+        &t,
+        PolicyConfig {
+            notice_drain_ms: 120_000,
+            ..cfg
+        },
+        &catalog,
+        &opts,
+    );
+    for (r, drain) in [(&serve_on, 10_000), (&at_once, 120_000)] {
+        assert!(r.preemptions > 5, "{}", r.preemptions);
+        for l in &r.lease_log {
+            if l.state != LeaseState::Ended(EndReason::Preempted) || l.ready_at.is_none() {
+                continue;
+            }
+            let notice = l.notice_at.unwrap();
+            // served until the drain (to the simulator's 10 s step), then
+            // stopped, and killed at the end of the 120 s notice
+            let stopped = l.stopped_at.unwrap_or_else(|| panic!("{l:?}"));
+            let due = notice + 120_000 - drain;
+            assert!(stopped >= due && stopped < due + 10_000, "{l:?}");
+            assert_eq!(l.ended_at, Some(notice + 120_000), "{l:?}");
+        }
+    }
+    assert!(
+        serve_on.frames_shed < at_once.frames_shed,
+        "serving through the notice shed {} frames, stopping at once {}",
+        serve_on.frames_shed,
+        at_once.frames_shed
+    );
 }
 
 #[test]

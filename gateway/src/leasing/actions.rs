@@ -48,8 +48,11 @@ impl<P: LeaseSource> Shell<P> {
                 Action::Release { lease } => {
                     let due = self.mono() + RELEASE_GRACE.as_millis() as Millis;
                     if self.releases.contains(lease) {
-                        // already being released (or under a spot notice):
-                        // at most a grace from now
+                        // already being released (or under a spot notice,
+                        // perhaps still serving): at most a grace from now
+                        if self.serving(lease) {
+                            self.drain(lease).await;
+                        }
                         self.releases.schedule(lease, due, EndReason::Released);
                         continue;
                     }
@@ -57,12 +60,35 @@ impl<P: LeaseSource> Shell<P> {
                     self.drain(lease).await;
                     self.releases.schedule(lease, due, EndReason::Released);
                 }
-                Action::StopDispatch { lease } => {
+                Action::StopDispatch { lease, at } if at > now => {
+                    // it serves on through its notice until then
+                    let at = self.mono() + (at - now);
+                    self.book.drain_at(lease, at);
+                }
+                Action::StopDispatch { lease, .. } => {
                     info!(%lease, "dispatch to lease stopped");
                     self.drain(lease).await;
                 }
             }
         }
+    }
+
+    /// Dispatch stops to the leases under a spot notice whose drain is due.
+    pub(super) async fn drains_due(&mut self) {
+        for lease in self.book.drains_due(self.mono()) {
+            if self.serving(lease) {
+                info!(%lease, "spot notice: dispatch to lease stopped before its deadline");
+                self.drain(lease).await;
+            }
+        }
+    }
+
+    /// Whether the lease is starting or ready (dispatch not yet stopped).
+    fn serving(&self, lease: LeaseId) -> bool {
+        matches!(
+            self.state(lease),
+            Some(LeaseState::Starting | LeaseState::Ready)
+        )
     }
 
     /// The hub stops dispatching to the lease's worker; a starting or
@@ -100,7 +126,7 @@ impl<P: LeaseSource> Shell<P> {
                     debug!(%lease, deadline, "spot preemption notice for a lease not live; ignored");
                     return;
                 }
-                warn!(%lease, deadline, "spot preemption notice: draining, replacing");
+                warn!(%lease, deadline, "spot preemption notice: replacing; serving until a drain before the deadline");
                 let actions = self
                     .autoscaler
                     .on_event(now, Event::PreemptionNotice { lease, deadline });

@@ -1,7 +1,8 @@
 //! The lease shell's bookkeeping, pure: which leases' workers are gone and
 //! since when, their stalls, when the connected workers were last written
-//! as seen, the acquisitions and provider releases under way, and the
-//! ledger writes waiting for a retry, in lifecycle order. Every
+//! as seen, the acquisitions and provider releases under way, the leases
+//! under a spot notice that serve on until their drain, and the ledger
+//! writes waiting for a retry, in lifecycle order. Every
 //! time-dependent call takes `now` on the shell's monotonic clock (ms
 //! since it started). It reads no clock, touches no ledger, hub or
 //! provider, and spawns nothing: the shell (`shell.rs`) asks it and
@@ -109,6 +110,9 @@ pub(super) struct LeaseBook<K> {
     acquire_tasks: HashMap<K, LeaseId>,
     /// The lease of each provider release task.
     release_tasks: HashMap<K, LeaseId>,
+    /// Leases under a spot notice that serve on, with when dispatch to
+    /// each stops.
+    drains: BTreeMap<LeaseId, Millis>,
 }
 
 impl<K: Eq + Hash> LeaseBook<K> {
@@ -124,6 +128,7 @@ impl<K: Eq + Hash> LeaseBook<K> {
             acquiring: HashMap::new(),
             acquire_tasks: HashMap::new(),
             release_tasks: HashMap::new(),
+            drains: BTreeMap::new(),
         }
     }
 
@@ -149,10 +154,11 @@ impl<K: Eq + Hash> LeaseBook<K> {
         self.absent.contains_key(&lease)
     }
 
-    /// The lease ended: its absence and stalls are forgotten.
+    /// The lease ended: its absence, stalls and drain are forgotten.
     pub(super) fn ended(&mut self, lease: LeaseId) {
         self.absent.remove(&lease);
         self.stalls.remove(&lease);
+        self.drains.remove(&lease);
     }
 
     /// The leases to replace at `now`, of those `live` says still count
@@ -327,6 +333,34 @@ impl<K: Eq + Hash> LeaseBook<K> {
         }
     }
 
+    // --- spot notices: dispatch stopped before the deadline ---
+
+    /// Dispatch to `lease` stops at `at` (the autoscaler's
+    /// `StopDispatch`); a second time for the same lease keeps the earlier.
+    pub(super) fn drain_at(&mut self, lease: LeaseId, at: Millis) {
+        let due = self.drains.entry(lease).or_insert(at);
+        *due = (*due).min(at);
+    }
+
+    /// When the next drain is due.
+    pub(super) fn next_drain(&self) -> Option<Millis> {
+        self.drains.values().min().copied()
+    }
+
+    /// The leases whose drain is due at `now`, in id order, each named once.
+    pub(super) fn drains_due(&mut self, now: Millis) -> Vec<LeaseId> {
+        let due: Vec<LeaseId> = self
+            .drains
+            .iter()
+            .filter(|(_, at)| **at <= now)
+            .map(|(l, _)| *l)
+            .collect();
+        for l in &due {
+            self.drains.remove(l);
+        }
+        due
+    }
+
     // --- provider releases under way ---
 
     /// A provider release of `lease` runs as `task`. False, and nothing
@@ -402,6 +436,24 @@ mod tests {
                 .gone
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn a_drain_is_due_once_at_the_earliest_time_asked_and_forgotten_when_its_lease_ends() {
+        let mut b = book();
+        let (l1, l2, l3) = (LeaseId(1), LeaseId(2), LeaseId(3));
+        assert_eq!(b.next_drain(), None);
+        b.drain_at(l2, 50_000);
+        b.drain_at(l1, 70_000);
+        b.drain_at(l1, 60_000);
+        b.drain_at(l1, 90_000);
+        b.drain_at(l3, 40_000);
+        b.ended(l3);
+        assert_eq!(b.next_drain(), Some(50_000));
+        assert!(b.drains_due(49_999).is_empty());
+        assert_eq!(b.drains_due(60_000), vec![l1, l2]);
+        assert!(b.drains_due(1_000_000).is_empty(), "each named once");
+        assert_eq!(b.next_drain(), None);
     }
 
     #[test]

@@ -18,9 +18,11 @@
 //!   back; a timer of its own, not the tick) `provider.release` →
 //!   `ended(released)`. A release the provider fails is retried, backing
 //!   off, with the lease kept draining in the ledger: it may still bill,
-//!   so it is never forgotten. `StopDispatch` → the hub stops dispatching;
-//! * provider events: a spot notice drains the worker and goes to the
-//!   autoscaler (which acquires a replacement); `Ended` ends the lease;
+//!   so it is never forgotten. `StopDispatch { at }` → the hub stops
+//!   dispatching then (a timer of its own; at once when `at` has come);
+//! * provider events: a spot notice goes to the autoscaler, which acquires
+//!   a replacement at once and has the worker serve on until
+//!   `notice_drain_ms` before the deadline; `Ended` ends the lease;
 //! * the QUIC server asks it to check a worker's lease token (once) and
 //!   tells it when the worker registered (`ready`) or went away; a process
 //!   or Slurm worker that went away while its lease lives gets its token

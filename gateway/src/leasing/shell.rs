@@ -153,6 +153,11 @@ impl<P: LeaseSource> Shell<P> {
                 .releases
                 .next_due()
                 .map(|at| self.epoch + Duration::from_millis(at));
+            // leases under a spot notice serve until their drain
+            let drain_at = self
+                .book
+                .next_drain()
+                .map(|at| self.epoch + Duration::from_millis(at));
             let far = tokio::time::Instant::now() + Duration::from_secs(3600);
             tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -168,6 +173,9 @@ impl<P: LeaseSource> Shell<P> {
                 _ = tokio::time::sleep_until(release_at.unwrap_or(far)), if release_at.is_some() => {
                     self.release_due().await;
                     self.update_metrics(self.now_ms());
+                }
+                _ = tokio::time::sleep_until(drain_at.unwrap_or(far)), if drain_at.is_some() => {
+                    self.drains_due().await;
                 }
                 Some(joined) = self.acquiring.join_next_with_id(), if !self.acquiring.is_empty() => {
                     self.acquire_answered(joined).await;

@@ -241,7 +241,8 @@ async fn a_long_release_holds_up_neither_the_shell_nor_the_replacement() {
 /// nothing else: the shell answers, the lease is `requested` (counted,
 /// so the autoscaler asks for no other), its worker's login is put off
 /// until the answer, and an operator cannot release it yet; a provider
-/// event for it that comes before the answer is handled after it.
+/// event for it that comes before the answer is handled after it (a spot
+/// notice: replaced at once, drained before the deadline).
 #[tokio::test(start_paused = true)]
 async fn a_slow_acquire_holds_up_nothing_and_its_early_events_wait_for_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -286,11 +287,55 @@ async fn a_slow_acquire_holds_up_nothing_and_its_early_events_wait_for_it() {
         "kept for after the answer"
     );
     script.hold_acquires(false);
-    eventually(GUARD, "the notice drains it once acquired", || async {
-        lease(&l, id).await.state == LeaseState::Draining
+    // once acquired, the notice replaces it at once, and it serves on
+    // through the notice until a drain 10 s before the deadline
+    replaced(&l, id).await;
+    assert_eq!(
+        lease(&l, id).await.state,
+        LeaseState::Starting,
+        "serving on through its notice"
+    );
+    eventually(
+        Duration::from_secs(90),
+        "the notice drains it before its deadline",
+        || async { lease(&l, id).await.state == LeaseState::Draining },
+    )
+    .await;
+    stop(cancel, tracker).await;
+}
+
+/// A lease under a spot notice serves on until its drain; released by an
+/// operator before then, it is drained at once and released within the
+/// grace (ended `preempted`: the notice's reason stands), not left serving
+/// until its worker is stopped under it.
+#[tokio::test(start_paused = true)]
+async fn a_lease_under_notice_released_before_its_drain_is_drained_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "static-peak", 10);
+    let script = Arc::new(Script::default());
+    let (l, cancel, tracker) = start_fake(&cfg, &script).await;
+    let id = first_lease(&l).await;
+    l.registered(id).await;
+    script
+        .report(ProviderEvent::PreemptionNotice {
+            lease: id,
+            deadline: wall_clock_ms() + 120_000,
+        })
+        .await;
+    replaced(&l, id).await;
+    assert_eq!(lease(&l, id).await.state, LeaseState::Ready, "serving on");
+    l.release(id).await.unwrap();
+    assert_eq!(lease(&l, id).await.state, LeaseState::Draining);
+    eventually(GUARD, "released well before its deadline", || async {
+        lease(&l, id).await.state.is_ended()
     })
     .await;
-    replaced(&l, id).await;
+    assert_eq!(
+        lease(&l, id).await.state,
+        LeaseState::Ended(EndReason::Preempted),
+        "the notice's reason stands"
+    );
+    assert_eq!(script.releases_of(id), 1);
     stop(cancel, tracker).await;
 }
 

@@ -50,8 +50,10 @@
 //! `Autoscaler::release_orphans`), so it does not bill and count against
 //! the spend cap for ever.
 //!
-//! On a spot preemption notice: stop dispatching to the lease at once and
-//! acquire an on-demand replacement at once. Paid-block-aware then hands
+//! On a spot preemption notice: acquire an on-demand replacement at once,
+//! and stop dispatching to the lease `notice_drain_ms` before its deadline
+//! (it serves through the notice while the replacement starts; for
+//! scale-up it is gone at once). Paid-block-aware then hands
 //! such on-demand leases back to spot: a start-up before an on-demand
 //! lease's block ends, its capacity stops counting for scale-up (a spot
 //! lease starts), and at the block end it is released as surplus if the
@@ -274,6 +276,16 @@ pub struct PolicyConfig {
     /// five of six (docs/leasing.md).
     #[serde(default = "default_handover_max_overhead")]
     pub handover_max_overhead: f64,
+    /// How long before a preemption notice's deadline dispatch to the
+    /// lease stops (every policy). Until then the lease serves on: a
+    /// notice gives two minutes on the big clouds, and its replacement,
+    /// acquired at the notice, needs a start-up; stopping at the notice
+    /// left the fleet that much short for the whole gap, and shed most of
+    /// the frames the simulator lost to reclaim waves (docs/leasing.md).
+    /// The last batches finish within the frame budget, far inside this.
+    /// 10 s by default; one at least the notice stops dispatch at once.
+    #[serde(default = "default_notice_drain_ms")]
+    pub notice_drain_ms: Millis,
     /// Paid-block-aware: the window the spot interruption rate is measured
     /// over.
     #[serde(default = "default_hedge_window_ms")]
@@ -315,6 +327,7 @@ impl PolicyConfig {
             hedge_margin: default_hedge_margin(),
             handover_max_overhead: default_handover_max_overhead(),
             hedge_window_ms: default_hedge_window_ms(),
+            notice_drain_ms: default_notice_drain_ms(),
             surplus_hold_ms: 2 * 60_000,
             idle_timeout_ms: 5 * 60_000,
             spot_refused_cooloff_ms: 15 * 60_000,
@@ -340,6 +353,10 @@ fn default_hedge_margin() -> f64 {
 
 fn default_handover_max_overhead() -> f64 {
     0.1
+}
+
+fn default_notice_drain_ms() -> Millis {
+    10_000
 }
 
 fn default_hedge_window_ms() -> Millis {
@@ -466,10 +483,15 @@ pub enum Action {
         /// The lease.
         lease: LeaseId,
     },
-    /// Dispatch nothing more to this lease (preemption notice).
+    /// Dispatch nothing more to this lease from `at` (a preemption
+    /// notice: the lease serves through its notice until a drain before
+    /// the deadline, [`PolicyConfig::notice_drain_ms`]). An `at` not after
+    /// the event's `now` stops dispatch at once.
     StopDispatch {
         /// The lease.
         lease: LeaseId,
+        /// From when.
+        at: Millis,
     },
 }
 
@@ -536,7 +558,7 @@ impl Autoscaler {
     pub fn on_event(&mut self, now: Millis, event: Event) -> Vec<Action> {
         match event {
             Event::Tick(obs) => self.on_tick(now, obs),
-            Event::PreemptionNotice { lease, .. } => self.on_notice(now, lease),
+            Event::PreemptionNotice { lease, deadline } => self.on_notice(now, lease, deadline),
             Event::AcquireRefused {
                 model,
                 instance_type,
@@ -796,8 +818,11 @@ impl Autoscaler {
         }
     }
 
-    fn on_notice(&mut self, now: Millis, lease: LeaseId) -> Vec<Action> {
-        let mut actions = vec![Action::StopDispatch { lease }];
+    fn on_notice(&mut self, now: Millis, lease: LeaseId, deadline: Millis) -> Vec<Action> {
+        // the lease serves on until a drain before the kill; for scale-up
+        // it is gone at once, so its replacement starts now
+        let at = deadline.saturating_sub(self.cfg.notice_drain_ms).max(now);
+        let mut actions = vec![Action::StopDispatch { lease, at }];
         self.stopped.insert(lease);
         let Some(view) = self.leases.get(&lease).cloned() else {
             return actions;
@@ -1131,7 +1156,13 @@ mod tests {
                 deadline: cooloff + 121_000,
             },
         );
-        assert_eq!(acts, vec![Action::StopDispatch { lease: LeaseId(7) }]);
+        assert_eq!(
+            acts,
+            vec![Action::StopDispatch {
+                lease: LeaseId(7),
+                at: cooloff + 111_000
+            }]
+        );
         a.on_event(
             cooloff + 60_000,
             Event::Tick(Observation {
@@ -1146,7 +1177,13 @@ mod tests {
                 deadline: cooloff + 181_000,
             },
         );
-        assert_eq!(acts[0], Action::StopDispatch { lease: LeaseId(8) });
+        assert_eq!(
+            acts[0],
+            Action::StopDispatch {
+                lease: LeaseId(8),
+                at: cooloff + 171_000
+            }
+        );
         assert_eq!(acquire_tiers(&acts), vec![Tier::OnDemand]);
     }
 
@@ -1176,7 +1213,7 @@ mod tests {
     }
 
     #[test]
-    fn preemption_notice_stops_dispatch_and_replaces_on_demand_at_once() {
+    fn a_preempted_lease_serves_until_a_drain_before_its_deadline_and_is_replaced_at_once() {
         let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
         let leases = vec![view(1, Tier::Spot, 0, LeaseState::Ready)];
         a.on_event(
@@ -1193,7 +1230,14 @@ mod tests {
                 deadline: 181_000,
             },
         );
-        assert_eq!(acts[0], Action::StopDispatch { lease: LeaseId(1) });
+        // dispatch stops 10 s before the kill, not at the notice
+        assert_eq!(
+            acts[0],
+            Action::StopDispatch {
+                lease: LeaseId(1),
+                at: 171_000
+            }
+        );
         assert!(matches!(
             &acts[1],
             Action::Acquire {
@@ -1202,6 +1246,44 @@ mod tests {
                 ..
             }
         ));
+        assert_eq!(acts.len(), 2);
+        // while it serves on, it is not capacity: the tick after, with it
+        // still ready and its replacement starting, neither acquires more
+        // nor releases either
+        let acts = a.on_event(
+            120_000,
+            Event::Tick(Observation {
+                models: vec![load(90.0)],
+                leases: vec![
+                    view(1, Tier::Spot, 0, LeaseState::Ready),
+                    view(2, Tier::OnDemand, 62_000, LeaseState::Starting),
+                ],
+            }),
+        );
+        assert!(acts.is_empty(), "{acts:?}");
+        // a notice shorter than the drain stops dispatch at once
+        let mut a = Autoscaler::new(cfg(PolicyName::PaidBlockAware), Catalog::default_catalog());
+        a.on_event(
+            60_000,
+            Event::Tick(Observation {
+                models: vec![load(90.0)],
+                leases: vec![view(1, Tier::Spot, 0, LeaseState::Ready)],
+            }),
+        );
+        let acts = a.on_event(
+            61_000,
+            Event::PreemptionNotice {
+                lease: LeaseId(1),
+                deadline: 66_000,
+            },
+        );
+        assert_eq!(
+            acts[0],
+            Action::StopDispatch {
+                lease: LeaseId(1),
+                at: 61_000
+            }
+        );
     }
 
     /// Whether `acts` is one spot acquire for a rebalance (a hand-over).

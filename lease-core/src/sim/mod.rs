@@ -274,6 +274,9 @@ pub struct SimLease {
     pub interruption: Option<InterruptionCause>,
     /// When the reclaim's notice came.
     pub notice_at: Option<Millis>,
+    /// When dispatch to it stopped under that notice (it served on until
+    /// then: `PolicyConfig::notice_drain_ms` before the kill).
+    pub stopped_at: Option<Millis>,
 }
 
 /// Refused acquires, by cause.

@@ -29,6 +29,8 @@ enum Due {
     Ready(LeaseId),
     Notice(LeaseId),
     Kill(LeaseId),
+    /// Dispatch to a lease under notice stops (`Action::StopDispatch`).
+    Stop(LeaseId),
     /// A reclaim wave over `Run::wave_types[k]`.
     Wave(usize),
 }
@@ -325,6 +327,7 @@ impl Run<'_> {
                     }
                 }
                 Due::Notice(id) => self.notice(at, id, InterruptionCause::Background),
+                Due::Stop(id) => self.stop_dispatch(at, id),
                 Due::Wave(k) => self.wave(at, k),
                 Due::Kill(id) => {
                     let i = self.index(id);
@@ -386,6 +389,19 @@ impl Run<'_> {
         }
     }
 
+    /// Lease `id` serves no more from `at`: draining, if it was starting
+    /// or ready (its kill, if it came first, ended it).
+    fn stop_dispatch(&mut self, at: Millis, id: LeaseId) {
+        let i = self.index(id);
+        if matches!(
+            self.leases[i].state,
+            LeaseState::Starting | LeaseState::Ready
+        ) {
+            self.transition(i, LeaseState::Draining);
+            self.leases[i].stopped_at = Some(at);
+        }
+    }
+
     fn transition(&mut self, i: usize, to: LeaseState) {
         let l = &mut self.leases[i];
         match l.state.transition(to) {
@@ -441,15 +457,10 @@ impl Run<'_> {
                     }
                     self.end_lease(i, now, EndReason::Released);
                 }
-                Action::StopDispatch { lease } => {
-                    let i = self.index(lease);
-                    if matches!(
-                        self.leases[i].state,
-                        LeaseState::Starting | LeaseState::Ready
-                    ) {
-                        self.transition(i, LeaseState::Draining);
-                    }
+                Action::StopDispatch { lease, at } if at > now => {
+                    self.due.push(Reverse((at, Due::Stop(lease))));
                 }
+                Action::StopDispatch { lease, .. } => self.stop_dispatch(now, lease),
             }
         }
         let live = self.live.len() as u64;
@@ -488,6 +499,7 @@ impl Run<'_> {
             held_at_end: false,
             interruption: None,
             notice_at: None,
+            stopped_at: None,
         });
         self.report.leases += 1;
         *self
