@@ -95,10 +95,7 @@ impl<P: LeaseSource> Shell<P> {
     /// ready lease is `draining`.
     pub(super) async fn drain(&mut self, lease: LeaseId) {
         self.hub.send(HubMsg::LeaseDraining { lease }).await;
-        if matches!(
-            self.state(lease),
-            Some(LeaseState::Starting | LeaseState::Ready)
-        ) {
+        if self.serving(lease) {
             self.write(lease, LedgerWrite::Draining);
             let _ = self.table.transition(lease, LeaseState::Draining);
         }

@@ -349,15 +349,14 @@ impl<K: Eq + Hash> LeaseBook<K> {
 
     /// The leases whose drain is due at `now`, in id order, each named once.
     pub(super) fn drains_due(&mut self, now: Millis) -> Vec<LeaseId> {
-        let due: Vec<LeaseId> = self
-            .drains
-            .iter()
-            .filter(|(_, at)| **at <= now)
-            .map(|(l, _)| *l)
-            .collect();
-        for l in &due {
-            self.drains.remove(l);
-        }
+        let mut due = Vec::new();
+        self.drains.retain(|lease, at| {
+            let keep = *at > now;
+            if !keep {
+                due.push(*lease);
+            }
+            keep
+        });
         due
     }
 

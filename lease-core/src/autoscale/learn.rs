@@ -61,6 +61,9 @@ pub(super) struct Learner {
     /// Observed over scheduled, per tick with a schedule, over the last
     /// [`CALIBRATE_MS`].
     ratios: VecDeque<(Millis, f64)>,
+    /// The schedule's scale: the highest of `ratios`, at most 1 (1 with
+    /// none); kept up to date by `observe`, read for every slot ahead.
+    scale: Option<f64>,
 }
 
 impl Learner {
@@ -91,6 +94,12 @@ impl Learner {
         {
             self.ratios.pop_front();
         }
+        self.scale = self
+            .ratios
+            .iter()
+            .map(|(_, r)| *r)
+            .reduce(f64::max)
+            .map(|m| m.min(1.0));
         let slots = self.days.entry(day).or_insert_with(|| vec![None; SLOTS]);
         let slot = slot_of(now);
         slots[slot] = Some(slots[slot].map_or(fps, |m: f64| m.min(fps)));
@@ -103,17 +112,7 @@ impl Learner {
         if self.contradicted_day == Some(t / DAY_MS) {
             return 0.0;
         }
-        self.learned(t) * self.scale()
-    }
-
-    /// The schedule's scale: the highest ratio of observed to scheduled
-    /// over the last [`CALIBRATE_MS`], at most 1 (1 with none).
-    fn scale(&self) -> f64 {
-        self.ratios
-            .iter()
-            .map(|(_, r)| *r)
-            .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
-            .map_or(1.0, |m| m.min(1.0))
+        self.learned(t) * self.scale.unwrap_or(1.0)
     }
 
     /// What was learned for `t`'s slot: a week before, else the latest
