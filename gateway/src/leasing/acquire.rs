@@ -217,7 +217,8 @@ impl<P: LeaseSource> Shell<P> {
         } else {
             // the autoscaler hears of every refusal: it asks for
             // that model, type and tier again only after a cool-off
-            // (spot: on-demand instead meanwhile), so a full fleet
+            // (spot: another type's spot, or on-demand, meanwhile), so
+            // a full fleet
             // or quota is not asked, and recorded `failed`, every
             // tick; what it asks instead is carried out within a
             // bounded chain of refusals

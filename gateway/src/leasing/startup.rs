@@ -308,6 +308,9 @@ fn policy_config(
     if let Some(m) = cfg.hedge_margin {
         pc.hedge_margin = m;
     }
+    if let Some(m) = cfg.spot_fallback_min_share {
+        pc.spot_fallback_min_share = m;
+    }
     pc.release_lead_ms = RELEASE_LEAD.as_millis() as Millis;
     for m in &cfg.models {
         if m.min_fps > 0.0 {
@@ -394,4 +397,43 @@ where
         let _ = done_rx.await;
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leasing(extra: &str) -> LeasingConfig {
+        let text = format!(
+            "provider = \"process\"\nledger = \"l.db\"\n{extra}\n[process]\ncommand = \"tidegate-worker\"\n"
+        );
+        toml::from_str(&text).expect("a [leasing] section")
+    }
+
+    #[test]
+    fn the_policy_takes_each_knob_set_in_leasing_and_its_own_default_for_the_rest() {
+        let policy = autoscale::PolicyName::PaidBlockAware;
+        let metrics = Metrics::new();
+        let set = policy_config(
+            &leasing(
+                "headroom = 0.1\nrenew_horizon_secs = 300\nhedge_margin = 2.0\nspot_fallback_min_share = 0.25",
+            ),
+            policy,
+            &metrics,
+            "CNY",
+        );
+        assert_eq!(set.headroom, 0.1);
+        assert_eq!(set.renew_horizon_ms, 300_000);
+        assert_eq!(set.hedge_margin, 2.0);
+        assert_eq!(set.spot_fallback_min_share, 0.25);
+        let unset = policy_config(&leasing(""), policy, &metrics, "CNY");
+        let defaults = PolicyConfig::new(policy);
+        assert_eq!(unset.headroom, defaults.headroom);
+        assert_eq!(unset.hedge_margin, defaults.hedge_margin);
+        assert_eq!(unset.spot_fallback_min_share, 0.5);
+        assert_eq!(
+            unset.spot_fallback_min_share,
+            defaults.spot_fallback_min_share
+        );
+    }
 }

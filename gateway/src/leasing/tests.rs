@@ -312,6 +312,67 @@ async fn acquires_the_provider_refuses_are_not_asked_again_at_every_tick() {
 }
 
 #[tokio::test]
+async fn a_refused_spot_type_falls_back_to_the_next_types_spot_before_on_demand() {
+    let dir = tempfile::tempdir().unwrap();
+    // H100 is the cheaper per frame at the same throughput, but the only
+    // spot worker listed is an H200
+    let text = format!(
+        r#"
+[leasing]
+provider = "static"
+ledger = "{}"
+policy = "paid-block-aware"
+tick_ms = 100
+[[leasing.static_workers]]
+name = "gpu-b"
+instance_type = "h200"
+tier = "spot"
+token_sha256 = "{}"
+[[leasing.models]]
+name = "m"
+instance_types = ["h100", "h200"]
+worker_fps = 20
+min_fps = 10
+"#,
+        dir.path().join("l.db").display(),
+        hash_token("gpu-b-secret")
+    );
+    let cfg: crate::config::Config = toml::from_str(&text).unwrap();
+    cfg.validate().unwrap();
+    let (l, cancel, tracker) = start(cfg.leasing.as_ref().unwrap()).await;
+    until("the H200 spot worker leased", || async {
+        live(&l)
+            .await
+            .iter()
+            .any(|r| r.instance_type == "h200" && r.state == LeaseState::Starting)
+    })
+    .await;
+    // ticks within H100 spot's cool-off ask nothing more
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let all = l.leases(false, 1000).await.unwrap();
+    cancel.cancel();
+    tracker.close();
+    tracker.wait().await;
+    let ended = |ty: &str, tier: Tier| {
+        all.iter()
+            .filter(|r| r.instance_type == ty && r.tier == tier)
+            .filter(|r| r.state == LeaseState::Ended(EndReason::NoCapacity))
+            .count()
+    };
+    assert_eq!(ended("h100", Tier::Spot), 1, "{all:?}");
+    assert_eq!(
+        all.iter().filter(|r| r.tier == Tier::OnDemand).count(),
+        0,
+        "no on-demand while another type's spot is there: {all:?}"
+    );
+    let h200: Vec<_> = all
+        .iter()
+        .filter(|r| r.instance_type == "h200" && r.tier == Tier::Spot)
+        .collect();
+    assert_eq!(h200.len(), 1, "{all:?}");
+}
+
+#[tokio::test]
 async fn restart_ends_leases_it_cannot_adopt() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = static_config(dir.path());

@@ -17,8 +17,13 @@
 //!   it stops following it, see `learn.rs`) at `now + start-up`, so
 //!   capacity is warm before a scheduled ramp;
 //! * the reserved floor is leased first, then spot for the rest, then
-//!   on-demand when spot was refused recently or to replace a preempted
-//!   spot lease; an on-demand or reserved acquire that the provider
+//!   on-demand to replace a preempted spot lease, or when no spot worth
+//!   leasing is left: a spot refusal cools off that type's spot only
+//!   (`spot_refused_cooloff`), and the model moves to the next type's spot
+//!   pool among those whose worker serves at least
+//!   `spot_fallback_min_share` of the fastest type's throughput, while its
+//!   spot is cheaper per frame than on-demand; an on-demand or reserved
+//!   acquire that the provider
 //!   refused is not asked for again (that model, type and tier) for
 //!   `refused_cooloff`, so a fleet or quota that is full is not asked every
 //!   tick;
@@ -104,7 +109,8 @@ pub enum PolicyName {
     /// `idle_timeout` is released (like SkyPilot's autostop).
     ReactiveIdleTimeout,
     /// `reactive-idle-timeout`'s scale-up and release rule, but it leases
-    /// spot, falling back to on-demand for `spot_refused_cooloff` after a
+    /// spot, falling back to another type's spot, or to on-demand, for
+    /// `spot_refused_cooloff` after a spot refusal of a type
     /// refusal (and replacing a preempted lease on-demand): the fair
     /// baseline for the tiered policies, which differ from it in their
     /// release logic, not in the prices they may pay. No reserved floor,
@@ -294,8 +300,21 @@ pub struct PolicyConfig {
     pub surplus_hold_ms: Millis,
     /// Reactive: release a lease idle this long.
     pub idle_timeout_ms: Millis,
-    /// After spot is refused, use on-demand for this long.
+    /// After a type's spot is refused, that type's spot is not asked for
+    /// this long: the model leases the next cheapest type's spot (see
+    /// `spot_fallback_min_share`), or on-demand.
     pub spot_refused_cooloff_ms: Millis,
+    /// Spot types a model may lease, the cheapest first, are those whose
+    /// worker serves at least this share of what the model's fastest type
+    /// does. A refusal of one type's spot moves the model to the next such
+    /// type's pool (another pool: its own shortages, dry spells and
+    /// reclaims) rather than to on-demand at three times the price. Slower
+    /// types are left out: they would multiply the workers (leases,
+    /// start-ups, connections, preemptions) for the same load. 0.5 by
+    /// default: on the default catalog, an H100 refused falls back to H200
+    /// spot, not to A100s or V100s (docs/leasing.md).
+    #[serde(default = "default_spot_fallback_min_share")]
+    pub spot_fallback_min_share: f64,
     /// After an on-demand or reserved acquire is refused (no capacity of
     /// that type and tier: a static fleet all bound, a quota, a missing
     /// partition), that model, type and tier is not asked for again for
@@ -331,12 +350,17 @@ impl PolicyConfig {
             surplus_hold_ms: 2 * 60_000,
             idle_timeout_ms: 5 * 60_000,
             spot_refused_cooloff_ms: 15 * 60_000,
+            spot_fallback_min_share: default_spot_fallback_min_share(),
             refused_cooloff_ms: default_refused_cooloff_ms(),
             static_peak_fps: BTreeMap::new(),
             queue_drain_secs: 30.0,
             max_acquire_per_event: 2000,
         }
     }
+}
+
+fn default_spot_fallback_min_share() -> f64 {
+    0.5
 }
 
 fn default_refused_cooloff_ms() -> Millis {
@@ -456,7 +480,8 @@ pub enum AcquireReason {
     Schedule,
     /// Replacing a preempted spot lease.
     PreemptionReplacement,
-    /// Spot was refused; on-demand instead.
+    /// Spot of one type was refused; another type's spot instead, or
+    /// on-demand when no spot left is cheaper per frame.
     SpotRefused,
     /// A spot lease to take over from an on-demand one at its block end.
     Rebalance,
@@ -497,6 +522,9 @@ pub enum Action {
 
 #[derive(Debug, Clone)]
 struct ModelState {
+    /// The model's load as last observed (what a refusal between ticks
+    /// sizes its fallback with).
+    load: ModelLoad,
     history: VecDeque<(Millis, f64)>,
     learner: Learner,
     surplus_since: Option<Millis>,
@@ -510,7 +538,9 @@ pub struct Autoscaler {
     catalog: Catalog,
     models: HashMap<String, ModelState>,
     leases: HashMap<LeaseId, LeaseView>,
-    spot_refused_until: HashMap<String, Millis>,
+    /// Until when each (model, type)'s spot is not asked for, after a
+    /// spot refusal of that type (its pool short or dry).
+    spot_refused_until: HashMap<(String, String), Millis>,
     /// Until when each refused on-demand or reserved (model, type, tier) is
     /// not asked for.
     refused_until: HashMap<(String, String, Tier), Millis>,
@@ -593,6 +623,46 @@ impl Autoscaler {
             .is_none_or(|&until| until <= now)
     }
 
+    /// Whether `model` may ask for `instance_type` on spot now: no refusal
+    /// of that type's spot is cooling off, and no capacity refusal.
+    fn spot_askable(&self, now: Millis, model: &str, instance_type: &str) -> bool {
+        self.may_ask(now, model, instance_type, Tier::Spot)
+            && self
+                .spot_refused_until
+                .get(&(model.to_string(), instance_type.to_string()))
+                .is_none_or(|&until| until <= now)
+    }
+
+    /// Whether `load`'s model may lease `instance_type` on spot now: its
+    /// spot is askable ([`Autoscaler::spot_askable`]), and a worker of it
+    /// serves at least `spot_fallback_min_share` of what the model's
+    /// fastest type does.
+    fn spot_candidate(&self, now: Millis, load: &ModelLoad, instance_type: &str) -> bool {
+        let fastest = load.throughput_fps.values().copied().fold(0.0, f64::max);
+        self.spot_askable(now, &load.model, instance_type)
+            && load
+                .throughput_fps
+                .get(instance_type)
+                .is_some_and(|&fps| fps >= self.cfg.spot_fallback_min_share * fastest)
+    }
+
+    /// Expected cost per frame of `ty` in `tier` for `load`: the hourly
+    /// price over the type's throughput, spot's raised by the start-up a
+    /// preemption wastes on the replacement. `None` for a type that does
+    /// not serve the model or is not in the catalog.
+    fn per_frame(&self, load: &ModelLoad, ty: &str, tier: Tier) -> Option<f64> {
+        let fps = load.throughput_fps.get(ty).copied()?;
+        if fps <= 0.0 || !fps.is_finite() {
+            return None;
+        }
+        let it = self.catalog.get(ty)?;
+        let mut effective = it.price_per_hour.get(tier).units();
+        if tier == Tier::Spot {
+            effective *= 1.0 + it.spot_interruptions_per_hour * f64::from(it.startup_secs) / 3600.0;
+        }
+        Some(effective / fps)
+    }
+
     /// Cheapest type per frame for `tier` among those `askable`, with its
     /// throughput and price.
     fn best_type(
@@ -601,27 +671,47 @@ impl Autoscaler {
         tier: Tier,
         askable: impl Fn(&str) -> bool,
     ) -> Option<(String, f64, Money)> {
-        let mut best: Option<(String, f64, Money, f64)> = None;
+        let mut best: Option<(&String, f64, f64)> = None;
         for (ty, &fps) in &load.throughput_fps {
-            if fps <= 0.0 || !fps.is_finite() || !askable(ty) {
+            if !askable(ty) {
                 continue;
             }
-            let Some(it) = self.catalog.get(ty) else {
+            let Some(per_frame) = self.per_frame(load, ty, tier) else {
                 continue;
             };
-            let price = it.price_per_hour.get(tier);
-            let mut effective = price.units();
-            if tier == Tier::Spot {
-                // a preemption wastes a start-up on the replacement
-                effective *=
-                    1.0 + it.spot_interruptions_per_hour * f64::from(it.startup_secs) / 3600.0;
-            }
-            let per_frame = effective / fps;
-            if best.as_ref().is_none_or(|b| per_frame < b.3) {
-                best = Some((ty.clone(), fps, price, per_frame));
+            if best.is_none_or(|b| per_frame < b.2) {
+                best = Some((ty, fps, per_frame));
             }
         }
-        best.map(|(t, f, p, _)| (t, f, p))
+        best.and_then(|(ty, fps, _)| {
+            let price = self.catalog.get(ty)?.price_per_hour.get(tier);
+            Some((ty.clone(), fps, price))
+        })
+    }
+
+    /// The spot type `load`'s model should lease now: the cheapest per
+    /// frame among the candidates ([`Autoscaler::spot_candidate`]), as long
+    /// as it is cheaper per frame than the cheapest askable on-demand type.
+    /// A refusal of one type's spot so moves the model to the next type's
+    /// spot pool (a pool of its own: another type's shortage, reclaims and
+    /// dry spells), and to on-demand only when no spot left is worth it.
+    /// `None` when the policy leases no spot.
+    fn spot_type(&self, now: Millis, load: &ModelLoad) -> Option<(String, f64, Money)> {
+        if !self.cfg.policy.uses_spot() {
+            return None;
+        }
+        let model = &load.model;
+        let (ty, fps, price) =
+            self.best_type(load, Tier::Spot, |ty| self.spot_candidate(now, load, ty))?;
+        let spot = self.per_frame(load, &ty, Tier::Spot)?;
+        let on_demand = self
+            .best_type(load, Tier::OnDemand, |ty| {
+                self.may_ask(now, model, ty, Tier::OnDemand)
+            })
+            .and_then(|(od, _, _)| self.per_frame(load, &od, Tier::OnDemand));
+        on_demand
+            .is_none_or(|od| spot < od)
+            .then_some((ty, fps, price))
     }
 
     fn startup_ms(&self, ty: &str) -> Millis {
@@ -702,11 +792,13 @@ impl Autoscaler {
                 .models
                 .entry(load.model.clone())
                 .or_insert_with(|| ModelState {
+                    load: load.clone(),
                     history: VecDeque::new(),
                     learner: Learner::new(),
                     surplus_since: None,
                     spot: SpotExposure::default(),
                 });
+            st.load = load.clone();
             st.history.push_back((now, load.arrival_fps));
             while st
                 .history
@@ -879,25 +971,65 @@ impl Autoscaler {
             *e = (*e).max(until);
             return Vec::new();
         }
-        self.spot_refused_until
-            .insert(model.clone(), now + self.cfg.spot_refused_cooloff_ms);
-        let Some(it) = self.catalog.get(&instance_type) else {
-            return Vec::new();
+        self.spot_refused_until.insert(
+            (model.clone(), instance_type.clone()),
+            now + self.cfg.spot_refused_cooloff_ms,
+        );
+        // another type's spot pool while one is worth it, else on-demand
+        // of the cheapest type per frame, as much throughput as was refused
+        let load = self.models.get(&model).map(|st| st.load.clone());
+        let fallback = load.as_ref().and_then(|load| {
+            let ((ty, fps, price), tier) = match self.spot_type(now, load) {
+                Some(spot) => (spot, Tier::Spot),
+                None => {
+                    let askable = |ty: &str| self.may_ask(now, &model, ty, Tier::OnDemand);
+                    (
+                        self.best_type(load, Tier::OnDemand, askable)?,
+                        Tier::OnDemand,
+                    )
+                }
+            };
+            let refused_fps = load
+                .throughput_fps
+                .get(&instance_type)
+                .copied()
+                .unwrap_or(fps);
+            let n = (refused_fps / fps).ceil().clamp(1.0, 64.0) as u32;
+            Some((ty, tier, price, n))
+        });
+        let (ty, tier, price, n) = match fallback {
+            Some(f) => f,
+            // no load seen yet (or no type askable on-demand): on-demand
+            // of the refused type, if it may be asked for
+            None => {
+                if !self.may_ask(now, &model, &instance_type, Tier::OnDemand) {
+                    return Vec::new();
+                }
+                let Some(it) = self.catalog.get(&instance_type) else {
+                    return Vec::new();
+                };
+                (
+                    instance_type,
+                    Tier::OnDemand,
+                    it.price_per_hour.on_demand,
+                    1,
+                )
+            }
         };
-        if !self.may_ask(now, &model, &instance_type, Tier::OnDemand) {
-            return Vec::new();
+        let mut actions = Vec::new();
+        for _ in 0..n {
+            if !self.within_cap(self.burn(), price) {
+                break;
+            }
+            self.pending_burn += price;
+            actions.push(Action::Acquire {
+                model: model.clone(),
+                instance_type: ty.clone(),
+                tier,
+                reason: AcquireReason::SpotRefused,
+            });
         }
-        let price = it.price_per_hour.on_demand;
-        if !self.within_cap(self.burn(), price) {
-            return Vec::new();
-        }
-        self.pending_burn += price;
-        vec![Action::Acquire {
-            model,
-            instance_type,
-            tier: Tier::OnDemand,
-            reason: AcquireReason::SpotRefused,
-        }]
+        actions
     }
 }
 
@@ -1185,6 +1317,112 @@ mod tests {
             }
         );
         assert_eq!(acquire_tiers(&acts), vec![Tier::OnDemand]);
+    }
+
+    /// A load whose model runs on three types: two fast ones (H100, H200)
+    /// and a slow one (A100, a third of their throughput).
+    fn load_on_three_types(fps: f64) -> ModelLoad {
+        ModelLoad {
+            throughput_fps: [("h100", 1000.0), ("h200", 1000.0), ("a100", 340.0)]
+                .into_iter()
+                .map(|(t, f)| (t.to_string(), f))
+                .collect(),
+            ..load(fps)
+        }
+    }
+
+    fn acquired(acts: &[Action]) -> Vec<(String, Tier, AcquireReason)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Acquire {
+                    instance_type,
+                    tier,
+                    reason,
+                    ..
+                } => Some((instance_type.clone(), *tier, *reason)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_spot_refusal_moves_the_model_to_the_next_fast_types_spot_then_to_on_demand() {
+        for policy in [PolicyName::IdleTimeoutSpot, PolicyName::PaidBlockAware] {
+            let c = cfg(policy);
+            let cooloff = c.spot_refused_cooloff_ms;
+            let mut a = Autoscaler::new(c, Catalog::default_catalog());
+            let tick = |a: &mut Autoscaler, now, fps| {
+                a.on_event(
+                    now,
+                    Event::Tick(Observation {
+                        models: vec![load_on_three_types(fps)],
+                        leases: vec![],
+                    }),
+                )
+            };
+            let spot = |ty: &str, reason| (ty.to_string(), Tier::Spot, reason);
+            assert_eq!(
+                acquired(&tick(&mut a, 0, 1500.0)),
+                vec![spot("h100", AcquireReason::Demand); 2],
+                "{policy}"
+            );
+            // H100's pool refused: the refused worker is leased from H200's
+            let acts = a.on_event(1000, refused("h100", Tier::Spot));
+            assert_eq!(
+                acquired(&acts),
+                vec![spot("h200", AcquireReason::SpotRefused)],
+                "{policy}"
+            );
+            assert_eq!(
+                acquired(&tick(&mut a, 60_000, 1500.0)),
+                vec![spot("h200", AcquireReason::Demand); 2],
+                "{policy}"
+            );
+            // H200's refused too: the A100 serves a third of what they do,
+            // so on-demand of the cheapest type per frame
+            let acts = a.on_event(61_000, refused("h200", Tier::Spot));
+            assert_eq!(
+                acquired(&acts),
+                vec![(
+                    "h100".to_string(),
+                    Tier::OnDemand,
+                    AcquireReason::SpotRefused
+                )],
+                "{policy}"
+            );
+            assert_eq!(
+                acquired(&tick(&mut a, 120_000, 1500.0)),
+                vec![("h100".to_string(), Tier::OnDemand, AcquireReason::Demand); 2],
+                "{policy}"
+            );
+            // each pool's cool-off ends on its own
+            assert_eq!(
+                acquired(&tick(&mut a, cooloff + 1000, 1500.0)),
+                vec![spot("h100", AcquireReason::Demand); 2],
+                "{policy}"
+            );
+        }
+    }
+
+    #[test]
+    fn with_no_least_share_a_refused_fast_worker_is_replaced_by_as_many_slow_ones_as_it_served() {
+        let mut c = cfg(PolicyName::PaidBlockAware);
+        c.spot_fallback_min_share = 0.0;
+        let mut a = Autoscaler::new(c, Catalog::default_catalog());
+        a.on_event(
+            0,
+            Event::Tick(Observation {
+                models: vec![load_on_three_types(500.0)],
+                leases: vec![],
+            }),
+        );
+        a.on_event(1000, refused("h100", Tier::Spot));
+        let acts = a.on_event(2000, refused("h200", Tier::Spot));
+        // 1000 fps refused, 340 fps an A100: three A100s
+        assert_eq!(
+            acquired(&acts),
+            vec![("a100".to_string(), Tier::Spot, AcquireReason::SpotRefused); 3]
+        );
     }
 
     #[test]

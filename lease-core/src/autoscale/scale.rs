@@ -82,8 +82,8 @@ impl Autoscaler {
         let mut targets = self.targets(now, load, lead);
         targets.down += hedge;
         let capacity = self.serving_fps(load, &mine, |_| true);
-        let spot_ok = self.spot_ok(now, &load.model);
-        let retiring = self.retiring_fps(now, load, &mine, spot_ok, hedge);
+        let spot = self.spot_type(now, load).map(|(ty, _, _)| ty);
+        let retiring = self.retiring_fps(now, load, &mine, spot.as_deref(), hedge);
         // on-demand capacity that stays counts towards the hedge first
         let od_kept = self.serving_fps(load, &mine, |l| l.tier == Tier::OnDemand) - retiring;
         let hedge_met = od_kept.clamp(0.0, hedge);
@@ -98,7 +98,11 @@ impl Autoscaler {
         if self.cfg.policy.uses_tiers() {
             actions.extend(self.acquire_reserved_floors(&mut m, allow));
         }
-        let tier = if spot_ok { Tier::Spot } else { Tier::OnDemand };
+        let tier = if spot.is_some() {
+            Tier::Spot
+        } else {
+            Tier::OnDemand
+        };
         let reason = self.acquire_reason(&targets, capacity);
         actions.extend(self.acquire_to_target(&mut m, allow, tier, reason, targets.up + hedge_met));
         if hedge > 0.0 {
@@ -153,16 +157,6 @@ impl Autoscaler {
             .filter(|l| self.serves(l) && which(l))
             .map(|l| Self::lease_fps(load, l))
             .sum()
-    }
-
-    /// Whether `model` may lease spot now: the policy uses spot, and no
-    /// spot refusal's cool-off is running.
-    fn spot_ok(&self, now: Millis, model: &str) -> bool {
-        self.cfg.policy.uses_spot()
-            && self
-                .spot_refused_until
-                .get(model)
-                .is_none_or(|&until| until <= now)
     }
 
     /// The up- and down-targets of the policy, `lead` being how far ahead
@@ -228,20 +222,18 @@ impl Autoscaler {
     }
 
     /// `paid-block-aware`: whether an on-demand lease may be handed back
-    /// to spot, the cheapest spot type's expected overhead at the measured
-    /// interruption rate (the catalog's as the prior) being at most
-    /// `handover_max_overhead`.
-    fn spot_worth_handing_over(&self, load: &ModelLoad) -> bool {
-        let Some((ty, _, _)) = self.best_type(load, Tier::Spot, |_| true) else {
-            return false;
-        };
-        let Some(it) = self.catalog.get(&ty) else {
+    /// to spot of `spot_type` (the one the model leases now), its expected
+    /// overhead at the measured interruption rate (the catalog's as the
+    /// prior) being at most `handover_max_overhead`.
+    fn spot_worth_handing_over(&self, load: &ModelLoad, spot_type: &str) -> bool {
+        let Some(it) = self.catalog.get(spot_type) else {
             return false;
         };
         let rate = self.models[&load.model]
             .spot
             .rate_per_hour(it.spot_interruptions_per_hour);
-        spot_overhead(rate, self.startup_ms(&ty), it.granularity) <= self.cfg.handover_max_overhead
+        spot_overhead(rate, self.startup_ms(spot_type), it.granularity)
+            <= self.cfg.handover_max_overhead
     }
 
     /// Paid-block-aware rebalancing: the capacity of the on-demand leases
@@ -253,26 +245,31 @@ impl Autoscaler {
     /// scale-down). A lease with no billing start yet is taken to start now
     /// (`LeaseView::paid_until`), so it is not retiring. The on-demand
     /// capacity the spot hedge holds (`hedge` fps) is not handed over, and
-    /// nothing is while spot was refused recently (`spot_ok` false) or is
-    /// reclaimed too often ([`Autoscaler::spot_worth_handing_over`], asked
-    /// only when an on-demand block is ending).
+    /// nothing is while no spot is worth leasing (`spot_type` `None`: every
+    /// fast type's spot refused recently) or spot is reclaimed too often
+    /// ([`Autoscaler::spot_worth_handing_over`], asked only when an
+    /// on-demand block is ending). A dearer type's spot lease is not handed
+    /// over: the overlap a hand-over pays (a start-up and the release
+    /// window, about a ninth of a block) is what H200 spot costs over H100
+    /// spot per frame, and handing it over measured lower utilisation.
     fn retiring_fps(
         &self,
         now: Millis,
         load: &ModelLoad,
         mine: &[LeaseView],
-        spot_ok: bool,
+        spot_type: Option<&str>,
         hedge: f64,
     ) -> f64 {
-        if self.cfg.policy != PolicyName::PaidBlockAware || !spot_ok {
+        let Some(spot_type) = spot_type.filter(|_| self.cfg.policy == PolicyName::PaidBlockAware)
+        else {
             return 0.0;
-        }
+        };
         let ending = self.serving_fps(load, mine, |l| {
             l.tier == Tier::OnDemand
                 && l.paid_until(now).saturating_sub(now)
                     <= self.startup_ms(&l.instance_type) + self.cfg.release_window_ms + 60_000
         });
-        if ending <= 0.0 || !self.spot_worth_handing_over(load) {
+        if ending <= 0.0 || !self.spot_worth_handing_over(load, spot_type) {
             return 0.0;
         }
         let on_demand = self.serving_fps(load, mine, |l| l.tier == Tier::OnDemand);
@@ -379,7 +376,10 @@ impl Autoscaler {
         up_target: f64,
     ) -> Vec<Action> {
         let mut actions = Vec::new();
-        let askable = |ty: &str| self.may_ask(m.now, &m.load.model, ty, tier);
+        let askable = |ty: &str| match tier {
+            Tier::Spot => self.spot_candidate(m.now, m.load, ty),
+            _ => self.may_ask(m.now, &m.load.model, ty, tier),
+        };
         let Some((ty, fps, price)) = self.best_type(m.load, tier, askable) else {
             return actions;
         };

@@ -67,6 +67,13 @@ impl LeasingConfig {
         {
             return bad(format!("leasing.hedge_margin = {m} must be in [0, 10]"));
         }
+        if let Some(m) = self.spot_fallback_min_share
+            && !(0.0..=1.0).contains(&m)
+        {
+            return bad(format!(
+                "leasing.spot_fallback_min_share = {m} must be in [0, 1]"
+            ));
+        }
         Ok(())
     }
 

@@ -97,6 +97,11 @@ pub struct LeasingConfig {
     /// interruption rate takes out over one start-up; unset or 0: none.
     #[serde(default)]
     pub hedge_margin: Option<f64>,
+    /// Spot types a model falls back to when its cheapest type's spot is
+    /// refused: those whose worker serves at least this share of what the
+    /// model's fastest type does, in [0, 1]; unset: 0.5.
+    #[serde(default)]
+    pub spot_fallback_min_share: Option<f64>,
     /// What a clean stop (SIGTERM) does with the live leases: `release`
     /// them (default), or `keep` them for the next start to adopt, so a
     /// restart (an upgrade, a config change) pays no new billing block.
@@ -146,6 +151,7 @@ impl std::fmt::Debug for LeasingConfig {
             .field("idle_timeout_secs", &self.idle_timeout_secs)
             .field("renew_horizon_secs", &self.renew_horizon_secs)
             .field("hedge_margin", &self.hedge_margin)
+            .field("spot_fallback_min_share", &self.spot_fallback_min_share)
             .field("on_stop", &self.on_stop)
             .field("process", &self.process)
             .field("static_workers", &statics)

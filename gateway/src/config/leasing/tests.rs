@@ -87,6 +87,8 @@ fn leasing_values_that_would_overflow_or_panic_are_refused_naming_the_field() {
         ("renew_horizon_secs = 0", "renew_horizon_secs"),
         ("hedge_margin = -1.0", "hedge_margin"),
         ("hedge_margin = nan", "hedge_margin"),
+        ("spot_fallback_min_share = 1.5", "spot_fallback_min_share"),
+        ("spot_fallback_min_share = nan", "spot_fallback_min_share"),
         (
             "start_timeout_secs = 18446744073709551615",
             "start_timeout_secs",
