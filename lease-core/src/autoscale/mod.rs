@@ -489,6 +489,16 @@ pub enum AcquireReason {
     SpotHedge,
 }
 
+/// A type and tier to lease, with one worker's throughput and hourly
+/// price ([`Autoscaler::lease_choice`]).
+#[derive(Debug, Clone, PartialEq)]
+struct Lease {
+    instance_type: String,
+    fps: f64,
+    price: Money,
+    tier: Tier,
+}
+
 /// Outputs.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
@@ -689,29 +699,46 @@ impl Autoscaler {
         })
     }
 
-    /// The spot type `load`'s model should lease now: the cheapest per
-    /// frame among the candidates ([`Autoscaler::spot_candidate`]), as long
-    /// as it is cheaper per frame than the cheapest askable on-demand type.
-    /// A refusal of one type's spot so moves the model to the next type's
-    /// spot pool (a pool of its own: another type's shortage, reclaims and
-    /// dry spells), and to on-demand only when no spot left is worth it.
-    /// `None` when the policy leases no spot.
-    fn spot_type(&self, now: Millis, load: &ModelLoad) -> Option<(String, f64, Money)> {
-        if !self.cfg.policy.uses_spot() {
-            return None;
-        }
-        let model = &load.model;
-        let (ty, fps, price) =
-            self.best_type(load, Tier::Spot, |ty| self.spot_candidate(now, load, ty))?;
-        let spot = self.per_frame(load, &ty, Tier::Spot)?;
+    /// What `load`'s model leases now ([`Lease`]): the cheapest spot
+    /// candidate per frame ([`Autoscaler::spot_candidate`]) while it is
+    /// cheaper per frame than the cheapest askable on-demand type, else
+    /// that on-demand type. A refusal of one type's spot so moves the model
+    /// to the next type's spot pool (a pool of its own: another type's
+    /// shortage, reclaims and dry spells), and to on-demand only when no
+    /// spot left is worth it. `None` when nothing is askable.
+    fn lease_choice(&self, now: Millis, load: &ModelLoad) -> Option<Lease> {
         let on_demand = self
             .best_type(load, Tier::OnDemand, |ty| {
-                self.may_ask(now, model, ty, Tier::OnDemand)
+                self.may_ask(now, &load.model, ty, Tier::OnDemand)
             })
-            .and_then(|(od, _, _)| self.per_frame(load, &od, Tier::OnDemand));
-        on_demand
-            .is_none_or(|od| spot < od)
-            .then_some((ty, fps, price))
+            .map(|(instance_type, fps, price)| Lease {
+                instance_type,
+                fps,
+                price,
+                tier: Tier::OnDemand,
+            });
+        let spot = self
+            .cfg
+            .policy
+            .uses_spot()
+            .then(|| self.best_type(load, Tier::Spot, |ty| self.spot_candidate(now, load, ty)))
+            .flatten()
+            .map(|(instance_type, fps, price)| Lease {
+                instance_type,
+                fps,
+                price,
+                tier: Tier::Spot,
+            });
+        match (spot, on_demand) {
+            (Some(spot), Some(od))
+                if self.per_frame(load, &od.instance_type, Tier::OnDemand)
+                    <= self.per_frame(load, &spot.instance_type, Tier::Spot) =>
+            {
+                Some(od)
+            }
+            (Some(spot), _) => Some(spot),
+            (None, od) => od,
+        }
     }
 
     fn startup_ms(&self, ty: &str) -> Millis {
@@ -979,23 +1006,14 @@ impl Autoscaler {
         // of the cheapest type per frame, as much throughput as was refused
         let load = self.models.get(&model).map(|st| st.load.clone());
         let fallback = load.as_ref().and_then(|load| {
-            let ((ty, fps, price), tier) = match self.spot_type(now, load) {
-                Some(spot) => (spot, Tier::Spot),
-                None => {
-                    let askable = |ty: &str| self.may_ask(now, &model, ty, Tier::OnDemand);
-                    (
-                        self.best_type(load, Tier::OnDemand, askable)?,
-                        Tier::OnDemand,
-                    )
-                }
-            };
+            let lease = self.lease_choice(now, load)?;
             let refused_fps = load
                 .throughput_fps
                 .get(&instance_type)
                 .copied()
-                .unwrap_or(fps);
-            let n = (refused_fps / fps).ceil().clamp(1.0, 64.0) as u32;
-            Some((ty, tier, price, n))
+                .unwrap_or(lease.fps);
+            let n = (refused_fps / lease.fps).ceil().clamp(1.0, 64.0) as u32;
+            Some((lease.instance_type, lease.tier, lease.price, n))
         });
         let (ty, tier, price, n) = match fallback {
             Some(f) => f,

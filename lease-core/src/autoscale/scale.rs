@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, VecDeque};
 
 use super::forecast::{Horizon, renewal_demand};
 use super::hedge::{reserve_workers, spot_overhead};
-use super::{AcquireReason, Action, Autoscaler, LeaseView, ModelLoad, PolicyName};
+use super::{AcquireReason, Action, Autoscaler, Lease, LeaseView, ModelLoad, PolicyName};
 use crate::billing::{Granularity, Millis};
 use crate::catalog::{Money, Tier};
 use crate::lifecycle::LeaseState;
@@ -82,8 +82,12 @@ impl Autoscaler {
         let mut targets = self.targets(now, load, lead);
         targets.down += hedge;
         let capacity = self.serving_fps(load, &mine, |_| true);
-        let spot = self.spot_type(now, load).map(|(ty, _, _)| ty);
-        let retiring = self.retiring_fps(now, load, &mine, spot.as_deref(), hedge);
+        let choice = self.lease_choice(now, load);
+        let spot_type = choice
+            .as_ref()
+            .filter(|c| c.tier == Tier::Spot)
+            .map(|c| c.instance_type.as_str());
+        let retiring = self.retiring_fps(now, load, &mine, spot_type, hedge);
         // on-demand capacity that stays counts towards the hedge first
         let od_kept = self.serving_fps(load, &mine, |l| l.tier == Tier::OnDemand) - retiring;
         let hedge_met = od_kept.clamp(0.0, hedge);
@@ -98,18 +102,31 @@ impl Autoscaler {
         if self.cfg.policy.uses_tiers() {
             actions.extend(self.acquire_reserved_floors(&mut m, allow));
         }
-        let tier = if spot.is_some() {
-            Tier::Spot
-        } else {
-            Tier::OnDemand
-        };
         let reason = self.acquire_reason(&targets, capacity);
-        actions.extend(self.acquire_to_target(&mut m, allow, tier, reason, targets.up + hedge_met));
-        if hedge > 0.0 {
+        if let Some(c) = &choice {
             actions.extend(self.acquire_to_target(
                 &mut m,
                 allow,
-                Tier::OnDemand,
+                c,
+                reason,
+                targets.up + hedge_met,
+            ));
+        }
+        if hedge > 0.0
+            && let Some(od) = self.best_type(load, Tier::OnDemand, |ty| {
+                self.may_ask(now, &load.model, ty, Tier::OnDemand)
+            })
+        {
+            let od = Lease {
+                instance_type: od.0,
+                fps: od.1,
+                price: od.2,
+                tier: Tier::OnDemand,
+            };
+            actions.extend(self.acquire_to_target(
+                &mut m,
+                allow,
+                &od,
                 AcquireReason::SpotHedge,
                 targets.up + hedge,
             ));
@@ -364,25 +381,23 @@ impl Autoscaler {
         actions
     }
 
-    /// Leases of the cheapest askable type in `tier` until the capacity
-    /// reaches `up_target`, as far as the spend cap and the event's
-    /// acquires allow.
+    /// Leases of `lease`'s type and tier until the capacity reaches
+    /// `up_target`, as far as the spend cap and the event's acquires allow.
     fn acquire_to_target(
         &self,
         m: &mut ModelTick<'_>,
         allow: &mut Allowance,
-        tier: Tier,
+        lease: &Lease,
         reason: AcquireReason,
         up_target: f64,
     ) -> Vec<Action> {
         let mut actions = Vec::new();
-        let askable = |ty: &str| match tier {
-            Tier::Spot => self.spot_candidate(m.now, m.load, ty),
-            _ => self.may_ask(m.now, &m.load.model, ty, tier),
-        };
-        let Some((ty, fps, price)) = self.best_type(m.load, tier, askable) else {
-            return actions;
-        };
+        let Lease {
+            instance_type: ty,
+            fps,
+            price,
+            tier,
+        } = lease.clone();
         while m.cap + 1e-9 < up_target && allow.acquires_left > 0 {
             if !self.within_cap(allow.burn, price) {
                 tracing::debug!(model = %m.load.model, "spend cap reached; not scaling up");
