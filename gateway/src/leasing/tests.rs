@@ -278,6 +278,21 @@ async fn a_released_static_lease_unbinds_its_worker_which_stays_connected_and_is
     tracker.wait().await;
 }
 
+/// Every lease, live or ended, after `wait` more ticks; then a clean stop.
+async fn every_lease_after(
+    wait: Duration,
+    l: &Leasing,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+) -> Vec<LeaseRecord> {
+    tokio::time::sleep(wait).await;
+    let all = l.leases(false, 1000).await.unwrap();
+    cancel.cancel();
+    tracker.close();
+    tracker.wait().await;
+    all
+}
+
 #[tokio::test]
 async fn acquires_the_provider_refuses_are_not_asked_again_at_every_tick() {
     let dir = tempfile::tempdir().unwrap();
@@ -298,11 +313,7 @@ async fn acquires_the_provider_refuses_are_not_asked_again_at_every_tick() {
     .await;
     // 20 ticks of 100 ms within the cool-offs (spot 15 min, on-demand
     // 1 min): nothing more is asked
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let all = l.leases(false, 1000).await.unwrap();
-    cancel.cancel();
-    tracker.close();
-    tracker.wait().await;
+    let all = every_lease_after(Duration::from_secs(2), &l, cancel, tracker).await;
     assert_eq!(failed(&all, Tier::Spot), 5, "{all:?}");
     assert!(
         (1..=5).contains(&failed(&all, Tier::OnDemand)),
@@ -348,11 +359,7 @@ min_fps = 10
     })
     .await;
     // ticks within H100 spot's cool-off ask nothing more
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let all = l.leases(false, 1000).await.unwrap();
-    cancel.cancel();
-    tracker.close();
-    tracker.wait().await;
+    let all = every_lease_after(Duration::from_secs(1), &l, cancel, tracker).await;
     let ended = |ty: &str, tier: Tier| {
         all.iter()
             .filter(|r| r.instance_type == ty && r.tier == tier)
