@@ -311,6 +311,9 @@ fn policy_config(
     if let Some(m) = cfg.spot_fallback_min_share {
         pc.spot_fallback_min_share = m;
     }
+    if let Some(s) = cfg.spot_refused_cooloff_secs {
+        pc.spot_refused_cooloff_ms = s.saturating_mul(1000);
+    }
     pc.release_lead_ms = RELEASE_LEAD.as_millis() as Millis;
     for m in &cfg.models {
         if m.min_fps > 0.0 {
@@ -416,7 +419,7 @@ mod tests {
         let metrics = Metrics::new();
         let set = policy_config(
             &leasing(
-                "headroom = 0.1\nrenew_horizon_secs = 300\nhedge_margin = 2.0\nspot_fallback_min_share = 0.25",
+                "headroom = 0.1\nrenew_horizon_secs = 300\nhedge_margin = 2.0\nspot_fallback_min_share = 0.25\nspot_refused_cooloff_secs = 900",
             ),
             policy,
             &metrics,
@@ -426,11 +429,17 @@ mod tests {
         assert_eq!(set.renew_horizon_ms, 300_000);
         assert_eq!(set.hedge_margin, 2.0);
         assert_eq!(set.spot_fallback_min_share, 0.25);
+        assert_eq!(set.spot_refused_cooloff_ms, 900_000);
         let unset = policy_config(&leasing(""), policy, &metrics, "CNY");
         let defaults = PolicyConfig::new(policy);
         assert_eq!(unset.headroom, defaults.headroom);
         assert_eq!(unset.hedge_margin, defaults.hedge_margin);
         assert_eq!(unset.spot_fallback_min_share, 0.5);
+        assert_eq!(unset.spot_refused_cooloff_ms, 60_000);
+        assert_eq!(
+            unset.spot_refused_cooloff_ms,
+            defaults.spot_refused_cooloff_ms
+        );
         assert_eq!(
             unset.spot_fallback_min_share,
             defaults.spot_fallback_min_share

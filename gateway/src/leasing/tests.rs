@@ -311,8 +311,8 @@ async fn acquires_the_provider_refuses_are_not_asked_again_at_every_tick() {
         failed(&l.leases(false, 1000).await.unwrap(), Tier::OnDemand) > 0
     })
     .await;
-    // 20 ticks of 100 ms within the cool-offs (spot 15 min, on-demand
-    // 1 min): nothing more is asked
+    // 20 ticks of 100 ms within the cool-offs (a minute each, spot and
+    // on-demand): nothing more is asked
     let all = every_lease_after(Duration::from_secs(2), &l, cancel, tracker).await;
     assert_eq!(failed(&all, Tier::Spot), 5, "{all:?}");
     assert!(

@@ -302,7 +302,16 @@ pub struct PolicyConfig {
     pub idle_timeout_ms: Millis,
     /// After a type's spot is refused, that type's spot is not asked for
     /// this long: the model leases the next cheapest type's spot (see
-    /// `spot_fallback_min_share`), or on-demand.
+    /// `spot_fallback_min_share`), or on-demand. A refusal answers at once
+    /// and costs nothing, and a pool short after one refusal still grants
+    /// most requests (the harsh cloud's dry pool: 70 %), so every request
+    /// the cool-off keeps from spot is one paid at on-demand's price. One
+    /// minute by default, the on-demand cool-off's (`refused_cooloff_ms`):
+    /// one round of refused rows a minute per model and type; 15 minutes
+    /// paid `noise` on the harsh cloud 57.7 % of static-peak's cost on its
+    /// worst seed instead of 50.7 % (docs/leasing.md, "The spot cool-off,
+    /// measured").
+    #[serde(default = "default_spot_refused_cooloff_ms")]
     pub spot_refused_cooloff_ms: Millis,
     /// Spot types a model may lease, the cheapest first, are those whose
     /// worker serves at least this share of what the model's fastest type
@@ -349,7 +358,7 @@ impl PolicyConfig {
             notice_drain_ms: default_notice_drain_ms(),
             surplus_hold_ms: 2 * 60_000,
             idle_timeout_ms: 5 * 60_000,
-            spot_refused_cooloff_ms: 15 * 60_000,
+            spot_refused_cooloff_ms: default_spot_refused_cooloff_ms(),
             spot_fallback_min_share: default_spot_fallback_min_share(),
             refused_cooloff_ms: default_refused_cooloff_ms(),
             static_peak_fps: BTreeMap::new(),
@@ -357,6 +366,10 @@ impl PolicyConfig {
             max_acquire_per_event: 2000,
         }
     }
+}
+
+fn default_spot_refused_cooloff_ms() -> Millis {
+    60_000
 }
 
 fn default_spot_fallback_min_share() -> f64 {
@@ -1290,11 +1303,11 @@ mod tests {
             )
         };
         assert_eq!(
-            acquire_tiers(&tick(&mut a, 60_000)),
+            acquire_tiers(&tick(&mut a, cooloff / 2)),
             vec![Tier::OnDemand; 2]
         );
         assert_eq!(
-            acquire_tiers(&tick(&mut a, cooloff - 60_000)),
+            acquire_tiers(&tick(&mut a, cooloff - 1000)),
             vec![Tier::OnDemand; 2]
         );
         assert_eq!(acquire_tiers(&tick(&mut a, cooloff)), vec![Tier::Spot; 2]);
@@ -1392,13 +1405,13 @@ mod tests {
                 "{policy}"
             );
             assert_eq!(
-                acquired(&tick(&mut a, 60_000, 1500.0)),
+                acquired(&tick(&mut a, cooloff / 2, 1500.0)),
                 vec![spot("h200", AcquireReason::Demand); 2],
                 "{policy}"
             );
             // H200's refused too: the A100 serves a third of what they do,
             // so on-demand of the cheapest type per frame
-            let acts = a.on_event(61_000, refused("h200", Tier::Spot));
+            let acts = a.on_event(cooloff / 2 + 1000, refused("h200", Tier::Spot));
             assert_eq!(
                 acquired(&acts),
                 vec![(
@@ -1409,7 +1422,7 @@ mod tests {
                 "{policy}"
             );
             assert_eq!(
-                acquired(&tick(&mut a, 120_000, 1500.0)),
+                acquired(&tick(&mut a, cooloff, 1500.0)),
                 vec![("h100".to_string(), Tier::OnDemand, AcquireReason::Demand); 2],
                 "{policy}"
             );
@@ -1961,7 +1974,7 @@ mod tests {
         ));
         // and the next scale-up uses on-demand during the cool-off
         let acts = a.on_event(
-            60_000,
+            30_000,
             Event::Tick(Observation {
                 models: vec![load(150.0)],
                 leases: vec![],

@@ -48,6 +48,7 @@ impl LeasingConfig {
             ("release_window_secs", self.release_window_secs),
             ("idle_timeout_secs", self.idle_timeout_secs),
             ("renew_horizon_secs", self.renew_horizon_secs),
+            ("spot_refused_cooloff_secs", self.spot_refused_cooloff_secs),
         ] {
             if let Some(s) = secs
                 && !(1..=MAX_LEASING_SECS).contains(&s)

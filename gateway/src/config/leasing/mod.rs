@@ -102,6 +102,11 @@ pub struct LeasingConfig {
     /// model's fastest type does, in [0, 1]; unset: 0.5.
     #[serde(default)]
     pub spot_fallback_min_share: Option<f64>,
+    /// After a type's spot is refused, that model does not ask that
+    /// type's spot again for this long (s); meanwhile the next type's spot
+    /// or on-demand serves. Unset: 60.
+    #[serde(default)]
+    pub spot_refused_cooloff_secs: Option<u64>,
     /// What a clean stop (SIGTERM) does with the live leases: `release`
     /// them (default), or `keep` them for the next start to adopt, so a
     /// restart (an upgrade, a config change) pays no new billing block.
@@ -152,6 +157,7 @@ impl std::fmt::Debug for LeasingConfig {
             .field("renew_horizon_secs", &self.renew_horizon_secs)
             .field("hedge_margin", &self.hedge_margin)
             .field("spot_fallback_min_share", &self.spot_fallback_min_share)
+            .field("spot_refused_cooloff_secs", &self.spot_refused_cooloff_secs)
             .field("on_stop", &self.on_stop)
             .field("process", &self.process)
             .field("static_workers", &statics)

@@ -89,6 +89,7 @@ fn leasing_values_that_would_overflow_or_panic_are_refused_naming_the_field() {
         ("hedge_margin = nan", "hedge_margin"),
         ("spot_fallback_min_share = 1.5", "spot_fallback_min_share"),
         ("spot_fallback_min_share = nan", "spot_fallback_min_share"),
+        ("spot_refused_cooloff_secs = 0", "spot_refused_cooloff_secs"),
         (
             "start_timeout_secs = 18446744073709551615",
             "start_timeout_secs",
