@@ -686,14 +686,14 @@ impl Autoscaler {
         Some(effective / fps)
     }
 
-    /// Cheapest type per frame for `tier` among those `askable`, with its
-    /// throughput and price.
+    /// Cheapest type per frame for `tier` among those `askable`, as a
+    /// [`Lease`] with its throughput and price.
     fn best_type(
         &self,
         load: &ModelLoad,
         tier: Tier,
         askable: impl Fn(&str) -> bool,
-    ) -> Option<(String, f64, Money)> {
+    ) -> Option<Lease> {
         let mut best: Option<(&String, f64, f64)> = None;
         for (ty, &fps) in &load.throughput_fps {
             if !askable(ty) {
@@ -707,8 +707,20 @@ impl Autoscaler {
             }
         }
         best.and_then(|(ty, fps, _)| {
-            let price = self.catalog.get(ty)?.price_per_hour.get(tier);
-            Some((ty.clone(), fps, price))
+            Some(Lease {
+                instance_type: ty.clone(),
+                fps,
+                price: self.catalog.get(ty)?.price_per_hour.get(tier),
+                tier,
+            })
+        })
+    }
+
+    /// The cheapest on-demand type per frame that `load`'s model may ask
+    /// for now (no capacity refusal cooling off).
+    fn on_demand_choice(&self, now: Millis, load: &ModelLoad) -> Option<Lease> {
+        self.best_type(load, Tier::OnDemand, |ty| {
+            self.may_ask(now, &load.model, ty, Tier::OnDemand)
         })
     }
 
@@ -720,28 +732,13 @@ impl Autoscaler {
     /// shortage, reclaims and dry spells), and to on-demand only when no
     /// spot left is worth it. `None` when nothing is askable.
     fn lease_choice(&self, now: Millis, load: &ModelLoad) -> Option<Lease> {
-        let on_demand = self
-            .best_type(load, Tier::OnDemand, |ty| {
-                self.may_ask(now, &load.model, ty, Tier::OnDemand)
-            })
-            .map(|(instance_type, fps, price)| Lease {
-                instance_type,
-                fps,
-                price,
-                tier: Tier::OnDemand,
-            });
+        let on_demand = self.on_demand_choice(now, load);
         let spot = self
             .cfg
             .policy
             .uses_spot()
             .then(|| self.best_type(load, Tier::Spot, |ty| self.spot_candidate(now, load, ty)))
-            .flatten()
-            .map(|(instance_type, fps, price)| Lease {
-                instance_type,
-                fps,
-                price,
-                tier: Tier::Spot,
-            });
+            .flatten();
         match (spot, on_demand) {
             (Some(spot), Some(od))
                 if self.per_frame(load, &od.instance_type, Tier::OnDemand)

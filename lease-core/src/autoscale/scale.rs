@@ -68,17 +68,17 @@ impl Autoscaler {
         allow: &mut Allowance,
         actions: &mut Vec<Action>,
     ) {
-        let Some((best_od_type, _, _)) = self.best_type(load, Tier::OnDemand, |_| true) else {
+        let Some(best_od) = self.best_type(load, Tier::OnDemand, |_| true) else {
             return;
         };
-        let lead = self.startup_ms(&best_od_type) + 60_000;
+        let lead = self.startup_ms(&best_od.instance_type) + 60_000;
         let mine: Vec<LeaseView> = self
             .leases
             .values()
             .filter(|l| l.model == load.model)
             .cloned()
             .collect();
-        let hedge = self.hedge_fps(load, &mine, &best_od_type);
+        let hedge = self.hedge_fps(load, &mine, &best_od.instance_type);
         let mut targets = self.targets(now, load, lead);
         targets.down += hedge;
         let capacity = self.serving_fps(load, &mine, |_| true);
@@ -113,16 +113,8 @@ impl Autoscaler {
             ));
         }
         if hedge > 0.0
-            && let Some(od) = self.best_type(load, Tier::OnDemand, |ty| {
-                self.may_ask(now, &load.model, ty, Tier::OnDemand)
-            })
+            && let Some(od) = self.on_demand_choice(now, load)
         {
-            let od = Lease {
-                instance_type: od.0,
-                fps: od.1,
-                price: od.2,
-                tier: Tier::OnDemand,
-            };
             actions.extend(self.acquire_to_target(
                 &mut m,
                 allow,
