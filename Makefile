@@ -51,6 +51,8 @@ lint: setup
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --all-features
+	python3 scripts/shape.py --self-test
+	python3 scripts/shape.py
 
 fmt:
 	$(CARGO) fmt --all

@@ -270,22 +270,18 @@ impl Server {
         .flatten()
     }
 
-    /// Serves one connection: its `Hello` within `limits.hello_timeout_ms`,
-    /// then its role's session. `login` holds its place among the
-    /// connections not logged in, until `Welcome`.
-    async fn connection(
-        &self,
+    /// A connection's credentials, checked after its `Hello`: a leased
+    /// worker by its lease's one-time token, everyone else by name and
+    /// token, and an edge against its name's quotas. A refusal is written
+    /// to the peer, counted and logged here, and answers `None`.
+    async fn log_in<'s>(
+        &'s self,
         session: u64,
-        conn: quinn::Connection,
-        login: OwnedSemaphorePermit,
-        cancel: CancellationToken,
-    ) {
-        let Some((mut send, recv, hello)) = self.read_hello(&conn).await else {
-            debug!("no Hello; closing");
-            conn.close(ErrorCode::Malformed.quic_code().into(), b"no Hello");
-            return;
-        };
-        let Hello { role, name, token } = &hello;
+        conn: &quinn::Connection,
+        send: &mut quinn::SendStream,
+        hello: &Hello,
+    ) -> Option<Login<'s>> {
+        let Hello { role, name, token } = hello;
         // A leased worker proves its lease with the lease's one-time token;
         // a listed static worker, bound or not, with its own token.
         let mut pass = None;
@@ -301,8 +297,8 @@ impl Server {
                         reason: refusal.to_string(),
                         retry_later: refusal.retry_later,
                     };
-                    refuse(&conn, &mut send, &reply).await;
-                    return;
+                    refuse(conn, send, &reply).await;
+                    return None;
                 }
                 None => {}
             }
@@ -331,8 +327,8 @@ impl Server {
                 role: *role,
                 name: name.clone(),
             };
-            refuse(&conn, &mut send, &reply).await;
-            return;
+            refuse(conn, send, &reply).await;
+            return None;
         }
         let edge_slot = match role {
             Role::Edge => match self.edge_quotas.connect(name, Instant::now()) {
@@ -350,16 +346,46 @@ impl Server {
                         name: name.clone(),
                         quota,
                     };
-                    refuse(&conn, &mut send, &reply).await;
-                    return;
+                    refuse(conn, send, &reply).await;
+                    return None;
                 }
             },
             Role::Worker => None,
         };
+        Some(Login {
+            pass,
+            admitted,
+            edge_slot,
+        })
+    }
+
+    /// Serves one connection: its `Hello` within `limits.hello_timeout_ms`,
+    /// then its role's session. `login` holds its place among the
+    /// connections not logged in, until `Welcome`.
+    async fn connection(
+        &self,
+        session: u64,
+        conn: quinn::Connection,
+        login: OwnedSemaphorePermit,
+        cancel: CancellationToken,
+    ) {
+        let Some((mut send, recv, hello)) = self.read_hello(&conn).await else {
+            debug!("no Hello; closing");
+            conn.close(ErrorCode::Malformed.quic_code().into(), b"no Hello");
+            return;
+        };
+        let Some(Login {
+            pass,
+            admitted,
+            edge_slot,
+        }) = self.log_in(session, &conn, &mut send, &hello).await
+        else {
+            return;
+        };
         // Logged in: room for its frame and result streams (the credit goes
         // out with or before the Welcome; a peer's `open_uni` waits for it).
         // An edge's window grows with its cameras' frames as they open.
-        let window = match role {
+        let window = match hello.role {
             Role::Edge => tidegate_protocol::quic::edge_receive_window(0),
             Role::Worker => tidegate_protocol::quic::RECEIVE_WINDOW,
         };
@@ -428,6 +454,15 @@ struct Link {
 /// its QUIC code. The one way a connection is refused: the reason is
 /// fitted to the protocol's limits here (see [`ErrorReply::to_message`]),
 /// so no caller can send one a peer cannot decode.
+/// What a connection's login established: a leased worker's pass, or the
+/// admission of a name and token (held as long as the connection), and an
+/// edge's place among its name's connections.
+struct Login<'s> {
+    pass: Option<WorkerPass>,
+    admitted: Option<crate::auth::Admitted<'s>>,
+    edge_slot: Option<edge_quota::EdgeSlot>,
+}
+
 async fn refuse(conn: &quinn::Connection, send: &mut quinn::SendStream, reply: &ErrorReply) {
     let _ = write_message(send, &reply.to_message()).await;
     let _ = send.finish();
