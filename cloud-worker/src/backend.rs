@@ -545,6 +545,9 @@ pub struct OrtBackend {
     activity: Arc<Activity>,
     /// Threads that decode a batch's JPEG and PNG frames: the host's cores.
     decode_threads: usize,
+    /// Tests only: holds runs as a GPU's cold shapes and slow batches would.
+    #[cfg(feature = "stand-in")]
+    stand_in: Option<crate::stand_in::StandIn>,
 }
 
 impl OrtBackend {
@@ -601,6 +604,8 @@ impl OrtBackend {
             fallback_reason,
             activity,
             decode_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            #[cfg(feature = "stand-in")]
+            stand_in: None,
         })
     }
 
@@ -639,6 +644,13 @@ impl OrtBackend {
             return measured.to_vec();
         }
         step_profile(&ms.buckets, measured)
+    }
+
+    /// Tests only: holds this backend's runs as `stand_in` says (see
+    /// [`crate::stand_in`]).
+    #[cfg(feature = "stand-in")]
+    pub fn set_stand_in(&mut self, stand_in: crate::stand_in::StandIn) {
+        self.stand_in = Some(stand_in);
     }
 
     /// Rows of `model`'s last ONNX Runtime run, padding included (0 before
@@ -1001,6 +1013,10 @@ impl Backend for OrtBackend {
         let batch = decoded.as_deref().unwrap_or(frames);
         for chunk in valid.chunks(ms.spec.max_batch as usize) {
             ms.run_batch(batch, chunk, &mut outcomes);
+            #[cfg(feature = "stand-in")]
+            if let Some(stand_in) = self.stand_in.as_mut() {
+                hold_as_a_gpu(stand_in, model, ms.last_run, chunk, &mut outcomes);
+            }
         }
         for &i in &valid {
             outcomes[i].timings.decode_us = decode_us[i];
@@ -1050,6 +1066,36 @@ impl Backend for OrtBackend {
             points.push((batch, samples[samples.len() / 2]));
         }
         Ok(points)
+    }
+}
+
+/// Tests only: holds the run of `rows` rows that served `chunk` as the
+/// stand-in says a GPU would, and adds the hold to those frames'
+/// `inference_us`.
+#[cfg(feature = "stand-in")]
+fn hold_as_a_gpu(
+    stand_in: &mut crate::stand_in::StandIn,
+    model: &str,
+    rows: usize,
+    chunk: &[usize],
+    outcomes: &mut [FrameOutcome],
+) {
+    let Some((held, why)) = stand_in.hold(model, rows) else {
+        return;
+    };
+    tracing::info!(
+        model,
+        rows,
+        held_ms = held.as_millis() as u64,
+        ?why,
+        cold_runs = stand_in.cold_runs,
+        slow_runs = stand_in.slow_runs,
+        "stand-in: run held"
+    );
+    std::thread::sleep(held);
+    for &i in chunk {
+        let t = &mut outcomes[i].timings;
+        t.inference_us = t.inference_us.saturating_add(micros(held));
     }
 }
 

@@ -29,4 +29,6 @@ pub mod metrics;
 pub mod model;
 pub mod preprocess;
 pub mod runtime;
+#[cfg(feature = "stand-in")]
+pub mod stand_in;
 pub mod watchdog;

@@ -176,6 +176,11 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     watchdog::spawn(activity.clone(), cfg.runtime.watchdog_timeouts())
         .context("starting the watchdog thread")?;
     let mut backend = OrtBackend::open_watched(&repo, &options, activity.clone())?;
+    #[cfg(feature = "stand-in")]
+    if let Some(stand_in) = tidegate_worker::stand_in::StandIn::from_env()? {
+        tracing::warn!(settings = ?stand_in.settings(), "test stand-in: runs are held as a GPU's cold shapes and slow batches would be");
+        backend.set_stand_in(stand_in);
+    }
     let mut models = Vec::new();
     let mut profile = Vec::new();
     for spec in backend.models().to_vec() {

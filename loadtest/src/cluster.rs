@@ -519,12 +519,34 @@ impl Cluster {
         self.spawn_worker_with(name, &workspace_root().join("models"), &["blazeface"], args)
     }
 
+    /// Starts a worker serving BlazeFace with `env` added to its
+    /// environment (`TIDEGATE_STAND_IN`, say).
+    pub fn spawn_worker_with_env(
+        &mut self,
+        name: &str,
+        env: &[(&str, &str)],
+    ) -> Result<(), ClusterError> {
+        let models = workspace_root().join("models");
+        self.spawn_worker_in(name, &models, &["blazeface"], &[], env)
+    }
+
     fn spawn_worker_with(
         &mut self,
         name: &str,
         models_dir: &Path,
         models: &[&str],
         args: &[&str],
+    ) -> Result<(), ClusterError> {
+        self.spawn_worker_in(name, models_dir, models, args, &[])
+    }
+
+    fn spawn_worker_in(
+        &mut self,
+        name: &str,
+        models_dir: &Path,
+        models: &[&str],
+        args: &[&str],
+        env: &[(&str, &str)],
     ) -> Result<(), ClusterError> {
         let cfg = self.worker_config(name, models_dir, models)?;
         let log_path = self.dir.path().join(format!("{name}.log"));
@@ -543,6 +565,7 @@ impl Cluster {
             .env("TIDEGATE_WORKER_TOKEN", &self.worker_token)
             .env("TIDEGATE_LOG", "info")
             .env_remove("TIDEGATE_METRICS_LISTEN")
+            .envs(env.iter().copied())
             .stdout(out)
             .stderr(log)
             .spawn()

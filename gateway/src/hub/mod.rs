@@ -280,6 +280,11 @@ pub struct WorkerView {
     pub models: Vec<String>,
     /// Measured latency per model and batch size, as registered.
     pub profile: Vec<tidegate_protocol::ProfilePoint>,
+    /// The scheduler's estimate now at each of `profile`'s points: the
+    /// registered latency as refined by the batches the worker returned
+    /// (one slow batch counts at most 3 times the estimate) and relaxed
+    /// back towards it while the worker ran nothing.
+    pub estimate: Vec<tidegate_protocol::ProfilePoint>,
     /// Takes no new batch (it is draining, or an unbound static worker).
     pub draining: bool,
     /// Demoted for failing its frames: it gets only probe batches until

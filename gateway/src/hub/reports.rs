@@ -76,6 +76,7 @@ impl State {
     }
 
     pub(super) fn snapshot(&self) -> Snapshot {
+        let now = self.now();
         let mut models: HashMap<&str, ModelView> = HashMap::new();
         for (id, w) in &self.workers {
             let serving = !self.roster.get(*id).is_some_and(|m| m.unbound());
@@ -130,6 +131,20 @@ impl State {
                         device: w.register.device.clone(),
                         models: w.register.models.iter().map(|m| m.name.clone()).collect(),
                         profile: w.register.profile.clone(),
+                        estimate: w
+                            .register
+                            .profile
+                            .iter()
+                            .map(|p| tidegate_protocol::ProfilePoint {
+                                latency_us: self
+                                    .scheduler
+                                    .latency_estimate_us(now, *id, &p.model, p.batch)
+                                    .map_or(p.latency_us, |us| {
+                                        u32::try_from(us).unwrap_or(u32::MAX)
+                                    }),
+                                ..p.clone()
+                            })
+                            .collect(),
                         draining: member.is_some_and(|m| !m.state.takes_batches()),
                         demoted: self.scheduler.is_demoted(*id),
                         lease: member.and_then(|m| m.state.lease()).map(|l| l.0),
@@ -138,7 +153,7 @@ impl State {
                 })
                 .collect(),
             models: models.into_values().collect(),
-            timeline: self.timeline.view(self.now()),
+            timeline: self.timeline.view(now),
         };
         snap.edges.sort_by_key(|e| e.id);
         snap.workers.sort_by_key(|w| w.id);

@@ -435,6 +435,29 @@ impl Scheduler {
             .is_some_and(|w| w.health.demoted())
     }
 
+    /// What the scheduler expects, at `now`, a batch of `batch` frames of
+    /// `model` to take on `worker` (µs): its registered profile as refined
+    /// by the batches it returned, and relaxed for the time it has run
+    /// nothing (as the next event would relax it). `None` for a worker or
+    /// model it does not know.
+    pub fn latency_estimate_us(
+        &self,
+        now: Micros,
+        worker: WorkerId,
+        model: &str,
+        batch: u16,
+    ) -> Option<u64> {
+        let w = self.workers.get(&worker)?;
+        let profile = w.models.get(model)?;
+        let batch = usize::from(batch);
+        if !w.running.is_empty() {
+            return Some(profile.latency(batch));
+        }
+        let mut relaxed = profile.clone();
+        relaxed.relax(now.saturating_sub(w.relaxed_at));
+        Some(relaxed.latency(batch))
+    }
+
     /// Number of registered workers demoted for failing their frames
     /// (backing off, or being probed).
     pub fn demoted_count(&self) -> usize {

@@ -813,6 +813,31 @@ fn an_estimate_beyond_every_deadline_relaxes_while_the_worker_idles() {
 }
 
 #[test]
+fn the_estimate_shown_relaxes_with_idle_time_even_with_no_event_to_apply_it() {
+    let mut s = Scheduler::new(one_deep());
+    s.on_event(0, worker(1, 1, 2_000));
+    assert_eq!(s.latency_estimate_us(0, WorkerId(1), "m", 1), Some(2_000));
+    assert_eq!(s.latency_estimate_us(0, WorkerId(2), "m", 1), None);
+    assert_eq!(s.latency_estimate_us(0, WorkerId(1), "other", 1), None);
+    // One 2 s batch: counted as at most 3 × 2 ms, so 2.8 ms.
+    let a = s.on_event(0, frame(1, "c", 80_000));
+    finish_dispatched(&mut s, 2_000_000, &a);
+    let t = 2_000_000;
+    assert_eq!(s.latency_estimate_us(t, WorkerId(1), "m", 1), Some(2_800));
+    // Idle: the excess halves every 2 s, read without an event.
+    assert_eq!(
+        s.latency_estimate_us(t + 2_000_000, WorkerId(1), "m", 1),
+        Some(2_400)
+    );
+    assert_eq!(
+        s.latency_estimate_us(t + 60_000_000, WorkerId(1), "m", 1),
+        Some(2_000)
+    );
+    // Reading changed nothing: the next event relaxes from where it was.
+    assert_eq!(s.latency_estimate_us(t, WorkerId(1), "m", 1), Some(2_800));
+}
+
+#[test]
 fn a_busy_worker_gets_its_next_batch_just_before_it_frees() {
     let mut s = Scheduler::new(Settings::default()); // pipeline depth 2
     s.on_event(0, worker(1, 1, 10_000));

@@ -33,18 +33,20 @@ pub(super) fn camera(session: u64, edge: &str, name: &str, model: &str) -> Camer
 }
 
 pub(super) fn worker(id: u64, name: &str, demoted: bool) -> WorkerView {
+    let profile = [(1, 4_000), (4, 10_000)]
+        .map(|(batch, latency_us)| tidegate_protocol::ProfilePoint {
+            model: "blazeface".into(),
+            batch,
+            latency_us,
+        })
+        .to_vec();
     WorkerView {
         id,
         name: name.into(),
         device: "cpu".into(),
         models: vec!["blazeface".into()],
-        profile: [(1, 4_000), (4, 10_000)]
-            .map(|(batch, latency_us)| tidegate_protocol::ProfilePoint {
-                model: "blazeface".into(),
-                batch,
-                latency_us,
-            })
-            .to_vec(),
+        estimate: profile.clone(),
+        profile,
         draining: false,
         demoted,
         lease: None,

@@ -17,6 +17,16 @@ pub struct ProfilePoint {
     pub latency_us: u32,
 }
 
+impl From<&tidegate_protocol::ProfilePoint> for ProfilePoint {
+    fn from(p: &tidegate_protocol::ProfilePoint) -> Self {
+        ProfilePoint {
+            model: p.model.clone(),
+            batch: p.batch,
+            latency_us: p.latency_us,
+        }
+    }
+}
+
 /// A registered worker.
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct Worker {
@@ -28,8 +38,14 @@ pub struct Worker {
     pub device: String,
     /// Models it serves.
     pub models: Vec<String>,
-    /// Measured latency per model and batch size.
+    /// Measured latency per model and batch size, as the worker registered
+    /// it.
     pub profile: Vec<ProfilePoint>,
+    /// What the scheduler expects each of `profile`'s batches to take now:
+    /// refined by the batches the worker returned (one slow batch counts
+    /// at most 3 times the estimate) and relaxed back towards `profile`
+    /// while it runs nothing.
+    pub estimate: Vec<ProfilePoint>,
     /// Takes no new batch (it is draining, or an unbound static worker).
     pub draining: bool,
     /// Demoted for failing its frames: it gets only probe batches until
@@ -50,6 +66,7 @@ impl From<&WorkerView> for Worker {
             device,
             models,
             profile,
+            estimate,
             draining,
             demoted,
             lease,
@@ -60,14 +77,8 @@ impl From<&WorkerView> for Worker {
             name: name.clone(),
             device: device.clone(),
             models: models.clone(),
-            profile: profile
-                .iter()
-                .map(|p| ProfilePoint {
-                    model: p.model.clone(),
-                    batch: p.batch,
-                    latency_us: p.latency_us,
-                })
-                .collect(),
+            profile: profile.iter().map(ProfilePoint::from).collect(),
+            estimate: estimate.iter().map(ProfilePoint::from).collect(),
             draining: *draining,
             demoted: *demoted,
             lease: *lease,
