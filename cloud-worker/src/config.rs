@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use tidegate_protocol::GatewayAddr;
 
-use crate::runtime::{ConvAlgoSearch, CudaOptions, Fallback, Provider};
+pub use crate::model::Precision;
+use crate::runtime::{ConvAlgoSearch, CudaOptions, Fallback, Provider, TensorRtOptions};
 use crate::watchdog::RunTimeouts;
 
 /// Everything a worker needs.
@@ -123,16 +124,26 @@ pub struct RuntimeConfig {
     /// Intra-op threads per session (0 = one per core).
     #[serde(default)]
     pub intra_threads: usize,
-    /// Execution provider: `cpu` (the default) or `cuda`.
+    /// Execution provider: `cpu` (the default), `cuda`, or `tensorrt`
+    /// (ONNX Runtime's TensorRT provider on the CUDA device, the CUDA
+    /// provider serving what TensorRT does not; without TensorRT's
+    /// libraries, the CUDA provider alone, said in one line).
     #[serde(default)]
     pub provider: ProviderKind,
+    /// Which of each model's files to serve: `fp32` (the default) or
+    /// `fp16` (its `[fp16]` variant, where its model.toml has one).
+    #[serde(default)]
+    pub precision: Precision,
     /// When the provider cannot be used: `none` (refuse to start, the
     /// default) or `cpu` (warn and serve on the CPU).
     #[serde(default)]
     pub fallback: Fallback,
-    /// CUDA settings, read when `provider = "cuda"`.
+    /// CUDA settings, read when `provider = "cuda"` or `"tensorrt"`.
     #[serde(default)]
     pub cuda: CudaConfig,
+    /// TensorRT settings, read when `provider = "tensorrt"`.
+    #[serde(default)]
+    pub tensorrt: TensorRtConfig,
     /// Run each batch padded to the next batch size warmed up and profiled
     /// at start (1, 2, 4, … and `max_batch`), so that serving never runs an
     /// input shape for the first time. Unset: on CUDA (where a shape's first
@@ -162,8 +173,10 @@ impl Default for RuntimeConfig {
             library: None,
             intra_threads: 0,
             provider: ProviderKind::default(),
+            precision: Precision::default(),
             fallback: Fallback::default(),
             cuda: CudaConfig::default(),
+            tensorrt: TensorRtConfig::default(),
             pad_batches: None,
             wedged_after_secs: default_wedged_after_secs(),
             warmup_wedged_after_secs: None,
@@ -207,6 +220,41 @@ pub enum ProviderKind {
     Cpu,
     /// ONNX Runtime's CUDA execution provider.
     Cuda,
+    /// ONNX Runtime's TensorRT execution provider, before the CUDA one.
+    Tensorrt,
+}
+
+/// `[runtime.tensorrt]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorRtConfig {
+    /// Where built engines (and TensorRT's timing cache) are kept, so that
+    /// a restart or a replacement worker on the same disk loads them
+    /// instead of building them again (minutes). Unset: `tensorrt/` in the
+    /// tidegate cache.
+    #[serde(default)]
+    pub engine_cache_dir: Option<PathBuf>,
+    /// Let TensorRT choose FP16 kernels (default true).
+    #[serde(default = "default_true")]
+    pub fp16: bool,
+    /// Most scratch memory TensorRT may use while it builds an engine, in
+    /// MiB (unset: TensorRT's default).
+    #[serde(default)]
+    pub max_workspace_mb: Option<u64>,
+}
+
+impl Default for TensorRtConfig {
+    fn default() -> Self {
+        TensorRtConfig {
+            engine_cache_dir: None,
+            fp16: true,
+            max_workspace_mb: None,
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// `[runtime.cuda]`.
@@ -252,17 +300,31 @@ impl RuntimeConfig {
     /// [`MAX_ARENA_LIMIT_MB`] (which [`WorkerConfig::validate`] refuses)
     /// saturates instead of overflowing.
     pub fn provider(&self) -> Provider {
+        let cuda = |tensorrt| CudaOptions {
+            device_id: self.cuda.device_id,
+            arena_limit_bytes: self
+                .cuda
+                .arena_limit_mb
+                .map(|mb| mb.saturating_mul(1024 * 1024)),
+            conv_algo_search: self.cuda.conv_algo_search,
+            cpu_preprocess: self.cuda.cpu_preprocess,
+            tensorrt,
+        };
         match self.provider {
             ProviderKind::Cpu => Provider::Cpu,
-            ProviderKind::Cuda => Provider::Cuda(CudaOptions {
-                device_id: self.cuda.device_id,
-                arena_limit_bytes: self
-                    .cuda
-                    .arena_limit_mb
+            ProviderKind::Cuda => Provider::Cuda(cuda(None)),
+            ProviderKind::Tensorrt => Provider::Cuda(cuda(Some(TensorRtOptions {
+                engine_cache_dir: self
+                    .tensorrt
+                    .engine_cache_dir
+                    .clone()
+                    .or_else(|| crate::runtime::cache_dir().ok().map(|d| d.join("tensorrt"))),
+                fp16: self.tensorrt.fp16,
+                max_workspace_bytes: self
+                    .tensorrt
+                    .max_workspace_mb
                     .map(|mb| mb.saturating_mul(1024 * 1024)),
-                conv_algo_search: self.cuda.conv_algo_search,
-                cpu_preprocess: self.cuda.cpu_preprocess,
-            }),
+            }))),
         }
     }
 }
@@ -309,8 +371,15 @@ impl WorkerConfig {
                 *p = base.join(&*p);
             }
         }
-        if let Some(lib) = cfg.runtime.library.as_mut().filter(|l| l.is_relative()) {
-            *lib = base.join(&*lib);
+        for p in [
+            cfg.runtime.library.as_mut(),
+            cfg.runtime.tensorrt.engine_cache_dir.as_mut(),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|p| p.is_relative())
+        {
+            *p = base.join(&*p);
         }
         Ok(cfg)
     }
@@ -330,6 +399,12 @@ impl WorkerConfig {
                 )));
             }
             _ => {}
+        }
+        if self.runtime.tensorrt.max_workspace_mb == Some(0) {
+            return Err(ConfigError::Invalid(
+                "runtime.tensorrt.max_workspace_mb is 0; leave it unset for TensorRT's default, or give MiB"
+                    .into(),
+            ));
         }
         let wedged = self.runtime.wedged_after_secs;
         if !WEDGED_AFTER_SECS.contains(&wedged) {
@@ -455,8 +530,67 @@ mod tests {
                 arena_limit_bytes: Some(2048 << 20),
                 conv_algo_search: ConvAlgoSearch::Heuristic,
                 cpu_preprocess: true,
+                tensorrt: None,
             })
         );
+    }
+
+    #[test]
+    fn tensorrt_is_the_cuda_provider_with_tensorrt_before_it() {
+        let cfg = parse(
+            "[runtime]\nprovider = \"tensorrt\"\n[runtime.cuda]\ndevice_id = 2\n[runtime.tensorrt]\nengine_cache_dir = \"/var/cache/trt\"\nfp16 = false\nmax_workspace_mb = 4096\n",
+        )
+        .unwrap();
+        let Provider::Cuda(c) = cfg.runtime.provider() else {
+            panic!("not the CUDA device: {:?}", cfg.runtime.provider());
+        };
+        assert_eq!(c.device_id, 2);
+        assert_eq!(
+            c.tensorrt,
+            Some(TensorRtOptions {
+                engine_cache_dir: Some(PathBuf::from("/var/cache/trt")),
+                fp16: false,
+                max_workspace_bytes: Some(4096 << 20),
+            })
+        );
+        assert_eq!(cfg.runtime.provider().to_string(), "tensorrt:2");
+        // Unset: FP16 kernels allowed, engines kept in the tidegate cache.
+        let cfg = parse("[runtime]\nprovider = \"tensorrt\"\n").unwrap();
+        let Provider::Cuda(c) = cfg.runtime.provider() else {
+            panic!("not the CUDA device");
+        };
+        let t = c.tensorrt.expect("TensorRT options");
+        assert!(t.fp16);
+        if let Ok(cache) = crate::runtime::cache_dir() {
+            assert_eq!(t.engine_cache_dir, Some(cache.join("tensorrt")));
+        }
+        let err = parse("[runtime.tensorrt]\nmax_workspace_mb = 0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("runtime.tensorrt.max_workspace_mb is 0"),
+            "{err}"
+        );
+        let err = parse("[runtime.tensorrt]\nengine_cache = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("engine_cache"), "{err}");
+    }
+
+    #[test]
+    fn precision_is_fp32_unless_fp16_is_asked_for() {
+        assert_eq!(parse("").unwrap().runtime.precision, Precision::Fp32);
+        assert_eq!(
+            parse("[runtime]\nprecision = \"fp16\"\n")
+                .unwrap()
+                .runtime
+                .precision,
+            Precision::Fp16
+        );
+        let err = parse("[runtime]\nprecision = \"int8\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("int8") && err.contains("fp16"), "{err}");
     }
 
     #[test]

@@ -163,7 +163,11 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         ..RuntimeOptions::default()
     };
     let only = (!cfg.models.only.is_empty()).then_some(cfg.models.only.as_slice());
-    let repo = Repository::load(&cfg.models.dir, only)?;
+    let (repo, notes) =
+        Repository::load(&cfg.models.dir, only)?.at_precision(cfg.runtime.precision)?;
+    for note in &notes {
+        tracing::warn!("runtime.precision = \"{}\": {note}", cfg.runtime.precision);
+    }
     Runtime::init(options.library.as_deref())?;
     // Started before the first model runs and kept for the rest of the
     // process (drain and shutdown included): a warm-up or profiling run, or
@@ -245,6 +249,20 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             if let Some(p) = backend.preprocessing(&m.name) {
                 println!("  {}: preprocessing on {p}", m.name);
             }
+            match backend.tensorrt(&m.name) {
+                Some(Ok(())) => println!("  {}: TensorRT, then the CUDA provider", m.name),
+                Some(Err(why)) => {
+                    println!(
+                        "  {}: the CUDA provider alone (TensorRT unavailable: {why})",
+                        m.name
+                    );
+                }
+                None => {}
+            }
+        }
+        println!("  precision {}", cfg.runtime.precision);
+        for note in &notes {
+            println!("  {note}");
         }
         return Ok(());
     }

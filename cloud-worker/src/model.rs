@@ -54,6 +54,42 @@ pub struct ModelSpec {
     pub outputs: Vec<OutputSpec>,
     /// How outputs become detections.
     pub decoder: DecoderSpec,
+    /// The half-precision variant `runtime.precision = "fp16"` serves, if
+    /// the model has one: the same graph with FP16 weights and
+    /// activations, its inputs and outputs still FP32 (so preprocessing
+    /// and the decoder are the same), built by models/fetch.sh.
+    #[serde(default)]
+    pub fp16: Option<VariantSpec>,
+}
+
+/// Another file of the same model (`[fp16]` in model.toml).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VariantSpec {
+    /// The ONNX file, relative to the model's folder.
+    pub file: PathBuf,
+    /// Lower-case hex sha256 of `file`; checked when it is opened.
+    pub sha256: String,
+}
+
+/// Which of a model's files a worker serves (`runtime.precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// The model's own file (FP32).
+    #[default]
+    Fp32,
+    /// The model's `[fp16]` variant where it has one; FP32 where not.
+    Fp16,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Fp16 => "fp16",
+        })
+    }
 }
 
 /// The model's image input. Frames always arrive as u8 RGB; this says what the
@@ -395,13 +431,18 @@ impl ModelSpec {
                 format!("has 0 for channel {c}; a divisor must be non-zero"),
             ));
         }
-        if let Some(sha) = &self.sha256
-            && (sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()))
-        {
-            return Err(invalid(
-                "sha256",
-                format!("is {sha:?}; it must be 64 hex digits (the output of sha256sum)"),
-            ));
+        for (field, sha) in [
+            ("sha256", self.sha256.as_ref()),
+            ("fp16.sha256", self.fp16.as_ref().map(|v| &v.sha256)),
+        ] {
+            if let Some(sha) = sha
+                && (sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()))
+            {
+                return Err(invalid(
+                    field,
+                    format!("is {sha:?}; it must be 64 hex digits (the output of sha256sum)"),
+                ));
+            }
         }
         let mut seen = HashSet::new();
         for (i, out) in self.outputs.iter().enumerate() {
@@ -766,24 +807,47 @@ impl Repository {
             });
         }
         if let Some(expected) = &spec.sha256 {
-            let actual = sha256_file(&path).map_err(|source| RepositoryError::Read {
-                path: path.clone(),
-                source,
-            })?;
-            if !actual.eq_ignore_ascii_case(expected) {
-                return Err(RepositoryError::Checksum {
-                    model: spec.name.clone(),
-                    path,
-                    expected: expected.clone(),
-                    actual,
-                });
-            }
+            check_sha256(&spec.name, &path, expected)?;
         }
         Ok(Model {
             spec,
             dir: folder.to_path_buf(),
             path,
         })
+    }
+
+    /// The repository at `precision`: with [`Precision::Fp16`], each model
+    /// that has an `[fp16]` variant opens that file (there, and checked
+    /// against its sha256: a missing variant is an error naming the fix),
+    /// and each that has none stays FP32, named in the returned notes.
+    pub fn at_precision(
+        mut self,
+        precision: Precision,
+    ) -> Result<(Repository, Vec<String>), RepositoryError> {
+        let mut notes = Vec::new();
+        if precision == Precision::Fp32 {
+            return Ok((self, notes));
+        }
+        for m in &mut self.models {
+            let Some(variant) = &m.spec.fp16 else {
+                notes.push(format!(
+                    "model '{}' has no [fp16] variant in its model.toml; it is served in FP32",
+                    m.spec.name
+                ));
+                continue;
+            };
+            let path = m.dir.join(&variant.file);
+            if !path.is_file() {
+                return Err(RepositoryError::MissingVariant {
+                    model: m.spec.name.clone(),
+                    precision,
+                    path,
+                });
+            }
+            check_sha256(&m.spec.name, &path, &variant.sha256)?;
+            m.path = path;
+        }
+        Ok((self, notes))
     }
 
     /// Names of the folders in `dir` that hold a model.toml, for error messages.
@@ -813,6 +877,23 @@ impl Repository {
     pub fn get(&self, name: &str) -> Option<&Model> {
         self.models.iter().find(|m| m.spec.name == name)
     }
+}
+
+/// `path`'s sha256 must be `expected`.
+fn check_sha256(model: &str, path: &Path, expected: &str) -> Result<(), RepositoryError> {
+    let actual = sha256_file(path).map_err(|source| RepositoryError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if actual.eq_ignore_ascii_case(expected) {
+        return Ok(());
+    }
+    Err(RepositoryError::Checksum {
+        model: model.to_string(),
+        path: path.to_path_buf(),
+        expected: expected.to_string(),
+        actual,
+    })
 }
 
 /// Lower-case hex sha256 of a file, streamed.
@@ -897,6 +978,16 @@ pub enum RepositoryError {
         path: PathBuf,
         /// Whether the model is opt-in (`optional = true`).
         optional: bool,
+    },
+    /// `runtime.precision` asks for a variant whose file is not there.
+    #[error("model '{model}': runtime.precision = \"{precision}\" serves {}, which is not there; run `make setup` (models/fetch.sh builds it), or set runtime.precision = \"fp32\"", path.display())]
+    MissingVariant {
+        /// The model.
+        model: String,
+        /// The precision asked for.
+        precision: Precision,
+        /// The variant's file.
+        path: PathBuf,
     },
     /// The model file's sha256 differs from the pinned one.
     #[error("model '{model}': {} has sha256 {actual}, model.toml pins {expected}; the file is corrupt or a different version: delete it and run `make setup`", path.display())]
@@ -1101,6 +1192,25 @@ mod tests {
     }
 
     #[test]
+    fn an_fp16_table_names_its_file_and_a_malformed_pin_is_refused_naming_the_field() {
+        let spec = parse(&blazeface_toml()).unwrap();
+        let v = spec
+            .fp16
+            .expect("the shipped BlazeFace has an FP16 variant");
+        assert_eq!(v.file, PathBuf::from("model.fp16.onnx"));
+        assert_eq!(v.sha256.len(), 64);
+        let text = blazeface_toml().replace(&v.sha256, "not-a-digest");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(
+            err.contains("fp16.sha256") && err.contains("64 hex digits"),
+            "{err}"
+        );
+        let text = blazeface_toml().replace("[fp16]\n", "[fp16]\nquality = 1\n");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("quality"), "{err}");
+    }
+
+    #[test]
     fn repository_loads_every_model_folder_and_skips_others() {
         let dir = repo_with("face", b"onnx", None);
         fs::create_dir(dir.path().join("notes")).unwrap();
@@ -1267,10 +1377,16 @@ mod tests {
     ) -> Result<Repository, RepositoryError> {
         let path =
             Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../models/{model}/model.toml"));
+        // Without the model file's pin (the top-level sha256; a variant's
+        // table keeps its own).
+        let mut in_table = false;
         let text: String = fs::read_to_string(path)
             .unwrap()
             .lines()
-            .filter(|l| !l.starts_with("sha256"))
+            .filter(|l| {
+                in_table |= l.starts_with('[');
+                in_table || !l.starts_with("sha256")
+            })
             .map(|l| format!("{l}\n"))
             .collect();
         let dir = tempfile::tempdir().unwrap();

@@ -65,6 +65,7 @@ impl fmt::Display for Provider {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Provider::Cpu => f.write_str("cpu"),
+            Provider::Cuda(c) if c.tensorrt.is_some() => write!(f, "tensorrt:{}", c.device_id),
             Provider::Cuda(c) => write!(f, "cuda:{}", c.device_id),
         }
     }
@@ -84,6 +85,20 @@ pub struct CudaOptions {
     /// NVRTC kernel (the default). For comparison, or where NVRTC is
     /// missing.
     pub cpu_preprocess: bool,
+    /// TensorRT before the CUDA provider (`provider = "tensorrt"`).
+    pub tensorrt: Option<TensorRtOptions>,
+}
+
+/// Settings of ONNX Runtime's TensorRT execution provider.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TensorRtOptions {
+    /// Where engines and the timing cache are kept (`None`: not kept; each
+    /// start builds them again).
+    pub engine_cache_dir: Option<PathBuf>,
+    /// Let TensorRT choose FP16 kernels.
+    pub fp16: bool,
+    /// Scratch memory TensorRT may use while it builds (`None`: its default).
+    pub max_workspace_bytes: Option<u64>,
 }
 
 /// cuDNN's convolution algorithm search (ONNX Runtime `cudnn_conv_algo_search`).

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use image::imageops::{self, FilterType};
 use tidegate_protocol::{DType, Detection, Geometry, Layout, Status, Tensor};
 use tidegate_worker::backend::{Backend, BackendError, FrameInput, OrtBackend};
-use tidegate_worker::model::Repository;
+use tidegate_worker::model::{Precision, Repository};
 use tidegate_worker::runtime::{Runtime, RuntimeError, RuntimeOptions};
 
 fn models_dir() -> PathBuf {
@@ -289,6 +289,19 @@ fn second_runtime_path_in_one_process_is_refused() {
 }
 
 /// A copy of models/blazeface in a temp dir, with `edit` applied to model.toml.
+/// `model.toml` text without the model file's pinned sha256 (the top-level
+/// one; the `[fp16]` variant keeps its own).
+fn unpinned(text: &str) -> String {
+    let mut in_table = false;
+    text.lines()
+        .filter(|l| {
+            in_table |= l.starts_with('[');
+            in_table || !l.starts_with("sha256")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 fn edited_repo(edit: impl Fn(String) -> String) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let src = models_dir().join("blazeface");
@@ -344,13 +357,7 @@ fn wrong_output_name_names_the_output_field() {
 #[test]
 fn batch_above_the_graphs_fixed_batch_is_refused() {
     // The npm original, whose batch is fixed at 1, under a max_batch of 4.
-    let dir = edited_repo(|t| {
-        t.lines()
-            .filter(|l| !l.starts_with("sha256"))
-            .collect::<Vec<_>>()
-            .join("\n")
-            .replace("max_batch = 32", "max_batch = 4")
-    });
+    let dir = edited_repo(|t| unpinned(&t).replace("max_batch = 32", "max_batch = 4"));
     fs::copy(
         models_dir().join("blazeface/fixed-batch.onnx"),
         dir.path().join("blazeface/model.onnx"),
@@ -403,12 +410,7 @@ fn corrupted_model_file_fails_its_checksum() {
 
 #[test]
 fn unpinned_garbage_model_file_fails_to_open_naming_the_model_and_file() {
-    let dir = edited_repo(|t| {
-        t.lines()
-            .filter(|l| !l.starts_with("sha256"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    });
+    let dir = edited_repo(|t| unpinned(&t));
     let file = dir.path().join("blazeface/model.onnx");
     fs::write(&file, b"not a model").unwrap();
     let repo = Repository::load(dir.path(), None).unwrap();
@@ -485,4 +487,86 @@ fn a_borrowed_input_on_the_sessions_own_device_is_read_in_place() {
     assert_eq!(out.len(), expected.len());
     assert!(!out.is_empty() && out.iter().all(|o| !o.is_empty()));
     assert_eq!(out, expected, "the borrowed input reads as its owned copy");
+}
+
+/// The FP16 variant (`runtime.precision = "fp16"`, built and pinned by
+/// models/fetch.sh) on the same ONNX Runtime: the astronaut's face where
+/// FP32 finds it, within 2 px, with the same landmarks and about the same
+/// score. On the CPU provider ONNX Runtime runs it with casts around the
+/// FP16 nodes; on a GPU it is the variant that runs faster
+/// (scripts/gpu-check.sh compares them there).
+#[test]
+fn fp16_variant_finds_the_astronauts_face_within_2_px_of_fp32() {
+    let repo = Repository::load(&models_dir(), Some(&["blazeface".to_string()])).unwrap();
+    let (half, notes) = repo
+        .clone()
+        .at_precision(Precision::Fp16)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(notes.is_empty(), "{notes:?}");
+    let model = &half.models()[0];
+    assert_eq!(
+        model.path.file_name().and_then(|n| n.to_str()),
+        Some("model.fp16.onnx")
+    );
+    let full = backend().run("blazeface", &[astronaut()]);
+    let mut backend16 = OrtBackend::open(&half, &options()).unwrap_or_else(|e| panic!("{e}"));
+    let out = backend16.run("blazeface", &[astronaut()]);
+    let (a, b) = (faces(&full[0]), faces(&out[0]));
+    assert_eq!((a.len(), b.len()), (1, 1), "fp32 {a:?}, fp16 {b:?}");
+    let (a, b) = (&a[0], &b[0]);
+    for (x, y) in [a.x1, a.y1, a.x2, a.y2]
+        .into_iter()
+        .zip([b.x1, b.y1, b.x2, b.y2])
+    {
+        assert!((x - y).abs() <= 2.0, "fp16 box {b:?} vs fp32 {a:?}");
+    }
+    assert!(
+        (a.score - b.score).abs() <= 0.02,
+        "fp16 {b:?} vs fp32 {a:?}"
+    );
+    assert_eq!(a.keypoints.len(), b.keypoints.len());
+    for (p, q) in a.keypoints.iter().zip(&b.keypoints) {
+        assert!(
+            (p[0] - q[0]).abs() <= 2.0 && (p[1] - q[1]).abs() <= 2.0,
+            "{p:?} vs {q:?}"
+        );
+    }
+}
+
+#[test]
+fn fp16_asked_for_a_model_without_its_variant_file_names_the_file_and_the_fix() {
+    // A repository whose model.toml names the variant but lacks the file.
+    let dir = edited_repo(|t| t);
+    let repo = Repository::load(dir.path(), None).unwrap();
+    let err = repo.at_precision(Precision::Fp16).unwrap_err().to_string();
+    assert!(
+        err.contains("model.fp16.onnx")
+            && err.contains("make setup")
+            && err.contains("runtime.precision"),
+        "{err}"
+    );
+    // One with no [fp16] table is served in FP32, and said so.
+    let dir = edited_repo(|t| {
+        let start = t.find("[fp16]").expect("model.toml has an [fp16] table");
+        let end = start + t[start..].find("\n\n").expect("the table ends");
+        format!("{}{}", &t[..start], &t[end..])
+    });
+    let repo = Repository::load(dir.path(), None).unwrap();
+    let (same, notes) = repo.clone().at_precision(Precision::Fp16).unwrap();
+    assert_eq!(same, repo);
+    assert_eq!(notes.len(), 1);
+    assert!(
+        notes[0].contains("no [fp16] variant") && notes[0].contains("FP32"),
+        "{notes:?}"
+    );
+    // A variant whose bytes are not the pinned ones is refused.
+    let dir = edited_repo(|t| t);
+    fs::write(
+        dir.path().join("blazeface/model.fp16.onnx"),
+        b"not the variant",
+    )
+    .unwrap();
+    let repo = Repository::load(dir.path(), None).unwrap();
+    let err = repo.at_precision(Precision::Fp16).unwrap_err().to_string();
+    assert!(err.contains("sha256"), "{err}");
 }

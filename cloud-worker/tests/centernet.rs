@@ -18,7 +18,7 @@ use image::{RgbImage, imageops};
 use tidegate_protocol::{DType, Detection, Geometry, Layout, Status, Tensor};
 use tidegate_worker::backend::{Backend, FrameInput, OrtBackend};
 use tidegate_worker::decode::iou;
-use tidegate_worker::model::Repository;
+use tidegate_worker::model::{Precision, Repository};
 use tidegate_worker::runtime::RuntimeOptions;
 
 fn models_dir() -> PathBuf {
@@ -161,4 +161,64 @@ fn batch_of_five_frames_gives_the_same_detections_as_five_single_runs() {
         // are equal, not merely close.
         assert_eq!(b.detections, s.detections, "frame {i}: batch vs single run");
     }
+}
+
+/// The FP16 variant (`runtime.precision = "fp16"`, built and pinned by
+/// models/fetch.sh), on the same ONNX Runtime: the people counted in each
+/// vtest frame within ±1 of FP32's, and the astronaut found where FP32
+/// finds her (IoU ≥ 0.9). On the CPU provider ONNX Runtime runs it with
+/// casts; a GPU is where it is faster (scripts/gpu-check.sh step 8).
+#[test]
+fn fp16_variant_counts_the_people_fp32_counts_within_one() {
+    let repo = Repository::load(&models_dir(), Some(&["centernet".to_string()]))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (half, notes) = repo
+        .at_precision(Precision::Fp16)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(notes.is_empty(), "{notes:?}");
+    let options = RuntimeOptions {
+        intra_threads: 2,
+        warmup_runs: 1,
+        ..RuntimeOptions::default()
+    };
+    let mut fp16 = OrtBackend::open(&half, &options).unwrap_or_else(|e| panic!("{e}"));
+    let mut fp32 = backend();
+    let mut frames = vec![letterboxed(
+        &image::open(models_dir().join("testdata/astronaut.png"))
+            .unwrap()
+            .to_rgb8(),
+    )];
+    for s in ["00", "20", "40", "60"] {
+        let path = models_dir().join(format!("testdata/vtest/frame-{s}.png"));
+        let img = image::open(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}; run `make setup`", path.display()))
+            .to_rgb8();
+        frames.push(letterboxed(&img));
+    }
+    let (a, b) = (
+        fp32.run("centernet", &frames),
+        fp16.run("centernet", &frames),
+    );
+    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(b.status, Status::Ok, "frame {i}: {b:?}");
+        let (pa, pb) = (people(&a.detections), people(&b.detections));
+        println!(
+            "frame {i}: {} people in FP32, {} in FP16",
+            pa.len(),
+            pb.len()
+        );
+        assert!(
+            pa.len().abs_diff(pb.len()) <= 1,
+            "frame {i}: FP32 {pa:?}\nFP16 {pb:?}"
+        );
+    }
+    let (a, b) = (people(&a[0].detections), people(&b[0].detections));
+    let [a] = a.as_slice() else {
+        panic!("FP32 finds one astronaut: {a:?}")
+    };
+    let best = b
+        .iter()
+        .map(|d| iou(&[a.x1, a.y1, a.x2, a.y2], &[d.x1, d.y1, d.x2, d.y2]))
+        .fold(0.0f32, f32::max);
+    assert!(best >= 0.9, "FP16 {b:?} against FP32 {a:?}: IoU {best}");
 }

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use tidegate_worker::backend::{Backend, BackendError, OrtBackend};
 use tidegate_worker::model::Repository;
-use tidegate_worker::runtime::{CudaOptions, Fallback, Provider, RuntimeOptions};
+use tidegate_worker::runtime::{CudaOptions, Fallback, Provider, RuntimeOptions, TensorRtOptions};
 
 fn models_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../models")
@@ -127,4 +127,47 @@ fn worker_binary_refuses_cuda_it_cannot_have_and_falls_back_when_allowed() {
         stdout.contains("\n  blazeface: preprocessing on cpu\n"),
         "{stdout}"
     );
+}
+
+#[test]
+fn tensorrt_on_a_cpu_build_is_refused_as_cuda_is_and_falls_back_to_the_cpu_when_allowed() {
+    let tensorrt = |fallback| RuntimeOptions {
+        provider: Provider::Cuda(CudaOptions {
+            device_id: 0,
+            tensorrt: Some(TensorRtOptions {
+                engine_cache_dir: None,
+                fp16: true,
+                max_workspace_bytes: None,
+            }),
+            ..CudaOptions::default()
+        }),
+        ..cuda_options(fallback)
+    };
+    let text = OrtBackend::open(&repo(), &tensorrt(Fallback::None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.starts_with("execution provider tensorrt:0 is unavailable: ")
+            && text.contains("without the CUDA execution provider"),
+        "{text}"
+    );
+    assert!(!text.contains('\n'), "{text}");
+    let backend = OrtBackend::open(&repo(), &tensorrt(Fallback::Cpu)).unwrap();
+    assert_eq!(backend.provider(), &Provider::Cpu);
+    // On the CPU TensorRT was never asked for.
+    assert_eq!(backend.tensorrt("blazeface"), None);
+}
+
+#[test]
+fn worker_binary_takes_tensorrt_and_fp16_from_its_config() {
+    let (code, stdout, stderr) = check_config(
+        "fallback = \"cpu\"\nprecision = \"fp16\"\n[runtime.tensorrt]\nengine_cache_dir = \"trt\"\n",
+    );
+    // provider = "cuda" in the helper; the [runtime.tensorrt] table is read
+    // and checked even when another provider is chosen.
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("\n  precision fp16\n"), "{stdout}");
+    let (code, _, stderr) = check_config("precision = \"fp8\"\n");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("fp8"), "{stderr}");
 }

@@ -372,6 +372,7 @@ mod tests {
                 },
             ],
             decoder: DecoderSpec::Blazeface(params.clone()),
+            fp16: None,
         };
         (spec, params)
     }
