@@ -8,7 +8,7 @@
 #   scripts/gpu-check.sh --kit DIR --rehearse
 #                                        the same without a GPU: checks the kit
 #                                        and runs the CPU half (tests skip)
-#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5 6 7;
+#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5 6 7 8 9;
 #                                        the kit check of step 1 always runs)
 #
 # Needs on the GPU machine: the NVIDIA driver (libcuda), NVRTC, and CUDA 13 +
@@ -33,7 +33,15 @@
 # the 80 ms budget) with the worker on CUDA, BlazeFace and CenterNet; it
 # fails unless E2E_MIN_SLO (default 0.99) of the frames due are ok in budget;
 # 7. the worker's /metrics on the GPU: NVML's utilisation, memory, power and
-# temperature, which the dashboard's GPU panels read.
+# temperature, which the dashboard's GPU panels read; 8. precision and
+# TensorRT: each model's profile per batch size and its time to ready with
+# FP32 on CUDA, the FP16 variant on CUDA, and TensorRT FP16 with a cold and
+# then a warm engine cache (TensorRT's libraries must be on the library
+# path: TIDEGATE_CUDA_LIBS, or python3's tensorrt_libs; without them the
+# worker serves on CUDA alone and says why, and the step reports that);
+# 9. the whole path at the GPU's speed: scripts/gpu-ramp.py ramps each
+# model end to end to its highest rate within the SLO, with the gateway's
+# CPU per 1,000 frames, against the worker's own best throughput.
 #
 # A failing step does not stop the others: each step's status is recorded,
 # a summary closes the log, and the exit status is 1 if any step failed.
@@ -63,7 +71,7 @@ if [ -z "$kit" ]; then
   bash "$here/gpu-kit.sh" "$kit" || die "building the kit failed (see above)"
 fi
 for n in $(tr ',' ' ' <<<"$only"); do
-  case "$n" in 1b | 1c | 2 | 3 | 4 | 5 | 6 | 7) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5 6 7)" ;; esac
+  case "$n" in 1b | 1c | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5 6 7 8 9)" ;; esac
 done
 # want N: whether step N runs.
 want() { [ -z "$only" ] || [[ "$only" == *",$1,"* ]]; }
@@ -102,9 +110,18 @@ fail() {
   results+=("FAILED  $1: $2")
   failed=1
 }
+# figure ROW: a markdown row for the closing table (| what | figure | note |).
+figures=()
+figure() { figures+=("$1"); }
 summary() {
   say "summary ($(($(date +%s) - started)) s; log in $log)"
   printf '  %s\n' "${results[@]}"
+  if [ "${#figures[@]}" -gt 0 ]; then
+    echo
+    echo "| figure | value | against |"
+    echo "|---|---|---|"
+    printf '%s\n' "${figures[@]}"
+  fi
   if ((failed)); then
     echo "gpu-check: FAILED (see the steps above)"
     exit 1
@@ -159,7 +176,8 @@ import glob, site, sys
 roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
 seen = set()
 for r in roots:
-    for d in sorted(glob.glob(f"{r}/nvidia/*/lib") + glob.glob(f"{r}/nvidia/cu*/lib")):
+    for d in sorted(glob.glob(f"{r}/nvidia/*/lib") + glob.glob(f"{r}/nvidia/cu*/lib")
+                    + glob.glob(f"{r}/tensorrt_libs")):
         if d not in seen:
             seen.add(d)
             print(d)
@@ -185,6 +203,9 @@ if ((!rehearse)); then
   [ -z "$missing" ] || fail "CUDA libraries" "the CUDA provider needs $missing: install CUDA 13 + cuDNN 9 (pip install 'onnxruntime-gpu[cuda,cudnn]==1.31.1') or point TIDEGATE_CUDA_LIBS at them"
   [ -e "$kit/lib/libnvrtc.so" ] || fail "NVRTC" "no libnvrtc.so.1x found in ${dirs[*]:-(no folder)}"
 fi
+
+# The end-to-end steps (6, 9) start the worker from e2e/, beside the gateway.
+[ ! -d "$kit/e2e" ] || ln -sf "$kit/bin/tidegate-worker" "$kit/e2e/tidegate-worker"
 
 # The CA the worker configs name: check-config reads it as the link would.
 "$kit/e2e/tidegate-gateway" dev-certs --out "$kit/certs" >/dev/null \
@@ -329,7 +350,6 @@ if want 6; then
   if [ ! -x "$kit/e2e/tidegate-loadtest" ] || [ ! -x "$kit/e2e/tidegate-gateway" ]; then
     fail "end to end" "no e2e/tidegate-loadtest and e2e/tidegate-gateway in the kit"
   else
-    ln -sf "$kit/bin/tidegate-worker" "$kit/e2e/tidegate-worker"
     if ((rehearse)); then
       loads=("blazeface 4 10" "centernet 1 2")
     else
@@ -404,6 +424,104 @@ PY
 if want 7; then
   say "7. worker metrics on $pre: the GPU series the dashboard's GPU panels read (NVML)"
   step "worker metrics $pre" gpu_metrics
+fi
+
+# profiled CONFIG-FILE: runs check-config (models loaded, warmed and
+# profiled) and writes "ready_ms batch:latency_us ..." from its log to
+# KIT/profiled.out.
+profiled() {
+  local t0 t1 out
+  rm -f "$kit/profiled.out"
+  t0=$(date +%s%N)
+  out="$("${bounded[@]}" "$kit/bin/tidegate-worker" --config "$1" --log info check-config 2>&1)" || {
+    printf '%s\n' "$out" | tail -5
+    return 1
+  }
+  t1=$(date +%s%N)
+  out="$(printf '%s\n' "$out" | sed 's/\x1b\[[0-9;]*m//g')"
+  printf '%s\n' "$out" | grep -E 'TensorRT|precision|fp16|FP32' | sed 's/^/  /'
+  {
+    printf '%s' "$(((t1 - t0) / 1000000))"
+    printf '%s\n' "$out" \
+      | sed -n 's/.*profiled model=[^ ]* batch=\([0-9]*\) latency_us=\([0-9]*\).*/ \1:\2/p' | tr -d '\n'
+    echo
+  } >"$kit/profiled.out"
+}
+# The worker's own best throughput per model (frames/s over its profiled
+# batch sizes, FP32 on $pre), from step 8, for step 9's ratio.
+declare -A alone=()
+if want 8; then
+  say "8. precision and TensorRT: profile per batch size (frames/s) and time to ready"
+  ((rehearse)) && echo "  rehearsal: FP32 and FP16 on the CPU; TensorRT is not tried"
+  for m in blazeface centernet; do
+    [ -f "$kit/models/$m/model.onnx" ] || continue
+    configs=("$pre fp32" "$pre fp16")
+    ((rehearse)) || configs+=("tensorrt fp16 cold" "tensorrt fp16 warm")
+    declare -A fps=() ready=()
+    for c in "${configs[@]}"; do
+      read -r prov prec cache <<<"$c"
+      file="$kit/w-8-$m-$prov-$prec${cache:+-$cache}.toml"
+      worker_config "$prov" "$m"
+      mv "$kit/w-$prov.toml" "$file"
+      worker_config "$pre"
+      sed -i "s/^provider = .*/provider = \"$prov\"\nprecision = \"$prec\"/" "$file"
+      if [ "$prov" = tensorrt ]; then
+        printf '[runtime.tensorrt]\nengine_cache_dir = "%s"\n' "$kit/trt-cache" >>"$file"
+        [ "$cache" = cold ] && rm -rf "$kit/trt-cache"
+      fi
+      if step "precision $m $c" profiled "$file"; then
+        read -r ms points <"$kit/profiled.out"
+        ready[$c]=$ms
+        echo "  $m, $c: ready in $ms ms; batch:µs $points"
+        for pt in $points; do fps[$c,${pt%%:*}]=$(( ${pt%%:*} * 1000000 / (${pt##*:} > 0 ? ${pt##*:} : 1) ))
+        done
+      fi
+    done
+    base="${configs[0]}"
+    for k in "${!fps[@]}"; do
+      [ "${k%,*}" = "$base" ] && [ "${fps[$k]}" -gt "${alone[$m]:-0}" ] && alone[$m]=${fps[$k]}
+    done
+    for c in "${configs[@]:1}"; do
+      b=32
+      [ -n "${fps[$c,$b]:-}" ] || b=1
+      if [ -n "${fps[$c,$b]:-}" ] && [ -n "${fps[$base,$b]:-}" ] && [ "${fps[$base,$b]}" -gt 0 ]; then
+        figure "| $m, $c, batch $b | ${fps[$c,$b]} frames/s ($(python3 -c "print(f'{${fps[$c,$b]}/${fps[$base,$b]}:.2f}')")x) | $base ${fps[$base,$b]} frames/s |"
+      fi
+    done
+    for c in "${configs[@]}"; do
+      [ -n "${ready[$c]:-}" ] && figure "| $m, $c, time to ready | ${ready[$c]} ms | process start to warmed and profiled |"
+    done
+    unset fps ready
+  done
+fi
+
+if want 9; then
+  say "9. the whole path at the GPU's speed: each model ramped end to end to its highest rate within the SLO"
+  if ((rehearse)); then
+    ramps=("blazeface 4 5" "centernet 1 1")
+  else
+    ramps=("blazeface 32 30" "centernet 16 15")
+  fi
+  for r in "${ramps[@]}"; do
+    read -r m cams start <<<"$r"
+    [ -f "$kit/models/$m/model.onnx" ] || continue
+    out="${OUT:-$kit}/ramp-$m.jsonl"
+    points=8
+    ((rehearse)) && points=2
+    if step "ramp $m on $pre" python3 "$here/gpu-ramp.py" --bin-dir "$kit/e2e" --models-dir "$kit/models" \
+      --provider "$pre" --model "$m" --cameras "$cams" --start-fps "$start" \
+      --seconds "${RAMP_SECONDS:-10}" --points "$points" >"$out"; then
+      cat "$out" | sed 's/^/  /'
+      read -r max gcpu < <(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-1]; print(r['max_fps_within_slo'], r['gateway_cpu_s_per_1k'])" "$out")
+      if [ -n "${alone[$m]:-}" ]; then
+        against="$(python3 -c "print(f'{$max / ${alone[$m]}:.2f}')")x the worker alone (${alone[$m]} frames/s at its best batch, step 8, $pre fp32)"
+      else
+        against="the worker alone: run step 8 too for the ratio"
+      fi
+      figure "| $m end to end on $pre, max fps within the SLO | $max frames/s | $against |"
+      figure "| $m end to end, gateway CPU per 1,000 frames | $gcpu CPU-s | at that rate |"
+    fi
+  done
 fi
 
 summary
