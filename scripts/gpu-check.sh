@@ -345,17 +345,19 @@ print(f"  end to end ms: p50 {e['p50']:.1f}, p90 {e['p90']:.1f}, p99 {e['p99']:.
 PY
   return "$rc"
 }
+# The end-to-end loads (model, cameras, fps per camera) of step 6, and
+# where step 9's ramps start.
+if ((rehearse)); then
+  e2e_loads=("blazeface 4 10" "centernet 1 2")
+else
+  e2e_loads=("blazeface 32 30" "centernet 16 15")
+fi
 if want 6; then
   say "6. end to end: tidegate-loadtest --local, a gateway and one worker on $pre (QUIC on 127.0.0.1, 80 ms budget)"
   if [ ! -x "$kit/e2e/tidegate-loadtest" ] || [ ! -x "$kit/e2e/tidegate-gateway" ]; then
     fail "end to end" "no e2e/tidegate-loadtest and e2e/tidegate-gateway in the kit"
   else
-    if ((rehearse)); then
-      loads=("blazeface 4 10" "centernet 1 2")
-    else
-      loads=("blazeface 32 30" "centernet 16 15")
-    fi
-    for load in "${loads[@]}"; do
+    for load in "${e2e_loads[@]}"; do
       read -r m cams fps <<<"$load"
       [ -f "$kit/models/$m/model.onnx" ] || continue
       echo "$m:"
@@ -497,12 +499,7 @@ fi
 
 if want 9; then
   say "9. the whole path at the GPU's speed: each model ramped end to end to its highest rate within the SLO"
-  if ((rehearse)); then
-    ramps=("blazeface 4 5" "centernet 1 1")
-  else
-    ramps=("blazeface 32 30" "centernet 16 15")
-  fi
-  for r in "${ramps[@]}"; do
+  for r in "${e2e_loads[@]}"; do
     read -r m cams start <<<"$r"
     [ -f "$kit/models/$m/model.onnx" ] || continue
     out="${OUT:-$kit}/ramp-$m.jsonl"

@@ -65,6 +65,23 @@ fn letterboxed(img: &RgbImage) -> FrameInput {
     }
 }
 
+/// The astronaut, then the vtest frames at 0, 20, 40 and 60 s, letterboxed.
+fn astronaut_and_vtest() -> Vec<FrameInput> {
+    let mut frames = vec![letterboxed(
+        &image::open(models_dir().join("testdata/astronaut.png"))
+            .unwrap()
+            .to_rgb8(),
+    )];
+    for s in ["00", "20", "40", "60"] {
+        let path = models_dir().join(format!("testdata/vtest/frame-{s}.png"));
+        let img = image::open(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}; run `make setup`", path.display()))
+            .to_rgb8();
+        frames.push(letterboxed(&img));
+    }
+    frames
+}
+
 fn people(d: &[Detection]) -> Vec<&Detection> {
     d.iter().filter(|d| d.class == 0).collect()
 }
@@ -136,18 +153,7 @@ fn batch_of_five_frames_gives_the_same_detections_as_five_single_runs() {
     let mut backend = backend();
     let max_batch = backend.models()[0].max_batch;
     assert!(max_batch > 1, "centernet's max_batch is {max_batch}");
-    let mut frames = vec![letterboxed(
-        &image::open(models_dir().join("testdata/astronaut.png"))
-            .unwrap()
-            .to_rgb8(),
-    )];
-    for s in ["00", "20", "40", "60"] {
-        let path = models_dir().join(format!("testdata/vtest/frame-{s}.png"));
-        let img = image::open(&path)
-            .unwrap_or_else(|e| panic!("{}: {e}; run `make setup`", path.display()))
-            .to_rgb8();
-        frames.push(letterboxed(&img));
-    }
+    let frames = astronaut_and_vtest();
     // Runs of at most max_batch frames: 4 + 1 with max_batch = 4.
     let batched = backend.run("centernet", &frames);
     assert_eq!(batched.len(), frames.len());
@@ -183,18 +189,7 @@ fn fp16_variant_counts_the_people_fp32_counts_within_one() {
     };
     let mut fp16 = OrtBackend::open(&half, &options).unwrap_or_else(|e| panic!("{e}"));
     let mut fp32 = backend();
-    let mut frames = vec![letterboxed(
-        &image::open(models_dir().join("testdata/astronaut.png"))
-            .unwrap()
-            .to_rgb8(),
-    )];
-    for s in ["00", "20", "40", "60"] {
-        let path = models_dir().join(format!("testdata/vtest/frame-{s}.png"));
-        let img = image::open(&path)
-            .unwrap_or_else(|e| panic!("{}: {e}; run `make setup`", path.display()))
-            .to_rgb8();
-        frames.push(letterboxed(&img));
-    }
+    let frames = astronaut_and_vtest();
     let (a, b) = (
         fp32.run("centernet", &frames),
         fp16.run("centernet", &frames),
