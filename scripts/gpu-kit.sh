@@ -13,7 +13,7 @@
 #                for the end-to-end step (a local gateway and a CUDA worker)
 #   KIT/models/  blazeface (and centernet, when fetched) + astronaut.png
 #   KIT/ort-N/   ONNX Runtime's GPU build (the pinned onnxruntime-gpu wheel's
-#                libonnxruntime + CUDA provider, 300 MB), as xz parts of at
+#                libonnxruntime + CUDA and TensorRT providers, 300 MB), as xz parts of at
 #                most KIT_PART_MB (default 56) each, so that no one transfer
 #                exceeds a size cap
 # and KIT/manifest.txt: every part's sha256, checked on the GPU machine.
@@ -70,7 +70,9 @@ cp models/testdata/astronaut.png "$kit/models/testdata/"
 
 say "ONNX Runtime's GPU build (pinned onnxruntime-gpu wheel)"
 ver="$ORT_GPU_VERSION"
-packed="$TIDEGATE_CACHE/onnxruntime-gpu/$ver.tar.xz"
+# With TensorRT's provider library since session 32 (a new name, so that an
+# older packing without it is not reused).
+packed="$TIDEGATE_CACHE/onnxruntime-gpu/$ver-tensorrt.tar.xz"
 if [ ! -f "$packed" ]; then
   say "compressing the CUDA provider (xz, a few minutes, once)"
   tmp="$(mktemp -d)"
@@ -79,17 +81,26 @@ if [ ! -f "$packed" ]; then
   # Unpacked by scripts/cuda-libs.sh (with the CUDA image's libraries) if it
   # ran, else from the wheel alone.
   unpacked="$TIDEGATE_CACHE/cuda-libs/onnxruntime-gpu-$ver"
+  # TensorRT's provider (1 MB) comes from the wheel: scripts/cuda-libs.sh
+  # unpacks only what the CUDA image needs. TensorRT 10 itself, which it
+  # links, is not on PyPI as a wheel; the GPU host brings it
+  # (docs/operations.md, "Half precision and TensorRT").
+  fetch_wheel "onnxruntime-gpu==$ver" "$ORT_GPU_WHEEL" "$ORT_GPU_SHA256" \
+    || die "cannot fetch onnxruntime-gpu==$ver (see above)"
+  wheel="$TIDEGATE_CACHE/downloads/$ORT_GPU_WHEEL"
   if [ -f "$unpacked/complete" ]; then
     cp "$unpacked/onnxruntime/libonnxruntime.so.$ver" \
       "$unpacked"/onnxruntime/libonnxruntime_providers_{shared,cuda}.so "$tmp/ort/"
+    unzip -q -o -j "$wheel" 'onnxruntime/capi/libonnxruntime_providers_tensorrt.so' -d "$tmp/ort"
   else
-    fetch_wheel "onnxruntime-gpu==$ver" "$ORT_GPU_WHEEL" "$ORT_GPU_SHA256" \
-      || die "cannot fetch onnxruntime-gpu==$ver (see above)"
-    unzip -q -o -j "$TIDEGATE_CACHE/downloads/$ORT_GPU_WHEEL" \
+    unzip -q -o -j "$wheel" \
       "onnxruntime/capi/libonnxruntime.so.$ver" \
       'onnxruntime/capi/libonnxruntime_providers_shared.so' \
-      'onnxruntime/capi/libonnxruntime_providers_cuda.so' -d "$tmp/ort"
+      'onnxruntime/capi/libonnxruntime_providers_cuda.so' \
+      'onnxruntime/capi/libonnxruntime_providers_tensorrt.so' -d "$tmp/ort"
   fi
+  # Packed: the wheel would only double the space.
+  rm -f "$wheel"
   mkdir -p "$(dirname "$packed")"
   tar -C "$tmp/ort" -cf - . | xz -T0 -6 >"$packed.tmp"
   mv "$packed.tmp" "$packed"
