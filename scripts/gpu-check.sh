@@ -211,12 +211,14 @@ fi
 "$kit/e2e/tidegate-gateway" dev-certs --out "$kit/certs" >/dev/null \
   || die "cannot make a development CA with e2e/tidegate-gateway dev-certs"
 
-# worker_config PROVIDER [MODEL [SEARCH]]: writes KIT/w-PROVIDER.toml, or
+# worker_config PROVIDER [MODEL [SEARCH [FILE]]]: writes FILE if given (its
+# [runtime] table last when SEARCH is empty), else KIT/w-PROVIDER.toml, or
 # KIT/w-PROVIDER-MODEL-SEARCH.toml (MODEL, default BlazeFace, only; SEARCH:
 # cuDNN's conv_algo_search on CUDA).
 worker_config() {
   local file="$kit/w-$1.toml" model="${2:-blazeface}"
   [ -n "${3:-}" ] && file="$kit/w-$1-$model-$3.toml"
+  [ -n "${4:-}" ] && file="$4"
   cat >"$file" <<TOML
 name = "gpu-check"
 token = "unused"
@@ -463,10 +465,8 @@ if want 8; then
     for c in "${configs[@]}"; do
       read -r prov prec cache <<<"$c"
       file="$kit/w-8-$m-$prov-$prec${cache:+-$cache}.toml"
-      worker_config "$prov" "$m"
-      mv "$kit/w-$prov.toml" "$file"
-      worker_config "$pre"
-      sed -i "s/^provider = .*/provider = \"$prov\"\nprecision = \"$prec\"/" "$file"
+      worker_config "$prov" "$m" "" "$file"
+      printf 'precision = "%s"\n' "$prec" >>"$file"
       if [ "$prov" = tensorrt ]; then
         printf '[runtime.tensorrt]\nengine_cache_dir = "%s"\n' "$kit/trt-cache" >>"$file"
         [ "$cache" = cold ] && rm -rf "$kit/trt-cache"

@@ -664,7 +664,7 @@ impl OrtBackend {
         self.sessions[i]
             .tensorrt
             .as_ref()
-            .map(|r| r.as_ref().map(|_| ()).map_err(String::as_str))
+            .map(|r| r.as_ref().copied().map_err(String::as_str))
     }
 
     /// Rows of `model`'s last ONNX Runtime run, padding included (0 before
@@ -854,19 +854,16 @@ fn open_model_on(
             .map_err(|e| session_error(&e))?;
     }
     let mut tensorrt = None;
-    if let Provider::Cuda(CudaOptions {
-        device_id,
-        tensorrt: Some(trt),
-        ..
-    }) = provider
-    {
-        let on = register_tensorrt(&mut builder, *device_id, trt, model);
-        if let Err(reason) = &on {
-            tracing::warn!(model = %model.spec.name, "TensorRT unavailable: {reason}; serving on the CUDA provider");
-        }
-        tensorrt = Some(on);
-    }
     if let Provider::Cuda(cuda) = provider {
+        // TensorRT first, where asked: ONNX Runtime gives it what it can
+        // run, and the CUDA provider the rest.
+        if let Some(trt) = &cuda.tensorrt {
+            let on = register_tensorrt(&mut builder, cuda.device_id, trt, model);
+            if let Err(reason) = &on {
+                tracing::warn!(model = %model.spec.name, "TensorRT unavailable: {reason}; serving on the CUDA provider");
+            }
+            tensorrt = Some(on);
+        }
         cuda_provider(cuda).register(&mut builder).map_err(|e| {
             BackendError::ProviderUnavailable {
                 provider: provider.to_string(),

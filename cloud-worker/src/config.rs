@@ -235,7 +235,7 @@ pub struct TensorRtConfig {
     #[serde(default)]
     pub engine_cache_dir: Option<PathBuf>,
     /// Let TensorRT choose FP16 kernels (default true).
-    #[serde(default = "default_true")]
+    #[serde(default = "crate::model::yes")]
     pub fp16: bool,
     /// Most scratch memory TensorRT may use while it builds an engine, in
     /// MiB (unset: TensorRT's default).
@@ -251,10 +251,6 @@ impl Default for TensorRtConfig {
             max_workspace_mb: None,
         }
     }
-}
-
-fn default_true() -> bool {
-    true
 }
 
 /// `[runtime.cuda]`.

@@ -329,7 +329,8 @@ pub struct ClassifySpec {
     pub labels: Vec<String>,
 }
 
-fn yes() -> bool {
+/// `true`, for serde defaults.
+pub(crate) fn yes() -> bool {
     true
 }
 

@@ -1,12 +1,12 @@
 """Builds a model's half-precision variant (runtime.precision = "fp16").
 
-    python fp16.py SRC.onnx DST.onnx [--keep OP,OP,...] [--check values|finite]
+    python fp16.py SRC.onnx DST.onnx [--check values|finite]
 
 Weights and activations become FP16; the graph's inputs and outputs stay
 FP32 (keep_io_types), so the worker's preprocessing and decoders serve it
 as they serve SRC. The converter is onnxconverter-common's, pinned in
 requirements.txt; its output is reproducible and models/fetch.sh pins its
-sha256. --keep names op types left in FP32 beside the converter's own list.
+sha256.
 
 One repair follows the conversion: a Cast to FP32 whose output the
 converter typed FP16 (it feeds FP16 ops, as CenterNet's mask Cast feeds a
@@ -24,7 +24,6 @@ decoded detections of both).
 """
 
 import argparse
-import os
 import sys
 
 import numpy as np
@@ -36,23 +35,19 @@ from onnxconverter_common import float16
 TOLERANCE = 0.02
 
 
-def run(path, feeds):
-    s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    return s.run(None, feeds)
+def session(model):
+    """`model` (a path, or a serialised graph) on ONNX Runtime's CPU provider."""
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--keep", default="", help="op types to keep in FP32")
     ap.add_argument("--check", choices=("values", "finite"), default="values")
     args = ap.parse_args()
-    keep = [op for op in args.keep.split(",") if op]
     model = onnx.load(args.src)
-    half = float16.convert_float_to_float16(
-        model, keep_io_types=True, op_block_list=float16.DEFAULT_OP_BLOCK_LIST + keep
-    )
+    half = float16.convert_float_to_float16(model, keep_io_types=True)
     typed = {v.name: v.type.tensor_type.elem_type for v in half.graph.value_info}
     for node in half.graph.node:
         if node.op_type != "Cast":
@@ -61,8 +56,7 @@ def main():
         if to.i == onnx.TensorProto.FLOAT and typed.get(node.output[0]) == onnx.TensorProto.FLOAT16:
             to.i = onnx.TensorProto.FLOAT16
     onnx.checker.check_model(half)
-    tmp = args.dst + ".check"
-    onnx.save(half, tmp)
+    full_run, half_run = session(args.src), session(half.SerializeToString())
     graph_input = model.graph.input[0]
     dims = [d.dim_value for d in graph_input.type.tensor_type.shape.dim]
     rng = np.random.RandomState(20)
@@ -71,7 +65,7 @@ def main():
         shape = [batch] + [d for d in dims[1:]]
         x = rng.uniform(0.0, 1.0, size=shape).astype(np.float32)
         feeds = {graph_input.name: x}
-        for i, (a, b) in enumerate(zip(run(args.src, feeds), run(tmp, feeds))):
+        for i, (a, b) in enumerate(zip(full_run.run(None, feeds), half_run.run(None, feeds))):
             if a.shape != b.shape or a.dtype != b.dtype:
                 sys.exit(f"fp16: output {i}: {b.dtype}{b.shape}, FP32 gives {a.dtype}{a.shape}")
             if not np.isfinite(b).all():
@@ -86,7 +80,7 @@ def main():
                     f"fp16: output {i} at batch {batch} differs from FP32 by {err:.4f} "
                     f"of its range (at most {TOLERANCE})"
                 )
-    os.replace(tmp, args.dst)
+    onnx.save(half, args.dst)
     if args.check == "finite":
         print(f"fp16: {args.dst}: outputs finite, shaped and typed as FP32's at batch 1 and 4")
     else:

@@ -450,10 +450,6 @@ struct Link {
     revoked: CancellationToken,
 }
 
-/// Sends `reply` on the control stream, then closes the connection with
-/// its QUIC code. The one way a connection is refused: the reason is
-/// fitted to the protocol's limits here (see [`ErrorReply::to_message`]),
-/// so no caller can send one a peer cannot decode.
 /// What a connection's login established: a leased worker's pass, or the
 /// admission of a name and token (held as long as the connection), and an
 /// edge's place among its name's connections.
@@ -463,6 +459,10 @@ struct Login<'s> {
     edge_slot: Option<edge_quota::EdgeSlot>,
 }
 
+/// Sends `reply` on the control stream, then closes the connection with
+/// its QUIC code. The one way a connection is refused: the reason is
+/// fitted to the protocol's limits here (see [`ErrorReply::to_message`]),
+/// so no caller can send one a peer cannot decode.
 async fn refuse(conn: &quinn::Connection, send: &mut quinn::SendStream, reply: &ErrorReply) {
     let _ = write_message(send, &reply.to_message()).await;
     let _ = send.finish();
