@@ -8,7 +8,7 @@
 #   scripts/gpu-check.sh --kit DIR --rehearse
 #                                        the same without a GPU: checks the kit
 #                                        and runs the CPU half (tests skip)
-#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5 6 7 8 9;
+#   ... --only 4,5                       only these steps (1b 1c 2 3 4 5 6 7 8 9 10;
 #                                        the kit check of step 1 always runs)
 #
 # Needs on the GPU machine: the NVIDIA driver (libcuda), NVRTC, and CUDA 13 +
@@ -41,7 +41,10 @@
 # worker serves on CUDA alone and says why, and the step reports that);
 # 9. the whole path at the GPU's speed: scripts/gpu-ramp.py ramps each
 # model end to end to its highest rate within the SLO, with the gateway's
-# CPU per 1,000 frames, against the worker's own best throughput.
+# CPU per 1,000 frames, against the worker's own best throughput; 10. the
+# WAN case that waits for a GPU (make bench-wan's 20ms-2pct-bursty-centernet:
+# CenterNet 4 x 5 fps through the impairment relay at 20 ms RTT and 2 %
+# bursty loss, goal >= 95 % ok within 80 ms), the workers on the GPU.
 #
 # A failing step does not stop the others: each step's status is recorded,
 # a summary closes the log, and the exit status is 1 if any step failed.
@@ -71,7 +74,7 @@ if [ -z "$kit" ]; then
   bash "$here/gpu-kit.sh" "$kit" || die "building the kit failed (see above)"
 fi
 for n in $(tr ',' ' ' <<<"$only"); do
-  case "$n" in 1b | 1c | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5 6 7 8 9)" ;; esac
+  case "$n" in 1b | 1c | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 | 10) ;; *) die "--only: no step $n (steps: 1b 1c 2 3 4 5 6 7 8 9 10)" ;; esac
 done
 # want N: whether step N runs.
 want() { [ -z "$only" ] || [[ "$only" == *",$1,"* ]]; }
@@ -130,7 +133,7 @@ summary() {
 }
 
 say "1. machine and kit"
-(cd "$kit" && sha256sum --quiet -c manifest.txt) || die "the kit in $kit is incomplete or damaged (manifest.txt); bring every ort-N part, e2e/, bin/ and models/"
+(cd "$kit" && sha256sum --quiet -c manifest.txt) || die "the kit in $kit is incomplete or damaged (manifest.txt); bring every part-N folder and manifest.txt"
 if ((rehearse)); then
   echo "  rehearsal: no GPU needed; the GPU tests may skip"
 else
@@ -140,18 +143,18 @@ else
 fi
 ort="$kit/ort"
 if [ ! -f "$ort/libonnxruntime.so" ]; then
-  # The parts in the order of their numeric suffix (ort-10 sorts before
-  # ort-2 by name), and none missing.
+  # The parts in the order of their numeric suffix (part-10 sorts before
+  # part-2 by name), and none missing.
   parts=()
   while IFS=$'\t' read -r _ p; do parts+=("$p"); done < <(
-    for p in "$kit"/ort-*/ort.tar.xz.*; do
+    for p in "$kit"/part-*/ort.tar.xz.*; do
       [ -e "$p" ] && printf '%s\t%s\n' "${p##*.}" "$p"
     done | sort -n -k1,1
   )
-  [ "${#parts[@]}" -gt 0 ] || die "no ONNX Runtime parts (ort-N/ort.tar.xz.NN) in $kit"
+  [ "${#parts[@]}" -gt 0 ] || die "no ONNX Runtime parts (part-N/ort.tar.xz.NN) in $kit"
   for i in "${!parts[@]}"; do
     suffix="${parts[$i]##*.}"
-    [ "$((10#$suffix))" -eq "$i" ] || die "ONNX Runtime part $i is missing (found ${parts[$i]}); bring every ort-N folder"
+    [ "$((10#$suffix))" -eq "$i" ] || die "ONNX Runtime part $i is missing (found ${parts[$i]}); bring every part-N folder"
   done
   rm -rf "$ort"
   mkdir -p "$ort"
@@ -161,6 +164,12 @@ if [ ! -f "$ort/libonnxruntime.so" ]; then
   fi
   ln -sf libonnxruntime.so.1.31.1 "$ort/libonnxruntime.so"
 fi
+# The binaries and models (bin/, e2e/, models/), unpacked afresh each run:
+# a kit rebuilt over an old one must not run the old binaries.
+tools=("$kit"/part-*/tools.tar.xz)
+[ -f "${tools[0]}" ] || die "no part-N/tools.tar.xz in $kit (the binaries and models); bring every part-N folder"
+rm -rf "$kit/bin" "$kit/e2e" "$kit/models"
+xz -d <"${tools[0]}" | tar -C "$kit" -xf - || die "unpacking ${tools[0]} failed"
 export TIDEGATE_ORT_GPU_LIB="$ort/libonnxruntime.so" ORT_DYLIB_PATH="$ort/libonnxruntime.so"
 export TIDEGATE_MODELS_DIR="$kit/models"
 echo "  ONNX Runtime GPU build: $TIDEGATE_ORT_GPU_LIB"
@@ -519,6 +528,35 @@ if want 9; then
       figure "| $m end to end, gateway CPU per 1,000 frames | $gcpu CPU-s | at that rate |"
     fi
   done
+fi
+
+# wan_case NAME: one case of make bench-wan, the workers on $pre, serving
+# the kit's models; prints its row of the WAN table, keeps the JSON.
+wan_case() {
+  local json="${OUT:-$kit}/wan-$1.json" md="${OUT:-$kit}/wan-$1.md" seconds=30 rc=0
+  ((rehearse)) && seconds=5
+  rm -f "$json" "$md"
+  TIDEGATE_BIN_DIR="$kit/e2e" "${bounded[@]}" "$kit/e2e/tidegate-bench" --report "$json" wan \
+    --cases "$1" --seconds "$seconds" --worker-provider "$pre" --models-dir "$kit/models" \
+    --markdown "$md" >/dev/null 2>"${OUT:-$kit}/wan-$1.log" || rc=$?
+  [ -f "$md" ] || { tail -n 20 "${OUT:-$kit}/wan-$1.log"; return "$((rc ? rc : 1))"; }
+  tail -n 1 "$md" | sed 's/^/  /'
+  return "$rc"
+}
+if want 10; then
+  say "10. the WAN case that waits for a GPU: CenterNet 4 x 5 fps through the impairment relay (20 ms RTT, 2 % bursty loss), the workers on $pre"
+  case_name=20ms-2pct-bursty-centernet
+  if [ ! -x "$kit/e2e/tidegate-bench" ]; then
+    fail "WAN $case_name" "no e2e/tidegate-bench in the kit"
+  elif [ ! -f "$kit/models/centernet/model.onnx" ]; then
+    fail "WAN $case_name" "no CenterNet in the kit (models/fetch.sh fetches it)"
+  elif step "WAN $case_name, workers on $pre" wan_case "$case_name"; then
+    read -r ok missing dup < <(python3 -c "
+import json, sys
+r = json.load(open(sys.argv[1]))['cases'][0]['report']
+print(f\"{r['slo_attainment'] * 100:.1f}\", r['missing'], r['duplicates'])" "${OUT:-$kit}/wan-$case_name.json")
+    figure "| WAN: CenterNet 4 x 5 fps, 20 ms RTT, 2 % bursty loss, workers on $pre | $ok % ok within 80 ms (missing $missing, dup $dup) | goal >= 95 %, missing 0 (make bench-wan's $case_name) |"
+  fi
 fi
 
 summary

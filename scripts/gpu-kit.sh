@@ -6,17 +6,21 @@
 #
 #   scripts/gpu-kit.sh [KIT_DIR]        (default: .gpukit, git-ignored)
 #
-# The kit:
-#   KIT/bin/     release builds (--features cuda, stripped): tidegate-worker,
-#                the bench example, the `gpu` test and the crate's unit tests
-#   KIT/e2e/     release tidegate-gateway and tidegate-loadtest (stripped),
-#                for the end-to-end step (a local gateway and a CUDA worker)
-#   KIT/models/  blazeface (and centernet, when fetched) + astronaut.png
-#   KIT/ort-N/   ONNX Runtime's GPU build (the pinned onnxruntime-gpu wheel's
-#                libonnxruntime + CUDA and TensorRT providers, 300 MB), as xz parts of at
-#                most KIT_PART_MB (default 56) each, so that no one transfer
-#                exceeds a size cap
-# and KIT/manifest.txt: every part's sha256, checked on the GPU machine.
+# The kit is only folders part-1, part-2, ... of at most KIT_PART_MB
+# (default 56) MiB each, so that no one transfer exceeds a size cap, and
+# KIT/manifest.txt (every file's sha256, checked on the GPU machine). The
+# parts hold, compressed (xz):
+#   ort.tar.xz.NN  ONNX Runtime's GPU build (the pinned onnxruntime-gpu
+#                  wheel's libonnxruntime + CUDA and TensorRT providers,
+#                  300 MB unpacked), split across the first parts;
+#   tools.tar.xz   (in the last part with room, else a part of its own):
+#     bin/     release builds (--features cuda, stripped): tidegate-worker,
+#              the bench example, the `gpu` test and the crate's unit tests
+#     e2e/     release tidegate-gateway, tidegate-loadtest and tidegate-bench
+#              (stripped), for the end-to-end steps (a local gateway and CUDA
+#              workers) and the WAN case (the impairment relay)
+#     models/  blazeface (and centernet, when fetched) + astronaut.png
+# gpu-check.sh unpacks both on the GPU machine.
 # Then, on the GPU machine, in a checkout with the kit beside it:
 #   scripts/gpu-check.sh --kit KIT_DIR
 set -euo pipefail
@@ -51,22 +55,27 @@ gpu_test="$(awk '$1 == "test" {print $2}' <<<"$tests")"
 [ -x "$lib_test" ] && [ -x "$gpu_test" ] || die "could not find the test executables in: $tests"
 
 rm -rf "$kit"
-mkdir -p "$kit/bin" "$kit/e2e" "$kit/models/testdata"
-install -m 755 "$target/release/tidegate-worker" "$kit/bin/tidegate-worker"
-install -m 755 "$target/release/examples/bench" "$kit/bin/bench"
-install -m 755 "$gpu_test" "$kit/bin/gpu-test"
-install -m 755 "$lib_test" "$kit/bin/lib-test"
-install -m 755 "$target/release/tidegate-gateway" "$target/release/tidegate-loadtest" "$kit/e2e/"
-strip --strip-debug "$kit"/bin/* "$kit"/e2e/*
+tools="$(mktemp -d)"
+trap 'rm -rf "$tools"' EXIT
+mkdir -p "$kit" "$tools/bin" "$tools/e2e" "$tools/models/testdata"
+install -m 755 "$target/release/tidegate-worker" "$tools/bin/tidegate-worker"
+install -m 755 "$target/release/examples/bench" "$tools/bin/bench"
+install -m 755 "$gpu_test" "$tools/bin/gpu-test"
+install -m 755 "$lib_test" "$tools/bin/lib-test"
+install -m 755 "$target/release/tidegate-gateway" "$target/release/tidegate-loadtest" \
+  "$target/release/tidegate-bench" "$tools/e2e/"
+strip --strip-debug "$tools"/bin/* "$tools"/e2e/*
 for m in blazeface centernet; do
   if [ -f "models/$m/model.onnx" ]; then
-    mkdir -p "$kit/models/$m"
-    cp "models/$m/model.toml" "models/$m/model.onnx" "$kit/models/$m/"
+    mkdir -p "$tools/models/$m"
+    cp "models/$m/model.toml" "models/$m/model.onnx" "$tools/models/$m/"
     # The FP16 variant (runtime.precision = "fp16"), where fetch.sh built one.
-    [ ! -f "models/$m/model.fp16.onnx" ] || cp "models/$m/model.fp16.onnx" "$kit/models/$m/"
+    [ ! -f "models/$m/model.fp16.onnx" ] || cp "models/$m/model.fp16.onnx" "$tools/models/$m/"
   fi
 done
-cp models/testdata/astronaut.png "$kit/models/testdata/"
+cp models/testdata/astronaut.png "$tools/models/testdata/"
+say "compressing the binaries and models (xz)"
+tar -C "$tools" -cf - bin e2e models | xz -T0 -6 >"$kit/tools.tar.xz"
 
 say "ONNX Runtime's GPU build (pinned onnxruntime-gpu wheel)"
 ver="$ORT_GPU_VERSION"
@@ -76,7 +85,7 @@ packed="$TIDEGATE_CACHE/onnxruntime-gpu/$ver-tensorrt.tar.xz"
 if [ ! -f "$packed" ]; then
   say "compressing the CUDA provider (xz, a few minutes, once)"
   tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' EXIT
+  trap 'rm -rf "$tmp" "$tools"' EXIT
   mkdir "$tmp/ort"
   # Unpacked by scripts/cuda-libs.sh (with the CUDA image's libraries) if it
   # ran, else from the wheel alone.
@@ -109,12 +118,19 @@ split -b "${part_mb}M" -d -a 2 "$packed" "$kit/ort.tar.xz."
 n=0
 for p in "$kit"/ort.tar.xz.*; do
   n=$((n + 1))
-  mkdir -p "$kit/ort-$n"
-  mv "$p" "$kit/ort-$n/"
+  mkdir -p "$kit/part-$n"
+  mv "$p" "$kit/part-$n/"
 done
+# The tools ride in the last part if they fit beside it.
+last=$(du -bc "$kit/part-$n"/* | tail -n 1 | cut -f1)
+if ((last + $(stat -c %s "$kit/tools.tar.xz") > part_mb * 1024 * 1024)); then
+  n=$((n + 1))
+  mkdir -p "$kit/part-$n"
+fi
+mv "$kit/tools.tar.xz" "$kit/part-$n/"
 
 (cd "$kit" && find . -type f ! -name manifest.txt -print0 | sort -z | xargs -0 sha256sum) >"$kit/manifest.txt"
 say "kit ready in $kit:"
 du -sh "$kit"/* | sed 's/^/  /'
-say "on the GPU machine (each line may be its own transfer): bring $kit/ort-1 .. $kit/ort-$n,"
-say "$kit/e2e, then $kit/bin, $kit/models and $kit/manifest.txt, and run: scripts/gpu-check.sh --kit $kit"
+say "on the GPU machine (each part may be its own transfer): bring $kit/part-1 .. $kit/part-$n"
+say "and $kit/manifest.txt, and run: scripts/gpu-check.sh --kit $kit"

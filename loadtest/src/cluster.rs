@@ -352,6 +352,27 @@ pub struct Cluster {
     worker_runtime: String,
 }
 
+/// What a local cluster's workers run their models on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WorkerProvider {
+    /// ONNX Runtime's CPU provider, one intra-op thread a worker.
+    Cpu,
+    /// The worker's `runtime.provider = "cuda"` (ONNX Runtime from
+    /// `ORT_DYLIB_PATH`; for a GPU machine).
+    Cuda,
+}
+
+impl WorkerProvider {
+    /// The worker config's `[runtime]` lines
+    /// ([`ClusterOptions::worker_runtime`]).
+    pub fn runtime(self) -> &'static str {
+        match self {
+            WorkerProvider::Cpu => "intra_threads = 1\n",
+            WorkerProvider::Cuda => "provider = \"cuda\"\n",
+        }
+    }
+}
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
@@ -376,7 +397,7 @@ impl Default for ClusterOptions {
             edges: vec!["edge-1".into()],
             workers: vec!["worker-1".into()],
             scheduler: String::new(),
-            worker_runtime: "intra_threads = 1\n".into(),
+            worker_runtime: WorkerProvider::Cpu.runtime().into(),
             limits: String::new(),
             http: String::new(),
         }

@@ -11,7 +11,7 @@ use clap::builder::TypedValueParser;
 use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, WorkerProvider, workspace_root};
 use tidegate_loadtest::impair::{
     Blackout, DEFAULT_QUEUE_MS, GilbertElliott, ImpairConfig, LinkConfig, MAX_FLOWS, Relay,
     RelayOptions,
@@ -619,23 +619,6 @@ fn camera_count(s: &str) -> Result<usize, String> {
         ));
     }
     Ok(n)
-}
-
-/// What the --local workers run their models on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum WorkerProvider {
-    Cpu,
-    Cuda,
-}
-
-impl WorkerProvider {
-    /// The worker config's `[runtime]` lines.
-    fn runtime(self) -> &'static str {
-        match self {
-            WorkerProvider::Cpu => "intra_threads = 1\n",
-            WorkerProvider::Cuda => "provider = \"cuda\"\n",
-        }
-    }
 }
 
 /// The command line. With --local, --gateway, --ca and --token given as

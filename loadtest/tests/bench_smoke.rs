@@ -228,3 +228,70 @@ fn hostile_benchmark_refuses_an_unknown_case_naming_the_known_ones() {
     assert!(!status.success());
     assert!(stderr.contains("--seconds must be in 1..=120"), "{stderr}");
 }
+
+#[test]
+fn wan_benchmark_runs_a_case_through_its_relay_and_accounts_for_every_frame() {
+    // One short case of the matrix (the load generator through the relay
+    // at 20 ms RTT and 1 % loss), from a model repository given by path,
+    // as scripts/gpu-check.sh gives its kit's.
+    let models = tidegate_loadtest::cluster::workspace_root().join("models");
+    let (status, stdout, stderr) = bench(
+        &[
+            "wan",
+            "--cases",
+            "20ms-1pct-light-bbr",
+            "--seconds",
+            "3",
+            "--worker-provider",
+            "cpu",
+            "--models-dir",
+            models.to_str().unwrap(),
+        ],
+        Duration::from_secs(180),
+    );
+    assert!(status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&stdout).expect("JSON report");
+    assert_eq!(v["bench"], "wan");
+    let cases = v["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 1, "{v}");
+    assert_eq!(cases[0]["case"]["name"], "20ms-1pct-light-bbr");
+    assert_eq!(cases[0]["accounted"], true, "{v}");
+    assert_accounted(&cases[0]["report"]);
+    // every frame answered ok crossed the relay whole
+    let ok = cases[0]["report"]["ok"].as_u64().unwrap();
+    let per_frame = cases[0]["report"]["bytes_per_frame"].as_u64().unwrap();
+    let delivered = cases[0]["relay"]["uplink"]["delivered"]["bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("the relay's uplink bytes in {v}"));
+    assert!(ok > 0 && per_frame > 0, "{v}");
+    assert!(
+        delivered >= ok * per_frame,
+        "{delivered} B delivered < {ok} ok × {per_frame} B"
+    );
+}
+
+#[test]
+fn wan_benchmark_refuses_a_model_repository_without_its_test_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, _, stderr) = bench(
+        &[
+            "wan",
+            "--seconds",
+            "3",
+            "--models-dir",
+            dir.path().to_str().unwrap(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(!status.success());
+    assert!(
+        stderr.contains("testdata/astronaut.png is missing"),
+        "{stderr}"
+    );
+    let (status, _, stderr) = bench(
+        &["wan", "--worker-provider", "tpu"],
+        Duration::from_secs(30),
+    );
+    assert!(!status.success());
+    assert!(stderr.contains("tpu"), "{stderr}");
+}

@@ -23,13 +23,13 @@
 //!   share against its baseline in the same run, the gateway's peak RSS
 //!   against its bound and its return; a Markdown table with `--markdown`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, WorkerProvider, workspace_root};
 use tidegate_loadtest::report::{Report, write_atomically};
 use tidegate_loadtest::{hostilebench, loadgen, relay, schedbench, startup, wanbench};
 
@@ -106,6 +106,14 @@ enum Command {
         /// Write the table as Markdown here too.
         #[arg(long)]
         markdown: Option<PathBuf>,
+        /// What the workers run on: cpu (one intra-op thread each) or
+        /// cuda (for a GPU machine: scripts/gpu-check.sh step 10).
+        #[arg(long, value_enum, default_value_t = WorkerProvider::Cpu)]
+        worker_provider: WorkerProvider,
+        /// Model repository the workers serve; the cameras send its
+        /// testdata/astronaut.png (default: this checkout's models/).
+        #[arg(long)]
+        models_dir: Option<PathBuf>,
     },
     /// Hostile edges, a lying worker and slowloris, each beside a
     /// legitimate load (4 cameras × 10 fps) on a fresh local cluster.
@@ -208,7 +216,16 @@ fn main() -> anyhow::Result<()> {
             cases,
             seed,
             markdown,
-        } => wan(seconds, &cases, seed, markdown.as_deref())?,
+            worker_provider,
+            models_dir,
+        } => wan(
+            &cases,
+            worker_provider,
+            models_dir.as_deref(),
+            seconds,
+            seed,
+            markdown.as_deref(),
+        )?,
         Command::Hostile {
             seconds,
             cases,
@@ -224,24 +241,44 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs the WAN matrix's `cases` (all when empty) for `seconds` each.
+/// Runs the WAN matrix's `cases` (all when empty) for `seconds` each, the
+/// workers on `provider`, serving from `models` (default: this checkout's).
 fn wan(
-    seconds: f64,
     cases: &[String],
+    provider: WorkerProvider,
+    models: Option<&Path>,
+    seconds: f64,
     seed: u64,
-    markdown: Option<&std::path::Path>,
+    markdown: Option<&Path>,
 ) -> anyhow::Result<serde_json::Value> {
     anyhow::ensure!(
         (1.0..=120.0).contains(&seconds),
         "--seconds must be in 1..=120"
     );
     let cases = wanbench::select(cases)?;
+    // Absolute: the workers read it from configs in another folder.
+    let models = match models {
+        Some(dir) => {
+            std::path::absolute(dir).with_context(|| format!("--models-dir {}", dir.display()))?
+        }
+        None => workspace_root().join("models"),
+    };
+    let run = wanbench::RunOptions {
+        seconds,
+        seed,
+        image: models.join("testdata/astronaut.png"),
+    };
+    anyhow::ensure!(
+        run.image.is_file(),
+        "{} is missing: the cameras send it (make setup fetches it)",
+        run.image.display()
+    );
     let mut cluster = Cluster::start(&ClusterOptions {
         workers: vec!["worker-1".into(), "worker-centernet".into()],
+        worker_runtime: provider.runtime().into(),
         ..ClusterOptions::default()
     })?;
-    let models = tidegate_loadtest::cluster::workspace_root().join("models");
-    cluster.spawn_worker("worker-1")?;
+    cluster.spawn_worker_serving("worker-1", &models, &["blazeface"])?;
     let centernet = cases.iter().any(|c| c.model == "centernet");
     if centernet {
         cluster.spawn_worker_serving("worker-centernet", &models, &["centernet"])?;
@@ -253,7 +290,7 @@ fn wan(
     let mut results = Vec::with_capacity(cases.len());
     for case in &cases {
         eprintln!("wan: {} ...", case.name);
-        let r = rt.block_on(wanbench::run_case(&cluster, case, seconds, seed))?;
+        let r = rt.block_on(wanbench::run_case(&cluster, case, &run))?;
         eprintln!(
             "wan: {}: {:.1} % ok within budget, {} B/frame, missing {}: {}",
             case.name,

@@ -14,6 +14,7 @@
 //! `gave_up`); `missing` is what is left over.
 
 use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -21,8 +22,8 @@ use serde::Serialize;
 use tidegate_edge::config::Copies;
 use tidegate_protocol::{Encoding, ShedReason, Status};
 
-use super::{Case, WanBenchError};
-use crate::cluster::{Cluster, workspace_root};
+use super::{Case, RunOptions, WanBenchError};
+use crate::cluster::Cluster;
 use crate::edge_harness::{EdgeCamera, EdgeProcess, edge_config_with, epoch_us};
 use crate::impair::Relay;
 use crate::report::Report;
@@ -64,8 +65,7 @@ pub(super) struct EdgeRun {
 
 /// The edge config of `case`, its cameras `cam-0`… sending through
 /// `relay`.
-fn cameras(case: &Case) -> Vec<EdgeCamera> {
-    let image = workspace_root().join("models/testdata/astronaut.png");
+fn cameras(case: &Case, image: &Path) -> Vec<EdgeCamera> {
     (0..case.cameras)
         .map(|i| {
             let mut cam = EdgeCamera::new(
@@ -99,8 +99,9 @@ pub(super) async fn run(
     cluster: &Cluster,
     case: &Case,
     relay: &Relay,
-    seconds: f64,
+    run: &RunOptions,
 ) -> Result<EdgeRun, WanBenchError> {
+    let seconds = run.seconds;
     let fail = |why: String| WanBenchError::Edge {
         case: case.name.clone(),
         why,
@@ -110,7 +111,7 @@ pub(super) async fn run(
     let config = edge_config_with(
         cluster,
         name,
-        &cameras(case),
+        &cameras(case, &run.image),
         relay.local_addr(),
         &[format!("congestion = \"{}\"", case.congestion)],
     )

@@ -20,6 +20,7 @@ mod edge;
 
 pub use edge::Settled;
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -350,17 +351,30 @@ pub struct CaseResult {
     pub settled: Option<Settled>,
 }
 
+/// How every case of a run is run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Seconds of sending per case.
+    pub seconds: f64,
+    /// Seed of the relays' random draws (loss, bursts, jitter).
+    pub seed: u64,
+    /// The still every camera sends (the load generator's frames, the
+    /// edge's `image://` source): `testdata/astronaut.png` of the model
+    /// repository the workers serve.
+    pub image: PathBuf,
+}
+
 /// Runs `case` against `cluster` through a relay of its own.
 pub async fn run_case(
     cluster: &Cluster,
     case: &Case,
-    seconds: f64,
-    seed: u64,
+    run: &RunOptions,
 ) -> Result<CaseResult, WanBenchError> {
+    let seconds = run.seconds;
     let relay = Relay::start(RelayOptions::new(
         cluster.quic,
         ImpairConfig {
-            seed,
+            seed: run.seed,
             ..ImpairConfig::symmetric(case.link.clone())
         },
     ))
@@ -370,9 +384,9 @@ pub async fn run_case(
         source,
     })?;
     let (report, settled) = match case.client {
-        Client::Sim => (run_loadgen(cluster, case, &relay, seconds).await?, None),
+        Client::Sim => (run_loadgen(cluster, case, &relay, run).await?, None),
         Client::Edge => {
-            let run = edge::run(cluster, case, &relay, seconds).await?;
+            let run = edge::run(cluster, case, &relay, run).await?;
             (run.report, Some(run.settled))
         }
     };
@@ -404,10 +418,11 @@ async fn run_loadgen(
     cluster: &Cluster,
     case: &Case,
     relay: &Relay,
-    seconds: f64,
+    run: &RunOptions,
 ) -> Result<Report, WanBenchError> {
-    let mut opts = cluster.load_options("edge-1", case.cameras, case.fps, seconds);
+    let mut opts = cluster.load_options("edge-1", case.cameras, case.fps, run.seconds);
     opts.gateway = relay.local_addr().into();
+    opts.image = Some(run.image.clone());
     opts.model = case.model.clone();
     opts.budget_ms = case.budget_ms;
     opts.encoding = case.encoding;
