@@ -1070,6 +1070,8 @@ impl Backend for OrtBackend {
                 let run = activity.record(Phase::Profiling, model, batch as usize);
                 let start = Instant::now();
                 let outcomes = self.run(model, &frames);
+                #[cfg(feature = "stand-in")]
+                self.hold_profiling_run();
                 let elapsed = micros(start.elapsed());
                 drop(run);
                 if let Some(Status::Failed(reason)) = outcomes
@@ -1091,6 +1093,21 @@ impl Backend for OrtBackend {
             points.push((batch, samples[samples.len() / 2]));
         }
         Ok(points)
+    }
+}
+
+#[cfg(feature = "stand-in")]
+impl OrtBackend {
+    /// Tests only: holds a start-up profiling run as the stand-in's
+    /// `busy_profile_ms` says (a host busy while the worker profiled).
+    fn hold_profiling_run(&self) {
+        let ms = self
+            .stand_in
+            .as_ref()
+            .map_or(0, |s| s.settings().busy_profile_ms);
+        if ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
     }
 }
 

@@ -10,11 +10,15 @@
 //! of [`crate::backend::OrtBackend`], it holds the first run of each
 //! `(model, rows)` shape for `cold_ms`, and one warm run in about
 //! `slow_one_in` (seeded) for `slow_ms`, and adds the hold to the frames'
-//! `inference_us`, as the device would.
+//! `inference_us`, as the device would. With `busy_profile_ms` it also
+//! holds each of the worker's start-up profiling runs that long, as a host
+//! busy while the worker profiled would (another worker warming up beside
+//! it): the worker then registers a profile far slower than it serves.
 //!
 //! It is switched on by the environment variable [`ENV`], read once at
-//! start: `cold_ms=2000,slow_ms=1000,slow_one_in=150,seed=7` (every key
-//! optional: 0 holds nothing; `seed` defaults to 1). This module decides
+//! start: `cold_ms=2000,slow_ms=1000,slow_one_in=150,seed=7` or
+//! `busy_profile_ms=150` (every key optional: 0 holds nothing; `seed`
+//! defaults to 1). This module decides
 //! which runs to hold and for how long; the backend sleeps.
 
 use std::collections::HashSet;
@@ -34,6 +38,8 @@ pub struct Settings {
     pub slow_one_in: u32,
     /// Seed of the choice of slow runs.
     pub seed: u64,
+    /// Hold on each start-up profiling run (ms): a busy host.
+    pub busy_profile_ms: u64,
 }
 
 /// A [`ENV`] value that cannot be read.
@@ -74,6 +80,7 @@ impl Settings {
                         .map_err(|_| fail(format!("slow_one_in {v} is too large")))?;
                 }
                 "seed" => s.seed = number(v)?,
+                "busy_profile_ms" => s.busy_profile_ms = number(v)?,
                 other => return Err(fail(format!("unknown key {other:?}"))),
             }
         }
@@ -161,18 +168,27 @@ mod tests {
     #[test]
     fn settings_parse_every_key_and_default_the_rest() {
         assert_eq!(
-            Settings::parse("cold_ms=2000, slow_ms=1000,slow_one_in=150,seed=7"),
+            Settings::parse("cold_ms=2000, slow_ms=1000,slow_one_in=150,seed=7,busy_profile_ms=3"),
             Ok(Settings {
                 cold_ms: 2000,
                 slow_ms: 1000,
                 slow_one_in: 150,
-                seed: 7
+                seed: 7,
+                busy_profile_ms: 3,
             })
         );
         assert_eq!(
             Settings::parse("cold_ms=5"),
             Ok(Settings {
                 cold_ms: 5,
+                seed: 1,
+                ..Settings::default()
+            })
+        );
+        assert_eq!(
+            Settings::parse("busy_profile_ms=150"),
+            Ok(Settings {
+                busy_profile_ms: 150,
                 seed: 1,
                 ..Settings::default()
             })
@@ -186,6 +202,10 @@ mod tests {
             ("cold_ms", "is not key=value"),
             ("slow_ms=fast", "slow_ms: \"fast\" is not a whole number"),
             ("slow_one_in=99999999999", "too large"),
+            (
+                "busy_profile_ms=-1",
+                "busy_profile_ms: \"-1\" is not a whole number",
+            ),
         ] {
             let e = Settings::parse(value).unwrap_err().to_string();
             assert!(e.contains(ENV) && e.contains(says), "{value}: {e}");

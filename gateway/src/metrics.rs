@@ -86,6 +86,10 @@ pub struct Metrics {
     /// unanswered in its result) that went to another worker instead of
     /// failing; once a frame.
     pub frames_retried: IntCounter,
+    /// `tidegate_estimate_trials_total`: frames no worker's estimate could
+    /// finish in time, sent alone to an idle worker as a trial of its
+    /// estimate (the scheduler's `trial.rs`).
+    pub estimate_trials: IntCounter,
     /// `tidegate_workers_stalled_total`: workers dropped because a batch
     /// went unanswered long past when it was due.
     pub workers_stalled: IntCounter,
@@ -340,6 +344,10 @@ pub mod defs {
         name: "tidegate_frames_retried_total",
         help: "Frames a worker failed that were sent to another worker instead of failing (at most once a frame, while their deadline allowed).",
     };
+    pub const ESTIMATE_TRIALS: Def = Def {
+        name: "tidegate_estimate_trials_total",
+        help: "Frames that no worker's latency estimate could finish before their deadline, sent alone to an idle worker anyway as a trial of its estimate (at most one a second per worker and model): how a worker faster than the profile it registered is found out.",
+    };
     pub const WORKERS_STALLED: Def = Def {
         name: "tidegate_workers_stalled_total",
         help: "Workers dropped because a batch went unanswered long past when it was due (a hung GPU or runtime).",
@@ -508,6 +516,7 @@ impl Metrics {
             http_refused: int_counter(defs::HTTP_REFUSED),
             thumbnails: int_counters(defs::THUMBNAILS, &["result"]),
             frames_retried: int_counter(defs::FRAMES_RETRIED),
+            estimate_trials: int_counter(defs::ESTIMATE_TRIALS),
             workers_stalled: int_counter(defs::WORKERS_STALLED),
             worker_demotions: int_counters(defs::WORKER_DEMOTIONS, &["model", "reason"]),
             workers_demoted: int_gauge(defs::WORKERS_DEMOTED),
@@ -656,6 +665,7 @@ impl Metrics {
             Box::new(self.undeliverable.clone()),
             Box::new(self.frames_dropped.clone()),
             Box::new(self.frames_retried.clone()),
+            Box::new(self.estimate_trials.clone()),
             Box::new(self.workers_stalled.clone()),
             Box::new(self.worker_demotions.clone()),
             Box::new(self.workers_demoted.clone()),
@@ -771,7 +781,7 @@ mod tests {
         assert!(!names.iter().any(|n| n == "tidegate_e2e_latency_seconds"));
         let process = names.iter().filter(|n| n.starts_with("process_")).count();
         assert!(process >= 5, "{names:?}");
-        assert_eq!(names.len() - process, 40 + 7 * 2, "{names:?}");
+        assert_eq!(names.len() - process, 41 + 7 * 2, "{names:?}");
     }
 
     #[test]

@@ -22,6 +22,14 @@
 //! The budget is 250 ms, so that a CPU kept busy beside the test cannot
 //! make frames late on its own: the 1 s hold is four budgets, a 1.5 s cold
 //! shape six.
+//!
+//! A second case stands in for a worker profiled while its host was busy
+//! (`busy_profile_ms`): it registers a profile about 150 ms slower than it
+//! serves, too slow for every frame of an 80 ms budget, so that only the
+//! scheduler's trials of its estimate (`gateway/src/scheduler/trial.rs`)
+//! can find it out. What must hold: every frame accounted for, at most one
+//! trial a second, frames ok in the load's last seconds (the model is not
+//! shed for ever), and an estimate that ends below the registered profile.
 
 use std::time::{Duration, Instant};
 
@@ -235,5 +243,104 @@ fn the_gateway_recovers_from_a_gpus_cold_shapes_and_rare_slow_batches() {
     eprintln!(
         "{} of {} frames ok ({} within the budget), {slow} slow batches; outcomes {:?}",
         report.ok, report.planned, report.ok_within_budget, report.outcomes
+    );
+}
+
+/// The gateway's `tidegate_estimate_trials_total`, from its `/metrics`.
+fn trials(c: &Cluster) -> u64 {
+    let (_, body) = c.get("/metrics").expect("metrics");
+    body.lines()
+        .find_map(|l| l.strip_prefix("tidegate_estimate_trials_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .expect("tidegate_estimate_trials_total in /metrics") as u64
+}
+
+#[test]
+fn a_worker_profiled_on_a_busy_host_is_put_to_the_test_and_its_model_served() {
+    const HELD_MS: u64 = 150;
+    const SECONDS: f64 = 12.0;
+    let opts = ClusterOptions {
+        worker_runtime: "intra_threads = 1\n".into(),
+        ..ClusterOptions::default()
+    };
+    let mut c = Cluster::start(&opts).expect("gateway starts");
+    c.spawn_worker_with_env(
+        "worker-1",
+        &[("TIDEGATE_STAND_IN", &format!("busy_profile_ms={HELD_MS}"))],
+    )
+    .expect("worker starts");
+    c.wait_for_workers(1, Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("{e}\n{}", c.worker_log("worker-1")));
+    // It registered a profile too slow for an 80 ms budget.
+    let registered = estimates(&c)
+        .into_iter()
+        .find(|(_, batch, _, _)| *batch == 1)
+        .map(|(_, _, r, _)| r)
+        .expect("batch 1 profiled");
+    assert!(
+        registered >= HELD_MS * 1000,
+        "registered {registered} µs: the stand-in did not hold the profiling runs (a worker \
+         built without the `stand-in` feature?)\n{}",
+        c.worker_log("worker-1")
+    );
+    assert_eq!(trials(&c), 0);
+
+    let mut load = c.load_options("edge-1", 2, 10.0, SECONDS);
+    load.in_step = false;
+    let started = Instant::now();
+    let report = loadgen::run_blocking(&load).expect("the load runs");
+    let took = started.elapsed().as_secs_f64();
+    let context = || {
+        format!(
+            "report: planned {} sent {} ok {} outcomes {:?}\ngateway log:\n{}\nworker log:\n{}",
+            report.planned,
+            report.sent,
+            report.ok,
+            report.outcomes,
+            c.gateway_log(),
+            c.worker_log("worker-1")
+        )
+    };
+    assert!(report.sent > 0, "{}", context());
+    assert_eq!(report.missing, 0, "frames without a result; {}", context());
+    assert_eq!(
+        report.duplicates,
+        0,
+        "a frame answered twice; {}",
+        context()
+    );
+    // Trials, at most one a second for its one model.
+    let tried = trials(&c);
+    assert!(tried >= 1, "no trial of the estimate; {}", context());
+    assert!(
+        tried as f64 <= took + 1.0,
+        "{tried} trials in {took:.1} s; {}",
+        context()
+    );
+    // The model is served: frames ok in the last 3 s of sending.
+    let step = tidegate_loadtest::report::Report::TIMELINE_STEP.as_secs_f64();
+    let last = ((SECONDS - 3.0) / step) as usize..(SECONDS / step) as usize;
+    let late_ok: u32 = report
+        .ok_timeline
+        .get(last.clone())
+        .map_or(0, |s| s.iter().sum());
+    assert!(
+        late_ok > 0,
+        "nothing ok in steps {last:?} of the timeline; {}",
+        context()
+    );
+    // The estimate learned the worker is faster than it said.
+    let (_, _, _, estimate) = estimates(&c)
+        .into_iter()
+        .find(|(_, batch, _, _)| *batch == 1)
+        .expect("batch 1 estimated");
+    assert!(
+        estimate < registered,
+        "estimate {estimate} µs not below the registered {registered} µs; {}",
+        context()
+    );
+    eprintln!(
+        "registered {registered} µs, estimate {estimate} µs after {tried} trials; {} of {} ok; outcomes {:?}",
+        report.ok, report.planned, report.outcomes
     );
 }

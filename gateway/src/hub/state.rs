@@ -63,6 +63,15 @@ pub(super) const GONE_EDGES_KEPT: usize = 256;
 /// Most latency reports kept per model between two load reports.
 pub(super) const LATENCY_SAMPLES: usize = 8192;
 
+/// What one scheduler step did besides its actions: frames it sent to
+/// another worker after one failed them, and trials of an estimate
+/// (`scheduler/trial.rs`), for the metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StepTally {
+    pub(super) retried: u64,
+    pub(super) trials: u64,
+}
+
 /// The hub's state, driven by [`run`](super::run).
 pub(super) struct State {
     pub(super) origin: Instant,
@@ -130,21 +139,27 @@ impl State {
     /// [`State::step`] at `now`, which the caller also used to ask the
     /// scheduler something about this event.
     pub(super) fn step_at(&mut self, now: Micros, event: Event) {
-        let (actions, retried) = self.scheduler_step(now, event);
-        self.settle(actions, retried);
+        let (actions, tally) = self.scheduler_step(now, event);
+        self.settle(actions, tally);
     }
 
-    /// The scheduler told `event` at `now`: its actions, and how many
-    /// frames it sent to another worker meanwhile.
-    pub(super) fn scheduler_step(&mut self, now: Micros, event: Event) -> (Vec<Action>, u64) {
-        let before = self.scheduler.counters().retried;
+    /// The scheduler told `event` at `now`: its actions, and what it did
+    /// meanwhile that they do not say.
+    pub(super) fn scheduler_step(&mut self, now: Micros, event: Event) -> (Vec<Action>, StepTally) {
+        let before = self.scheduler.counters();
         let actions = self.scheduler.on_event(now, event);
-        (actions, self.scheduler.counters().retried - before)
+        let after = self.scheduler.counters();
+        let tally = StepTally {
+            retried: after.retried - before.retried,
+            trials: after.trials - before.trials,
+        };
+        (actions, tally)
     }
 
     /// Carries out the scheduler's `actions`, in order.
-    pub(super) fn settle(&mut self, actions: Vec<Action>, retried: u64) {
-        self.metrics.frames_retried.inc_by(retried);
+    pub(super) fn settle(&mut self, actions: Vec<Action>, tally: StepTally) {
+        self.metrics.frames_retried.inc_by(tally.retried);
+        self.metrics.estimate_trials.inc_by(tally.trials);
         for a in actions {
             self.act(a);
         }

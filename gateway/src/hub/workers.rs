@@ -130,7 +130,7 @@ impl State {
             .iter()
             .map(|i| (FrameId(i.id), i.status.clone()))
             .collect();
-        let (actions, retried) = self.scheduler_step(
+        let (actions, tally) = self.scheduler_step(
             now,
             Event::BatchFinished {
                 worker,
@@ -164,7 +164,7 @@ impl State {
                 "result of a batch re-homed meanwhile; ignored"
             );
         }
-        self.settle(rest, retried);
+        self.settle(rest, tally);
     }
 
     /// `worker` ran a batch of `model` (`frames`, as sent) in `run_us` on

@@ -7,6 +7,8 @@
 //! profiles and when the busy ones will be free: `late_on_arrival` again
 //! if it would have made it at its camera's usual age on arrival (the
 //! link is to blame, `transfer.rs`), `would_miss_deadline` if not.
+//! A frame too late even alone by every estimate may go to an idle worker
+//! as a trial of its estimate instead (`trial.rs`).
 //! Per camera the newest frame wins: an older frame still queued is shed
 //! (`superseded`). Past the queue bounds a frame is refused or pushes out
 //! another by its edge's share (`fair_share.rs`, `overloaded`).
@@ -150,6 +152,12 @@ impl Scheduler {
                     now + best <= q.arrival.deadline,
                 )
             };
+            // Too slow even alone, by every estimate: perhaps the
+            // estimate is what is wrong, and only a run can tell.
+            if status == ShedReason::WouldMissDeadline && !capacity && self.try_trial(now, &q, out)
+            {
+                return;
+            }
             self.complete_as(now, &q, Status::Shed(status), capacity, out);
             return;
         }

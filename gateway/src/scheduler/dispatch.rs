@@ -138,7 +138,7 @@ impl Scheduler {
 
     /// Sends `frames` of `model` to worker `wid` as one batch, which its
     /// profile says will be done at `done_at`.
-    fn send_batch(
+    pub(super) fn send_batch(
         &mut self,
         now: Micros,
         wid: WorkerId,

@@ -25,7 +25,11 @@
 //!   another worker, and judges the worker's health; the batch's run time,
 //!   measured on the scheduler's own clock, refines the profile;
 //! - `workers.rs`: a stalled or lost worker's frames are queued again or
-//!   failed; a draining worker may resume.
+//!   failed; a draining worker may resume;
+//! - `trial.rs`: a frame every estimate says is too late even alone goes,
+//!   now and then, alone to an idle worker, so that an estimate too slow
+//!   for every frame (a profile measured on a busy host) is put to the
+//!   test instead of shedding its model for ever.
 //!
 //! The shell then sends each [`Action::Complete`]'s result to the frame's
 //! edge.
@@ -39,6 +43,7 @@ mod fair_share;
 mod profile;
 mod queue;
 mod transfer;
+mod trial;
 mod workers;
 
 #[cfg(test)]
@@ -58,6 +63,7 @@ pub use profile::profile_latency_us;
 use queue::Queued;
 use transfer::AgeFloor;
 pub use transfer::FLOOR_WINDOW;
+pub use trial::TRIAL_AFTER_US;
 use workers::Worker;
 
 /// Gateway clock, microseconds since an arbitrary origin.
@@ -282,6 +288,10 @@ pub struct Counters {
     /// Times a frame a worker failed was queued again for another worker
     /// (at most once a frame; not part of the identity either).
     pub retried: u64,
+    /// Frames no worker's estimate could finish in time, sent alone to an
+    /// idle worker as a trial of its estimate (`trial.rs`; dispatched
+    /// frames, so not part of the identity either).
+    pub trials: u64,
 }
 
 impl Counters {

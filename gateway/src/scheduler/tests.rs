@@ -1606,3 +1606,127 @@ fn a_light_edges_frame_never_shares_a_batch_with_a_flooding_edges_frames() {
     );
     assert!(s.counters().balanced());
 }
+
+/// Frames of `actions` dispatched, and whether the step sent a trial.
+fn step_trial(s: &mut Scheduler, now: Micros, event: Event) -> (Vec<Action>, bool) {
+    let before = s.counters().trials;
+    let a = s.on_event(now, event);
+    let trial = s.counters().trials > before;
+    (a, trial)
+}
+
+#[test]
+fn an_estimate_too_slow_for_every_frame_is_put_to_the_test_once_a_second_until_it_is_right() {
+    // The worker registered 100 ms a frame (profiled while its host was
+    // busy) and really runs in 20 ms; a camera's frames have 60 ms left
+    // on arrival, 10 a second.
+    let mut s = Scheduler::new(one_deep());
+    s.on_event(0, worker(1, 1, 100_000));
+    let mut trials = Vec::new();
+    let mut first_served = None;
+    let mut t = 0;
+    for id in 1..=100u64 {
+        let (a, trial) = step_trial(&mut s, t, frame(id, "c", t + 60_000));
+        if trial {
+            trials.push(t);
+        }
+        if dispatches(&a).is_empty() {
+            assert!(
+                first_served.is_none(),
+                "frame {id} shed after frames were served"
+            );
+            assert_eq!(
+                completes(&a),
+                vec![(id, Status::Shed(ShedReason::WouldMissDeadline))]
+            );
+        } else {
+            // alone, and answered in the worker's real 20 ms
+            assert_eq!(dispatches(&a), vec![vec![id]]);
+            if !trial && first_served.is_none() {
+                first_served = Some(t);
+            }
+            finish_dispatched(&mut s, t + 20_000, &a);
+        }
+        t += 100_000;
+    }
+    // Not before the registered profile has had a second to be right,
+    // then no two trials within a second (the last returned batch counts
+    // as tested): 1.0, 2.1, 3.2, 4.3 s; 100 → 84 → 71 → 61 → 53 ms.
+    assert_eq!(trials, vec![1_000_000, 2_100_000, 3_200_000, 4_300_000]);
+    assert_eq!(
+        first_served,
+        Some(4_400_000),
+        "the estimate fits 60 ms after 4 trials"
+    );
+    assert!(learned(&s, 1) < 30_000, "{}", learned(&s, 1));
+    let c = s.counters();
+    assert_eq!(c.trials, 4);
+    assert_eq!(c.ok, 4 + 56);
+    assert_eq!(c.shed, 40);
+    assert!(c.balanced());
+}
+
+#[test]
+fn a_trial_goes_only_to_an_idle_serving_worker_and_never_for_a_frame_the_queue_delays() {
+    let mut s = Scheduler::new(one_deep());
+    // Two workers at 100 ms; worker 1 gets a relaxed frame and keeps it.
+    s.on_event(0, worker(1, 1, 100_000));
+    s.on_event(0, worker(2, 1, 100_000));
+    let a = s.on_event(0, frame(1, "a", 5_000_000));
+    let busy = match &a[..] {
+        [Action::Dispatch { worker, .. }] => *worker,
+        other => panic!("expected one dispatch: {other:?}"),
+    };
+    let idle = if busy == WorkerId(1) {
+        WorkerId(2)
+    } else {
+        WorkerId(1)
+    };
+    // A second on, a frame with 60 ms left: a trial, on the idle worker.
+    let (tried, trial) = step_trial(&mut s, 1_000_000, frame(2, "b", 1_060_000));
+    assert!(trial);
+    assert!(
+        matches!(&tried[..], [Action::Dispatch { worker, frames, .. }] if *worker == idle && frames == &vec![FrameId(2)]),
+        "{tried:?}"
+    );
+    // Both workers busy now: the next such frame is shed.
+    let (a, trial) = step_trial(&mut s, 1_100_000, frame(3, "c", 1_160_000));
+    assert!(!trial);
+    assert_eq!(
+        completes(&a),
+        vec![(3, Status::Shed(ShedReason::WouldMissDeadline))]
+    );
+    // The trial answered, its worker draining: no trial for it either,
+    // however long since.
+    finish_dispatched(&mut s, 1_150_000, &tried);
+    s.on_event(1_200_000, Event::WorkerDraining { worker: idle });
+    let (a, trial) = step_trial(&mut s, 3_000_000, frame(4, "d", 3_060_000));
+    assert!(!trial, "{a:?}");
+    assert_eq!(
+        completes(&a),
+        vec![(4, Status::Shed(ShedReason::WouldMissDeadline))]
+    );
+    // A frame an idle worker could finish alone, but not behind the
+    // frames queued ahead of it, is the queue's to shed: no trial.
+    let mut s = Scheduler::new(one_deep());
+    s.on_event(0, worker(1, 1, 10_000));
+    let a = s.on_event(2_000_000, frame(10, "a", 2_500_000));
+    assert_eq!(dispatches(&a), vec![vec![10]]);
+    // Each queued frame just makes it behind the ones before it.
+    for (id, cam, deadline) in [
+        (11, "b", 2_021_000),
+        (12, "c", 2_031_000),
+        (13, "d", 2_041_000),
+    ] {
+        let a = s.on_event(2_000_000, frame(id, cam, deadline));
+        assert!(completes(&a).is_empty(), "{a:?}");
+    }
+    let (a, trial) = step_trial(&mut s, 2_000_000, frame(14, "e", 2_045_000));
+    assert!(!trial);
+    assert_eq!(
+        capacity(&a),
+        vec![(14, true)],
+        "shed for the queue ahead, which a rate hint could cure"
+    );
+    assert!(s.counters().balanced());
+}

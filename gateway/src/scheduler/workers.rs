@@ -37,6 +37,10 @@ pub(super) struct Worker {
     pub(super) last_done: Option<Micros>,
     /// Whether it is demoted for failing its frames.
     pub(super) health: WorkerHealth,
+    /// When each model's estimate was last put to the test: the worker
+    /// registered, returned a batch of it, or was sent a trial
+    /// (`trial.rs`).
+    pub(super) tested: HashMap<String, Micros>,
 }
 
 impl Worker {
@@ -73,6 +77,7 @@ impl Scheduler {
     /// A worker registered and is ready: it serves `models` at their
     /// registered profiles.
     pub(super) fn join_worker(&mut self, now: Micros, worker: WorkerId, models: &[WorkerModel]) {
+        let tested = models.iter().map(|m| (m.model.clone(), now)).collect();
         let models = models
             .iter()
             .map(|m| {
@@ -91,6 +96,7 @@ impl Scheduler {
                 draining: false,
                 last_done: None,
                 health: WorkerHealth::new(),
+                tested,
             },
         );
     }

@@ -28,6 +28,10 @@ pub struct FrameTotals {
     /// Times a frame a worker failed was queued again for another worker
     /// (at most once a frame; not part of the identity either).
     pub retried: u64,
+    /// Frames no worker's estimate could finish in time, sent alone to an
+    /// idle worker as a trial of its estimate (dispatched frames, so not
+    /// part of the identity either).
+    pub trials: u64,
 }
 
 impl From<crate::scheduler::Counters> for FrameTotals {
@@ -42,6 +46,7 @@ impl From<crate::scheduler::Counters> for FrameTotals {
             dispatched,
             requeued,
             retried,
+            trials,
         } = c;
         FrameTotals {
             admitted,
@@ -53,6 +58,7 @@ impl From<crate::scheduler::Counters> for FrameTotals {
             dispatched,
             requeued,
             retried,
+            trials,
         }
     }
 }
