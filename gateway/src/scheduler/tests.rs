@@ -1607,7 +1607,7 @@ fn a_light_edges_frame_never_shares_a_batch_with_a_flooding_edges_frames() {
     assert!(s.counters().balanced());
 }
 
-/// Frames of `actions` dispatched, and whether the step sent a trial.
+/// The actions of `event` at `now`, and whether it sent a trial.
 fn step_trial(s: &mut Scheduler, now: Micros, event: Event) -> (Vec<Action>, bool) {
     let before = s.counters().trials;
     let a = s.on_event(now, event);
