@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
 use tidegate_loadtest::loadgen;
+use tidegate_loadtest::report::Report;
 
 /// Each worker's stand-in. Both hold each shape's first run cold;
 /// worker-1 also holds one warm batch in 400, and its seed puts the first
@@ -121,6 +122,40 @@ fn estimates(c: &Cluster) -> Vec<(String, u64, u64, u64)> {
     out
 }
 
+/// Exact accounting: frames were sent, and each has exactly one result.
+fn assert_accounted(report: &Report, context: &dyn Fn() -> String) {
+    assert!(report.sent > 0, "{}", context());
+    assert_eq!(report.missing, 0, "frames without a result; {}", context());
+    assert_eq!(
+        report.duplicates,
+        0,
+        "a frame answered twice; {}",
+        context()
+    );
+}
+
+/// Frames ok within budget in the last `last_s` of `sending_s` seconds of
+/// sending (the timeline's steps are 100 ms): the model is not shed for
+/// ever.
+fn assert_ok_at_the_end(
+    report: &Report,
+    sending_s: f64,
+    last_s: f64,
+    context: &dyn Fn() -> String,
+) {
+    let step = Report::TIMELINE_STEP.as_secs_f64();
+    let last = ((sending_s - last_s) / step) as usize..(sending_s / step) as usize;
+    let late_ok: u32 = report
+        .ok_timeline
+        .get(last.clone())
+        .map_or(0, |s| s.iter().sum());
+    assert!(
+        late_ok > 0,
+        "nothing ok in steps {last:?} of the timeline; {}",
+        context()
+    );
+}
+
 #[test]
 fn the_gateway_recovers_from_a_gpus_cold_shapes_and_rare_slow_batches() {
     let opts = ClusterOptions {
@@ -170,15 +205,7 @@ fn the_gateway_recovers_from_a_gpus_cold_shapes_and_rare_slow_batches() {
         )
     };
 
-    // Exact accounting.
-    assert!(report.sent > 0, "{}", context());
-    assert_eq!(report.missing, 0, "frames without a result; {}", context());
-    assert_eq!(
-        report.duplicates,
-        0,
-        "a frame answered twice; {}",
-        context()
-    );
+    assert_accounted(&report, &context);
 
     // Every cold shape was paid in start-up, and the load met slow batches.
     let mut slow = 0;
@@ -209,18 +236,8 @@ fn the_gateway_recovers_from_a_gpus_cold_shapes_and_rare_slow_batches() {
         context()
     );
     // No model shed for ever: frames ok within budget in the last 2 s of
-    // sending (the timeline's steps are 100 ms).
-    let step = tidegate_loadtest::report::Report::TIMELINE_STEP.as_secs_f64();
-    let last = ((SECONDS - 2.0) / step) as usize..(SECONDS / step) as usize;
-    let late_ok: u32 = report
-        .ok_timeline
-        .get(last.clone())
-        .map_or(0, |s| s.iter().sum());
-    assert!(
-        late_ok > 0,
-        "nothing ok in steps {last:?} of the timeline; {}",
-        context()
-    );
+    // sending.
+    assert_ok_at_the_end(&report, SECONDS, 2.0, &context);
 
     // The estimate converges back once the workers are idle.
     let deadline = idle_from + Duration::from_secs(40);
@@ -301,14 +318,7 @@ fn a_worker_profiled_on_a_busy_host_is_put_to_the_test_and_its_model_served() {
             c.worker_log("worker-1")
         )
     };
-    assert!(report.sent > 0, "{}", context());
-    assert_eq!(report.missing, 0, "frames without a result; {}", context());
-    assert_eq!(
-        report.duplicates,
-        0,
-        "a frame answered twice; {}",
-        context()
-    );
+    assert_accounted(&report, &context);
     // Trials, at most one a second for its one model.
     let tried = trials(&c);
     assert!(tried >= 1, "no trial of the estimate; {}", context());
@@ -318,17 +328,7 @@ fn a_worker_profiled_on_a_busy_host_is_put_to_the_test_and_its_model_served() {
         context()
     );
     // The model is served: frames ok in the last 3 s of sending.
-    let step = tidegate_loadtest::report::Report::TIMELINE_STEP.as_secs_f64();
-    let last = ((SECONDS - 3.0) / step) as usize..(SECONDS / step) as usize;
-    let late_ok: u32 = report
-        .ok_timeline
-        .get(last.clone())
-        .map_or(0, |s| s.iter().sum());
-    assert!(
-        late_ok > 0,
-        "nothing ok in steps {last:?} of the timeline; {}",
-        context()
-    );
+    assert_ok_at_the_end(&report, SECONDS, 3.0, &context);
     // The estimate learned the worker is faster than it said.
     let (_, _, _, estimate) = estimates(&c)
         .into_iter()
