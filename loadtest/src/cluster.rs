@@ -271,6 +271,15 @@ pub fn command(name: &str) -> Result<Command, BinaryNotFound> {
     Ok(cmd)
 }
 
+/// The model repository a `--models-dir` names, made absolute (the workers
+/// read it from configs in another folder), or this checkout's models/.
+pub fn model_repository(dir: Option<&Path>) -> std::io::Result<PathBuf> {
+    match dir {
+        Some(dir) => std::path::absolute(dir),
+        None => Ok(workspace_root().join("models")),
+    }
+}
+
 /// The workspace root (for models/ and test imagery).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -11,7 +11,9 @@ use clap::builder::TypedValueParser;
 use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, WorkerProvider, workspace_root};
+use tidegate_loadtest::cluster::{
+    Cluster, ClusterOptions, WorkerProvider, model_repository, workspace_root,
+};
 use tidegate_loadtest::impair::{
     Blackout, DEFAULT_QUEUE_MS, GilbertElliott, ImpairConfig, LinkConfig, MAX_FLOWS, Relay,
     RelayOptions,
@@ -685,13 +687,8 @@ fn main() -> anyhow::Result<()> {
         None => vec![cli.model.clone()],
     };
     let mut cluster = None;
-    // Absolute: the workers read it from a config in another folder.
-    let repository = match &cli.models_dir {
-        Some(dir) => {
-            std::path::absolute(dir).with_context(|| format!("--models-dir {}", dir.display()))?
-        }
-        None => workspace_root().join("models"),
-    };
+    let repository = model_repository(cli.models_dir.as_deref())
+        .with_context(|| format!("--models-dir {:?}", cli.models_dir))?;
     let (gateway, ca, token) = if cli.local {
         let mut c = Cluster::start(&ClusterOptions {
             edges: vec![cli.edge.clone()],

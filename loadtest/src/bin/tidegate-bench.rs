@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, WorkerProvider, workspace_root};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, WorkerProvider, model_repository};
 use tidegate_loadtest::report::{Report, write_atomically};
 use tidegate_loadtest::{hostilebench, loadgen, relay, schedbench, startup, wanbench};
 
@@ -256,13 +256,7 @@ fn wan(
         "--seconds must be in 1..=120"
     );
     let cases = wanbench::select(cases)?;
-    // Absolute: the workers read it from configs in another folder.
-    let models = match models {
-        Some(dir) => {
-            std::path::absolute(dir).with_context(|| format!("--models-dir {}", dir.display()))?
-        }
-        None => workspace_root().join("models"),
-    };
+    let models = model_repository(models).with_context(|| format!("--models-dir {models:?}"))?;
     let run = wanbench::RunOptions {
         seconds,
         seed,
