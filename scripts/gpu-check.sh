@@ -141,21 +141,30 @@ else
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv \
     || fail "nvidia-smi" "cannot query the GPU"
 fi
+# unpacked DIR FILE...: whether DIR was unpacked from FILE... since they
+# last changed (its stamp is newer than each), so that a rerun unpacks
+# nothing and a kit rebuilt over an old one is never run stale.
+unpacked() {
+  local stamp="$1/.unpacked" f
+  shift
+  [ -f "$stamp" ] || return 1
+  for f; do [ "$stamp" -nt "$f" ] || return 1; done
+}
+# The ONNX Runtime parts in the order of their numeric suffix (part-10
+# sorts before part-2 by name), and none missing.
+parts=()
+while IFS=$'\t' read -r _ p; do parts+=("$p"); done < <(
+  for p in "$kit"/part-*/ort.tar.xz.*; do
+    [ -e "$p" ] && printf '%s\t%s\n' "${p##*.}" "$p"
+  done | sort -n -k1,1
+)
+[ "${#parts[@]}" -gt 0 ] || die "no ONNX Runtime parts (part-N/ort.tar.xz.NN) in $kit"
+for i in "${!parts[@]}"; do
+  suffix="${parts[$i]##*.}"
+  [ "$((10#$suffix))" -eq "$i" ] || die "ONNX Runtime part $i is missing (found ${parts[$i]}); bring every part-N folder"
+done
 ort="$kit/ort"
-if [ ! -f "$ort/libonnxruntime.so" ]; then
-  # The parts in the order of their numeric suffix (part-10 sorts before
-  # part-2 by name), and none missing.
-  parts=()
-  while IFS=$'\t' read -r _ p; do parts+=("$p"); done < <(
-    for p in "$kit"/part-*/ort.tar.xz.*; do
-      [ -e "$p" ] && printf '%s\t%s\n' "${p##*.}" "$p"
-    done | sort -n -k1,1
-  )
-  [ "${#parts[@]}" -gt 0 ] || die "no ONNX Runtime parts (part-N/ort.tar.xz.NN) in $kit"
-  for i in "${!parts[@]}"; do
-    suffix="${parts[$i]##*.}"
-    [ "$((10#$suffix))" -eq "$i" ] || die "ONNX Runtime part $i is missing (found ${parts[$i]}); bring every part-N folder"
-  done
+if ! unpacked "$ort" "${parts[@]}"; then
   rm -rf "$ort"
   mkdir -p "$ort"
   if ! cat "${parts[@]}" | xz -d | tar -C "$ort" -xf -; then
@@ -163,13 +172,16 @@ if [ ! -f "$ort/libonnxruntime.so" ]; then
     die "unpacking ONNX Runtime from ${#parts[@]} parts failed"
   fi
   ln -sf libonnxruntime.so.1.31.1 "$ort/libonnxruntime.so"
+  touch "$ort/.unpacked"
 fi
-# The binaries and models (bin/, e2e/, models/), unpacked afresh each run:
-# a kit rebuilt over an old one must not run the old binaries.
+# The binaries and models (bin/, e2e/, models/), with their own stamp.
 tools=("$kit"/part-*/tools.tar.xz)
 [ -f "${tools[0]}" ] || die "no part-N/tools.tar.xz in $kit (the binaries and models); bring every part-N folder"
-rm -rf "$kit/bin" "$kit/e2e" "$kit/models"
-xz -d <"${tools[0]}" | tar -C "$kit" -xf - || die "unpacking ${tools[0]} failed"
+if ! unpacked "$kit/bin" "${tools[0]}"; then
+  rm -rf "$kit/bin" "$kit/e2e" "$kit/models"
+  xz -d <"${tools[0]}" | tar -C "$kit" -xf - || die "unpacking ${tools[0]} failed"
+  touch "$kit/bin/.unpacked"
+fi
 export TIDEGATE_ORT_GPU_LIB="$ort/libonnxruntime.so" ORT_DYLIB_PATH="$ort/libonnxruntime.so"
 export TIDEGATE_MODELS_DIR="$kit/models"
 echo "  ONNX Runtime GPU build: $TIDEGATE_ORT_GPU_LIB"

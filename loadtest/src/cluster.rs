@@ -271,6 +271,21 @@ pub fn command(name: &str) -> Result<Command, BinaryNotFound> {
     Ok(cmd)
 }
 
+/// The value of series `name` in a Prometheus text exposition, summed over
+/// its label sets that carry every one of `labels` (`le="2"`, say; none:
+/// all of them).
+pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (series, value) = rest.rsplit_once(' ')?;
+            let named = series.is_empty() || series.starts_with('{');
+            (named && labels.iter().all(|want| series.contains(want))).then_some(value)
+        })
+        .filter_map(|v| v.parse::<f64>().ok())
+        .sum()
+}
+
 /// The model repository a `--models-dir` names, made absolute (the workers
 /// read it from configs in another folder), or this checkout's models/.
 pub fn model_repository(dir: Option<&Path>) -> std::io::Result<PathBuf> {
@@ -1096,4 +1111,25 @@ pub fn plain(log: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metric_sum;
+
+    #[test]
+    fn a_series_is_summed_over_the_label_sets_asked_for_and_no_other_series() {
+        let text = "# HELP x_total a counter\n\
+                    x_total{reason=\"a\"} 2\n\
+                    x_total{reason=\"b\"} 3\n\
+                    x_total_more 100\n\
+                    h_bucket{model=\"m\",le=\"2\"} 7\n\
+                    h_bucket{model=\"m\",le=\"+Inf\"} 9\n\
+                    y 1.5\n";
+        assert_eq!(metric_sum(text, "x_total", &[]), 5.0);
+        assert_eq!(metric_sum(text, "x_total", &["reason=\"b\""]), 3.0);
+        assert_eq!(metric_sum(text, "h_bucket", &["le=\"2\""]), 7.0);
+        assert_eq!(metric_sum(text, "y", &[]), 1.5);
+        assert_eq!(metric_sum(text, "z", &[]), 0.0);
+    }
 }

@@ -33,7 +33,7 @@
 
 use std::time::{Duration, Instant};
 
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_sum};
 use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
 
@@ -266,10 +266,11 @@ fn the_gateway_recovers_from_a_gpus_cold_shapes_and_rare_slow_batches() {
 /// The gateway's `tidegate_estimate_trials_total`, from its `/metrics`.
 fn trials(c: &Cluster) -> u64 {
     let (_, body) = c.get("/metrics").expect("metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix("tidegate_estimate_trials_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .expect("tidegate_estimate_trials_total in /metrics") as u64
+    assert!(
+        body.contains("tidegate_estimate_trials_total "),
+        "no tidegate_estimate_trials_total in /metrics"
+    );
+    metric_sum(&body, "tidegate_estimate_trials_total", &[]) as u64
 }
 
 #[test]

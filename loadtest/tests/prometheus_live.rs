@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, workspace_root};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_sum, workspace_root};
 use tidegate_loadtest::edge_harness::EdgeProcess;
 use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
@@ -312,17 +312,12 @@ fn load(c: &Cluster, cameras: usize, fps: f64, seconds: f64) -> std::thread::Joi
 fn batches_over_twice_their_profile(gateway: SocketAddr) -> (u64, u64) {
     let (code, body) = get(gateway, "/metrics").expect("the gateway serves /metrics");
     assert_eq!(code, 200, "{body}");
-    let sum = |pick: &dyn Fn(&str) -> bool| -> u64 {
-        body.lines()
-            .filter(|l| pick(l))
-            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-            .map(|v| v as u64)
-            .sum()
-    };
-    let within = sum(&|l| {
-        l.starts_with("tidegate_worker_batch_over_profile_bucket{") && l.contains("le=\"2\"")
-    });
-    let all = sum(&|l| l.starts_with("tidegate_worker_batch_over_profile_count{"));
+    let within = metric_sum(
+        &body,
+        "tidegate_worker_batch_over_profile_bucket",
+        &["le=\"2\""],
+    ) as u64;
+    let all = metric_sum(&body, "tidegate_worker_batch_over_profile_count", &[]) as u64;
     (all - within, all)
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tidegate_loadtest::attack::worker::{
     LiarOptions, Lie, Received, model_as_registered, spawn_liar,
 };
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_sum};
 use tidegate_loadtest::loadgen;
 use tokio_util::sync::CancellationToken;
 
@@ -29,17 +29,6 @@ const PROBE_FRAMES: usize = 1;
 const PIPELINE_DEPTH: usize = 2;
 /// The liar's largest batch.
 const LIAR_MAX_BATCH: u16 = 8;
-
-/// The value of a counter or gauge summed over its label sets.
-fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 /// The most probes a worker demoted for `span` can be sent: one per
 /// back-off, the back-off doubling from [`BACKOFF_MS`] to
@@ -97,7 +86,7 @@ fn a_lying_worker_is_demoted_and_then_only_probed(lie: Lie) {
     };
     let demotions = |c: &Cluster| {
         let (_, text) = c.get("/metrics").expect("metrics");
-        metric_sum(&text, "tidegate_worker_demotions_total")
+        metric_sum(&text, "tidegate_worker_demotions_total", &[])
     };
     let mut demoted_seen = None;
     while !sim.is_finished() {
@@ -180,7 +169,7 @@ fn a_lying_worker_is_demoted_and_then_only_probed(lie: Lie) {
     // where that could not be (no time left, a newer frame of its camera
     // queued): for a liar that fails every frame, exactly one or the other.
     let (_, text) = c.get("/metrics").expect("metrics");
-    let retried = metric_sum(&text, "tidegate_frames_retried_total");
+    let retried = metric_sum(&text, "tidegate_frames_retried_total", &[]);
     if lie == Lie::ShedEverything {
         assert_eq!(
             retried as u64 + report.failed,
