@@ -99,7 +99,10 @@ fn holds(log: &str) -> (usize, usize, usize) {
 }
 
 /// Each worker's (registered, estimated) latency per profiled batch, from
-/// `/api/v1/workers`.
+/// `/api/v1/workers`. The registered latency is read as the scheduler reads
+/// a profile: a batch never costs less than a smaller one of the same model
+/// (a profile measured on a busy host can say batch 2 took longer than
+/// batch 4, and the estimate for 4 then stays at batch 2's time).
 fn estimates(c: &Cluster) -> Vec<(String, u64, u64, u64)> {
     let (_, body) = c.get("/api/v1/workers").expect("workers");
     let workers: serde_json::Value = serde_json::from_str(&body).expect("JSON workers");
@@ -109,14 +112,25 @@ fn estimates(c: &Cluster) -> Vec<(String, u64, u64, u64)> {
         let registered = w["profile"].as_array().expect("profile");
         let estimate = w["estimate"].as_array().expect("estimate");
         assert_eq!(registered.len(), estimate.len(), "{w}");
+        let mut points: Vec<(String, u64, u64, u64)> = Vec::new();
         for (r, e) in registered.iter().zip(estimate) {
             assert_eq!(r["batch"], e["batch"], "{w}");
-            out.push((
-                name.clone(),
+            assert_eq!(r["model"], e["model"], "{w}");
+            points.push((
+                r["model"].as_str().expect("model").to_string(),
                 r["batch"].as_u64().expect("batch"),
                 r["latency_us"].as_u64().expect("registered latency"),
                 e["latency_us"].as_u64().expect("estimated latency"),
             ));
+        }
+        for (model, batch, _, estimated) in &points {
+            let envelope = points
+                .iter()
+                .filter(|(m, b, _, _)| m == model && b <= batch)
+                .map(|(_, _, r, _)| *r)
+                .max()
+                .expect("the point itself");
+            out.push((name.clone(), *batch, envelope, *estimated));
         }
     }
     out

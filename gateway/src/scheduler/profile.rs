@@ -199,6 +199,26 @@ mod tests {
     }
 
     #[test]
+    fn a_profile_measured_faster_at_a_larger_batch_relaxes_to_its_envelope() {
+        // Measured on a busy host: batch 2 took longer than batch 4.
+        let mut p = ModelProfile::new(
+            &WorkerModel {
+                model: "m".into(),
+                max_batch: 4,
+                profile: vec![(1, 5_000), (2, 13_000), (3, 11_000), (4, 11_000)],
+            },
+            1_000,
+        );
+        let envelope = [5_000, 13_000, 13_000, 13_000];
+        let read = |p: &ModelProfile| [1, 2, 3, 4].map(|b| p.latency(b));
+        assert_eq!(read(&p), envelope);
+        p.observe(4, u32::MAX);
+        assert!(read(&p).iter().zip(envelope).all(|(e, r)| *e > r));
+        p.relax(u64::MAX);
+        assert_eq!(read(&p), envelope);
+    }
+
+    #[test]
     fn observed_latency_never_makes_a_bigger_batch_look_faster() {
         let mut p = ModelProfile::new(
             &WorkerModel {
