@@ -18,7 +18,10 @@
 //!    frame got through first, or the lane's `max_in_flight` was full), or
 //!    more than
 //!    [`LATE_PRESSED`] of its results came back over the budget (or were
-//!    shed by the gateway as late on arrival), or the link is **queued**:
+//!    shed by the gateway as late on arrival; a result whose time at the
+//!    gateway and worker alone was over the budget, as a GPU's first run
+//!    of a shape or a trial of a worker too slow for it can be, is not
+//!    counted: no link could have saved it), or the link is **queued**:
 //!    the frames acknowledged took, on average, more than
 //!    [`ACK_DELAY_ALLOWANCE`] + [`QUEUE_PRESSED`] × budget beyond the path's
 //!    least round trip (so the bytes ahead of them were more than the link

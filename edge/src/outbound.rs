@@ -57,7 +57,9 @@ pub struct OutboundReport {
 pub struct ResultCounts {
     /// Results received.
     pub results: u64,
-    /// Results late (over the budget, or shed as late on arrival).
+    /// Results late (over the budget, or shed as late on arrival), less
+    /// those whose time at the gateway and worker alone was over the
+    /// budget: the link fit reacts only to lateness a link could cause.
     pub late: u64,
 }
 

@@ -128,6 +128,24 @@ pub struct Timings {
     pub postprocess_us: u32,
 }
 
+impl Timings {
+    /// The frame's time at the gateway and its worker, µs: its stages
+    /// summed (in a `u64`, so never overflowing). The rest of its end-to-end time went on the
+    /// links.
+    pub fn total_us(&self) -> u64 {
+        [
+            self.queue_us,
+            self.decode_us,
+            self.preprocess_us,
+            self.inference_us,
+            self.postprocess_us,
+        ]
+        .iter()
+        .map(|&us| u64::from(us))
+        .sum()
+    }
+}
+
 /// The result for one frame, addressed by camera and sequence number.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FrameResult {
@@ -184,6 +202,26 @@ impl FrameResult {
 mod tests {
     use super::*;
     use crate::tensor::DType;
+
+    #[test]
+    fn a_results_time_at_the_servers_sums_its_stages_without_overflow() {
+        let t = Timings {
+            queue_us: 1,
+            decode_us: 20,
+            preprocess_us: 300,
+            inference_us: 4_000,
+            postprocess_us: 50_000,
+        };
+        assert_eq!(t.total_us(), 54_321);
+        let max = Timings {
+            queue_us: u32::MAX,
+            decode_us: u32::MAX,
+            preprocess_us: u32::MAX,
+            inference_us: u32::MAX,
+            postprocess_us: u32::MAX,
+        };
+        assert_eq!(max.total_us(), 5 * u64::from(u32::MAX));
+    }
 
     #[test]
     fn held_bytes_counts_strings_detections_keypoints_and_output_data() {

@@ -432,7 +432,8 @@ impl Node {
             .map(|s| s.snapshot().labels.clone())
             .unwrap_or_default();
         let (camera, seq) = (r.camera.clone(), r.seq);
-        let (status, captured_at_us) = (r.status.clone(), r.captured_at_us);
+        let (status, captured_at_us, server_us) =
+            (r.status.clone(), r.captured_at_us, r.timings.total_us());
         let write = self.sinks.write(r, now, labels);
         tokio::pin!(write);
         loop {
@@ -462,7 +463,7 @@ impl Node {
             self.ok += 1;
         }
         if let Some(s) = self.by_name.get(&camera) {
-            s.on_result(&status, captured_at_us, now);
+            s.on_result(&status, captured_at_us, server_us, now);
         }
         self.unanswered.answered(&camera, seq);
         ControlFlow::Continue(())

@@ -38,6 +38,11 @@ pub struct CameraStats {
     /// Results late: `ok` but over the budget, or shed by the gateway as
     /// late on arrival (the link ate the budget).
     pub late: AtomicU64,
+    /// Of `late`, the results whose time at the gateway and worker alone
+    /// was over the budget (a GPU's first run of a shape, a trial of a
+    /// worker too slow for the budget): no link could have saved them, so
+    /// they do not press the camera's link fit.
+    pub late_at_server: AtomicU64,
     /// The camera's budget (µs), what `late` is measured against.
     budget_us: u64,
     snapshot: Mutex<CameraSnapshot>,
@@ -74,8 +79,15 @@ impl CameraStats {
     }
 
     /// Counts a result of this camera, of a frame captured at
-    /// `captured_at_us`, that came back at `now_us`.
-    pub(super) fn on_result(&self, status: &Status, captured_at_us: u64, now_us: u64) {
+    /// `captured_at_us`, that came back at `now_us` having spent
+    /// `server_us` at the gateway and its worker.
+    pub(super) fn on_result(
+        &self,
+        status: &Status,
+        captured_at_us: u64,
+        server_us: u64,
+        now_us: u64,
+    ) {
         self.results.fetch_add(1, Ordering::Relaxed);
         let ok = *status == Status::Ok;
         if ok {
@@ -84,13 +96,19 @@ impl CameraStats {
         let e2e_us = now_us.saturating_sub(captured_at_us);
         if (ok && e2e_us > self.budget_us) || *status == Status::Shed(ShedReason::LateOnArrival) {
             self.late.fetch_add(1, Ordering::Relaxed);
+            if ok && server_us > self.budget_us {
+                self.late_at_server.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
+    /// What the link fit reads: the results, and those late that a faster
+    /// link could have saved.
     pub(super) fn result_counts(&self) -> ResultCounts {
+        let late = self.late.load(Ordering::Relaxed);
         ResultCounts {
             results: self.results.load(Ordering::Relaxed),
-            late: self.late.load(Ordering::Relaxed),
+            late: late.saturating_sub(self.late_at_server.load(Ordering::Relaxed)),
         }
     }
 }
@@ -230,5 +248,44 @@ impl CameraSummary {
             rtt_ms: snap.outbound.map_or(0.0, |o| o.rtt.as_secs_f64() * 1e3),
             copies: snap.outbound.map_or(0, |o| o.copies),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_late_at_the_server_alone_is_late_but_does_not_press_the_link() {
+        let s = CameraStats::with_budget(80);
+        // On time; late by the link (5 ms at the servers, 90 ms in all);
+        // late at the servers (120 ms there); shed late on arrival (the
+        // link's, whatever the timings say); another camera's frame shed
+        // for no worker is no lateness at all.
+        s.on_result(&Status::Ok, 1_000, 10_000, 40_000);
+        s.on_result(&Status::Ok, 1_000, 5_000, 91_000);
+        s.on_result(&Status::Ok, 1_000, 120_000, 130_000);
+        s.on_result(&Status::Shed(ShedReason::LateOnArrival), 1_000, 0, 95_000);
+        s.on_result(&Status::Shed(ShedReason::NoWorker), 1_000, 0, 2_000);
+        assert_eq!(s.results.load(Ordering::Relaxed), 5);
+        assert_eq!(s.ok.load(Ordering::Relaxed), 3);
+        assert_eq!(s.late.load(Ordering::Relaxed), 3, "what the operator sees");
+        assert_eq!(
+            s.result_counts(),
+            ResultCounts {
+                results: 5,
+                late: 2
+            },
+            "what the link fit reads"
+        );
+    }
+
+    #[test]
+    fn an_ok_result_over_the_budget_at_the_servers_but_on_time_is_not_late() {
+        // The edge's clock is what counts: timings are the servers' own.
+        let s = CameraStats::with_budget(80);
+        s.on_result(&Status::Ok, 0, 200_000, 70_000);
+        assert_eq!(s.late.load(Ordering::Relaxed), 0);
+        assert_eq!(s.result_counts().late, 0);
     }
 }
