@@ -286,6 +286,19 @@ pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
+/// The value of one series, its name and labels exactly as exported
+/// (`x_total{reason="a"}`), in a Prometheus text exposition; `None` when it
+/// has none.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
 /// The model repository a `--models-dir` names, made absolute (the workers
 /// read it from configs in another folder), or this checkout's models/.
 pub fn model_repository(dir: Option<&Path>) -> std::io::Result<PathBuf> {
@@ -1115,7 +1128,7 @@ pub fn plain(log: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::metric_sum;
+    use super::{metric_sum, metric_value};
 
     #[test]
     fn a_series_is_summed_over_the_label_sets_asked_for_and_no_other_series() {
@@ -1131,5 +1144,10 @@ mod tests {
         assert_eq!(metric_sum(text, "h_bucket", &["le=\"2\""]), 7.0);
         assert_eq!(metric_sum(text, "y", &[]), 1.5);
         assert_eq!(metric_sum(text, "z", &[]), 0.0);
+        assert_eq!(metric_value(text, "x_total{reason=\"b\"}"), Some(3.0));
+        assert_eq!(metric_value(text, "x_total"), None, "a name, not a series");
+        assert_eq!(metric_value(text, "x_total_more"), Some(100.0));
+        assert_eq!(metric_value(text, "y"), Some(1.5));
+        assert_eq!(metric_value(text, "z"), None);
     }
 }

@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tidegate_loadtest::cluster::{Cluster, plain};
+use tidegate_loadtest::cluster::{Cluster, metric_sum, plain};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config_via, epoch_us};
 use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
 use tidegate_testkit::astronaut::{astronaut, started_cluster};
@@ -307,14 +307,6 @@ fn after_a_blackout_longer_than_the_idle_timeout_the_edge_reconnects_and_every_f
     }
 }
 
-/// Gateway counter `name{label}` from its `/metrics` text.
-fn gateway_counter(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(series))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[test]
 fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_frame_ends_once() {
     let c = started_cluster();
@@ -376,9 +368,10 @@ fn on_a_lossy_link_too_long_to_resend_in_an_auto_edge_sends_two_copies_and_each_
     // The edge took to two copies, and says why.
     edge_lines(&log, "copies of each frame changed");
     // Second copies reached the gateway, which admitted one of each.
-    let duplicates = gateway_counter(
+    let duplicates = metric_sum(
         &metrics,
-        "tidegate_frames_rejected_total{reason=\"duplicate\"}",
+        "tidegate_frames_rejected_total",
+        &["reason=\"duplicate\""],
     );
     eprintln!("gateway: {duplicates} later copies dropped");
     assert!(duplicates > 0.0, "{metrics}");

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tidegate_loadtest::attack::edge::flood_thread;
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, plain};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_value, plain};
 use tidegate_loadtest::loadgen;
 use tidegate_protocol::Encoding;
 use tokio_util::sync::CancellationToken;
@@ -58,9 +58,7 @@ fn metric(c: &Cluster, series: &str) -> f64 {
     let (_, body) = c
         .get("/metrics")
         .unwrap_or_else(|e| panic!("GET /metrics: {e:#}"));
-    body.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .map_or(0.0, |v| v.trim().parse().expect("a number"))
+    metric_value(&body, series).unwrap_or(0.0)
 }
 
 fn wait_until(c: &Cluster, timeout: Duration, what: &str, mut check: impl FnMut() -> bool) {

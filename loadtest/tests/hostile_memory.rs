@@ -24,7 +24,7 @@ use tidegate_loadtest::attack::edge::{
 use tidegate_loadtest::attack::rss::RssWatch;
 use tidegate_loadtest::attack::stranger::strangers;
 use tidegate_loadtest::attack::{AttackError, LoggedIn, MIB, Target};
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_value};
 use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
 use tidegate_protocol::quic::{BEFORE_LOGIN_RECEIVE_WINDOW, HandshakeError, edge_receive_window};
@@ -106,9 +106,7 @@ fn rejected(c: &Cluster, reason: &str) -> u64 {
 /// A counter's value in `/metrics` (0 when absent).
 fn counter(c: &Cluster, series: &str) -> u64 {
     let (_, text) = c.get("/metrics").expect("GET /metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    metric_value(&text, series).map_or(0, |v| v as u64)
 }
 
 fn runtime() -> tokio::runtime::Runtime {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tidegate_loadtest::attack::edge::{latency_report_flood, name_of, read_error, refused_login};
 use tidegate_loadtest::attack::http::{closed_by_server, half_a_request};
 use tidegate_loadtest::attack::{AttackError, Target, login};
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_value};
 use tidegate_loadtest::loadgen;
 use tidegate_protocol::quic::{HandshakeError, write_message};
 use tidegate_protocol::{CUT_MARK, CameraOpen, Encoding, ErrorCode, ErrorMsg, Limits, Message};
@@ -24,10 +24,7 @@ fn runtime() -> tokio::runtime::Runtime {
 /// The value of the counter series `series` (name and labels, exactly as
 /// exported) in a Prometheus text exposition; 0 when absent.
 fn counter(metrics: &str, series: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
+    metric_value(metrics, series).unwrap_or(0.0)
 }
 
 /// `GET /metrics`, retried for up to `within` while it fails.

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tidegate_gateway::auth::hash_token;
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_value};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
 use tidegate_testkit::leasing::{settled_counters, wait_until};
 
@@ -48,8 +48,7 @@ fn reload(c: &Cluster) -> (u16, Value) {
 
 fn metric(c: &Cluster, series: &str) -> Option<f64> {
     let (_, text) = c.get("/metrics").expect("GET /metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+    metric_value(&text, series)
 }
 
 fn streaming_edge(c: &Cluster, name: &str) -> EdgeProcess {

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, metric_sum};
 use tidegate_loadtest::edge_harness::{EdgeCamera, EdgeProcess, edge_config};
 use tidegate_loadtest::loadgen::{self, LoadOptions};
 use tidegate_loadtest::report::Report;
@@ -334,11 +334,7 @@ fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
     assert_eq!(v["admitted"].as_u64(), Some(r.results()), "{v}");
     assert_eq!(v["shed"].as_u64(), Some(r.shed), "{v}");
     let (_, metrics) = c.get("/metrics").expect("GET /metrics");
-    let dispatched_frames: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("tidegate_batch_size_sum"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let dispatched_frames = metric_sum(&metrics, "tidegate_batch_size_sum", &[]);
     assert_eq!(
         dispatched_frames as u64,
         r.ok + r.failed + v["requeued"].as_u64().unwrap_or(0),
@@ -354,15 +350,8 @@ fn overload_is_shed_before_dispatch_and_cameras_obey_the_rate_hint() {
     // queue-wait histogram when it ends ok or failed) left the queue within
     // the budget.
     let le = format!("le=\"{}\"", r.budget_ms as f64 / 1000.0);
-    let metric = |name: &str, label: &str| -> u64 {
-        metrics
-            .lines()
-            .filter(|l| l.starts_with(name) && l.contains(label))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
-    };
-    let waited = metric("tidegate_queue_wait_seconds_count", "");
-    let within_budget = metric("tidegate_queue_wait_seconds_bucket", &le);
+    let waited = metric_sum(&metrics, "tidegate_queue_wait_seconds_count", &[]) as u64;
+    let within_budget = metric_sum(&metrics, "tidegate_queue_wait_seconds_bucket", &[&le]) as u64;
     let answered = v["ok"].as_u64().unwrap_or(0) + v["failed"].as_u64().unwrap_or(0);
     assert_eq!(
         waited, answered,

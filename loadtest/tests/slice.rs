@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tidegate_edge::uplink::{Incoming, Uplink, UplinkError};
-use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, workspace_root};
+use tidegate_loadtest::cluster::{Cluster, ClusterOptions, bin, metric_value, workspace_root};
 use tidegate_loadtest::edge_harness::{EdgeCamera, edge_config};
 use tidegate_loadtest::loadgen::frame_pixels;
 use tidegate_protocol::{
@@ -458,7 +458,7 @@ async fn results_an_edge_does_not_take_are_dropped_and_counted_not_piled_up() {
     }
     let undeliverable = || {
         let (_, metrics) = c.get("/metrics").unwrap();
-        metric(&metrics, "tidegate_results_undeliverable_total")
+        metric_value(&metrics, "tidegate_results_undeliverable_total").unwrap_or(0.0)
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while undeliverable() < 200.0 && std::time::Instant::now() < deadline {
@@ -466,12 +466,6 @@ async fn results_an_edge_does_not_take_are_dropped_and_counted_not_piled_up() {
     }
     assert_eq!(undeliverable(), 200.0, "all beyond 2 × 1024 are dropped");
     conn.close(0u32.into(), b"test done");
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// A camera must have a name (an empty one in a hint means every camera of

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use tidegate_edge::uplink::{Incoming, Uplink};
+use tidegate_loadtest::cluster::metric_sum;
 use tidegate_loadtest::impair::{ImpairConfig, LinkConfig, Relay, RelayOptions};
 use tidegate_loadtest::loadgen;
 use tidegate_loadtest::report::Report;
@@ -246,10 +247,10 @@ fn with_two_copies_every_frame_is_admitted_once_and_answered_once() {
         report.sent
     );
     let (_, metrics) = c.get("/metrics").expect("metrics");
-    let duplicates: f64 = metrics
-        .lines()
-        .find(|l| l.starts_with("tidegate_frames_rejected_total{reason=\"duplicate\"}"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0);
+    let duplicates = metric_sum(
+        &metrics,
+        "tidegate_frames_rejected_total",
+        &["reason=\"duplicate\""],
+    );
     assert!(duplicates > 0.0, "second copies arrived and were dropped");
 }
