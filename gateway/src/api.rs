@@ -498,9 +498,16 @@ async fn readyz(State(s): State<ApiState>) -> Response {
     }
 }
 
-/// The hub's snapshot, or the answer that says why there is none.
-async fn snapshot(s: &ApiState) -> Result<crate::hub::Snapshot, Response> {
-    s.hub.snapshot().await.ok_or_else(shutting_down)
+/// `view` of the hub's snapshot as JSON, or the answer that says why there
+/// is no snapshot.
+async fn snapshot_json<T: serde::Serialize>(
+    s: &ApiState,
+    view: impl FnOnce(crate::hub::Snapshot) -> T,
+) -> Response {
+    match s.hub.snapshot().await {
+        Some(snap) => Json(view(snap)).into_response(),
+        None => shutting_down(),
+    }
 }
 
 /// Frame accounting since the gateway started.
@@ -510,10 +517,7 @@ async fn snapshot(s: &ApiState) -> Result<crate::hub::Snapshot, Response> {
         (status = 503, description = "Shutting down, or too many requests", body = ApiError),
     ))]
 async fn frames(State(s): State<ApiState>) -> Response {
-    match snapshot(&s).await {
-        Ok(snap) => Json(json::FrameTotals::from(snap.frames)).into_response(),
-        Err(answer) => answer,
-    }
+    snapshot_json(&s, |snap| json::FrameTotals::from(snap.frames)).await
 }
 
 /// Connected edges, one entry per connection, by session.
@@ -523,10 +527,7 @@ async fn frames(State(s): State<ApiState>) -> Response {
         (status = 503, description = "Shutting down, or too many requests", body = ApiError),
     ))]
 async fn edges(State(s): State<ApiState>) -> Response {
-    match snapshot(&s).await {
-        Ok(snap) => Json(json::edges(&snap)).into_response(),
-        Err(answer) => answer,
-    }
+    snapshot_json(&s, |snap| json::edges(&snap)).await
 }
 
 /// Open cameras, by edge name, session and camera name.
@@ -536,10 +537,7 @@ async fn edges(State(s): State<ApiState>) -> Response {
         (status = 503, description = "Shutting down, or too many requests", body = ApiError),
     ))]
 async fn cameras(State(s): State<ApiState>) -> Response {
-    match snapshot(&s).await {
-        Ok(snap) => Json(json::cameras(&snap)).into_response(),
-        Err(answer) => answer,
-    }
+    snapshot_json(&s, |snap| json::cameras(&snap)).await
 }
 
 /// The camera's latest served frame, its content area with its
@@ -585,10 +583,7 @@ async fn camera_thumbnail(
         (status = 503, description = "Shutting down, or too many requests", body = ApiError),
     ))]
 async fn workers(State(s): State<ApiState>) -> Response {
-    match snapshot(&s).await {
-        Ok(snap) => Json(json::workers(&snap)).into_response(),
-        Err(answer) => answer,
-    }
+    snapshot_json(&s, |snap| json::workers(&snap)).await
 }
 
 /// Models served by at least one worker, by name.
@@ -598,10 +593,7 @@ async fn workers(State(s): State<ApiState>) -> Response {
         (status = 503, description = "Shutting down, or too many requests", body = ApiError),
     ))]
 async fn models(State(s): State<ApiState>) -> Response {
-    match snapshot(&s).await {
-        Ok(snap) => Json(json::models(&snap)).into_response(),
-        Err(answer) => answer,
-    }
+    snapshot_json(&s, |snap| json::models(&snap)).await
 }
 
 /// The last 15 minutes, interval by interval.
@@ -611,10 +603,7 @@ async fn models(State(s): State<ApiState>) -> Response {
         (status = 503, description = "Shutting down, or too many requests", body = ApiError),
     ))]
 async fn timeline(State(s): State<ApiState>) -> Response {
-    match snapshot(&s).await {
-        Ok(snap) => Json(json::Timeline::from(&snap.timeline)).into_response(),
-        Err(answer) => answer,
-    }
+    snapshot_json(&s, |snap| json::Timeline::from(&snap.timeline)).await
 }
 
 fn no_leasing() -> Response {
