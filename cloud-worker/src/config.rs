@@ -325,42 +325,14 @@ impl RuntimeConfig {
     }
 }
 
-/// Why the configuration is unusable.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The file does not parse.
-    #[error("invalid config {path}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message.
-        message: String,
-    },
-    /// A value is wrong.
-    #[error("invalid config: {0}")]
-    Invalid(String),
-}
+/// Why the configuration is unusable (the client kit's, shared by every
+/// binary).
+pub use tidegate_kit::config::ConfigError;
 
 impl WorkerConfig {
     /// Reads a file; relative paths resolve against its directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let mut cfg: WorkerConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let mut cfg: WorkerConfig = tidegate_kit::config::read_toml(path)?;
         let base = path.parent().unwrap_or(Path::new("."));
         for p in [&mut cfg.gateway.ca, &mut cfg.models.dir] {
             if p.is_relative() {

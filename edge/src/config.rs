@@ -409,42 +409,14 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// Why the configuration is unusable.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The file does not parse.
-    #[error("invalid config {path}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message.
-        message: String,
-    },
-    /// A value is wrong.
-    #[error("invalid config: {0}")]
-    Invalid(String),
-}
+/// Why the configuration is unusable (the client kit's, shared by every
+/// binary).
+pub use tidegate_kit::config::ConfigError;
 
 impl EdgeConfig {
     /// Reads a file; a relative `gateway.ca` resolves against its directory.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let mut cfg: EdgeConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let mut cfg: EdgeConfig = tidegate_kit::config::read_toml(path)?;
         let dir = path.parent().unwrap_or(Path::new("."));
         if cfg.gateway.ca.is_relative() {
             cfg.gateway.ca = dir.join(&cfg.gateway.ca);

@@ -8,12 +8,18 @@
 //!   or Ctrl-C.
 //! - `gateway` (feature `gateway`): how the edge's and the worker's
 //!   `[gateway]` sections read their shared fields.
+//! - `config` (feature `config`): a TOML config file read into a binary's
+//!   own schema, and the one `ConfigError` the gateway, the edge and the
+//!   worker report.
 //!
 //! Kept tiny on purpose (std, thiserror, rustix; tokio only for
-//! `shutdown`, serde and tidegate-protocol only for `gateway`): the lease
-//! crate depends on it, with neither feature.
+//! `shutdown`, serde and tidegate-protocol only for `gateway`, serde and
+//! toml only for `config`): the lease crate depends on it, with none of
+//! these features.
 
 pub mod backoff;
+#[cfg(feature = "config")]
+pub mod config;
 #[cfg(feature = "gateway")]
 pub mod gateway;
 pub mod signal;

@@ -9,7 +9,7 @@
 //! certificate or ledger opened, no provider started here (`preflight.rs`
 //! and `main.rs` do that).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::Deserialize;
 
@@ -62,43 +62,15 @@ pub struct Config {
     pub status: StatusConfig,
 }
 
-/// Why the configuration is unusable.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for this schema.
-    #[error("invalid config {path}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// What the parser said (with line and column).
-        message: String,
-    },
-    /// A value is inconsistent.
-    #[error("invalid config: {0}")]
-    Invalid(String),
-}
+/// Why the configuration is unusable (the client kit's, shared by every
+/// binary).
+pub use tidegate_kit::config::ConfigError;
 
 impl Config {
     /// Reads a config file. Relative certificate and `[leasing]` paths are
     /// resolved against the file's directory.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let mut cfg: Config = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let mut cfg: Config = tidegate_kit::config::read_toml(path)?;
         let base = path.parent().unwrap_or(Path::new("."));
         for p in [&mut cfg.quic.cert, &mut cfg.quic.key] {
             if p.is_relative() {
