@@ -260,8 +260,8 @@ mod tests {
         let s = CameraStats::with_budget(80);
         // On time; late by the link (5 ms at the servers, 90 ms in all);
         // late at the servers (120 ms there); shed late on arrival (the
-        // link's, whatever the timings say); another camera's frame shed
-        // for no worker is no lateness at all.
+        // link's, whatever the timings say); a frame shed for want of a
+        // worker is no lateness at all.
         s.on_result(&Status::Ok, 1_000, 10_000, 40_000);
         s.on_result(&Status::Ok, 1_000, 5_000, 91_000);
         s.on_result(&Status::Ok, 1_000, 120_000, 130_000);
