@@ -92,9 +92,7 @@ impl Scheduler {
                     .and_then(|q| w.models.get_mut(&q.arrival.model)),
             ) {
                 p.observe(frames.len(), run.run_us);
-                if let Some(q) = frames.first() {
-                    w.tested.insert(q.arrival.model.clone(), now);
-                }
+                p.tested_at = now;
             }
             // The next batch starts now: re-estimate when each will be done.
             let mut t = now;

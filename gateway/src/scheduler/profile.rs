@@ -35,10 +35,14 @@ pub(super) struct ModelProfile {
     latency: Vec<f64>,
     /// `latency` as registered, before any observation.
     registered: Vec<f64>,
+    /// When the estimate was last put to the test: the worker registered,
+    /// returned a batch of this model, or was sent a trial (`trial.rs`).
+    pub(super) tested_at: Micros,
 }
 
 impl ModelProfile {
-    pub(super) fn new(m: &WorkerModel, default_latency_us: u32) -> Self {
+    /// The profile `m` registered at `now`.
+    pub(super) fn new(m: &WorkerModel, default_latency_us: u32, now: Micros) -> Self {
         let max_batch = m.max_batch.max(1);
         let mut points: Vec<(u16, u32)> = m.profile.clone();
         points.sort_unstable();
@@ -49,6 +53,7 @@ impl ModelProfile {
             max_batch,
             registered: latency.clone(),
             latency,
+            tested_at: now,
         }
     }
 
@@ -180,6 +185,7 @@ mod tests {
                 profile: vec![(1, 1_000), (4, 2_000)],
             },
             1_000,
+            0,
         );
         p.observe(4, u32::MAX);
         // 0.8 × 2 ms + 0.2 × 3 × 2 ms: the curve grows by 1.4 at most.
@@ -208,6 +214,7 @@ mod tests {
                 profile: vec![(1, 5_000), (2, 13_000), (3, 11_000), (4, 11_000)],
             },
             1_000,
+            0,
         );
         let envelope = [5_000, 13_000, 13_000, 13_000];
         let read = |p: &ModelProfile| [1, 2, 3, 4].map(|b| p.latency(b));
@@ -227,6 +234,7 @@ mod tests {
                 profile: vec![(1, 50), (8, 100)],
             },
             1_000,
+            0,
         );
         // Only single frames ever run, and they take 500 µs on the wire.
         for _ in 0..30 {

@@ -41,15 +41,18 @@ impl Scheduler {
             .filter(|(_, w)| w.serving() && w.running.is_empty())
             .filter_map(|(id, w)| {
                 let p = w.models.get(model)?;
-                let tested = w.tested.get(model).copied().unwrap_or(0);
-                (now.saturating_sub(tested) >= TRIAL_AFTER_US).then_some((p.latency(1), *id))
+                (now.saturating_sub(p.tested_at) >= TRIAL_AFTER_US).then_some((p.latency(1), *id))
             })
             .min()
         else {
             return false;
         };
-        if let Some(w) = self.workers.get_mut(&wid) {
-            w.tested.insert(model.clone(), now);
+        if let Some(p) = self
+            .workers
+            .get_mut(&wid)
+            .and_then(|w| w.models.get_mut(model))
+        {
+            p.tested_at = now;
         }
         self.counters.trials += 1;
         self.send_batch(now, wid, model.clone(), vec![q.clone()], now + latency, out);

@@ -37,10 +37,6 @@ pub(super) struct Worker {
     pub(super) last_done: Option<Micros>,
     /// Whether it is demoted for failing its frames.
     pub(super) health: WorkerHealth,
-    /// When each model's estimate was last put to the test: the worker
-    /// registered, returned a batch of it, or was sent a trial
-    /// (`trial.rs`).
-    pub(super) tested: HashMap<String, Micros>,
 }
 
 impl Worker {
@@ -77,13 +73,12 @@ impl Scheduler {
     /// A worker registered and is ready: it serves `models` at their
     /// registered profiles.
     pub(super) fn join_worker(&mut self, now: Micros, worker: WorkerId, models: &[WorkerModel]) {
-        let tested = models.iter().map(|m| (m.model.clone(), now)).collect();
         let models = models
             .iter()
             .map(|m| {
                 (
                     m.model.clone(),
-                    ModelProfile::new(m, self.limits.default_latency_us),
+                    ModelProfile::new(m, self.limits.default_latency_us, now),
                 )
             })
             .collect();
@@ -96,7 +91,6 @@ impl Scheduler {
                 draining: false,
                 last_done: None,
                 health: WorkerHealth::new(),
-                tested,
             },
         );
     }
